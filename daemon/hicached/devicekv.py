@@ -1,0 +1,114 @@
+"""A worker's device KV buffers as the copy engine sees them, checked against a pool's geometry.
+
+Laid out like SGLang's device pools: per member and role, one tensor per layer, of shape
+(rows, *unit_shape) — rows = tokens + page_size for MHA K/V and MLA latent, pages for DSA index
+buffers.
+
+Primitives:
+
+- ``DeviceKV(buffers)``: ``buffers[member][role]`` is the list of per-layer tensors.
+- ``DeviceKV.allocate(spec, device_tokens)``: zeroed CPU buffers of the right geometry (tests,
+  benchmarks, CPU workers).
+- ``check_against(spec)``: ``GEOMETRY_MISMATCH`` listing every wrong member, role, layer, shape,
+  dtype or non-contiguous buffer; returns the usable device capacity in tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from hicached.errors import GeometryMismatch, Violation, raise_violations
+from hicached.geometry import PoolSpec, Role, device_shape
+
+
+class DeviceKV:
+    def __init__(self, buffers: Mapping[str, Mapping[Role, Sequence[torch.Tensor]]]) -> None:
+        self.buffers: dict[str, dict[Role, list[torch.Tensor]]] = {
+            m: {r: list(ts) for r, ts in roles.items()} for m, roles in buffers.items()
+        }
+        self._checked: tuple[PoolSpec, int] | None = None
+
+    @classmethod
+    def allocate(cls, spec: PoolSpec, device_tokens: int,
+                 factory: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                 ) -> DeviceKV:
+        """Buffers for ``device_tokens`` tokens (+ one padding page, as SGLang allocates)."""
+        make = factory or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        ps = spec.page_size
+        out: dict[str, dict[Role, list[torch.Tensor]]] = {}
+        for name, geometry in spec.members():
+            roles: dict[Role, list[torch.Tensor]] = {}
+            for comp in geometry.components(ps):
+                rows = device_tokens // ps + 1 if comp.page_granular else device_tokens + ps
+                roles[comp.role] = [make(device_shape(comp, rows), comp.dtype.torch)
+                                    for _ in range(geometry.layer_num)]
+            if roles:
+                out[name] = roles
+        return cls(out)
+
+    def layers(self, member: str, role: Role) -> list[torch.Tensor]:
+        return self.buffers[member][role]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for roles in self.buffers.values() for ts in roles.values() for t in ts)
+
+    def check_against(self, spec: PoolSpec) -> int:
+        """Validate every buffer; return the device capacity in tokens (all members)."""
+        if self._checked is not None and self._checked[0] == spec:
+            return self._checked[1]
+        ps = spec.page_size
+        violations: list[Violation] = []
+        capacity: int | None = None
+
+        def bad(path: str, why: str, **meta: object) -> None:
+            violations.append(Violation(f"buffers[{path}]", GeometryMismatch.reason, why,
+                                        {"buffer": path, **{k: str(v) for k, v in meta.items()}}))
+
+        expected_members = {name for name, g in spec.members() if g.components(ps)}
+        for extra in sorted(set(self.buffers) - expected_members):
+            bad(extra, f"pool {spec.name} has no member {extra!r} with buffers")
+        for name, geometry in spec.members():
+            comps = geometry.components(ps)
+            if not comps:
+                continue
+            roles = self.buffers.get(name)
+            if roles is None:
+                bad(name, f"missing buffers for member {name!r}")
+                continue
+            for extra_role in sorted(set(roles) - {c.role for c in comps}, key=str):
+                bad(f"{name}.{extra_role.value}", f"role {extra_role.value} is not in the pool")
+            for comp in comps:
+                path = f"{name}.{comp.role.value}"
+                layers = roles.get(comp.role)
+                if layers is None:
+                    bad(path, f"missing {comp.role.value} buffers")
+                    continue
+                if len(layers) != geometry.layer_num:
+                    bad(path, f"{len(layers)} layers given, pool has {geometry.layer_num}",
+                        expected=geometry.layer_num, got=len(layers))
+                    continue
+                rows0 = layers[0].shape[0] if layers[0].dim() else -1
+                for i, t in enumerate(layers):
+                    want = device_shape(comp, t.shape[0] if t.dim() else 0)
+                    lp = f"{path}[{i}]"
+                    if t.dtype != comp.dtype.torch:
+                        bad(lp, f"dtype {t.dtype}, pool has {comp.dtype.torch}",
+                            expected=comp.dtype.torch, got=t.dtype)
+                    elif tuple(t.shape) != want or t.shape[0] != rows0:
+                        bad(lp, f"shape {tuple(t.shape)}, expected (rows={rows0}, "
+                                f"{', '.join(map(str, comp.unit_shape))})",
+                            expected=(rows0, *comp.unit_shape), got=tuple(t.shape))
+                    elif not t.is_contiguous():
+                        bad(lp, "buffer is not contiguous")
+                    elif t.device.type != "cpu":
+                        bad(lp, f"buffer is on {t.device}, the CPU engine needs host memory")
+                tokens = rows0 * ps if comp.page_granular else rows0
+                capacity = tokens if capacity is None else min(capacity, tokens)
+        raise_violations(violations)
+        cap = max(capacity or 0, 0)
+        self._checked = (spec, cap)
+        return cap

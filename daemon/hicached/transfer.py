@@ -1,0 +1,142 @@
+"""The CPU copy engine: backup (device -> host pool) and load (host pool -> device).
+
+Primitives:
+
+- ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` over all layers or a layer
+  range, for every kind, layout and pool group; returns a ``TransferResult``.
+- ``TransferResult``: op, bytes, pages, seconds spent validating and copying.
+- ``pool_fingerprints(pool, pages, layers)``: the kv-canary fingerprints of host pages.
+
+Order of a transfer: check the device buffers (cached) and the whole index batch
+(``validation``); on load, verify canary fingerprints; pin the host pages; copy each component
+(``copyplan``); unpin; on backup, record fingerprints. Any rejection happens before a byte moves.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicached.canary import fingerprints
+from hicached.copyplan import CopyPlan, Side, execute
+from hicached.devicekv import DeviceKV
+from hicached.pool import ComponentStorage, HostPool
+from hicached.validation import TransferBatch, validate_transfer
+
+
+class Op(enum.Enum):
+    BACKUP = "backup"
+    LOAD = "load"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    op: Op
+    bytes: int
+    pages: int
+    validate_seconds: float
+    copy_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.validate_seconds + self.copy_seconds
+
+
+def _layers_of(batch: TransferBatch, cs: ComponentStorage) -> range:
+    return range(batch.layers.start, min(batch.layers.stop, cs.layer_num))
+
+
+def pool_fingerprints(pool: HostPool, pages: np.ndarray, layers: range) -> np.ndarray:
+    """Fingerprints (len(pages), len(layers)) of host pages, over every component."""
+    assert pool.canary is not None
+    words = pool.raw_bytes().view(np.uint64)
+    read_words = pool.canary.read_bytes // 8
+    out = np.zeros((pages.size, len(layers)), dtype=np.uint64)
+    for salt, cs in enumerate(pool.components):
+        lays = range(layers.start, min(layers.stop, cs.layer_num))
+        if not len(lays):
+            continue
+        a = cs.addressing
+        units = cs.comp.units_per_page(pool.page_size)
+        offs = (cs.offset
+                + pages[:, None, None] * a.page_pitch
+                + np.arange(lays.start, lays.stop, dtype=np.int64)[None, :, None] * a.layer_stride
+                + np.arange(units, dtype=np.int64)[None, None, :] * a.unit_stride) // 8
+        with np.errstate(over="ignore"):
+            out[:, : len(lays)] += fingerprints(words, offs, read_words, salt)
+    return out
+
+
+class TransferEngine:
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = threads or max(1, len(os.sched_getaffinity(0)))
+
+    def backup(self, pool: HostPool, device: DeviceKV, host_indices: object,
+               device_indices: object, layer_begin: int = 0, layer_end: int = 0
+               ) -> TransferResult:
+        """Copy device pages into host pages (all layers unless a range is given)."""
+        return self._transfer(Op.BACKUP, pool, device, host_indices, device_indices,
+                              layer_begin, layer_end)
+
+    def load(self, pool: HostPool, device: DeviceKV, host_indices: object,
+             device_indices: object, layer_begin: int = 0, layer_end: int = 0) -> TransferResult:
+        """Copy host pages into device pages (all layers unless a range is given)."""
+        return self._transfer(Op.LOAD, pool, device, host_indices, device_indices,
+                              layer_begin, layer_end)
+
+    def _transfer(self, op: Op, pool: HostPool, device: DeviceKV, host_indices: object,
+                  device_indices: object, layer_begin: int, layer_end: int) -> TransferResult:
+        t0 = time.perf_counter()
+        pool._check_open()
+        device_tokens = device.check_against(pool.spec)
+        batch = validate_transfer(
+            host_indices=host_indices, device_indices=device_indices,
+            page_size=pool.page_size, host_tokens=pool.size_tokens, device_tokens=device_tokens,
+            layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
+            writes_host=op is Op.BACKUP, is_allocated=pool.allocator.is_allocated,
+        )
+        plans = [self._plan(op, pool, device, cs, batch) for cs in pool.components]
+        t1 = time.perf_counter()
+        canary = pool.canary
+        pool.allocator.pin(batch.host_pages)
+        try:
+            if op is Op.LOAD and canary is not None and batch.num_pages:
+                canary.verify(batch.host_pages, batch.layers,
+                              pool_fingerprints(pool, batch.host_pages, batch.layers))
+            nbytes = sum(execute(p, self.threads) for p in plans)
+            if op is Op.BACKUP and canary is not None and batch.num_pages:
+                canary.record(batch.host_pages, batch.layers,
+                              pool_fingerprints(pool, batch.host_pages, batch.layers))
+        finally:
+            pool.allocator.unpin(batch.host_pages)
+        t2 = time.perf_counter()
+        return TransferResult(op, nbytes, batch.num_pages, t1 - t0, t2 - t1)
+
+    def _plan(self, op: Op, pool: HostPool, device: DeviceKV, cs: ComponentStorage,
+              batch: TransferBatch) -> CopyPlan:
+        layers = _layers_of(batch, cs)
+        a = cs.addressing
+        host_base = pool.address + cs.offset
+        host = Side(
+            layer_bases=host_base + np.arange(cs.layer_num, dtype=np.int64) * a.layer_stride,
+            layer_limits=np.full(cs.layer_num, host_base + cs.nbytes, dtype=np.int64),
+            page_pitch=a.page_pitch, unit_stride=a.unit_stride,
+        )
+        tensors = device.layers(cs.member, cs.comp.role)
+        bases = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+        sizes = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
+        ub = cs.comp.unit_bytes
+        units = cs.comp.units_per_page(pool.page_size)
+        dev = Side(layer_bases=bases, layer_limits=bases + sizes, page_pitch=units * ub,
+                   unit_stride=ub)
+        if op is Op.BACKUP:
+            return CopyPlan.build(dst=host, src=dev, dst_pages=batch.host_pages,
+                                  src_pages=batch.device_pages, layers=layers, unit_bytes=ub,
+                                  units=units)
+        return CopyPlan.build(dst=dev, src=host, dst_pages=batch.device_pages,
+                              src_pages=batch.host_pages, layers=layers, unit_bytes=ub,
+                              units=units)
