@@ -53,6 +53,7 @@ class PageAllocator:
         self._state = np.zeros(page_num, dtype=np.int8)
         self._pins = np.zeros(page_num, dtype=np.int32)
         self._generation = np.zeros(page_num, dtype=np.uint32)
+        self._releasing = 0
         self.alloc_failures = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -69,11 +70,11 @@ class PageAllocator:
     def is_allocated(self, pages: np.ndarray) -> np.ndarray:
         """Boolean mask: which of ``pages`` (in range) are currently allocated to an owner."""
         with self._lock:
-            return self._state[pages] == ALLOCATED
+            return np.asarray(self._state[pages] == ALLOCATED, dtype=bool)
 
     def generation(self, pages: np.ndarray) -> np.ndarray:
         with self._lock:
-            return self._generation[pages].copy()
+            return np.array(self._generation[pages], dtype=np.uint32)
 
     # -- mutations -------------------------------------------------------------------------
 
@@ -127,12 +128,13 @@ class PageAllocator:
                 )])
             pinned = self._pins[pages] > 0
             self._state[pages[pinned]] = RELEASING
+            self._releasing += int(pinned.sum())
             released = pages[~pinned]
             self._state[released] = FREE
             self._push_free(released)
         return int(pages.size)
 
-    def pin(self, pages: np.ndarray) -> None:
+    def pin(self, pages: np.ndarray, unique: bool = False) -> None:
         """Take a reference on ``pages``; all must be allocated (a concurrent free may have
         released one since validation, so this is checked again under the lock)."""
         with self._lock:
@@ -143,15 +145,23 @@ class PageAllocator:
                     f"{bad.size} page(s) were freed before the transfer started; first {page}",
                     metadata={"page": page, "count": int(bad.size)},
                 )
-            np.add.at(self._pins, pages, 1)
+            if unique:
+                self._pins[pages] += 1
+            else:
+                np.add.at(self._pins, pages, 1)
 
-    def unpin(self, pages: np.ndarray) -> None:
+    def unpin(self, pages: np.ndarray, unique: bool = False) -> None:
         with self._lock:
-            np.add.at(self._pins, pages, -1)
-            assert np.all(self._pins[pages] >= 0), "unbalanced unpin"
+            if unique:
+                self._pins[pages] -= 1
+            else:
+                np.add.at(self._pins, pages, -1)
+            if not self._releasing:
+                return
             done = np.unique(pages[(self._pins[pages] == 0) & (self._state[pages] == RELEASING)])
             if done.size:
                 self._state[done] = FREE
+                self._releasing -= int(done.size)
                 self._push_free(done)
 
     def _push_free(self, pages: np.ndarray) -> None:
@@ -182,3 +192,4 @@ class PageAllocator:
             assert np.all(self._pins[self._state == FREE] == 0), "a free page is pinned"
             releasing = self._state == RELEASING
             assert np.all(self._pins[releasing] > 0), "a releasing page has no pins"
+            assert int(releasing.sum()) == self._releasing, "releasing count is off"

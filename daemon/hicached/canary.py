@@ -48,7 +48,7 @@ def fingerprints(words: np.ndarray, row_word_offsets: np.ndarray, read_words: in
     with np.errstate(over="ignore"):
         salted = gathered ^ ((pos + np.uint64(1) + np.uint64(salt) * np.uint64(1 << 32)) * _GOLDEN)
         mixed = splitmix64(salted)
-        return mixed.sum(axis=(-2, -1), dtype=np.uint64)
+        return np.asarray(mixed.sum(axis=(-2, -1), dtype=np.uint64), dtype=np.uint64)
 
 
 class CanaryTable:

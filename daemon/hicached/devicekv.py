@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from hicached.errors import GeometryMismatch, Violation, raise_violations
@@ -29,6 +30,7 @@ class DeviceKV:
             m: {r: list(ts) for r, ts in roles.items()} for m, roles in buffers.items()
         }
         self._checked: tuple[PoolSpec, int] | None = None
+        self._extents: dict[tuple[str, Role], tuple[np.ndarray, np.ndarray]] = {}
 
     @classmethod
     def allocate(cls, spec: PoolSpec, device_tokens: int,
@@ -42,7 +44,7 @@ class DeviceKV:
             roles: dict[Role, list[torch.Tensor]] = {}
             for comp in geometry.components(ps):
                 rows = device_tokens // ps + 1 if comp.page_granular else device_tokens + ps
-                roles[comp.role] = [make(device_shape(comp, rows), comp.dtype.torch)
+                roles[comp.role] = [make(device_shape(comp, rows), comp.dtype.torch_dtype)
                                     for _ in range(geometry.layer_num)]
             if roles:
                 out[name] = roles
@@ -50,6 +52,17 @@ class DeviceKV:
 
     def layers(self, member: str, role: Role) -> list[torch.Tensor]:
         return self.buffers[member][role]
+
+    def extents(self, member: str, role: Role) -> tuple[np.ndarray, np.ndarray]:
+        """(start addresses, end addresses) of each layer's buffer, as int64 arrays."""
+        key = (member, role)
+        got = self._extents.get(key)
+        if got is None:
+            ts = self.buffers[member][role]
+            starts = np.array([t.data_ptr() for t in ts], dtype=np.int64)
+            sizes = np.array([t.numel() * t.element_size() for t in ts], dtype=np.int64)
+            got = self._extents[key] = (starts, starts + sizes)
+        return got
 
     @property
     def nbytes(self) -> int:
@@ -95,9 +108,9 @@ class DeviceKV:
                 for i, t in enumerate(layers):
                     want = device_shape(comp, t.shape[0] if t.dim() else 0)
                     lp = f"{path}[{i}]"
-                    if t.dtype != comp.dtype.torch:
-                        bad(lp, f"dtype {t.dtype}, pool has {comp.dtype.torch}",
-                            expected=comp.dtype.torch, got=t.dtype)
+                    if t.dtype != comp.dtype.torch_dtype:
+                        bad(lp, f"dtype {t.dtype}, pool has {comp.dtype.torch_dtype}",
+                            expected=comp.dtype.torch_dtype, got=t.dtype)
                     elif tuple(t.shape) != want or t.shape[0] != rows0:
                         bad(lp, f"shape {tuple(t.shape)}, expected (rows={rows0}, "
                                 f"{', '.join(map(str, comp.unit_shape))})",

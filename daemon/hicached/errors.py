@@ -40,8 +40,9 @@ Hierarchy::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Violation:
     field: str
     reason: str
     description: str
-    metadata: Mapping[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
 
 def _stringify(metadata: Mapping[str, object]) -> dict[str, str]:

@@ -54,7 +54,7 @@ class DType(enum.Enum):
     UINT8 = "UINT8"
 
     @property
-    def torch(self) -> torch.dtype:
+    def torch_dtype(self) -> torch.dtype:
         return _TORCH_DTYPES[self]
 
     @property

@@ -15,6 +15,7 @@ Knows nothing of pools or RPC.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import logging
@@ -90,7 +91,7 @@ class CudaPinner:
 
         if not torch.cuda.is_available():
             raise RuntimeError("CudaPinner needs a CUDA device")
-        self._cudart = torch.cuda.cudart()
+        self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
     def register(self, address: int, nbytes: int) -> None:
         err = self._cudart.cudaHostRegister(address, nbytes, 0)
@@ -259,10 +260,8 @@ class HostMemory:
             os.close(self._fd)
             self._fd = -1
         if self.backing is Backing.FILE and self.path:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 def naive_first_touch(nbytes: int) -> float:

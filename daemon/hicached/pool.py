@@ -25,13 +25,15 @@ import torch
 
 from hicached.allocator import PageAllocator
 from hicached.canary import CanaryTable
+from hicached.copyplan import Side
 from hicached.errors import PoolClosed
 from hicached.geometry import Component, KVGeometry, Layout, PoolSpec, Role, host_shape
 from hicached.memory import Backing, HostMemory, Pinner, check_budget, default_pinner
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
+ALIGN = 64
+"""Component alignment in the region: one cache line, so symmetric K and V stay adjacent."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class ComponentStorage:
     addressing: HostAddressing
     tensor: torch.Tensor
     """Typed view in SGLang's host shape for this component and layout."""
+    side: Side
+    """Absolute addressing of this component for the copy planner."""
 
 
 class HostPool:
@@ -133,13 +137,18 @@ class HostPool:
             for name, geometry, comp, off, nbytes in layout:
                 shape = host_shape(comp, spec.layout, geometry.layer_num, self.size_tokens,
                                    spec.page_size)
-                view = torch.from_numpy(raw[off:off + nbytes]).view(comp.dtype.torch)
+                view = torch.from_numpy(raw[off:off + nbytes]).view(comp.dtype.torch_dtype)
+                addressing = HostAddressing.of(comp, spec.layout, geometry.layer_num,
+                                               self.size_tokens, spec.page_size)
+                base = self.memory.address + off
+                layers = np.arange(geometry.layer_num, dtype=np.int64)
                 self.components.append(ComponentStorage(
                     member=name, comp=comp, layer_num=geometry.layer_num, offset=off,
-                    nbytes=nbytes,
-                    addressing=HostAddressing.of(comp, spec.layout, geometry.layer_num,
-                                                 self.size_tokens, spec.page_size),
-                    tensor=view.reshape(shape),
+                    nbytes=nbytes, addressing=addressing, tensor=view.reshape(shape),
+                    side=Side(
+                        layer_bases=base + layers * addressing.layer_stride,
+                        layer_limits=np.full(geometry.layer_num, base + nbytes, np.int64),
+                        page_pitch=addressing.page_pitch, unit_stride=addressing.unit_stride),
                 ))
         self.canary: CanaryTable | None = None
         if spec.canary is not None and self.components:

@@ -99,10 +99,11 @@ class TransferEngine:
             layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
             writes_host=op is Op.BACKUP, is_allocated=pool.allocator.is_allocated,
         )
-        plans = [self._plan(op, pool, device, cs, batch) for cs in pool.components]
+        bounds = batch.page_bounds()
+        plans = [self._plan(op, pool, device, cs, batch, bounds) for cs in pool.components]
         t1 = time.perf_counter()
         canary = pool.canary
-        pool.allocator.pin(batch.host_pages)
+        pool.allocator.pin(batch.host_pages, batch.host_unique)
         try:
             if op is Op.LOAD and canary is not None and batch.num_pages:
                 canary.verify(batch.host_pages, batch.layers,
@@ -112,31 +113,22 @@ class TransferEngine:
                 canary.record(batch.host_pages, batch.layers,
                               pool_fingerprints(pool, batch.host_pages, batch.layers))
         finally:
-            pool.allocator.unpin(batch.host_pages)
+            pool.allocator.unpin(batch.host_pages, batch.host_unique)
         t2 = time.perf_counter()
         return TransferResult(op, nbytes, batch.num_pages, t1 - t0, t2 - t1)
 
     def _plan(self, op: Op, pool: HostPool, device: DeviceKV, cs: ComponentStorage,
-              batch: TransferBatch) -> CopyPlan:
-        layers = _layers_of(batch, cs)
-        a = cs.addressing
-        host_base = pool.address + cs.offset
-        host = Side(
-            layer_bases=host_base + np.arange(cs.layer_num, dtype=np.int64) * a.layer_stride,
-            layer_limits=np.full(cs.layer_num, host_base + cs.nbytes, dtype=np.int64),
-            page_pitch=a.page_pitch, unit_stride=a.unit_stride,
-        )
-        tensors = device.layers(cs.member, cs.comp.role)
-        bases = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-        sizes = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
+              batch: TransferBatch, bounds: tuple[tuple[int, int], tuple[int, int]]
+              ) -> CopyPlan:
         ub = cs.comp.unit_bytes
         units = cs.comp.units_per_page(pool.page_size)
-        dev = Side(layer_bases=bases, layer_limits=bases + sizes, page_pitch=units * ub,
-                   unit_stride=ub)
+        starts, ends = device.extents(cs.member, cs.comp.role)
+        dev = Side(layer_bases=starts, layer_limits=ends, page_pitch=units * ub, unit_stride=ub)
+        host, layers = cs.side, _layers_of(batch, cs)
         if op is Op.BACKUP:
             return CopyPlan.build(dst=host, src=dev, dst_pages=batch.host_pages,
                                   src_pages=batch.device_pages, layers=layers, unit_bytes=ub,
-                                  units=units)
+                                  units=units, page_bounds=bounds)
         return CopyPlan.build(dst=dev, src=host, dst_pages=batch.device_pages,
                               src_pages=batch.host_pages, layers=layers, unit_bytes=ub,
-                              units=units)
+                              units=units, page_bounds=(bounds[1], bounds[0]))

@@ -39,6 +39,16 @@ from hicached.errors import (
 
 IndexArray = npt.NDArray[np.int64]
 
+_ARANGES: dict[int, IndexArray] = {}
+
+
+def _arange(n: int) -> IndexArray:
+    got = _ARANGES.get(n)
+    if got is None:
+        got = _ARANGES[n] = np.arange(n, dtype=np.int64)
+        got.flags.writeable = False
+    return got
+
 
 def to_index_array(obj: object, field: str) -> IndexArray:
     """Decode an index batch into a 1-D int64 array (zero-copy where possible)."""
@@ -48,7 +58,8 @@ def to_index_array(obj: object, field: str) -> IndexArray:
             raise IndicesMalformed(
                 f"{field}: {raw.nbytes} bytes is not a whole number of little-endian int64",
                 metadata={"field": field, "nbytes": raw.nbytes},
-                violations=[Violation(field, IndicesMalformed.reason, "length not a multiple of 8")],
+                violations=[Violation(field, IndicesMalformed.reason,
+                                      "length not a multiple of 8")],
             )
         return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
     if isinstance(obj, torch.Tensor):
@@ -93,10 +104,15 @@ def check_page_runs(idx: IndexArray, page_size: int, field: str) -> list[Violati
             {"count": n, "page_size": page_size, "first_bad_position": whole,
              "remainder": n % page_size},
         ))
-    if whole and page_size >= 1:
+    if whole:
         runs = idx[:whole].reshape(-1, page_size)
         starts = runs[:, 0]
-        bad = (runs != starts[:, None] + np.arange(page_size, dtype=np.int64)).any(axis=1)
+        offsets = _arange(page_size)
+        # fast path: one pass that holds for every valid batch
+        if not (starts % page_size).any() and (
+                page_size == 1 or np.array_equal(runs, starts[:, None] + offsets)):
+            return out
+        bad = (runs != starts[:, None] + offsets).any(axis=1)
         bad |= starts % page_size != 0
         bad_rows = np.flatnonzero(bad)
         if bad_rows.size:
@@ -118,7 +134,7 @@ def check_page_runs(idx: IndexArray, page_size: int, field: str) -> list[Violati
 
 def check_range(idx: IndexArray, upper: int, field: str) -> list[Violation]:
     """Every index in [0, upper)."""
-    if idx.size == 0:
+    if idx.size == 0 or (int(idx.min()) >= 0 and int(idx.max()) < upper):
         return []
     bad = np.flatnonzero((idx < 0) | (idx >= upper))
     if not bad.size:
@@ -137,11 +153,12 @@ def check_duplicate_pages(pages: IndexArray, page_size: int, field: str) -> list
     """No page twice in one batch (two writes to one page would race)."""
     if pages.size < 2:
         return []
+    sorted_pages = np.sort(pages)
+    if not (sorted_pages[1:] == sorted_pages[:-1]).any():
+        return []
     order = np.argsort(pages, kind="stable")
     sorted_pages = pages[order]
     dup = np.flatnonzero(sorted_pages[1:] == sorted_pages[:-1])
-    if not dup.size:
-        return []
     page = int(sorted_pages[dup[0]])
     pos = int(order[dup[0] + 1]) * page_size
     return [Violation(
@@ -172,10 +189,19 @@ class TransferBatch:
     host_pages: IndexArray
     device_pages: IndexArray
     layers: range
+    host_unique: bool = True
+    """No host page twice (always so for a backup; a load may read one page twice)."""
 
     @property
     def num_pages(self) -> int:
         return int(self.host_pages.size)
+
+    def page_bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((host min, host max), (device min, device max)) page numbers; (0, 0) if empty."""
+        if not self.host_pages.size:
+            return (0, 0), (0, 0)
+        return ((int(self.host_pages.min()), int(self.host_pages.max())),
+                (int(self.device_pages.min()), int(self.device_pages.max())))
 
 
 def validate_transfer(
@@ -211,9 +237,10 @@ def validate_transfer(
     dp = d[: d.size - d.size % page_size: page_size] // page_size
     violations += check_duplicate_pages(hp if writes_host else dp, page_size,
                                         "host_indices" if writes_host else "device_indices")
+    host_unique = writes_host or not check_duplicate_pages(hp, page_size, "host_indices")
     if not h_range and hp.size:
         allocated = is_allocated(hp)
-        missing = np.flatnonzero(~allocated)
+        missing = np.zeros(0, np.int64) if allocated.all() else np.flatnonzero(~allocated)
         if missing.size:
             pos = int(missing[0])
             violations.append(Violation(
@@ -224,4 +251,4 @@ def validate_transfer(
                  "page": int(hp[pos])},
             ))
     raise_violations(violations)
-    return TransferBatch(hp, dp, layers)
+    return TransferBatch(hp, dp, layers, host_unique)

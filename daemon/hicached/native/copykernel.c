@@ -1,76 +1,269 @@
 /*
  * hicached._copykernel: page-granular strided copies between raw host addresses.
  *
- * One call copies a list of segments. A segment is a run of `npages` consecutive pages; a page is
- * `units` rows of `unit_bytes` bytes. Rows inside a page are `stride` bytes apart and pages
- * `pitch` bytes apart, separately for the destination and the source. When a side's rows are
- * contiguous (stride == unit_bytes) a page is one memcpy; when pages are contiguous too, a whole
- * run is one memcpy. The work is split over threads by pages, with the GIL released.
+ * One call copies page dst_pages[i] <- src_pages[i] at every layer of one component. Page p of
+ * layer l starts at base[l] + p * pitch and is `units` rows of `unit_bytes` bytes, `stride` bytes
+ * apart, separately for the destination and the source. When a side's rows are contiguous
+ * (stride == unit_bytes) a page is one memcpy; runs of pages consecutive on both sides whose
+ * pages are contiguous too are one memcpy. The (layer, page) items are split over threads, with
+ * the GIL released.
  *
- * Addresses are trusted: the Python planner derives them from validated indices and checks every
- * segment against its buffer bounds before calling.
+ * Addresses are trusted: the Python planner derives them from validated indices and checks the
+ * extreme pages against the buffer bounds before calling.
  */
+#define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 typedef struct {
-    const int64_t *dst;
-    const int64_t *src;
-    const int64_t *npages;
-    Py_ssize_t nseg;
+    const int64_t *dst_base; /* per layer */
+    const int64_t *src_base;
+    const int64_t *dst_pages; /* per page of the batch */
+    const int64_t *src_pages;
+    int64_t nlayers, npages;
     int64_t unit_bytes, units, dst_pitch, src_pitch, dst_stride, src_stride;
+    int streaming; /* non-temporal stores: the destination is not read again soon */
 } plan_t;
+
+/* memcpy, or with non-temporal stores for transfers far larger than the caches: they skip the
+ * read-for-ownership of every destination line, as glibc's memcpy does for huge copies. */
+static inline void copy_block(char *d, const char *s, size_t n, int streaming) {
+#if defined(__SSE2__)
+    if (streaming && n >= 256) {
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+        size_t body = n & ~(size_t)63;
+        for (size_t o = 0; o < body; o += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
+            _mm_stream_si128((__m128i *)(d + o), a);
+            _mm_stream_si128((__m128i *)(d + o + 16), b);
+            _mm_stream_si128((__m128i *)(d + o + 32), c);
+            _mm_stream_si128((__m128i *)(d + o + 48), e);
+        }
+        memcpy(d + body, s + body, n - body);
+        return;
+    }
+#endif
+    (void)streaming;
+    memcpy(d, s, n);
+}
+
+static inline void store_fence(int streaming) {
+#if defined(__SSE2__)
+    if (streaming) _mm_sfence();
+#endif
+    (void)streaming;
+}
 
 typedef struct {
     const plan_t *plan;
-    int64_t first_page; /* global page range [first_page, last_page) */
-    int64_t last_page;
+    int64_t first; /* work items [first, last): item = layer * npages + page position */
+    int64_t last;
 } work_t;
 
-static void copy_pages(const plan_t *p, int64_t seg, int64_t p0, int64_t p1) {
-    char *dst = (char *)(intptr_t)p->dst[seg];
-    const char *src = (const char *)(intptr_t)p->src[seg];
+#define PREFETCH_MAX 4096
+
+/* Ask for the next block's source lines while the current block is copied: random small rows
+ * otherwise leave the memory system idle between copies (latency-bound, not bandwidth-bound). */
+static inline void prefetch(const char *p, int64_t n) {
+    if (n > PREFETCH_MAX) n = PREFETCH_MAX;
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 0);
+}
+
+/* Copy `n` consecutive pages starting at the given addresses. */
+static void copy_run(const plan_t *p, char *dst, const char *src, int64_t n) {
     const int64_t ub = p->unit_bytes;
     const int64_t page_bytes = ub * p->units;
     const int dst_rows = p->dst_stride == ub, src_rows = p->src_stride == ub;
     if (dst_rows && src_rows && p->dst_pitch == page_bytes && p->src_pitch == page_bytes) {
-        memcpy(dst + p0 * page_bytes, src + p0 * page_bytes, (size_t)((p1 - p0) * page_bytes));
+        copy_block(dst, src, (size_t)(n * page_bytes), p->streaming);
         return;
     }
-    for (int64_t i = p0; i < p1; i++) {
+    for (int64_t i = 0; i < n; i++) {
         char *d = dst + i * p->dst_pitch;
         const char *s = src + i * p->src_pitch;
         if (dst_rows && src_rows) {
-            memcpy(d, s, (size_t)page_bytes);
+            if (i + 1 < n) prefetch(s + p->src_pitch, page_bytes);
+            copy_block(d, s, (size_t)page_bytes, p->streaming);
         } else {
             for (int64_t r = 0; r < p->units; r++) {
-                memcpy(d + r * p->dst_stride, s + r * p->src_stride, (size_t)ub);
+                if (r + 1 < p->units) prefetch(s + (r + 1) * p->src_stride, ub);
+                else if (i + 1 < n) prefetch(s + p->src_pitch, ub);
+                copy_block(d + r * p->dst_stride, s + r * p->src_stride, (size_t)ub,
+                           p->streaming);
             }
         }
     }
 }
 
+/* Runs of pages that are consecutive on both sides are copied together. */
 static void run_range(const plan_t *p, int64_t first, int64_t last) {
-    int64_t base = 0;
-    for (Py_ssize_t seg = 0; seg < p->nseg && base < last; seg++) {
-        int64_t n = p->npages[seg];
-        int64_t lo = first > base ? first - base : 0;
-        int64_t hi = last - base < n ? last - base : n;
-        if (lo < hi) copy_pages(p, seg, lo, hi);
-        base += n;
+    int64_t item = first;
+    while (item < last) {
+        int64_t layer = item / p->npages, i = item % p->npages;
+        int64_t end = i + 1, stop = i + (last - item);
+        if (stop > p->npages) stop = p->npages;
+        while (end < stop && p->dst_pages[end] == p->dst_pages[end - 1] + 1 &&
+               p->src_pages[end] == p->src_pages[end - 1] + 1)
+            end++;
+        char *dst = (char *)(intptr_t)(p->dst_base[layer] + p->dst_pages[i] * p->dst_pitch);
+        const char *src =
+            (const char *)(intptr_t)(p->src_base[layer] + p->src_pages[i] * p->src_pitch);
+        if (item + (end - i) < last) { /* the next run's first row */
+            int64_t nl = end < p->npages ? layer : layer + 1, ni = end < p->npages ? end : 0;
+            prefetch((const char *)(intptr_t)(p->src_base[nl] + p->src_pages[ni] * p->src_pitch),
+                     p->src_stride == p->unit_bytes ? p->unit_bytes * p->units : p->unit_bytes);
+        }
+        copy_run(p, dst, src, end - i);
+        item += end - i;
     }
+    store_fence(p->streaming);
 }
 
-static void *worker(void *arg) {
-    work_t *w = (work_t *)arg;
-    run_range(w->plan, w->first_page, w->last_page);
+/* A persistent pool of worker threads: creating threads per call costs more than copying a few
+ * MB here (each new stack is fresh memory), and waking a sleeping thread costs a VM exit on
+ * virtual machines, so workers spin for SPIN_NS after their last job before sleeping. One caller
+ * dispatches at a time; a concurrent caller runs on its own thread instead (it already adds
+ * parallelism). Reset in a forked child. */
+#define MAX_THREADS 64
+#define SPIN_NS 1000000L
+
+static pthread_mutex_t dispatch_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv_work = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t cv_done = PTHREAD_COND_INITIALIZER;
+static int nworkers = 0, sleepers = 0;
+static atomic_int active_workers = 0, pending = 0;
+static atomic_uint_fast64_t generation = 0;
+static work_t jobs[MAX_THREADS];
+static uint64_t start_generation[MAX_THREADS]; /* generation a worker was created in */
+static int atfork_registered = 0;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *pool_worker(void *arg) {
+    int idx = (int)(intptr_t)arg;
+    pthread_mutex_lock(&mu);
+    uint64_t seen = start_generation[idx];
+    pthread_mutex_unlock(&mu);
+    for (;;) {
+        uint64_t g = atomic_load(&generation);
+        if (g == seen) {
+            int64_t deadline = now_ns() + SPIN_NS;
+            for (int i = 0; (g = atomic_load(&generation)) == seen; i++) {
+                cpu_relax();
+                if ((i & 255) == 0 && now_ns() > deadline) break;
+            }
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&mu);
+            sleepers++;
+            while ((g = atomic_load(&generation)) == seen) pthread_cond_wait(&cv_work, &mu);
+            sleepers--;
+            pthread_mutex_unlock(&mu);
+        }
+        seen = g;
+        if (idx < atomic_load(&active_workers)) {
+            work_t w = jobs[idx];
+            run_range(w.plan, w.first, w.last);
+            if (atomic_fetch_sub(&pending, 1) == 1) {
+                pthread_mutex_lock(&mu);
+                pthread_cond_signal(&cv_done);
+                pthread_mutex_unlock(&mu);
+            }
+        }
+    }
     return NULL;
 }
 
-#define MAX_THREADS 64
+static void reset_after_fork(void) {
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    dispatch_lock = m;
+    mu = m;
+    cv_work = c;
+    cv_done = c;
+    nworkers = sleepers = 0;
+    atomic_store(&active_workers, 0);
+    atomic_store(&pending, 0);
+}
+
+/* Start workers up to `want`; returns how many exist. Called with dispatch_lock held. */
+static int ensure_workers(int want) {
+    if (!atfork_registered) {
+        pthread_atfork(NULL, NULL, reset_after_fork);
+        atfork_registered = 1;
+    }
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    while (nworkers < want) {
+        pthread_t tid;
+        start_generation[nworkers] = atomic_load(&generation);
+        if (pthread_create(&tid, &attr, pool_worker, (void *)(intptr_t)nworkers) != 0) break;
+        nworkers++;
+    }
+    pthread_attr_destroy(&attr);
+    return nworkers;
+}
+
+/* Split items [0, items) over the calling thread and up to nthreads - 1 workers. */
+static void run_parallel(const plan_t *p, int64_t items, int nthreads) {
+    if (nthreads > 1 && pthread_mutex_trylock(&dispatch_lock) == 0) {
+        int helpers = ensure_workers(nthreads - 1);
+        if (helpers > nthreads - 1) helpers = nthreads - 1;
+        int parts = helpers + 1;
+        for (int t = 0; t < helpers; t++) {
+            jobs[t].plan = p;
+            jobs[t].first = items * (t + 1) / parts;
+            jobs[t].last = items * (t + 2) / parts;
+        }
+        atomic_store(&active_workers, helpers);
+        atomic_store(&pending, helpers);
+        pthread_mutex_lock(&mu);
+        atomic_fetch_add(&generation, 1);
+        if (sleepers) pthread_cond_broadcast(&cv_work);
+        pthread_mutex_unlock(&mu);
+        run_range(p, 0, items / parts);
+        int64_t deadline = now_ns() + SPIN_NS;
+        for (int i = 0; atomic_load(&pending) > 0; i++) {
+            cpu_relax();
+            if ((i & 255) == 0 && now_ns() > deadline) break;
+        }
+        pthread_mutex_lock(&mu);
+        while (atomic_load(&pending) > 0) pthread_cond_wait(&cv_done, &mu);
+        pthread_mutex_unlock(&mu);
+        pthread_mutex_unlock(&dispatch_lock);
+        return;
+    }
+    run_range(p, 0, items);
+}
 
 static int get_i64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
@@ -84,88 +277,59 @@ static int get_i64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
     return 0;
 }
 
-static PyObject *copy_segments(PyObject *self, PyObject *args) {
-    PyObject *dst_o, *src_o, *np_o;
+static PyObject *copy_pages(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
     plan_t p;
     int nthreads;
-    long long min_parallel_bytes;
+    long long min_parallel_bytes, streaming_bytes;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOLLLLLLiL", &dst_o, &src_o, &np_o, &p.unit_bytes, &p.units,
-                          &p.dst_pitch, &p.src_pitch, &p.dst_stride, &p.src_stride, &nthreads,
-                          &min_parallel_bytes))
+    if (!PyArg_ParseTuple(args, "OOOOLLLLLLiLL", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &p.unit_bytes, &p.units, &p.dst_pitch, &p.src_pitch, &p.dst_stride,
+                          &p.src_stride, &nthreads, &min_parallel_bytes, &streaming_bytes))
         return NULL;
-    Py_buffer dv, sv, nv;
-    if (get_i64_buffer(dst_o, &dv, "dst") < 0) return NULL;
-    if (get_i64_buffer(src_o, &sv, "src") < 0) {
-        PyBuffer_Release(&dv);
-        return NULL;
-    }
-    if (get_i64_buffer(np_o, &nv, "npages") < 0) {
-        PyBuffer_Release(&dv);
-        PyBuffer_Release(&sv);
-        return NULL;
-    }
+    static const char *names[4] = {"dst_base", "src_base", "dst_pages", "src_pages"};
+    Py_buffer views[4];
+    int got = 0;
     PyObject *result = NULL;
-    Py_ssize_t nseg = dv.len / 8;
-    if (sv.len / 8 != nseg || nv.len / 8 != nseg) {
-        PyErr_SetString(PyExc_ValueError, "dst, src and npages must have equal length");
+    for (; got < 4; got++) {
+        if (get_i64_buffer(objs[got], &views[got], names[got]) < 0) goto done;
+    }
+    p.dst_base = (const int64_t *)views[0].buf;
+    p.src_base = (const int64_t *)views[1].buf;
+    p.dst_pages = (const int64_t *)views[2].buf;
+    p.src_pages = (const int64_t *)views[3].buf;
+    p.nlayers = views[0].len / 8;
+    p.npages = views[2].len / 8;
+    if (views[1].len / 8 != p.nlayers || views[3].len / 8 != p.npages) {
+        PyErr_SetString(PyExc_ValueError, "base and page arrays must pair up");
         goto done;
     }
     if (p.unit_bytes <= 0 || p.units <= 0) {
         PyErr_SetString(PyExc_ValueError, "unit_bytes and units must be positive");
         goto done;
     }
-    p.dst = (const int64_t *)dv.buf;
-    p.src = (const int64_t *)sv.buf;
-    p.npages = (const int64_t *)nv.buf;
-    p.nseg = nseg;
-    int64_t total_pages = 0;
-    for (Py_ssize_t i = 0; i < nseg; i++) {
-        if (p.npages[i] < 0) {
-            PyErr_SetString(PyExc_ValueError, "npages must be non-negative");
-            goto done;
-        }
-        total_pages += p.npages[i];
-    }
-    int64_t total_bytes = total_pages * p.units * p.unit_bytes;
+    int64_t items = p.nlayers * p.npages;
+    int64_t total_bytes = items * p.units * p.unit_bytes;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    if (total_bytes < min_parallel_bytes || total_pages < nthreads) nthreads = 1;
+    if (total_bytes < min_parallel_bytes || items < nthreads) nthreads = 1;
+    p.streaming = streaming_bytes > 0 && total_bytes >= streaming_bytes;
 
     Py_BEGIN_ALLOW_THREADS
-    if (nthreads == 1) {
-        run_range(&p, 0, total_pages);
-    } else {
-        pthread_t tids[MAX_THREADS];
-        work_t work[MAX_THREADS];
-        int started[MAX_THREADS];
-        for (int t = 0; t < nthreads; t++) {
-            work[t].plan = &p;
-            work[t].first_page = total_pages * t / nthreads;
-            work[t].last_page = total_pages * (t + 1) / nthreads;
-            /* thread 0's share runs on this thread */
-            started[t] = t > 0 && pthread_create(&tids[t], NULL, worker, &work[t]) == 0;
-        }
-        run_range(&p, work[0].first_page, work[0].last_page);
-        for (int t = 1; t < nthreads; t++) {
-            if (started[t]) pthread_join(tids[t], NULL);
-            else run_range(&p, work[t].first_page, work[t].last_page);
-        }
-    }
+    run_parallel(&p, items, nthreads);
     Py_END_ALLOW_THREADS
 
     result = PyLong_FromLongLong((long long)total_bytes);
 done:
-    PyBuffer_Release(&dv);
-    PyBuffer_Release(&sv);
-    PyBuffer_Release(&nv);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"copy_segments", copy_segments, METH_VARARGS,
-     "copy_segments(dst, src, npages, unit_bytes, units, dst_pitch, src_pitch, dst_stride, "
-     "src_stride, nthreads, min_parallel_bytes) -> bytes copied"},
+    {"copy_pages", copy_pages, METH_VARARGS,
+     "copy_pages(dst_base, src_base, dst_pages, src_pages, unit_bytes, units, dst_pitch, "
+     "src_pitch, dst_stride, src_stride, nthreads, min_parallel_bytes, streaming_bytes) -> "
+     "bytes copied"},
     {NULL, NULL, 0, NULL},
 };
 

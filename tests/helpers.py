@@ -1,0 +1,77 @@
+"""Shared builders for the tests: small specs, random device contents, byte snapshots."""
+
+from __future__ import annotations
+
+import torch
+
+from hicached import (
+    CanarySpec,
+    DeviceKV,
+    DType,
+    HostPool,
+    KVGeometry,
+    Layout,
+    MemberSpec,
+    MemoryOptions,
+    PoolKind,
+    PoolSpec,
+)
+
+SMALL = MemoryOptions(hugepages=False, prefault_threads=1, reserve_bytes=0)
+
+TOKEN_DTYPES = [DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32, DType.FLOAT8_E4M3,
+                DType.FLOAT8_E5M2, DType.UINT8]
+
+
+def mha(dtype: DType = DType.BFLOAT16, layers: int = 3, heads: int = 2, dim: int = 8,
+        v_dim: int = 0) -> KVGeometry:
+    return KVGeometry(PoolKind.MHA, dtype, layers, heads, dim, v_head_dim=v_dim)
+
+
+def mla(dtype: DType = DType.BFLOAT16, layers: int = 3, rank: int = 16, rope: int = 8
+        ) -> KVGeometry:
+    return KVGeometry(PoolKind.MLA, dtype, layers, kv_lora_rank=rank, qk_rope_head_dim=rope)
+
+
+def dsa(layers: int = 3, index_dim: int = 16, block: int = 8) -> KVGeometry:
+    return KVGeometry(PoolKind.DSA_INDEXER, DType.UINT8, layers, index_head_dim=index_dim,
+                      quant_block_size=block)
+
+
+def geometry_for(kind: PoolKind, dtype: DType) -> KVGeometry:
+    if kind is PoolKind.MHA:
+        return mha(dtype)
+    if kind is PoolKind.MLA:
+        return mla(dtype)
+    return dsa()
+
+
+def spec(geometry: KVGeometry, *, page_size: int = 4, layout: Layout = Layout.LAYER_FIRST,
+         size_tokens: int = 64, side_pools: tuple[MemberSpec, ...] = (),
+         canary: CanarySpec | None = None, name: str = "p") -> PoolSpec:
+    return PoolSpec(name, geometry, page_size, layout, size_tokens=size_tokens,
+                    side_pools=side_pools, canary=canary)
+
+
+def make_pool(s: PoolSpec) -> HostPool:
+    return HostPool(s, SMALL)
+
+
+def random_device(s: PoolSpec, tokens: int, seed: int = 0) -> DeviceKV:
+    gen = torch.Generator().manual_seed(seed)
+    dev = DeviceKV.allocate(s, tokens)
+    for roles in dev.buffers.values():
+        for layers in roles.values():
+            for t in layers:
+                raw = t.view(torch.uint8)
+                raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    return dev
+
+
+def device_bytes(dev: DeviceKV) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).clone() for roles in dev.buffers.values()
+            for layers in roles.values() for t in layers]
+
+
+def pool_bytes(pool: HostPool) -> torch.Tensor:
+    return torch.from_numpy(pool.raw_bytes().copy())

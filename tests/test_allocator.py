@@ -1,0 +1,163 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hicached.allocator import PageAllocator
+from hicached.errors import (
+    AllocSizeNotPageAligned,
+    DoubleFree,
+    HiCacheError,
+    IndicesNotPageAligned,
+    PageNotAllocated,
+    PoolExhausted,
+)
+
+
+def test_alloc_returns_whole_aligned_pages() -> None:
+    a = PageAllocator(8, 4)
+    idx = a.alloc(12)
+    assert idx.size == 12
+    runs = idx.reshape(-1, 4)
+    assert (runs[:, 0] % 4 == 0).all()
+    assert (runs == runs[:, :1] + np.arange(4)).all()
+    assert a.used_pages == 3 and a.free_pages == 5
+    a.memcheck()
+
+
+def test_alloc_zero_and_unaligned() -> None:
+    a = PageAllocator(8, 4)
+    assert a.alloc(0).size == 0
+    with pytest.raises(AllocSizeNotPageAligned) as exc:
+        a.alloc(5)
+    assert exc.value.metadata["aligned_size"] == "8"
+    with pytest.raises(AllocSizeNotPageAligned):
+        a.alloc(-4)
+
+
+def test_exhaustion_is_structured_and_counted() -> None:
+    a = PageAllocator(2, 4)
+    a.alloc(8)
+    with pytest.raises(PoolExhausted) as exc:
+        a.alloc(4)
+    assert exc.value.metadata["free_pages"] == "0"
+    assert exc.value.metadata["requested_pages"] == "1"
+    assert a.alloc_failures == 1
+    a.memcheck()
+
+
+def test_double_free_and_never_allocated() -> None:
+    a = PageAllocator(8, 4)
+    idx = a.alloc(8)
+    a.free(idx)
+    with pytest.raises(DoubleFree):
+        a.free(idx[:4])
+    with pytest.raises(PageNotAllocated):
+        a.free(np.arange(28, 32))
+    a.memcheck()
+
+
+def test_partial_page_free_changes_nothing() -> None:
+    a = PageAllocator(8, 4)
+    idx = a.alloc(8)
+    with pytest.raises(IndicesNotPageAligned):
+        a.free(idx[:6])
+    with pytest.raises(HiCacheError) as exc:
+        a.free(np.concatenate([idx[:4], idx[:4]]))
+    assert exc.value.reason == "DUPLICATE_PAGE"
+    assert a.used_pages == 2
+    a.memcheck()
+
+
+def test_batch_with_one_bad_page_frees_nothing() -> None:
+    a = PageAllocator(8, 4)
+    idx = a.alloc(8)
+    with pytest.raises(PageNotAllocated):
+        a.free(np.concatenate([idx, np.arange(28, 32)]))
+    assert a.used_pages == 2
+    a.memcheck()
+
+
+def test_pinned_page_is_released_only_after_unpin() -> None:
+    a = PageAllocator(4, 2)
+    idx = a.alloc(2)
+    page = idx[::2] // 2
+    a.pin(page)
+    a.free(idx)
+    assert a.free_pages == 3  # still held by the pin
+    a.memcheck()
+    with pytest.raises(PageNotAllocated):
+        a.pin(page)  # a freed page cannot gain new readers
+    a.unpin(page)
+    assert a.free_pages == 4
+    a.memcheck()
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random alloc / free / pin / unpin sequences; memcheck after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ps = 4
+        self.a = PageAllocator(16, self.ps)
+        self.owned: list[np.ndarray] = []
+        self.pinned: list[np.ndarray] = []
+        self.freed_once: set[int] = set()
+
+    @rule(n=st.integers(0, 6))
+    def alloc(self, n: int) -> None:
+        free_before = self.a.free_pages
+        if n > free_before:
+            with pytest.raises(PoolExhausted):
+                self.a.alloc(n * self.ps)
+            assert self.a.free_pages == free_before
+            return
+        idx = self.a.alloc(n * self.ps)
+        pages = idx[:: self.ps] // self.ps
+        held = {int(p) for o in self.owned for p in o[:: self.ps] // self.ps}
+        assert not held & set(pages.tolist()), "a page was handed out twice"
+        if n:
+            self.owned.append(idx)
+
+    @precondition(lambda self: self.owned)
+    @rule(i=st.integers(0, 100))
+    def free(self, i: int) -> None:
+        idx = self.owned.pop(i % len(self.owned))
+        self.a.free(idx)
+        self.freed_once.update((idx[:: self.ps] // self.ps).tolist())
+
+    @precondition(lambda self: self.freed_once)
+    @rule()
+    def double_free_is_rejected(self) -> None:
+        held = {int(p) for o in self.owned for p in o[:: self.ps] // self.ps}
+        stale = sorted(self.freed_once - held)
+        if not stale:
+            return
+        before = self.a.free_pages
+        with pytest.raises(DoubleFree):
+            self.a.free(np.arange(stale[0] * self.ps, (stale[0] + 1) * self.ps))
+        assert self.a.free_pages == before
+
+    @precondition(lambda self: self.owned)
+    @rule(i=st.integers(0, 100))
+    def pin(self, i: int) -> None:
+        idx = self.owned[i % len(self.owned)]
+        pages = idx[:: self.ps] // self.ps
+        self.a.pin(pages)
+        self.pinned.append(pages)
+
+    @precondition(lambda self: self.pinned)
+    @rule()
+    def unpin(self) -> None:
+        self.a.unpin(self.pinned.pop(0))
+
+    @invariant()
+    def memcheck(self) -> None:
+        self.a.memcheck()
+        owned = sum(o.size for o in self.owned) // self.ps
+        assert self.a.used_pages >= owned
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hicached import errors
+from hicached.errors import HiCacheError, Violation, all_error_classes, raise_violations
+
+
+def test_reason_codes_are_unique_and_upper_snake() -> None:
+    reasons = [c.reason for c in all_error_classes()]
+    assert len(reasons) == len(set(reasons))
+    assert all(re.fullmatch(r"[A-Z][A-Z0-9_]+", r) for r in reasons)
+
+
+def test_every_reason_is_documented_in_the_readme() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [c.reason for c in all_error_classes() if f"`{c.reason}`" not in readme]
+    assert not missing, f"README reason table lacks {missing}"
+
+
+def test_hierarchy_docstring_names_every_class() -> None:
+    doc = errors.__doc__ or ""
+    for cls in all_error_classes():
+        assert cls.__name__ in doc, cls.__name__
+
+
+def test_raise_violations_raises_first_and_keeps_all() -> None:
+    vs = [Violation("a", "INDEX_OUT_OF_RANGE", "x", {"k": "1"}),
+          Violation("b", "DUPLICATE_PAGE", "y")]
+    try:
+        raise_violations(vs)
+    except HiCacheError as exc:
+        assert type(exc) is errors.IndexOutOfRange
+        assert exc.violations == tuple(vs)
+        assert exc.metadata == {"k": "1"}
+        assert "INDEX_OUT_OF_RANGE" in str(exc)
+    else:
+        raise AssertionError("nothing raised")
+    raise_violations([])

@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hicached.errors import (
+    CanarySourceInvalid,
+    PageSizeInvalid,
+    PoolSizeNotPageAligned,
+    SpecInvalid,
+)
+from hicached.geometry import (
+    CanarySpec,
+    DType,
+    KVGeometry,
+    Layout,
+    MemberSpec,
+    PoolKind,
+    PoolSpec,
+    Role,
+    check_canary_source,
+)
+from tests.helpers import dsa, make_pool, mha, mla, spec
+
+
+@pytest.mark.parametrize("page_size", [0, -1, -64])
+def test_page_size_below_one_is_page_size_invalid(page_size: int) -> None:
+    with pytest.raises(PageSizeInvalid) as exc:
+        spec(mha(), page_size=page_size)
+    assert exc.value.reason == "PAGE_SIZE_INVALID"
+    assert exc.value.metadata["page_size"] == str(page_size)
+
+
+def test_unaligned_pool_size_names_size_page_size_and_aligned_size() -> None:
+    with pytest.raises(PoolSizeNotPageAligned) as exc:
+        spec(mha(), page_size=64, size_tokens=1000)
+    md = exc.value.metadata
+    assert exc.value.reason == "POOL_SIZE_NOT_PAGE_ALIGNED"
+    assert md["size"] == "1000" and md["page_size"] == "64"
+    assert md["aligned_size"] == "960" and md["aligned_up"] == "1024"
+
+
+def test_pool_smaller_than_a_page_suggests_one_page() -> None:
+    with pytest.raises(PoolSizeNotPageAligned) as exc:
+        spec(mha(), page_size=64, size_tokens=10)
+    assert exc.value.metadata["aligned_size"] == "64"
+
+
+def test_byte_budget_rounds_down_to_whole_pages_and_logs(caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    s = PoolSpec("b", mha(), 4, size_bytes=10_000)
+    page_bytes = 2 * 3 * 4 * 2 * 8 * 2  # K+V * layers * tokens * heads * dim * bf16
+    assert s.page_bytes == page_bytes
+    with caplog.at_level(logging.INFO):
+        tokens = s.resolved_size_tokens()
+    assert tokens == 10_000 // page_bytes * 4
+    assert "rounded down" in caplog.text
+
+
+def test_budget_below_one_page_is_rejected() -> None:
+    with pytest.raises(SpecInvalid):
+        PoolSpec("b", mha(), 4, size_bytes=10)
+
+
+def test_exactly_one_size() -> None:
+    with pytest.raises(SpecInvalid):
+        PoolSpec("b", mha(), 4)
+    with pytest.raises(SpecInvalid):
+        PoolSpec("b", mha(), 4, size_tokens=8, size_bytes=4096)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(layer_num=0), dict(head_num=0), dict(head_dim=-1),
+])
+def test_mha_dimensions_must_be_positive(bad: dict[str, int]) -> None:
+    fields = dict(layer_num=2, head_num=2, head_dim=8) | bad
+    with pytest.raises(SpecInvalid):
+        KVGeometry(PoolKind.MHA, DType.BFLOAT16, **fields)
+
+
+def test_dsa_requires_uint8_and_block_multiple() -> None:
+    with pytest.raises(SpecInvalid):
+        KVGeometry(PoolKind.DSA_INDEXER, DType.BFLOAT16, 2, index_head_dim=16,
+                   quant_block_size=8)
+    with pytest.raises(SpecInvalid):
+        KVGeometry(PoolKind.DSA_INDEXER, DType.UINT8, 2, index_head_dim=20, quant_block_size=8)
+
+
+def test_pool_and_side_names_are_checked() -> None:
+    with pytest.raises(SpecInvalid):
+        spec(mha(), name="bad name/")
+    with pytest.raises(SpecInvalid):
+        MemberSpec("kv", dsa())
+    with pytest.raises(SpecInvalid):
+        spec(mla(), side_pools=(MemberSpec("a", dsa()), MemberSpec("a", dsa())))
+
+
+# SGLang's host buffer shapes, per kind and layout (MHA without the stacked leading 2).
+@pytest.mark.parametrize("layout,expected", [
+    (Layout.LAYER_FIRST, (3, 64, 2, 8)),
+    (Layout.PAGE_FIRST, (64, 3, 2, 8)),
+    (Layout.PAGE_FIRST_DIRECT, (16, 3, 4, 2, 8)),
+])
+def test_mha_host_shapes_match_sglang(layout: Layout, expected: tuple[int, ...]) -> None:
+    pool = make_pool(spec(mha(), layout=layout))
+    try:
+        assert tuple(pool.buffer("kv", Role.K).shape) == expected
+        assert tuple(pool.buffer("kv", Role.V).shape) == expected
+        # symmetric K/V are laid out back to back: SGLang's (2, ...) buffer
+        k, v = pool.components
+        assert v.offset == k.offset + k.nbytes
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("layout,expected", [
+    (Layout.LAYER_FIRST, (3, 64, 1, 24)),
+    (Layout.PAGE_FIRST, (64, 3, 1, 24)),
+    (Layout.PAGE_FIRST_DIRECT, (16, 3, 4, 1, 24)),
+])
+def test_mla_host_shapes_match_sglang(layout: Layout, expected: tuple[int, ...]) -> None:
+    pool = make_pool(spec(mla(), layout=layout))
+    try:
+        assert tuple(pool.buffer("kv", Role.KV).shape) == expected
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("layout,expected", [
+    (Layout.LAYER_FIRST, (3, 16, 4 * 24)),
+    (Layout.PAGE_FIRST, (16, 3, 1, 4 * 24)),
+    (Layout.PAGE_FIRST_DIRECT, (16, 3, 1, 4 * 24)),
+])
+def test_dsa_indexer_host_shapes_match_sglang(layout: Layout, expected: tuple[int, ...]) -> None:
+    # index_head_dim 16 + 16/8 fp32 scales = 24 bytes per token, 4 tokens a page
+    pool = make_pool(spec(mla(), layout=layout, side_pools=(MemberSpec("indexer", dsa()),)))
+    try:
+        assert tuple(pool.buffer("indexer", Role.INDEX).shape) == expected
+    finally:
+        pool.close()
+
+
+def test_asymmetric_v_head_dim() -> None:
+    pool = make_pool(spec(mha(v_dim=4)))
+    try:
+        assert pool.buffer("kv", Role.V).shape[-1] == 4
+        assert pool.buffer("kv", Role.K).shape[-1] == 8
+    finally:
+        pool.close()
+
+
+def test_logical_pool_holds_no_bytes_but_allocates_pages() -> None:
+    pool = make_pool(spec(KVGeometry(PoolKind.LOGICAL), page_size=16, size_tokens=256))
+    try:
+        assert pool.nbytes == 0 and pool.components == []
+        idx = pool.alloc(32)
+        assert idx.tolist() == list(range(32))
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("dtype", list(DType))
+def test_dtype_round_trips_through_torch(dtype: DType) -> None:
+    assert DType.from_torch(dtype.torch_dtype) is dtype
+
+
+@pytest.mark.parametrize("bpt,read", [(0, 16), (24, 16), (32, 0), (32, 8), (32, 48), (-16, 16)])
+def test_canary_source_rules(bpt: int, read: int) -> None:
+    with pytest.raises(CanarySourceInvalid) as exc:
+        check_canary_source(bpt, read)
+    assert exc.value.metadata == {"bytes_per_token": str(bpt), "read_bytes": str(read)}
+
+
+def test_canary_rules_are_applied_to_pool_spec() -> None:
+    # MHA with head_dim 3 fp16: 6 bytes per head, 12 per token: not a multiple of 16
+    with pytest.raises(CanarySourceInvalid):
+        spec(KVGeometry(PoolKind.MHA, DType.FLOAT16, 1, 2, 3), canary=CanarySpec(16))
+    spec(mha(), canary=CanarySpec(32))
