@@ -28,12 +28,19 @@ Hierarchy::
     │   ├── PageNotAllocated               PAGE_NOT_ALLOCATED
     │   ├── DoubleFree                     DOUBLE_FREE
     │   ├── PoolSpecConflict               POOL_SPEC_CONFLICT
-    │   └── PoolClosed                     POOL_CLOSED
+    │   ├── PoolClosed                     POOL_CLOSED
+    │   ├── PoolInUse                      POOL_IN_USE
+    │   └── TransportUnavailable           TRANSPORT_UNAVAILABLE
     ├── ResourceExhausted              a limit was hit
     │   ├── PoolExhausted                  POOL_EXHAUSTED
     │   └── HostMemoryInsufficient         HOST_MEMORY_INSUFFICIENT
     ├── NotFound
-    │   └── PoolNotFound                   POOL_NOT_FOUND
+    │   ├── PoolNotFound                   POOL_NOT_FOUND
+    │   └── SessionNotFound                SESSION_NOT_FOUND
+    ├── PermissionDenied               the caller may not use that resource
+    │   └── ShmPathRejected                SHM_PATH_REJECTED
+    ├── Unavailable                    try again later / elsewhere
+    │   └── Draining                       DRAINING
     └── DataIntegrityError             bytes are not what was stored
         └── CanaryMismatch                 CANARY_MISMATCH
 """
@@ -163,6 +170,14 @@ class PoolClosed(StateConflict):
     reason = "POOL_CLOSED"
 
 
+class PoolInUse(StateConflict):
+    reason = "POOL_IN_USE"
+
+
+class TransportUnavailable(StateConflict):
+    reason = "TRANSPORT_UNAVAILABLE"
+
+
 class ResourceExhausted(HiCacheError):
     reason = "RESOURCE_EXHAUSTED"
 
@@ -181,6 +196,26 @@ class NotFound(HiCacheError):
 
 class PoolNotFound(NotFound):
     reason = "POOL_NOT_FOUND"
+
+
+class SessionNotFound(NotFound):
+    reason = "SESSION_NOT_FOUND"
+
+
+class PermissionDenied(HiCacheError):
+    reason = "PERMISSION_DENIED"
+
+
+class ShmPathRejected(PermissionDenied):
+    reason = "SHM_PATH_REJECTED"
+
+
+class Unavailable(HiCacheError):
+    reason = "UNAVAILABLE"
+
+
+class Draining(Unavailable):
+    reason = "DRAINING"
 
 
 class DataIntegrityError(HiCacheError):

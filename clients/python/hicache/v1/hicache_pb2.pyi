@@ -1,0 +1,378 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PoolKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_KIND_UNSPECIFIED: _ClassVar[PoolKind]
+    POOL_KIND_MHA: _ClassVar[PoolKind]
+    POOL_KIND_MLA: _ClassVar[PoolKind]
+    POOL_KIND_DSA_INDEXER: _ClassVar[PoolKind]
+    POOL_KIND_LOGICAL: _ClassVar[PoolKind]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3: _ClassVar[DType]
+    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+
+class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYOUT_UNSPECIFIED: _ClassVar[Layout]
+    LAYOUT_LAYER_FIRST: _ClassVar[Layout]
+    LAYOUT_PAGE_FIRST: _ClassVar[Layout]
+    LAYOUT_PAGE_FIRST_DIRECT: _ClassVar[Layout]
+
+class BufferRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BUFFER_ROLE_UNSPECIFIED: _ClassVar[BufferRole]
+    BUFFER_ROLE_K: _ClassVar[BufferRole]
+    BUFFER_ROLE_V: _ClassVar[BufferRole]
+    BUFFER_ROLE_KV: _ClassVar[BufferRole]
+    BUFFER_ROLE_INDEX: _ClassVar[BufferRole]
+POOL_KIND_UNSPECIFIED: PoolKind
+POOL_KIND_MHA: PoolKind
+POOL_KIND_MLA: PoolKind
+POOL_KIND_DSA_INDEXER: PoolKind
+POOL_KIND_LOGICAL: PoolKind
+DTYPE_UNSPECIFIED: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT8_E4M3: DType
+DTYPE_FLOAT8_E5M2: DType
+DTYPE_UINT8: DType
+LAYOUT_UNSPECIFIED: Layout
+LAYOUT_LAYER_FIRST: Layout
+LAYOUT_PAGE_FIRST: Layout
+LAYOUT_PAGE_FIRST_DIRECT: Layout
+BUFFER_ROLE_UNSPECIFIED: BufferRole
+BUFFER_ROLE_K: BufferRole
+BUFFER_ROLE_V: BufferRole
+BUFFER_ROLE_KV: BufferRole
+BUFFER_ROLE_INDEX: BufferRole
+
+class Geometry(_message.Message):
+    __slots__ = ("kind", "dtype", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_NUM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_NUM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    V_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    QUANT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    kind: PoolKind
+    dtype: DType
+    layer_num: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    quant_block_size: int
+    def __init__(self, kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ...) -> None: ...
+
+class SidePool(_message.Message):
+    __slots__ = ("name", "geometry")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    geometry: Geometry
+    def __init__(self, name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ...) -> None: ...
+
+class PoolSpec(_message.Message):
+    __slots__ = ("name", "kind", "dtype", "layout", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size", "size_tokens", "size_bytes", "side_pools", "canary_read_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_NUM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_NUM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    V_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    QUANT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIDE_POOLS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: PoolKind
+    dtype: DType
+    layout: Layout
+    page_size: int
+    layer_num: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    quant_block_size: int
+    size_tokens: int
+    size_bytes: int
+    side_pools: _containers.RepeatedCompositeFieldContainer[SidePool]
+    canary_read_bytes: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., page_size: _Optional[int] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., size_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., side_pools: _Optional[_Iterable[_Union[SidePool, _Mapping]]] = ..., canary_read_bytes: _Optional[int] = ...) -> None: ...
+
+class Pool(_message.Message):
+    __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_NUM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    spec: PoolSpec
+    size_tokens: int
+    page_num: int
+    page_bytes: int
+    used_pages: int
+    free_pages: int
+    capacity_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    sessions: int
+    def __init__(self, spec: _Optional[_Union[PoolSpec, _Mapping]] = ..., size_tokens: _Optional[int] = ..., page_num: _Optional[int] = ..., page_bytes: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    CUDA_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    memory_budget_bytes: int
+    memory_used_bytes: int
+    memory_available_bytes: int
+    shm_dir: str
+    cuda_available: bool
+    serving: bool
+    pools: int
+    sessions: int
+    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class CreatePoolRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: PoolSpec
+    def __init__(self, spec: _Optional[_Union[PoolSpec, _Mapping]] = ...) -> None: ...
+
+class GetPoolRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[Pool]
+    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ...) -> None: ...
+
+class DeletePoolRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeletePoolResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShmHandle(_message.Message):
+    __slots__ = ("path", "offset", "nbytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    nbytes: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("handle", "device_uuid", "offset", "nbytes")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    device_uuid: str
+    offset: int
+    nbytes: int
+    def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class DeviceBuffer(_message.Message):
+    __slots__ = ("member", "role", "layer", "shape", "dtype", "strides", "shm", "cuda_ipc")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    role: BufferRole
+    layer: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    shm: ShmHandle
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, member: _Optional[str] = ..., role: _Optional[_Union[BufferRole, str]] = ..., layer: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., strides: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("pool", "worker_id", "buffers", "lease_ms")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    worker_id: str
+    buffers: _containers.RepeatedCompositeFieldContainer[DeviceBuffer]
+    lease_ms: int
+    def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pool: str
+    worker_id: str
+    lease_ms: int
+    expires_in_ms: int
+    attached_bytes: int
+    device_tokens: int
+    transfers: int
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
+class AllocRequest(_message.Message):
+    __slots__ = ("pool", "num_tokens")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    num_tokens: int
+    def __init__(self, pool: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class AllocResponse(_message.Message):
+    __slots__ = ("host_indices",)
+    HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
+    host_indices: bytes
+    def __init__(self, host_indices: _Optional[bytes] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("pool", "host_indices")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    host_indices: bytes
+    def __init__(self, pool: _Optional[str] = ..., host_indices: _Optional[bytes] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("pages_freed",)
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    pages_freed: int
+    def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
+
+class TransferRequest(_message.Message):
+    __slots__ = ("session_id", "host_indices", "device_indices", "layer_begin", "layer_end")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    host_indices: bytes
+    device_indices: bytes
+    layer_begin: int
+    layer_end: int
+    def __init__(self, session_id: _Optional[str] = ..., host_indices: _Optional[bytes] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class TransferResponse(_message.Message):
+    __slots__ = ("bytes_moved", "pages", "duration_seconds")
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes_moved: int
+    pages: int
+    duration_seconds: float
+    def __init__(self, bytes_moved: _Optional[int] = ..., pages: _Optional[int] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

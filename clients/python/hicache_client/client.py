@@ -1,0 +1,248 @@
+"""``HiCacheClient``: typed calls to a hicached daemon.
+
+Every failure is raised as the daemon's domain error class (``hicached.errors``): ``reason``,
+``metadata``, ``violations`` and ``grpc_code`` attached. Idempotent calls (info, pool queries,
+CreatePool, Heartbeat, Backup, Load, Ping) are retried with exponential backoff while the
+daemon is unreachable, up to ``reconnect_seconds``; the error after that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from hicache.v1 import hicache_pb2 as pb
+from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicached.config import default_socket_path
+from hicached.errors import HiCacheError, Unavailable
+from hicached.geometry import PoolSpec
+from hicached.status import from_rpc_error
+from hicached.wire import (
+    DeviceBufferSpec,
+    buffer_to_proto,
+    indices_from_bytes,
+    indices_to_bytes,
+    spec_from_proto,
+    spec_to_proto,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    spec: PoolSpec
+    size_tokens: int
+    page_num: int
+    page_bytes: int
+    used_pages: int
+    free_pages: int
+    capacity_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    sessions: int
+
+    @classmethod
+    def from_proto(cls, p: pb.Pool) -> PoolInfo:
+        return cls(spec_from_proto(p.spec), p.size_tokens, p.page_num, p.page_bytes,
+                   p.used_pages, p.free_pages, p.capacity_bytes, p.used_bytes, p.pinned_bytes,
+                   p.sessions)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes_moved: int
+    pages: int
+    duration_seconds: float
+
+
+class HiCacheClient:
+    def __init__(self, target: str | None = None, *, timeout: float = 60.0,
+                 reconnect_seconds: float = 10.0, max_message_bytes: int = 64 << 20) -> None:
+        self.target = target or f"unix:{default_socket_path()}"
+        self.timeout = timeout
+        self.reconnect_seconds = reconnect_seconds
+        self._channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ])
+        self._stub = pb_grpc.HostCacheStub(self._channel)  # type: ignore[no-untyped-call]
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., T], request: Any, *, retry: bool) -> T:
+        deadline = time.monotonic() + self.reconnect_seconds
+        delay = 0.05
+        while True:
+            try:
+                return method(request, timeout=self.timeout)
+            except grpc.RpcError as err:
+                exc = from_rpc_error(err)
+                unreachable = getattr(exc, "grpc_code", None) == grpc.StatusCode.UNAVAILABLE \
+                    and not exc.metadata
+                remaining = deadline - time.monotonic()
+                if not (retry and unreachable) or remaining <= 0:
+                    if unreachable and retry:
+                        raise Unavailable(
+                            f"daemon at {self.target} unreachable for "
+                            f"{self.reconnect_seconds:.0f}s: {exc.message}",
+                            metadata={"target": self.target}) from None
+                    raise exc from None
+                log.debug("daemon unreachable, retrying in %.2fs", delay)
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 1.0)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> HiCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- RPCs ------------------------------------------------------------------------------
+
+    def ping(self) -> None:
+        self._call(self._stub.Ping, pb.PingRequest(), retry=True)
+
+    def get_info(self) -> pb.GetInfoResponse:
+        info: pb.GetInfoResponse = self._call(self._stub.GetInfo, pb.GetInfoRequest(),
+                                              retry=True)
+        return info
+
+    def create_pool(self, spec: PoolSpec | pb.PoolSpec) -> PoolInfo:
+        msg = spec if isinstance(spec, pb.PoolSpec) else spec_to_proto(spec)
+        return PoolInfo.from_proto(self._call(self._stub.CreatePool,
+                                              pb.CreatePoolRequest(spec=msg), retry=True))
+
+    def get_pool(self, name: str) -> PoolInfo:
+        return PoolInfo.from_proto(self._call(self._stub.GetPool, pb.GetPoolRequest(name=name),
+                                              retry=True))
+
+    def list_pools(self) -> list[PoolInfo]:
+        return [PoolInfo.from_proto(p) for p in self.list_pools_raw().pools]
+
+    def list_pools_raw(self) -> pb.ListPoolsResponse:
+        """The wire response, for tools that print it as is."""
+        resp: pb.ListPoolsResponse = self._call(self._stub.ListPools, pb.ListPoolsRequest(),
+                                                retry=True)
+        return resp
+
+    def delete_pool(self, name: str) -> None:
+        self._call(self._stub.DeletePool, pb.DeletePoolRequest(name=name), retry=False)
+
+    def open_session(self, pool: str, worker_id: str,
+                     buffers: Sequence[DeviceBufferSpec | pb.DeviceBuffer], *,
+                     lease_ms: int = 0, heartbeat: bool = True) -> WorkerSession:
+        msgs = [b if isinstance(b, pb.DeviceBuffer) else buffer_to_proto(b) for b in buffers]
+        s = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
+            pool=pool, worker_id=worker_id, buffers=msgs, lease_ms=lease_ms), retry=False)
+        return WorkerSession(self, s, heartbeat)
+
+    def heartbeat(self, session_id: str) -> pb.Session:
+        s: pb.Session = self._call(self._stub.Heartbeat,
+                                   pb.HeartbeatRequest(session_id=session_id), retry=True)
+        return s
+
+    def close_session(self, session_id: str) -> None:
+        self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id),
+                   retry=False)
+
+    def list_sessions(self, pool: str = "") -> list[pb.Session]:
+        return list(self._call(self._stub.ListSessions, pb.ListSessionsRequest(pool=pool),
+                               retry=True).sessions)
+
+    def alloc(self, pool: str, num_tokens: int) -> torch.Tensor:
+        resp = self._call(self._stub.Alloc, pb.AllocRequest(pool=pool, num_tokens=num_tokens),
+                          retry=False)
+        return torch.from_numpy(np.array(indices_from_bytes(resp.host_indices, "host_indices")))
+
+    def free(self, pool: str, host_indices: object) -> int:
+        resp = self._call(self._stub.Free, pb.FreeRequest(
+            pool=pool, host_indices=_as_bytes(host_indices)), retry=False)
+        return int(resp.pages_freed)
+
+    def backup(self, session_id: str, host_indices: object, device_indices: object,
+               layer_begin: int = 0, layer_end: int = 0) -> TransferStats:
+        return self._transfer(self._stub.Backup, session_id, host_indices, device_indices,
+                              layer_begin, layer_end)
+
+    def load(self, session_id: str, host_indices: object, device_indices: object,
+             layer_begin: int = 0, layer_end: int = 0) -> TransferStats:
+        return self._transfer(self._stub.Load, session_id, host_indices, device_indices,
+                              layer_begin, layer_end)
+
+    def _transfer(self, method: Callable[..., pb.TransferResponse], session_id: str,
+                  host: object, dev: object, begin: int, end: int) -> TransferStats:
+        resp = self._call(method, pb.TransferRequest(
+            session_id=session_id, host_indices=_as_bytes(host),
+            device_indices=_as_bytes(dev), layer_begin=begin, layer_end=end), retry=True)
+        return TransferStats(resp.bytes_moved, resp.pages, resp.duration_seconds)
+
+
+def _as_bytes(indices: object) -> bytes:
+    if isinstance(indices, bytes | bytearray):
+        return bytes(indices)
+    return indices_to_bytes(indices)
+
+
+class WorkerSession:
+    """An open session; heartbeats in a background thread at a third of the lease."""
+
+    def __init__(self, client: HiCacheClient, msg: pb.Session, heartbeat: bool) -> None:
+        self.client = client
+        self.session_id: str = msg.session_id
+        self.pool: str = msg.pool
+        self.lease_ms: int = msg.lease_ms
+        self.device_tokens: int = msg.device_tokens
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.heartbeat_error: HiCacheError | None = None
+        if heartbeat:
+            self._thread = threading.Thread(target=self._beat, daemon=True,
+                                            name=f"heartbeat-{self.session_id[:8]}")
+            self._thread.start()
+
+    def _beat(self) -> None:
+        period = max(self.lease_ms / 3000.0, 0.05)
+        while not self._stop.wait(period):
+            try:
+                self.client.heartbeat(self.session_id)
+                self.heartbeat_error = None
+            except HiCacheError as exc:  # kept for the caller; the next transfer will raise
+                self.heartbeat_error = exc
+
+    def backup(self, host_indices: object, device_indices: object, layer_begin: int = 0,
+               layer_end: int = 0) -> TransferStats:
+        return self.client.backup(self.session_id, host_indices, device_indices, layer_begin,
+                                  layer_end)
+
+    def load(self, host_indices: object, device_indices: object, layer_begin: int = 0,
+             layer_end: int = 0) -> TransferStats:
+        return self.client.load(self.session_id, host_indices, device_indices, layer_begin,
+                                layer_end)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.client.close_session(self.session_id)
+
+    def __enter__(self) -> WorkerSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

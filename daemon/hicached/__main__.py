@@ -1,0 +1,148 @@
+"""``hicached serve``: configuration from a TOML file, ``HICACHED_*`` environment and flags.
+
+Precedence, lowest to highest: built-in defaults, the config file (``--config``), the
+environment (``HICACHED_<SETTING>``, e.g. ``HICACHED_SHM_DIR``; lists comma-separated), flags.
+SIGTERM / SIGINT drain the daemon: NOT_SERVING, new work refused with UNAVAILABLE, in-flight
+transfers finish, pools are freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import tomllib
+
+from hicached.config import ServerConfig, config_from_mapping
+from hicached.errors import HiCacheError
+
+ENV_PREFIX = "HICACHED_"
+_FLAGS: dict[str, tuple[str, str]] = {
+    # flag -> (setting, help)
+    "--listen": ("listen", "gRPC target, repeatable: unix:PATH (default: a 0600 socket in "
+                           "$XDG_RUNTIME_DIR/hicached) or HOST:PORT"),
+    "--shm-dir": ("shm_dir", "the only directory workers may hand buffers from (/dev/shm)"),
+    "--metrics-listen": ("metrics_listen", "HOST:PORT of the Prometheus endpoint "
+                                           "(127.0.0.1:9464; empty disables)"),
+    "--memory-budget": ("memory_budget", "bytes all pools may use, e.g. 64GiB (default: half "
+                                         "of available memory)"),
+    "--reserve": ("reserve", "memory left to the host (1GiB)"),
+    "--lease-seconds": ("lease_seconds", "session lease (5)"),
+    "--copy-threads": ("copy_threads", "threads per copy (0 = all CPUs)"),
+    "--grpc-threads": ("grpc_threads", "concurrent RPCs (16)"),
+    "--grace-seconds": ("grace_seconds", "drain time on SIGTERM (10)"),
+    "--tls-cert": ("tls_cert", "PEM certificate for TCP listeners"),
+    "--tls-key": ("tls_key", "PEM key for TCP listeners"),
+    "--log-format": ("log_format", "text or json"),
+    "--log-level": ("log_level", "DEBUG, INFO, WARNING, ..."),
+}
+_FLOATS = {"lease_seconds", "grace_seconds"}
+_INTS = {"copy_threads", "grpc_threads"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname,
+               "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def _coerce(setting: str, value: str) -> Any:
+    if setting in _FLOATS:
+        return float(value)
+    if setting in _INTS:
+        return int(value)
+    if setting == "listen":
+        return [v for v in value.split(",") if v]
+    if setting == "hugepages":
+        return value.lower() in ("1", "true", "yes", "on")
+    return value
+
+
+def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerConfig:
+    merged: dict[str, Any] = {}
+    if args.config:
+        with open(args.config, "rb") as f:
+            merged.update(tomllib.load(f))
+    settings = {s for s, _ in _FLAGS.values()} | {"hugepages"}
+    for setting in sorted(settings):
+        env = environ.get(ENV_PREFIX + setting.upper())
+        if env is not None:
+            merged[setting] = _coerce(setting, env)
+    for flag, (setting, _) in _FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            merged[setting] = value if setting == "listen" else _coerce(setting, value)
+    return config_from_mapping(merged)
+
+
+def _setup_logging(config: ServerConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(config.log_level.upper())
+
+
+def serve(config: ServerConfig) -> int:
+    from hicached.server import AlreadyServing, create_server
+
+    _setup_logging(config)
+    try:
+        server, _bound = create_server(config)
+    except AlreadyServing as exc:
+        logging.getLogger("hicached").error("%s", exc)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logging.getLogger("hicached").info("received %s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop.wait(0.5):
+        pass
+    t0 = time.monotonic()
+    server.drain_and_stop()
+    logging.getLogger("hicached").info("drained in %.2fs", time.monotonic() - t0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hicached", description="Host-memory KV cache daemon.")
+    sub = ap.add_subparsers(dest="command")
+    sp = sub.add_parser("serve", help="run the daemon (the default command)")
+    sp.add_argument("--config", help="TOML config file")
+    for flag, (setting, text) in _FLAGS.items():
+        kw: dict[str, Any] = {"help": text, "default": None}
+        if setting == "listen":
+            kw["action"] = "append"
+        sp.add_argument(flag, **kw)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv = ["serve", *argv]
+    args = ap.parse_args(argv)
+    try:
+        config = build_config(args, dict(os.environ))
+    except (HiCacheError, OSError, tomllib.TOMLDecodeError, ValueError) as exc:
+        print(f"hicached: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Attaching worker device buffers: shared-memory files (CPU hosts, tests) and CUDA IPC.
+
+Primitives:
+
+- ``ShmTransport(shm_dir)``: ``attach(buffers)`` maps every buffer's file once (MAP_SHARED |
+  MAP_POPULATE) after checking it: inside ``shm_dir`` after resolving, not a symlink, a regular
+  file, not world-writable, large enough for offset + nbytes and for the declared shape. Any
+  failure is ``SHM_PATH_REJECTED`` naming the path and why, and nothing stays mapped.
+- ``Attachment``: the ``DeviceKV`` built from the buffers, the bytes attached, ``release()``.
+- ``cuda_ipc`` buffers: ``TRANSPORT_UNAVAILABLE`` on hosts without CUDA (and in this build).
+
+Knows nothing of pools or RPC.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+
+import torch
+
+from hicached.devicekv import DeviceKV
+from hicached.errors import GeometryMismatch, ShmPathRejected, TransportUnavailable
+from hicached.geometry import Role
+from hicached.wire import DeviceBufferSpec
+
+
+def cuda_available() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+def supported_transports() -> list[str]:
+    return ["shm", "cuda_ipc"] if cuda_available() else ["shm"]
+
+
+class Attachment:
+    """Mapped device buffers of one session."""
+
+    def __init__(self, device: DeviceKV, maps: list[mmap.mmap], nbytes: int) -> None:
+        self.device: DeviceKV | None = device
+        self._maps = maps
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        """Drop the tensors and unmap the files. Idempotent."""
+        self.device = None
+        maps, self._maps = self._maps, []
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:  # a view is still alive somewhere; unmapped when it goes
+                pass
+
+
+def _reject(path: str, why: str) -> ShmPathRejected:
+    return ShmPathRejected(f"shm path {path!r} rejected: {why}",
+                           metadata={"path": path, "why": why})
+
+
+class ShmTransport:
+    def __init__(self, shm_dir: str) -> None:
+        self.shm_dir = os.path.realpath(shm_dir)
+
+    def _open(self, path: str, need: int) -> tuple[mmap.mmap, int]:
+        if not os.path.isabs(path):
+            raise _reject(path, "not an absolute path")
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.shm_dir]) != self.shm_dir or real == self.shm_dir:
+            raise _reject(path, f"outside the shared-memory directory {self.shm_dir}")
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise _reject(path, f"cannot stat: {exc.strerror}") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise _reject(path, "is a symbolic link")
+        if not stat.S_ISREG(st.st_mode):
+            raise _reject(path, "not a regular file")
+        if st.st_mode & stat.S_IWOTH:
+            raise _reject(path, "world-writable")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            raise _reject(path, f"cannot open: {exc.strerror}") from None
+        try:
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev,
+                                                                            st.st_ino):
+                raise _reject(path, "changed while being opened")
+            if fst.st_size < need:
+                raise _reject(path, f"file has {fst.st_size} bytes, buffers need {need}")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            return mmap.mmap(fd, need, flags=flags), fst.st_size
+        finally:
+            os.close(fd)
+
+    def attach(self, buffers: Sequence[DeviceBufferSpec]) -> Attachment:
+        ipc = [b for b in buffers if b.transport != "shm"]
+        if ipc:
+            raise TransportUnavailable(
+                "cuda_ipc buffers cannot be attached: "
+                + ("this host has no CUDA device" if not cuda_available()
+                   else "the CUDA IPC path is not part of this build"),
+                metadata={"transport": "cuda_ipc", "buffers": len(ipc)},
+            )
+        need: dict[str, int] = {}
+        for i, b in enumerate(buffers):
+            if b.offset < 0 or b.nbytes <= 0:
+                raise _reject(b.path, f"buffers[{i}] has offset {b.offset}, nbytes {b.nbytes}")
+            if any(d < 0 for d in b.shape):
+                raise GeometryMismatch(f"buffers[{i}] has a negative dimension",
+                                       metadata={"shape": b.shape})
+            want = math.prod(b.shape) * b.dtype.itemsize
+            if want > b.nbytes:
+                raise _reject(b.path, f"buffers[{i}] declares {b.nbytes} bytes but its shape "
+                                      f"{b.shape} needs {want}")
+            need[b.path] = max(need.get(b.path, 0), b.offset + b.nbytes)
+        maps: dict[str, mmap.mmap] = {}
+        try:
+            for path, n in need.items():
+                maps[path] = self._open(path, n)[0]
+            layers: dict[str, dict[Role, dict[int, torch.Tensor]]] = {}
+            for i, b in enumerate(buffers):
+                t = self._tensor(maps[b.path], b, i)
+                slot = layers.setdefault(b.member, {}).setdefault(b.role, {})
+                if b.layer in slot:
+                    raise GeometryMismatch(f"buffers[{i}]: layer {b.layer} of "
+                                           f"{b.member}.{b.role.value} given twice",
+                                           metadata={"buffer": i, "layer": b.layer})
+                slot[b.layer] = t
+            device = DeviceKV({m: {r: [ls[k] for k in sorted(ls)] for r, ls in roles.items()}
+                               for m, roles in layers.items()})
+            for m, roles in layers.items():
+                for r, ls in roles.items():
+                    if sorted(ls) != list(range(len(ls))):
+                        raise GeometryMismatch(f"{m}.{r.value}: layers {sorted(ls)} are not "
+                                               f"0..{len(ls) - 1}", metadata={"buffer": m})
+        except BaseException:
+            layers = {}
+            for mapping in maps.values():
+                try:
+                    mapping.close()
+                except BufferError:
+                    pass
+            raise
+        return Attachment(device, list(maps.values()), sum(b.nbytes for b in buffers))
+
+    @staticmethod
+    def _tensor(m: mmap.mmap, b: DeviceBufferSpec, i: int) -> torch.Tensor:
+        count = math.prod(b.shape)
+        raw = torch.frombuffer(m, dtype=torch.uint8, count=b.nbytes, offset=b.offset)
+        typed = raw[: count * b.dtype.itemsize].view(b.dtype.torch_dtype)
+        if b.strides:
+            if len(b.strides) != len(b.shape):
+                raise GeometryMismatch(f"buffers[{i}]: strides and shape differ in rank",
+                                       metadata={"buffer": i})
+            span = 1 + sum((d - 1) * s for d, s in zip(b.shape, b.strides, strict=True)) \
+                if count else 0
+            if any(s < 0 for s in b.strides) or span > count:
+                raise GeometryMismatch(f"buffers[{i}]: strides {b.strides} leave the buffer",
+                                       metadata={"buffer": i})
+            return typed.as_strided(b.shape, b.strides)
+        return typed.view(b.shape)

@@ -1,0 +1,74 @@
+"""Start and stop real daemon processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class DaemonProc:
+    proc: subprocess.Popen[bytes]
+    socket: str
+    shm_dir: str
+    log_path: Path
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.socket}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def wait_serving(target: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"daemon at {target} did not start")
+            time.sleep(0.1)
+
+
+def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
+                 wait: bool = True) -> DaemonProc:
+    shm = workdir / "shm"
+    shm.mkdir(exist_ok=True)
+    sock = socket or str(workdir / "hicached.sock")
+    log_path = workdir / f"daemon-{time.monotonic_ns()}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
+           "--shm-dir", str(shm), "--metrics-listen", "127.0.0.1:0", "--lease-seconds", "1",
+           "--memory-budget", "2GiB", "--reserve", "0", "--grace-seconds", "5", *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    d = DaemonProc(proc, sock, str(shm), log_path)
+    if wait:
+        try:
+            wait_serving(d.target)
+        except TimeoutError:
+            d.stop(signal.SIGKILL)
+            raise AssertionError(f"daemon failed to start:\n{d.log()}") from None
+    return d

@@ -1,0 +1,255 @@
+"""End to end: a real daemon process, real worker processes, real shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from hicache.v1 import hicache_pb2 as pb
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicached.errors import HiCacheError
+from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
+from hicached.wire import DeviceBufferSpec
+from tests.daemon_proc import REPO, DaemonProc, start_daemon
+
+SPEC = PoolSpec("e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
+                Layout.PAGE_FIRST, size_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path_factory.mktemp("daemon"))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
+def client(daemon: DaemonProc) -> Iterator[HiCacheClient]:
+    c = HiCacheClient(daemon.target, reconnect_seconds=2)
+    c.create_pool(SPEC)
+    yield c
+    c.close()
+
+
+def spawn_worker(daemon: DaemonProc, worker: str, seed: int, rounds: int,
+                 forever: bool = False) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "tests.worker_proc", daemon.target, SPEC.name, worker,
+           str(seed), str(rounds), daemon.shm_dir]
+    if forever:
+        cmd.append("--forever")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_two_workers_back_up_and_load_their_own_pages_exactly(daemon: DaemonProc,
+                                                               client: HiCacheClient) -> None:
+    workers = [spawn_worker(daemon, f"w{i}", seed=i, rounds=5) for i in range(2)]
+    results = []
+    for w in workers:
+        out, err = w.communicate(timeout=120)
+        assert w.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for r in results:
+        assert r["mismatches"] == 0 and r["verified_buffers"] == 5 * r["buffers"] > 0
+    assert client.list_sessions(SPEC.name) == []
+    assert client.get_pool(SPEC.name).used_pages == 0
+
+
+def daemon_maps(daemon: DaemonProc) -> str:
+    return Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+
+
+def test_sigkilled_worker_is_reaped_and_the_other_is_unaffected(daemon: DaemonProc,
+                                                                client: HiCacheClient) -> None:
+    victim = spawn_worker(daemon, "victim", seed=7, rounds=0, forever=True)
+    assert victim.stdout is not None
+    first = json.loads(victim.stdout.readline())
+    time.sleep(0.3)  # mid-run: transfers are flowing
+    survivor = spawn_worker(daemon, "survivor", seed=8, rounds=20)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    assert any(s.session_id == first["session"] for s in client.list_sessions())
+    out, err = survivor.communicate(timeout=120)
+    assert survivor.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["mismatches"] == 0
+    deadline = time.monotonic() + 5  # lease is 1 s
+    while any(s.session_id == first["session"] for s in client.list_sessions()):
+        assert time.monotonic() < deadline, "the dead worker's session was not reaped"
+        time.sleep(0.1)
+    assert "wvictim" not in daemon_maps(daemon), "the dead worker's buffers are still mapped"
+
+
+def test_misaligned_batch_is_rejected_and_changes_nothing(daemon: DaemonProc,
+                                                           client: HiCacheClient) -> None:
+    ps = SPEC.page_size
+    with ShmDeviceBuffers.create(SPEC, 8 * ps, daemon.shm_dir, prefix="misaligned") as bufs:
+        assert bufs.device is not None
+        k0 = bufs.device.layers("kv", Role.K)[0].view(torch.uint8)
+        k0.copy_(torch.randint(0, 256, k0.shape, dtype=torch.uint8))
+        with client.open_session(SPEC.name, "m", bufs.descriptors) as session:
+            host = client.alloc(SPEC.name, 2 * ps)
+            dev = torch.arange(2 * ps)
+            session.backup(host, dev)
+            before = k0[: 2 * ps].clone()
+            k0.zero_()
+            bad = host.clone()
+            bad[ps + 3] += 1  # page 2 is no longer a consecutive run
+            with pytest.raises(HiCacheError) as exc:
+                session.backup(bad, dev)
+            err = exc.value
+            assert err.reason == "INDICES_NOT_PAGE_ALIGNED"
+            assert err.grpc_code == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+            assert err.metadata["first_bad_position"] == str(ps + 3)
+            assert err.metadata["page_size"] == str(ps)
+            assert [v.field for v in err.violations] == ["host_indices"]
+            with pytest.raises(HiCacheError) as exc:
+                session.backup(host[:-1], dev[:-1])  # length not a multiple of page_size
+            assert exc.value.reason == "INDICES_NOT_PAGE_ALIGNED"
+            assert exc.value.metadata["count"] == str(2 * ps - 1)
+            session.load(host, dev)
+            assert torch.equal(k0[: 2 * ps], before), "the rejected batch changed host pages"
+            client.free(SPEC.name, host)
+
+
+def test_pool_spec_errors(client: HiCacheClient) -> None:
+    with pytest.raises(HiCacheError) as exc:
+        client.create_pool(pb.PoolSpec(name="bad", kind=pb.POOL_KIND_MHA,
+                                       dtype=pb.DTYPE_BFLOAT16, page_size=64, layer_num=2,
+                                       head_num=2, head_dim=8, size_tokens=1000))
+    assert exc.value.reason == "POOL_SIZE_NOT_PAGE_ALIGNED"
+    assert exc.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert exc.value.metadata["aligned_size"] == "960"
+    assert [v.field for v in exc.value.violations] == ["spec.size_tokens"]
+    with pytest.raises(HiCacheError) as exc:
+        client.create_pool(pb.PoolSpec(name="zero", kind=pb.POOL_KIND_MHA,
+                                       dtype=pb.DTYPE_BFLOAT16, page_size=0, layer_num=2,
+                                       head_num=2, head_dim=8, size_tokens=64))
+    assert exc.value.reason == "PAGE_SIZE_INVALID"
+    assert exc.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+
+
+def test_create_pool_is_idempotent_and_conflicts_are_already_exists(
+        client: HiCacheClient) -> None:
+    again = client.create_pool(SPEC)
+    assert again.spec == SPEC
+    other = PoolSpec(SPEC.name, SPEC.geometry, 32, SPEC.layout, size_tokens=4096)
+    with pytest.raises(HiCacheError) as exc:
+        client.create_pool(other)
+    assert exc.value.reason == "POOL_SPEC_CONFLICT"
+    assert exc.value.grpc_code == grpc.StatusCode.ALREADY_EXISTS  # type: ignore[attr-defined]
+
+
+def test_unknown_session_and_pool(client: HiCacheClient) -> None:
+    with pytest.raises(HiCacheError) as exc:
+        client.backup("nope", torch.arange(16), torch.arange(16))
+    assert exc.value.reason == "SESSION_NOT_FOUND"
+    with pytest.raises(HiCacheError) as exc:
+        client.get_pool("nope")
+    assert exc.value.grpc_code == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+
+
+def test_cuda_ipc_without_cuda_is_transport_unavailable(client: HiCacheClient) -> None:
+    buf = DeviceBufferSpec(member="kv", role=Role.K, layer=0, shape=(16, 2, 64),
+                           dtype=DType.BFLOAT16, strides=(), transport="cuda_ipc",
+                           ipc_handle=b"\x00" * 64, device_uuid="GPU-0", nbytes=4096)
+    with pytest.raises(HiCacheError) as exc:
+        client.open_session(SPEC.name, "gpu", [buf])
+    assert exc.value.reason == "TRANSPORT_UNAVAILABLE"
+    assert exc.value.grpc_code == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+
+
+def test_shm_path_outside_the_directory_is_permission_denied(client: HiCacheClient,
+                                                              tmp_path: Path) -> None:
+    with ShmDeviceBuffers.create(SPEC, 64, str(tmp_path), prefix="outside") as bufs:
+        with pytest.raises(HiCacheError) as exc:
+            client.open_session(SPEC.name, "x", bufs.descriptors)
+    assert exc.value.reason == "SHM_PATH_REJECTED"
+    assert exc.value.grpc_code == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+
+
+def test_health_and_reflection(daemon: DaemonProc) -> None:
+    with grpc.insecure_channel(daemon.target) as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="hicache.v1.HostCache"), timeout=5)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(iter(stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"hicache.v1.HostCache", "grpc.health.v1.Health"} <= names
+
+
+def test_socket_is_private(daemon: DaemonProc) -> None:
+    assert oct(os.stat(daemon.socket).st_mode & 0o777) == "0o600"
+
+
+def test_hicachectl(daemon: DaemonProc, client: HiCacheClient) -> None:
+    def ctl(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "hicache_client.cli", "--target",
+                              daemon.target, *args], capture_output=True, text=True,
+                             timeout=60, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    status = json.loads(ctl("--json", "status"))
+    assert status["version"] and status["transports"] == ["shm"]
+    pools = json.loads(ctl("--json", "pools"))
+    assert SPEC.name in [p["spec"]["name"] for p in pools]
+    assert "e2e" in ctl("pools") and "version" in ctl("status")
+    assert json.loads(ctl("--json", "sessions")) == []
+
+
+def test_second_instance_refuses_and_stale_socket_is_replaced(tmp_path: Path) -> None:
+    first = start_daemon(tmp_path)
+    try:
+        second = start_daemon(tmp_path, wait=False)
+        assert second.proc.wait(30) == 2
+        assert "another hicached" in second.log()
+        assert first.proc.poll() is None
+    finally:
+        assert first.stop(signal.SIGKILL, timeout=10) == -signal.SIGKILL
+    assert os.path.exists(first.socket), "a killed daemon leaves its socket behind"
+    third = start_daemon(tmp_path)
+    assert third.stop() == 0
+
+
+def test_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    with HiCacheClient(d.target) as c:
+        c.create_pool(SPEC)
+        host = c.alloc(SPEC.name, 64)
+        assert host.numel() == 64
+    assert d.stop(signal.SIGTERM) == 0
+    log = d.log()
+    assert "draining" in log and "hicached stopped" in log
+    assert not os.path.exists(d.socket)
+
+
+def test_client_reconnects_after_daemon_restart(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    c = HiCacheClient(d.target, reconnect_seconds=1.0, timeout=5)
+    try:
+        c.ping()
+        d.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(HiCacheError) as exc:
+            c.get_info()
+        assert exc.value.reason == "UNAVAILABLE" and "unreachable" in exc.value.message
+        assert time.monotonic() - t0 >= 0.9
+        d2 = start_daemon(tmp_path)
+        c.ping()  # the same client object works again
+        assert d2.stop() == 0
+    finally:
+        c.close()
