@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from hicached.__main__ import build_config
+from hicached.config import ServerConfig, config_from_mapping, parse_size
+from hicached.errors import SpecInvalid
+from hicached.geometry import Layout, PoolKind
+
+
+def args(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = {k: None for k in ("config", "listen", "shm_dir", "metrics_listen", "memory_budget",
+                              "reserve", "lease_seconds", "copy_threads", "grpc_threads",
+                              "grace_seconds", "tls_cert", "tls_key", "log_format",
+                              "log_level")}
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_sizes() -> None:
+    assert parse_size("64GiB") == 64 << 30
+    assert parse_size("1.5 GB") == 1_500_000_000
+    assert parse_size(4096) == 4096
+    with pytest.raises(SpecInvalid):
+        parse_size("lots")
+
+
+def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "hicached.toml"
+    cfg.write_text('shm_dir = "/from/file"\nlease_seconds = 9\nmemory_budget = "1GiB"\n'
+                   'grace_seconds = 3\n')
+    env = {"HICACHED_LEASE_SECONDS": "7", "HICACHED_GRACE_SECONDS": "4"}
+    c = build_config(args(config=str(cfg), grace_seconds="5"), env)
+    assert c.shm_dir == "/from/file"          # file only
+    assert c.lease_seconds == 7.0             # env beats file
+    assert c.grace_seconds == 5.0             # flag beats env
+    assert c.memory_budget_bytes == 1 << 30
+    c = build_config(args(listen=["unix:/tmp/a.sock", "127.0.0.1:0"]), {})
+    assert c.listen == ("unix:/tmp/a.sock", "127.0.0.1:0")
+
+
+def test_defaults_are_sane() -> None:
+    c = ServerConfig()
+    assert c.listen[0].startswith("unix:") and c.listen[0].endswith("hicached.sock")
+    assert c.effective_budget() > 0
+
+
+def test_declared_pools() -> None:
+    c = config_from_mapping({"pool": [{
+        "name": "llama", "kind": "MHA", "dtype": "bfloat16", "layout": "page_first",
+        "page_size": 64, "layer_num": 32, "head_num": 8, "head_dim": 128, "size": "1GiB",
+        "side": [{"name": "idx", "kind": "DSA_INDEXER", "layer_num": 32,
+                  "index_head_dim": 128, "quant_block_size": 128}]}]})
+    (p,) = c.pools
+    assert p.geometry.kind is PoolKind.MHA and p.layout is Layout.PAGE_FIRST
+    assert p.size_bytes == 1 << 30 and p.side_pools[0].geometry.index_head_dim == 128
+
+
+@pytest.mark.parametrize("bad", [
+    {"bogus": 1}, {"listen": ["nonsense"]}, {"lease_seconds": 0}, {"shm_dir": "relative"},
+    {"tls_cert": "/c.pem"}, {"pool": [{"name": "x"}]},
+])
+def test_invalid_settings(bad: dict[str, object]) -> None:
+    with pytest.raises(SpecInvalid):
+        config_from_mapping(bad)

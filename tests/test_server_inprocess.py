@@ -1,0 +1,107 @@
+"""The service in-process: create_server on a temp socket, metrics on its fresh registry."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicached.config import ServerConfig
+from hicached.errors import HiCacheError
+from hicached.geometry import DType, KVGeometry, PoolKind, PoolSpec
+from hicached.metrics import REASONS
+from hicached.server import HiCacheServer, create_server
+
+SPEC = PoolSpec("m", KVGeometry(PoolKind.MLA, DType.BFLOAT16, 2, kv_lora_rank=32,
+                                qk_rope_head_dim=0), 4, size_tokens=256)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, HiCacheClient, Path]]:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = ServerConfig(listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm),
+                       metrics_listen="127.0.0.1:0", memory_budget_bytes=64 << 20,
+                       reserve_bytes=0, pools=(SPEC,), grace_seconds=2)
+    server, bound = create_server(cfg)
+    client = HiCacheClient(bound[0], reconnect_seconds=0.5)
+    yield server, client, shm
+    client.close()
+    server.drain_and_stop(1.0)
+
+
+def sample(server: HiCacheServer, name: str, **labels: str) -> float:
+    v = server.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def test_declared_pool_exists_from_startup(served) -> None:  # type: ignore[no-untyped-def]
+    _server, client, _ = served
+    info = client.get_pool("m")
+    assert info.page_num == 64 and info.spec == SPEC
+
+
+def test_metrics_follow_known_operations(served) -> None:  # type: ignore[no-untyped-def]
+    server, client, shm = served
+    for reason in REASONS:
+        assert server.registry.get_sample_value("hicache_rejected_requests_total",
+                                                {"reason": reason}) == 0.0
+    with ShmDeviceBuffers.create(SPEC, 32, str(shm)) as bufs:
+        with client.open_session("m", "w", bufs.descriptors, heartbeat=False) as s:
+            assert sample(server, "hicache_sessions_open") == 1
+            host = client.alloc("m", 8)
+            s.backup(host, torch.arange(8))
+            s.load(host, torch.arange(8))
+            s.load(host, torch.arange(8))
+            with pytest.raises(HiCacheError):
+                s.backup(host[:5], torch.arange(5))
+    page_bytes = SPEC.page_bytes
+    assert sample(server, "hicache_transfer_bytes_total", pool="m", op="backup") == 2 * page_bytes
+    assert sample(server, "hicache_transfer_bytes_total", pool="m", op="load") == 4 * page_bytes
+    assert sample(server, "hicache_transfer_requests_total", pool="m", op="load") == 2
+    assert sample(server, "hicache_transfer_duration_seconds_count", pool="m", op="load") == 2
+    assert sample(server, "hicache_rejected_requests_total",
+                  reason="INDICES_NOT_PAGE_ALIGNED") == 1
+    assert sample(server, "hicache_rpc_requests_total", method="Backup",
+                  code="INVALID_ARGUMENT") == 1
+    assert sample(server, "hicache_pool_used_pages", pool="m") == 2
+    assert sample(server, "hicache_pool_capacity_pages", pool="m") == 64
+    assert sample(server, "hicache_pool_capacity_bytes", pool="m") == 64 * page_bytes
+    assert sample(server, "hicache_sessions_open") == 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as r:
+        text = r.read().decode()
+    assert "hicache_transfer_bytes_total" in text and "process_resident_memory_bytes" in text
+
+
+def test_draining_refuses_new_work_with_unavailable(served) -> None:  # type: ignore[no-untyped-def]
+    server, client, _ = served
+    server.daemon.draining.set()
+    with pytest.raises(HiCacheError) as exc:
+        client.alloc("m", 4)
+    assert exc.value.reason in ("DRAINING", "UNAVAILABLE")
+    assert client.get_info().serving is False  # reads still answer
+    server.daemon.draining.clear()
+
+
+def test_budget_is_enforced(served) -> None:  # type: ignore[no-untyped-def]
+    _, client, _ = served
+    big = PoolSpec("big", SPEC.geometry, 4, size_bytes=128 << 20)
+    with pytest.raises(HiCacheError) as exc:
+        client.create_pool(big)
+    assert exc.value.reason == "HOST_MEMORY_INSUFFICIENT"
+    assert exc.value.metadata["budget_bytes"] == str(64 << 20)
+
+
+def test_delete_pool_in_use_is_refused(served) -> None:  # type: ignore[no-untyped-def]
+    _, client, shm = served
+    with ShmDeviceBuffers.create(SPEC, 32, str(shm)) as bufs:
+        with client.open_session("m", "w", bufs.descriptors, heartbeat=False):
+            with pytest.raises(HiCacheError) as exc:
+                client.delete_pool("m")
+            assert exc.value.reason == "POOL_IN_USE"
+    client.delete_pool("m")
+    assert client.list_pools() == []

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import pytest
+
+from hicached.devicekv import DeviceKV
+from hicached.errors import SessionNotFound
+from hicached.sessions import SessionManager
+from hicached.transport import Attachment
+from tests.helpers import make_pool, mha, spec
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class CountingAttachment(Attachment):
+    def __init__(self) -> None:
+        super().__init__(DeviceKV({}), [], 123)
+        self.releases = 0
+
+    def release(self) -> None:
+        self.releases += 1
+        super().release()
+
+
+@pytest.fixture
+def setup():  # type: ignore[no-untyped-def]
+    pool = make_pool(spec(mha()))
+    clock = Clock()
+    reaped: list[str] = []
+    m = SessionManager(2.0, clock=clock, on_reap=lambda s: reaped.append(s.session_id))
+    yield pool, clock, m, reaped
+    pool.close()
+
+
+def test_lease_expiry_reaps_and_releases(setup) -> None:  # type: ignore[no-untyped-def]
+    pool, clock, m, reaped = setup
+    att = CountingAttachment()
+    s = m.open("p", pool, "w", att, 16)
+    clock.t = 1.5
+    m.heartbeat(s.session_id)
+    clock.t = 3.0
+    assert m.reap() == []
+    clock.t = 3.6
+    assert [x.session_id for x in m.reap()] == [s.session_id] == reaped
+    assert att.releases == 1 and m.reaped_total == 1
+    with pytest.raises(SessionNotFound):
+        m.get(s.session_id)
+
+
+def test_mappings_outlive_an_in_flight_transfer(setup) -> None:  # type: ignore[no-untyped-def]
+    pool, _clock, m, _ = setup
+    att = CountingAttachment()
+    s = m.open("p", pool, "w", att, 16)
+    with m.transfer(s.session_id):
+        m.close(s.session_id)
+        assert att.releases == 0, "released under a running copy"
+    assert att.releases == 1
+    with pytest.raises(SessionNotFound):
+        with m.transfer(s.session_id):
+            pass
+
+
+def test_transfers_renew_the_lease(setup) -> None:  # type: ignore[no-untyped-def]
+    pool, clock, m, _ = setup
+    s = m.open("p", pool, "w", CountingAttachment(), 16)
+    clock.t = 1.9
+    with m.transfer(s.session_id):
+        pass
+    clock.t = 3.5
+    assert m.reap() == []
+    assert m.count("p") == 1 and m.count("other") == 0
+
+
+def test_close_all(setup) -> None:  # type: ignore[no-untyped-def]
+    pool, _clock, m, _ = setup
+    atts = [CountingAttachment() for _ in range(3)]
+    for a in atts:
+        m.open("p", pool, "w", a, 16)
+    m.close_all()
+    assert [a.releases for a in atts] == [1, 1, 1] and m.count() == 0
