@@ -79,10 +79,10 @@ def throughput(client: HiCacheClient, layout: Layout, shm: Path, reps: int,
         dev = (dev_pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
         r_host, l_host = remote_host[pick].reshape(-1), local_host[pick].reshape(-1)
         nbytes = BATCH * spec.page_bytes
+        device = bufs.device
         for op in ("backup", "load"):
             remote = session.backup if op == "backup" else session.load
             inproc = engine.backup if op == "backup" else engine.load
-            device = bufs.device
 
             def via_daemon(remote: Callable[..., object] = remote) -> object:
                 return remote(r_host, dev)

@@ -12,10 +12,11 @@ from hicached.geometry import Layout, PoolKind
 
 
 def args(**kw: object) -> argparse.Namespace:
-    base: dict[str, object] = {k: None for k in ("config", "listen", "shm_dir", "metrics_listen", "memory_budget",
+    names = ("config", "listen", "shm_dir", "metrics_listen", "memory_budget",
                               "reserve", "lease_seconds", "copy_threads", "grpc_threads",
                               "grace_seconds", "tls_cert", "tls_key", "log_format",
-                              "log_level")}
+                              "log_level")
+    base: dict[str, object] = {k: None for k in names}
     base.update(kw)
     return argparse.Namespace(**base)
 
