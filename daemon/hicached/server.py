@@ -129,6 +129,7 @@ class HiCacheServer:
             if self.config.metrics_listen:
                 self._metrics_server, self.metrics_port = serve(self.daemon.metrics,
                                                                 self.config.metrics_listen)
+                self.daemon.metrics_port = self.metrics_port
             self.grpc.start()
             for target in bound:
                 if target.startswith("unix:"):

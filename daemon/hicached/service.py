@@ -54,6 +54,7 @@ class Daemon:
     engine: TransferEngine
     metrics: Metrics
     draining: threading.Event = field(default_factory=threading.Event)
+    metrics_port: int = 0
     in_flight: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -145,7 +146,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             memory_used_bytes=d.registry.used_bytes, memory_available_bytes=available_bytes(),
             shm_dir=d.transport.shm_dir, cuda_available=cuda_available(),
             serving=not d.draining.is_set(), pools=len(d.registry.list()),
-            sessions=d.sessions.count())
+            sessions=d.sessions.count(), metrics_port=d.metrics_port)
 
     @rpc(creates_work=False)
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:

@@ -62,7 +62,8 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
             ("budget", _size(info.memory_budget_bytes)),
             ("used", _size(info.memory_used_bytes)),
             ("host available", _size(info.memory_available_bytes)),
-            ("shm dir", info.shm_dir), ("pools", info.pools), ("sessions", info.sessions)]))
+            ("shm dir", info.shm_dir), ("pools", info.pools), ("sessions", info.sessions),
+            ("metrics port", info.metrics_port or "off")]))
         return 0
     if args.command == "pools":
         resp = client.list_pools_raw()

@@ -160,7 +160,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions")
+    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class GetInfoResponse(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     memory_budget_bytes: int
@@ -181,7 +182,8 @@ class GetInfoResponse(_message.Message):
     serving: bool
     pools: int
     sessions: int
-    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    metrics_port: int
+    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("spec",)

@@ -1,0 +1,106 @@
+"""deploy/: promtool-valid Prometheus config and alert rules (with rule unit tests), a Grafana
+dashboard that only uses metrics the daemon exports, parseable manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicached.config import ServerConfig
+from hicached.errors import HiCacheError
+from hicached.geometry import CanarySpec, DType, KVGeometry, PoolKind, PoolSpec
+from hicached.server import create_server
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is missing in CI: scripts/test.sh installs prometheus")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    return path
+
+
+@pytest.mark.parametrize("args", [
+    ["check", "config", "prometheus.yml"],
+    ["check", "rules", "alerts.yml"],
+    ["test", "rules", "alerts_test.yml"],
+])
+def test_promtool(args: list[str]) -> None:
+    out = subprocess.run([promtool(), *args], cwd=DEPLOY, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_manifests_parse() -> None:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "inference-pod.yaml").read_text()))
+    pod = docs[0]
+    names = [c["name"] for c in pod["spec"]["containers"]]
+    assert names == ["hicached", "sglang"]
+    sidecar = pod["spec"]["containers"][0]
+    assert sidecar["readinessProbe"]["grpc"]["service"] == "hicache.v1.HostCache"
+    assert {v["emptyDir"]["medium"] for v in pod["spec"]["volumes"]} == {"Memory"}
+    unit = (DEPLOY / "systemd" / "hicached.service").read_text()
+    for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "LimitMEMLOCK=infinity",
+                 "RuntimeDirectory=hicached"):
+        assert line in unit
+    import tomllib
+
+    from hicached.config import config_from_mapping
+
+    cfg = config_from_mapping(tomllib.loads((DEPLOY / "hicached.toml").read_text()))
+    assert cfg.pools[0].name == "llama3-8b-tp0"
+
+
+@pytest.fixture
+def scraped_names(tmp_path: Path) -> Iterator[set[str]]:
+    """Metric names a daemon exports after every kind of operation."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    spec = PoolSpec("d", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 16), 4,
+                    size_tokens=64, canary=CanarySpec(16))
+    server, bound = create_server(ServerConfig(
+        listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), metrics_listen="127.0.0.1:0",
+        memory_budget_bytes=1 << 26, reserve_bytes=0, pools=(spec,)))
+    try:
+        with HiCacheClient(bound[0]) as c, ShmDeviceBuffers.create(spec, 16, str(shm)) as b:
+            with c.open_session("d", "w", b.descriptors, heartbeat=False) as s:
+                host = c.alloc("d", 4)
+                s.backup(host, torch.arange(4))
+                s.load(host, torch.arange(4))
+                with pytest.raises(HiCacheError):
+                    c.alloc("d", 1000)
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as r:
+            text = r.read().decode()
+        yield {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+               if line and not line.startswith("#")}
+    finally:
+        server.drain_and_stop(1.0)
+
+
+def test_dashboard_uses_only_exported_metrics(scraped_names: set[str]) -> None:
+    dash = json.loads((DEPLOY / "grafana" / "hicached-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bhicache_[a-z_]+", e)}
+    assert used and used <= scraped_names, used - scraped_names
+
+
+def test_alert_rules_use_only_exported_metrics(scraped_names: set[str]) -> None:
+    rules = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    used = {m for e in exprs for m in re.findall(r"\bhicache_[a-z_]+", e)}
+    assert used and used <= scraped_names, used - scraped_names
