@@ -9,6 +9,7 @@ and measures side by side in one run, alternating, medians:
 2. p50 / p99 latency of a 1-page Backup vs an empty unary RPC (Ping) on the same channel
    (target <= 2), at page_size 64 (an 8 MiB page: the copy itself is most of it) and at
    page_size 1 (128 KiB: the control plane).
+3. Scrape latency of /metrics while 64-page backups run, and the backups' slowdown from it.
 
 Run: ``python benchmarks/bench_daemon.py [--quick] [--json FILE]``.
 """
@@ -23,7 +24,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,7 +55,7 @@ def start_daemon(workdir: Path, shm: Path) -> tuple[subprocess.Popen[bytes], str
     sock = workdir / "bench.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}", "--shm-dir",
-         str(shm), "--metrics-listen", "", "--memory-budget", "8GiB", "--reserve", "0",
+         str(shm), "--metrics-listen", "127.0.0.1:0", "--memory-budget", "8GiB", "--reserve", "0",
          "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     target = f"unix:{sock}"
     client = HiCacheClient(target, reconnect_seconds=30)
@@ -106,6 +109,47 @@ def throughput(client: HiCacheClient, layout: Layout, shm: Path, reps: int,
     return rows
 
 
+def scrape_under_load(client: HiCacheClient, shm: Path, reps: int, interval: float
+                      ) -> dict[str, Any]:
+    """Scrape /metrics every ``interval`` seconds (0 = back to back) while 64-page backups run;
+    compare with the same backups unscraped."""
+    port = client.get_info().metrics_port
+    spec = PoolSpec("bench-scrape", GEOMETRY, PAGE, Layout.LAYER_FIRST,
+                    size_tokens=2 * BATCH * PAGE)
+    client.create_pool(spec)
+    with ShmDeviceBuffers.create(spec, 2 * BATCH * PAGE, str(shm), prefix="scrape") as bufs:
+        session = client.open_session(spec.name, "scrape", bufs.descriptors, lease_ms=60_000)
+        host = client.alloc(spec.name, BATCH * PAGE)
+        dev = torch.arange(BATCH * PAGE)
+        session.backup(host, dev)
+        quiet = [timed(lambda: session.backup(host, dev)) for _ in range(reps)]
+        scrapes: list[float] = []
+        stop = threading.Event()
+
+        def scraper() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+                    r.read()
+                scrapes.append(time.perf_counter() - t0)
+                stop.wait(interval)
+
+        thread = threading.Thread(target=scraper)
+        thread.start()
+        busy = [timed(lambda: session.backup(host, dev)) for _ in range(reps)]
+        stop.set()
+        thread.join()
+        session.close()
+    client.delete_pool(spec.name)
+    arr = np.array(scrapes)
+    return {"scrapes": len(scrapes), "scrape_p50_ms": float(np.percentile(arr, 50)) * 1e3,
+            "scrape_p99_ms": float(np.percentile(arr, 99)) * 1e3,
+            "backup_quiet_ms": statistics.median(quiet) * 1e3,
+            "backup_scraped_ms": statistics.median(busy) * 1e3,
+            "slowdown": statistics.median(busy) / statistics.median(quiet),
+            "interval_s": interval}
+
+
 def latency(client: HiCacheClient, shm: Path, n: int, page: int) -> dict[str, Any]:
     spec = PoolSpec("bench-lat", GEOMETRY, page, Layout.LAYER_FIRST, size_tokens=16 * page)
     client.create_pool(spec)
@@ -156,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             for layout in (Layout.LAYER_FIRST, Layout.PAGE_FIRST):
                 rows += throughput(client, layout, Path(shm_dir), reps, engine)
             lats = [latency(client, Path(shm_dir), n, page) for page in (PAGE, 1)]
+            scrapes = [scrape_under_load(client, Path(shm_dir), reps * 3, interval)
+                       for interval in (1.0, 0.1, 0.0)]
             client.close()
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -173,9 +219,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{lat['backup_p99_ms']:.3f} vs {lat['ping_p99_ms']:.3f} ms "
               f"(x{lat['p99_ratio']:.2f}); validation + copy inside the daemon p50 "
               f"{lat['server_side_p50_ms']:.3f} ms")
+    print()
+    for sc in scrapes:
+        every = f"every {sc['interval_s']:.1f} s" if sc["interval_s"] else "back to back"
+        print(f"scraping /metrics {every} during 64-page backups: {sc['scrapes']} scrapes, "
+              f"p50 {sc['scrape_p50_ms']:.2f} ms, p99 {sc['scrape_p99_ms']:.2f} ms; backup "
+              f"median {sc['backup_scraped_ms']:.1f} ms vs {sc['backup_quiet_ms']:.1f} ms "
+              f"unscraped (x{sc['slowdown']:.2f})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"throughput": rows, "latency": lats}, f, indent=2)
+            json.dump({"throughput": rows, "latency": lats, "scrape": scrapes}, f, indent=2)
     return 0
 
 
