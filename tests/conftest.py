@@ -13,3 +13,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
+    from tests.reliability.figures import FIGURES
+
+    if not FIGURES:
+        return
+    terminalreporter.section("reliability figures")
+    for test, values in sorted(FIGURES.items()):
+        shown = ", ".join(f"{k}={v:,.0f}" if float(v).is_integer() else f"{k}={v:,.2f}"
+                          for k, v in values.items())
+        terminalreporter.write_line(f"{test}: {shown}")
