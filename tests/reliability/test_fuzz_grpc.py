@@ -188,7 +188,7 @@ DIM = st.one_of(st.integers(-5, 5), st.integers(2**20, 2**62), st.just(0))
 def test_absurd_geometries(world: World, kind: int, dtype: int, layout: int, page: int,
                            dims: list[int], size: int) -> None:
     spec = pb.PoolSpec(name="nx-absurd", page_size=page, size_tokens=size)
-    spec.kind, spec.dtype, spec.layout = kind, dtype, layout
+    spec.kind, spec.dtype, spec.layout = kind, dtype, layout  # type: ignore[assignment]
     for field, v in zip(("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank",
                          "qk_rope_head_dim", "index_head_dim", "quant_block_size"), dims,
                         strict=True):
