@@ -76,6 +76,9 @@ class CopyPlan:
     src_pitch: int
     dst_stride: int
     src_stride: int
+    layer_inner: bool = False
+    """Walk row by row across layers (a source that interleaves layers per row is then read
+    sequentially); otherwise layer by layer, coalescing page runs."""
 
     @property
     def nbytes(self) -> int:
@@ -89,9 +92,14 @@ class CopyPlan:
         them; the extreme pages are checked against every layer's buffer (an internal
         invariant: validation already guaranteed it)."""
         sl = slice(layers.start, layers.stop)
+        # reading a source that interleaves layers per row (a page_first host) row by row
+        # across layers streams it; writes scattered to many layers are cheap with streaming
+        # stores, scattered reads are not (measured: page_first load 0.56 -> 0.92 of memcpy)
+        interleaved = (src.layer_bases.size > 1
+                       and int(src.layer_bases[1] - src.layer_bases[0]) == unit_bytes)
         plan = CopyPlan(dst.layer_bases[sl], src.layer_bases[sl], dst_pages, src_pages,
                         unit_bytes, units, dst.page_pitch, src.page_pitch, dst.unit_stride,
-                        src.unit_stride)
+                        src.unit_stride, layer_inner=interleaved and len(layers) > 1)
         if dst_pages.size and len(layers):
             if page_bounds is None:
                 page_bounds = ((int(dst_pages.min()), int(dst_pages.max())),
@@ -113,7 +121,7 @@ def execute(plan: CopyPlan, threads: int) -> int:
         return int(_KERNEL.copy_pages(
             plan.dst_base, plan.src_base, plan.dst_pages, plan.src_pages, plan.unit_bytes,
             plan.units, plan.dst_pitch, plan.src_pitch, plan.dst_stride, plan.src_stride,
-            threads, MIN_PARALLEL_BYTES, STREAMING_BYTES))
+            threads, MIN_PARALLEL_BYTES, STREAMING_BYTES, plan.layer_inner))
     return _execute_python(plan)
 
 

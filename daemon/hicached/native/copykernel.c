@@ -32,6 +32,7 @@ typedef struct {
     int64_t nlayers, npages;
     int64_t unit_bytes, units, dst_pitch, src_pitch, dst_stride, src_stride;
     int streaming; /* non-temporal stores: the destination is not read again soon */
+    int layer_inner; /* one side interleaves layers per row (page_first): walk it in order */
 } plan_t;
 
 /* memcpy, or with non-temporal stores for transfers far larger than the caches: they skip the
@@ -111,8 +112,30 @@ static void copy_run(const plan_t *p, char *dst, const char *src, int64_t n) {
     }
 }
 
+/* Layer-inner order for items = pages: row r of every layer before row r + 1, so the side
+ * that keeps a token's layers side by side (page_first hosts) is read or written sequentially
+ * instead of in unit-sized pieces a layer apart. */
+static void run_range_layer_inner(const plan_t *p, int64_t first, int64_t last) {
+    const int64_t ub = p->unit_bytes;
+    for (int64_t i = first; i < last; i++) {
+        int64_t doff = p->dst_pages[i] * p->dst_pitch, soff = p->src_pages[i] * p->src_pitch;
+        for (int64_t r = 0; r < p->units; r++) {
+            for (int64_t l = 0; l < p->nlayers; l++) {
+                copy_block((char *)(intptr_t)(p->dst_base[l] + doff + r * p->dst_stride),
+                           (const char *)(intptr_t)(p->src_base[l] + soff + r * p->src_stride),
+                           (size_t)ub, p->streaming);
+            }
+        }
+    }
+    store_fence(p->streaming);
+}
+
 /* Runs of pages that are consecutive on both sides are copied together. */
 static void run_range(const plan_t *p, int64_t first, int64_t last) {
+    if (p->layer_inner) {
+        run_range_layer_inner(p, first, last);
+        return;
+    }
     int64_t item = first;
     while (item < last) {
         int64_t layer = item / p->npages, i = item % p->npages;
@@ -282,10 +305,12 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     plan_t p;
     int nthreads;
     long long min_parallel_bytes, streaming_bytes;
+    int layer_inner;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOLLLLLLiLL", &objs[0], &objs[1], &objs[2], &objs[3],
+    if (!PyArg_ParseTuple(args, "OOOOLLLLLLiLLp", &objs[0], &objs[1], &objs[2], &objs[3],
                           &p.unit_bytes, &p.units, &p.dst_pitch, &p.src_pitch, &p.dst_stride,
-                          &p.src_stride, &nthreads, &min_parallel_bytes, &streaming_bytes))
+                          &p.src_stride, &nthreads, &min_parallel_bytes, &streaming_bytes,
+                          &layer_inner))
         return NULL;
     static const char *names[4] = {"dst_base", "src_base", "dst_pages", "src_pages"};
     Py_buffer views[4];
@@ -308,8 +333,9 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "unit_bytes and units must be positive");
         goto done;
     }
-    int64_t items = p.nlayers * p.npages;
-    int64_t total_bytes = items * p.units * p.unit_bytes;
+    p.layer_inner = layer_inner;
+    int64_t items = layer_inner ? p.npages : p.nlayers * p.npages;
+    int64_t total_bytes = p.nlayers * p.npages * p.units * p.unit_bytes;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
     if (total_bytes < min_parallel_bytes || items < nthreads) nthreads = 1;
@@ -328,8 +354,8 @@ done:
 static PyMethodDef methods[] = {
     {"copy_pages", copy_pages, METH_VARARGS,
      "copy_pages(dst_base, src_base, dst_pages, src_pages, unit_bytes, units, dst_pitch, "
-     "src_pitch, dst_stride, src_stride, nthreads, min_parallel_bytes, streaming_bytes) -> "
-     "bytes copied"},
+     "src_pitch, dst_stride, src_stride, nthreads, min_parallel_bytes, streaming_bytes, "
+     "layer_inner) -> bytes copied"},
     {NULL, NULL, 0, NULL},
 };
 
