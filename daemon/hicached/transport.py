@@ -2,6 +2,7 @@
 
 Primitives:
 
+- ``DeviceBufferSpec``: one worker buffer as handed over (decoded from the wire by ``wire``).
 - ``ShmTransport(shm_dir)``: ``attach(buffers)`` maps every buffer's file once (MAP_SHARED |
   MAP_POPULATE) after checking it: inside ``shm_dir`` after resolving, not a symlink, a regular
   file, not world-writable, large enough for offset + nbytes and for the declared shape. Any
@@ -19,13 +20,32 @@ import mmap
 import os
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hicached.devicekv import DeviceKV
 from hicached.errors import GeometryMismatch, ShmPathRejected, TransportUnavailable
-from hicached.geometry import Role
-from hicached.wire import DeviceBufferSpec
+from hicached.geometry import DType, Role
+
+
+@dataclass(frozen=True)
+class DeviceBufferSpec:
+    """One worker device buffer as handed over on the wire, decoded."""
+
+    member: str
+    role: Role
+    layer: int
+    shape: tuple[int, ...]
+    dtype: DType
+    strides: tuple[int, ...]
+    transport: str
+    """"shm" or "cuda_ipc"."""
+    path: str = ""
+    offset: int = 0
+    nbytes: int = 0
+    ipc_handle: bytes = b""
+    device_uuid: str = ""
 
 
 def cuda_available() -> bool:

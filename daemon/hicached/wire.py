@@ -6,14 +6,13 @@ Primitives:
   end in the domain names: ``POOL_KIND_MHA`` <-> ``PoolKind.MHA``).
 - ``indices_to_bytes`` / ``indices_from_bytes``: little-endian int64 index batches (one
   ``frombuffer`` to decode; a repeated field costs ~100x more to build).
-- ``DeviceBufferSpec``: a decoded ``hicache.v1.DeviceBuffer`` (the transport never sees protos).
+- ``buffer_from_proto`` / ``buffer_to_proto``: ``hicache.v1.DeviceBuffer`` <->
+  ``transport.DeviceBufferSpec`` (the transport never sees protos).
 
 Decoding failures raise domain errors (``SPEC_INVALID``, ``INDICES_MALFORMED``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,7 +30,11 @@ from hicached.geometry import (
     PoolSpec,
     Role,
 )
+from hicached.transport import DeviceBufferSpec
 from hicached.validation import IndexArray, to_index_array
+
+__all__ = ["DeviceBufferSpec", "buffer_from_proto", "buffer_to_proto", "indices_from_bytes",
+           "indices_to_bytes", "spec_from_proto", "spec_to_proto"]
 
 
 def _enum_name(enum_type: object, value: int, prefix: str, field: str) -> str:
@@ -137,25 +140,6 @@ def indices_to_bytes(indices: object) -> bytes:
 
 def indices_from_bytes(raw: bytes, field: str) -> IndexArray:
     return to_index_array(raw, field)
-
-
-@dataclass(frozen=True)
-class DeviceBufferSpec:
-    """One worker device buffer as handed over on the wire, decoded."""
-
-    member: str
-    role: Role
-    layer: int
-    shape: tuple[int, ...]
-    dtype: DType
-    strides: tuple[int, ...]
-    transport: str
-    """"shm" or "cuda_ipc"."""
-    path: str = ""
-    offset: int = 0
-    nbytes: int = 0
-    ipc_handle: bytes = b""
-    device_uuid: str = ""
 
 
 def buffer_from_proto(msg: pb.DeviceBuffer, position: int) -> DeviceBufferSpec:
