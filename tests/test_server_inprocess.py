@@ -105,3 +105,15 @@ def test_delete_pool_in_use_is_refused(served) -> None:  # type: ignore[no-untyp
             assert exc.value.reason == "POOL_IN_USE"
     client.delete_pool("m")
     assert client.list_pools() == []
+
+
+def test_closing_the_client_stops_heartbeats(served) -> None:  # type: ignore[no-untyped-def]
+    _, client, shm = served
+    with ShmDeviceBuffers.create(SPEC, 32, str(shm)) as bufs:
+        session = client.open_session("m", "w", bufs.descriptors, lease_ms=90)
+        thread = session._thread
+        assert thread is not None and thread.is_alive()
+        client.close()
+        thread.join(2)
+        assert not thread.is_alive()
+        assert session.heartbeat_error is None

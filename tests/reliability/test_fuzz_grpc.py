@@ -76,6 +76,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     assert w.client.get_info().serving, "the daemon went down"
     assert w.fingerprint() == before, "pool bytes changed under fuzzing"
     record("fuzz_grpc", **COUNT)
+    w.session.close()
+    w.check.close()
+    w.bufs.close()
+    w.scratch.close()
     w.channel.close()
     w.client.close()
     assert d.stop() == 0, d.log()

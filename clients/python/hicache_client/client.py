@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -79,6 +80,7 @@ class HiCacheClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ])
         self._stub = pb_grpc.HostCacheStub(self._channel)  # type: ignore[no-untyped-call]
+        self._sessions: weakref.WeakSet[WorkerSession] = weakref.WeakSet()
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -105,6 +107,9 @@ class HiCacheClient:
                 delay = min(delay * 2, 1.0)
 
     def close(self) -> None:
+        """Close the channel; heartbeats of sessions opened through it stop."""
+        for s in list(self._sessions):
+            s.stop_heartbeat()
         self._channel.close()
 
     def __enter__(self) -> HiCacheClient:
@@ -150,7 +155,9 @@ class HiCacheClient:
         msgs = [b if isinstance(b, pb.DeviceBuffer) else buffer_to_proto(b) for b in buffers]
         s = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
             pool=pool, worker_id=worker_id, buffers=msgs, lease_ms=lease_ms), retry=False)
-        return WorkerSession(self, s, heartbeat)
+        session = WorkerSession(self, s, heartbeat)
+        self._sessions.add(session)
+        return session
 
     def heartbeat(self, session_id: str) -> pb.Session:
         s: pb.Session = self._call(self._stub.Heartbeat,
@@ -224,6 +231,8 @@ class WorkerSession:
                 self.heartbeat_error = None
             except HiCacheError as exc:  # kept for the caller; the next transfer will raise
                 self.heartbeat_error = exc
+            except ValueError:  # the client's channel was closed under us
+                return
 
     def backup(self, host_indices: object, device_indices: object, layer_begin: int = 0,
                layer_end: int = 0) -> TransferStats:
@@ -235,10 +244,13 @@ class WorkerSession:
         return self.client.load(self.session_id, host_indices, device_indices, layer_begin,
                                 layer_end)
 
-    def close(self) -> None:
+    def stop_heartbeat(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        self.stop_heartbeat()
         self.client.close_session(self.session_id)
 
     def __enter__(self) -> WorkerSession:
