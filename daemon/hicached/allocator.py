@@ -5,8 +5,8 @@ Primitives:
 - ``PageAllocator(page_num, page_size)``: a FIFO free list of page ids (like SGLang's host
   allocator) plus per-page state, pin counts and allocation generations.
 - ``alloc(num_tokens)``: page-aligned token indices of fresh pages, or ``POOL_EXHAUSTED``.
-- ``free(indices)``: returns pages; double free, never-allocated pages and partial pages are
-  errors, found for the whole batch before anything changes.
+- ``free(indices)``: returns pages and their page numbers; double free, never-allocated pages
+  and partial pages are errors, found for the whole batch before anything changes.
 - ``pin(pages)`` / ``unpin(pages)``: reference counts; a pinned page that is freed is released
   only when its last pin drops, so a copy in flight never reads a page handed to someone else.
 - ``memcheck()``: verifies every invariant (the tests call it after every operation).
@@ -107,8 +107,8 @@ class PageAllocator:
             self._generation[pages] += 1
         return (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
 
-    def free(self, indices: object, *, field: str = "host_indices") -> int:
-        """Return the pages of ``indices`` (whole page runs). Returns the number of pages."""
+    def free(self, indices: object, *, field: str = "host_indices") -> np.ndarray:
+        """Return the pages of ``indices`` (whole page runs); returns their page numbers."""
         idx = to_index_array(indices, field)
         pages = self._pages_of(idx, field)
         with self._lock:
@@ -132,7 +132,7 @@ class PageAllocator:
             released = pages[~pinned]
             self._state[released] = FREE
             self._push_free(released)
-        return int(pages.size)
+        return pages
 
     def pin(self, pages: np.ndarray, unique: bool = False) -> None:
         """Take a reference on ``pages``; all must be allocated (a concurrent free may have

@@ -169,13 +169,10 @@ class HostPool:
     def free(self, indices: object) -> int:
         """Return whole pages; their canary fingerprints are forgotten. Returns pages freed."""
         self._check_open()
-        freed = self.allocator.free(indices)
+        pages = self.allocator.free(indices)
         if self.canary is not None:
-            from hicached.validation import to_index_array
-
-            idx = to_index_array(indices, "host_indices")
-            self.canary.forget(idx[:: self.page_size] // self.page_size)
-        return freed
+            self.canary.forget(pages)
+        return int(pages.size)
 
     # -- storage ---------------------------------------------------------------------------
 
