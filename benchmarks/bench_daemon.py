@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicache_client.bench import start_daemon
 from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, TransferEngine
 from hicached.pool import MemoryOptions
 
@@ -49,19 +49,6 @@ def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def start_daemon(workdir: Path, shm: Path) -> tuple[subprocess.Popen[bytes], str]:
-    sock = workdir / "bench.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}", "--shm-dir",
-         str(shm), "--metrics-listen", "127.0.0.1:0", "--memory-budget", "8GiB", "--reserve", "0",
-         "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    target = f"unix:{sock}"
-    client = HiCacheClient(target, reconnect_seconds=30)
-    client.ping()
-    client.close()
-    return proc, target
 
 
 def throughput(client: HiCacheClient, layout: Layout, shm: Path, reps: int,
@@ -192,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="hicache-bench-") as work, \
             tempfile.TemporaryDirectory(prefix="hicache-bench-", dir="/dev/shm") as shm_dir:
-        proc, target = start_daemon(Path(work), Path(shm_dir))
+        proc, target = start_daemon(work, shm_dir, "8GiB", metrics_listen="127.0.0.1:0")
         try:
             client = HiCacheClient(target)
             engine = TransferEngine()

@@ -5,11 +5,6 @@
 # Usage: bash scripts/serve.sh [hicached serve flags...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v cc >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq gcc; fi
-fi
-python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null \
-    || python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" \
-        --index-url https://download.pytorch.org/whl/cpu
-python3 -m pip install -q --disable-pip-version-check -e .
+. scripts/setup.sh
+setup_hicached
 exec python3 -m hicached serve "$@"

@@ -8,6 +8,7 @@ Primitives:
   file, not world-writable, large enough for offset + nbytes and for the declared shape. Any
   failure is ``SHM_PATH_REJECTED`` naming the path and why, and nothing stays mapped.
 - ``Attachment``: the ``DeviceKV`` built from the buffers, the bytes attached, ``release()``.
+- ``unmap_all(maps)``: close mappings, tolerating views that are still alive.
 - ``cuda_ipc`` buffers: ``TRANSPORT_UNAVAILABLE`` on hosts without CUDA (and in this build).
 
 Knows nothing of pools or RPC.
@@ -19,7 +20,7 @@ import math
 import mmap
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,15 @@ def supported_transports() -> list[str]:
     return ["shm", "cuda_ipc"] if cuda_available() else ["shm"]
 
 
+def unmap_all(maps: Iterable[mmap.mmap]) -> None:
+    """Close mappings; one still viewed by a live tensor is unmapped when the view goes."""
+    for m in maps:
+        try:
+            m.close()
+        except BufferError:
+            pass
+
+
 class Attachment:
     """Mapped device buffers of one session."""
 
@@ -68,11 +78,7 @@ class Attachment:
         """Drop the tensors and unmap the files. Idempotent."""
         self.device = None
         maps, self._maps = self._maps, []
-        for m in maps:
-            try:
-                m.close()
-            except BufferError:  # a view is still alive somewhere; unmapped when it goes
-                pass
+        unmap_all(maps)
 
 
 def _reject(path: str, why: str) -> ShmPathRejected:
@@ -159,11 +165,7 @@ class ShmTransport:
                                                f"0..{len(ls) - 1}", metadata={"buffer": m})
         except BaseException:
             layers = {}
-            for mapping in maps.values():
-                try:
-                    mapping.close()
-                except BufferError:
-                    pass
+            unmap_all(maps.values())
             raise
         return Attachment(device, list(maps.values()), sum(b.nbytes for b in buffers))
 

@@ -121,12 +121,15 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
-def _start_daemon(workdir: str, shm_dir: str, budget: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(workdir: str, shm_dir: str, budget: str, metrics_listen: str = ""
+                 ) -> tuple[subprocess.Popen[bytes], str]:
+    """A daemon process on a socket in ``workdir``, serving once this returns."""
     sock = os.path.join(workdir, "bench.sock")
     proc = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--listen",
-                             f"unix:{sock}", "--shm-dir", shm_dir, "--metrics-listen", "",
-                             "--memory-budget", budget, "--reserve", "0", "--log-level",
-                             "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             f"unix:{sock}", "--shm-dir", shm_dir, "--metrics-listen",
+                             metrics_listen, "--memory-budget", budget, "--reserve", "0",
+                             "--log-level", "WARNING"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     c = HiCacheClient(f"unix:{sock}", reconnect_seconds=30)
     c.ping()
     c.close()
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     proc = None
     target = args.target
     if target is None:
-        proc, target = _start_daemon(work, shm_dir, args.memory_budget)
+        proc, target = start_daemon(work, shm_dir, args.memory_budget)
     client = HiCacheClient(target)
     rows = []
     try:

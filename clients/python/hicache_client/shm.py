@@ -18,7 +18,7 @@ import torch
 
 from hicached.devicekv import DeviceKV
 from hicached.geometry import PoolSpec, Role, device_shape
-from hicached.wire import DeviceBufferSpec
+from hicached.transport import DeviceBufferSpec, unmap_all
 
 ALIGN = 4096
 
@@ -76,11 +76,7 @@ class ShmDeviceBuffers:
 
     def close(self) -> None:
         self.device = None
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:
-                pass
+        unmap_all(self._maps)
         self._maps = []
         for p in self.paths:
             try:

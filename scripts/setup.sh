@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs what hicached needs on a fresh machine; sourced by test.sh and serve.sh.
+# Usage: setup_hicached [--test]   (--test adds the test extras and a Prometheus server)
+setup_hicached() {
+    local extras="" missing=()
+    command -v cc >/dev/null 2>&1 || missing+=(gcc)  # the native copy kernel is C
+    if [ "${1:-}" = "--test" ]; then
+        extras="[test]"
+        # the observability tests run a real Prometheus server and promtool
+        command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
+            || missing+=(prometheus)
+    fi
+    if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}"
+    fi
+    python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null \
+        || python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" \
+            --index-url https://download.pytorch.org/whl/cpu
+    python3 -m pip install -q --disable-pip-version-check -e ".${extras}"
+}
