@@ -6,9 +6,9 @@ Primitives:
   by fd) or ``FILE`` (a named file, e.g. under /dev/shm, so another process can map the pool).
 - ``HostMemory``: one mapped region; ``address``, ``array()`` (a uint8 numpy view), ``close()``.
 - ``available_bytes()`` / ``check_budget()``: refuse a budget larger than MemAvailable - reserve.
-- ``Pinner``: page-locks a region for fast DMA (chunked ``cudaHostRegister``, rolled back on
-  failure, unregistered on close). ``CudaPinner`` is used only when torch has a CUDA device; on a
-  CPU-only build nothing attempts to pin.
+- ``Pinner``: page-locks a region for fast DMA (chunked ``cuMemHostRegister``, rolled back on
+  failure, unregistered on close). ``DriverPinner`` is used only when the CUDA driver has a
+  device; on hosts without one nothing attempts to pin.
 
 Knows nothing of pools or RPC.
 """
@@ -27,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
+from hicached.cudadriver import CudaDriver, load_driver
 from hicached.errors import HostMemoryInsufficient, SpecInvalid
 
 log = logging.getLogger(__name__)
@@ -83,32 +84,26 @@ class Pinner(Protocol):
     def unregister(self, address: int) -> None: ...
 
 
-class CudaPinner:
-    """cudaHostRegister / cudaHostUnregister through torch's cudart binding."""
+class DriverPinner:
+    """cuMemHostRegister (portable: every context sees the pages pinned) through the CUDA
+    driver; the host memory stays ours and is unregistered at close."""
 
-    def __init__(self) -> None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("CudaPinner needs a CUDA device")
-        self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    def __init__(self, driver: CudaDriver) -> None:
+        self._driver = driver
 
     def register(self, address: int, nbytes: int) -> None:
-        err = self._cudart.cudaHostRegister(address, nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+        with self._driver.context(0):
+            self._driver.host_register(address, nbytes)
 
     def unregister(self, address: int) -> None:
-        self._cudart.cudaHostUnregister(address)
+        with self._driver.context(0):
+            self._driver.host_unregister(address)
 
 
-def default_pinner() -> Pinner | None:
-    """A CUDA pinner on hosts whose torch sees a GPU; None on CPU-only builds."""
-    import torch
-
-    if torch.cuda.is_available():
-        return CudaPinner()
-    return None
+def default_pinner(driver_path: str | None = None) -> Pinner | None:
+    """A CUDA driver pinner on hosts with a GPU; None on hosts without one."""
+    driver = load_driver(driver_path)
+    return DriverPinner(driver) if driver is not None else None
 
 
 def _thp_enabled() -> bool:

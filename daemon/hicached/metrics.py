@@ -41,6 +41,8 @@ class ScrapeState:
     sessions_open: Callable[[], int]
     sessions_reaped: Callable[[], int]
     attached_bytes: Callable[[], int]
+    ipc_handles: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    """(CUDA IPC allocations mapped, their bytes)."""
 
 
 class _StateCollector(Collector):
@@ -59,6 +61,9 @@ class _StateCollector(Collector):
         used_p = GaugeMetricFamily("hicache_pool_used_pages", "Allocated pages.", labels=labels)
         pinned = GaugeMetricFamily("hicache_pool_pinned_bytes", "Page-locked host bytes.",
                                    labels=labels)
+        pin_s = GaugeMetricFamily("hicache_pool_pin_seconds",
+                                  "Seconds registering the pool with CUDA (0 = not pinned).",
+                                  labels=labels)
         fails = CounterMetricFamily("hicache_pool_alloc_failures",
                                     "Allocations refused for lack of pages.", labels=labels)
         verified = CounterMetricFamily("hicache_canary_verified_pages",
@@ -74,11 +79,12 @@ class _StateCollector(Collector):
             cap_p.add_metric(name, pool.page_num)
             used_p.add_metric(name, used)
             pinned.add_metric(name, pool.pinned_bytes)
+            pin_s.add_metric(name, pool.pin_seconds)
             fails.add_metric(name, pool.allocator.alloc_failures)
             if pool.canary is not None:
                 verified.add_metric(name, pool.canary.verified_pages)
                 mismatched.add_metric(name, pool.canary.mismatched_pages)
-        yield from (cap_b, used_b, cap_p, used_p, pinned, fails, verified, mismatched)
+        yield from (cap_b, used_b, cap_p, used_p, pinned, pin_s, fails, verified, mismatched)
         yield GaugeMetricFamily("hicache_sessions_open", "Open worker sessions.",
                                 value=self._state.sessions_open())
         yield CounterMetricFamily("hicache_sessions_reaped", "Sessions ended by lease expiry.",
@@ -86,6 +92,12 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("hicache_sessions_attached_bytes",
                                 "Device bytes mapped for open sessions.",
                                 value=self._state.attached_bytes())
+        handles, handle_bytes = self._state.ipc_handles()
+        yield GaugeMetricFamily("hicache_cuda_ipc_handles_open",
+                                "Worker GPU allocations mapped over CUDA IPC.", value=handles)
+        yield GaugeMetricFamily("hicache_cuda_ipc_mapped_bytes",
+                                "Bytes of worker GPU allocations mapped over CUDA IPC.",
+                                value=handle_bytes)
         yield GaugeMetricFamily("hicache_uptime_seconds", "Seconds since the daemon started.",
                                 value=time.monotonic() - self._started)
 

@@ -51,7 +51,9 @@ class MemoryOptions:
     reserve_bytes: int = 1 << 30
     """Memory left to the rest of the host: a pool may not exceed MemAvailable minus this."""
     pin: bool | None = None
-    """Page-lock for DMA: None = when torch sees a CUDA device, False = never."""
+    """Page-lock for DMA: None = when the CUDA driver has a device, False = never."""
+    cuda_driver: str = ""
+    """CUDA driver library that pins ('' = $HICACHED_CUDA_DRIVER or libcuda.so.1)."""
 
     def __post_init__(self) -> None:
         if self.prefault_threads < 0 or self.reserve_bytes < 0:
@@ -125,7 +127,7 @@ class HostPool:
         if self.nbytes:
             check_budget(self.nbytes, options.reserve_bytes)
             if pinner is None and options.pin is not False:
-                pinner = default_pinner()
+                pinner = default_pinner(options.cuda_driver or None)
             path = None
             if options.backing is Backing.FILE:
                 path = f"{options.file_dir.rstrip('/')}/hicached-pool-{spec.name}"
@@ -195,6 +197,10 @@ class HostPool:
     @property
     def pinned_bytes(self) -> int:
         return self.memory.pinned_bytes if self.memory else 0
+
+    @property
+    def pin_seconds(self) -> float:
+        return self.memory.pin_seconds if self.memory else 0.0
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,522 @@
+/*
+ * A stand-in for libcuda.so.1 on hosts without a GPU: the subset of the CUDA driver API that
+ * hicached uses, with the same symbols, signatures and error codes, so the IPC lifecycle, the
+ * UUID mapping and the copy segmentation run for real in CI.
+ *
+ * "Device memory" is a memfd mapping; a device pointer is its host address. An IPC memory
+ * handle names the exporting process and its fd; opening it maps /proc/PID/fd/FD, so the
+ * exporter must be alive, as with CUDA. Copies run at enqueue, in order, and check that the
+ * device side lies inside a live allocation. Events record a sequence number; the copy log and
+ * counters (fakecuda_stat) let tests check ordering and that every handle, stream, event and
+ * host registration was released.
+ *
+ * Devices: FAKECUDA_DEVICES="uuid,uuid" (32 hex digits each) in this process's numbering, as
+ * CUDA_VISIBLE_DEVICES would reorder them; default one device.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+enum {
+    OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100, INVALID_DEVICE = 101,
+    INVALID_CONTEXT = 201, ALREADY_MAPPED = 208, INVALID_HANDLE = 400, NOT_FOUND = 500,
+    HOST_ALREADY_REGISTERED = 712, HOST_NOT_REGISTERED = 713
+};
+
+typedef struct { unsigned char reserved[64]; } ipc_handle_t;
+typedef struct { unsigned char bytes[16]; } uuid_t16;
+typedef struct {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType;
+    const void *srcHost;
+    CUdeviceptr srcDevice;
+    void *srcArray;
+    size_t srcPitch;
+    size_t dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    CUdeviceptr dstDevice;
+    void *dstArray;
+    size_t dstPitch;
+    size_t WidthInBytes, Height;
+} memcpy2d_t;
+
+#define MAX_DEV 8
+#define MAX_ALLOC 4096
+#define MAX_EVENT 4096
+#define MAX_REG 256
+#define LOG_MAX (1 << 20)
+
+enum { K_DEVICE = 1, K_VMM = 2, K_MANAGED = 3, K_IMPORTED = 4 };
+
+typedef struct {
+    int used, kind, dev, fd;
+    uint64_t base, size, id;
+    int origin_pid;  /* imported: exporter pid and allocation id */
+    uint64_t origin_id;
+} alloc_t;
+
+typedef struct { int used, interprocess, imported; long seq; } event_t;
+typedef struct { uint64_t base, size; } reg_t;
+typedef struct { long seq; uint64_t dst, src, n; } copy_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int ndev = -1;
+static uuid_t16 uuids[MAX_DEV];
+static alloc_t allocs[MAX_ALLOC];
+static event_t events[MAX_EVENT];
+static reg_t regs[MAX_REG];
+static copy_t *copy_log;
+static long ncopies, ncalls, seq_counter, next_id = 1;
+static long n_streams, n_open_handles, n_registered_bytes, n_ctx_retained;
+static __thread int ctx_stack[16];
+static __thread int ctx_depth;
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static void init_devices(void) {
+    if (ndev >= 0) return;
+    const char *env = getenv("FAKECUDA_DEVICES");
+    if (!env || !*env) env = "fa4ec0da000000000000000000000001";
+    ndev = 0;
+    const char *p = env;
+    while (*p && ndev < MAX_DEV) {
+        int k = 0;
+        unsigned char b[16];
+        while (*p && *p != ',' && k < 32) {
+            if (*p == '-') { p++; continue; }
+            int v = hexval(*p++);
+            if (v < 0) break;
+            if (k % 2 == 0) b[k / 2] = (unsigned char)(v << 4); else b[k / 2] |= (unsigned char)v;
+            k++;
+        }
+        if (k == 32) memcpy(uuids[ndev++].bytes, b, 16);
+        while (*p && *p != ',') p++;
+        if (*p == ',') p++;
+    }
+}
+
+static int current_dev(void) { return ctx_depth > 0 ? ctx_stack[ctx_depth - 1] : -1; }
+
+CUresult cuInit(unsigned flags) { (void)flags; pthread_mutex_lock(&mu); init_devices(); pthread_mutex_unlock(&mu); return OK; }
+CUresult cuDriverGetVersion(int *v) { *v = 12080; return OK; }
+CUresult cuDeviceGetCount(int *n) { init_devices(); *n = ndev; return OK; }
+CUresult cuDeviceGet(int *dev, int ordinal) {
+    init_devices();
+    if (ordinal < 0 || ordinal >= ndev) return INVALID_DEVICE;
+    *dev = ordinal;
+    return OK;
+}
+CUresult cuDeviceGetUuid(uuid_t16 *u, int dev) {
+    if (dev < 0 || dev >= ndev) return INVALID_DEVICE;
+    *u = uuids[dev];
+    return OK;
+}
+CUresult cuDeviceGetUuid_v2(uuid_t16 *u, int dev) { return cuDeviceGetUuid(u, dev); }
+CUresult cuDeviceGetName(char *name, int len, int dev) {
+    if (dev < 0 || dev >= ndev) return INVALID_DEVICE;
+    snprintf(name, (size_t)len, "Fake GPU %d", dev);
+    return OK;
+}
+CUresult cuDeviceTotalMem_v2(size_t *bytes, int dev) {
+    if (dev < 0 || dev >= ndev) return INVALID_DEVICE;
+    *bytes = (size_t)80 << 30;
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
+    if (dev < 0 || dev >= ndev) return INVALID_DEVICE;
+    *ctx = (void *)(intptr_t)(dev + 1);
+    __atomic_add_fetch(&n_ctx_retained, 1, __ATOMIC_SEQ_CST);
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int dev) { (void)dev; __atomic_sub_fetch(&n_ctx_retained, 1, __ATOMIC_SEQ_CST); return OK; }
+CUresult cuCtxPushCurrent_v2(void *ctx) {
+    intptr_t d = (intptr_t)ctx - 1;
+    if (d < 0 || d >= ndev || ctx_depth >= 16) return INVALID_CONTEXT;
+    ctx_stack[ctx_depth++] = (int)d;
+    return OK;
+}
+CUresult cuCtxPopCurrent_v2(void **ctx) {
+    if (ctx_depth == 0) return INVALID_CONTEXT;
+    int d = ctx_stack[--ctx_depth];
+    if (ctx) *ctx = (void *)(intptr_t)(d + 1);
+    return OK;
+}
+
+static const char *names[][2] = {
+    {"0", "CUDA_SUCCESS"}, {"1", "CUDA_ERROR_INVALID_VALUE"}, {"2", "CUDA_ERROR_OUT_OF_MEMORY"},
+    {"101", "CUDA_ERROR_INVALID_DEVICE"}, {"201", "CUDA_ERROR_INVALID_CONTEXT"},
+    {"208", "CUDA_ERROR_ALREADY_MAPPED"}, {"400", "CUDA_ERROR_INVALID_HANDLE"},
+    {"500", "CUDA_ERROR_NOT_FOUND"}, {"712", "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"},
+    {"713", "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"},
+};
+CUresult cuGetErrorName(CUresult rc, const char **out) {
+    char buf[16];
+    snprintf(buf, sizeof buf, "%d", rc);
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(names[i][0], buf)) { *out = names[i][1]; return OK; }
+    return INVALID_VALUE;
+}
+
+/* -- memory -------------------------------------------------------------------------------- */
+
+static alloc_t *find_alloc(uint64_t p) {
+    for (int i = 0; i < MAX_ALLOC; i++)
+        if (allocs[i].used && p >= allocs[i].base && p < allocs[i].base + allocs[i].size)
+            return &allocs[i];
+    return NULL;
+}
+
+static alloc_t *new_alloc(void) {
+    for (int i = 0; i < MAX_ALLOC; i++)
+        if (!allocs[i].used) { memset(&allocs[i], 0, sizeof allocs[i]); allocs[i].used = 1; return &allocs[i]; }
+    return NULL;
+}
+
+static CUresult alloc_kind(CUdeviceptr *out, size_t n, int kind) {
+    int dev = current_dev();
+    if (dev < 0) return INVALID_CONTEXT;
+    if (n == 0) return INVALID_VALUE;
+    int fd = memfd_create("fakecuda", MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)n) != 0) { close(fd); return OUT_OF_MEMORY; }
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) { close(fd); return OUT_OF_MEMORY; }
+    pthread_mutex_lock(&mu);
+    alloc_t *a = new_alloc();
+    if (!a) { pthread_mutex_unlock(&mu); munmap(p, n); close(fd); return OUT_OF_MEMORY; }
+    a->kind = kind; a->dev = dev; a->fd = fd; a->base = (uint64_t)(uintptr_t)p; a->size = n;
+    a->id = (uint64_t)next_id++;
+    pthread_mutex_unlock(&mu);
+    *out = a->base;
+    return OK;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t n) { return alloc_kind(out, n, K_DEVICE); }
+/* Allocations CUDA IPC cannot share: the VMM API (PyTorch expandable segments) and managed. */
+CUresult fakecuda_alloc_vmm(CUdeviceptr *out, size_t n) { return alloc_kind(out, n, K_VMM); }
+CUresult fakecuda_alloc_managed(CUdeviceptr *out, size_t n) { return alloc_kind(out, n, K_MANAGED); }
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(p);
+    if (!a || a->base != p || a->kind == K_IMPORTED) { pthread_mutex_unlock(&mu); return INVALID_VALUE; }
+    munmap((void *)(uintptr_t)a->base, a->size);
+    close(a->fd);
+    a->used = 0;
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total) {
+    size_t used = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_ALLOC; i++)
+        if (allocs[i].used && allocs[i].kind != K_IMPORTED) used += allocs[i].size;
+    pthread_mutex_unlock(&mu);
+    *total = (size_t)80 << 30;
+    *free_b = *total - used;
+    return OK;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(p);
+    if (a) { if (base) *base = a->base; if (size) *size = a->size; }
+    pthread_mutex_unlock(&mu);
+    return a ? OK : NOT_FOUND;
+}
+
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(p);
+    CUresult rc = OK;
+    if (!a) rc = INVALID_VALUE;
+    else switch (attr) {
+        case 2: *(unsigned *)data = 2; break;
+        case 8: *(unsigned *)data = a->kind == K_MANAGED; break;
+        case 9: *(int *)data = a->dev; break;
+        case 10: *(unsigned *)data = a->kind == K_DEVICE || a->kind == K_IMPORTED; break;
+        case 11: *(uint64_t *)data = a->base; break;
+        case 12: *(size_t *)data = a->size; break;
+        default: rc = INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* handle: "FAKECUDA" | pid | fd | device uuid | size | allocation id */
+CUresult cuIpcGetMemHandle(ipc_handle_t *h, CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(p);
+    if (!a || a->base != p || a->kind != K_DEVICE) { pthread_mutex_unlock(&mu); return INVALID_VALUE; }
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, "FAKECUDA", 8);
+    int32_t pid = getpid(), fd = a->fd;
+    memcpy(h->reserved + 8, &pid, 4);
+    memcpy(h->reserved + 12, &fd, 4);
+    memcpy(h->reserved + 16, uuids[a->dev].bytes, 16);
+    memcpy(h->reserved + 32, &a->size, 8);
+    memcpy(h->reserved + 40, &a->id, 8);
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *out, ipc_handle_t h, unsigned flags) {
+    (void)flags;
+    int dev = current_dev();
+    if (dev < 0) return INVALID_CONTEXT;
+    if (memcmp(h.reserved, "FAKECUDA", 8) != 0) return INVALID_VALUE;
+    int32_t pid, fd;
+    uint64_t size, id;
+    memcpy(&pid, h.reserved + 8, 4);
+    memcpy(&fd, h.reserved + 12, 4);
+    memcpy(&size, h.reserved + 32, 8);
+    memcpy(&id, h.reserved + 40, 8);
+    if (memcmp(h.reserved + 16, uuids[dev].bytes, 16) != 0) return INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_ALLOC; i++)
+        if (allocs[i].used && allocs[i].kind == K_IMPORTED && allocs[i].origin_pid == pid
+            && allocs[i].origin_id == id) { pthread_mutex_unlock(&mu); return ALREADY_MAPPED; }
+    pthread_mutex_unlock(&mu);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+    int nfd = open(path, O_RDWR | O_CLOEXEC);
+    if (nfd < 0) return INVALID_HANDLE;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, nfd, 0);
+    if (p == MAP_FAILED) { close(nfd); return INVALID_HANDLE; }
+    pthread_mutex_lock(&mu);
+    alloc_t *a = new_alloc();
+    if (!a) { pthread_mutex_unlock(&mu); munmap(p, size); close(nfd); return OUT_OF_MEMORY; }
+    a->kind = K_IMPORTED; a->dev = dev; a->fd = nfd; a->base = (uint64_t)(uintptr_t)p;
+    a->size = size; a->origin_pid = pid; a->origin_id = id; a->id = (uint64_t)next_id++;
+    n_open_handles++;
+    pthread_mutex_unlock(&mu);
+    *out = a->base;
+    return OK;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_alloc(p);
+    if (!a || a->base != p || a->kind != K_IMPORTED) { pthread_mutex_unlock(&mu); return INVALID_VALUE; }
+    munmap((void *)(uintptr_t)a->base, a->size);
+    close(a->fd);
+    a->used = 0;
+    n_open_handles--;
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
+    (void)flags;
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    uint64_t b = (uint64_t)(uintptr_t)p;
+    pthread_mutex_lock(&mu);
+    int slot = -1;
+    for (int i = 0; i < MAX_REG; i++) {
+        if (regs[i].size && b < regs[i].base + regs[i].size && regs[i].base < b + n) {
+            pthread_mutex_unlock(&mu);
+            return HOST_ALREADY_REGISTERED;
+        }
+        if (!regs[i].size && slot < 0) slot = i;
+    }
+    if (slot < 0) { pthread_mutex_unlock(&mu); return OUT_OF_MEMORY; }
+    regs[slot].base = b; regs[slot].size = n;
+    n_registered_bytes += (long)n;
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuMemHostUnregister(void *p) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    uint64_t b = (uint64_t)(uintptr_t)p;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_REG; i++)
+        if (regs[i].size && regs[i].base == b) {
+            n_registered_bytes -= (long)regs[i].size;
+            regs[i].size = 0;
+            pthread_mutex_unlock(&mu);
+            return OK;
+        }
+    pthread_mutex_unlock(&mu);
+    return HOST_NOT_REGISTERED;
+}
+
+/* -- streams and events -------------------------------------------------------------------- */
+
+CUresult cuStreamCreate(void **s, unsigned flags) {
+    (void)flags;
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    *s = (void *)(intptr_t)(0x5000 + (++n_streams));
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+CUresult cuStreamDestroy_v2(void *s) {
+    if (!s) return INVALID_HANDLE;
+    pthread_mutex_lock(&mu);
+    n_streams--;
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+CUresult cuStreamSynchronize(void *s) { (void)s; return OK; }
+
+static event_t *ev_of(void *e) {
+    intptr_t i = (intptr_t)e - 1;
+    if (i < 0 || i >= MAX_EVENT || !events[i].used) return NULL;
+    return &events[i];
+}
+
+static CUresult new_event(void **out, int interprocess, int imported) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_EVENT; i++)
+        if (!events[i].used) {
+            events[i].used = 1; events[i].interprocess = interprocess;
+            events[i].imported = imported; events[i].seq = 0;
+            *out = (void *)(intptr_t)(i + 1);
+            pthread_mutex_unlock(&mu);
+            return OK;
+        }
+    pthread_mutex_unlock(&mu);
+    return OUT_OF_MEMORY;
+}
+
+CUresult cuEventCreate(void **e, unsigned flags) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if ((flags & 4) && !(flags & 2)) return INVALID_VALUE; /* interprocess needs no timing */
+    return new_event(e, (flags & 4) != 0, 0);
+}
+CUresult cuEventRecord(void *e, void *s) {
+    (void)s;
+    pthread_mutex_lock(&mu);
+    event_t *ev = ev_of(e);
+    if (ev) ev->seq = ++seq_counter;
+    pthread_mutex_unlock(&mu);
+    return ev ? OK : INVALID_HANDLE;
+}
+CUresult cuEventQuery(void *e) { return ev_of(e) ? OK : INVALID_HANDLE; }
+CUresult cuEventSynchronize(void *e) { return ev_of(e) ? OK : INVALID_HANDLE; }
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned flags) { (void)s; (void)flags; return ev_of(e) ? OK : INVALID_HANDLE; }
+CUresult cuEventDestroy_v2(void *e) {
+    pthread_mutex_lock(&mu);
+    event_t *ev = ev_of(e);
+    if (ev) ev->used = 0;
+    pthread_mutex_unlock(&mu);
+    return ev ? OK : INVALID_HANDLE;
+}
+CUresult cuIpcGetEventHandle(ipc_handle_t *h, void *e) {
+    event_t *ev = ev_of(e);
+    if (!ev || !ev->interprocess || ev->imported) return INVALID_VALUE;
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, "FAKEEVNT", 8);
+    int32_t pid = getpid();
+    intptr_t idx = (intptr_t)e;
+    memcpy(h->reserved + 8, &pid, 4);
+    memcpy(h->reserved + 16, &idx, sizeof idx);
+    return OK;
+}
+CUresult cuIpcOpenEventHandle(void **e, ipc_handle_t h) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (memcmp(h.reserved, "FAKEEVNT", 8) != 0) return INVALID_VALUE;
+    return new_event(e, 1, 1);
+}
+
+/* -- copies -------------------------------------------------------------------------------- */
+
+/* The device side of a copy must lie inside one live allocation (as the DMA engine would fault
+ * otherwise); the host side is plain memory. At least one side must be device memory. */
+static int inside(uint64_t p, uint64_t n) {
+    alloc_t *a = find_alloc(p);
+    return a && p + n <= a->base + a->size;
+}
+
+static CUresult do_copy(uint64_t dst, uint64_t src, uint64_t n) {
+    int d = find_alloc(dst) != NULL, s = find_alloc(src) != NULL;
+    if (!d && !s) return INVALID_VALUE;
+    if ((d && !inside(dst, n)) || (s && !inside(src, n))) return INVALID_VALUE;
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    if (!copy_log) copy_log = calloc(LOG_MAX, sizeof *copy_log);
+    if (copy_log && ncopies < LOG_MAX) {
+        copy_log[ncopies].seq = seq_counter + 1;
+        copy_log[ncopies].dst = dst; copy_log[ncopies].src = src; copy_log[ncopies].n = n;
+    }
+    ncopies++;
+    seq_counter++;
+    return OK;
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
+    (void)stream;
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    ncalls++;
+    CUresult rc = do_copy(dst, src, n);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+CUresult cuMemcpy2DAsync_v2(const memcpy2d_t *c, void *stream) {
+    (void)stream;
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (c->srcMemoryType != 4 || c->dstMemoryType != 4) return INVALID_VALUE;
+    if (c->WidthInBytes > c->srcPitch || c->WidthInBytes > c->dstPitch) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    ncalls++;
+    CUresult rc = OK;
+    for (size_t r = 0; r < c->Height && rc == OK; r++)
+        rc = do_copy(c->dstDevice + r * c->dstPitch, c->srcDevice + r * c->srcPitch,
+                     c->WidthInBytes);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* -- inspection for tests ------------------------------------------------------------------ */
+
+long fakecuda_stat(const char *what) {
+    long out = -1;
+    pthread_mutex_lock(&mu);
+    if (!strcmp(what, "open_handles")) out = n_open_handles;
+    else if (!strcmp(what, "streams")) out = n_streams;
+    else if (!strcmp(what, "registered_bytes")) out = n_registered_bytes;
+    else if (!strcmp(what, "copies")) out = ncopies;
+    else if (!strcmp(what, "calls")) out = ncalls;
+    else if (!strcmp(what, "seq")) out = seq_counter;
+    else if (!strcmp(what, "events")) {
+        out = 0;
+        for (int i = 0; i < MAX_EVENT; i++) out += events[i].used;
+    } else if (!strcmp(what, "device_allocs")) {
+        out = 0;
+        for (int i = 0; i < MAX_ALLOC; i++) out += allocs[i].used && allocs[i].kind != K_IMPORTED;
+    }
+    pthread_mutex_unlock(&mu);
+    return out;
+}
+
+long fakecuda_event_seq(void *e) {
+    event_t *ev = ev_of(e);
+    return ev ? ev->seq : -1;
+}
+
+/* copy i of the log: returns its sequence number, fills dst/src/n; -1 past the end */
+long fakecuda_copy_at(long i, uint64_t *dst, uint64_t *src, uint64_t *n) {
+    if (!copy_log || i < 0 || i >= ncopies || i >= LOG_MAX) return -1;
+    *dst = copy_log[i].dst; *src = copy_log[i].src; *n = copy_log[i].n;
+    return copy_log[i].seq;
+}
