@@ -96,7 +96,7 @@ def _layout_rows(layout: Layout, page_size: int, batch_pages: int, reps: int,
     spec = PoolSpec("bench", GEOMETRY, page_size, layout, size_tokens=pool_pages * page_size)
     pool = HostPool(spec, OPTIONS)
     dev = DeviceKV.allocate(spec, dev_tokens)
-    for t in (t for r in dev.buffers.values() for ts in r.values() for t in ts):
+    for t in dev.all_tensors():
         t.view(torch.uint8).fill_(7)
     host = pool.alloc(pool_pages * page_size)
     rng = np.random.default_rng(page_size)

@@ -60,17 +60,14 @@ def make_pool(s: PoolSpec) -> HostPool:
 def random_device(s: PoolSpec, tokens: int, seed: int = 0) -> DeviceKV:
     gen = torch.Generator().manual_seed(seed)
     dev = DeviceKV.allocate(s, tokens)
-    for roles in dev.buffers.values():
-        for layers in roles.values():
-            for t in layers:
-                raw = t.view(torch.uint8)
-                raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    for t in dev.all_tensors():
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     return dev
 
 
 def device_bytes(dev: DeviceKV) -> list[torch.Tensor]:
-    return [t.view(torch.uint8).clone() for roles in dev.buffers.values()
-            for layers in roles.values() for t in layers]
+    return [t.view(torch.uint8).clone() for t in dev.all_tensors()]
 
 
 def pool_bytes(pool: HostPool) -> torch.Tensor:

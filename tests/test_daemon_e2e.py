@@ -161,12 +161,15 @@ def test_unknown_session_and_pool(client: HiCacheClient) -> None:
 
 
 def test_cuda_ipc_without_cuda_is_transport_unavailable(client: HiCacheClient) -> None:
+    if client.get_info().cuda_available:
+        pytest.skip("this daemon has a CUDA driver with a device")
     buf = DeviceBufferSpec(member="kv", role=Role.K, layer=0, shape=(16, 2, 64),
                            dtype=DType.BFLOAT16, strides=(), transport="cuda_ipc",
                            ipc_handle=b"\x00" * 64, device_uuid="GPU-0", nbytes=4096)
     with pytest.raises(HiCacheError) as exc:
         client.open_session(SPEC.name, "gpu", [buf])
     assert exc.value.reason == "TRANSPORT_UNAVAILABLE"
+    assert "libcuda.so.1" in str(exc.value)  # says why: the driver does not load here
     assert exc.value.grpc_code == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
 
 

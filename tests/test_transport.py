@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hicached.errors import GeometryMismatch, ShmPathRejected, TransportUnavailable
+from hicached.errors import GeometryMismatch, ShmPathRejected
 from hicached.geometry import DType, Role
 from hicached.transport import ShmTransport
 from hicached.wire import DeviceBufferSpec
@@ -90,10 +90,3 @@ def test_duplicate_or_missing_layers_are_geometry_errors(shm: Path) -> None:
         t.attach([buf(p), buf(p, offset=4096)])
     with pytest.raises(GeometryMismatch):
         t.attach([buf(p, layer=1)])
-
-
-def test_cuda_ipc_is_unavailable_here(shm: Path) -> None:
-    b = DeviceBufferSpec(member="kv", role=Role.K, layer=0, shape=(1,), dtype=DType.UINT8,
-                         strides=(), transport="cuda_ipc", nbytes=1)
-    with pytest.raises(TransportUnavailable):
-        ShmTransport(str(shm)).attach([b])

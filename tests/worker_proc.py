@@ -26,8 +26,7 @@ def main() -> int:
     verified = mismatches = 0
     with ShmDeviceBuffers.create(spec, tokens, shm_dir, prefix=f"w{worker}") as bufs:
         assert bufs.device is not None
-        tensors = [t for roles in bufs.device.buffers.values() for ts in roles.values()
-                   for t in ts]
+        tensors = bufs.device.all_tensors()
         with client.open_session(pool, worker, bufs.descriptors, lease_ms=1000) as session:
             print(json.dumps({"worker": worker, "session": session.session_id}), flush=True)
             i = 0

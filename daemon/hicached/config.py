@@ -81,6 +81,9 @@ class ServerConfig:
     """PEM private key for TCP listeners."""
     hugepages: bool = True
     """Ask for transparent huge pages for pool memory."""
+    cuda_driver: str = ""
+    """CUDA driver library for IPC attachment and pinning ('' = libcuda.so.1). Pools are
+    pinned and cuda_ipc sessions accepted only when it loads and reports a device."""
     pools: tuple[PoolSpec, ...] = field(default=())
     """Pools that exist from startup."""
     log_format: str = "text"

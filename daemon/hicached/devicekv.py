@@ -6,7 +6,10 @@ buffers.
 
 Primitives:
 
-- ``DeviceKV(buffers)``: ``buffers[member][role]`` is the list of per-layer tensors.
+- ``DeviceKV(buffers, location)``: ``buffers[member][role]`` is the list of per-layer tensors
+  (or ``RawBuffer``s), all on ``location`` (``cpu``, or ``cuda`` for IPC-mapped GPU memory).
+- ``RawBuffer``: memory mapped from another process (a CUDA IPC allocation), described like a
+  tensor (address, shape, dtype, strides, device) for the geometry checks and copy plans.
 - ``DeviceKV.allocate(spec, device_tokens)``: zeroed CPU buffers of the right geometry (tests,
   benchmarks, CPU workers).
 - ``check_against(spec)``: ``GEOMETRY_MISMATCH`` listing every wrong member, role, layer, shape,
@@ -15,6 +18,7 @@ Primitives:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -24,11 +28,54 @@ from hicached.errors import GeometryMismatch, Violation, raise_violations
 from hicached.geometry import PoolSpec, Role, device_shape
 
 
+class RawBuffer:
+    """A buffer at a raw address in another device's memory, shaped like a tensor."""
+
+    def __init__(self, address: int, shape: Sequence[int], dtype: torch.dtype,
+                 strides: Sequence[int], device: torch.device) -> None:
+        self.address = address
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.strides = tuple(strides) if strides else _contiguous_strides(self.shape)
+        self.device = device
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_contiguous(self) -> bool:
+        return self.numel() == 0 or all(
+            st == want for d, st, want in zip(self.shape, self.strides,
+                                              _contiguous_strides(self.shape), strict=True)
+            if d > 1)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(out))
+
+
+Buffer = torch.Tensor | RawBuffer
+
+
 class DeviceKV:
-    def __init__(self, buffers: Mapping[str, Mapping[Role, Sequence[torch.Tensor]]]) -> None:
-        self.buffers: dict[str, dict[Role, list[torch.Tensor]]] = {
+    def __init__(self, buffers: Mapping[str, Mapping[Role, Sequence[Buffer]]],
+                 location: str = "cpu") -> None:
+        self.buffers: dict[str, dict[Role, list[Buffer]]] = {
             m: {r: list(ts) for r, ts in roles.items()} for m, roles in buffers.items()
         }
+        self.location = location
         self._checked: tuple[PoolSpec, int] | None = None
         self._extents: dict[tuple[str, Role], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -51,7 +98,16 @@ class DeviceKV:
         return cls(out)
 
     def layers(self, member: str, role: Role) -> list[torch.Tensor]:
-        return self.buffers[member][role]
+        """The per-layer tensors of a host-memory DeviceKV (not for mapped GPU buffers)."""
+        out = self.buffers[member][role]
+        assert all(isinstance(t, torch.Tensor) for t in out), "raw buffers are not tensors"
+        return out  # type: ignore[return-value]
+
+    def all_tensors(self) -> list[torch.Tensor]:
+        """Every buffer of a host-memory DeviceKV, member by member, role by role, layer by
+        layer."""
+        return [t for roles in self.buffers for r in self.buffers[roles]
+                for t in self.layers(roles, r)]
 
     def extents(self, member: str, role: Role) -> tuple[np.ndarray, np.ndarray]:
         """(start addresses, end addresses) of each layer's buffer, as int64 arrays."""
@@ -117,8 +173,9 @@ class DeviceKV:
                             expected=(rows0, *comp.unit_shape), got=tuple(t.shape))
                     elif not t.is_contiguous():
                         bad(lp, "buffer is not contiguous")
-                    elif t.device.type != "cpu":
-                        bad(lp, f"buffer is on {t.device}, the CPU engine needs host memory")
+                    elif t.device.type != self.location:
+                        bad(lp, f"buffer is on {t.device}, this session's buffers are on "
+                                f"{self.location}")
                 tokens = rows0 * ps if comp.page_granular else rows0
                 capacity = tokens if capacity is None else min(capacity, tokens)
         raise_violations(violations)

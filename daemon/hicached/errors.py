@@ -23,7 +23,9 @@ Hierarchy::
     │   ├── LayerOutOfRange                LAYER_OUT_OF_RANGE
     │   ├── GeometryMismatch               GEOMETRY_MISMATCH
     │   ├── SpecInvalid                    SPEC_INVALID
-    │   └── CanarySourceInvalid            CANARY_SOURCE_INVALID
+    │   ├── CanarySourceInvalid            CANARY_SOURCE_INVALID
+    │   ├── IpcHandleInvalid               IPC_HANDLE_INVALID
+    │   └── BufferNotShareable             BUFFER_NOT_SHAREABLE
     ├── StateConflict                  the request is well-formed but the state forbids it
     │   ├── PageNotAllocated               PAGE_NOT_ALLOCATED
     │   ├── DoubleFree                     DOUBLE_FREE
@@ -36,13 +38,16 @@ Hierarchy::
     │   └── HostMemoryInsufficient         HOST_MEMORY_INSUFFICIENT
     ├── NotFound
     │   ├── PoolNotFound                   POOL_NOT_FOUND
-    │   └── SessionNotFound                SESSION_NOT_FOUND
+    │   ├── SessionNotFound                SESSION_NOT_FOUND
+    │   └── DeviceNotFound                 DEVICE_NOT_FOUND
     ├── PermissionDenied               the caller may not use that resource
     │   └── ShmPathRejected                SHM_PATH_REJECTED
     ├── Unavailable                    try again later / elsewhere
     │   └── Draining                       DRAINING
-    └── DataIntegrityError             bytes are not what was stored
-        └── CanaryMismatch                 CANARY_MISMATCH
+    ├── DataIntegrityError             bytes are not what was stored
+    │   └── CanaryMismatch                 CANARY_MISMATCH
+    └── DeviceFailure                  the GPU or its driver failed a call (INTERNAL)
+        └── CudaFailure                    CUDA_ERROR
 """
 
 from __future__ import annotations
@@ -148,6 +153,19 @@ class CanarySourceInvalid(InvalidRequest):
     reason = "CANARY_SOURCE_INVALID"
 
 
+class IpcHandleInvalid(InvalidRequest):
+    """A CUDA IPC handle could not be opened, or a buffer leaves the allocation it names."""
+
+    reason = "IPC_HANDLE_INVALID"
+
+
+class BufferNotShareable(InvalidRequest):
+    """Device memory that CUDA IPC cannot share (VMM / expandable segments, managed memory);
+    raised on the worker before anything is sent."""
+
+    reason = "BUFFER_NOT_SHAREABLE"
+
+
 class StateConflict(HiCacheError):
     """The request is well-formed but the current state forbids it."""
 
@@ -202,6 +220,12 @@ class SessionNotFound(NotFound):
     reason = "SESSION_NOT_FOUND"
 
 
+class DeviceNotFound(NotFound):
+    """No GPU of the daemon has the UUID a worker's buffers live on."""
+
+    reason = "DEVICE_NOT_FOUND"
+
+
 class PermissionDenied(HiCacheError):
     reason = "PERMISSION_DENIED"
 
@@ -224,6 +248,16 @@ class DataIntegrityError(HiCacheError):
 
 class CanaryMismatch(DataIntegrityError):
     reason = "CANARY_MISMATCH"
+
+
+class DeviceFailure(HiCacheError):
+    """The GPU or its driver failed a call the request was valid for."""
+
+    reason = "DEVICE_FAILURE"
+
+
+class CudaFailure(DeviceFailure):
+    reason = "CUDA_ERROR"
 
 
 def all_error_classes() -> list[type[HiCacheError]]:

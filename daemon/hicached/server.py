@@ -29,13 +29,15 @@ import hicached
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.config import ServerConfig
+from hicached.cudadriver import driver_problem, load_driver
+from hicached.cudaipc import CudaIpcTransport
 from hicached.metrics import Metrics, ScrapeState, serve
 from hicached.pool import MemoryOptions
 from hicached.registry import PoolRegistry
 from hicached.service import Daemon, HostCacheServicer
 from hicached.sessions import SessionManager
 from hicached.transfer import TransferEngine
-from hicached.transport import ShmTransport, cuda_available
+from hicached.transport import ShmTransport
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +94,27 @@ class HiCacheServer:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         sessions = SessionManager(config.lease_seconds)
-        options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes)
+        options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes,
+                                cuda_driver=config.cuda_driver)
+        driver = load_driver(config.cuda_driver or None)
+        if driver is None:
+            log.info("CUDA IPC off: %s", driver_problem(config.cuda_driver or None))
+        else:
+            log.info("CUDA IPC on: %s", ", ".join(f"{d.ordinal}={d.uuid} ({d.name})"
+                                                   for d in driver.devices))
+        cuda = CudaIpcTransport(driver) if driver is not None else None
         pools = PoolRegistry(config.effective_budget(), options, sessions.count)
         metrics = Metrics(self.registry, ScrapeState(
             pools=pools.list, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,
             attached_bytes=lambda: sessions.attached_bytes,
+            ipc_handles=cuda.cache.stats if cuda is not None else lambda: (0, 0),
         ), build={"version": hicached.__version__, "torch": torch.__version__,
-                  "cuda_available": str(cuda_available()).lower(),
+                  "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
         self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir),
-                             TransferEngine(config.copy_threads), metrics)
+                             TransferEngine(config.copy_threads), metrics, cuda=cuda,
+                             cuda_driver=config.cuda_driver)
         self.health = health.HealthServicer()
         self._locks: list[_SocketLock] = []
         self._stopped = threading.Event()
@@ -179,6 +191,8 @@ class HiCacheServer:
 
     def _release(self) -> None:
         self.daemon.sessions.close_all()
+        if self.daemon.cuda is not None:
+            self.daemon.cuda.close()  # GPU copies still running finish, then sessions release
         self.daemon.registry.close_all()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()  # type: ignore[attr-defined]

@@ -24,7 +24,10 @@ import grpc
 import hicached
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicached.errors import Draining, HiCacheError
+from hicached.cudacopy import CudaRunner
+from hicached.cudadriver import driver_problem
+from hicached.cudaipc import CudaIpcTransport
+from hicached.errors import Draining, HiCacheError, SpecInvalid, TransportUnavailable
 from hicached.memory import available_bytes
 from hicached.metrics import Metrics
 from hicached.pool import HostPool
@@ -32,7 +35,7 @@ from hicached.registry import PoolRegistry
 from hicached.sessions import Session, SessionManager
 from hicached.status import abort_status, grpc_code
 from hicached.transfer import TransferEngine
-from hicached.transport import ShmTransport, cuda_available, supported_transports
+from hicached.transport import Attachment, DeviceBufferSpec, ShmTransport
 from hicached.wire import (
     buffer_from_proto,
     indices_from_bytes,
@@ -53,8 +56,12 @@ class Daemon:
     transport: ShmTransport
     engine: TransferEngine
     metrics: Metrics
+    cuda: CudaIpcTransport | None = None
+    """The CUDA IPC transport; None on hosts without a usable CUDA driver."""
     draining: threading.Event = field(default_factory=threading.Event)
     metrics_port: int = 0
+    cuda_driver: str = ""
+    """The driver library the daemon was configured with ('' = the default)."""
     in_flight: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -125,11 +132,16 @@ def pool_message(pool: HostPool, sessions: int) -> pb.Pool:
 
 
 def session_message(s: Session) -> pb.Session:
+    runner = s.attachment.runner
+    uuid, events = "", 0
+    if isinstance(runner, CudaRunner):
+        uuid, events = runner.driver.devices[runner.ordinal].uuid, len(runner.layer_events)
     return pb.Session(session_id=s.session_id, pool=s.pool_name, worker_id=s.worker_id,
                       lease_ms=int(s.lease_seconds * 1000),
                       expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
                       attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
-                      transfers=s.transfers)
+                      transfers=s.transfers,
+                      device_uuid=uuid, layer_events=events)
 
 
 class HostCacheServicer(pb_grpc.HostCacheServicer):
@@ -140,13 +152,17 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext
                 ) -> pb.GetInfoResponse:
         d = self.daemon
+        devices = d.cuda.driver.devices if d.cuda is not None else ()
         return pb.GetInfoResponse(
-            version=hicached.__version__, transports=supported_transports(),
+            version=hicached.__version__,
+            transports=["shm", "cuda_ipc"] if d.cuda is not None else ["shm"],
             memory_budget_bytes=d.registry.budget_bytes,
             memory_used_bytes=d.registry.used_bytes, memory_available_bytes=available_bytes(),
-            shm_dir=d.transport.shm_dir, cuda_available=cuda_available(),
+            shm_dir=d.transport.shm_dir, cuda_available=d.cuda is not None,
             serving=not d.draining.is_set(), pools=len(d.registry.list()),
-            sessions=d.sessions.count(), metrics_port=d.metrics_port)
+            sessions=d.sessions.count(), metrics_port=d.metrics_port,
+            cuda_devices=[pb.CudaDevice(uuid=x.uuid, ordinal=x.ordinal, name=x.name,
+                                        total_bytes=x.total_bytes) for x in devices])
 
     @rpc(creates_work=False)
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
@@ -186,7 +202,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         d = self.daemon
         pool = d.registry.get(request.pool)
         buffers = [buffer_from_proto(b, i) for i, b in enumerate(request.buffers)]
-        attachment = d.transport.attach(buffers)
+        attachment = self._attach(buffers, list(request.layer_events),
+                                  bytes(request.ready_event))
         try:
             assert attachment.device is not None
             tokens = attachment.device.check_against(pool.spec)
@@ -196,6 +213,25 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             attachment.release()
             raise
         return session_message(session)
+
+    def _attach(self, buffers: list[DeviceBufferSpec], layer_events: list[bytes],
+                ready_event: bytes) -> Attachment:
+        d = self.daemon
+        kinds = {b.transport for b in buffers}
+        if kinds == {"cuda_ipc"}:
+            if d.cuda is None:
+                raise TransportUnavailable(
+                    f"cuda_ipc buffers cannot be attached: {driver_problem(d.cuda_driver)}",
+                    metadata={"transport": "cuda_ipc", "buffers": len(buffers)})
+            return d.cuda.attach(buffers, layer_events, ready_event)
+        if len(kinds) > 1:
+            raise SpecInvalid("a session's buffers use one transport, shm or cuda_ipc",
+                              metadata={"transports": ",".join(sorted(kinds))})
+        if layer_events or ready_event:
+            raise SpecInvalid("layer_events and ready_event are CUDA events; shm sessions "
+                              "complete every transfer before replying",
+                              metadata={"layer_events": len(layer_events)})
+        return d.transport.attach(buffers)
 
     @rpc(creates_work=False)
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
@@ -240,11 +276,33 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         d = self.daemon
         host = indices_from_bytes(request.host_indices, "host_indices")
         dev = indices_from_bytes(request.device_indices, "device_indices")
+        events = request.completion == pb.COMPLETION_LAYER_EVENTS
         with d.sessions.transfer(request.session_id) as s:
             device = s.attachment.device
+            runner = s.attachment.runner
             assert device is not None, "a session in use keeps its mappings"
-            fn = d.engine.backup if op == "backup" else d.engine.load
-            r = fn(s.pool, device, host, dev, int(request.layer_begin), int(request.layer_end))
+            layers = (int(request.layer_begin), int(request.layer_end))
+            if op == "backup":
+                if events:
+                    raise SpecInvalid("backups always complete before the reply; "
+                                      "COMPLETION_LAYER_EVENTS is for loads",
+                                      metadata={"completion": "COMPLETION_LAYER_EVENTS"})
+                r = d.engine.backup(s.pool, device, host, dev, *layers, runner=runner)
+            else:
+                if events and not (isinstance(runner, CudaRunner) and runner.layer_events):
+                    raise SpecInvalid("COMPLETION_LAYER_EVENTS needs a CUDA session opened "
+                                      "with layer_events",
+                                      metadata={"completion": "COMPLETION_LAYER_EVENTS"})
+                d.sessions.hold(s)  # released when the GPU copies land
+                try:
+                    r = d.engine.load(s.pool, device, host, dev, *layers, runner=runner,
+                                      wait=not events,
+                                      on_complete=functools.partial(d.sessions.unhold, s))
+                except BaseException:
+                    d.sessions.unhold(s)
+                    raise
+                if not r.pending:
+                    d.sessions.unhold(s)
         d.metrics.transfer(s.pool_name, op, r.bytes, r.pages, r.seconds)
         return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages,
-                                   duration_seconds=r.seconds)
+                                   duration_seconds=r.seconds, pending=r.pending)

@@ -5,7 +5,8 @@ Primitives:
 - ``Session``: one worker's attachment to one pool; ``expires_at`` moves forward on every
   heartbeat and transfer; ``in_flight`` counts transfers using its mappings.
 - ``SessionManager``: ``open``, ``get``, ``heartbeat``, ``close``, ``transfer(session_id)`` (a
-  context manager holding the session's mappings for one copy), ``reap()`` and a reaper thread.
+  context manager holding the session's mappings for one copy), ``hold`` / ``unhold`` (for GPU
+  copies that outlive their RPC), ``reap()`` and a reaper thread.
 
 A closed or expired session leaves the table at once (new calls get ``SESSION_NOT_FOUND``); its
 mappings are released when its last in-flight transfer ends, so a copy never runs on unmapped
@@ -104,23 +105,31 @@ class SessionManager:
     def transfer(self, session_id: str) -> Iterator[Session]:
         """Hold the session's mappings for one copy; the lease counts it as a sign of life."""
         s = self.get(session_id)
-        with s.lock:
-            if s.ended:
-                raise SessionNotFound(f"session {session_id!r} ended",
-                                      metadata={"session_id": session_id})
-            s.in_flight += 1
+        self.hold(s)
         try:
             yield s
         finally:
-            with s.lock:
-                s.in_flight -= 1
-                s.transfers += 1
-                release = s.ended and s.in_flight == 0 and not s.released
-                if release:
-                    s.released = True
-            s.expires_at = max(s.expires_at, self._clock() + s.lease_seconds)
+            s.transfers += 1
+            self.unhold(s)
+
+    def hold(self, s: Session) -> None:
+        """Keep the session's mappings until ``unhold`` (copies still running on a GPU after
+        their RPC returned hold them too)."""
+        with s.lock:
+            if s.ended:
+                raise SessionNotFound(f"session {s.session_id!r} ended",
+                                      metadata={"session_id": s.session_id})
+            s.in_flight += 1
+
+    def unhold(self, s: Session) -> None:
+        with s.lock:
+            s.in_flight -= 1
+            release = s.ended and s.in_flight == 0 and not s.released
             if release:
-                s.attachment.release()
+                s.released = True
+        s.expires_at = max(s.expires_at, self._clock() + s.lease_seconds)
+        if release:
+            s.attachment.release()
 
     def _end(self, s: Session, why: str) -> None:
         with s.lock:

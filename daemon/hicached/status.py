@@ -37,6 +37,8 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.GeometryMismatch: C.INVALID_ARGUMENT,
     e.SpecInvalid: C.INVALID_ARGUMENT,
     e.CanarySourceInvalid: C.INVALID_ARGUMENT,
+    e.IpcHandleInvalid: C.INVALID_ARGUMENT,
+    e.BufferNotShareable: C.INVALID_ARGUMENT,
     e.StateConflict: C.FAILED_PRECONDITION,
     e.PageNotAllocated: C.FAILED_PRECONDITION,
     e.DoubleFree: C.FAILED_PRECONDITION,
@@ -50,12 +52,15 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.NotFound: C.NOT_FOUND,
     e.PoolNotFound: C.NOT_FOUND,
     e.SessionNotFound: C.NOT_FOUND,
+    e.DeviceNotFound: C.NOT_FOUND,
     e.PermissionDenied: C.PERMISSION_DENIED,
     e.ShmPathRejected: C.PERMISSION_DENIED,
     e.Unavailable: C.UNAVAILABLE,
     e.Draining: C.UNAVAILABLE,
     e.DataIntegrityError: C.DATA_LOSS,
     e.CanaryMismatch: C.DATA_LOSS,
+    e.DeviceFailure: C.INTERNAL,
+    e.CudaFailure: C.INTERNAL,
 }
 
 # the request field at fault for spec errors raised without explicit violations

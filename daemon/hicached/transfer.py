@@ -1,10 +1,13 @@
-"""The CPU copy engine: backup (device -> host pool) and load (host pool -> device).
+"""The copy engine: backup (device -> host pool) and load (host pool -> device).
 
 Primitives:
 
 - ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` over all layers or a layer
-  range, for every kind, layout and pool group; returns a ``TransferResult``.
-- ``TransferResult``: op, bytes, pages, seconds spent validating and copying.
+  range, for every kind, layout and pool group; returns a ``TransferResult``. Host-memory
+  devices are copied here by the native kernel; GPU devices through their ``PlanRunner``.
+- ``PlanRunner``: runs the copy plans elsewhere (``cudacopy.CudaRunner``), either to completion
+  or, for loads that signal per-layer events, asynchronously with a completion callback.
+- ``TransferResult``: op, bytes, pages, seconds spent validating and copying, ``pending``.
 - ``pool_fingerprints(pool, pages, layers)``: the kv-canary fingerprints of host pages.
 
 Order of a transfer: check the device buffers (cached) and the whole index batch
@@ -17,7 +20,9 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -40,10 +45,21 @@ class TransferResult:
     pages: int
     validate_seconds: float
     copy_seconds: float
+    pending: bool = False
+    """The copies were enqueued on a GPU and are still running (per-layer event loads)."""
 
     @property
     def seconds(self) -> float:
         return self.validate_seconds + self.copy_seconds
+
+
+class PlanRunner(Protocol):
+    def run(self, loading: bool, plans: Sequence[CopyPlan], layers: range, layer_num: int,
+            wait: bool, done: Callable[[], None]) -> None:
+        """Run ``plans`` and call ``done`` once the bytes landed: before returning when
+        ``wait``, otherwise later from another thread. When it raises, ``done`` never runs and
+        nothing is left in flight."""
+        ...
 
 
 def _layers_of(batch: TransferBatch, cs: ComponentStorage) -> range:
@@ -76,20 +92,28 @@ class TransferEngine:
         self.threads = threads or max(1, len(os.sched_getaffinity(0)))
 
     def backup(self, pool: HostPool, device: DeviceKV, host_indices: object,
-               device_indices: object, layer_begin: int = 0, layer_end: int = 0
-               ) -> TransferResult:
-        """Copy device pages into host pages (all layers unless a range is given)."""
+               device_indices: object, layer_begin: int = 0, layer_end: int = 0,
+               runner: PlanRunner | None = None) -> TransferResult:
+        """Copy device pages into host pages (all layers unless a range is given). Always
+        complete when it returns: an acknowledged backup is in the pool."""
         return self._transfer(Op.BACKUP, pool, device, host_indices, device_indices,
-                              layer_begin, layer_end)
+                              layer_begin, layer_end, runner, True, None)
 
     def load(self, pool: HostPool, device: DeviceKV, host_indices: object,
-             device_indices: object, layer_begin: int = 0, layer_end: int = 0) -> TransferResult:
-        """Copy host pages into device pages (all layers unless a range is given)."""
+             device_indices: object, layer_begin: int = 0, layer_end: int = 0,
+             runner: PlanRunner | None = None, wait: bool = True,
+             on_complete: Callable[[], None] | None = None) -> TransferResult:
+        """Copy host pages into device pages (all layers unless a range is given). With a
+        runner and ``wait=False`` it may return ``pending``; ``on_complete`` then runs once the
+        bytes landed (and never for a result that is not pending)."""
         return self._transfer(Op.LOAD, pool, device, host_indices, device_indices,
-                              layer_begin, layer_end)
+                              layer_begin, layer_end, runner, wait, on_complete)
 
     def _transfer(self, op: Op, pool: HostPool, device: DeviceKV, host_indices: object,
-                  device_indices: object, layer_begin: int, layer_end: int) -> TransferResult:
+                  device_indices: object, layer_begin: int, layer_end: int,
+                  runner: PlanRunner | None, wait: bool,
+                  on_complete: Callable[[], None] | None) -> TransferResult:
+        assert (runner is None) == (device.location == "cpu"), "GPU buffers need a runner"
         t0 = time.perf_counter()
         pool._check_open()
         device_tokens = device.check_against(pool.spec)
@@ -104,18 +128,41 @@ class TransferEngine:
         t1 = time.perf_counter()
         canary = pool.canary
         pool.allocator.pin(batch.host_pages, batch.host_unique)
+
+        def landed() -> None:
+            try:
+                if op is Op.BACKUP and canary is not None and batch.num_pages:
+                    canary.record(batch.host_pages, batch.layers,
+                                  pool_fingerprints(pool, batch.host_pages, batch.layers))
+            finally:
+                pool.allocator.unpin(batch.host_pages, batch.host_unique)
+
+        blocking = runner is None or wait or op is Op.BACKUP
+
+        def done() -> None:
+            try:
+                landed()
+            finally:
+                if not blocking and on_complete is not None:
+                    on_complete()
+
         try:
             if op is Op.LOAD and canary is not None and batch.num_pages:
                 canary.verify(batch.host_pages, batch.layers,
                               pool_fingerprints(pool, batch.host_pages, batch.layers))
-            nbytes = sum(execute(p, self.threads) for p in plans)
-            if op is Op.BACKUP and canary is not None and batch.num_pages:
-                canary.record(batch.host_pages, batch.layers,
-                              pool_fingerprints(pool, batch.host_pages, batch.layers))
-        finally:
+            if runner is None:
+                nbytes = sum(execute(p, self.threads) for p in plans)
+            else:
+                nbytes = sum(p.nbytes for p in plans)
+                runner.run(op is Op.LOAD, plans, batch.layers, pool.spec.max_layers, blocking,
+                           done)
+        except BaseException:
             pool.allocator.unpin(batch.host_pages, batch.host_unique)
+            raise
+        if runner is None:
+            landed()
         t2 = time.perf_counter()
-        return TransferResult(op, nbytes, batch.num_pages, t1 - t0, t2 - t1)
+        return TransferResult(op, nbytes, batch.num_pages, t1 - t0, t2 - t1, not blocking)
 
     def _plan(self, op: Op, pool: HostPool, device: DeviceKV, cs: ComponentStorage,
               batch: TransferBatch, bounds: tuple[tuple[int, int], tuple[int, int]]

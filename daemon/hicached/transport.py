@@ -9,7 +9,9 @@ Primitives:
   failure is ``SHM_PATH_REJECTED`` naming the path and why, and nothing stays mapped.
 - ``Attachment``: the ``DeviceKV`` built from the buffers, the bytes attached, ``release()``.
 - ``unmap_all(maps)``: close mappings, tolerating views that are still alive.
-- ``cuda_ipc`` buffers: ``TRANSPORT_UNAVAILABLE`` on hosts without CUDA (and in this build).
+- ``check_extent`` / ``check_strides`` / ``assemble``: the checks and the per-layer assembly
+  both transports share (``cudaipc`` attaches ``cuda_ipc`` buffers).
+- ``cuda_available`` / ``supported_transports``: what ``GetInfo`` reports.
 
 Knows nothing of pools or RPC.
 """
@@ -20,14 +22,19 @@ import math
 import mmap
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from hicached.devicekv import DeviceKV
-from hicached.errors import GeometryMismatch, ShmPathRejected, TransportUnavailable
+from hicached.cudadriver import load_driver
+from hicached.devicekv import Buffer, DeviceKV
+from hicached.errors import GeometryMismatch, ShmPathRejected
 from hicached.geometry import DType, Role
+
+if TYPE_CHECKING:
+    from hicached.transfer import PlanRunner
 
 
 @dataclass(frozen=True)
@@ -49,12 +56,13 @@ class DeviceBufferSpec:
     device_uuid: str = ""
 
 
-def cuda_available() -> bool:
-    return bool(torch.cuda.is_available())
+def cuda_available(driver_path: str | None = None) -> bool:
+    """Whether the CUDA driver loads and has a device (``cudadriver.load_driver``)."""
+    return load_driver(driver_path) is not None
 
 
-def supported_transports() -> list[str]:
-    return ["shm", "cuda_ipc"] if cuda_available() else ["shm"]
+def supported_transports(driver_path: str | None = None) -> list[str]:
+    return ["shm", "cuda_ipc"] if cuda_available(driver_path) else ["shm"]
 
 
 def unmap_all(maps: Iterable[mmap.mmap]) -> None:
@@ -67,7 +75,10 @@ def unmap_all(maps: Iterable[mmap.mmap]) -> None:
 
 
 class Attachment:
-    """Mapped device buffers of one session."""
+    """Mapped device buffers of one session (shared-memory files; ``cudaipc`` subclasses it)."""
+
+    runner: PlanRunner | None = None
+    """How copies run when not on the CPU (the CUDA path); None = the CPU copy engine."""
 
     def __init__(self, device: DeviceKV, maps: list[mmap.mmap], nbytes: int) -> None:
         self.device: DeviceKV | None = device
@@ -123,48 +134,19 @@ class ShmTransport:
             os.close(fd)
 
     def attach(self, buffers: Sequence[DeviceBufferSpec]) -> Attachment:
-        ipc = [b for b in buffers if b.transport != "shm"]
-        if ipc:
-            raise TransportUnavailable(
-                "cuda_ipc buffers cannot be attached: "
-                + ("this host has no CUDA device" if not cuda_available()
-                   else "the CUDA IPC path is not part of this build"),
-                metadata={"transport": "cuda_ipc", "buffers": len(ipc)},
-            )
+        assert all(b.transport == "shm" for b in buffers), "cuda_ipc buffers go to cudaipc"
         need: dict[str, int] = {}
         for i, b in enumerate(buffers):
-            if b.offset < 0 or b.nbytes <= 0:
-                raise _reject(b.path, f"buffers[{i}] has offset {b.offset}, nbytes {b.nbytes}")
-            if any(d < 0 for d in b.shape):
-                raise GeometryMismatch(f"buffers[{i}] has a negative dimension",
-                                       metadata={"shape": b.shape})
-            want = math.prod(b.shape) * b.dtype.itemsize
-            if want > b.nbytes:
-                raise _reject(b.path, f"buffers[{i}] declares {b.nbytes} bytes but its shape "
-                                      f"{b.shape} needs {want}")
+            why = check_extent(b, i)
+            if why:
+                raise _reject(b.path, why)
             need[b.path] = max(need.get(b.path, 0), b.offset + b.nbytes)
         maps: dict[str, mmap.mmap] = {}
         try:
             for path, n in need.items():
                 maps[path] = self._open(path, n)[0]
-            layers: dict[str, dict[Role, dict[int, torch.Tensor]]] = {}
-            for i, b in enumerate(buffers):
-                t = self._tensor(maps[b.path], b, i)
-                slot = layers.setdefault(b.member, {}).setdefault(b.role, {})
-                if b.layer in slot:
-                    raise GeometryMismatch(f"buffers[{i}]: layer {b.layer} of "
-                                           f"{b.member}.{b.role.value} given twice",
-                                           metadata={"buffer": i, "layer": b.layer})
-                slot[b.layer] = t
-            device = DeviceKV({m: {r: [ls[k] for k in sorted(ls)] for r, ls in roles.items()}
-                               for m, roles in layers.items()})
-            for m, roles in layers.items():
-                for r, ls in roles.items():
-                    if sorted(ls) != list(range(len(ls))):
-                        raise GeometryMismatch(f"{m}.{r.value}: layers {sorted(ls)} are not "
-                                               f"0..{len(ls) - 1}", metadata={"buffer": m})
+            device = assemble(buffers, lambda i, b: self._tensor(maps[b.path], b, i))
         except BaseException:
-            layers = {}
             unmap_all(maps.values())
             raise
         return Attachment(device, list(maps.values()), sum(b.nbytes for b in buffers))
@@ -175,13 +157,55 @@ class ShmTransport:
         raw = torch.frombuffer(m, dtype=torch.uint8, count=b.nbytes, offset=b.offset)
         typed = raw[: count * b.dtype.itemsize].view(b.dtype.torch_dtype)
         if b.strides:
-            if len(b.strides) != len(b.shape):
-                raise GeometryMismatch(f"buffers[{i}]: strides and shape differ in rank",
-                                       metadata={"buffer": i})
-            span = 1 + sum((d - 1) * s for d, s in zip(b.shape, b.strides, strict=True)) \
-                if count else 0
-            if any(s < 0 for s in b.strides) or span > count:
-                raise GeometryMismatch(f"buffers[{i}]: strides {b.strides} leave the buffer",
-                                       metadata={"buffer": i})
+            check_strides(b, i)
             return typed.as_strided(b.shape, b.strides)
         return typed.view(b.shape)
+
+
+def check_extent(b: DeviceBufferSpec, i: int) -> str:
+    """Why buffer ``i``'s offset, size or shape is unusable ('' when it is fine)."""
+    if b.offset < 0 or b.nbytes <= 0:
+        return f"buffers[{i}] has offset {b.offset}, nbytes {b.nbytes}"
+    if any(d < 0 for d in b.shape):
+        raise GeometryMismatch(f"buffers[{i}] has a negative dimension",
+                               metadata={"shape": b.shape})
+    want = math.prod(b.shape) * b.dtype.itemsize
+    if want > b.nbytes:
+        return f"buffers[{i}] declares {b.nbytes} bytes but its shape {b.shape} needs {want}"
+    return ""
+
+
+def check_strides(b: DeviceBufferSpec, i: int) -> None:
+    """Element strides must match the shape's rank and stay inside the buffer."""
+    if not b.strides:
+        return
+    count = math.prod(b.shape)
+    if len(b.strides) != len(b.shape):
+        raise GeometryMismatch(f"buffers[{i}]: strides and shape differ in rank",
+                               metadata={"buffer": i})
+    span = 1 + sum((d - 1) * s for d, s in zip(b.shape, b.strides, strict=True)) \
+        if count else 0
+    if any(s < 0 for s in b.strides) or span > count:
+        raise GeometryMismatch(f"buffers[{i}]: strides {b.strides} leave the buffer",
+                               metadata={"buffer": i})
+
+
+def assemble(buffers: Sequence[DeviceBufferSpec],
+             make: Callable[[int, DeviceBufferSpec], Buffer], location: str = "cpu"
+             ) -> DeviceKV:
+    """The session's DeviceKV: every (member, role) needs layers 0..n-1, each given once."""
+    layers: dict[str, dict[Role, dict[int, Buffer]]] = {}
+    for i, b in enumerate(buffers):
+        slot = layers.setdefault(b.member, {}).setdefault(b.role, {})
+        if b.layer in slot:
+            raise GeometryMismatch(f"buffers[{i}]: layer {b.layer} of "
+                                   f"{b.member}.{b.role.value} given twice",
+                                   metadata={"buffer": i, "layer": b.layer})
+        slot[b.layer] = make(i, b)
+    for m, roles in layers.items():
+        for r, ls in roles.items():
+            if sorted(ls) != list(range(len(ls))):
+                raise GeometryMismatch(f"{m}.{r.value}: layers {sorted(ls)} are not "
+                                       f"0..{len(ls) - 1}", metadata={"buffer": m})
+    return DeviceKV({m: {r: [ls[k] for k in sorted(ls)] for r, ls in roles.items()}
+                     for m, roles in layers.items()}, location)

@@ -36,8 +36,7 @@ def main() -> int:
              "mismatches": 0, "lost_acknowledged": 0, "errors": 0}
     with ShmDeviceBuffers.create(spec, 2 * npg * ps, shm_dir, prefix=f"int{w}") as bufs:
         assert bufs.device is not None
-        tensors = [t.view(torch.uint8) for roles in bufs.device.buffers.values()
-                   for layers in roles.values() for t in layers]
+        tensors = [t.view(torch.uint8) for t in bufs.device.all_tensors()]
         host = client.alloc(pool, npg * ps).reshape(npg, ps)
         acked: dict[int, int] = {}
 

@@ -40,11 +40,9 @@ class World:
         self.host = self.client.alloc(SPEC.name, PAGES * PS)
         self.bufs = ShmDeviceBuffers.create(SPEC, PAGES * PS, d.shm_dir, prefix="fuzz")
         assert self.bufs.device is not None
-        for roles in self.bufs.device.buffers.values():
-            for layers in roles.values():
-                for t in layers:
-                    raw = t.view(torch.uint8)
-                    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+        for t in self.bufs.device.all_tensors():
+            raw = t.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
         self.session = self.client.open_session(SPEC.name, "fuzz", self.bufs.descriptors,
                                                 lease_ms=600_000)
         self.session.backup(self.host, torch.arange(PAGES * PS))
@@ -59,10 +57,8 @@ class World:
         self.check.load(self.host, torch.arange(PAGES * PS))
         assert self.scratch.device is not None
         h = hashlib.sha256()
-        for roles in self.scratch.device.buffers.values():
-            for layers in roles.values():
-                for t in layers:
-                    h.update(t.view(torch.uint8)[: PAGES * PS].numpy().tobytes())
+        for t in self.scratch.device.all_tensors():
+            h.update(t.view(torch.uint8)[: PAGES * PS].numpy().tobytes())
         return h.hexdigest()
 
 

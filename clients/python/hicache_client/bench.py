@@ -63,10 +63,8 @@ def _worker(target: str, spec: PoolSpec, shm_dir: str, worker: int, batch_pages:
     tokens = batch_pages * ps * 2
     with ShmDeviceBuffers.create(spec, tokens, shm_dir, prefix=f"bench{worker}") as bufs:
         assert bufs.device is not None
-        for roles in bufs.device.buffers.values():
-            for layers in roles.values():
-                for t in layers:
-                    t.view(torch.uint8).fill_(worker + 1)
+        for t in bufs.device.all_tensors():
+            t.view(torch.uint8).fill_(worker + 1)
         session = client.open_session(spec.name, f"bench-{worker}", bufs.descriptors)
         host = client.alloc(spec.name, batch_pages * ps)
         dev_pages = torch.from_numpy(rng.permutation(tokens // ps)[:batch_pages])

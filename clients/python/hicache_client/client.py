@@ -65,6 +65,8 @@ class TransferStats:
     bytes_moved: int
     pages: int
     duration_seconds: float
+    pending: bool = False
+    """The copies may still be running on the GPU (a load with layer events)."""
 
 
 class HiCacheClient:
@@ -151,10 +153,16 @@ class HiCacheClient:
 
     def open_session(self, pool: str, worker_id: str,
                      buffers: Sequence[DeviceBufferSpec | pb.DeviceBuffer], *,
-                     lease_ms: int = 0, heartbeat: bool = True) -> WorkerSession:
+                     lease_ms: int = 0, heartbeat: bool = True,
+                     layer_events: Sequence[bytes] = (), ready_event: bytes = b""
+                     ) -> WorkerSession:
+        """Attach ``buffers`` (shm or cuda_ipc). CUDA sessions may pass the IPC handles of
+        interprocess events the worker owns: ``layer_events`` are recorded by the daemon as
+        layer groups of a load land, ``ready_event`` is waited on before each copy."""
         msgs = [b if isinstance(b, pb.DeviceBuffer) else buffer_to_proto(b) for b in buffers]
         s = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
-            pool=pool, worker_id=worker_id, buffers=msgs, lease_ms=lease_ms), retry=False)
+            pool=pool, worker_id=worker_id, buffers=msgs, lease_ms=lease_ms,
+            layer_events=list(layer_events), ready_event=ready_event), retry=False)
         session = WorkerSession(self, s, heartbeat)
         self._sessions.add(session)
         return session
@@ -188,16 +196,23 @@ class HiCacheClient:
                               layer_begin, layer_end)
 
     def load(self, session_id: str, host_indices: object, device_indices: object,
-             layer_begin: int = 0, layer_end: int = 0) -> TransferStats:
+             layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False
+             ) -> TransferStats:
+        """Copy host pages to the device. ``layer_events=True`` (CUDA sessions opened with
+        layer events) returns once the copies are enqueued: wait on the session's events
+        before reading each layer."""
+        completion = pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
         return self._transfer(self._stub.Load, session_id, host_indices, device_indices,
-                              layer_begin, layer_end)
+                              layer_begin, layer_end, completion)
 
     def _transfer(self, method: Callable[..., pb.TransferResponse], session_id: str,
-                  host: object, dev: object, begin: int, end: int) -> TransferStats:
+                  host: object, dev: object, begin: int, end: int,
+                  completion: int = pb.COMPLETION_WAIT) -> TransferStats:
         resp = self._call(method, pb.TransferRequest(
             session_id=session_id, host_indices=_as_bytes(host),
-            device_indices=_as_bytes(dev), layer_begin=begin, layer_end=end), retry=True)
-        return TransferStats(resp.bytes_moved, resp.pages, resp.duration_seconds)
+            device_indices=_as_bytes(dev), layer_begin=begin, layer_end=end,
+            completion=completion), retry=True)  # type: ignore[arg-type]
+        return TransferStats(resp.bytes_moved, resp.pages, resp.duration_seconds, resp.pending)
 
 
 def _as_bytes(indices: object) -> bytes:
@@ -215,6 +230,8 @@ class WorkerSession:
         self.pool: str = msg.pool
         self.lease_ms: int = msg.lease_ms
         self.device_tokens: int = msg.device_tokens
+        self.device_uuid: str = msg.device_uuid
+        self.layer_events: int = msg.layer_events
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.heartbeat_error: HiCacheError | None = None
@@ -240,9 +257,9 @@ class WorkerSession:
                                   layer_end)
 
     def load(self, host_indices: object, device_indices: object, layer_begin: int = 0,
-             layer_end: int = 0) -> TransferStats:
+             layer_end: int = 0, *, layer_events: bool = False) -> TransferStats:
         return self.client.load(self.session_id, host_indices, device_indices, layer_begin,
-                                layer_end)
+                                layer_end, layer_events=layer_events)
 
     def stop_heartbeat(self) -> None:
         self._stop.set()

@@ -39,6 +39,11 @@ class BufferRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_ROLE_V: _ClassVar[BufferRole]
     BUFFER_ROLE_KV: _ClassVar[BufferRole]
     BUFFER_ROLE_INDEX: _ClassVar[BufferRole]
+
+class Completion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPLETION_WAIT: _ClassVar[Completion]
+    COMPLETION_LAYER_EVENTS: _ClassVar[Completion]
 POOL_KIND_UNSPECIFIED: PoolKind
 POOL_KIND_MHA: PoolKind
 POOL_KIND_MLA: PoolKind
@@ -60,6 +65,8 @@ BUFFER_ROLE_K: BufferRole
 BUFFER_ROLE_V: BufferRole
 BUFFER_ROLE_KV: BufferRole
 BUFFER_ROLE_INDEX: BufferRole
+COMPLETION_WAIT: Completion
+COMPLETION_LAYER_EVENTS: Completion
 
 class Geometry(_message.Message):
     __slots__ = ("kind", "dtype", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size")
@@ -160,7 +167,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port")
+    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +179,7 @@ class GetInfoResponse(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICES_FIELD_NUMBER: _ClassVar[int]
     version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     memory_budget_bytes: int
@@ -183,7 +191,20 @@ class GetInfoResponse(_message.Message):
     pools: int
     sessions: int
     metrics_port: int
-    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    cuda_devices: _containers.RepeatedCompositeFieldContainer[CudaDevice]
+    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ...) -> None: ...
+
+class CudaDevice(_message.Message):
+    __slots__ = ("uuid", "ordinal", "name", "total_bytes")
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    uuid: str
+    ordinal: int
+    name: str
+    total_bytes: int
+    def __init__(self, uuid: _Optional[str] = ..., ordinal: _Optional[int] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("spec",)
@@ -260,19 +281,23 @@ class DeviceBuffer(_message.Message):
     def __init__(self, member: _Optional[str] = ..., role: _Optional[_Union[BufferRole, str]] = ..., layer: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., strides: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("pool", "worker_id", "buffers", "lease_ms")
+    __slots__ = ("pool", "worker_id", "buffers", "lease_ms", "layer_events", "ready_event")
     POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     pool: str
     worker_id: str
     buffers: _containers.RepeatedCompositeFieldContainer[DeviceBuffer]
     lease_ms: int
-    def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    layer_events: _containers.RepeatedScalarFieldContainer[bytes]
+    ready_event: bytes
+    def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., layer_events: _Optional[_Iterable[bytes]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers")
+    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +306,8 @@ class Session(_message.Message):
     ATTACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_EVENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     worker_id: str
@@ -289,7 +316,9 @@ class Session(_message.Message):
     attached_bytes: int
     device_tokens: int
     transfers: int
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    layer_events: int
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -348,28 +377,32 @@ class FreeResponse(_message.Message):
     def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("session_id", "host_indices", "device_indices", "layer_begin", "layer_end")
+    __slots__ = ("session_id", "host_indices", "device_indices", "layer_begin", "layer_end", "completion")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     host_indices: bytes
     device_indices: bytes
     layer_begin: int
     layer_end: int
-    def __init__(self, session_id: _Optional[str] = ..., host_indices: _Optional[bytes] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    completion: Completion
+    def __init__(self, session_id: _Optional[str] = ..., host_indices: _Optional[bytes] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., completion: _Optional[_Union[Completion, str]] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
-    __slots__ = ("bytes_moved", "pages", "duration_seconds")
+    __slots__ = ("bytes_moved", "pages", "duration_seconds", "pending")
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     bytes_moved: int
     pages: int
     duration_seconds: float
-    def __init__(self, bytes_moved: _Optional[int] = ..., pages: _Optional[int] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
+    pending: bool
+    def __init__(self, bytes_moved: _Optional[int] = ..., pages: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,399 @@
+"""The CUDA path on the fake driver: export, attach, copy segmentation, events, lifecycle.
+
+The fake driver (tests/fakecuda) implements the driver calls hicached makes with real memory:
+device allocations are memfd mappings, IPC handles open them again, copies really move bytes
+and check that the device side stays inside its allocation. What it cannot show (DMA speed,
+real IPC semantics across processes, stream concurrency) is covered by the ``cuda`` tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_client.cuda import CudaDeviceBuffers, export_region
+from hicached import cudacopy
+from hicached.cudacopy import CudaRunner, plan_segments
+from hicached.cudadriver import CudaDriver, driver_problem, format_uuid, load_driver, normalize_uuid
+from hicached.cudaipc import CudaAttachment, CudaIpcTransport
+from hicached.errors import BufferNotShareable, DeviceNotFound, IpcHandleInvalid, SpecInvalid
+from hicached.geometry import DType, Layout, PoolKind, PoolSpec, Role
+from hicached.memory import DriverPinner
+from hicached.pool import HostPool
+from hicached.transfer import TransferEngine
+from tests.cuda_fixtures import FakeGpuKV, free_gpu_kv, make_gpu_kv
+from tests.fakecuda import UUID_A, UUID_B, FakeCuda
+from tests.fakecuda import format_uuid as fmt
+from tests.helpers import SMALL, geometry_for, spec
+
+ENGINE = TransferEngine(threads=2)
+pytestmark = pytest.mark.usefixtures("counters_settle")
+
+
+@pytest.fixture
+def transport(driver: CudaDriver) -> Iterator[CudaIpcTransport]:
+    t = CudaIpcTransport(driver)
+    yield t
+    t.close()
+
+
+@pytest.fixture(params=["native", "python"])
+def submitter(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Submit copies through the native batch call and through the ctypes loop."""
+    if request.param == "native":
+        assert cudacopy.native_available(), "the native module must be built"
+        yield "native"
+        return
+    saved = cudacopy._NATIVE
+    cudacopy._NATIVE = None
+    try:
+        yield "python"
+    finally:
+        cudacopy._NATIVE = saved
+
+
+def page_indices(pages: list[int] | np.ndarray, ps: int) -> torch.Tensor:
+    p = np.asarray(pages, dtype=np.int64)
+    return torch.from_numpy((p[:, None] * ps + np.arange(ps)).reshape(-1))
+
+
+def rows(kv: FakeGpuKV, s: PoolSpec, pages: np.ndarray, layers: range | None = None
+         ) -> list[torch.Tensor]:
+    out = []
+    for name, geometry in s.members():
+        for comp in geometry.components(s.page_size):
+            for layer in layers if layers is not None else range(geometry.layer_num):
+                if layer >= geometry.layer_num:
+                    continue
+                v = kv.views[(name, comp.role, layer)].view(-1, comp.unit_bytes)
+                if comp.page_granular:
+                    out.append(v[torch.from_numpy(pages)].clone())
+                else:
+                    out.append(v[page_indices(pages, s.page_size)].clone())
+    return out
+
+
+def pinned_pool(driver: CudaDriver, s: PoolSpec) -> HostPool:
+    return HostPool(s, SMALL, pinner=DriverPinner(driver))
+
+
+# -- driver -----------------------------------------------------------------------------------
+
+def test_driver_enumerates_devices_by_uuid(driver: CudaDriver) -> None:
+    assert [d.uuid for d in driver.devices] == [fmt(UUID_A), fmt(UUID_B)]
+    assert driver.ordinal_of(fmt(UUID_B)) == 1
+    assert driver.ordinal_of(fmt(UUID_B)[4:].upper()) == 1  # torch prints it bare
+    assert driver.ordinal_of("GPU-00000000-0000-0000-0000-000000000000") is None
+    assert normalize_uuid("ABC") == "GPU-abc"
+    assert format_uuid(bytes(range(16))) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+
+
+def test_missing_driver_is_reported_not_raised(tmp_path: object) -> None:
+    assert load_driver("/nonexistent/libcuda.so.1") is None
+    assert "cannot load /nonexistent/libcuda.so.1" in driver_problem("/nonexistent/libcuda.so.1")
+
+
+def test_driver_errors_carry_the_cuda_error_name(driver: CudaDriver) -> None:
+    with driver.context(0), pytest.raises(Exception) as info:
+        driver.ipc_open_mem_handle(b"\x00" * 64)
+    assert "CUDA_ERROR_INVALID_VALUE" in str(info.value)
+
+
+# -- worker-side export -----------------------------------------------------------------------
+
+def test_export_gives_allocation_handle_offset_and_uuid(driver: CudaDriver) -> None:
+    with driver.context(1):
+        base = driver.mem_alloc(1 << 16)
+    try:
+        r = export_region(driver, base + 4096, 1024)
+        assert len(r.handle) == 64 and r.offset == 4096 and r.device_uuid == fmt(UUID_B)
+        assert export_region(driver, base, 1 << 16).handle == r.handle
+        with pytest.raises(BufferNotShareable, match="run past the end"):
+            export_region(driver, base + 4096, 1 << 16)
+    finally:
+        with driver.context(1):
+            driver.mem_free(base)
+
+
+@pytest.mark.parametrize("kind", ["vmm", "managed", "host"])
+def test_unshareable_memory_is_refused_with_its_cause(driver: CudaDriver, fake: FakeCuda,
+                                                      kind: str) -> None:
+    host = torch.zeros(64, dtype=torch.uint8)
+    with driver.context(0):
+        address = {"vmm": fake.alloc_vmm, "managed": fake.alloc_managed,
+                   "host": lambda n: host.data_ptr()}[kind](1 << 16)
+    why = {"vmm": "expandable_segments", "managed": "managed", "host": "not CUDA device memory"}
+    with pytest.raises(BufferNotShareable, match=why[kind]) as info:
+        export_region(driver, address, 64)
+    assert info.value.reason == "BUFFER_NOT_SHAREABLE"
+    assert "PYTORCH_CUDA_ALLOC_CONF" in str(info.value)
+    if kind != "host":
+        with driver.context(0):
+            driver.mem_free(address)
+
+
+def test_cpu_tensors_are_refused(driver: CudaDriver) -> None:
+    with pytest.raises(BufferNotShareable, match="on cpu"):
+        CudaDeviceBuffers.from_tensors({"kv": {Role.K: [torch.zeros(4)]}}, driver)
+
+
+# -- daemon-side attach -----------------------------------------------------------------------
+
+def test_attach_opens_each_allocation_once_and_release_closes_it(
+        driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport) -> None:
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=64)
+    kv = make_gpu_kv(driver, s, 32)
+    before = fake.stat("open_handles")
+    a = transport.attach(kv.descriptors.descriptors)
+    b = transport.attach(kv.descriptors.descriptors)  # a second session on the same buffers
+    try:
+        assert fake.stat("open_handles") == before + 2  # K and V allocations, once each
+        assert transport.cache.stats()[0] == 2
+        assert a.device is not None and a.device.location == "cuda"
+        assert a.device.check_against(s) == 32 + 4  # SGLang's padding page included
+        k0 = a.device.buffers["kv"][Role.K][0]
+        assert k0.device == torch.device("cuda", 0)
+        a.release()
+        a.release()  # idempotent
+        assert fake.stat("open_handles") == before + 2  # b still uses them
+    finally:
+        a.release()
+        b.release()
+        free_gpu_kv(driver, kv)
+    assert fake.stat("open_handles") == before
+
+
+def test_attach_resolves_the_uuid_to_this_process_ordinal(
+        driver: CudaDriver, transport: CudaIpcTransport) -> None:
+    s = spec(geometry_for(PoolKind.MLA, DType.FLOAT16), page_size=2, size_tokens=16)
+    kv = make_gpu_kv(driver, s, 8, ordinal=1)  # the fake refuses to open it on device 0
+    try:
+        att = transport.attach(kv.descriptors.descriptors)
+        assert isinstance(att.runner, CudaRunner) and att.runner.ordinal == 1
+        att.release()
+    finally:
+        free_gpu_kv(driver, kv, ordinal=1)
+
+
+def test_unknown_gpu_is_device_not_found_listing_visible_ones(
+        driver: CudaDriver, transport: CudaIpcTransport) -> None:
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=64)
+    kv = make_gpu_kv(driver, s, 16)
+    try:
+        bad = [b.__class__(**{**b.__dict__, "device_uuid": "GPU-deadbeef"})
+               for b in kv.descriptors.descriptors]
+        with pytest.raises(DeviceNotFound) as info:
+            transport.attach(bad)
+        assert info.value.metadata["device_uuid"] == "GPU-deadbeef"
+        assert fmt(UUID_A) in info.value.metadata["visible"]
+        mixed = [*kv.descriptors.descriptors[:1],
+                 *(b.__class__(**{**b.__dict__, "device_uuid": fmt(UUID_B)})
+                   for b in kv.descriptors.descriptors[1:])]
+        with pytest.raises(SpecInvalid, match="one GPU"):
+            transport.attach(mixed)
+    finally:
+        free_gpu_kv(driver, kv)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "short", "past_end", "event"])
+def test_bad_handles_are_refused_and_nothing_stays_open(
+        driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport, damage: str) -> None:
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=64)
+    kv = make_gpu_kv(driver, s, 16)
+    descs = list(kv.descriptors.descriptors)
+    last = descs[-1]
+    events: list[bytes] = []
+    if damage == "garbage":
+        descs[-1] = last.__class__(**{**last.__dict__, "ipc_handle": b"\x07" * 64})
+    elif damage == "short":
+        descs[-1] = last.__class__(**{**last.__dict__, "ipc_handle": last.ipc_handle[:10]})
+    elif damage == "past_end":
+        descs[-1] = last.__class__(**{**last.__dict__, "offset": last.offset + (1 << 20)})
+    else:
+        events = [b"\x01" * 64]
+    before = fake.stat("open_handles"), fake.stat("streams"), fake.stat("events")
+    try:
+        with pytest.raises(IpcHandleInvalid) as info:
+            transport.attach(descs, layer_events=events)
+        assert info.value.reason == "IPC_HANDLE_INVALID"
+        assert (fake.stat("open_handles"), fake.stat("streams"), fake.stat("events")) == before
+    finally:
+        free_gpu_kv(driver, kv)
+
+
+# -- copies -----------------------------------------------------------------------------------
+
+KIND_DTYPES = [(PoolKind.MHA, DType.BFLOAT16), (PoolKind.MHA, DType.FLOAT8_E4M3),
+               (PoolKind.MHA, DType.FLOAT32), (PoolKind.MLA, DType.BFLOAT16),
+               (PoolKind.MLA, DType.FLOAT16), (PoolKind.DSA_INDEXER, DType.UINT8)]
+
+
+@pytest.mark.parametrize("layout", list(Layout), ids=lambda x: x.value)
+@pytest.mark.parametrize("kind,dtype", KIND_DTYPES, ids=lambda x: x.value)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_round_trip_through_ipc_is_exact(driver: CudaDriver, fake: FakeCuda,
+                                         transport: CudaIpcTransport, layout: Layout,
+                                         kind: PoolKind, dtype: DType, page_size: int,
+                                         submitter: str) -> None:
+    s = spec(geometry_for(kind, dtype), page_size=page_size, layout=layout,
+             size_tokens=16 * page_size)
+    pool = pinned_pool(driver, s)
+    src = make_gpu_kv(driver, s, 12 * page_size, seed=1)
+    dst = make_gpu_kv(driver, s, 12 * page_size, seed=2)
+    a = transport.attach(src.descriptors.descriptors)
+    b = transport.attach(dst.descriptors.descriptors)
+    try:
+        assert pool.pinned_bytes == pool.nbytes and fake.stat("registered_bytes") >= pool.nbytes
+        assert a.device is not None and b.device is not None
+        host = pool.alloc(6 * page_size)
+        dev_pages = np.array([9, 0, 3, 4, 5, 11])
+        r = ENGINE.backup(pool, a.device, host, page_indices(dev_pages, page_size),
+                          runner=a.runner)
+        assert r.pages == 6 and r.bytes == 6 * s.page_bytes and not r.pending
+        back_pages = np.array([1, 2, 3, 7, 6, 10])
+        untouched = rows(dst, s, np.array([0, 4, 5, 8, 9, 11]))
+        ENGINE.load(pool, b.device, host, page_indices(back_pages, page_size), runner=b.runner)
+        for x, y in zip(rows(src, s, dev_pages), rows(dst, s, back_pages), strict=True):
+            assert torch.equal(x, y)
+        for x, y in zip(untouched, rows(dst, s, np.array([0, 4, 5, 8, 9, 11])), strict=True):
+            assert torch.equal(x, y)
+        pool.allocator.memcheck()
+    finally:
+        a.release()
+        b.release()
+        free_gpu_kv(driver, src)
+        free_gpu_kv(driver, dst)
+        pool.close()
+    assert fake.stat("registered_bytes") == 0, "pool closed: host memory unregistered"
+
+
+def _count_calls(driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport,
+                 layout: Layout, pages: list[int]) -> tuple[int, int]:
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, layout=layout,
+             size_tokens=64)
+    pool = pinned_pool(driver, s)
+    kv = make_gpu_kv(driver, s, 48)
+    att = transport.attach(kv.descriptors.descriptors)
+    try:
+        assert att.device is not None
+        host = pool.alloc(len(pages) * 4)
+        before = fake.stat("calls")
+        ENGINE.backup(pool, att.device, host, page_indices(pages, 4), runner=att.runner)
+        return fake.stat("calls") - before, s.geometry.layer_num * 2
+    finally:
+        att.release()
+        free_gpu_kv(driver, kv)
+        pool.close()
+
+
+def test_consecutive_pages_coalesce_into_one_copy_per_layer(
+        driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport) -> None:
+    calls, layer_buffers = _count_calls(driver, fake, transport, Layout.LAYER_FIRST,
+                                        [0, 1, 2, 3])
+    assert calls == layer_buffers  # one run of 4 pages per (layer, K/V)
+
+
+def test_page_first_pages_are_single_2d_copies_not_rows(
+        driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport) -> None:
+    calls, layer_buffers = _count_calls(driver, fake, transport, Layout.PAGE_FIRST,
+                                        [5, 1, 9])
+    assert calls == 3 * layer_buffers  # a page of one layer: one 2-D copy of 4 strided rows
+
+
+def test_plan_segments_split_pitches_over_the_2d_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicached.copyplan import CopyPlan
+
+    plan = CopyPlan(np.array([0, 10_000], dtype=np.int64), np.array([0, 50_000], dtype=np.int64),
+                    np.array([3, 1]), np.array([2, 7]), unit_bytes=8, units=4, dst_pitch=64,
+                    src_pitch=96, dst_stride=16, src_stride=24)
+    segs = plan_segments(plan)
+    assert segs.count == 4 and set(segs.height.tolist()) == {4} and segs.nbytes == plan.nbytes
+    monkeypatch.setattr(cudacopy, "MAX_PITCH", 20)
+    rows_only = plan_segments(plan)
+    assert rows_only.count == 16 and set(rows_only.height.tolist()) == {1}
+    assert rows_only.nbytes == plan.nbytes
+    assert sorted(rows_only.dst.tolist()) == sorted(
+        (segs.dst[:, None] + np.arange(4) * segs.dpitch[:, None]).ravel().tolist())
+
+
+# -- per-layer events and asynchronous completion -----------------------------------------------
+
+def _event_setup(driver: CudaDriver, n: int) -> tuple[list[int], list[bytes]]:
+    with driver.context(0):
+        evs = [driver.event_create(interprocess=True) for _ in range(n)]
+        return evs, [driver.ipc_get_event_handle(e) for e in evs]
+
+
+def _event_teardown(driver: CudaDriver, evs: list[int]) -> None:
+    with driver.context(0):
+        for e in evs:
+            driver.event_destroy(e)
+
+
+@pytest.mark.parametrize("groups", [5, 2])
+def test_layer_events_are_recorded_after_their_layers_land(
+        driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport, groups: int) -> None:
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16).__class__(
+        PoolKind.MHA, DType.BFLOAT16, 5, 2, 8), page_size=4, size_tokens=64)
+    pool = pinned_pool(driver, s)
+    kv = make_gpu_kv(driver, s, 32)
+    worker_events, handles = _event_setup(driver, groups)
+    att = transport.attach(kv.descriptors.descriptors, layer_events=handles)
+    try:
+        assert isinstance(att, CudaAttachment) and att.device is not None
+        runner = att.runner
+        assert isinstance(runner, CudaRunner)
+        host = pool.alloc(16)
+        ENGINE.backup(pool, att.device, host, page_indices([0, 1, 2, 3], 4), runner=runner)
+        first = fake.stat("copies")
+        ENGINE.load(pool, att.device, host, page_indices([4, 6, 5, 7], 4), runner=runner)
+        copies = fake.copies(first)
+        layer_of: dict[int, int] = {}
+        for (_m, _r, layer), buf in zip(
+                [(m, r, i) for m, roles in att.device.buffers.items() for r, ls in roles.items()
+                 for i in range(len(ls))],
+                [b for roles in att.device.buffers.values() for ls in roles.values()
+                 for b in ls], strict=True):
+            layer_of[buf.data_ptr()] = layer
+        size = -(-5 // groups)
+        seqs = [fake.event_seq(e) for e in runner.layer_events]
+        assert all(x > 0 for x in seqs) and seqs == sorted(seqs)
+        for seq, dst, _src, _n in copies:
+            base = max(a for a in layer_of if a <= dst)
+            g = layer_of[base] // size
+            assert seq < seqs[g], "a layer's copies come before its event"
+            if g > 0:
+                assert seq > seqs[g - 1], "and after the previous group's event"
+    finally:
+        att.release()
+        _event_teardown(driver, worker_events)
+        free_gpu_kv(driver, kv)
+        pool.close()
+
+
+def test_async_load_completes_later_and_unpins(driver: CudaDriver,
+                                               transport: CudaIpcTransport) -> None:
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=64)
+    pool = pinned_pool(driver, s)
+    kv = make_gpu_kv(driver, s, 32)
+    worker_events, handles = _event_setup(driver, 3)
+    att = transport.attach(kv.descriptors.descriptors, layer_events=handles)
+    done = threading.Event()
+    try:
+        assert att.device is not None
+        host = pool.alloc(8)
+        r = ENGINE.load(pool, att.device, host, page_indices([1, 2], 4), runner=att.runner,
+                        wait=False, on_complete=done.set)
+        assert r.pending
+        assert done.wait(10)
+        pool.free(host)  # unpinned: the pages can be freed
+        pool.allocator.memcheck()
+    finally:
+        att.release()
+        _event_teardown(driver, worker_events)
+        free_gpu_kv(driver, kv)
+        pool.close()
