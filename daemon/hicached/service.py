@@ -277,16 +277,16 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         host = indices_from_bytes(request.host_indices, "host_indices")
         dev = indices_from_bytes(request.device_indices, "device_indices")
         events = request.completion == pb.COMPLETION_LAYER_EVENTS
+        if op == "backup" and events:
+            raise SpecInvalid("backups always complete before the reply; "
+                              "COMPLETION_LAYER_EVENTS is for loads",
+                              metadata={"completion": "COMPLETION_LAYER_EVENTS"})
         with d.sessions.transfer(request.session_id) as s:
             device = s.attachment.device
             runner = s.attachment.runner
             assert device is not None, "a session in use keeps its mappings"
             layers = (int(request.layer_begin), int(request.layer_end))
             if op == "backup":
-                if events:
-                    raise SpecInvalid("backups always complete before the reply; "
-                                      "COMPLETION_LAYER_EVENTS is for loads",
-                                      metadata={"completion": "COMPLETION_LAYER_EVENTS"})
                 r = d.engine.backup(s.pool, device, host, dev, *layers, runner=runner)
             else:
                 if events and not (isinstance(runner, CudaRunner) and runner.layer_events):

@@ -1,0 +1,139 @@
+"""A GPU worker process: CUDA IPC device buffers, a session, backup / load / verify rounds.
+
+Usage: python -m tests.cuda_worker_proc TARGET POOL WORKER_ID SEED ROUNDS TOKENS [--forever]
+       [--layer-events] [--fake]
+
+With ``--fake`` the buffers live in the fake driver's memory (``$HICACHED_CUDA_DRIVER``) and are
+checked through host views; otherwise they are torch CUDA tensors and loads with layer events
+are checked layer group by layer group on a side stream that waits only for that group's event
+(a group read before its event fires would see the zeroed pages). Prints one JSON line; exits 1
+on any mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from hicache_client import HiCacheClient
+from hicache_client.cuda import CudaDeviceBuffers, LayerEvents, ReadyEvent, layer_shapes
+from hicached.cudadriver import load_driver
+from hicached.geometry import PoolSpec, Role
+
+
+def real_buffers(spec: PoolSpec, tokens: int
+                 ) -> tuple[CudaDeviceBuffers, dict[tuple[str, Role, int], torch.Tensor]]:
+    tensors: dict[str, dict[Role, list[torch.Tensor]]] = {}
+    views: dict[tuple[str, Role, int], torch.Tensor] = {}
+    for name, geometry, comp, shape in layer_shapes(spec, tokens):
+        layers = [torch.empty(shape, dtype=comp.dtype.torch_dtype, device="cuda")
+                  for _ in range(geometry.layer_num)]
+        tensors.setdefault(name, {})[comp.role] = layers
+        for i, t in enumerate(layers):
+            views[(name, comp.role, i)] = t.view(torch.uint8).view(-1, comp.unit_bytes)
+    return CudaDeviceBuffers.from_tensors(tensors), views
+
+
+def fake_buffers(spec: PoolSpec, tokens: int
+                 ) -> tuple[CudaDeviceBuffers, dict[tuple[str, Role, int], torch.Tensor]]:
+    from tests.cuda_fixtures import make_gpu_kv
+
+    driver = load_driver()
+    assert driver is not None, "HICACHED_CUDA_DRIVER must name the fake driver"
+    kv = make_gpu_kv(driver, spec, tokens)
+    units = {(n, c.role): c.unit_bytes for n, _g, c, _s in layer_shapes(spec, tokens)}
+    views = {k: v.view(-1, units[(k[0], k[1])]) for k, v in kv.views.items()}
+    return kv.descriptors, views
+
+
+def main() -> int:
+    target, pool, worker, seed, rounds, tokens = sys.argv[1:7]
+    forever, fake = "--forever" in sys.argv, "--fake" in sys.argv
+    use_events = "--layer-events" in sys.argv
+    client = HiCacheClient(target)
+    spec = client.get_pool(pool).spec
+    ps = spec.page_size
+    gen = torch.Generator().manual_seed(int(seed))
+    bufs, views = (fake_buffers if fake else real_buffers)(spec, int(tokens))
+    layer_num = spec.max_layers
+    events = LayerEvents(layer_num) if use_events and not fake else None
+    ready = ReadyEvent() if not fake else None
+    handles: list[bytes] = events.handles if events else []
+    ready_handle = ready.handle if ready else b""
+    if fake:  # the fake driver's own interprocess events stand in for torch's
+        drv = load_driver()
+        assert drv is not None
+        with drv.context(0):
+            fake_events = [drv.event_create(interprocess=True)
+                           for _ in range(layer_num if use_events else 0)]
+            fake_ready = drv.event_create(interprocess=True)
+            handles = [drv.ipc_get_event_handle(e) for e in fake_events]
+            ready_handle = drv.ipc_get_event_handle(fake_ready)
+    granular = {(n, c.role): c.page_granular for n, _g, c, _s in layer_shapes(spec, int(tokens))}
+    device_pages = int(tokens) // ps
+    verified = mismatches = 0
+    session = client.open_session(pool, worker, bufs.descriptors, lease_ms=1000,
+                                  layer_events=handles, ready_event=ready_handle)
+    print(json.dumps({"session": session.session_id, "device_uuid": session.device_uuid}),
+          flush=True)
+
+    def rows(key: tuple[str, Role, int], pages: np.ndarray) -> torch.Tensor:
+        v = views[key]
+        if granular[(key[0], key[1])]:
+            idx = torch.from_numpy(pages)
+        else:
+            idx = torch.from_numpy((pages[:, None] * ps + np.arange(ps)).reshape(-1))
+        return v[idx.to(v.device)]
+
+    with session:
+        i = 0
+        while forever or i < int(rounds):
+            i += 1
+            pages = np.random.default_rng(int(seed) * 1000 + i).permutation(device_pages)[:4]
+            for v in views.values():
+                v.copy_(torch.randint(0, 256, v.shape, dtype=torch.uint8, generator=gen))
+            expect = {k: rows(k, pages).cpu() for k in views}
+            host = client.alloc(pool, 4 * ps)
+            dev = torch.from_numpy((pages[:, None] * ps + np.arange(ps)).reshape(-1))
+            if ready is not None:
+                ready.record()
+            session.backup(host, dev)
+            for v in views.values():
+                v.zero_()
+            if ready is not None:
+                ready.record()
+            r = session.load(host, dev, layer_events=use_events)
+            assert r.pending == use_events
+            got: dict[tuple[str, Role, int], torch.Tensor] = {}
+            if events is not None:
+                side = torch.cuda.Stream()
+                for g in range(layer_num):  # one event per layer
+                    events.wait(g, side)
+                    with torch.cuda.stream(side):
+                        for k in views:
+                            if k[2] == g:
+                                got[k] = rows(k, pages).clone()
+                side.synchronize()
+            elif not fake:
+                torch.cuda.synchronize()
+            for k in views:
+                seen = got.get(k)
+                if torch.equal((seen if seen is not None else rows(k, pages)).cpu(), expect[k]):
+                    verified += 1
+                else:
+                    mismatches += 1
+            client.free(pool, host)
+            if forever:
+                time.sleep(0.01)
+    print(json.dumps({"worker": worker, "rounds": i, "buffers": len(views),
+                      "verified_buffers": verified, "mismatches": mismatches}), flush=True)
+    client.close()
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""End to end on the CUDA IPC path with the fake driver: a real daemon process, real worker
+processes that number the GPUs differently, a SIGKILLed worker whose mappings must go."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hicache_client import HiCacheClient
+from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec
+from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests.fakecuda import UUID_A, UUID_B, format_uuid, library
+
+SPEC = PoolSpec("gpu", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
+                Layout.PAGE_FIRST, size_tokens=4096)
+TOKENS = 16 * 16
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    lib = library()
+    saved = {k: os.environ.get(k) for k in ("HICACHED_CUDA_DRIVER", "FAKECUDA_DEVICES")}
+    os.environ["HICACHED_CUDA_DRIVER"] = lib
+    os.environ["FAKECUDA_DEVICES"] = f"{UUID_A},{UUID_B}"
+    try:
+        d = start_daemon(tmp_path_factory.mktemp("cuda-daemon"))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    yield d
+    assert d.stop() == 0, d.log()
+    assert "released" in d.log()
+
+
+@pytest.fixture
+def client(daemon: DaemonProc) -> Iterator[HiCacheClient]:
+    c = HiCacheClient(daemon.target, reconnect_seconds=2)
+    c.create_pool(SPEC)
+    yield c
+    c.close()
+
+
+def spawn(daemon: DaemonProc, worker: str, seed: int, rounds: int, devices: str,
+          *flags: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, HICACHED_CUDA_DRIVER=library(), FAKECUDA_DEVICES=devices)
+    cmd = [sys.executable, "-m", "tests.cuda_worker_proc", daemon.target, SPEC.name, worker,
+           str(seed), str(rounds), str(TOKENS), "--fake", *flags]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def metric(client: HiCacheClient, name: str) -> float:
+    port = client.get_info().metrics_port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_daemon_reports_its_gpus_and_pins_pools(client: HiCacheClient) -> None:
+    info = client.get_info()
+    assert info.cuda_available and "cuda_ipc" in info.transports
+    assert [d.uuid for d in info.cuda_devices] == [format_uuid(UUID_A), format_uuid(UUID_B)]
+    pool = client.get_pool(SPEC.name)
+    assert pool.pinned_bytes == pool.capacity_bytes > 0
+    assert metric(client, "hicache_pool_pin_seconds") >= 0
+
+
+def test_workers_numbering_gpus_differently_round_trip_exactly(daemon: DaemonProc,
+                                                               client: HiCacheClient) -> None:
+    # worker 1 sees the GPUs the other way round: its device 0 is the daemon's device 1
+    workers = [spawn(daemon, "w0", 1, 4, f"{UUID_A},{UUID_B}"),
+               spawn(daemon, "w1", 2, 4, f"{UUID_B},{UUID_A}", "--layer-events")]
+    results = []
+    for w in workers:
+        out, err = w.communicate(timeout=120)
+        assert w.returncode == 0, err
+        lines = [json.loads(x) for x in out.strip().splitlines()]
+        results.append(lines)
+    assert results[0][0]["device_uuid"] == format_uuid(UUID_A)
+    assert results[1][0]["device_uuid"] == format_uuid(UUID_B)
+    for lines in results:
+        r = lines[-1]
+        assert r["mismatches"] == 0 and r["verified_buffers"] == 4 * r["buffers"] > 0
+    assert client.list_sessions(SPEC.name) == []
+    assert metric(client, "hicache_cuda_ipc_handles_open") == 0
+
+
+def test_killed_worker_releases_its_gpu_mappings(daemon: DaemonProc,
+                                                 client: HiCacheClient) -> None:
+    victim = spawn(daemon, "victim", 3, 0, f"{UUID_A},{UUID_B}", "--forever", "--layer-events")
+    assert victim.stdout is not None
+    first = json.loads(victim.stdout.readline())
+    deadline = time.monotonic() + 30
+    while metric(client, "hicache_transfer_requests_total") < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert metric(client, "hicache_cuda_ipc_handles_open") == 2  # K and V allocations
+    assert "memfd:fakecuda" in Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    deadline = time.monotonic() + 5  # lease is 1 s
+    while any(s.session_id == first["session"] for s in client.list_sessions()):
+        assert time.monotonic() < deadline, "the dead worker's session was not reaped"
+        time.sleep(0.1)
+    assert metric(client, "hicache_cuda_ipc_handles_open") == 0
+    assert metric(client, "hicache_cuda_ipc_mapped_bytes") == 0
+    assert "memfd:fakecuda" not in Path(f"/proc/{daemon.proc.pid}/maps").read_text(), \
+        "the dead worker's GPU memory is still mapped by the daemon"
+    assert metric(client, "hicache_sessions_reaped_total") >= 1
+
+
+def test_backup_refuses_layer_event_completion(daemon: DaemonProc,
+                                               client: HiCacheClient) -> None:
+    from hicache.v1 import hicache_pb2 as pb
+    from hicached.errors import SpecInvalid
+
+    with pytest.raises(SpecInvalid, match="COMPLETION_LAYER_EVENTS"):
+        client._transfer(client._stub.Backup, "no-such-session", b"", b"", 0, 0,
+                         pb.COMPLETION_LAYER_EVENTS)
