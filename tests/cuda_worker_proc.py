@@ -81,29 +81,35 @@ def main() -> int:
     print(json.dumps({"session": session.session_id, "device_uuid": session.device_uuid}),
           flush=True)
 
-    def rows(key: tuple[str, Role, int], pages: np.ndarray) -> torch.Tensor:
-        v = views[key]
+    def index(key: tuple[str, Role, int], pages: np.ndarray) -> torch.Tensor:
         if granular[(key[0], key[1])]:
             idx = torch.from_numpy(pages)
         else:
             idx = torch.from_numpy((pages[:, None] * ps + np.arange(ps)).reshape(-1))
-        return v[idx.to(v.device)]
+        return idx.to(views[key].device)
+
+    def rows(key: tuple[str, Role, int], pages: np.ndarray) -> torch.Tensor:
+        return views[key][index(key, pages)]
 
     with session:
         i = 0
         while forever or i < int(rounds):
             i += 1
             pages = np.random.default_rng(int(seed) * 1000 + i).permutation(device_pages)[:4]
-            for v in views.values():
-                v.copy_(torch.randint(0, 256, v.shape, dtype=torch.uint8, generator=gen))
-            expect = {k: rows(k, pages).cpu() for k in views}
+            expect: dict[tuple[str, Role, int], torch.Tensor] = {}
+            for k, v in views.items():  # fresh bytes in the pages of this round only
+                idx = index(k, pages)
+                vals = torch.randint(0, 256, (idx.numel(), v.shape[1]), dtype=torch.uint8,
+                                     generator=gen)
+                v[idx] = vals.to(v.device)
+                expect[k] = vals
             host = client.alloc(pool, 4 * ps)
             dev = torch.from_numpy((pages[:, None] * ps + np.arange(ps)).reshape(-1))
             if ready is not None:
                 ready.record()
             session.backup(host, dev)
-            for v in views.values():
-                v.zero_()
+            for k, v in views.items():
+                v[index(k, pages)] = 0
             if ready is not None:
                 ready.record()
             r = session.load(host, dev, layer_events=use_events)

@@ -5,17 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from hicached.__main__ import build_config
+from hicached.__main__ import _FLAGS, build_config
 from hicached.config import ServerConfig, config_from_mapping, parse_size
 from hicached.errors import SpecInvalid
 from hicached.geometry import Layout, PoolKind
 
 
 def args(**kw: object) -> argparse.Namespace:
-    names = ("config", "listen", "shm_dir", "metrics_listen", "memory_budget",
-                              "reserve", "lease_seconds", "copy_threads", "grpc_threads",
-                              "grace_seconds", "tls_cert", "tls_key", "log_format",
-                              "log_level")
+    names = ["config", *(flag[2:].replace("-", "_") for flag in _FLAGS)]
     base: dict[str, object] = {k: None for k in names}
     base.update(kw)
     return argparse.Namespace(**base)
@@ -41,6 +38,8 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     assert c.memory_budget_bytes == 1 << 30
     c = build_config(args(listen=["unix:/tmp/a.sock", "127.0.0.1:0"]), {})
     assert c.listen == ("unix:/tmp/a.sock", "127.0.0.1:0")
+    c = build_config(args(), {"HICACHED_CUDA_DRIVER": "/opt/compat/libcuda.so.1"})
+    assert c.cuda_driver == "/opt/compat/libcuda.so.1"
 
 
 def test_defaults_are_sane() -> None:

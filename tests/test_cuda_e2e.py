@@ -13,10 +13,15 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hicache_client import HiCacheClient
-from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec
+from hicached.errors import HiCacheError
+from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
+from hicached.transport import DeviceBufferSpec
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
 from tests.fakecuda import UUID_A, UUID_B, format_uuid, library
 
@@ -131,3 +136,25 @@ def test_backup_refuses_layer_event_completion(daemon: DaemonProc,
     with pytest.raises(SpecInvalid, match="COMPLETION_LAYER_EVENTS"):
         client._transfer(client._stub.Backup, "no-such-session", b"", b"", 0, 0,
                          pb.COMPLETION_LAYER_EVENTS)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(handle=st.one_of(st.binary(min_size=64, max_size=64), st.binary(max_size=80),
+                        st.just(b"FAKECUDA" + b"\xff" * 56)),
+       uuid=st.sampled_from([format_uuid(UUID_A), format_uuid(UUID_B), "GPU-nope", ""]),
+       offset=st.integers(-(2**40), 2**40), nbytes=st.integers(-8, 2**40),
+       events=st.lists(st.binary(max_size=70), max_size=3))
+def test_hostile_cuda_handles_get_structured_errors(client: HiCacheClient, handle: bytes,
+                                                    uuid: str, offset: int, nbytes: int,
+                                                    events: list[bytes]) -> None:
+    buf = DeviceBufferSpec(member="kv", role=Role.K, layer=0, shape=(32, 2, 64),
+                           dtype=DType.BFLOAT16, strides=(), transport="cuda_ipc",
+                           ipc_handle=handle, device_uuid=uuid, offset=offset, nbytes=nbytes)
+    with pytest.raises(HiCacheError) as info:
+        client.open_session(SPEC.name, "fuzz", [buf], layer_events=events, heartbeat=False)
+    err = info.value
+    assert err.reason in {"IPC_HANDLE_INVALID", "DEVICE_NOT_FOUND", "SPEC_INVALID",
+                          "GEOMETRY_MISMATCH"}, err
+    assert err.grpc_code != grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+    assert metric(client, "hicache_cuda_ipc_handles_open") == 0

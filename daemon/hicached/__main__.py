@@ -42,6 +42,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--tls-key": ("tls_key", "PEM key for TCP listeners"),
     "--log-format": ("log_format", "text or json"),
     "--log-level": ("log_level", "DEBUG, INFO, WARNING, ..."),
+    "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
 }
 _FLOATS = {"lease_seconds", "grace_seconds"}
 _INTS = {"copy_threads", "grpc_threads"}
