@@ -12,6 +12,9 @@ tensors exported over CUDA IPC) and measures side by side in one run, alternatin
    used, and until the last layer has landed.
 
 Run on a host with a GPU: ``python benchmarks/bench_cuda.py [--quick] [--json FILE]``.
+``--plan-only`` runs anywhere: the daemon's control plane for the same batches (validation,
+copy plans, driver-call segments) with a runner that copies nothing, reporting how many driver
+calls each layout needs and what building them costs.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ import torch
 from hicache_client import HiCacheClient
 from hicache_client.bench import start_daemon
 from hicache_client.cuda import CudaDeviceBuffers, LayerEvents, ReadyEvent
-from hicached import DType, KVGeometry, Layout, PoolKind, PoolSpec
+from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, TransferEngine
+from hicached.cudacopy import plan_segments
+from hicached.devicekv import DeviceKV, RawBuffer
 from hicached.geometry import Role
+from hicached.pool import MemoryOptions
 
 PCIE_GBPS = 55.0
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, 32, 8, 128)
@@ -68,6 +74,58 @@ def device_buffers(spec: PoolSpec, tokens: int) -> dict[str, dict[Role, list[tor
     return {"kv": {role: [torch.empty((rows, GEOMETRY.head_num, GEOMETRY.head_dim),
                                       dtype=torch.bfloat16, device="cuda")
                           for _ in range(GEOMETRY.layer_num)] for role in (Role.K, Role.V)}}
+
+
+class _CountingRunner:
+    """Builds the driver-call segments of every plan and copies nothing."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = 0.0
+
+    def run(self, loading: bool, plans: Any, layers: range, layer_num: int, wait: bool,
+            done: Any) -> None:
+        t0 = time.perf_counter()
+        self.calls += sum(plan_segments(p).count for p in plans)
+        self.seconds += time.perf_counter() - t0
+        done()
+
+
+def plan_only(reps: int) -> list[dict[str, Any]]:
+    rows_out = []
+    for layout in Layout:
+        spec = PoolSpec(f"plan-{layout.value}", GEOMETRY, PAGE_SIZE, layout,
+                        size_tokens=BATCH_PAGES * PAGE_SIZE)
+        pool = HostPool(spec, MemoryOptions(pin=False, hugepages=False, reserve_bytes=0))
+        device_pages = 4 * BATCH_PAGES
+        rows = device_pages * PAGE_SIZE + PAGE_SIZE
+        layer_bytes = rows * GEOMETRY.head_num * GEOMETRY.head_dim * 2
+        where = torch.device("cuda", 0)
+        bufs = {"kv": {role: [RawBuffer((1 << 40) + (2 * i + r) * layer_bytes,
+                                        (rows, GEOMETRY.head_num, GEOMETRY.head_dim),
+                                        torch.bfloat16, (), where)
+                              for i in range(GEOMETRY.layer_num)]
+                       for r, role in enumerate((Role.K, Role.V))}}
+        device = DeviceKV(bufs, "cuda")  # addresses only: nothing is dereferenced
+        host = pool.alloc(BATCH_PAGES * PAGE_SIZE)
+        engine = TransferEngine(1)
+        rng = np.random.default_rng(0)
+        for pattern in ("random", "consecutive"):
+            runner = _CountingRunner()
+            totals = []
+            for _ in range(reps):
+                pages = (rng.permutation(device_pages)[:BATCH_PAGES] if pattern == "random"
+                         else np.arange(BATCH_PAGES))
+                dev = (pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1)
+                t0 = time.perf_counter()
+                engine.backup(pool, device, host, dev, runner=runner)
+                totals.append(time.perf_counter() - t0)
+            rows_out.append({"layout": layout.value, "pages": pattern,
+                             "driver_calls": runner.calls // reps,
+                             "segments_ms": 1e3 * runner.seconds / reps,
+                             "control_plane_ms": 1e3 * statistics.median(totals)})
+        pool.close()
+    return rows_out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,7 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one layout, 3 repetitions")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--plan-only", action="store_true",
+                   help="control plane only (no GPU needed): driver calls and their cost")
     args = p.parse_args(argv)
+    if args.plan_only:
+        rows = plan_only(3 if args.quick else args.reps)
+        print(f"{BATCH_PAGES}-page backups, {GEOMETRY.layer_num} layers x K/V, page_size "
+              f"{PAGE_SIZE}; validation + plans + segments, medians")
+        for row in rows:
+            print(f"{row['layout']:>18} {row['pages']:<12} {row['driver_calls']:6d} driver "
+                  f"calls  segments {row['segments_ms']:.2f} ms  control plane "
+                  f"{row['control_plane_ms']:.2f} ms")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
         return 2

@@ -397,3 +397,17 @@ def test_async_load_completes_later_and_unpins(driver: CudaDriver,
         _event_teardown(driver, worker_events)
         free_gpu_kv(driver, kv)
         pool.close()
+
+
+def test_nothing_touches_cuda_at_import_time() -> None:
+    """A CPU-only host imports every module without loading a driver or initialising CUDA."""
+    import subprocess
+    import sys
+
+    code = ("import hicached.server, hicached.cudaipc, hicached.cudacopy, hicache_client.cuda\n"
+            "import hicached.cudadriver as d, torch\n"
+            "assert d._drivers == {}, d._drivers\n"
+            "assert not torch.cuda.is_initialized()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
