@@ -411,3 +411,33 @@ def test_nothing_touches_cuda_at_import_time() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_lease_expiry_closes_the_mappings_but_not_under_a_running_copy(
+        driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport) -> None:
+    from hicached.sessions import SessionManager
+
+    now = [0.0]
+    sessions = SessionManager(2.0, clock=lambda: now[0])
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=64)
+    pool = pinned_pool(driver, s)
+    kv = make_gpu_kv(driver, s, 16)
+    before = fake.stat("open_handles"), fake.stat("streams")
+    try:
+        a = transport.attach(kv.descriptors.descriptors)
+        b = transport.attach(kv.descriptors.descriptors)
+        quiet = sessions.open("p", pool, "quiet", a, 20)
+        busy = sessions.open("p", pool, "busy", b, 20)
+        sessions.hold(busy)  # a load still running on the GPU after its RPC returned
+        assert fake.stat("streams") == before[1] + 4
+        now[0] = 10.0
+        assert {x.session_id for x in sessions.reap()} == {quiet.session_id, busy.session_id}
+        assert a.device is None and b.device is not None  # busy keeps its mappings
+        assert fake.stat("open_handles") == before[0] + 2
+        sessions.unhold(busy)  # the copy landed
+        assert b.device is None
+        assert (fake.stat("open_handles"), fake.stat("streams")) == before
+    finally:
+        sessions.close_all()
+        free_gpu_kv(driver, kv)
+        pool.close()

@@ -63,7 +63,9 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
             ("used", _size(info.memory_used_bytes)),
             ("host available", _size(info.memory_available_bytes)),
             ("shm dir", info.shm_dir), ("pools", info.pools), ("sessions", info.sessions),
-            ("metrics port", info.metrics_port or "off")]))
+            ("metrics port", info.metrics_port or "off"),
+            *((f"gpu {d.ordinal}", f"{d.uuid} {d.name} {_size(d.total_bytes)}")
+              for d in info.cuda_devices)]))
         return 0
     if args.command == "pools":
         resp = client.list_pools_raw()
@@ -84,8 +86,9 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                                         always_print_fields_with_no_presence=True)
                           for s in sessions]))
         return 0
-    print(_table(["session", "pool", "worker", "attached", "expires in", "transfers"], [
-        (s.session_id, s.pool, s.worker_id, _size(s.attached_bytes),
+    print(_table(["session", "pool", "worker", "device", "attached", "expires in",
+                  "transfers"], [
+        (s.session_id, s.pool, s.worker_id, s.device_uuid or "shm", _size(s.attached_bytes),
          f"{s.expires_in_ms / 1000:.1f}s", s.transfers) for s in sessions]))
     return 0
 
