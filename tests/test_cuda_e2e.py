@@ -164,3 +164,13 @@ def test_hicachectl_shows_gpus(daemon: DaemonProc, client: HiCacheClient) -> Non
                           "status"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "cuda_ipc" in out.stdout and format_uuid(UUID_B) in out.stdout
+
+
+def test_layer_event_counts_that_leave_an_event_unrecorded_are_refused(
+        client: HiCacheClient) -> None:
+    from hicached.errors import SpecInvalid
+
+    # 4 layers in 3 events would be groups of 2: the third event would never fire
+    with pytest.raises(SpecInvalid, match=r"use one of \[1, 2, 4\]"):
+        client.open_session(SPEC.name, "events", [], layer_events=[b"\0" * 64] * 3,
+                            heartbeat=False)

@@ -144,6 +144,18 @@ def session_message(s: Session) -> pb.Session:
                       device_uuid=uuid, layer_events=events)
 
 
+def check_layer_events(events: int, layers: int) -> None:
+    """Every event must cover a layer group: groups of ceil(layers / events) layers."""
+    if not events:
+        return
+    size = -(-layers // events)
+    if events > layers or -(-layers // size) != events:
+        fits = sorted({-(-layers // g) for g in range(1, layers + 1)})
+        raise SpecInvalid(f"{events} layer events cannot each cover a group of the pool's "
+                          f"{layers} layers (groups of ceil(layers / events)); use one of "
+                          f"{fits}", metadata={"layer_events": events, "layers": layers})
+
+
 class HostCacheServicer(pb_grpc.HostCacheServicer):
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -201,6 +213,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                     ) -> pb.Session:
         d = self.daemon
         pool = d.registry.get(request.pool)
+        check_layer_events(len(request.layer_events), pool.spec.max_layers)
         buffers = [buffer_from_proto(b, i) for i, b in enumerate(request.buffers)]
         attachment = self._attach(buffers, list(request.layer_events),
                                   bytes(request.ready_event))

@@ -194,8 +194,13 @@ class LayerEvents:
             bytes(e.ipc_handle()) for e in self.events]  # type: ignore[no-untyped-call]
 
     def wait(self, group: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: current) wait until layer group ``group`` has landed."""
+        """Make ``stream`` (default: current) wait until layer group ``group`` has landed
+        (with one event per layer, the group is the layer)."""
         (stream or torch.cuda.current_stream()).wait_event(self.events[group])
+
+    def group_of(self, layer: int, layer_num: int) -> int:
+        """The event that covers ``layer``: groups of ceil(layer_num / events) layers."""
+        return layer // -(-layer_num // len(self.events))
 
 
 class ReadyEvent:
