@@ -79,7 +79,7 @@ class HiCacheClient:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.max_reconnect_backoff_ms", 250),  # a local sidecar: retry connects often
         ])
         self._stub = pb_grpc.HostCacheStub(self._channel)  # type: ignore[no-untyped-call]
         self._sessions: weakref.WeakSet[WorkerSession] = weakref.WeakSet()
