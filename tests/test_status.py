@@ -5,7 +5,7 @@ import pytest
 from google.rpc import error_details_pb2
 
 from hicached import errors as e
-from hicached.status import DOMAIN, GRPC_CODES, to_rpc_status
+from hicached.status import DOMAIN, GRPC_CODES, from_rpc_error, to_rpc_status
 
 
 def test_every_domain_error_class_is_mapped_explicitly() -> None:
@@ -49,3 +49,22 @@ def test_spec_errors_name_their_field() -> None:
     bad = error_details_pb2.BadRequest()
     assert st.details[1].Unpack(bad)
     assert bad.field_violations[0].field == "spec.page_size"
+
+
+class _ServerCancelled(grpc.RpcError):
+    """A call the server cancelled while stopping: no rich status, code CANCELLED."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return "CANCELLED"
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+def test_a_call_the_server_cancelled_is_unavailable_not_internal() -> None:
+    exc = from_rpc_error(_ServerCancelled())
+    assert isinstance(exc, e.Unavailable) and exc.reason == "UNAVAILABLE"
+    assert "shutting down" in exc.message

@@ -102,7 +102,8 @@ def abort_status(exc: e.HiCacheError) -> grpc.Status:
 
 
 def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
-    """Rebuild the domain error a daemon raised; unknown failures become ``HiCacheError``."""
+    """Rebuild the domain error a daemon raised; a call the server cancelled becomes
+    ``Unavailable``; other unknown failures become ``HiCacheError``."""
     code = err.code() if hasattr(err, "code") else C.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
@@ -120,6 +121,11 @@ def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
                 any_msg.Unpack(bad)
                 violations = [e.Violation(v.field, v.reason, v.description)
                               for v in bad.field_violations]
+    if not reason and code == C.CANCELLED:
+        # the client never cancels its calls: the server did, as it does to calls that reach
+        # it while it stops; to the caller that is the daemon going away mid-call
+        reason = e.Unavailable.reason
+        details = f"the daemon cancelled the call, most likely while shutting down ({details})"
     if not reason:
         reason = {C.UNAVAILABLE: e.Unavailable.reason, C.NOT_FOUND: e.NotFound.reason,
                   C.INVALID_ARGUMENT: e.InvalidRequest.reason,

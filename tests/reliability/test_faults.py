@@ -60,7 +60,8 @@ def test_daemon_killed_mid_load(tmp_path: Path, sig: signal.Signals) -> None:
         assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), daemon.log()
         assert outcomes.count("ok") >= 1
         # the load that was cut off ended with a clear, structured error
-        assert outcomes[-1] in ("UNAVAILABLE", "DRAINING", "SESSION_NOT_FOUND"), outcomes[-1]
+        assert outcomes[-1] in ("UNAVAILABLE", "DRAINING", "SESSION_NOT_FOUND"), \
+            (outcomes[-1], daemon.log())
         assert torch.equal(k, expect), "a completed load left wrong bytes"
         if sig == signal.SIGTERM:
             assert "drained" in daemon.log()
