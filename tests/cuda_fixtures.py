@@ -87,9 +87,18 @@ def free_gpu_kv(driver: CudaDriver, kv: FakeGpuKV, ordinal: int = 0) -> None:
 
 
 @pytest.fixture
+def deferred(fake: FakeCuda) -> Iterator[None]:
+    """Stream work runs only when synchronized with, as on a GPU that is slow to get to it."""
+    fake.set_defer(True)
+    yield
+    fake.set_defer(False)
+
+
+@pytest.fixture
 def counters_settle(fake: FakeCuda) -> Iterator[None]:
     """Every test leaves open handles, streams and events where it found them."""
-    before = {k: fake.stat(k) for k in ("open_handles", "streams", "events")}
+    before = {k: fake.stat(k) for k in ("open_handles", "streams", "events", "queued",
+                                         "deferred_errors")}
     yield
     after = {k: fake.stat(k) for k in before}
     assert after == before, f"CUDA resources leaked: {before} -> {after}"

@@ -31,7 +31,7 @@ from tests.fakecuda import format_uuid as fmt
 from tests.helpers import SMALL, geometry_for, spec
 
 ENGINE = TransferEngine(threads=2)
-pytestmark = pytest.mark.usefixtures("counters_settle")
+pytestmark = pytest.mark.usefixtures("counters_settle", "deferred")
 
 
 @pytest.fixture
@@ -375,7 +375,7 @@ def test_layer_events_are_recorded_after_their_layers_land(
         pool.close()
 
 
-def test_async_load_completes_later_and_unpins(driver: CudaDriver,
+def test_async_load_completes_later_and_unpins(driver: CudaDriver, fake: FakeCuda,
                                                transport: CudaIpcTransport) -> None:
     s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=64)
     pool = pinned_pool(driver, s)
@@ -386,10 +386,18 @@ def test_async_load_completes_later_and_unpins(driver: CudaDriver,
     try:
         assert att.device is not None
         host = pool.alloc(8)
-        r = ENGINE.load(pool, att.device, host, page_indices([1, 2], 4), runner=att.runner,
+        pages = np.array([1, 2])
+        ENGINE.backup(pool, att.device, host, page_indices(pages, 4), runner=att.runner)
+        saved = rows(kv, s, pages)
+        for v in kv.views.values():
+            v.zero_()
+        r = ENGINE.load(pool, att.device, host, page_indices(pages, 4), runner=att.runner,
                         wait=False, on_complete=done.set)
         assert r.pending
         assert done.wait(10)
+        assert fake.stat("queued") == 0
+        for x, y in zip(saved, rows(kv, s, pages), strict=True):
+            assert torch.equal(x, y), "completion ran before the bytes landed"
         pool.free(host)  # unpinned: the pages can be freed
         pool.allocator.memcheck()
     finally:

@@ -47,6 +47,10 @@ class FakeCuda:
         self.lib.fakecuda_copy_at.restype = ctypes.c_long
         self.lib.fakecuda_copy_at.argtypes = [ctypes.c_long] + [ctypes.POINTER(ctypes.c_uint64)] * 3
 
+    def set_defer(self, on: bool) -> None:
+        """Queue stream work until something synchronizes with it (default: run at enqueue)."""
+        self.lib.fakecuda_set_defer(ctypes.c_int(int(on)))
+
     def stat(self, name: str) -> int:
         value = int(self.lib.fakecuda_stat(name.encode()))
         assert value >= 0, f"unknown fake CUDA counter {name}"

@@ -5,10 +5,11 @@
  *
  * "Device memory" is a memfd mapping; a device pointer is its host address. An IPC memory
  * handle names the exporting process and its fd; opening it maps /proc/PID/fd/FD, so the
- * exporter must be alive, as with CUDA. Copies run at enqueue, in order, and check that the
- * device side lies inside a live allocation. Events record a sequence number; the copy log and
- * counters (fakecuda_stat) let tests check ordering and that every handle, stream, event and
- * host registration was released.
+ * exporter must be alive, as with CUDA. Copies check that the device side lies inside a live
+ * allocation; they run at enqueue, or (fakecuda_set_defer) only when something synchronizes
+ * with their stream, as a GPU runs them "later". Events record a sequence number when they
+ * run; the copy log and counters (fakecuda_stat) let tests check ordering and that every
+ * handle, stream, event and host registration was released.
  *
  * Devices: FAKECUDA_DEVICES="uuid,uuid" (32 hex digits each) in this process's numbering, as
  * CUDA_VISIBLE_DEVICES would reorder them; default one device.
@@ -66,7 +67,7 @@ typedef struct {
     uint64_t origin_id;
 } alloc_t;
 
-typedef struct { int used, interprocess, imported; long seq; } event_t;
+typedef struct { int used, interprocess, imported; long seq, pending, stream; } event_t;
 typedef struct { uint64_t base, size; } reg_t;
 typedef struct { long seq; uint64_t dst, src, n; } copy_t;
 
@@ -359,24 +360,45 @@ CUresult cuMemHostUnregister(void *p) {
     return HOST_NOT_REGISTERED;
 }
 
-/* -- streams and events -------------------------------------------------------------------- */
+/* -- streams, events, copies --------------------------------------------------------------
+ * By default work runs at enqueue. With fakecuda_set_defer(1) a stream only runs its queue at
+ * a synchronization point (cuStreamSynchronize, cuEventSynchronize on an event recorded on it,
+ * a stream that waits on such an event, cuStreamDestroy), so a missing synchronize leaves the
+ * bytes unmoved, and a copy whose memory was unmapped before it ran counts a deferred error
+ * (the sticky error a real GPU would raise). */
+
+#define MAX_STREAM 1024
+enum { OP_COPY = 1, OP_RECORD = 2, OP_WAIT = 3 };
+typedef struct { int kind; uint64_t dst, src, n; long ev, other; } op_t;
+typedef struct { int used; op_t *ops; long len, cap, head; } stream_t;
+static stream_t streams[MAX_STREAM];
+static int defer_mode;
+static long deferred_errors;
+
+void fakecuda_set_defer(int on) { pthread_mutex_lock(&mu); defer_mode = on; pthread_mutex_unlock(&mu); }
+
+static stream_t *stream_of(void *s) {
+    intptr_t i = (intptr_t)s - 0x5001;
+    if (i < 0 || i >= MAX_STREAM || !streams[i].used) return NULL;
+    return &streams[i];
+}
 
 CUresult cuStreamCreate(void **s, unsigned flags) {
     (void)flags;
     if (current_dev() < 0) return INVALID_CONTEXT;
     pthread_mutex_lock(&mu);
-    *s = (void *)(intptr_t)(0x5000 + (++n_streams));
+    for (int i = 0; i < MAX_STREAM; i++)
+        if (!streams[i].used) {
+            memset(&streams[i], 0, sizeof streams[i]);
+            streams[i].used = 1;
+            n_streams++;
+            *s = (void *)(intptr_t)(0x5001 + i);
+            pthread_mutex_unlock(&mu);
+            return OK;
+        }
     pthread_mutex_unlock(&mu);
-    return OK;
+    return OUT_OF_MEMORY;
 }
-CUresult cuStreamDestroy_v2(void *s) {
-    if (!s) return INVALID_HANDLE;
-    pthread_mutex_lock(&mu);
-    n_streams--;
-    pthread_mutex_unlock(&mu);
-    return OK;
-}
-CUresult cuStreamSynchronize(void *s) { (void)s; return OK; }
 
 static event_t *ev_of(void *e) {
     intptr_t i = (intptr_t)e - 1;
@@ -384,12 +406,96 @@ static event_t *ev_of(void *e) {
     return &events[i];
 }
 
+/* The device side of a copy must lie inside one live allocation (as the DMA engine would fault
+ * otherwise); the host side is plain memory. At least one side must be device memory. */
+static int inside(uint64_t p, uint64_t n) {
+    alloc_t *a = find_alloc(p);
+    return a && p + n <= a->base + a->size;
+}
+
+static CUresult check_copy(uint64_t dst, uint64_t src, uint64_t n) {
+    int d = find_alloc(dst) != NULL, s = find_alloc(src) != NULL;
+    if (!d && !s) return INVALID_VALUE;
+    if ((d && !inside(dst, n)) || (s && !inside(src, n))) return INVALID_VALUE;
+    return OK;
+}
+
+static void run_copy(uint64_t dst, uint64_t src, uint64_t n) {
+    if (check_copy(dst, src, n) != OK) { deferred_errors++; return; }
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    if (!copy_log) copy_log = calloc(LOG_MAX, sizeof *copy_log);
+    if (copy_log && ncopies < LOG_MAX) {
+        copy_log[ncopies].seq = seq_counter + 1;
+        copy_log[ncopies].dst = dst; copy_log[ncopies].src = src; copy_log[ncopies].n = n;
+    }
+    ncopies++;
+    seq_counter++;
+}
+
+static void drain(stream_t *st);
+
+static void run_op(const op_t *op) {
+    if (op->kind == OP_COPY) {
+        run_copy(op->dst, op->src, op->n);
+    } else if (op->kind == OP_RECORD) {
+        event_t *ev = ev_of((void *)(intptr_t)op->ev);
+        if (ev) { ev->seq = ++seq_counter; ev->pending--; }
+    } else if (op->kind == OP_WAIT) {
+        stream_t *other = stream_of((void *)(intptr_t)op->other);
+        if (other) drain(other);
+    }
+}
+
+static void drain(stream_t *st) {
+    while (st->head < st->len) {
+        op_t op = st->ops[st->head++];
+        run_op(&op);
+    }
+    st->head = st->len = 0;
+}
+
+/* run now, or queue on the stream (the null stream always runs now) */
+static CUresult submit(void *s, op_t op) {
+    stream_t *st = stream_of(s);
+    if (s && !st) return INVALID_HANDLE;
+    if (!defer_mode || !st) { run_op(&op); return OK; }
+    if (st->len == st->cap) {
+        long cap = st->cap ? 2 * st->cap : 1024;
+        op_t *ops = realloc(st->ops, (size_t)cap * sizeof *ops);
+        if (!ops) return OUT_OF_MEMORY;
+        st->ops = ops; st->cap = cap;
+    }
+    st->ops[st->len++] = op;
+    return OK;
+}
+
+CUresult cuStreamSynchronize(void *s) {
+    pthread_mutex_lock(&mu);
+    stream_t *st = stream_of(s);
+    if (st) drain(st);
+    pthread_mutex_unlock(&mu);
+    return s && !st ? INVALID_HANDLE : OK;
+}
+
+CUresult cuStreamDestroy_v2(void *s) {
+    pthread_mutex_lock(&mu);
+    stream_t *st = stream_of(s);
+    if (!st) { pthread_mutex_unlock(&mu); return INVALID_HANDLE; }
+    drain(st);  /* work already queued still completes */
+    free(st->ops);
+    memset(st, 0, sizeof *st);
+    n_streams--;
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
 static CUresult new_event(void **out, int interprocess, int imported) {
     pthread_mutex_lock(&mu);
     for (int i = 0; i < MAX_EVENT; i++)
         if (!events[i].used) {
+            memset(&events[i], 0, sizeof events[i]);
             events[i].used = 1; events[i].interprocess = interprocess;
-            events[i].imported = imported; events[i].seq = 0;
+            events[i].imported = imported;
             *out = (void *)(intptr_t)(i + 1);
             pthread_mutex_unlock(&mu);
             return OK;
@@ -404,16 +510,45 @@ CUresult cuEventCreate(void **e, unsigned flags) {
     return new_event(e, (flags & 4) != 0, 0);
 }
 CUresult cuEventRecord(void *e, void *s) {
-    (void)s;
     pthread_mutex_lock(&mu);
     event_t *ev = ev_of(e);
-    if (ev) ev->seq = ++seq_counter;
+    CUresult rc = INVALID_HANDLE;
+    if (ev) {
+        ev->pending++;
+        ev->stream = (long)(intptr_t)s;
+        rc = submit(s, (op_t){OP_RECORD, 0, 0, 0, (long)(intptr_t)e, 0});
+        if (rc != OK) ev->pending--;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+CUresult cuEventQuery(void *e) {
+    pthread_mutex_lock(&mu);
+    event_t *ev = ev_of(e);
+    CUresult rc = !ev ? INVALID_HANDLE : ev->pending ? 600 /* NOT_READY */ : OK;
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+CUresult cuEventSynchronize(void *e) {
+    pthread_mutex_lock(&mu);
+    event_t *ev = ev_of(e);
+    if (ev && ev->pending) {
+        stream_t *st = stream_of((void *)(intptr_t)ev->stream);
+        if (st) drain(st);
+    }
     pthread_mutex_unlock(&mu);
     return ev ? OK : INVALID_HANDLE;
 }
-CUresult cuEventQuery(void *e) { return ev_of(e) ? OK : INVALID_HANDLE; }
-CUresult cuEventSynchronize(void *e) { return ev_of(e) ? OK : INVALID_HANDLE; }
-CUresult cuStreamWaitEvent(void *s, void *e, unsigned flags) { (void)s; (void)flags; return ev_of(e) ? OK : INVALID_HANDLE; }
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned flags) {
+    (void)flags;
+    pthread_mutex_lock(&mu);
+    event_t *ev = ev_of(e);
+    CUresult rc = INVALID_HANDLE;
+    if (ev)
+        rc = ev->pending ? submit(s, (op_t){OP_WAIT, 0, 0, 0, 0, ev->stream}) : OK;
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
 CUresult cuEventDestroy_v2(void *e) {
     pthread_mutex_lock(&mu);
     event_t *ev = ev_of(e);
@@ -438,42 +573,17 @@ CUresult cuIpcOpenEventHandle(void **e, ipc_handle_t h) {
     return new_event(e, 1, 1);
 }
 
-/* -- copies -------------------------------------------------------------------------------- */
-
-/* The device side of a copy must lie inside one live allocation (as the DMA engine would fault
- * otherwise); the host side is plain memory. At least one side must be device memory. */
-static int inside(uint64_t p, uint64_t n) {
-    alloc_t *a = find_alloc(p);
-    return a && p + n <= a->base + a->size;
-}
-
-static CUresult do_copy(uint64_t dst, uint64_t src, uint64_t n) {
-    int d = find_alloc(dst) != NULL, s = find_alloc(src) != NULL;
-    if (!d && !s) return INVALID_VALUE;
-    if ((d && !inside(dst, n)) || (s && !inside(src, n))) return INVALID_VALUE;
-    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
-    if (!copy_log) copy_log = calloc(LOG_MAX, sizeof *copy_log);
-    if (copy_log && ncopies < LOG_MAX) {
-        copy_log[ncopies].seq = seq_counter + 1;
-        copy_log[ncopies].dst = dst; copy_log[ncopies].src = src; copy_log[ncopies].n = n;
-    }
-    ncopies++;
-    seq_counter++;
-    return OK;
-}
-
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
-    (void)stream;
     if (current_dev() < 0) return INVALID_CONTEXT;
     pthread_mutex_lock(&mu);
     ncalls++;
-    CUresult rc = do_copy(dst, src, n);
+    CUresult rc = check_copy(dst, src, n);
+    if (rc == OK) rc = submit(stream, (op_t){OP_COPY, dst, src, n, 0, 0});
     pthread_mutex_unlock(&mu);
     return rc;
 }
 
 CUresult cuMemcpy2DAsync_v2(const memcpy2d_t *c, void *stream) {
-    (void)stream;
     if (current_dev() < 0) return INVALID_CONTEXT;
     if (c->srcMemoryType != 4 || c->dstMemoryType != 4) return INVALID_VALUE;
     if (c->WidthInBytes > c->srcPitch || c->WidthInBytes > c->dstPitch) return INVALID_VALUE;
@@ -481,8 +591,11 @@ CUresult cuMemcpy2DAsync_v2(const memcpy2d_t *c, void *stream) {
     ncalls++;
     CUresult rc = OK;
     for (size_t r = 0; r < c->Height && rc == OK; r++)
-        rc = do_copy(c->dstDevice + r * c->dstPitch, c->srcDevice + r * c->srcPitch,
-                     c->WidthInBytes);
+        rc = check_copy(c->dstDevice + r * c->dstPitch, c->srcDevice + r * c->srcPitch,
+                        c->WidthInBytes);
+    for (size_t r = 0; r < c->Height && rc == OK; r++)
+        rc = submit(stream, (op_t){OP_COPY, c->dstDevice + r * c->dstPitch,
+                                   c->srcDevice + r * c->srcPitch, c->WidthInBytes, 0, 0});
     pthread_mutex_unlock(&mu);
     return rc;
 }
@@ -498,6 +611,11 @@ long fakecuda_stat(const char *what) {
     else if (!strcmp(what, "copies")) out = ncopies;
     else if (!strcmp(what, "calls")) out = ncalls;
     else if (!strcmp(what, "seq")) out = seq_counter;
+    else if (!strcmp(what, "deferred_errors")) out = deferred_errors;
+    else if (!strcmp(what, "queued")) {
+        out = 0;
+        for (int i = 0; i < MAX_STREAM; i++) out += streams[i].used ? streams[i].len - streams[i].head : 0;
+    }
     else if (!strcmp(what, "events")) {
         out = 0;
         for (int i = 0; i < MAX_EVENT; i++) out += events[i].used;
