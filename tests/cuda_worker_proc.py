@@ -64,6 +64,8 @@ def main() -> int:
     ready = ReadyEvent() if not fake else None
     handles: list[bytes] = events.handles if events else []
     ready_handle = ready.handle if ready else b""
+    drv = None
+    fake_events: list[int] = []
     if fake:  # the fake driver's own interprocess events stand in for torch's
         drv = load_driver()
         assert drv is not None
@@ -124,6 +126,11 @@ def main() -> int:
                             if k[2] == g:
                                 got[k] = rows(k, pages).clone()
                 side.synchronize()
+            elif fake and use_events:  # wait as a GPU stream would, group by group
+                assert drv is not None
+                with drv.context(0):
+                    for e in fake_events:
+                        drv.event_synchronize(e)
             elif not fake:
                 torch.cuda.synchronize()
             for k in views:

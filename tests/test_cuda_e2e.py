@@ -33,9 +33,11 @@ TOKENS = 16 * 16
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     lib = library()
-    saved = {k: os.environ.get(k) for k in ("HICACHED_CUDA_DRIVER", "FAKECUDA_DEVICES")}
+    saved = {k: os.environ.get(k) for k in ("HICACHED_CUDA_DRIVER", "FAKECUDA_DEVICES",
+                                            "FAKECUDA_DEFER")}
     os.environ["HICACHED_CUDA_DRIVER"] = lib
     os.environ["FAKECUDA_DEVICES"] = f"{UUID_A},{UUID_B}"
+    os.environ["FAKECUDA_DEFER"] = "1"  # the daemon's copies run only when it synchronizes
     try:
         d = start_daemon(tmp_path_factory.mktemp("cuda-daemon"))
     finally:

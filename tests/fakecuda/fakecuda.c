@@ -11,6 +11,10 @@
  * run; the copy log and counters (fakecuda_stat) let tests check ordering and that every
  * handle, stream, event and host registration was released.
  *
+ * Interprocess events keep their state in a shared page, so a worker waiting on its own event
+ * sees the record the daemon made on its import once the daemon's stream has run it.
+ * FAKECUDA_DEFER=1 defers from the start.
+ *
  * Devices: FAKECUDA_DEVICES="uuid,uuid" (32 hex digits each) in this process's numbering, as
  * CUDA_VISIBLE_DEVICES would reorder them; default one device.
  */
@@ -67,7 +71,9 @@ typedef struct {
     uint64_t origin_id;
 } alloc_t;
 
-typedef struct { int used, interprocess, imported; long seq, pending, stream; } event_t;
+/* state[0] = records enqueued but not run, state[1] = sequence number of the last run; shared
+ * (a memfd page) for interprocess events, so the exporter sees records made by an importer */
+typedef struct { int used, interprocess, imported, fd; long stream; long *state; long local[2]; } event_t;
 typedef struct { uint64_t base, size; } reg_t;
 typedef struct { long seq; uint64_t dst, src, n; } copy_t;
 
@@ -80,6 +86,7 @@ static reg_t regs[MAX_REG];
 static copy_t *copy_log;
 static long ncopies, ncalls, seq_counter, next_id = 1;
 static long n_streams, n_open_handles, n_registered_bytes, n_ctx_retained;
+static int defer_mode; /* FAKECUDA_DEFER=1 or fakecuda_set_defer */
 static __thread int ctx_stack[16];
 static __thread int ctx_depth;
 
@@ -93,6 +100,8 @@ static int hexval(char c) {
 static void init_devices(void) {
     if (ndev >= 0) return;
     const char *env = getenv("FAKECUDA_DEVICES");
+    const char *defer = getenv("FAKECUDA_DEFER");
+    defer_mode = defer && *defer == '1';
     if (!env || !*env) env = "fa4ec0da000000000000000000000001";
     ndev = 0;
     const char *p = env;
@@ -372,7 +381,6 @@ enum { OP_COPY = 1, OP_RECORD = 2, OP_WAIT = 3 };
 typedef struct { int kind; uint64_t dst, src, n; long ev, other; } op_t;
 typedef struct { int used; op_t *ops; long len, cap, head; } stream_t;
 static stream_t streams[MAX_STREAM];
-static int defer_mode;
 static long deferred_errors;
 
 void fakecuda_set_defer(int on) { pthread_mutex_lock(&mu); defer_mode = on; pthread_mutex_unlock(&mu); }
@@ -439,7 +447,10 @@ static void run_op(const op_t *op) {
         run_copy(op->dst, op->src, op->n);
     } else if (op->kind == OP_RECORD) {
         event_t *ev = ev_of((void *)(intptr_t)op->ev);
-        if (ev) { ev->seq = ++seq_counter; ev->pending--; }
+        if (ev) {
+            __atomic_store_n(&ev->state[1], ++seq_counter, __ATOMIC_SEQ_CST);
+            __atomic_sub_fetch(&ev->state[0], 1, __ATOMIC_SEQ_CST);
+        }
     } else if (op->kind == OP_WAIT) {
         stream_t *other = stream_of((void *)(intptr_t)op->other);
         if (other) drain(other);
@@ -489,35 +500,53 @@ CUresult cuStreamDestroy_v2(void *s) {
     return OK;
 }
 
-static CUresult new_event(void **out, int interprocess, int imported) {
+static long pending_of(event_t *ev) { return __atomic_load_n(&ev->state[0], __ATOMIC_SEQ_CST); }
+
+/* fd >= 0: map that memfd as the shared state (imported); interprocess: a new shared page */
+static CUresult new_event(void **out, int interprocess, int imported, int fd) {
+    long *state = NULL;
+    if (interprocess) {
+        int own = fd < 0;
+        if (own) {
+            fd = memfd_create("fakecuda-event", MFD_CLOEXEC);
+            if (fd < 0 || ftruncate(fd, 4096) != 0) return OUT_OF_MEMORY;
+        }
+        void *p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) { close(fd); return OUT_OF_MEMORY; }
+        state = p;
+        if (imported) { close(fd); fd = -1; }
+    }
     pthread_mutex_lock(&mu);
     for (int i = 0; i < MAX_EVENT; i++)
         if (!events[i].used) {
             memset(&events[i], 0, sizeof events[i]);
             events[i].used = 1; events[i].interprocess = interprocess;
-            events[i].imported = imported;
+            events[i].imported = imported; events[i].fd = fd;
+            events[i].state = state ? state : events[i].local;
             *out = (void *)(intptr_t)(i + 1);
             pthread_mutex_unlock(&mu);
             return OK;
         }
     pthread_mutex_unlock(&mu);
+    if (state) munmap(state, 4096);
+    if (fd >= 0) close(fd);
     return OUT_OF_MEMORY;
 }
 
 CUresult cuEventCreate(void **e, unsigned flags) {
     if (current_dev() < 0) return INVALID_CONTEXT;
     if ((flags & 4) && !(flags & 2)) return INVALID_VALUE; /* interprocess needs no timing */
-    return new_event(e, (flags & 4) != 0, 0);
+    return new_event(e, (flags & 4) != 0, 0, -1);
 }
 CUresult cuEventRecord(void *e, void *s) {
     pthread_mutex_lock(&mu);
     event_t *ev = ev_of(e);
     CUresult rc = INVALID_HANDLE;
     if (ev) {
-        ev->pending++;
+        __atomic_add_fetch(&ev->state[0], 1, __ATOMIC_SEQ_CST);
         ev->stream = (long)(intptr_t)s;
         rc = submit(s, (op_t){OP_RECORD, 0, 0, 0, (long)(intptr_t)e, 0});
-        if (rc != OK) ev->pending--;
+        if (rc != OK) __atomic_sub_fetch(&ev->state[0], 1, __ATOMIC_SEQ_CST);
     }
     pthread_mutex_unlock(&mu);
     return rc;
@@ -525,19 +554,28 @@ CUresult cuEventRecord(void *e, void *s) {
 CUresult cuEventQuery(void *e) {
     pthread_mutex_lock(&mu);
     event_t *ev = ev_of(e);
-    CUresult rc = !ev ? INVALID_HANDLE : ev->pending ? 600 /* NOT_READY */ : OK;
+    CUresult rc = !ev ? INVALID_HANDLE : pending_of(ev) ? 600 /* NOT_READY */ : OK;
     pthread_mutex_unlock(&mu);
     return rc;
 }
+/* Runs the recording stream if it is ours; a record made in another process (an importer of
+ * this event) is waited for until that process runs it, for up to 30 s. */
 CUresult cuEventSynchronize(void *e) {
     pthread_mutex_lock(&mu);
     event_t *ev = ev_of(e);
-    if (ev && ev->pending) {
+    if (!ev) { pthread_mutex_unlock(&mu); return INVALID_HANDLE; }
+    if (pending_of(ev)) {
         stream_t *st = stream_of((void *)(intptr_t)ev->stream);
         if (st) drain(st);
     }
+    for (int waited = 0; pending_of(ev) > 0; waited++) {
+        if (waited > 150000) { pthread_mutex_unlock(&mu); return 702; /* LAUNCH_TIMEOUT */ }
+        pthread_mutex_unlock(&mu);
+        usleep(200);
+        pthread_mutex_lock(&mu);
+    }
     pthread_mutex_unlock(&mu);
-    return ev ? OK : INVALID_HANDLE;
+    return OK;
 }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned flags) {
     (void)flags;
@@ -545,32 +583,43 @@ CUresult cuStreamWaitEvent(void *s, void *e, unsigned flags) {
     event_t *ev = ev_of(e);
     CUresult rc = INVALID_HANDLE;
     if (ev)
-        rc = ev->pending ? submit(s, (op_t){OP_WAIT, 0, 0, 0, 0, ev->stream}) : OK;
+        rc = pending_of(ev) ? submit(s, (op_t){OP_WAIT, 0, 0, 0, 0, ev->stream}) : OK;
     pthread_mutex_unlock(&mu);
     return rc;
 }
 CUresult cuEventDestroy_v2(void *e) {
     pthread_mutex_lock(&mu);
     event_t *ev = ev_of(e);
-    if (ev) ev->used = 0;
+    if (ev) {
+        ev->used = 0;
+        if (ev->state != ev->local) munmap(ev->state, 4096);
+        if (ev->fd >= 0) close(ev->fd);
+    }
     pthread_mutex_unlock(&mu);
     return ev ? OK : INVALID_HANDLE;
 }
+/* event handle: "FAKEEVNT" | pid | fd of the shared state page */
 CUresult cuIpcGetEventHandle(ipc_handle_t *h, void *e) {
     event_t *ev = ev_of(e);
     if (!ev || !ev->interprocess || ev->imported) return INVALID_VALUE;
     memset(h, 0, sizeof *h);
     memcpy(h->reserved, "FAKEEVNT", 8);
-    int32_t pid = getpid();
-    intptr_t idx = (intptr_t)e;
+    int32_t pid = getpid(), fd = ev->fd;
     memcpy(h->reserved + 8, &pid, 4);
-    memcpy(h->reserved + 16, &idx, sizeof idx);
+    memcpy(h->reserved + 12, &fd, 4);
     return OK;
 }
 CUresult cuIpcOpenEventHandle(void **e, ipc_handle_t h) {
     if (current_dev() < 0) return INVALID_CONTEXT;
     if (memcmp(h.reserved, "FAKEEVNT", 8) != 0) return INVALID_VALUE;
-    return new_event(e, 1, 1);
+    int32_t pid, fd;
+    memcpy(&pid, h.reserved + 8, 4);
+    memcpy(&fd, h.reserved + 12, 4);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+    int nfd = open(path, O_RDWR | O_CLOEXEC);
+    if (nfd < 0) return INVALID_HANDLE;
+    return new_event(e, 1, 1, nfd);
 }
 
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
@@ -629,7 +678,7 @@ long fakecuda_stat(const char *what) {
 
 long fakecuda_event_seq(void *e) {
     event_t *ev = ev_of(e);
-    return ev ? ev->seq : -1;
+    return ev ? __atomic_load_n(&ev->state[1], __ATOMIC_SEQ_CST) : -1;
 }
 
 /* copy i of the log: returns its sequence number, fills dst/src/n; -1 past the end */
