@@ -240,7 +240,8 @@ class CudaRunner:
                 if wait:
                     self.driver.stream_synchronize(stream)
                 else:
-                    event = self.driver.event_create()
+                    # the completer sleeps on it rather than spinning a core per load
+                    event = self.driver.event_create(blocking=True)
                     self.driver.event_record(event, stream)
         except CudaCallFailed as exc:
             self._drain(stream)

@@ -43,6 +43,7 @@ ATTR_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 ATTR_RANGE_START_ADDR = 11
 ATTR_RANGE_SIZE = 12
 # flags
+EVENT_BLOCKING_SYNC = 0x1
 EVENT_DISABLE_TIMING = 0x2
 EVENT_INTERPROCESS = 0x4
 STREAM_NON_BLOCKING = 0x1
@@ -282,9 +283,11 @@ class CudaDriver:
         self._call("cuStreamWaitEvent", ctypes.c_void_p(stream), ctypes.c_void_p(event),
                    ctypes.c_uint(0))
 
-    def event_create(self, interprocess: bool = False) -> int:
+    def event_create(self, interprocess: bool = False, blocking: bool = False) -> int:
+        """``blocking``: a thread synchronizing on it sleeps instead of spinning."""
         e = ctypes.c_void_p()
-        flags = EVENT_DISABLE_TIMING | (EVENT_INTERPROCESS if interprocess else 0)
+        flags = (EVENT_DISABLE_TIMING | (EVENT_INTERPROCESS if interprocess else 0)
+                 | (EVENT_BLOCKING_SYNC if blocking else 0))
         self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(flags))
         return int(e.value or 0)
 
