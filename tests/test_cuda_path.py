@@ -449,3 +449,19 @@ def test_lease_expiry_closes_the_mappings_but_not_under_a_running_copy(
         sessions.close_all()
         free_gpu_kv(driver, kv)
         pool.close()
+
+
+def test_a_pool_that_cannot_be_pinned_is_refused_with_nothing_left_pinned(
+        driver: CudaDriver, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicached.errors import PinFailed
+
+    monkeypatch.setattr("hicached.memory.PIN_CHUNK", 1 << 20)
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=16384)
+    fake.set_pin_limit(1 << 20)  # the pool is 3 MiB
+    try:
+        with pytest.raises(PinFailed, match="CUDA_ERROR_OUT_OF_MEMORY") as info:
+            pinned_pool(driver, s)
+    finally:
+        fake.set_pin_limit(-1)
+    assert info.value.metadata["pinned_before_failure"] == str(1 << 20)
+    assert fake.stat("registered_bytes") == 0

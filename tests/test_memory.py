@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from hicached.errors import HostMemoryInsufficient
+from hicached.errors import HostMemoryInsufficient, PinFailed
 from hicached.memory import Backing, HostMemory, available_bytes, check_budget, default_pinner
 
 
@@ -64,8 +64,10 @@ def test_pinning_is_chunked_and_undone_on_close(monkeypatch: pytest.MonkeyPatch)
 def test_failed_pinning_rolls_back_and_frees(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("hicached.memory.PIN_CHUNK", 1 << 20)
     p = FakePinner(fail_at=2)
-    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+    with pytest.raises(PinFailed, match="cudaHostRegister failed") as info:
         HostMemory(3 << 20, pinner=p)
+    assert info.value.reason == "PIN_FAILED" and "LimitMEMLOCK" in info.value.message
+    assert info.value.metadata["pinned_before_failure"] == str(2 << 20)
     assert sorted(p.unregistered) == sorted(a for a, _ in p.registered)
     assert len(p.registered) == 2
 

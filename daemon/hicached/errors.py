@@ -35,7 +35,8 @@ Hierarchy::
     │   └── TransportUnavailable           TRANSPORT_UNAVAILABLE
     ├── ResourceExhausted              a limit was hit
     │   ├── PoolExhausted                  POOL_EXHAUSTED
-    │   └── HostMemoryInsufficient         HOST_MEMORY_INSUFFICIENT
+    │   ├── HostMemoryInsufficient         HOST_MEMORY_INSUFFICIENT
+    │   └── PinFailed                      PIN_FAILED
     ├── NotFound
     │   ├── PoolNotFound                   POOL_NOT_FOUND
     │   ├── SessionNotFound                SESSION_NOT_FOUND
@@ -206,6 +207,12 @@ class PoolExhausted(ResourceExhausted):
 
 class HostMemoryInsufficient(ResourceExhausted):
     reason = "HOST_MEMORY_INSUFFICIENT"
+
+
+class PinFailed(ResourceExhausted):
+    """Page-locking a pool for DMA failed (locked-memory limit, or the driver refused)."""
+
+    reason = "PIN_FAILED"
 
 
 class NotFound(HiCacheError):

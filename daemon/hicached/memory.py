@@ -21,6 +21,7 @@ import enum
 import logging
 import mmap
 import os
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -28,7 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from hicached.cudadriver import CudaDriver, load_driver
-from hicached.errors import HostMemoryInsufficient, SpecInvalid
+from hicached.errors import HostMemoryInsufficient, PinFailed, SpecInvalid
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,16 @@ class HostMemory:
                 addr = self.address + off
                 pinner.register(addr, min(PIN_CHUNK, self.nbytes - off))
                 self._pinned.append(addr)
+        except Exception as exc:
+            done = len(self._pinned) * PIN_CHUNK
+            self._unpin()
+            soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+            raise PinFailed(f"page-locking {self.nbytes} bytes for DMA failed after {done}: "
+                            f"{exc}; the locked-memory limit is {limit} bytes (raise "
+                            f"LimitMEMLOCK / ulimit -l, or grant IPC_LOCK)",
+                            metadata={"nbytes": self.nbytes, "pinned_before_failure": done,
+                                      "memlock_limit": limit, "error": str(exc)}) from None
         except BaseException:
             self._unpin()
             raise

@@ -49,6 +49,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.ResourceExhausted: C.RESOURCE_EXHAUSTED,
     e.PoolExhausted: C.RESOURCE_EXHAUSTED,
     e.HostMemoryInsufficient: C.RESOURCE_EXHAUSTED,
+    e.PinFailed: C.RESOURCE_EXHAUSTED,
     e.NotFound: C.NOT_FOUND,
     e.PoolNotFound: C.NOT_FOUND,
     e.SessionNotFound: C.NOT_FOUND,

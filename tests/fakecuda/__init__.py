@@ -51,6 +51,10 @@ class FakeCuda:
         """Queue stream work until something synchronizes with it (default: run at enqueue)."""
         self.lib.fakecuda_set_defer(ctypes.c_int(int(on)))
 
+    def set_pin_limit(self, nbytes: int) -> None:
+        """Refuse host registrations beyond ``nbytes`` in total (-1: no limit)."""
+        self.lib.fakecuda_set_pin_limit(ctypes.c_long(nbytes))
+
     def stat(self, name: str) -> int:
         value = int(self.lib.fakecuda_stat(name.encode()))
         assert value >= 0, f"unknown fake CUDA counter {name}"

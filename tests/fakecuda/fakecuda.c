@@ -334,11 +334,18 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
     return OK;
 }
 
+static long pin_limit = -1; /* bytes that may be registered, as RLIMIT_MEMLOCK would cap */
+void fakecuda_set_pin_limit(long bytes) { pthread_mutex_lock(&mu); pin_limit = bytes; pthread_mutex_unlock(&mu); }
+
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
     (void)flags;
     if (current_dev() < 0) return INVALID_CONTEXT;
     uint64_t b = (uint64_t)(uintptr_t)p;
     pthread_mutex_lock(&mu);
+    if (pin_limit >= 0 && n_registered_bytes + (long)n > pin_limit) {
+        pthread_mutex_unlock(&mu);
+        return OUT_OF_MEMORY;
+    }
     int slot = -1;
     for (int i = 0; i < MAX_REG; i++) {
         if (regs[i].size && b < regs[i].base + regs[i].size && regs[i].base < b + n) {
