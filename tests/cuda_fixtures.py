@@ -4,6 +4,7 @@ buffers laid out like SGLang's device pool, exported and attached through the re
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,9 +64,7 @@ def make_gpu_kv(driver: CudaDriver, spec: PoolSpec, device_tokens: int, ordinal:
     allocations: list[int] = []
     with driver.context(ordinal):
         for name, geometry, comp, shape in layer_shapes(spec, device_tokens):
-            nbytes = comp.dtype.itemsize
-            for d in shape:
-                nbytes *= d
+            nbytes = math.prod(shape) * comp.dtype.itemsize
             pitch = -(-nbytes // 512) * 512
             base = driver.mem_alloc(pitch * geometry.layer_num + 4096)
             allocations.append(base)

@@ -142,6 +142,12 @@ def _rows(doff: np.ndarray, soff: np.ndarray, width: np.ndarray, dp: np.ndarray,
     return d, s, w, w.copy(), w.copy(), np.ones_like(w)
 
 
+def layer_group_size(layer_num: int, events: int) -> int:
+    """Layers per event: event g covers layers [g * size, (g + 1) * size). The daemon records
+    by it and workers wait by it, so both sides import this one rule."""
+    return -(-layer_num // events)
+
+
 def native_available() -> bool:
     return _NATIVE is not None
 
@@ -220,8 +226,7 @@ class CudaRunner:
     """Imported worker event the daemon's streams wait on before each copy (0 = none)."""
 
     def group_of(self, layer: int, layer_num: int) -> int:
-        size = -(-layer_num // len(self.layer_events))
-        return layer // size
+        return layer // layer_group_size(layer_num, len(self.layer_events))
 
     def run(self, loading: bool, plans: Sequence[CopyPlan], layers: range, layer_num: int,
             wait: bool, done: Callable[[], None]) -> None:

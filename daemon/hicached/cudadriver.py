@@ -32,9 +32,6 @@ DEFAULT_LIBRARY = "libcuda.so.1"
 ENV_LIBRARY = "HICACHED_CUDA_DRIVER"
 IPC_HANDLE_SIZE = 64
 
-# CUresult values the callers look at
-CUDA_ERROR_INVALID_VALUE = 1
-CUDA_ERROR_NOT_READY = 600
 # CUpointer_attribute
 ATTR_MEMORY_TYPE = 2
 ATTR_IS_MANAGED = 8
@@ -253,12 +250,6 @@ class CudaDriver:
     def mem_free(self, address: int) -> None:
         self._call("cuMemFree", ctypes.c_uint64(address))
 
-    def mem_info(self) -> tuple[int, int]:
-        """(free, total) bytes of the current context's device."""
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        self._call("cuMemGetInfo", ctypes.byref(free), ctypes.byref(total))
-        return free.value, total.value
-
     def host_register(self, address: int, nbytes: int) -> None:
         self._call("cuMemHostRegister", ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
                    ctypes.c_uint(MEMHOSTREGISTER_PORTABLE))
@@ -296,12 +287,6 @@ class CudaDriver:
 
     def event_synchronize(self, event: int) -> None:
         self._call("cuEventSynchronize", ctypes.c_void_p(event))
-
-    def event_query(self, event: int) -> bool:
-        rc = int(self.fn("cuEventQuery")(ctypes.c_void_p(event)))
-        if rc in (0, CUDA_ERROR_NOT_READY):
-            return rc == 0
-        raise CudaCallFailed("cuEventQuery", rc, self.error_name(rc))
 
     def event_destroy(self, event: int) -> None:
         self._call("cuEventDestroy", ctypes.c_void_p(event))

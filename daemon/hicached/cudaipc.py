@@ -145,7 +145,9 @@ class CudaIpcTransport:
             if len(h) != IPC_HANDLE_SIZE:
                 raise SpecInvalid(f"event handle {j} is {len(h)} bytes, not {IPC_HANDLE_SIZE}",
                                   metadata={"event": j})
-        handles = list(dict.fromkeys(b.ipc_handle for b in buffers))
+        first_use: dict[bytes, int] = {}  # each allocation's handle -> first buffer naming it
+        for i, b in enumerate(buffers):
+            first_use.setdefault(b.ipc_handle, i)
         opened: dict[bytes, tuple[int, int]] = {}
         streams: list[int] = []
         events: list[int] = []
@@ -165,8 +167,7 @@ class CudaIpcTransport:
 
         try:
             with drv.context(ordinal):
-                for h in handles:
-                    first = next(i for i, b in enumerate(buffers) if b.ipc_handle == h)
+                for h, first in first_use.items():
                     try:
                         opened[h] = self.cache.acquire(ordinal, h)
                     except CudaCallFailed as exc:

@@ -46,7 +46,7 @@ class RawBuffer:
         return math.prod(self.shape)
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def dim(self) -> int:
         return len(self.shape)

@@ -24,7 +24,7 @@ import grpc
 import hicached
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicached.cudacopy import CudaRunner
+from hicached.cudacopy import CudaRunner, layer_group_size
 from hicached.cudadriver import driver_problem
 from hicached.cudaipc import CudaIpcTransport
 from hicached.errors import Draining, HiCacheError, SpecInvalid, TransportUnavailable
@@ -148,8 +148,7 @@ def check_layer_events(events: int, layers: int) -> None:
     """Every event must cover a layer group: groups of ceil(layers / events) layers."""
     if not events:
         return
-    size = -(-layers // events)
-    if events > layers or -(-layers // size) != events:
+    if events > layers or -(-layers // layer_group_size(layers, events)) != events:
         fits = sorted({-(-layers // g) for g in range(1, layers + 1)})
         raise SpecInvalid(f"{events} layer events cannot each cover a group of the pool's "
                           f"{layers} layers (groups of ceil(layers / events)); use one of "

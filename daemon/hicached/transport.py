@@ -11,7 +11,6 @@ Primitives:
 - ``unmap_all(maps)``: close mappings, tolerating views that are still alive.
 - ``check_extent`` / ``check_strides`` / ``assemble``: the checks and the per-layer assembly
   both transports share (``cudaipc`` attaches ``cuda_ipc`` buffers).
-- ``cuda_available`` / ``supported_transports``: what ``GetInfo`` reports.
 
 Knows nothing of pools or RPC.
 """
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicached.cudadriver import load_driver
 from hicached.devicekv import Buffer, DeviceKV
 from hicached.errors import GeometryMismatch, ShmPathRejected
 from hicached.geometry import DType, Role
@@ -54,15 +52,6 @@ class DeviceBufferSpec:
     nbytes: int = 0
     ipc_handle: bytes = b""
     device_uuid: str = ""
-
-
-def cuda_available(driver_path: str | None = None) -> bool:
-    """Whether the CUDA driver loads and has a device (``cudadriver.load_driver``)."""
-    return load_driver(driver_path) is not None
-
-
-def supported_transports(driver_path: str | None = None) -> list[str]:
-    return ["shm", "cuda_ipc"] if cuda_available(driver_path) else ["shm"]
 
 
 def unmap_all(maps: Iterable[mmap.mmap]) -> None:

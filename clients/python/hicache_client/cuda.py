@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hicached.cudacopy import layer_group_size
 from hicached.cudadriver import (
     ATTR_DEVICE_ORDINAL,
     ATTR_IS_LEGACY_CUDA_IPC_CAPABLE,
@@ -200,7 +201,7 @@ class LayerEvents:
 
     def group_of(self, layer: int, layer_num: int) -> int:
         """The event that covers ``layer``: groups of ceil(layer_num / events) layers."""
-        return layer // -(-layer_num // len(self.events))
+        return layer // layer_group_size(layer_num, len(self.events))
 
 
 class ReadyEvent:
