@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "hicached._copykernel",
-            sources=["daemon/hicached/native/copykernel.c"],
+            "hicached.copy._copykernel",
+            sources=["daemon/hicached/copy/copykernel.c"],
             extra_compile_args=["-O3", "-pthread", "-std=c11"],
             extra_link_args=["-pthread"],
             optional=True,

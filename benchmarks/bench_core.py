@@ -27,12 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicached import DeviceKV, DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec
-from hicached.copyplan import CopyPlan, execute, native_available
-from hicached.memory import HostMemory, naive_first_touch
-from hicached.pool import MemoryOptions
-from hicached.transfer import TransferEngine
-from hicached.validation import validate_transfer
+from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, WorkerBuffers
+from hicached.copy.cpu import execute
+from hicached.copy.engine import TransferEngine
+from hicached.copy.native import native_available
+from hicached.copy.plan import CopyPlan
+from hicached.core.memory import HostMemory, naive_first_touch
+from hicached.core.pool import MemoryOptions
+from hicached.core.validation import validate_transfer
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)
 OPTIONS = MemoryOptions(reserve_bytes=0)
@@ -95,7 +97,7 @@ def _layout_rows(layout: Layout, page_size: int, batch_pages: int, reps: int,
     dev_tokens = batch_pages * 4 * page_size
     spec = PoolSpec("bench", GEOMETRY, page_size, layout, size_tokens=pool_pages * page_size)
     pool = HostPool(spec, OPTIONS)
-    dev = DeviceKV.allocate(spec, dev_tokens)
+    dev = WorkerBuffers.allocate(spec, dev_tokens)
     for t in dev.all_tensors():
         t.view(torch.uint8).fill_(7)
     host = pool.alloc(pool_pages * page_size)
@@ -130,7 +132,7 @@ def control_plane(engine: TransferEngine, reps: int) -> dict[str, Any]:
     ps, n = 64, 65536
     spec = PoolSpec("cp", geometry, ps, Layout.LAYER_FIRST, size_tokens=n)
     pool = HostPool(spec, OPTIONS)
-    dev = DeviceKV.allocate(spec, n)
+    dev = WorkerBuffers.allocate(spec, n)
     host = pool.alloc(n)
     rng = np.random.default_rng(1)
     h_idx = host.reshape(-1, ps)[torch.from_numpy(rng.permutation(n // ps))].reshape(-1)

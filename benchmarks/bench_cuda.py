@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.specs import Role
 from hicache_client import HiCacheClient
-from hicache_client.bench import start_daemon
 from hicache_client.cuda import CudaDeviceBuffers, LayerEvents, ReadyEvent
 from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, TransferEngine
-from hicached.cudacopy import plan_segments
-from hicached.devicekv import DeviceKV, RawBuffer
-from hicached.geometry import Role
-from hicached.pool import MemoryOptions
+from hicached.bench import start_daemon
+from hicached.core.pool import MemoryOptions
+from hicached.core.worker_buffers import RawBuffer, WorkerBuffers
+from hicached.cuda.segments import plan_segments
 
 PCIE_GBPS = 55.0
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, 32, 8, 128)
@@ -96,7 +96,7 @@ def plan_only(reps: int) -> list[dict[str, Any]]:
     for layout in Layout:
         spec = PoolSpec(f"plan-{layout.value}", GEOMETRY, PAGE_SIZE, layout,
                         size_tokens=BATCH_PAGES * PAGE_SIZE)
-        pool = HostPool(spec, MemoryOptions(pin=False, hugepages=False, reserve_bytes=0))
+        pool = HostPool(spec, MemoryOptions(hugepages=False, reserve_bytes=0))
         device_pages = 4 * BATCH_PAGES
         rows = device_pages * PAGE_SIZE + PAGE_SIZE
         layer_bytes = rows * GEOMETRY.head_num * GEOMETRY.head_dim * 2
@@ -106,7 +106,7 @@ def plan_only(reps: int) -> list[dict[str, Any]]:
                                         torch.bfloat16, (), where)
                               for i in range(GEOMETRY.layer_num)]
                        for r, role in enumerate((Role.K, Role.V))}}
-        device = DeviceKV(bufs, "cuda")  # addresses only: nothing is dereferenced
+        device = WorkerBuffers(bufs, "cuda")  # addresses only: nothing is dereferenced
         host = pool.alloc(BATCH_PAGES * PAGE_SIZE)
         engine = TransferEngine(1)
         rng = np.random.default_rng(0)

@@ -34,9 +34,18 @@ import numpy as np
 import torch
 
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicache_client.bench import start_daemon
-from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, TransferEngine
-from hicached.pool import MemoryOptions
+from hicached import (
+    DType,
+    HostPool,
+    KVGeometry,
+    Layout,
+    PoolKind,
+    PoolSpec,
+    TransferEngine,
+    WorkerBuffers,
+)
+from hicached.bench import start_daemon
+from hicached.core.pool import MemoryOptions
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)
 PAGE = 64
@@ -59,7 +68,6 @@ def throughput(client: HiCacheClient, layout: Layout, shm: Path, reps: int,
     local = HostPool(spec, MemoryOptions(reserve_bytes=0))
     rows = []
     with ShmDeviceBuffers.create(spec, 4 * BATCH * PAGE, str(shm), prefix="bench") as bufs:
-        assert bufs.device is not None
         session = client.open_session(spec.name, "bench", bufs.descriptors, lease_ms=60_000)
         rng = np.random.default_rng(0)
         remote_host = client.alloc(spec.name, 4 * BATCH * PAGE).reshape(-1, PAGE)
@@ -69,7 +77,7 @@ def throughput(client: HiCacheClient, layout: Layout, shm: Path, reps: int,
         dev = (dev_pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
         r_host, l_host = remote_host[pick].reshape(-1), local_host[pick].reshape(-1)
         nbytes = BATCH * spec.page_bytes
-        device = bufs.device
+        device = WorkerBuffers(bufs.tensors)  # the same shm tensors, in-process
         for op in ("backup", "load"):
             remote = session.backup if op == "backup" else session.load
             inproc = engine.backup if op == "backup" else engine.load

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hicache_client.cuda import CudaDeviceBuffers, layer_shapes
-from hicached.cudadriver import CudaDriver, load_driver
-from hicached.geometry import PoolSpec, Role
+from hicache.buffers import layer_shapes
+from hicache.cuda_driver import CudaDriver, load_driver
+from hicache.specs import PoolSpec, Role
+from hicache_client.cuda import CudaDeviceBuffers
 from tests.fakecuda import UUID_A, UUID_B, FakeCuda, library
 
 

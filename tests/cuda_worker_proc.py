@@ -19,10 +19,11 @@ import time
 import numpy as np
 import torch
 
+from hicache.buffers import layer_shapes
+from hicache.cuda_driver import load_driver
+from hicache.specs import PoolSpec, Role
 from hicache_client import HiCacheClient
-from hicache_client.cuda import CudaDeviceBuffers, LayerEvents, ReadyEvent, layer_shapes
-from hicached.cudadriver import load_driver
-from hicached.geometry import PoolSpec, Role
+from hicache_client.cuda import CudaDeviceBuffers, LayerEvents, ReadyEvent
 
 
 def real_buffers(spec: PoolSpec, tokens: int

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from hicached import (
     CanarySpec,
-    DeviceKV,
     DType,
     HostPool,
     KVGeometry,
@@ -15,7 +17,9 @@ from hicached import (
     MemoryOptions,
     PoolKind,
     PoolSpec,
+    WorkerBuffers,
 )
+from hicached.copy import native
 
 SMALL = MemoryOptions(hugepages=False, prefault_threads=1, reserve_bytes=0)
 
@@ -57,18 +61,34 @@ def make_pool(s: PoolSpec) -> HostPool:
     return HostPool(s, SMALL)
 
 
-def random_device(s: PoolSpec, tokens: int, seed: int = 0) -> DeviceKV:
+def random_device(s: PoolSpec, tokens: int, seed: int = 0) -> WorkerBuffers:
     gen = torch.Generator().manual_seed(seed)
-    dev = DeviceKV.allocate(s, tokens)
+    dev = WorkerBuffers.allocate(s, tokens)
     for t in dev.all_tensors():
         raw = t.view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     return dev
 
 
-def device_bytes(dev: DeviceKV) -> list[torch.Tensor]:
+def device_bytes(dev: WorkerBuffers) -> list[torch.Tensor]:
     return [t.view(torch.uint8).clone() for t in dev.all_tensors()]
 
 
 def pool_bytes(pool: HostPool) -> torch.Tensor:
     return torch.from_numpy(pool.raw_bytes().copy())
+
+
+@contextmanager
+def native_kernel(enabled: bool) -> Iterator[None]:
+    """Run with the native module (asserting it is built) or with the pure-Python fallbacks
+    of the CPU kernel and of the CUDA batch submission."""
+    if enabled:
+        assert native.native_available(), "the native module must be built"
+        yield
+        return
+    saved = native.KERNEL
+    native.KERNEL = None
+    try:
+        yield
+    finally:
+        native.KERNEL = saved

@@ -5,8 +5,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicached.allocator import PageAllocator
-from hicached.errors import (
+from hicache.errors import (
     AllocSizeNotPageAligned,
     DoubleFree,
     HiCacheError,
@@ -14,6 +13,7 @@ from hicached.errors import (
     PageNotAllocated,
     PoolExhausted,
 )
+from hicached.core.allocator import PageAllocator
 
 
 def test_alloc_returns_whole_aligned_pages() -> None:

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from hicached.devicekv import DeviceKV
-from hicached.errors import CanaryMismatch
-from hicached.geometry import CanarySpec, DType, Layout, MemberSpec, Role
-from hicached.transfer import TransferEngine
+from hicache.errors import CanaryMismatch
+from hicache.specs import CanarySpec, DType, Layout, MemberSpec, Role
+from hicached.copy.engine import TransferEngine
+from hicached.core.worker_buffers import WorkerBuffers
 from tests.helpers import device_bytes, dsa, make_pool, mha, mla, random_device, spec
 
 ENGINE = TransferEngine(threads=2)
@@ -28,7 +28,7 @@ def test_clean_round_trip_verifies(layout: Layout, read_bytes: int) -> None:
         src = random_device(s, 32)
         host = pool.alloc(12)
         ENGINE.backup(pool, src, host, page_idx([1, 2, 3], 4))
-        ENGINE.load(pool, DeviceKV.allocate(s, 32), host, page_idx([0, 1, 2], 4))
+        ENGINE.load(pool, WorkerBuffers.allocate(s, 32), host, page_idx([0, 1, 2], 4))
         assert pool.canary is not None
         assert pool.canary.verified_pages == 3 and pool.canary.mismatched_pages == 0
     finally:
@@ -77,7 +77,7 @@ def test_swapped_tokens_change_the_fingerprint() -> None:
         k = pool.buffer("kv", Role.K)
         k[0, [0, 1]] = k[0, [1, 0]].clone()
         with pytest.raises(CanaryMismatch):
-            ENGINE.load(pool, DeviceKV.allocate(s, 8), host, torch.arange(2))
+            ENGINE.load(pool, WorkerBuffers.allocate(s, 8), host, torch.arange(2))
     finally:
         pool.close()
 
@@ -93,14 +93,14 @@ def test_freed_page_forgets_its_fingerprint() -> None:
         everything = pool.alloc(pool.size_tokens)  # page 0 comes back last (FIFO free list)
         assert everything[-4:].tolist() == host.tolist()
         pool.buffer("kv", Role.K).view(torch.uint8)[0, 0].view(-1)[0] ^= 1
-        ENGINE.load(pool, DeviceKV.allocate(s, 32), host, torch.arange(4))  # not recorded
+        ENGINE.load(pool, WorkerBuffers.allocate(s, 32), host, torch.arange(4))  # not recorded
         assert pool.canary is not None and pool.canary.mismatched_pages == 0
     finally:
         pool.close()
 
 
 def test_fingerprint_is_position_salted() -> None:
-    from hicached.canary import fingerprints
+    from hicached.core.canary import fingerprints
 
     words = np.arange(64, dtype=np.uint64)
     a = fingerprints(words, np.array([[0, 4]]), 2, salt=0)

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from hicache.errors import SpecInvalid
+from hicache.specs import Layout, PoolKind
 from hicached.__main__ import _FLAGS, build_config
-from hicached.config import ServerConfig, config_from_mapping, parse_size
-from hicached.errors import SpecInvalid
-from hicached.geometry import Layout, PoolKind
+from hicached.server.config import ServerConfig, config_from_mapping, parse_size
 
 
 def args(**kw: object) -> argparse.Namespace:

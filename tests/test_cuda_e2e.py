@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hicache.buffers import DeviceBufferSpec
+from hicache.errors import HiCacheError
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache_client import HiCacheClient
-from hicached.errors import HiCacheError
-from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
-from hicached.transport import DeviceBufferSpec
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
 from tests.fakecuda import UUID_A, UUID_B, format_uuid, library
 
@@ -131,8 +131,8 @@ def test_killed_worker_releases_its_gpu_mappings(daemon: DaemonProc,
 
 def test_backup_refuses_layer_event_completion(daemon: DaemonProc,
                                                client: HiCacheClient) -> None:
+    from hicache.errors import SpecInvalid
     from hicache.v1 import hicache_pb2 as pb
-    from hicached.errors import SpecInvalid
 
     with pytest.raises(SpecInvalid, match="COMPLETION_LAYER_EVENTS"):
         client._transfer(client._stub.Backup, "no-such-session", b"", b"", 0, 0,
@@ -170,7 +170,7 @@ def test_hicachectl_shows_gpus(daemon: DaemonProc, client: HiCacheClient) -> Non
 
 def test_layer_event_counts_that_leave_an_event_unrecorded_are_refused(
         client: HiCacheClient) -> None:
-    from hicached.errors import SpecInvalid
+    from hicache.errors import SpecInvalid
 
     # 4 layers in 3 events would be groups of 2: the third event would never fire
     with pytest.raises(SpecInvalid, match=r"use one of \[1, 2, 4\]"):

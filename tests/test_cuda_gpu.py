@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient
-from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
 
 pytestmark = [
@@ -102,8 +102,8 @@ def test_expandable_segments_are_refused_with_the_cause() -> None:
     code = (
         "import torch\n"
         "from hicache_client.cuda import CudaDeviceBuffers\n"
-        "from hicached.errors import BufferNotShareable\n"
-        "from hicached.geometry import Role\n"
+        "from hicache.errors import BufferNotShareable\n"
+        "from hicache.specs import Role\n"
         "t = torch.empty(1 << 20, dtype=torch.bfloat16, device='cuda')\n"
         "try:\n"
         "    CudaDeviceBuffers.from_tensors({'kv': {Role.K: [t]}})\n"

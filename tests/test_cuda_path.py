@@ -15,20 +15,21 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.cuda_driver import CudaDriver, driver_problem, format_uuid, load_driver, normalize_uuid
+from hicache.errors import BufferNotShareable, DeviceNotFound, IpcHandleInvalid, SpecInvalid
+from hicache.specs import DType, Layout, PoolKind, PoolSpec, Role
 from hicache_client.cuda import CudaDeviceBuffers, export_region
-from hicached import cudacopy
-from hicached.cudacopy import CudaRunner, plan_segments
-from hicached.cudadriver import CudaDriver, driver_problem, format_uuid, load_driver, normalize_uuid
-from hicached.cudaipc import CudaAttachment, CudaIpcTransport
-from hicached.errors import BufferNotShareable, DeviceNotFound, IpcHandleInvalid, SpecInvalid
-from hicached.geometry import DType, Layout, PoolKind, PoolSpec, Role
-from hicached.memory import DriverPinner
-from hicached.pool import HostPool
-from hicached.transfer import TransferEngine
+from hicached.copy.engine import TransferEngine
+from hicached.core.pool import HostPool
+from hicached.cuda import segments
+from hicached.cuda.pinner import DriverPinner
+from hicached.cuda.runner import CudaRunner
+from hicached.cuda.segments import plan_segments
+from hicached.transport.cuda_ipc import CudaAttachment, CudaIpcTransport
 from tests.cuda_fixtures import FakeGpuKV, free_gpu_kv, make_gpu_kv
 from tests.fakecuda import UUID_A, UUID_B, FakeCuda
 from tests.fakecuda import format_uuid as fmt
-from tests.helpers import SMALL, geometry_for, spec
+from tests.helpers import SMALL, geometry_for, native_kernel, spec
 
 ENGINE = TransferEngine(threads=2)
 pytestmark = pytest.mark.usefixtures("counters_settle", "deferred")
@@ -44,16 +45,8 @@ def transport(driver: CudaDriver) -> Iterator[CudaIpcTransport]:
 @pytest.fixture(params=["native", "python"])
 def submitter(request: pytest.FixtureRequest) -> Iterator[str]:
     """Submit copies through the native batch call and through the ctypes loop."""
-    if request.param == "native":
-        assert cudacopy.native_available(), "the native module must be built"
-        yield "native"
-        return
-    saved = cudacopy._NATIVE
-    cudacopy._NATIVE = None
-    try:
-        yield "python"
-    finally:
-        cudacopy._NATIVE = saved
+    with native_kernel(request.param == "native"):
+        yield request.param
 
 
 def page_indices(pages: list[int] | np.ndarray, ps: int) -> torch.Tensor:
@@ -153,9 +146,9 @@ def test_attach_opens_each_allocation_once_and_release_closes_it(
     try:
         assert fake.stat("open_handles") == before + 2  # K and V allocations, once each
         assert transport.cache.stats()[0] == 2
-        assert a.device is not None and a.device.location == "cuda"
-        assert a.device.check_against(s) == 32 + 4  # SGLang's padding page included
-        k0 = a.device.buffers["kv"][Role.K][0]
+        assert a.buffers is not None and a.buffers.location == "cuda"
+        assert a.buffers.check_against(s) == 32 + 4  # SGLang's padding page included
+        k0 = a.buffers.buffers["kv"][Role.K][0]
         assert k0.device == torch.device("cuda", 0)
         a.release()
         a.release()  # idempotent
@@ -248,15 +241,15 @@ def test_round_trip_through_ipc_is_exact(driver: CudaDriver, fake: FakeCuda,
     b = transport.attach(dst.descriptors.descriptors)
     try:
         assert pool.pinned_bytes == pool.nbytes and fake.stat("registered_bytes") >= pool.nbytes
-        assert a.device is not None and b.device is not None
+        assert a.buffers is not None and b.buffers is not None
         host = pool.alloc(6 * page_size)
         dev_pages = np.array([9, 0, 3, 4, 5, 11])
-        r = ENGINE.backup(pool, a.device, host, page_indices(dev_pages, page_size),
+        r = ENGINE.backup(pool, a.buffers, host, page_indices(dev_pages, page_size),
                           runner=a.runner)
         assert r.pages == 6 and r.bytes == 6 * s.page_bytes and not r.pending
         back_pages = np.array([1, 2, 3, 7, 6, 10])
         untouched = rows(dst, s, np.array([0, 4, 5, 8, 9, 11]))
-        ENGINE.load(pool, b.device, host, page_indices(back_pages, page_size), runner=b.runner)
+        ENGINE.load(pool, b.buffers, host, page_indices(back_pages, page_size), runner=b.runner)
         for x, y in zip(rows(src, s, dev_pages), rows(dst, s, back_pages), strict=True):
             assert torch.equal(x, y)
         for x, y in zip(untouched, rows(dst, s, np.array([0, 4, 5, 8, 9, 11])), strict=True):
@@ -279,10 +272,10 @@ def _count_calls(driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport
     kv = make_gpu_kv(driver, s, 48)
     att = transport.attach(kv.descriptors.descriptors)
     try:
-        assert att.device is not None
+        assert att.buffers is not None
         host = pool.alloc(len(pages) * 4)
         before = fake.stat("calls")
-        ENGINE.backup(pool, att.device, host, page_indices(pages, 4), runner=att.runner)
+        ENGINE.backup(pool, att.buffers, host, page_indices(pages, 4), runner=att.runner)
         return fake.stat("calls") - before, s.geometry.layer_num * 2
     finally:
         att.release()
@@ -305,14 +298,14 @@ def test_page_first_pages_are_single_2d_copies_not_rows(
 
 
 def test_plan_segments_split_pitches_over_the_2d_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hicached.copyplan import CopyPlan
+    from hicached.copy.plan import CopyPlan
 
     plan = CopyPlan(np.array([0, 10_000], dtype=np.int64), np.array([0, 50_000], dtype=np.int64),
                     np.array([3, 1]), np.array([2, 7]), unit_bytes=8, units=4, dst_pitch=64,
                     src_pitch=96, dst_stride=16, src_stride=24)
     segs = plan_segments(plan)
     assert segs.count == 4 and set(segs.height.tolist()) == {4} and segs.nbytes == plan.nbytes
-    monkeypatch.setattr(cudacopy, "MAX_PITCH", 20)
+    monkeypatch.setattr(segments, "MAX_PITCH", 20)
     rows_only = plan_segments(plan)
     assert rows_only.count == 16 and set(rows_only.height.tolist()) == {1}
     assert rows_only.nbytes == plan.nbytes
@@ -344,19 +337,19 @@ def test_layer_events_are_recorded_after_their_layers_land(
     worker_events, handles = _event_setup(driver, groups)
     att = transport.attach(kv.descriptors.descriptors, layer_events=handles)
     try:
-        assert isinstance(att, CudaAttachment) and att.device is not None
+        assert isinstance(att, CudaAttachment) and att.buffers is not None
         runner = att.runner
         assert isinstance(runner, CudaRunner)
         host = pool.alloc(16)
-        ENGINE.backup(pool, att.device, host, page_indices([0, 1, 2, 3], 4), runner=runner)
+        ENGINE.backup(pool, att.buffers, host, page_indices([0, 1, 2, 3], 4), runner=runner)
         first = fake.stat("copies")
-        ENGINE.load(pool, att.device, host, page_indices([4, 6, 5, 7], 4), runner=runner)
+        ENGINE.load(pool, att.buffers, host, page_indices([4, 6, 5, 7], 4), runner=runner)
         copies = fake.copies(first)
         layer_of: dict[int, int] = {}
         for (_m, _r, layer), buf in zip(
-                [(m, r, i) for m, roles in att.device.buffers.items() for r, ls in roles.items()
+                [(m, r, i) for m, roles in att.buffers.buffers.items() for r, ls in roles.items()
                  for i in range(len(ls))],
-                [b for roles in att.device.buffers.values() for ls in roles.values()
+                [b for roles in att.buffers.buffers.values() for ls in roles.values()
                  for b in ls], strict=True):
             layer_of[buf.data_ptr()] = layer
         size = -(-5 // groups)
@@ -384,14 +377,14 @@ def test_async_load_completes_later_and_unpins(driver: CudaDriver, fake: FakeCud
     att = transport.attach(kv.descriptors.descriptors, layer_events=handles)
     done = threading.Event()
     try:
-        assert att.device is not None
+        assert att.buffers is not None
         host = pool.alloc(8)
         pages = np.array([1, 2])
-        ENGINE.backup(pool, att.device, host, page_indices(pages, 4), runner=att.runner)
+        ENGINE.backup(pool, att.buffers, host, page_indices(pages, 4), runner=att.runner)
         saved = rows(kv, s, pages)
         for v in kv.views.values():
             v.zero_()
-        r = ENGINE.load(pool, att.device, host, page_indices(pages, 4), runner=att.runner,
+        r = ENGINE.load(pool, att.buffers, host, page_indices(pages, 4), runner=att.runner,
                         wait=False, on_complete=done.set)
         assert r.pending
         assert done.wait(10)
@@ -412,8 +405,8 @@ def test_nothing_touches_cuda_at_import_time() -> None:
     import subprocess
     import sys
 
-    code = ("import hicached.server, hicached.cudaipc, hicached.cudacopy, hicache_client.cuda\n"
-            "import hicached.cudadriver as d, torch\n"
+    code = ("import hicached.server.app, hicached.transport.cuda_ipc, hicached.cuda.runner\n"
+            "import hicache_client.cuda, hicache.cuda_driver as d, torch\n"
             "assert d._drivers == {}, d._drivers\n"
             "assert not torch.cuda.is_initialized()\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -423,7 +416,7 @@ def test_nothing_touches_cuda_at_import_time() -> None:
 
 def test_lease_expiry_closes_the_mappings_but_not_under_a_running_copy(
         driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport) -> None:
-    from hicached.sessions import SessionManager
+    from hicached.server.sessions import SessionManager
 
     now = [0.0]
     sessions = SessionManager(2.0, clock=lambda: now[0])
@@ -440,10 +433,10 @@ def test_lease_expiry_closes_the_mappings_but_not_under_a_running_copy(
         assert fake.stat("streams") == before[1] + 4
         now[0] = 10.0
         assert {x.session_id for x in sessions.reap()} == {quiet.session_id, busy.session_id}
-        assert a.device is None and b.device is not None  # busy keeps its mappings
+        assert a.buffers is None and b.buffers is not None  # busy keeps its mappings
         assert fake.stat("open_handles") == before[0] + 2
         sessions.unhold(busy)  # the copy landed
-        assert b.device is None
+        assert b.buffers is None
         assert (fake.stat("open_handles"), fake.stat("streams")) == before
     finally:
         sessions.close_all()
@@ -453,9 +446,9 @@ def test_lease_expiry_closes_the_mappings_but_not_under_a_running_copy(
 
 def test_a_pool_that_cannot_be_pinned_is_refused_with_nothing_left_pinned(
         driver: CudaDriver, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hicached.errors import PinFailed
+    from hicache.errors import PinFailed
 
-    monkeypatch.setattr("hicached.memory.PIN_CHUNK", 1 << 20)
+    monkeypatch.setattr("hicached.core.memory.PIN_CHUNK", 1 << 20)
     s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=16384)
     fake.set_pin_limit(1 << 20)  # the pool is 3 MiB
     try:

@@ -17,11 +17,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from hicache.buffers import DeviceBufferSpec
+from hicache.errors import HiCacheError
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.errors import HiCacheError
-from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
-from hicached.wire import DeviceBufferSpec
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
 
 SPEC = PoolSpec("e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
@@ -95,8 +95,7 @@ def test_misaligned_batch_is_rejected_and_changes_nothing(daemon: DaemonProc,
                                                            client: HiCacheClient) -> None:
     ps = SPEC.page_size
     with ShmDeviceBuffers.create(SPEC, 8 * ps, daemon.shm_dir, prefix="misaligned") as bufs:
-        assert bufs.device is not None
-        k0 = bufs.device.layers("kv", Role.K)[0].view(torch.uint8)
+        k0 = bufs.layers("kv", Role.K)[0].view(torch.uint8)
         k0.copy_(torch.randint(0, 256, k0.shape, dtype=torch.uint8))
         with client.open_session(SPEC.name, "m", bufs.descriptors) as session:
             host = client.alloc(SPEC.name, 2 * ps)

@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
+from hicache.errors import HiCacheError
+from hicache.specs import CanarySpec, DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.config import ServerConfig
-from hicached.errors import HiCacheError
-from hicached.geometry import CanarySpec, DType, KVGeometry, PoolKind, PoolSpec
-from hicached.server import create_server
+from hicached.server.app import create_server
+from hicached.server.config import ServerConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -58,7 +58,7 @@ def test_manifests_parse() -> None:
         assert line in unit
     import tomllib
 
-    from hicached.config import config_from_mapping
+    from hicached.server.config import config_from_mapping
 
     cfg = config_from_mapping(tomllib.loads((DEPLOY / "hicached.toml").read_text()))
     assert cfg.pools[0].name == "llama3-8b-tp0"

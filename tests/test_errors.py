@@ -3,8 +3,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hicached import errors
-from hicached.errors import HiCacheError, Violation, all_error_classes, raise_violations
+from hicache import errors
+from hicache.errors import HiCacheError, Violation, all_error_classes, raise_violations
 
 
 def test_reason_codes_are_unique_and_upper_snake() -> None:

@@ -4,13 +4,13 @@ import logging
 
 import pytest
 
-from hicached.errors import (
+from hicache.errors import (
     CanarySourceInvalid,
     PageSizeInvalid,
     PoolSizeNotPageAligned,
     SpecInvalid,
 )
-from hicached.geometry import (
+from hicache.specs import (
     CanarySpec,
     DType,
     KVGeometry,

@@ -4,8 +4,10 @@ import os
 
 import pytest
 
-from hicached.errors import HostMemoryInsufficient, PinFailed
-from hicached.memory import Backing, HostMemory, available_bytes, check_budget, default_pinner
+from hicache.errors import HostMemoryInsufficient, PinFailed
+from hicached.core.memory import Backing, HostMemory
+from hicached.core.system import available_bytes, check_budget
+from hicached.cuda.pinner import default_pinner
 
 
 class FakePinner:
@@ -52,7 +54,7 @@ def test_file_backing_is_shareable_and_removed_on_close(tmp_path: object) -> Non
 
 
 def test_pinning_is_chunked_and_undone_on_close(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hicached.memory.PIN_CHUNK", 1 << 20)
+    monkeypatch.setattr("hicached.core.memory.PIN_CHUNK", 1 << 20)
     p = FakePinner()
     m = HostMemory(3 << 20, pinner=p)
     assert [n for _, n in p.registered] == [1 << 20] * 3
@@ -62,7 +64,7 @@ def test_pinning_is_chunked_and_undone_on_close(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_failed_pinning_rolls_back_and_frees(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hicached.memory.PIN_CHUNK", 1 << 20)
+    monkeypatch.setattr("hicached.core.memory.PIN_CHUNK", 1 << 20)
     p = FakePinner(fail_at=2)
     with pytest.raises(PinFailed, match="cudaHostRegister failed") as info:
         HostMemory(3 << 20, pinner=p)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from prometheus_client import CollectorRegistry
 
-from hicached.errors import CanaryMismatch, PoolExhausted
-from hicached.geometry import CanarySpec, Role
-from hicached.metrics import REASONS, Metrics, ScrapeState
-from hicached.transfer import TransferEngine
+from hicache.errors import CanaryMismatch, PoolExhausted
+from hicache.specs import CanarySpec, Role
+from hicached.copy.engine import TransferEngine
+from hicached.server.metrics import REASONS, Metrics, ScrapeState
 from tests.helpers import make_pool, mha, random_device, spec
 
 

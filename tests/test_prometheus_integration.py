@@ -16,9 +16,9 @@ import pytest
 import torch
 import yaml
 
+from hicache.errors import HiCacheError
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.errors import HiCacheError
-from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from tests.daemon_proc import start_daemon
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

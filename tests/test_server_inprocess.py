@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.errors import HiCacheError
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.config import ServerConfig
-from hicached.errors import HiCacheError
-from hicached.geometry import DType, KVGeometry, PoolKind, PoolSpec
-from hicached.metrics import REASONS
-from hicached.server import HiCacheServer, create_server
+from hicached.server.app import HiCacheServer, create_server
+from hicached.server.config import ServerConfig
+from hicached.server.metrics import REASONS
 
 SPEC = PoolSpec("m", KVGeometry(PoolKind.MLA, DType.BFLOAT16, 2, kv_lora_rank=32,
                                 qk_rope_head_dim=0), 4, size_tokens=256)

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from hicached.devicekv import DeviceKV
-from hicached.errors import SessionNotFound
-from hicached.sessions import SessionManager
-from hicached.transport import Attachment
+from hicache.errors import SessionNotFound
+from hicached.core.worker_buffers import WorkerBuffers
+from hicached.server.sessions import SessionManager
+from hicached.transport.base import Attachment
 from tests.helpers import make_pool, mha, spec
 
 
@@ -19,7 +19,7 @@ class Clock:
 
 class CountingAttachment(Attachment):
     def __init__(self) -> None:
-        super().__init__(DeviceKV({}), [], 123)
+        super().__init__(WorkerBuffers({}), [], 123)
         self.releases = 0
 
     def release(self) -> None:

@@ -4,8 +4,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-from hicached import errors as e
-from hicached.status import DOMAIN, GRPC_CODES, from_rpc_error, to_rpc_status
+from hicache import errors as e
+from hicache.error_mapping import DOMAIN, GRPC_CODES, from_rpc_error, to_rpc_status
 
 
 def test_every_domain_error_class_is_mapped_explicitly() -> None:

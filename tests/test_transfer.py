@@ -9,12 +9,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicached import copyplan
-from hicached.devicekv import DeviceKV
-from hicached.errors import GeometryMismatch, HiCacheError, PageNotAllocated, PoolClosed
-from hicached.geometry import DType, KVGeometry, Layout, MemberSpec, PoolKind, PoolSpec, Role
-from hicached.pool import HostPool
-from hicached.transfer import TransferEngine
+from hicache.errors import GeometryMismatch, HiCacheError, PageNotAllocated, PoolClosed
+from hicache.specs import DType, KVGeometry, Layout, MemberSpec, PoolKind, PoolSpec, Role
+from hicached.copy import cpu
+from hicached.copy.engine import TransferEngine
+from hicached.core.pool import HostPool
+from hicached.core.worker_buffers import WorkerBuffers
 from tests.helpers import (
     TOKEN_DTYPES,
     device_bytes,
@@ -23,6 +23,7 @@ from tests.helpers import (
     make_pool,
     mha,
     mla,
+    native_kernel,
     pool_bytes,
     random_device,
     spec,
@@ -35,19 +36,11 @@ LAYOUTS = list(Layout)
 @pytest.fixture(params=["native", "python"])
 def executor(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run a test with the native kernel and with the pure-Python fallback."""
-    if request.param == "native":
-        assert copyplan.native_available(), "the native copy kernel must be built"
-        yield "native"
-        return
-    saved = copyplan._KERNEL
-    copyplan._KERNEL = None
-    try:
-        yield "python"
-    finally:
-        copyplan._KERNEL = saved
+    with native_kernel(request.param == "native"):
+        yield request.param
 
 
-def device_rows(dev: DeviceKV, member: str, role: Role, layer: int, pages: np.ndarray,
+def device_rows(dev: WorkerBuffers, member: str, role: Role, layer: int, pages: np.ndarray,
                 ps: int, page_granular: bool) -> torch.Tensor:
     t = dev.layers(member, role)[layer].view(torch.uint8)
     if page_granular:
@@ -56,8 +49,8 @@ def device_rows(dev: DeviceKV, member: str, role: Role, layer: int, pages: np.nd
     return t[tok]
 
 
-def assert_same_pages(a: DeviceKV, b: DeviceKV, s: PoolSpec, pa: np.ndarray, pb: np.ndarray,
-                      layers: range | None = None) -> None:
+def assert_same_pages(a: WorkerBuffers, b: WorkerBuffers, s: PoolSpec, pa: np.ndarray,
+                      pb: np.ndarray, layers: range | None = None) -> None:
     for name, geometry in s.members():
         for comp in geometry.components(s.page_size):
             for layer in layers if layers is not None else range(geometry.layer_num):
@@ -92,7 +85,7 @@ def test_round_trip_is_exact(layout: Layout, dtype: DType, kind: PoolKind, page_
         dev_pages = np.array([9, 0, 3, 4, 5, 11])
         r = ENGINE.backup(pool, src, host, page_indices(dev_pages, page_size))
         assert r.pages == 6 and r.bytes == 6 * s.page_bytes
-        dst = DeviceKV.allocate(s, 12 * page_size)
+        dst = WorkerBuffers.allocate(s, 12 * page_size)
         back_pages = np.array([1, 2, 3, 7, 6, 10])
         ENGINE.load(pool, dst, host, page_indices(back_pages, page_size))
         assert_same_pages(src, dst, s, dev_pages, back_pages)
@@ -157,7 +150,7 @@ def test_pool_group_moves_every_member_with_shared_indices(layout: Layout) -> No
         src = random_device(s, 40, seed=5)
         host = pool.alloc(12)
         ENGINE.backup(pool, src, host, page_indices([7, 8, 9], 4))
-        dst = DeviceKV.allocate(s, 40)
+        dst = WorkerBuffers.allocate(s, 40)
         ENGINE.load(pool, dst, host, page_indices([0, 4, 2], 4))
         assert_same_pages(src, dst, s, np.array([7, 8, 9]), np.array([0, 4, 2]))
     finally:
@@ -172,7 +165,7 @@ def test_logical_anchor_group() -> None:
         src = random_device(s, 16)
         host = pool.alloc(4)
         ENGINE.backup(pool, src, host, page_indices([3, 1], 2))
-        dst = DeviceKV.allocate(s, 16)
+        dst = WorkerBuffers.allocate(s, 16)
         ENGINE.load(pool, dst, host, page_indices([3, 1], 2))
         assert_same_pages(src, dst, s, np.array([3, 1]), np.array([3, 1]))
     finally:
@@ -191,7 +184,7 @@ def test_runs_of_consecutive_pages_round_trip(layout: Layout, executor: str) -> 
         dp = np.array([0, 1, 2, 3, 4, 12, 11, 10, 5])
         ENGINE.backup(pool, src, host.reshape(-1, 2)[torch.from_numpy(hp)].reshape(-1),
                       page_indices(dp, 2))
-        dst = DeviceKV.allocate(s, 40)
+        dst = WorkerBuffers.allocate(s, 40)
         ENGINE.load(pool, dst, host.reshape(-1, 2)[torch.from_numpy(hp)].reshape(-1),
                     page_indices(dp + 6, 2))
         assert_same_pages(src, dst, s, dp, dp + 6)
@@ -207,8 +200,8 @@ def test_large_transfer_uses_threads_and_is_exact() -> None:
         host = pool.alloc(1024)
         pages = np.random.default_rng(0).permutation(64)
         r = ENGINE.backup(pool, src, host, page_indices(pages, 16))
-        assert r.bytes > copyplan.MIN_PARALLEL_BYTES
-        dst = DeviceKV.allocate(s, 1024)
+        assert r.bytes > cpu.MIN_PARALLEL_BYTES
+        dst = WorkerBuffers.allocate(s, 1024)
         ENGINE.load(pool, dst, host, page_indices(pages, 16))
         assert_same_pages(src, dst, s, pages, pages)
     finally:
@@ -219,7 +212,7 @@ def test_device_geometry_mismatch_lists_every_bad_buffer() -> None:
     s = spec(mha())
     pool = make_pool(s)
     try:
-        dev = DeviceKV.allocate(s, 16)
+        dev = WorkerBuffers.allocate(s, 16)
         dev.buffers["kv"][Role.K][1] = torch.zeros(20, 2, 8, dtype=torch.float16)
         dev.buffers["kv"][Role.V] = dev.buffers["kv"][Role.V][:2]
         with pytest.raises(GeometryMismatch) as exc:
@@ -233,7 +226,7 @@ def test_device_geometry_mismatch_lists_every_bad_buffer() -> None:
 def test_closed_pool_rejects_transfers() -> None:
     s = spec(mha())
     pool = make_pool(s)
-    dev = DeviceKV.allocate(s, 16)
+    dev = WorkerBuffers.allocate(s, 16)
     idx = pool.alloc(4)
     pool.close()
     with pytest.raises(PoolClosed):
@@ -282,7 +275,7 @@ def test_property_valid_batches_round_trip(case: tuple[PoolSpec, np.ndarray, np.
         src = random_device(s, 12 * s.page_size, seed=7)
         host = pool.alloc(dev_pages.size * s.page_size)
         ENGINE.backup(pool, src, host, page_indices(dev_pages, s.page_size))
-        dst = DeviceKV.allocate(s, 12 * s.page_size)
+        dst = WorkerBuffers.allocate(s, 12 * s.page_size)
         rev = dev_pages[::-1].copy()  # host page i goes back to another device page
         ENGINE.load(pool, dst, host, page_indices(rev, s.page_size))
         assert_same_pages(src, dst, s, dev_pages, rev)
@@ -364,7 +357,7 @@ def test_pool_is_usable_from_many_threads() -> None:
     try:
         def worker(seed: int) -> bool:
             src = random_device(s, 32, seed=seed)
-            dst = DeviceKV.allocate(s, 32)
+            dst = WorkerBuffers.allocate(s, 32)
             for _ in range(20):
                 host = pool.alloc(8)
                 ENGINE.backup(pool, src, host, torch.arange(8))
@@ -382,7 +375,7 @@ def test_pool_is_usable_from_many_threads() -> None:
 
 
 def test_host_pool_rejects_budget_over_available_memory() -> None:
-    from hicached.errors import HostMemoryInsufficient
+    from hicache.errors import HostMemoryInsufficient
 
     s = PoolSpec("huge", mha(layers=64, heads=64, dim=128), 64, size_tokens=64 * 10**6)
     with pytest.raises(HostMemoryInsufficient) as exc:

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from hicached.errors import GeometryMismatch, ShmPathRejected
-from hicached.geometry import DType, Role
-from hicached.transport import ShmTransport
-from hicached.wire import DeviceBufferSpec
+from hicache.buffers import DeviceBufferSpec
+from hicache.errors import GeometryMismatch, ShmPathRejected
+from hicache.specs import DType, Role
+from hicached.transport.shm import ShmTransport
 
 
 def buf(path: str, nbytes: int = 4096, offset: int = 0, layer: int = 0,
@@ -34,8 +34,8 @@ def make(path: Path, size: int = 8192, mode: int = 0o600) -> str:
 def test_good_file_is_mapped_and_shared(shm: Path) -> None:
     p = make(shm / "w")
     att = ShmTransport(str(shm)).attach([buf(p), buf(p, offset=4096, layer=1)])
-    assert att.device is not None and att.nbytes == 8192
-    k = att.device.layers("kv", Role.K)
+    assert att.buffers is not None and att.nbytes == 8192
+    k = att.buffers.layers("kv", Role.K)
     assert len(k) == 2 and tuple(k[0].shape) == (16, 2, 64)
     k[1].view(-1)[0] = 3.0
     with open(p, "rb") as f:

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicached.errors import HiCacheError, IndicesMalformed, IndicesNotPageAligned
-from hicached.validation import (
+from hicache.errors import HiCacheError, IndicesMalformed, IndicesNotPageAligned
+from hicached.core.validation import (
     check_page_runs,
     check_range,
     to_index_array,

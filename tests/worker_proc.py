@@ -25,8 +25,7 @@ def main() -> int:
     tokens = 8 * ps
     verified = mismatches = 0
     with ShmDeviceBuffers.create(spec, tokens, shm_dir, prefix=f"w{worker}") as bufs:
-        assert bufs.device is not None
-        tensors = bufs.device.all_tensors()
+        tensors = bufs.all_tensors()
         with client.open_session(pool, worker, bufs.descriptors, lease_ms=1000) as session:
             print(json.dumps({"worker": worker, "session": session.session_id}), flush=True)
             i = 0

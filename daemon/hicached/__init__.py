@@ -1,14 +1,26 @@
-"""hicached: a host-memory daemon for hierarchical KV caches in LLM serving.
+"""hicached: the KV cache daemon of an inference node, and its engine for in-process use.
 
-The core engine (no RPC inside): ``geometry`` (pool kinds, dtypes, layouts, specs), ``errors``
-(domain errors with reason codes), ``validation`` (vectorized batch checks), ``memory`` (mapped,
-prefaulted, optionally pinned host memory), ``allocator`` (pages), ``pool`` (host pools),
-``devicekv`` (a worker's device buffers), ``copyplan`` / ``transfer`` (the copy engine) and
-``canary`` (per-page fingerprints).
+Layers, top uses bottom (import rules in pyproject.toml, checked by import-linter):
+
+- ``server``: the process: gRPC service, interceptors, sessions, pool table, metrics, config.
+- ``transport``: attaching worker buffers (shared-memory files, CUDA IPC).
+- ``cuda``: the GPU runner, its copy segments, pinning through the driver.
+- ``copy``: copy plans, the CPU runner with its native kernel, the transfer engine.
+- ``core``: validation, allocator, canary, host memory, pools, worker buffers.
+- ``hicache`` (a separate, light package both sides import): stubs, errors, specs, codec.
+
+The engine's main names are importable from here (loaded on first use, so that importing one
+subpackage does not load the others): ``HostPool``, ``MemoryOptions``, ``WorkerBuffers``,
+``TransferEngine``, ``Op``, ``TransferResult``, and the specs of ``hicache.specs``.
 """
 
-from hicached.devicekv import DeviceKV
-from hicached.geometry import (
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from hicache import __version__
+from hicache.specs import (
     CanarySpec,
     DType,
     KVGeometry,
@@ -18,15 +30,32 @@ from hicached.geometry import (
     PoolSpec,
     Role,
 )
-from hicached.pool import HostPool, MemoryOptions
-from hicached.transfer import Op, TransferEngine, TransferResult
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from hicached.copy.engine import Op, TransferEngine, TransferResult
+    from hicached.core.pool import HostPool, MemoryOptions
+    from hicached.core.worker_buffers import WorkerBuffers
+
+_LAZY = {
+    "HostPool": "hicached.core.pool",
+    "MemoryOptions": "hicached.core.pool",
+    "WorkerBuffers": "hicached.core.worker_buffers",
+    "TransferEngine": "hicached.copy.engine",
+    "Op": "hicached.copy.engine",
+    "TransferResult": "hicached.copy.engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicached' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "CanarySpec",
     "DType",
-    "DeviceKV",
     "HostPool",
     "KVGeometry",
     "Layout",
@@ -38,5 +67,6 @@ __all__ = [
     "Role",
     "TransferEngine",
     "TransferResult",
+    "WorkerBuffers",
     "__version__",
 ]

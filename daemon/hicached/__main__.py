@@ -3,7 +3,8 @@
 Precedence, lowest to highest: built-in defaults, the config file (``--config``), the
 environment (``HICACHED_<SETTING>``, e.g. ``HICACHED_SHM_DIR``; lists comma-separated), flags.
 SIGTERM / SIGINT drain the daemon: NOT_SERVING, new work refused with UNAVAILABLE, in-flight
-transfers finish, pools are freed.
+transfers finish, pools are freed. Argument and
+environment parsing happen here only; everything below takes a ``ServerConfig``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import signal
 import sys
 import threading
 import time
+import tomllib
 from typing import Any
 
-import tomllib
-
-from hicached.config import ServerConfig, config_from_mapping
-from hicached.errors import HiCacheError
+from hicache.errors import HiCacheError
+from hicached.server.config import ServerConfig, config_from_mapping
 
 ENV_PREFIX = "HICACHED_"
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -99,7 +99,7 @@ def _setup_logging(config: ServerConfig) -> None:
 
 
 def serve(config: ServerConfig) -> int:
-    from hicached.server import AlreadyServing, create_server
+    from hicached.server.app import AlreadyServing, create_server
 
     _setup_logging(config)
     try:

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import torch
 
+from hicache.errors import HiCacheError
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.errors import HiCacheError
 
 
 def content(shape: torch.Size, page: int, gen: int, salt: int) -> torch.Tensor:
@@ -35,8 +35,7 @@ def main() -> int:
     stats = {"worker": w, "backups": 0, "loads": 0, "pages_verified": 0, "bytes_verified": 0,
              "mismatches": 0, "lost_acknowledged": 0, "errors": 0}
     with ShmDeviceBuffers.create(spec, 2 * npg * ps, shm_dir, prefix=f"int{w}") as bufs:
-        assert bufs.device is not None
-        tensors = [t.view(torch.uint8) for t in bufs.device.all_tensors()]
+        tensors = [t.view(torch.uint8) for t in bufs.all_tensors()]
         host = client.alloc(pool, npg * ps).reshape(npg, ps)
         acked: dict[int, int] = {}
 

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
+from hicache.errors import HiCacheError
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.errors import HiCacheError
-from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from tests.daemon_proc import start_daemon
 from tests.reliability.figures import record
 
@@ -39,8 +39,7 @@ def test_daemon_killed_mid_load(tmp_path: Path, sig: signal.Signals) -> None:
     client = HiCacheClient(daemon.target, reconnect_seconds=1.0, timeout=10)
     outcomes: list[str] = []
     with ShmDeviceBuffers.create(SPEC, 32 * 16, daemon.shm_dir, prefix="fault") as bufs:
-        assert bufs.device is not None
-        k = bufs.device.layers("kv", Role.K)[3].view(torch.uint8)
+        k = bufs.layers("kv", Role.K)[3].view(torch.uint8)
         k.copy_(torch.randint(0, 256, k.shape, dtype=torch.uint8))
         client.create_pool(SPEC)
         session = client.open_session(SPEC.name, "w", bufs.descriptors, heartbeat=False,

@@ -17,11 +17,12 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hicache.codec import buffer_to_proto
+from hicache.indices import indices_to_bytes
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec
-from hicached.wire import buffer_to_proto, indices_to_bytes
 from tests.daemon_proc import DaemonProc, start_daemon
 from tests.reliability.figures import record
 
@@ -39,8 +40,7 @@ class World:
         self.client.create_pool(SPEC)
         self.host = self.client.alloc(SPEC.name, PAGES * PS)
         self.bufs = ShmDeviceBuffers.create(SPEC, PAGES * PS, d.shm_dir, prefix="fuzz")
-        assert self.bufs.device is not None
-        for t in self.bufs.device.all_tensors():
+        for t in self.bufs.all_tensors():
             raw = t.view(torch.uint8)
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
         self.session = self.client.open_session(SPEC.name, "fuzz", self.bufs.descriptors,
@@ -55,9 +55,8 @@ class World:
 
     def fingerprint(self) -> str:
         self.check.load(self.host, torch.arange(PAGES * PS))
-        assert self.scratch.device is not None
         h = hashlib.sha256()
-        for t in self.scratch.device.all_tensors():
+        for t in self.scratch.all_tensors():
             h.update(t.view(torch.uint8)[: PAGES * PS].numpy().tobytes())
         return h.hexdigest()
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hicache.specs import CanarySpec, DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient
-from hicached.geometry import CanarySpec, DType, KVGeometry, Layout, PoolKind, PoolSpec
 from tests.daemon_proc import REPO, start_daemon
 from tests.reliability.figures import record
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.geometry import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from tests.daemon_proc import DaemonProc, start_daemon
 from tests.reliability.figures import record
 

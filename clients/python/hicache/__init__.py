@@ -1,0 +1,47 @@
+"""hicache: the light API package of hicached, imported by the daemon and by workers alike.
+
+It holds only what the contract needs, and importing it loads neither gRPC, nor torch, nor any
+part of the daemon:
+
+- ``hicache.v1``: the generated protobuf / gRPC stubs of ``hicache.v1.HostCache``.
+- ``errors``: the domain error tree; every class has a stable reason code (docs/api.md).
+- ``specs``: pool kinds, dtypes, layouts, geometry and ``PoolSpec`` (validated dataclasses).
+- ``buffers``: a worker's device buffers: rows, shapes, strides, ``DeviceBufferSpec``.
+- ``indices``: index batches and their little-endian int64 wire form.
+- ``layer_groups``: which per-layer event covers which layers of a load.
+- ``codec``: wire messages <-> the domain objects above (imports protobuf).
+- ``error_mapping``: the one table from domain errors to gRPC codes, and the rich
+  ``google.rpc.Status`` they travel as (imports gRPC).
+- ``paths``: the default socket of a local daemon.
+- ``cuda_driver``: the CUDA driver API through ctypes, loaded on first use only (workers export
+  IPC handles with it, the daemon opens them).
+"""
+
+from hicache.errors import HiCacheError
+from hicache.specs import (
+    ANCHOR,
+    CanarySpec,
+    DType,
+    KVGeometry,
+    Layout,
+    MemberSpec,
+    PoolKind,
+    PoolSpec,
+    Role,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ANCHOR",
+    "CanarySpec",
+    "DType",
+    "HiCacheError",
+    "KVGeometry",
+    "Layout",
+    "MemberSpec",
+    "PoolKind",
+    "PoolSpec",
+    "Role",
+    "__version__",
+]

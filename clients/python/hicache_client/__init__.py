@@ -1,11 +1,16 @@
 """hicache_client: the worker-side library of hicached.
 
+It depends on the light API package ``hicache`` only: importing it loads no part of the daemon,
+no native extension of ours, and not torch (imported when tensors are made).
+
 - ``HiCacheClient``: typed methods mirroring the ``hicache.v1.HostCache`` RPCs; index tensors
-  in and out; errors raised as the daemon's domain classes (``hicached.errors``) carrying
-  reason, metadata, violations and ``grpc_code``; reconnect with backoff for idempotent calls.
+  in and out; errors raised as the domain classes of ``hicache.errors`` carrying reason,
+  metadata, violations and ``grpc_code``; reconnect with backoff for idempotent calls.
 - ``ShmDeviceBuffers``: device KV buffers for CPU workers, backed by shared-memory files that the
   daemon maps.
 - ``WorkerSession``: an open session with a heartbeat thread.
+- ``hicache_client.cuda``: GPU workers' buffers and events as CUDA IPC handles.
+- ``hicache_client.cli``: ``hicachectl``.
 """
 
 from hicache_client.client import HiCacheClient, PoolInfo, TransferStats, WorkerSession

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 from google.protobuf.json_format import MessageToDict
 
+from hicache.errors import HiCacheError
 from hicache_client.client import HiCacheClient
-from hicached.errors import HiCacheError
 
 
 def _size(n: float) -> str:

@@ -1,9 +1,12 @@
 """``HiCacheClient``: typed calls to a hicached daemon.
 
-Every failure is raised as the daemon's domain error class (``hicached.errors``): ``reason``,
-``metadata``, ``violations`` and ``grpc_code`` attached. Idempotent calls (info, pool queries,
-CreatePool, Heartbeat, Backup, Load, Ping) are retried with exponential backoff while the
-daemon is unreachable, up to ``reconnect_seconds``; the error after that says so.
+Every failure is raised as the daemon's domain error class (``hicache.errors``): ``reason``,
+``metadata``, ``violations`` and ``grpc_code`` attached. Idempotent calls (info, pool
+queries, CreatePool, Heartbeat, Backup, Load, Ping) are retried with exponential backoff while
+the daemon is unreachable, up to ``reconnect_seconds``; the error after that says so.
+
+Primitives: ``HiCacheClient`` (one method per RPC), ``WorkerSession`` (an open session with its
+heartbeat thread), ``PoolInfo`` and ``TransferStats`` (replies as dataclasses).
 """
 
 from __future__ import annotations
@@ -14,26 +17,22 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import numpy as np
-import torch
 
+from hicache.buffers import DeviceBufferSpec
+from hicache.codec import buffer_to_proto, spec_from_proto, spec_to_proto
+from hicache.error_mapping import from_rpc_error
+from hicache.errors import HiCacheError, Unavailable
+from hicache.indices import indices_to_bytes, to_index_array
+from hicache.paths import default_target
+from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicached.config import default_socket_path
-from hicached.errors import HiCacheError, Unavailable
-from hicached.geometry import PoolSpec
-from hicached.status import from_rpc_error
-from hicached.wire import (
-    DeviceBufferSpec,
-    buffer_to_proto,
-    indices_from_bytes,
-    indices_to_bytes,
-    spec_from_proto,
-    spec_to_proto,
-)
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ class TransferStats:
 class HiCacheClient:
     def __init__(self, target: str | None = None, *, timeout: float = 60.0,
                  reconnect_seconds: float = 10.0, max_message_bytes: int = 64 << 20) -> None:
-        self.target = target or f"unix:{default_socket_path()}"
+        self.target = target or default_target()
         self.timeout = timeout
         self.reconnect_seconds = reconnect_seconds
         self._channel = grpc.insecure_channel(self.target, options=[
@@ -94,7 +93,7 @@ class HiCacheClient:
                 return method(request, timeout=self.timeout)
             except grpc.RpcError as err:
                 exc = from_rpc_error(err)
-                unreachable = getattr(exc, "grpc_code", None) == grpc.StatusCode.UNAVAILABLE \
+                unreachable = exc.grpc_code == grpc.StatusCode.UNAVAILABLE \
                     and not exc.metadata
                 remaining = deadline - time.monotonic()
                 if not (retry and unreachable) or remaining <= 0:
@@ -181,13 +180,16 @@ class HiCacheClient:
                                retry=True).sessions)
 
     def alloc(self, pool: str, num_tokens: int) -> torch.Tensor:
+        """Token indices of fresh host pages, as an int64 tensor."""
+        import torch
+
         resp = self._call(self._stub.Alloc, pb.AllocRequest(pool=pool, num_tokens=num_tokens),
                           retry=False)
-        return torch.from_numpy(np.array(indices_from_bytes(resp.host_indices, "host_indices")))
+        return torch.from_numpy(to_index_array(resp.host_indices, "host_indices").copy())
 
     def free(self, pool: str, host_indices: object) -> int:
         resp = self._call(self._stub.Free, pb.FreeRequest(
-            pool=pool, host_indices=_as_bytes(host_indices)), retry=False)
+            pool=pool, host_indices=indices_to_bytes(host_indices)), retry=False)
         return int(resp.pages_freed)
 
     def backup(self, session_id: str, host_indices: object, device_indices: object,
@@ -209,16 +211,10 @@ class HiCacheClient:
                   host: object, dev: object, begin: int, end: int,
                   completion: int = pb.COMPLETION_WAIT) -> TransferStats:
         resp = self._call(method, pb.TransferRequest(
-            session_id=session_id, host_indices=_as_bytes(host),
-            device_indices=_as_bytes(dev), layer_begin=begin, layer_end=end,
+            session_id=session_id, host_indices=indices_to_bytes(host),
+            device_indices=indices_to_bytes(dev), layer_begin=begin, layer_end=end,
             completion=completion), retry=True)  # type: ignore[arg-type]
         return TransferStats(resp.bytes_moved, resp.pages, resp.duration_seconds, resp.pending)
-
-
-def _as_bytes(indices: object) -> bytes:
-    if isinstance(indices, bytes | bytearray):
-        return bytes(indices)
-    return indices_to_bytes(indices)
 
 
 class WorkerSession:

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hicached.cudacopy import layer_group_size
-from hicached.cudadriver import (
+from hicache import layer_groups
+from hicache.buffers import DeviceBufferSpec, layer_shapes, strided_span
+from hicache.cuda_driver import (
     ATTR_DEVICE_ORDINAL,
     ATTR_IS_LEGACY_CUDA_IPC_CAPABLE,
     ATTR_IS_MANAGED,
@@ -37,9 +38,8 @@ from hicached.cudadriver import (
     driver_problem,
     load_driver,
 )
-from hicached.errors import BufferNotShareable
-from hicached.geometry import Component, DType, KVGeometry, PoolSpec, Role, device_shape
-from hicached.transport import DeviceBufferSpec
+from hicache.errors import BufferNotShareable
+from hicache.specs import DType, PoolSpec, Role
 
 NOT_SHAREABLE_HINT = (
     "allocate the KV buffers with the default CUDA caching allocator (unset "
@@ -161,23 +161,8 @@ class CudaDeviceBuffers:
         return cls(out)
 
 
-def layer_shapes(spec: PoolSpec, device_tokens: int
-                 ) -> list[tuple[str, KVGeometry, Component, tuple[int, ...]]]:
-    """(member, geometry, component, per-layer shape) of SGLang's device pool for ``spec``."""
-    ps = spec.page_size
-    out = []
-    for name, geometry in spec.members():
-        for comp in geometry.components(ps):
-            rows = device_tokens // ps + 1 if comp.page_granular else device_tokens + ps
-            out.append((name, geometry, comp, device_shape(comp, rows)))
-    return out
-
-
 def _extent_bytes(t: torch.Tensor) -> int:
-    if t.numel() == 0:
-        return 0
-    span = 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
-    return span * t.element_size()
+    return strided_span(t.shape, t.stride()) * t.element_size()
 
 
 class LayerEvents:
@@ -201,7 +186,7 @@ class LayerEvents:
 
     def group_of(self, layer: int, layer_num: int) -> int:
         """The event that covers ``layer``: groups of ceil(layer_num / events) layers."""
-        return layer // layer_group_size(layer_num, len(self.events))
+        return layer_groups.group_of(layer, layer_num, len(self.events))
 
 
 class ReadyEvent:

@@ -1,0 +1,156 @@
+"""Conversions between the wire contract (``hicache.v1`` messages) and domain objects.
+
+Primitives:
+
+- ``spec_to_proto`` / ``spec_from_proto``: ``PoolSpec`` <-> ``hicache.v1.PoolSpec`` (enum names
+  end in the domain names: ``POOL_KIND_MHA`` <-> ``PoolKind.MHA``).
+- ``buffer_from_proto`` / ``buffer_to_proto``: ``hicache.v1.DeviceBuffer`` <->
+  ``buffers.DeviceBufferSpec`` (the daemon's transports never see protos).
+- ``kind_from_proto`` / ``dtype_from_proto`` / ``layout_from_proto`` / ``role_from_proto`` /
+  ``role_to_proto`` / ``dtype_to_proto``: wire enum values <-> domain enums.
+
+Index batches travel as little-endian int64 bytes (``indices``). Decoding failures raise
+domain errors (``SPEC_INVALID``).
+"""
+
+from __future__ import annotations
+
+from hicache.buffers import DeviceBufferSpec
+from hicache.errors import SpecInvalid
+from hicache.specs import (
+    ANCHOR,
+    CanarySpec,
+    DType,
+    KVGeometry,
+    Layout,
+    MemberSpec,
+    PoolKind,
+    PoolSpec,
+    Role,
+)
+from hicache.v1 import hicache_pb2 as pb
+
+
+def _enum_name(enum_type: object, value: int, prefix: str, field: str) -> str:
+    try:
+        name: str = enum_type.Name(value)  # type: ignore[attr-defined]
+    except ValueError:
+        raise SpecInvalid(f"{field}: unknown enum value {value}",
+                          metadata={"field": field, "value": value}) from None
+    if name.endswith("_UNSPECIFIED"):
+        raise SpecInvalid(f"{field} must be set", metadata={"field": field})
+    return name[len(prefix):]
+
+
+def kind_from_proto(value: int) -> PoolKind:
+    return PoolKind(_enum_name(pb.PoolKind, value, "POOL_KIND_", "kind"))
+
+
+def dtype_from_proto(value: int, field: str = "dtype") -> DType:
+    return DType(_enum_name(pb.DType, value, "DTYPE_", field))
+
+
+def layout_from_proto(value: int) -> Layout:
+    if value == pb.LAYOUT_UNSPECIFIED:
+        return Layout.LAYER_FIRST
+    return Layout(_enum_name(pb.Layout, value, "LAYOUT_", "layout").lower())
+
+
+def role_from_proto(value: int) -> Role:
+    return Role(_enum_name(pb.BufferRole, value, "BUFFER_ROLE_", "role"))
+
+
+def role_to_proto(role: Role) -> int:
+    return int(pb.BufferRole.Value(f"BUFFER_ROLE_{role.value}"))
+
+
+def dtype_to_proto(dtype: DType) -> int:
+    return int(pb.DType.Value(f"DTYPE_{dtype.value}"))
+
+
+def _geometry_from(msg: object, kind: int, dtype: int) -> KVGeometry:
+    k = kind_from_proto(kind)
+    d = DType.UINT8 if k is PoolKind.DSA_INDEXER and dtype == 0 else (
+        DType.BFLOAT16 if k is PoolKind.LOGICAL and dtype == 0 else dtype_from_proto(dtype))
+    g = msg
+    return KVGeometry(
+        kind=k, dtype=d, layer_num=int(g.layer_num), head_num=int(g.head_num),  # type: ignore[attr-defined]
+        head_dim=int(g.head_dim), v_head_dim=int(g.v_head_dim),  # type: ignore[attr-defined]
+        kv_lora_rank=int(g.kv_lora_rank),  # type: ignore[attr-defined]
+        qk_rope_head_dim=int(g.qk_rope_head_dim),  # type: ignore[attr-defined]
+        index_head_dim=int(g.index_head_dim),  # type: ignore[attr-defined]
+        quant_block_size=int(g.quant_block_size),  # type: ignore[attr-defined]
+    )
+
+
+def spec_from_proto(msg: pb.PoolSpec) -> PoolSpec:
+    """Decode and validate a wire PoolSpec (raises the domain error of the first problem)."""
+    sides = tuple(MemberSpec(s.name, _geometry_from(s.geometry, s.geometry.kind,
+                                                    s.geometry.dtype))
+                  for s in msg.side_pools)
+    size = msg.WhichOneof("size")
+    return PoolSpec(
+        name=msg.name,
+        geometry=_geometry_from(msg, msg.kind, msg.dtype),
+        page_size=int(msg.page_size),
+        layout=layout_from_proto(msg.layout),
+        size_tokens=int(msg.size_tokens) if size == "size_tokens" else 0,
+        size_bytes=int(msg.size_bytes) if size == "size_bytes" else 0,
+        side_pools=sides,
+        canary=CanarySpec(int(msg.canary_read_bytes)) if msg.canary_read_bytes else None,
+    )
+
+
+def _fill_geometry(msg: object, g: KVGeometry) -> None:
+    for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank",
+                 "qk_rope_head_dim", "index_head_dim", "quant_block_size"):
+        setattr(msg, name, getattr(g, name))
+    msg.kind = pb.PoolKind.Value(f"POOL_KIND_{g.kind.value}")  # type: ignore[attr-defined]
+    msg.dtype = dtype_to_proto(g.dtype)  # type: ignore[attr-defined]
+
+
+def spec_to_proto(spec: PoolSpec) -> pb.PoolSpec:
+    msg = pb.PoolSpec(name=spec.name, page_size=spec.page_size)
+    msg.layout = pb.Layout.Value(f"LAYOUT_{spec.layout.value.upper()}")  # type: ignore[assignment]
+    _fill_geometry(msg, spec.geometry)
+    if spec.size_tokens:
+        msg.size_tokens = spec.size_tokens
+    else:
+        msg.size_bytes = spec.size_bytes
+    for side in spec.side_pools:
+        s = msg.side_pools.add(name=side.name)
+        _fill_geometry(s.geometry, side.geometry)
+    if spec.canary is not None:
+        msg.canary_read_bytes = spec.canary.read_bytes
+    return msg
+
+
+def buffer_from_proto(msg: pb.DeviceBuffer, position: int) -> DeviceBufferSpec:
+    which = msg.WhichOneof("handle")
+    if which is None:
+        raise SpecInvalid(f"buffers[{position}] has no handle (shm or cuda_ipc)",
+                          metadata={"position": position})
+    common = dict(member=msg.member or ANCHOR, role=role_from_proto(msg.role),
+                  layer=int(msg.layer), shape=tuple(int(x) for x in msg.shape),
+                  dtype=dtype_from_proto(msg.dtype, f"buffers[{position}].dtype"),
+                  strides=tuple(int(x) for x in msg.strides))
+    if which == "shm":
+        return DeviceBufferSpec(transport="shm", path=msg.shm.path, offset=int(msg.shm.offset),
+                                nbytes=int(msg.shm.nbytes), **common)  # type: ignore[arg-type]
+    return DeviceBufferSpec(transport="cuda_ipc", ipc_handle=msg.cuda_ipc.handle,
+                            device_uuid=msg.cuda_ipc.device_uuid,
+                            offset=int(msg.cuda_ipc.offset), nbytes=int(msg.cuda_ipc.nbytes),
+                            **common)  # type: ignore[arg-type]
+
+
+def buffer_to_proto(b: DeviceBufferSpec) -> pb.DeviceBuffer:
+    msg = pb.DeviceBuffer(member=b.member, layer=b.layer, shape=list(b.shape),
+                          strides=list(b.strides))
+    msg.role = role_to_proto(b.role)  # type: ignore[assignment]
+    msg.dtype = dtype_to_proto(b.dtype)  # type: ignore[assignment]
+    if b.transport == "shm":
+        msg.shm.path, msg.shm.offset, msg.shm.nbytes = b.path, b.offset, b.nbytes
+    else:
+        msg.cuda_ipc.handle, msg.cuda_ipc.device_uuid = b.ipc_handle, b.device_uuid
+        msg.cuda_ipc.offset, msg.cuda_ipc.nbytes = b.offset, b.nbytes
+    return msg

@@ -1,0 +1,353 @@
+"""The CUDA driver API through ctypes: loaded on first use, never at import.
+
+Nothing here needs a CUDA build of torch or CUDA headers: ``libcuda.so.1`` ships with the NVIDIA
+driver, and its API is stable across driver versions. Both sides use this one wrapper: workers
+to export their KV buffers and events as IPC handles (and to refuse memory that cannot be
+shared), the daemon to open them. The daemon uses the driver directly so it controls exactly
+when IPC mappings open and close (torch's own IPC path closes them whenever the garbage
+collector drops the last storage). Importing this module loads no library.
+
+Primitives:
+
+- ``load_driver(path=None)``: the process-wide ``CudaDriver`` for a library path (argument, else
+  ``$HICACHED_CUDA_DRIVER``, else ``libcuda.so.1``), or ``None`` when it cannot be loaded or
+  initialised (hosts without a GPU). ``driver_problem(path)`` says why.
+- ``CudaDriver``: devices (ordinal <-> UUID), ``context(ordinal)`` (pushes the device's primary
+  context for the calling thread), IPC memory handles (get / open / close), pointer attributes,
+  streams, events (interprocess handles too), asynchronous 1-D and 2-D copies, host memory
+  registration, device allocation.
+- ``CudaCallFailed``: a driver call returned an error: the call, the ``CUresult`` and its name.
+- ``format_uuid`` / ``normalize_uuid``: ``GPU-xxxxxxxx-xxxx-...`` as ``nvidia-smi`` prints it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_LIBRARY = "libcuda.so.1"
+ENV_LIBRARY = "HICACHED_CUDA_DRIVER"
+IPC_HANDLE_SIZE = 64
+
+# CUpointer_attribute
+ATTR_MEMORY_TYPE = 2
+ATTR_IS_MANAGED = 8
+ATTR_DEVICE_ORDINAL = 9
+ATTR_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+ATTR_RANGE_START_ADDR = 11
+ATTR_RANGE_SIZE = 12
+# flags
+EVENT_BLOCKING_SYNC = 0x1
+EVENT_DISABLE_TIMING = 0x2
+EVENT_INTERPROCESS = 0x4
+STREAM_NON_BLOCKING = 0x1
+IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+MEMHOSTREGISTER_PORTABLE = 0x1
+MEMORYTYPE_UNIFIED = 4
+
+
+class CudaCallFailed(RuntimeError):
+    """A CUDA driver call returned an error."""
+
+    def __init__(self, call: str, code: int, name: str) -> None:
+        super().__init__(f"{call} failed: {name} ({code})")
+        self.call = call
+        self.code = code
+        self.name = name
+
+
+class IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_SIZE)]
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> IpcHandle:
+        if len(raw) != IPC_HANDLE_SIZE:
+            raise ValueError(f"an IPC handle is {IPC_HANDLE_SIZE} bytes, got {len(raw)}")
+        h = cls()
+        ctypes.memmove(ctypes.addressof(h), raw, IPC_HANDLE_SIZE)
+        return h
+
+    def to_bytes(self) -> bytes:
+        return bytes(self.reserved)
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D (v2)."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]
+
+
+def format_uuid(raw: bytes) -> str:
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def normalize_uuid(text: str) -> str:
+    """``GPU-`` prefixed, lower case; accepts the bare form torch prints."""
+    t = text.strip().lower()
+    if t.startswith("gpu-"):
+        t = t[4:]
+    return "GPU-" + t
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    ordinal: int
+    uuid: str
+    name: str
+    total_bytes: int
+
+
+class CudaDriver:
+    """One loaded driver library. Thread-safe; every call that needs a context takes one
+    through ``context(ordinal)``."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+        self._lib = lib
+        self.path = path
+        self._fns: dict[str, Any] = {}
+        self._ctx: dict[int, ctypes.c_void_p] = {}
+        self._lock = threading.Lock()
+        self._call("cuInit", ctypes.c_uint(0))
+        self.devices = self._enumerate()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def fn(self, name: str) -> Any:
+        """The driver entry point for ``name``: its ``_v2`` export when there is one, as
+        ``cuda.h`` maps the name."""
+        got = self._fns.get(name)
+        if got is None:
+            for symbol in (name + "_v2", name):
+                try:
+                    got = getattr(self._lib, symbol)
+                    break
+                except AttributeError:
+                    continue
+            else:
+                raise CudaCallFailed(name, -1, "not exported by " + self.path)
+            got.restype = ctypes.c_int
+            self._fns[name] = got
+        return got
+
+    def fn_address(self, name: str) -> int:
+        return int(ctypes.cast(self.fn(name), ctypes.c_void_p).value or 0)
+
+    def error_name(self, code: int) -> str:
+        out = ctypes.c_char_p()
+        try:
+            if self.fn("cuGetErrorName")(ctypes.c_int(code), ctypes.byref(out)) == 0 \
+                    and out.value:
+                return out.value.decode()
+        except CudaCallFailed:
+            pass
+        return f"CUDA_ERROR_{code}"
+
+    def _call(self, name: str, *args: object) -> None:
+        rc = int(self.fn(name)(*args))
+        if rc != 0:
+            raise CudaCallFailed(name, rc, self.error_name(rc))
+
+    # -- devices and contexts ----------------------------------------------------------------
+
+    def _enumerate(self) -> tuple[DeviceInfo, ...]:
+        count = ctypes.c_int()
+        self._call("cuDeviceGetCount", ctypes.byref(count))
+        out = []
+        for i in range(count.value):
+            dev = ctypes.c_int()
+            self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(i))
+            uuid = _Uuid()
+            self._call("cuDeviceGetUuid", ctypes.byref(uuid), dev)
+            name = ctypes.create_string_buffer(256)
+            self._call("cuDeviceGetName", name, ctypes.c_int(256), dev)
+            total = ctypes.c_size_t()
+            self._call("cuDeviceTotalMem", ctypes.byref(total), dev)
+            out.append(DeviceInfo(i, format_uuid(bytes(uuid.bytes)), name.value.decode(),
+                                  total.value))
+        return tuple(out)
+
+    def ordinal_of(self, uuid: str) -> int | None:
+        want = normalize_uuid(uuid)
+        for d in self.devices:
+            if d.uuid == want:
+                return d.ordinal
+        return None
+
+    def _primary(self, ordinal: int) -> ctypes.c_void_p:
+        with self._lock:
+            ctx = self._ctx.get(ordinal)
+            if ctx is None:
+                dev = ctypes.c_int()
+                self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+                ctx = ctypes.c_void_p()
+                self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+                self._ctx[ordinal] = ctx
+            return ctx
+
+    @contextmanager
+    def context(self, ordinal: int) -> Iterator[None]:
+        """Make the device's primary context current on this thread for the block."""
+        self._call("cuCtxPushCurrent", self._primary(ordinal))
+        try:
+            yield
+        finally:
+            popped = ctypes.c_void_p()
+            self._call("cuCtxPopCurrent", ctypes.byref(popped))
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def pointer_attribute(self, attribute: int, address: int) -> int:
+        out = ctypes.c_uint64(0)
+        self._call("cuPointerGetAttribute", ctypes.byref(out), ctypes.c_int(attribute),
+                   ctypes.c_uint64(address))
+        return out.value
+
+    def address_range(self, address: int) -> tuple[int, int]:
+        """(base, size) of the allocation that contains ``address``."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._call("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size),
+                   ctypes.c_uint64(address))
+        return base.value, size.value
+
+    def ipc_get_mem_handle(self, base: int) -> bytes:
+        h = IpcHandle()
+        self._call("cuIpcGetMemHandle", ctypes.byref(h), ctypes.c_uint64(base))
+        return h.to_bytes()
+
+    def ipc_open_mem_handle(self, handle: bytes) -> int:
+        """Map another process's allocation into the current context; returns its address."""
+        ptr = ctypes.c_uint64()
+        self._call("cuIpcOpenMemHandle", ctypes.byref(ptr), IpcHandle.from_bytes(handle),
+                   ctypes.c_uint(IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+        return ptr.value
+
+    def ipc_close_mem_handle(self, address: int) -> None:
+        self._call("cuIpcCloseMemHandle", ctypes.c_uint64(address))
+
+    def mem_alloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self._call("cuMemAlloc", ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        return ptr.value
+
+    def mem_free(self, address: int) -> None:
+        self._call("cuMemFree", ctypes.c_uint64(address))
+
+    def host_register(self, address: int, nbytes: int) -> None:
+        self._call("cuMemHostRegister", ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
+                   ctypes.c_uint(MEMHOSTREGISTER_PORTABLE))
+
+    def host_unregister(self, address: int) -> None:
+        self._call("cuMemHostUnregister", ctypes.c_void_p(address))
+
+    # -- streams and events ------------------------------------------------------------------
+
+    def stream_create(self) -> int:
+        s = ctypes.c_void_p()
+        self._call("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(STREAM_NON_BLOCKING))
+        return int(s.value or 0)
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._call("cuStreamSynchronize", ctypes.c_void_p(stream))
+
+    def stream_destroy(self, stream: int) -> None:
+        self._call("cuStreamDestroy", ctypes.c_void_p(stream))
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._call("cuStreamWaitEvent", ctypes.c_void_p(stream), ctypes.c_void_p(event),
+                   ctypes.c_uint(0))
+
+    def event_create(self, interprocess: bool = False, blocking: bool = False) -> int:
+        """``blocking``: a thread synchronizing on it sleeps instead of spinning."""
+        e = ctypes.c_void_p()
+        flags = (EVENT_DISABLE_TIMING | (EVENT_INTERPROCESS if interprocess else 0)
+                 | (EVENT_BLOCKING_SYNC if blocking else 0))
+        self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(flags))
+        return int(e.value or 0)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._call("cuEventRecord", ctypes.c_void_p(event), ctypes.c_void_p(stream))
+
+    def event_synchronize(self, event: int) -> None:
+        self._call("cuEventSynchronize", ctypes.c_void_p(event))
+
+    def event_destroy(self, event: int) -> None:
+        self._call("cuEventDestroy", ctypes.c_void_p(event))
+
+    def ipc_get_event_handle(self, event: int) -> bytes:
+        h = IpcHandle()
+        self._call("cuIpcGetEventHandle", ctypes.byref(h), ctypes.c_void_p(event))
+        return h.to_bytes()
+
+    def ipc_open_event_handle(self, handle: bytes) -> int:
+        e = ctypes.c_void_p()
+        self._call("cuIpcOpenEventHandle", ctypes.byref(e), IpcHandle.from_bytes(handle))
+        return int(e.value or 0)
+
+    # -- copies ------------------------------------------------------------------------------
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._call("cuMemcpyAsync", ctypes.c_uint64(dst), ctypes.c_uint64(src),
+                   ctypes.c_size_t(nbytes), ctypes.c_void_p(stream))
+
+    def memcpy_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                        height: int, stream: int) -> None:
+        c = Memcpy2D(srcMemoryType=MEMORYTYPE_UNIFIED, srcDevice=src, srcPitch=spitch,
+                     dstMemoryType=MEMORYTYPE_UNIFIED, dstDevice=dst, dstPitch=dpitch,
+                     WidthInBytes=width, Height=height)
+        self._call("cuMemcpy2DAsync", ctypes.byref(c), ctypes.c_void_p(stream))
+
+
+_drivers: dict[str, CudaDriver | None] = {}
+_problems: dict[str, str] = {}
+_load_lock = threading.Lock()
+
+
+def _resolve(path: str | None) -> str:
+    return path or os.environ.get(ENV_LIBRARY) or DEFAULT_LIBRARY
+
+
+def load_driver(path: str | None = None) -> CudaDriver | None:
+    """The driver at ``path`` (default: ``$HICACHED_CUDA_DRIVER`` or ``libcuda.so.1``), loaded
+    and initialised once per process; ``None`` where there is none or it has no device."""
+    lib_path = _resolve(path)
+    with _load_lock:
+        if lib_path in _drivers:
+            return _drivers[lib_path]
+        driver: CudaDriver | None = None
+        try:
+            driver = CudaDriver(ctypes.CDLL(lib_path), lib_path)
+            if not driver.devices:
+                _problems[lib_path] = "the CUDA driver reports no device"
+                driver = None
+        except OSError as exc:
+            _problems[lib_path] = f"cannot load {lib_path}: {exc}"
+        except CudaCallFailed as exc:
+            _problems[lib_path] = f"the CUDA driver did not initialise: {exc}"
+        _drivers[lib_path] = driver
+        return driver
+
+
+def driver_problem(path: str | None = None) -> str:
+    """Why ``load_driver(path)`` returned ``None`` (empty when it did not)."""
+    load_driver(path)
+    return _problems.get(_resolve(path), "")

@@ -1,0 +1,139 @@
+"""The one table from domain errors to gRPC status codes, and the rich status they travel as.
+
+Primitives:
+
+- ``GRPC_CODES``: every domain error class -> ``grpc.StatusCode`` (a test fails when a class is
+  missing: map new classes here explicitly, never by inheritance).
+- ``to_rpc_status(exc)``: ``google.rpc.Status`` with ``ErrorInfo`` (domain ``hicache.v1``,
+  reason, metadata) and ``BadRequest`` field violations, ready for ``rpc_status.to_status``.
+- ``abort_status(exc)``: the ``grpc.Status`` a servicer aborts with.
+- ``from_rpc_error(err)``: the client side: a ``grpc.RpcError`` back into the domain class for
+  its reason, carrying metadata, violations and the gRPC code.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from hicache import errors as e
+
+DOMAIN = "hicache.v1"
+
+C = grpc.StatusCode
+GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
+    e.HiCacheError: C.INTERNAL,
+    e.InvalidRequest: C.INVALID_ARGUMENT,
+    e.PageSizeInvalid: C.INVALID_ARGUMENT,
+    e.PoolSizeNotPageAligned: C.INVALID_ARGUMENT,
+    e.AllocSizeNotPageAligned: C.INVALID_ARGUMENT,
+    e.IndicesNotPageAligned: C.INVALID_ARGUMENT,
+    e.IndicesMalformed: C.INVALID_ARGUMENT,
+    e.IndexCountMismatch: C.INVALID_ARGUMENT,
+    e.IndexOutOfRange: C.INVALID_ARGUMENT,
+    e.DuplicatePage: C.INVALID_ARGUMENT,
+    e.LayerOutOfRange: C.INVALID_ARGUMENT,
+    e.GeometryMismatch: C.INVALID_ARGUMENT,
+    e.SpecInvalid: C.INVALID_ARGUMENT,
+    e.CanarySourceInvalid: C.INVALID_ARGUMENT,
+    e.IpcHandleInvalid: C.INVALID_ARGUMENT,
+    e.BufferNotShareable: C.INVALID_ARGUMENT,
+    e.StateConflict: C.FAILED_PRECONDITION,
+    e.PageNotAllocated: C.FAILED_PRECONDITION,
+    e.DoubleFree: C.FAILED_PRECONDITION,
+    e.PoolSpecConflict: C.ALREADY_EXISTS,
+    e.PoolClosed: C.FAILED_PRECONDITION,
+    e.PoolInUse: C.FAILED_PRECONDITION,
+    e.TransportUnavailable: C.FAILED_PRECONDITION,
+    e.ResourceExhausted: C.RESOURCE_EXHAUSTED,
+    e.PoolExhausted: C.RESOURCE_EXHAUSTED,
+    e.HostMemoryInsufficient: C.RESOURCE_EXHAUSTED,
+    e.PinFailed: C.RESOURCE_EXHAUSTED,
+    e.NotFound: C.NOT_FOUND,
+    e.PoolNotFound: C.NOT_FOUND,
+    e.SessionNotFound: C.NOT_FOUND,
+    e.DeviceNotFound: C.NOT_FOUND,
+    e.PermissionDenied: C.PERMISSION_DENIED,
+    e.ShmPathRejected: C.PERMISSION_DENIED,
+    e.Unavailable: C.UNAVAILABLE,
+    e.Draining: C.UNAVAILABLE,
+    e.DataIntegrityError: C.DATA_LOSS,
+    e.CanaryMismatch: C.DATA_LOSS,
+    e.DeviceFailure: C.INTERNAL,
+    e.CudaFailure: C.INTERNAL,
+}
+
+# the request field at fault for spec errors raised without explicit violations
+_SPEC_FIELDS = {
+    e.PageSizeInvalid.reason: "spec.page_size",
+    e.PoolSizeNotPageAligned.reason: "spec.size_tokens",
+    e.CanarySourceInvalid.reason: "spec.canary_read_bytes",
+    e.AllocSizeNotPageAligned.reason: "num_tokens",
+    e.GeometryMismatch.reason: "buffers",
+    e.SpecInvalid.reason: "spec",
+}
+
+
+def grpc_code(exc: e.HiCacheError) -> grpc.StatusCode:
+    return GRPC_CODES[type(exc)]
+
+
+def to_rpc_status(exc: e.HiCacheError) -> status_pb2.Status:
+    code = grpc_code(exc)
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN, metadata=exc.metadata)
+    details = [any_pb2.Any()]
+    details[0].Pack(info)
+    violations = list(exc.violations)
+    if not violations and isinstance(exc, e.InvalidRequest):
+        field = exc.metadata.get("field") or _SPEC_FIELDS.get(exc.reason, "request")
+        violations = [e.Violation(field, exc.reason, exc.message)]
+    if violations:
+        bad = error_details_pb2.BadRequest()
+        for v in violations:
+            bad.field_violations.add(field=v.field, description=v.description, reason=v.reason)
+        details.append(any_pb2.Any())
+        details[-1].Pack(bad)
+    return status_pb2.Status(code=code.value[0], message=str(exc), details=details)
+
+
+def abort_status(exc: e.HiCacheError) -> grpc.Status:
+    """The grpc.Status to pass to ``context.abort_with_status``."""
+    return rpc_status.to_status(to_rpc_status(exc))
+
+
+def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
+    """Rebuild the domain error a daemon raised; a call the server cancelled becomes
+    ``Unavailable``; other unknown failures become ``HiCacheError``."""
+    code = err.code() if hasattr(err, "code") else C.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
+    reason, metadata = "", {}
+    violations: list[e.Violation] = []
+    if status is not None:
+        for any_msg in status.details:
+            if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                any_msg.Unpack(info)
+                if info.domain == DOMAIN:
+                    reason, metadata = info.reason, dict(info.metadata)
+            elif any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                any_msg.Unpack(bad)
+                violations = [e.Violation(v.field, v.reason, v.description)
+                              for v in bad.field_violations]
+    if not reason and code == C.CANCELLED:
+        # the client never cancels its calls: the server did, as it does to calls that reach
+        # it while it stops; to the caller that is the daemon going away mid-call
+        reason = e.Unavailable.reason
+        details = f"the daemon cancelled the call, most likely while shutting down ({details})"
+    if not reason:
+        reason = {C.UNAVAILABLE: e.Unavailable.reason, C.NOT_FOUND: e.NotFound.reason,
+                  C.INVALID_ARGUMENT: e.InvalidRequest.reason,
+                  C.RESOURCE_EXHAUSTED: e.ResourceExhausted.reason}.get(code, "INTERNAL")
+    cls = e.error_class_for(reason)
+    exc = cls(details or "", metadata=metadata, violations=violations)
+    exc.grpc_code = code
+    return exc
+

@@ -1,0 +1,303 @@
+"""Domain errors of hicached: what failed, with a stable reason code and metadata.
+
+Nothing here knows about gRPC; the service layer maps these classes to status codes in one table.
+Every error carries:
+
+- ``reason``: a stable, upper-snake-case code that is part of the public API (docs/api.md
+  lists them);
+- ``metadata``: ``dict[str, str]`` with the offending values (sizes, positions, suggestions);
+- ``violations``: every problem found in the request, each naming the request field at fault.
+  Validation collects all of them before raising; the raised class is the first violation's.
+
+Hierarchy::
+
+    HiCacheError
+    ├── InvalidRequest                 the caller sent something malformed (INVALID_ARGUMENT)
+    │   ├── PageSizeInvalid                PAGE_SIZE_INVALID
+    │   ├── PoolSizeNotPageAligned         POOL_SIZE_NOT_PAGE_ALIGNED
+    │   ├── AllocSizeNotPageAligned        ALLOC_SIZE_NOT_PAGE_ALIGNED
+    │   ├── IndicesNotPageAligned          INDICES_NOT_PAGE_ALIGNED
+    │   ├── IndicesMalformed               INDICES_MALFORMED
+    │   ├── IndexCountMismatch             INDEX_COUNT_MISMATCH
+    │   ├── IndexOutOfRange                INDEX_OUT_OF_RANGE
+    │   ├── DuplicatePage                  DUPLICATE_PAGE
+    │   ├── LayerOutOfRange                LAYER_OUT_OF_RANGE
+    │   ├── GeometryMismatch               GEOMETRY_MISMATCH
+    │   ├── SpecInvalid                    SPEC_INVALID
+    │   ├── CanarySourceInvalid            CANARY_SOURCE_INVALID
+    │   ├── IpcHandleInvalid               IPC_HANDLE_INVALID
+    │   └── BufferNotShareable             BUFFER_NOT_SHAREABLE
+    ├── StateConflict                  the request is well-formed but the state forbids it
+    │   ├── PageNotAllocated               PAGE_NOT_ALLOCATED
+    │   ├── DoubleFree                     DOUBLE_FREE
+    │   ├── PoolSpecConflict               POOL_SPEC_CONFLICT
+    │   ├── PoolClosed                     POOL_CLOSED
+    │   ├── PoolInUse                      POOL_IN_USE
+    │   └── TransportUnavailable           TRANSPORT_UNAVAILABLE
+    ├── ResourceExhausted              a limit was hit
+    │   ├── PoolExhausted                  POOL_EXHAUSTED
+    │   ├── HostMemoryInsufficient         HOST_MEMORY_INSUFFICIENT
+    │   └── PinFailed                      PIN_FAILED
+    ├── NotFound
+    │   ├── PoolNotFound                   POOL_NOT_FOUND
+    │   ├── SessionNotFound                SESSION_NOT_FOUND
+    │   └── DeviceNotFound                 DEVICE_NOT_FOUND
+    ├── PermissionDenied               the caller may not use that resource
+    │   └── ShmPathRejected                SHM_PATH_REJECTED
+    ├── Unavailable                    try again later / elsewhere
+    │   └── Draining                       DRAINING
+    ├── DataIntegrityError             bytes are not what was stored
+    │   └── CanaryMismatch                 CANARY_MISMATCH
+    └── DeviceFailure                  the GPU or its driver failed a call (INTERNAL)
+        └── CudaFailure                    CUDA_ERROR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One problem found in a request.
+
+    ``field`` names the request field at fault (``host_indices``, ``spec.page_size``); it becomes a
+    ``google.rpc.BadRequest.FieldViolation`` on the wire.
+    """
+
+    field: str
+    reason: str
+    description: str
+    metadata: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+
+def _stringify(metadata: Mapping[str, object]) -> dict[str, str]:
+    return {str(k): str(v) for k, v in metadata.items()}
+
+
+class HiCacheError(Exception):
+    """Base of every domain error. Subclasses fix ``reason``."""
+
+    reason: str = "INTERNAL"
+    grpc_code: Any = None
+    """Client side: the ``grpc.StatusCode`` the call ended with (None when raised locally)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        metadata: Mapping[str, object] | None = None,
+        violations: Iterable[Violation] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata: dict[str, str] = _stringify(metadata or {})
+        self.violations: tuple[Violation, ...] = tuple(violations)
+
+    def __str__(self) -> str:
+        if not self.metadata:
+            return f"{self.reason}: {self.message}"
+        meta = ", ".join(f"{k}={v}" for k, v in sorted(self.metadata.items()))
+        return f"{self.reason}: {self.message} ({meta})"
+
+
+class InvalidRequest(HiCacheError):
+    """The caller sent something malformed; retrying the same request cannot succeed."""
+
+    reason = "INVALID_REQUEST"
+
+
+class PageSizeInvalid(InvalidRequest):
+    reason = "PAGE_SIZE_INVALID"
+
+
+class PoolSizeNotPageAligned(InvalidRequest):
+    reason = "POOL_SIZE_NOT_PAGE_ALIGNED"
+
+
+class AllocSizeNotPageAligned(InvalidRequest):
+    reason = "ALLOC_SIZE_NOT_PAGE_ALIGNED"
+
+
+class IndicesNotPageAligned(InvalidRequest):
+    reason = "INDICES_NOT_PAGE_ALIGNED"
+
+
+class IndicesMalformed(InvalidRequest):
+    reason = "INDICES_MALFORMED"
+
+
+class IndexCountMismatch(InvalidRequest):
+    reason = "INDEX_COUNT_MISMATCH"
+
+
+class IndexOutOfRange(InvalidRequest):
+    reason = "INDEX_OUT_OF_RANGE"
+
+
+class DuplicatePage(InvalidRequest):
+    reason = "DUPLICATE_PAGE"
+
+
+class LayerOutOfRange(InvalidRequest):
+    reason = "LAYER_OUT_OF_RANGE"
+
+
+class GeometryMismatch(InvalidRequest):
+    reason = "GEOMETRY_MISMATCH"
+
+
+class SpecInvalid(InvalidRequest):
+    reason = "SPEC_INVALID"
+
+
+class CanarySourceInvalid(InvalidRequest):
+    reason = "CANARY_SOURCE_INVALID"
+
+
+class IpcHandleInvalid(InvalidRequest):
+    """A CUDA IPC handle could not be opened, or a buffer leaves the allocation it names."""
+
+    reason = "IPC_HANDLE_INVALID"
+
+
+class BufferNotShareable(InvalidRequest):
+    """Device memory that CUDA IPC cannot share (VMM / expandable segments, managed memory);
+    raised on the worker before anything is sent."""
+
+    reason = "BUFFER_NOT_SHAREABLE"
+
+
+class StateConflict(HiCacheError):
+    """The request is well-formed but the current state forbids it."""
+
+    reason = "STATE_CONFLICT"
+
+
+class PageNotAllocated(StateConflict):
+    reason = "PAGE_NOT_ALLOCATED"
+
+
+class DoubleFree(StateConflict):
+    reason = "DOUBLE_FREE"
+
+
+class PoolSpecConflict(StateConflict):
+    reason = "POOL_SPEC_CONFLICT"
+
+
+class PoolClosed(StateConflict):
+    reason = "POOL_CLOSED"
+
+
+class PoolInUse(StateConflict):
+    reason = "POOL_IN_USE"
+
+
+class TransportUnavailable(StateConflict):
+    reason = "TRANSPORT_UNAVAILABLE"
+
+
+class ResourceExhausted(HiCacheError):
+    reason = "RESOURCE_EXHAUSTED"
+
+
+class PoolExhausted(ResourceExhausted):
+    reason = "POOL_EXHAUSTED"
+
+
+class HostMemoryInsufficient(ResourceExhausted):
+    reason = "HOST_MEMORY_INSUFFICIENT"
+
+
+class PinFailed(ResourceExhausted):
+    """Page-locking a pool for DMA failed (locked-memory limit, or the driver refused)."""
+
+    reason = "PIN_FAILED"
+
+
+class NotFound(HiCacheError):
+    reason = "NOT_FOUND"
+
+
+class PoolNotFound(NotFound):
+    reason = "POOL_NOT_FOUND"
+
+
+class SessionNotFound(NotFound):
+    reason = "SESSION_NOT_FOUND"
+
+
+class DeviceNotFound(NotFound):
+    """No GPU of the daemon has the UUID a worker's buffers live on."""
+
+    reason = "DEVICE_NOT_FOUND"
+
+
+class PermissionDenied(HiCacheError):
+    reason = "PERMISSION_DENIED"
+
+
+class ShmPathRejected(PermissionDenied):
+    reason = "SHM_PATH_REJECTED"
+
+
+class Unavailable(HiCacheError):
+    reason = "UNAVAILABLE"
+
+
+class Draining(Unavailable):
+    reason = "DRAINING"
+
+
+class DataIntegrityError(HiCacheError):
+    reason = "DATA_INTEGRITY"
+
+
+class CanaryMismatch(DataIntegrityError):
+    reason = "CANARY_MISMATCH"
+
+
+class DeviceFailure(HiCacheError):
+    """The GPU or its driver failed a call the request was valid for."""
+
+    reason = "DEVICE_FAILURE"
+
+
+class CudaFailure(DeviceFailure):
+    reason = "CUDA_ERROR"
+
+
+def all_error_classes() -> list[type[HiCacheError]]:
+    """Every concrete and abstract domain error class, for exhaustiveness checks."""
+    seen: list[type[HiCacheError]] = []
+    stack: list[type[HiCacheError]] = [HiCacheError]
+    while stack:
+        cls = stack.pop()
+        seen.append(cls)
+        stack.extend(cls.__subclasses__())
+    return seen
+
+
+_BY_REASON: dict[str, type[HiCacheError]] = {}
+
+
+def error_class_for(reason: str) -> type[HiCacheError]:
+    """The most specific class for a reason code (``HiCacheError`` when unknown)."""
+    if not _BY_REASON:
+        for cls in all_error_classes():
+            _BY_REASON.setdefault(cls.reason, cls)
+    return _BY_REASON.get(reason, HiCacheError)
+
+
+def raise_violations(violations: list[Violation]) -> None:
+    """Raise the error of the first violation, carrying all of them. No-op when empty."""
+    if not violations:
+        return
+    first = violations[0]
+    cls = error_class_for(first.reason)
+    more = f" (+{len(violations) - 1} more violation(s))" if len(violations) > 1 else ""
+    raise cls(first.description + more, metadata=first.metadata, violations=violations)

@@ -1,0 +1,22 @@
+"""Where a local daemon listens by default, so workers find it without configuration.
+
+Primitives:
+
+- ``default_socket_path()``: ``$XDG_RUNTIME_DIR/hicached/hicached.sock``, or
+  ``/tmp/hicached-<uid>/hicached.sock`` when there is no runtime directory.
+- ``default_target()``: the same as a gRPC target (``unix:...``).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def default_socket_path() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(runtime, "hicached") if runtime else f"/tmp/hicached-{os.getuid()}"
+    return os.path.join(base, "hicached.sock")
+
+
+def default_target() -> str:
+    return f"unix:{default_socket_path()}"

@@ -1,0 +1,169 @@
+"""The copy engine: backup (device -> host pool) and load (host pool -> device).
+
+Primitives:
+
+- ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` over all layers or a layer
+  range, for every kind, layout and pool group; returns a ``TransferResult``. CPU buffers are
+  copied by the CPU runner (``cpu.execute``); GPU buffers through the session's ``PlanRunner``.
+- ``PlanRunner``: runs the copy plans elsewhere (``hicached.cuda.runner.CudaRunner``), either
+  to completion or, for loads that signal per-layer events, asynchronously with a completion
+  callback.
+- ``TransferResult``: op, bytes, pages, seconds spent validating and copying, ``pending``.
+
+Order of a transfer: check the worker buffers (cached) and the whole index batch
+(``core.validation``); on load, verify canary fingerprints; pin the host pages; copy each
+component (``plan``); unpin; on backup, record fingerprints. Any rejection happens before a byte
+moves.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from hicached.copy.cpu import execute
+from hicached.copy.plan import CopyPlan, Side
+from hicached.core.pool import ComponentStorage, HostPool
+from hicached.core.system import default_threads
+from hicached.core.validation import TransferBatch, validate_transfer
+from hicached.core.worker_buffers import WorkerBuffers
+
+
+class Op(enum.Enum):
+    BACKUP = "backup"
+    LOAD = "load"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    op: Op
+    bytes: int
+    pages: int
+    validate_seconds: float
+    copy_seconds: float
+    pending: bool = False
+    """The copies were enqueued on a GPU and are still running (per-layer event loads)."""
+
+    @property
+    def seconds(self) -> float:
+        return self.validate_seconds + self.copy_seconds
+
+
+class PlanRunner(Protocol):
+    def run(self, loading: bool, plans: Sequence[CopyPlan], layers: range, layer_num: int,
+            wait: bool, done: Callable[[], None]) -> None:
+        """Run ``plans`` and call ``done`` once the bytes landed: before returning when
+        ``wait``, otherwise later from another thread. When it raises, ``done`` never runs and
+        nothing is left in flight."""
+        ...
+
+
+def _layers_of(batch: TransferBatch, cs: ComponentStorage) -> range:
+    return range(batch.layers.start, min(batch.layers.stop, cs.layer_num))
+
+
+def host_side(cs: ComponentStorage) -> Side:
+    """The copy planner's view of one host component."""
+    a = cs.addressing
+    return Side(layer_bases=cs.layer_bases,
+                layer_limits=np.full(cs.layer_bases.size, cs.end, np.int64),
+                page_pitch=a.page_pitch, unit_stride=a.unit_stride)
+
+
+class TransferEngine:
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = default_threads(threads)
+
+    def backup(self, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
+               device_indices: object, layer_begin: int = 0, layer_end: int = 0,
+               runner: PlanRunner | None = None) -> TransferResult:
+        """Copy device pages into host pages (all layers unless a range is given). Always
+        complete when it returns: an acknowledged backup is in the pool."""
+        return self._transfer(Op.BACKUP, pool, buffers, host_indices, device_indices,
+                              layer_begin, layer_end, runner, True, None)
+
+    def load(self, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
+             device_indices: object, layer_begin: int = 0, layer_end: int = 0,
+             runner: PlanRunner | None = None, wait: bool = True,
+             on_complete: Callable[[], None] | None = None) -> TransferResult:
+        """Copy host pages into device pages (all layers unless a range is given). With a
+        runner and ``wait=False`` it may return ``pending``; ``on_complete`` then runs once the
+        bytes landed (and never for a result that is not pending)."""
+        return self._transfer(Op.LOAD, pool, buffers, host_indices, device_indices,
+                              layer_begin, layer_end, runner, wait, on_complete)
+
+    def _transfer(self, op: Op, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
+                  device_indices: object, layer_begin: int, layer_end: int,
+                  runner: PlanRunner | None, wait: bool,
+                  on_complete: Callable[[], None] | None) -> TransferResult:
+        assert (runner is None) == (buffers.location == "cpu"), "GPU buffers need a runner"
+        t0 = time.perf_counter()
+        pool._check_open()
+        device_tokens = buffers.check_against(pool.spec)
+        batch = validate_transfer(
+            host_indices=host_indices, device_indices=device_indices,
+            page_size=pool.page_size, host_tokens=pool.size_tokens, device_tokens=device_tokens,
+            layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
+            writes_host=op is Op.BACKUP, is_allocated=pool.allocator.is_allocated,
+        )
+        bounds = batch.page_bounds()
+        plans = [self._plan(op, pool, buffers, cs, batch, bounds) for cs in pool.components]
+        t1 = time.perf_counter()
+        canary = pool.canary
+        pool.allocator.pin(batch.host_pages, batch.host_unique)
+
+        def landed() -> None:
+            try:
+                if op is Op.BACKUP and canary is not None and batch.num_pages:
+                    canary.record(batch.host_pages, batch.layers,
+                                  pool.fingerprints(batch.host_pages, batch.layers))
+            finally:
+                pool.allocator.unpin(batch.host_pages, batch.host_unique)
+
+        blocking = runner is None or wait or op is Op.BACKUP
+
+        def done() -> None:
+            try:
+                landed()
+            finally:
+                if not blocking and on_complete is not None:
+                    on_complete()
+
+        try:
+            if op is Op.LOAD and canary is not None and batch.num_pages:
+                canary.verify(batch.host_pages, batch.layers,
+                              pool.fingerprints(batch.host_pages, batch.layers))
+            if runner is None:
+                nbytes = sum(execute(p, self.threads) for p in plans)
+            else:
+                nbytes = sum(p.nbytes for p in plans)
+                runner.run(op is Op.LOAD, plans, batch.layers, pool.spec.max_layers, blocking,
+                           done)
+        except BaseException:
+            pool.allocator.unpin(batch.host_pages, batch.host_unique)
+            raise
+        if runner is None:
+            landed()
+        t2 = time.perf_counter()
+        return TransferResult(op, nbytes, batch.num_pages, t1 - t0, t2 - t1, not blocking)
+
+    def _plan(self, op: Op, pool: HostPool, buffers: WorkerBuffers, cs: ComponentStorage,
+              batch: TransferBatch, bounds: tuple[tuple[int, int], tuple[int, int]]
+              ) -> CopyPlan:
+        ub = cs.comp.unit_bytes
+        units = cs.comp.units_per_page(pool.page_size)
+        starts, ends = buffers.extents(cs.member, cs.comp.role)
+        dev = Side(layer_bases=starts, layer_limits=ends, page_pitch=units * ub, unit_stride=ub)
+        host, layers = host_side(cs), _layers_of(batch, cs)
+        if op is Op.BACKUP:
+            return CopyPlan.build(dst=host, src=dev, dst_pages=batch.host_pages,
+                                  src_pages=batch.device_pages, layers=layers, unit_bytes=ub,
+                                  units=units, page_bounds=bounds)
+        return CopyPlan.build(dst=dev, src=host, dst_pages=batch.device_pages,
+                              src_pages=batch.host_pages, layers=layers, unit_bytes=ub,
+                              units=units, page_bounds=(bounds[1], bounds[0]))

@@ -1,0 +1,11 @@
+"""The core of the daemon: host pools and the rules every transfer obeys. No RPC, no driver.
+
+- ``system``: usable CPUs, available memory, the memory check.
+- ``validation``: vectorized checks of index batches, every violation collected.
+- ``allocator``: whole pages out and back, pins, generations.
+- ``canary``: kv-canary fingerprints per (page, layer).
+- ``memory``: mapped, prefaulted host memory; pinning through an injected ``Pinner``.
+- ``host_layout``: where each row of a component lives for each host layout.
+- ``pool``: a host pool (members, components, allocator, canary).
+- ``worker_buffers``: a worker's KV buffers (CPU or GPU) checked against a pool's geometry.
+"""

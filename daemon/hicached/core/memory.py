@@ -1,0 +1,240 @@
+"""Host memory for pools: mmap regions, transparent huge pages, parallel prefault, pinning.
+
+Primitives:
+
+- ``Backing``: ``ANONYMOUS`` (private, eligible for transparent huge pages), ``MEMFD`` (shareable
+  by fd) or ``FILE`` (a named file, e.g. under /dev/shm, so another process can map the pool).
+- ``HostMemory``: one mapped region; ``address``, ``array()`` (a uint8 numpy view), ``close()``.
+- ``Pinner``: page-locks a region for fast DMA; injected by the caller (the daemon passes the
+  CUDA driver's ``cuMemHostRegister`` where it has a GPU, ``hicached.cuda.pinner``). Pinning is
+  chunked, rolled back on failure (``PIN_FAILED``) and undone on close. Without a pinner
+  nothing attempts to pin.
+- ``naive_first_touch(nbytes)``: the single-threaded first touch benchmarks compare against.
+
+Knows nothing of pools, RPC or drivers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import logging
+import mmap
+import os
+import resource
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import numpy as np
+
+from hicache.errors import PinFailed, SpecInvalid
+from hicached.core.system import default_threads
+
+log = logging.getLogger(__name__)
+
+PREFAULT_CHUNK = 64 << 20
+PIN_CHUNK = 1 << 30
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault in writable pages without touching bytes
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+class Backing(enum.Enum):
+    ANONYMOUS = "anonymous"
+    MEMFD = "memfd"
+    FILE = "file"
+
+
+class Pinner(Protocol):
+    """Page-locks host memory for DMA. ``register`` raises on failure."""
+
+    def register(self, address: int, nbytes: int) -> None: ...
+
+    def unregister(self, address: int) -> None: ...
+
+
+def _thp_enabled() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+class HostMemory:
+    """One mapped host region, prefaulted and optionally pinned; freed by ``close()``."""
+
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        backing: Backing = Backing.ANONYMOUS,
+        path: str | None = None,
+        hugepages: bool = True,
+        prefault_threads: int = 0,
+        pinner: Pinner | None = None,
+        name: str = "pool",
+    ) -> None:
+        if nbytes <= 0:
+            raise SpecInvalid("host memory size must be positive", metadata={"nbytes": nbytes})
+        self.nbytes = nbytes
+        self.backing = backing
+        self.path = path
+        self._fd = -1
+        self._pinned: list[int] = []
+        self._pinner = pinner
+        self._closed = False
+        self.prefault_seconds = 0.0
+        self.pin_seconds = 0.0
+        self.hugepages = False
+        self._mm = self._map(nbytes, backing, path, name)
+        try:
+            if hugepages and hasattr(mmap, "MADV_HUGEPAGE") and _thp_enabled():
+                try:
+                    self._mm.madvise(mmap.MADV_HUGEPAGE)
+                    self.hugepages = backing is Backing.ANONYMOUS
+                except OSError as exc:
+                    log.debug("MADV_HUGEPAGE refused: %s", exc)
+            self._array: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
+            self.address = int(self._array.ctypes.data)
+            self.prefault(prefault_threads)
+            if pinner is not None:
+                self._pin(pinner)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, nbytes: int, backing: Backing, path: str | None, name: str) -> mmap.mmap:
+        if backing is Backing.ANONYMOUS:
+            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if backing is Backing.MEMFD:
+            self._fd = os.memfd_create(f"hicached-{name}", os.MFD_CLOEXEC)
+        else:
+            if not path:
+                raise SpecInvalid("FILE backing needs a path")
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(self._fd, nbytes)
+        return mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED)
+
+    @property
+    def fd(self) -> int:
+        """The memfd or file descriptor of a shareable region (-1 for anonymous)."""
+        return self._fd
+
+    def array(self) -> np.ndarray:
+        """A uint8 view of the whole region (valid until close)."""
+        if self._array is None:
+            raise RuntimeError("host memory is closed")
+        return self._array
+
+    def prefault(self, threads: int) -> float:
+        """Touch every page, in parallel threads; returns seconds spent.
+
+        Shared backings are reserved with fallocate first so that a full tmpfs fails here with
+        an error instead of a SIGBUS on a later copy.
+        """
+        t0 = time.perf_counter()
+        threads = default_threads(threads)
+        chunks = [(off, min(PREFAULT_CHUNK, self.nbytes - off))
+                  for off in range(0, self.nbytes, PREFAULT_CHUNK)]
+
+        def touch(chunk: tuple[int, int]) -> None:
+            off, length = chunk
+            if self._fd >= 0:
+                os.posix_fallocate(self._fd, off, length)
+            if _libc.madvise(self.address + off, length, MADV_POPULATE_WRITE) != 0:
+                ctypes.memset(self.address + off, 0, length)  # older kernels
+
+        if threads == 1 or len(chunks) == 1:
+            for c in chunks:
+                touch(c)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="prefault") as ex:
+                list(ex.map(touch, chunks))
+        self.prefault_seconds = time.perf_counter() - t0
+        return self.prefault_seconds
+
+    def _pin(self, pinner: Pinner) -> None:
+        t0 = time.perf_counter()
+        try:
+            for off in range(0, self.nbytes, PIN_CHUNK):
+                addr = self.address + off
+                pinner.register(addr, min(PIN_CHUNK, self.nbytes - off))
+                self._pinned.append(addr)
+        except Exception as exc:
+            done = len(self._pinned) * PIN_CHUNK
+            self._unpin()
+            soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+            raise PinFailed(f"page-locking {self.nbytes} bytes for DMA failed after {done}: "
+                            f"{exc}; the locked-memory limit is {limit} bytes (raise "
+                            f"LimitMEMLOCK / ulimit -l, or grant IPC_LOCK)",
+                            metadata={"nbytes": self.nbytes, "pinned_before_failure": done,
+                                      "memlock_limit": limit, "error": str(exc)}) from None
+        except BaseException:
+            self._unpin()
+            raise
+        self.pin_seconds = time.perf_counter() - t0
+        log.info("pinned %d bytes in %.3f s", self.nbytes, self.pin_seconds)
+
+    def _unpin(self) -> None:
+        pinner = self._pinner
+        while self._pinned and pinner is not None:
+            addr = self._pinned.pop()
+            try:
+                pinner.unregister(addr)
+            except Exception as exc:  # keep unregistering the rest
+                log.warning("unregistering host memory at %#x failed: %s", addr, exc)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.nbytes if self._pinned else 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unpin, unmap and release the backing. Views still held elsewhere keep the mapping
+        alive until they are dropped (logged), never dangling."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unpin()
+        self._array = None
+        mm = getattr(self, "_mm", None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                log.warning("host memory still referenced by views; it is unmapped when they go")
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self.backing is Backing.FILE and self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def naive_first_touch(nbytes: int) -> float:
+    """Seconds for a single-threaded first touch of a fresh private mapping without huge pages.
+
+    The reference point for prefault benchmarks.
+    """
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            mm.madvise(mmap.MADV_NOHUGEPAGE)
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        t0 = time.perf_counter()
+        ctypes.memset(int(arr.ctypes.data), 0, nbytes)
+        elapsed = time.perf_counter() - t0
+        del arr
+        return elapsed
+    finally:
+        mm.close()
+

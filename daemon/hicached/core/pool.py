@@ -1,0 +1,211 @@
+"""A host pool: storage of every member in one mapped region, a page allocator, a canary table.
+
+Primitives:
+
+- ``MemoryOptions``: how pool memory is mapped (backing, huge pages, prefault threads,
+  reserve).
+- ``ComponentStorage``: one component's bytes inside the region, with its SGLang-shaped typed
+  tensor view (``tensor``), its addressing and the absolute base address of each layer.
+- ``HostPool``: ``alloc`` / ``free`` whole pages, ``buffer(member, role)``, ``fingerprints``
+  (the kv-canary hash of host pages), occupancy figures, ``close()``. Pinning is done by the
+  ``Pinner`` the caller injects. Copies live in ``hicached.copy``; this module never moves KV
+  bytes.
+
+Members are laid out one after another, components in order: a symmetric MHA pool's K and V are
+therefore exactly SGLang's (2, ...) host buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hicache.errors import PoolClosed, SpecInvalid
+from hicache.specs import Component, KVGeometry, PoolSpec, Role
+from hicached.core.allocator import PageAllocator
+from hicached.core.canary import CanaryTable, fingerprints
+from hicached.core.host_layout import HostAddressing, host_shape
+from hicached.core.memory import Backing, HostMemory, Pinner
+from hicached.core.system import check_budget
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+"""Component alignment in the region: one cache line, so symmetric K and V stay adjacent."""
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How a pool's host memory is obtained."""
+
+    backing: Backing = Backing.ANONYMOUS
+    """ANONYMOUS (huge-page friendly), MEMFD or FILE (shareable)."""
+    file_dir: str = "/dev/shm"
+    """Directory of FILE-backed pools."""
+    hugepages: bool = True
+    """Ask for transparent huge pages (MADV_HUGEPAGE)."""
+    prefault_threads: int = 0
+    """Threads that fault the pool in at creation (0 = one per usable CPU)."""
+    reserve_bytes: int = 1 << 30
+    """Memory left to the rest of the host: a pool may not exceed MemAvailable minus this."""
+
+    def __post_init__(self) -> None:
+        if self.prefault_threads < 0 or self.reserve_bytes < 0:
+            raise SpecInvalid("prefault_threads and reserve_bytes must be >= 0")
+
+
+@dataclass
+class ComponentStorage:
+    member: str
+    comp: Component
+    layer_num: int
+    offset: int
+    nbytes: int
+    addressing: HostAddressing
+    tensor: torch.Tensor
+    """Typed view in SGLang's host shape for this component and layout."""
+    layer_bases: np.ndarray
+    """Absolute address of each layer's first row (int64, indexed by layer)."""
+    end: int
+    """One past the component's last byte (absolute)."""
+
+
+class HostPool:
+    def __init__(self, spec: PoolSpec, options: MemoryOptions | None = None,
+                 *, pinner: Pinner | None = None) -> None:
+        """Map, prefault and (with a ``pinner``) page-lock the pool's memory."""
+        options = options or MemoryOptions()
+        self.spec = spec
+        self.page_size = spec.page_size
+        self.size_tokens = spec.resolved_size_tokens()
+        self.page_num = self.size_tokens // spec.page_size
+        self.allocator = PageAllocator(self.page_num, spec.page_size)
+        self._lock = threading.Lock()
+        self._closed = False
+        layout: list[tuple[str, KVGeometry, Component, int, int]] = []
+        offset = 0
+        for name, geometry in spec.members():
+            for comp in geometry.components(spec.page_size):
+                shape = host_shape(comp, spec.layout, geometry.layer_num, self.size_tokens,
+                                   spec.page_size)
+                nbytes = int(np.prod(shape)) * comp.dtype.itemsize
+                layout.append((name, geometry, comp, offset, nbytes))
+                offset += -(-nbytes // ALIGN) * ALIGN
+        self.nbytes = offset
+        self.memory: HostMemory | None = None
+        self.components: list[ComponentStorage] = []
+        if self.nbytes:
+            check_budget(self.nbytes, options.reserve_bytes)
+            path = None
+            if options.backing is Backing.FILE:
+                path = f"{options.file_dir.rstrip('/')}/hicached-pool-{spec.name}"
+            self.memory = HostMemory(
+                self.nbytes, backing=options.backing, path=path, hugepages=options.hugepages,
+                prefault_threads=options.prefault_threads, pinner=pinner, name=spec.name,
+            )
+            raw = self.memory.array()
+            for name, geometry, comp, off, nbytes in layout:
+                shape = host_shape(comp, spec.layout, geometry.layer_num, self.size_tokens,
+                                   spec.page_size)
+                view = torch.from_numpy(raw[off:off + nbytes]).view(comp.dtype.torch_dtype)
+                addressing = HostAddressing.of(comp, spec.layout, geometry.layer_num,
+                                               self.size_tokens, spec.page_size)
+                base = self.memory.address + off
+                layers = np.arange(geometry.layer_num, dtype=np.int64)
+                self.components.append(ComponentStorage(
+                    member=name, comp=comp, layer_num=geometry.layer_num, offset=off,
+                    nbytes=nbytes, addressing=addressing, tensor=view.reshape(shape),
+                    layer_bases=base + layers * addressing.layer_stride, end=base + nbytes))
+        self.canary: CanaryTable | None = None
+        if spec.canary is not None and self.components:
+            self.canary = CanaryTable(self.page_num, spec.max_layers, spec.canary.read_bytes)
+        log.info(
+            "pool %s: %d tokens in %d pages of %d, %d bytes, layout %s, prefault %.3f s",
+            spec.name, self.size_tokens, self.page_num, spec.page_size, self.nbytes,
+            spec.layout.value, self.memory.prefault_seconds if self.memory else 0.0,
+        )
+
+    # -- pages -----------------------------------------------------------------------------
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Page-aligned token indices of ``num_tokens // page_size`` fresh pages."""
+        self._check_open()
+        return torch.from_numpy(self.allocator.alloc(num_tokens))
+
+    def free(self, indices: object) -> int:
+        """Return whole pages; their canary fingerprints are forgotten. Returns pages freed."""
+        self._check_open()
+        pages = self.allocator.free(indices)
+        if self.canary is not None:
+            self.canary.forget(pages)
+        return int(pages.size)
+
+    # -- storage ---------------------------------------------------------------------------
+
+    def buffer(self, member: str, role: Role) -> torch.Tensor:
+        """The typed host tensor of one component (SGLang's host shape, no leading 2)."""
+        for c in self.components:
+            if c.member == member and c.comp.role is role:
+                return c.tensor
+        raise KeyError((member, role))
+
+    def fingerprints(self, pages: np.ndarray, layers: range) -> np.ndarray:
+        """kv-canary fingerprints (len(pages), len(layers)) of host pages, over every
+        component (the pool must have a canary)."""
+        assert self.canary is not None
+        words = self.raw_bytes().view(np.uint64)
+        read_words = self.canary.read_bytes // 8
+        out = np.zeros((pages.size, len(layers)), dtype=np.uint64)
+        for salt, cs in enumerate(self.components):
+            lays = range(layers.start, min(layers.stop, cs.layer_num))
+            if not len(lays):
+                continue
+            a = cs.addressing
+            units = cs.comp.units_per_page(self.page_size)
+            offs = (cs.offset
+                    + pages[:, None, None] * a.page_pitch
+                    + np.arange(lays.start, lays.stop, dtype=np.int64)[None, :, None]
+                    * a.layer_stride
+                    + np.arange(units, dtype=np.int64)[None, None, :] * a.unit_stride) // 8
+            with np.errstate(over="ignore"):
+                out[:, : len(lays)] += fingerprints(words, offs, read_words, salt)
+        return out
+
+    def raw_bytes(self) -> np.ndarray:
+        """The whole pool region as uint8 (for fingerprints and tests)."""
+        self._check_open()
+        return self.memory.array() if self.memory else np.zeros(0, np.uint8)
+
+    @property
+    def address(self) -> int:
+        return self.memory.address if self.memory else 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.memory.pinned_bytes if self.memory else 0
+
+    @property
+    def pin_seconds(self) -> float:
+        return self.memory.pin_seconds if self.memory else 0.0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosed(f"pool {self.spec.name} is closed", metadata={"pool": self.spec.name})
+
+    def close(self) -> None:
+        """Release the pool's memory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.components = []
+        if self.memory is not None:
+            self.memory.close()

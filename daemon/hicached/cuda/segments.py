@@ -1,0 +1,141 @@
+"""CUDA copies of a plan: the fewest 1-D / 2-D async copies, submitted in one native call.
+
+A plan's pages become as few driver copies as the layouts allow, computed with vectorized numpy
+(never a Python loop over pages): runs of pages consecutive on both sides coalesce; a run whose
+rows sit at a fixed pitch on both sides (a ``page_first`` host page of one layer) is one 2-D copy
+instead of one copy per row. The native module submits the batch in one call (GIL released);
+without it a ctypes loop does the same, slower.
+
+Primitives:
+
+- ``Segments``: copies (dst, src, dst pitch, src pitch, width, height), layer-major, with the
+  number per layer.
+- ``plan_segments(plan)``: the segments of one ``CopyPlan``.
+- ``submit(driver, stream, segments)``: enqueue them; a driver error is ``CudaCallFailed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicache.cuda_driver import CudaCallFailed, CudaDriver
+from hicached.copy import native
+from hicached.copy.plan import CopyPlan
+
+MAX_PITCH = (1 << 31) - 1
+"""Pitches above this go row by row (CUDA's 2-D copies cap the pitch)."""
+
+
+@dataclass(frozen=True)
+class Segments:
+    dst: np.ndarray
+    src: np.ndarray
+    dpitch: np.ndarray
+    spitch: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    per_layer: int
+    """Segments of each layer (every layer of a plan has the same number)."""
+    layers: int
+
+    @property
+    def count(self) -> int:
+        return int(self.dst.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int((self.width * self.height).sum())
+
+    def layer(self, i: int) -> Segments:
+        sl = slice(i * self.per_layer, (i + 1) * self.per_layer)
+        return Segments(self.dst[sl], self.src[sl], self.dpitch[sl], self.spitch[sl],
+                        self.width[sl], self.height[sl], self.per_layer, 1)
+
+    @staticmethod
+    def concat(parts: Sequence[Segments]) -> Segments:
+        parts = [p for p in parts if p.count]
+        if not parts:
+            z = np.zeros(0, dtype=np.int64)
+            return Segments(z, z, z, z, z, z, 0, 0)
+        d, s, dp, sp, w, h = (np.concatenate([getattr(p, f) for p in parts])
+                              for f in ("dst", "src", "dpitch", "spitch", "width", "height"))
+        return Segments(d, s, dp, sp, w, h, per_layer=int(d.size), layers=1)
+
+
+def plan_segments(plan: CopyPlan) -> Segments:
+    """The fewest 1-D/2-D copies that move ``plan`` (layer-major)."""
+    d, s = plan.dst_pages.astype(np.int64), plan.src_pages.astype(np.int64)
+    ub, units = plan.unit_bytes, plan.units
+    page_bytes = ub * units
+    if d.size == 0 or plan.dst_base.size == 0:
+        return Segments.concat([])
+    brk = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], brk)).astype(np.int64)
+    lens = np.diff(np.concatenate((starts, [d.size]))).astype(np.int64)
+    rows_d, rows_s = plan.dst_stride == ub, plan.src_stride == ub
+    regular = (plan.dst_pitch == units * plan.dst_stride
+               and plan.src_pitch == units * plan.src_stride)
+    if regular and rows_d and rows_s:
+        # runs are contiguous on both sides: one 1-D copy per run
+        doff, soff = d[starts] * plan.dst_pitch, s[starts] * plan.src_pitch
+        width, height = lens * page_bytes, np.ones_like(lens)
+        dp = sp = width
+    elif regular:
+        # a run is lens * units rows at fixed strides on both sides: one 2-D copy
+        doff, soff = d[starts] * plan.dst_pitch, s[starts] * plan.src_pitch
+        width, height = np.full_like(lens, ub), lens * units
+        dp, sp = np.full_like(lens, plan.dst_stride), np.full_like(lens, plan.src_stride)
+    elif rows_d and rows_s:
+        # pages contiguous but a page pitch apart: one 2-D copy per run, a page per row
+        doff, soff = d[starts] * plan.dst_pitch, s[starts] * plan.src_pitch
+        width, height = np.full_like(lens, page_bytes), lens
+        dp, sp = np.full_like(lens, plan.dst_pitch), np.full_like(lens, plan.src_pitch)
+    else:
+        # strided rows and irregular pages: one 2-D copy per page
+        doff, soff = d * plan.dst_pitch, s * plan.src_pitch
+        width, height = np.full_like(d, ub), np.full_like(d, units)
+        dp, sp = np.full_like(d, plan.dst_stride), np.full_like(d, plan.src_stride)
+    if height.max() > 1 and max(int(dp.max()), int(sp.max())) > MAX_PITCH:
+        doff, soff, width, dp, sp, height = _rows(doff, soff, width, dp, sp, height)
+    nl, per = plan.dst_base.size, doff.size
+    dst = (plan.dst_base.astype(np.int64)[:, None] + doff[None, :]).ravel()
+    src = (plan.src_base.astype(np.int64)[:, None] + soff[None, :]).ravel()
+    return Segments(dst, src, np.tile(dp, nl), np.tile(sp, nl), np.tile(width, nl),
+                    np.tile(height, nl), per_layer=per, layers=nl)
+
+
+def _rows(doff: np.ndarray, soff: np.ndarray, width: np.ndarray, dp: np.ndarray,
+          sp: np.ndarray, height: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Every 2-D copy as ``height`` 1-D copies."""
+    rep = height
+    first = np.repeat(np.cumsum(rep) - rep, rep)
+    r = np.arange(int(rep.sum()), dtype=np.int64) - first
+    d = np.repeat(doff, rep) + r * np.repeat(dp, rep)
+    s = np.repeat(soff, rep) + r * np.repeat(sp, rep)
+    w = np.repeat(width, rep)
+    return d, s, w, w.copy(), w.copy(), np.ones_like(w)
+
+
+def submit(driver: CudaDriver, stream: int, segs: Segments, use_native: bool = True) -> None:
+    """Enqueue every segment on ``stream`` (the caller holds the device's context)."""
+    if segs.count == 0:
+        return
+    arrays = [np.ascontiguousarray(a, dtype=np.int64)
+              for a in (segs.dst, segs.src, segs.dpitch, segs.spitch, segs.width, segs.height)]
+    kernel = native.KERNEL
+    if use_native and kernel is not None:
+        done, rc = kernel.cuda_submit(driver.fn_address("cuMemcpyAsync"),
+                                       driver.fn_address("cuMemcpy2DAsync"), stream, *arrays)
+        if rc != 0:
+            call = "cuMemcpyAsync" if int(arrays[5][done]) == 1 else "cuMemcpy2DAsync"
+            raise CudaCallFailed(call, int(rc), driver.error_name(int(rc)))
+        return
+    dst, src, dp, sp, w, h = (a.tolist() for a in arrays)
+    for i in range(len(dst)):
+        if h[i] == 1:
+            driver.memcpy_async(dst[i], src[i], w[i], stream)
+        else:
+            driver.memcpy_2d_async(dst[i], dp[i], src[i], sp[i], w[i], h[i], stream)

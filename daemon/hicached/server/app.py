@@ -1,0 +1,220 @@
+"""Process lifecycle: listeners, health, reflection, metrics endpoint, graceful drain.
+
+Primitives:
+
+- ``create_server(config) -> (server, bound_addresses)``: everything wired and started;
+  ``unix:`` listeners get a 0600 socket guarded by an flock'ed lock file, so a second instance
+  refuses to start (``AlreadyServing``) while a socket left by a killed daemon is replaced.
+- ``HiCacheServer``: ``daemon``, ``metrics_port``, ``drain_and_stop(grace)`` (health
+  NOT_SERVING, refuse new work with UNAVAILABLE, let in-flight transfers finish, stop with a
+  grace period, close sessions and free pool memory) and ``wait()``.
+
+The daemon's state and flows are in ``daemon``, its handlers in ``service``, what every call
+needs in ``interceptors``; this module only wires them to listeners and a process.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import platform
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+import hicache
+from hicache.cuda_driver import driver_problem, load_driver
+from hicache.v1 import hicache_pb2 as pb
+from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicached.copy.engine import TransferEngine
+from hicached.core.pool import MemoryOptions
+from hicached.cuda.pinner import DriverPinner
+from hicached.server.config import ServerConfig
+from hicached.server.daemon import Daemon
+from hicached.server.interceptors import server_interceptors
+from hicached.server.metrics import Metrics, ScrapeState, serve
+from hicached.server.pool_table import PoolTable
+from hicached.server.service import CREATES_WORK, HostCacheServicer
+from hicached.server.sessions import SessionManager
+from hicached.transport.cuda_ipc import CudaIpcTransport
+from hicached.transport.shm import ShmTransport
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HostCache"].full_name
+
+
+class AlreadyServing(RuntimeError):
+    """Another hicached holds the socket."""
+
+
+def _unix_path(target: str) -> str:
+    path = target[len("unix:"):]
+    if path.startswith("//"):
+        path = path[2:]
+    return path
+
+
+class _SocketLock:
+    """An flock held for the daemon's life on ``<socket>.lock``."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self.lock_path = socket_path + ".lock"
+        directory = os.path.dirname(socket_path) or "."
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise AlreadyServing(
+                f"another hicached (pid {holder}) is serving on {socket_path}; "
+                "stop it first or choose another --listen path") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        if os.path.exists(socket_path):  # left by a daemon that was killed
+            log.warning("removing stale socket %s", socket_path)
+            os.unlink(socket_path)
+
+    def release(self) -> None:
+        for path in (self.socket_path, self.lock_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        os.close(self.fd)
+
+
+class HiCacheServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        sessions = SessionManager(config.lease_seconds)
+        options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes)
+        driver = load_driver(config.cuda_driver or None)
+        if driver is None:
+            log.info("CUDA IPC off: %s", driver_problem(config.cuda_driver or None))
+        else:
+            log.info("CUDA IPC on: %s", ", ".join(f"{d.ordinal}={d.uuid} ({d.name})"
+                                                   for d in driver.devices))
+        cuda = CudaIpcTransport(driver) if driver is not None else None
+        # pools are page-locked for DMA exactly where the CUDA driver has a device
+        pools = PoolTable(config.effective_budget(), options, sessions.count,
+                          pinner=DriverPinner(driver) if driver is not None else None)
+        metrics = Metrics(self.registry, ScrapeState(
+            pools=pools.list, sessions_open=sessions.count,
+            sessions_reaped=lambda: sessions.reaped_total,
+            attached_bytes=lambda: sessions.attached_bytes,
+            ipc_handles=cuda.cache.stats if cuda is not None else lambda: (0, 0),
+        ), build={"version": hicache.__version__, "torch": torch.__version__,
+                  "cuda_available": str(driver is not None).lower(),
+                  "python": platform.python_version()})
+        self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir),
+                             TransferEngine(config.copy_threads), metrics, cuda=cuda,
+                             cuda_driver=config.cuda_driver)
+        self.health = health.HealthServicer()
+        self._locks: list[_SocketLock] = []
+        self._stopped = threading.Event()
+        self.metrics_port = 0
+        self._metrics_server: object | None = None
+        opts = [("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", config.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        self.grpc = grpc.server(
+            ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="rpc"), options=opts,
+            interceptors=server_interceptors(self.daemon, CREATES_WORK))
+        pb_grpc.add_HostCacheServicer_to_server(  # type: ignore[no-untyped-call]
+            HostCacheServicer(self.daemon), self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+
+    def start(self) -> list[str]:
+        bound: list[str] = []
+        try:
+            for spec in self.config.pools:
+                self.daemon.pools.create(spec)
+            for target in self.config.listen:
+                bound.append(self._listen(target))
+            if self.config.metrics_listen:
+                self._metrics_server, self.metrics_port = serve(self.daemon.metrics,
+                                                                self.config.metrics_listen)
+                self.daemon.metrics_port = self.metrics_port
+            self.grpc.start()
+            for target in bound:
+                if target.startswith("unix:"):
+                    os.chmod(_unix_path(target), 0o600)
+        except BaseException:
+            self._release()
+            raise
+        self.daemon.sessions.start_reaper()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("hicached %s serving on %s (metrics port %s, budget %d bytes, shm dir %s)",
+                 hicache.__version__, ", ".join(bound), self.metrics_port or "off",
+                 self.daemon.pools.budget_bytes, self.config.shm_dir)
+        return bound
+
+    def _listen(self, target: str) -> str:
+        if target.startswith("unix:"):
+            path = os.path.abspath(_unix_path(target))
+            self._locks.append(_SocketLock(path))
+            self.grpc.add_insecure_port(f"unix:{path}")
+            return f"unix:{path}"
+        if self.config.tls_cert:
+            with open(self.config.tls_key, "rb") as k, open(self.config.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            port = self.grpc.add_secure_port(target, creds)
+        else:
+            port = self.grpc.add_insecure_port(target)
+        if port == 0:
+            raise OSError(f"cannot listen on {target}")
+        host = target.rpartition(":")[0]
+        return f"{host}:{port}"
+
+    def drain_and_stop(self, grace: float | None = None) -> None:
+        """SIGTERM path: NOT_SERVING, refuse new work, finish in-flight transfers, stop."""
+        if self._stopped.is_set():
+            return
+        grace = self.config.grace_seconds if grace is None else grace
+        log.info("draining: refusing new work, waiting up to %.1fs for in-flight requests",
+                 grace)
+        self.health.enter_graceful_shutdown()
+        self.daemon.draining.set()
+        if not self.daemon.wait_idle(grace):
+            log.warning("in-flight requests still running after %.1fs; stopping anyway", grace)
+        self.grpc.stop(grace=min(grace, 1.0)).wait()
+        self._release()
+        log.info("hicached stopped")
+
+    def _release(self) -> None:
+        self.daemon.sessions.close_all()
+        if self.daemon.cuda is not None:
+            self.daemon.cuda.close()  # GPU copies still running finish, then sessions release
+        self.daemon.pools.close_all()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()  # type: ignore[attr-defined]
+            self._metrics_server = None
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
+        self._stopped.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+
+def create_server(config: ServerConfig) -> tuple[HiCacheServer, list[str]]:
+    """Build and start a daemon; returns it and the addresses it is bound to."""
+    server = HiCacheServer(config)
+    return server, server.start()

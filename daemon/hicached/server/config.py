@@ -1,0 +1,168 @@
+"""Daemon configuration: one frozen dataclass, validated on construction, plus TOML loading.
+
+Primitives:
+
+- ``ServerConfig``: every setting of ``hicached serve`` with its default and meaning (the
+  default socket is ``hicache.paths.default_socket_path()``).
+- ``parse_size("64GiB")``: sizes with binary/decimal suffixes.
+- ``config_from_mapping(d)``: build a config from TOML-shaped data (file, env, flags merged by
+  ``__main__`` in that precedence); ``[[pool]]`` tables declare pools that exist from startup.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from hicache.errors import SpecInvalid
+from hicache.paths import default_socket_path
+from hicache.specs import (
+    CanarySpec,
+    DType,
+    KVGeometry,
+    Layout,
+    MemberSpec,
+    PoolKind,
+    PoolSpec,
+)
+from hicached.core.system import available_bytes
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_size(value: object) -> int:
+    """``123``, ``"64GiB"``, ``"1.5 GB"`` -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise SpecInvalid(f"cannot read size {value!r}", metadata={"value": value})
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one daemon process."""
+
+    listen: tuple[str, ...] = ()
+    """gRPC targets: ``unix:/path`` (default: a 0600 socket in the runtime directory) and,
+    opt-in, ``host:port`` TCP (TLS when tls_cert/tls_key are set)."""
+    shm_dir: str = "/dev/shm"
+    """The only directory whose files workers may hand over as device buffers."""
+    metrics_listen: str = "127.0.0.1:9464"
+    """HOST:PORT of the Prometheus endpoint; empty disables it; port 0 picks a free one."""
+    memory_budget_bytes: int = 0
+    """Bytes all pools together may use; 0 = half of the memory available at start."""
+    reserve_bytes: int = 1 << 30
+    """Memory left to the host: no pool may take MemAvailable minus this."""
+    lease_seconds: float = 5.0
+    """A session that neither heartbeats nor transfers for this long is reaped."""
+    copy_threads: int = 0
+    """Threads per copy (0 = one per usable CPU, ``core.system.default_threads``)."""
+    grpc_threads: int = 16
+    """Concurrent RPCs served."""
+    grace_seconds: float = 10.0
+    """On SIGTERM: how long in-flight transfers may take to finish."""
+    max_message_bytes: int = 64 << 20
+    """Largest request accepted (index batches travel as bytes: 8 per index)."""
+    tls_cert: str = ""
+    """PEM certificate for TCP listeners."""
+    tls_key: str = ""
+    """PEM private key for TCP listeners."""
+    hugepages: bool = True
+    """Ask for transparent huge pages for pool memory."""
+    cuda_driver: str = ""
+    """CUDA driver library for IPC attachment and pinning ('' = libcuda.so.1). Pools are
+    pinned and cuda_ipc sessions accepted only when it loads and reports a device."""
+    pools: tuple[PoolSpec, ...] = field(default=())
+    """Pools that exist from startup."""
+    log_format: str = "text"
+    """``text`` or ``json`` (one object per line)."""
+    log_level: str = "INFO"
+    """Python logging level name."""
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            object.__setattr__(self, "listen", (f"unix:{default_socket_path()}",))
+        for target in self.listen:
+            if not target.startswith("unix:") and ":" not in target:
+                raise SpecInvalid(f"listen target {target!r} is neither unix:PATH nor HOST:PORT")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SpecInvalid("tls_cert and tls_key go together")
+        if self.lease_seconds <= 0 or self.grace_seconds < 0:
+            raise SpecInvalid("lease_seconds must be > 0 and grace_seconds >= 0")
+        if self.memory_budget_bytes < 0 or self.reserve_bytes < 0:
+            raise SpecInvalid("memory sizes must be >= 0")
+        if self.copy_threads < 0 or self.grpc_threads < 1:
+            raise SpecInvalid("copy_threads must be >= 0 and grpc_threads >= 1")
+        if self.log_format not in ("text", "json"):
+            raise SpecInvalid("log_format is text or json")
+        if not os.path.isabs(self.shm_dir):
+            raise SpecInvalid("shm_dir must be an absolute path",
+                              metadata={"shm_dir": self.shm_dir})
+        names = [p.name for p in self.pools]
+        if len(names) != len(set(names)):
+            raise SpecInvalid("declared pool names must be unique")
+
+    def effective_budget(self) -> int:
+        if self.memory_budget_bytes:
+            return self.memory_budget_bytes
+        return max(available_bytes() - self.reserve_bytes, 0) // 2
+
+
+_SIZE_FIELDS = {"memory_budget_bytes", "reserve_bytes", "max_message_bytes"}
+_ALIASES = {"memory_budget": "memory_budget_bytes", "reserve": "reserve_bytes"}
+
+
+def pool_from_mapping(d: Mapping[str, object]) -> PoolSpec:
+    """A ``[[pool]]`` table: name, kind, dtype, layout, page_size, geometry, size or
+    size_tokens, optional canary_read_bytes and ``[[pool.side]]`` tables."""
+    d = dict(d)
+
+    def geometry(g: dict[str, object]) -> KVGeometry:
+        kind = PoolKind(str(g.pop("kind", "MHA")).upper())
+        dt = g.pop("dtype", "UINT8" if kind is PoolKind.DSA_INDEXER else "BFLOAT16")
+        dims = {k: int(str(g.pop(k))) for k in ("layer_num", "head_num", "head_dim", "v_head_dim",
+                                           "kv_lora_rank", "qk_rope_head_dim", "index_head_dim",
+                                           "quant_block_size") if k in g}
+        return KVGeometry(kind, DType(str(dt).upper()), **dims)
+
+    try:
+        sides = [MemberSpec(str(s.pop("name")), geometry(s))
+                 for s in (dict(x) for x in d.pop("side", []))]  # type: ignore[attr-defined]
+        name = str(d.pop("name"))
+        page_size = int(d.pop("page_size"))  # type: ignore[call-overload]
+        layout = Layout(str(d.pop("layout", "layer_first")).lower())
+        size_tokens = int(d.pop("size_tokens", 0))  # type: ignore[call-overload]
+        size_bytes = parse_size(d.pop("size", 0))
+        canary = int(str(d.pop("canary_read_bytes", 0)))
+        anchor = geometry(d)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise SpecInvalid(f"pool table is invalid: {exc}") from None
+    if d:
+        raise SpecInvalid(f"unknown pool keys: {sorted(d)}")
+    return PoolSpec(name, anchor, page_size, layout, size_tokens=size_tokens,
+                    size_bytes=size_bytes, side_pools=tuple(sides),
+                    canary=CanarySpec(canary) if canary else None)
+
+
+def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
+    known = {f.name for f in fields(ServerConfig)}
+    kwargs: dict[str, object] = {}
+    for key, value in d.items():
+        key = _ALIASES.get(key, key)
+        if key == "pool":
+            kwargs["pools"] = tuple(pool_from_mapping(p) for p in value)  # type: ignore[attr-defined]
+            continue
+        if key not in known:
+            raise SpecInvalid(f"unknown setting {key!r}", metadata={"setting": key})
+        if key in _SIZE_FIELDS:
+            value = parse_size(value)
+        elif key == "listen":
+            value = (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
+        kwargs[key] = value
+    return ServerConfig(**kwargs)  # type: ignore[arg-type]

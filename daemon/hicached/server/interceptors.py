@@ -1,0 +1,134 @@
+"""Cross-cutting concerns of every ``hicache.v1.HostCache`` RPC, as ``grpc.ServerInterceptor``s.
+
+The servicer's handlers only decode, call the daemon and encode; what every call needs is here,
+outermost first (the order ``server_interceptors`` returns):
+
+- ``ErrorMappingInterceptor``: a domain error leaves as its gRPC code with a rich
+  ``google.rpc.Status`` (``hicache.error_mapping``); anything else is logged with its traceback
+  and becomes INTERNAL without leaking internals to the caller.
+- ``MetricsInterceptor``: ``hicache_rpc_requests_total{method, code}``,
+  ``hicache_rpc_duration_seconds{method}`` and ``hicache_rejected_requests_total{reason}``.
+- ``DrainInterceptor``: the daemon's drain gate: in-flight accounting, and ``DRAINING`` for
+  work-creating methods once shutdown began.
+
+Health checking and reflection pass through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+import grpc
+
+from hicache.error_mapping import abort_status, grpc_code
+from hicache.errors import HiCacheError
+from hicached.server.daemon import Daemon
+from hicached.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_PREFIX = "/hicache.v1.HostCache/"
+
+Behavior = Callable[[Any, grpc.ServicerContext], Any]
+
+
+class _UnaryInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Wraps the unary-unary handlers of ``hicache.v1.HostCache`` with ``wrap``, once per
+    method: the service's handlers never change, so the wrapped chain is reused."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, Any] = {}
+
+    def wrap(self, method: str, behavior: Behavior) -> Behavior:
+        raise NotImplementedError
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          handler_call_details: Any) -> Any:
+        full: str = handler_call_details.method
+        wrapped = self._wrapped.get(full)
+        if wrapped is not None:
+            return wrapped
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or not full.startswith(SERVICE_PREFIX):
+            return handler
+        wrapped = self._wrapped[full] = grpc.unary_unary_rpc_method_handler(
+            self.wrap(full[len(SERVICE_PREFIX):], handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+        return wrapped
+
+
+class ErrorMappingInterceptor(_UnaryInterceptor):
+    def wrap(self, method: str, behavior: Behavior) -> Behavior:
+        def mapped(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                return behavior(request, context)
+            except HiCacheError as exc:
+                log.info("%s rejected: %s", method, exc)
+                context.abort_with_status(abort_status(exc))
+                raise  # unreachable: abort raises
+            except Exception:
+                log.exception("%s failed", method)
+                context.abort(grpc.StatusCode.INTERNAL, f"{method} failed; see the daemon log")
+                raise
+
+        return mapped
+
+
+class MetricsInterceptor(_UnaryInterceptor):
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
+        self._metrics = metrics
+
+    def wrap(self, method: str, behavior: Behavior) -> Behavior:
+        m = self._metrics
+        seconds = m.rpc_seconds.labels(method)
+
+        def observed(request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                return behavior(request, context)
+            except HiCacheError as exc:
+                code = grpc_code(exc).name
+                m.rejected.labels(exc.reason).inc()
+                raise
+            except Exception:
+                code = "INTERNAL"
+                raise
+            finally:
+                m.requests.labels(method, code).inc()
+                seconds.observe(time.perf_counter() - t0)
+
+        return observed
+
+
+class DrainInterceptor(_UnaryInterceptor):
+    def __init__(self, daemon: Daemon, creates_work: Collection[str]) -> None:
+        """``creates_work``: methods refused while draining (the others still answer)."""
+        super().__init__()
+        self._daemon = daemon
+        self._creates_work = frozenset(creates_work)
+
+    def wrap(self, method: str, behavior: Behavior) -> Behavior:
+        d = self._daemon
+        creates_work = method in self._creates_work
+
+        def gated(request: Any, context: grpc.ServicerContext) -> Any:
+            d.enter(creates_work)
+            try:
+                return behavior(request, context)
+            finally:
+                d.leave()
+
+        return gated
+
+
+def server_interceptors(daemon: Daemon, creates_work: Collection[str]
+                        ) -> list[grpc.ServerInterceptor]:
+    """The interceptors of a daemon's gRPC server, outermost first."""
+    return [ErrorMappingInterceptor(), MetricsInterceptor(daemon.metrics),
+            DrainInterceptor(daemon, creates_work)]

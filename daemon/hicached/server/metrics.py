@@ -1,0 +1,150 @@
+"""Prometheus metrics of the daemon, on an injected registry.
+
+Primitives:
+
+- ``Metrics(registry, state)``: counters and histograms updated on the request path, and a
+  custom collector that reads pool occupancy, sessions and canary tallies at scrape time.
+- ``REASONS``: every reason code; ``hicache_rejected_requests_total`` starts at 0 for each, so
+  alert rules can reference any of them from the first scrape.
+- ``serve(metrics, address)``: the HTTP endpoint (``HOST:PORT``; port 0 picks one).
+
+Names: prefix ``hicache_``, base units, ``_total`` for counters; labels ``pool``, ``op``
+(``backup``/``load``), ``reason``, ``method``, ``code``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicache.errors import all_error_classes
+from hicached.core.pool import HostPool
+
+REASONS = sorted({c.reason for c in all_error_classes()})
+
+# 50 us .. 60 s: sub-millisecond control-plane calls and multi-second bulk copies.
+DURATION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
+                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class ScrapeState:
+    """What the collector reads at scrape time (callables so nothing is cached stale)."""
+
+    pools: Callable[[], list[HostPool]]
+    sessions_open: Callable[[], int]
+    sessions_reaped: Callable[[], int]
+    attached_bytes: Callable[[], int]
+    ipc_handles: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    """(CUDA IPC allocations mapped, their bytes)."""
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: ScrapeState, started: float) -> None:
+        self._state = state
+        self._started = started
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool"]
+        cap_b = GaugeMetricFamily("hicache_pool_capacity_bytes", "Host bytes of the pool.",
+                                  labels=labels)
+        used_b = GaugeMetricFamily("hicache_pool_used_bytes", "Host bytes in allocated pages.",
+                                   labels=labels)
+        cap_p = GaugeMetricFamily("hicache_pool_capacity_pages", "Pages in the pool.",
+                                  labels=labels)
+        used_p = GaugeMetricFamily("hicache_pool_used_pages", "Allocated pages.", labels=labels)
+        pinned = GaugeMetricFamily("hicache_pool_pinned_bytes", "Page-locked host bytes.",
+                                   labels=labels)
+        pin_s = GaugeMetricFamily("hicache_pool_pin_seconds",
+                                  "Seconds registering the pool with CUDA (0 = not pinned).",
+                                  labels=labels)
+        fails = CounterMetricFamily("hicache_pool_alloc_failures",
+                                    "Allocations refused for lack of pages.", labels=labels)
+        verified = CounterMetricFamily("hicache_canary_verified_pages",
+                                       "Pages whose fingerprint matched on load.", labels=labels)
+        mismatched = CounterMetricFamily("hicache_canary_mismatched_pages",
+                                         "Pages whose fingerprint differed on load.",
+                                         labels=labels)
+        for pool in self._state.pools():
+            name = [pool.spec.name]
+            used = pool.allocator.used_pages
+            cap_b.add_metric(name, pool.nbytes)
+            used_b.add_metric(name, used * pool.spec.page_bytes)
+            cap_p.add_metric(name, pool.page_num)
+            used_p.add_metric(name, used)
+            pinned.add_metric(name, pool.pinned_bytes)
+            pin_s.add_metric(name, pool.pin_seconds)
+            fails.add_metric(name, pool.allocator.alloc_failures)
+            if pool.canary is not None:
+                verified.add_metric(name, pool.canary.verified_pages)
+                mismatched.add_metric(name, pool.canary.mismatched_pages)
+        yield from (cap_b, used_b, cap_p, used_p, pinned, pin_s, fails, verified, mismatched)
+        yield GaugeMetricFamily("hicache_sessions_open", "Open worker sessions.",
+                                value=self._state.sessions_open())
+        yield CounterMetricFamily("hicache_sessions_reaped", "Sessions ended by lease expiry.",
+                                  value=self._state.sessions_reaped())
+        yield GaugeMetricFamily("hicache_sessions_attached_bytes",
+                                "Device bytes mapped for open sessions.",
+                                value=self._state.attached_bytes())
+        handles, handle_bytes = self._state.ipc_handles()
+        yield GaugeMetricFamily("hicache_cuda_ipc_handles_open",
+                                "Worker GPU allocations mapped over CUDA IPC.", value=handles)
+        yield GaugeMetricFamily("hicache_cuda_ipc_mapped_bytes",
+                                "Bytes of worker GPU allocations mapped over CUDA IPC.",
+                                value=handle_bytes)
+        yield GaugeMetricFamily("hicache_uptime_seconds", "Seconds since the daemon started.",
+                                value=time.monotonic() - self._started)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry, state: ScrapeState,
+                 build: dict[str, str]) -> None:
+        self.registry = registry
+        op = ["pool", "op"]
+        self.transfer_bytes = Counter("hicache_transfer_bytes", "Bytes moved.", op,
+                                      registry=registry)
+        self.transfer_pages = Counter("hicache_transfer_pages", "Pages moved.", op,
+                                      registry=registry)
+        self.transfer_requests = Counter("hicache_transfer_requests",
+                                         "Completed backup/load requests.", op,
+                                         registry=registry)
+        self.transfer_seconds = Histogram("hicache_transfer_duration_seconds",
+                                          "Backup/load duration, validation included.", op,
+                                          buckets=DURATION_BUCKETS, registry=registry)
+        self.transfer_bandwidth = Gauge("hicache_transfer_bandwidth_bytes_per_second",
+                                        "Bandwidth of the last transfer.", op, registry=registry)
+        self.requests = Counter("hicache_rpc_requests", "RPCs by method and gRPC code.",
+                                ["method", "code"], registry=registry)
+        self.rpc_seconds = Histogram("hicache_rpc_duration_seconds", "RPC duration by method.",
+                                     ["method"], buckets=DURATION_BUCKETS, registry=registry)
+        self.rejected = Counter("hicache_rejected_requests",
+                                "Requests refused with a domain error, by reason.", ["reason"],
+                                registry=registry)
+        for reason in REASONS:
+            self.rejected.labels(reason)
+        info = Gauge("hicache_build_info", "Build of the daemon.", list(build),
+                     registry=registry)
+        info.labels(**build).set(1)
+        registry.register(_StateCollector(state, time.monotonic()))
+
+    def transfer(self, pool: str, op: str, nbytes: int, pages: int, seconds: float) -> None:
+        self.transfer_bytes.labels(pool, op).inc(nbytes)
+        self.transfer_pages.labels(pool, op).inc(pages)
+        self.transfer_requests.labels(pool, op).inc()
+        self.transfer_seconds.labels(pool, op).observe(seconds)
+        if seconds > 0:
+            self.transfer_bandwidth.labels(pool, op).set(nbytes / seconds)
+
+
+def serve(metrics: Metrics, address: str) -> tuple[Any, int]:
+    """Start the HTTP endpoint; returns (server, bound port)."""
+    host, _, port = address.rpartition(":")
+    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1",
+                                        registry=metrics.registry)
+    return server, int(server.server_address[1])

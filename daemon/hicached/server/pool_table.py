@@ -1,0 +1,100 @@
+"""The daemon's table of named pools under one memory budget.
+
+Primitives:
+
+- ``PoolTable(budget_bytes, options, sessions_of, pinner)``: ``create(spec)`` (idempotent:
+  the same spec returns the existing pool, another spec is ``POOL_SPEC_CONFLICT``), ``get``,
+  ``list``, ``delete`` (refused with ``POOL_IN_USE`` while sessions are open), ``close_all``.
+- ``used_bytes``: host bytes of all pools; a pool that would exceed the budget is
+  ``HOST_MEMORY_INSUFFICIENT`` naming both numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from hicache.errors import HostMemoryInsufficient, PoolInUse, PoolNotFound, PoolSpecConflict
+from hicache.specs import PoolSpec
+from hicached.core.memory import Pinner
+from hicached.core.pool import HostPool, MemoryOptions
+
+
+class PoolTable:
+    def __init__(self, budget_bytes: int, options: MemoryOptions,
+                 sessions_of: Callable[[str], int] = lambda name: 0,
+                 pinner: Pinner | None = None) -> None:
+        """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts)."""
+        self.budget_bytes = budget_bytes
+        self.options = options
+        self.pinner = pinner
+        self._sessions_of = sessions_of
+        self._pools: dict[str, HostPool] = {}
+        self._lock = threading.Lock()
+        self._creating = threading.Lock()
+
+    def create(self, spec: PoolSpec) -> tuple[HostPool, bool]:
+        """The pool for ``spec`` and whether it was created now."""
+        with self._creating:  # one allocation at a time keeps the budget check honest
+            with self._lock:
+                existing = self._pools.get(spec.name)
+            if existing is not None:
+                if existing.spec != spec:
+                    raise PoolSpecConflict(
+                        f"pool {spec.name} exists with a different spec",
+                        metadata={"pool": spec.name, "existing": _summary(existing.spec),
+                                  "requested": _summary(spec)},
+                    )
+                return existing, False
+            need = spec.resolved_size_tokens() // spec.page_size * spec.page_bytes
+            used = self.used_bytes
+            if used + need > self.budget_bytes:
+                raise HostMemoryInsufficient(
+                    f"pool {spec.name} needs {need} bytes; the daemon budget of "
+                    f"{self.budget_bytes} bytes has {self.budget_bytes - used} left",
+                    metadata={"requested_bytes": need, "budget_bytes": self.budget_bytes,
+                              "used_bytes": used, "pool": spec.name},
+                )
+            pool = HostPool(spec, self.options, pinner=self.pinner)
+            with self._lock:
+                self._pools[spec.name] = pool
+            return pool, True
+
+    def get(self, name: str) -> HostPool:
+        with self._lock:
+            pool = self._pools.get(name)
+        if pool is None:
+            raise PoolNotFound(f"no pool named {name!r}", metadata={"pool": name})
+        return pool
+
+    def list(self) -> list[HostPool]:
+        with self._lock:
+            return list(self._pools.values())
+
+    def delete(self, name: str) -> None:
+        with self._creating:
+            pool = self.get(name)
+            open_sessions = self._sessions_of(name)
+            if open_sessions:
+                raise PoolInUse(f"pool {name} has {open_sessions} open session(s)",
+                                metadata={"pool": name, "sessions": open_sessions})
+            with self._lock:
+                self._pools.pop(name, None)
+            pool.close()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(p.nbytes for p in self._pools.values())
+
+    def close_all(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for p in pools:
+            p.close()
+
+
+def _summary(spec: PoolSpec) -> str:
+    g = spec.geometry
+    return (f"{g.kind.value}/{g.dtype.value}/{spec.layout.value}/page={spec.page_size}/"
+            f"layers={g.layer_num}/tokens={spec.size_tokens or spec.size_bytes}")

@@ -1,0 +1,161 @@
+"""The gRPC servicer of ``hicache.v1.HostCache``: decode the request, call the daemon, encode.
+
+Primitives:
+
+- ``HostCacheServicer(daemon)``: one method per RPC and nothing else; domain errors,
+  metrics and the drain gate are the interceptors' (``interceptors``), the flows the daemon's
+  (``daemon``).
+- ``CREATES_WORK``: the methods refused while the daemon drains.
+- ``pool_message(pool, sessions)`` / ``session_message(session)``: state as wire messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+import hicache
+from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
+from hicache.indices import indices_to_bytes, to_index_array
+from hicache.layer_groups import check_layer_events
+from hicache.v1 import hicache_pb2 as pb
+from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicached.copy.engine import Op
+from hicached.core.pool import HostPool
+from hicached.core.system import available_bytes
+from hicached.cuda.runner import CudaRunner
+from hicached.server.daemon import Daemon
+from hicached.server.sessions import Session
+
+log = logging.getLogger(__name__)
+
+CREATES_WORK = frozenset({"CreatePool", "DeletePool", "OpenSession", "Alloc", "Backup", "Load"})
+"""Refused with DRAINING while the daemon shuts down; every other method still answers."""
+
+
+def pool_message(pool: HostPool, sessions: int) -> pb.Pool:
+    used = pool.allocator.used_pages
+    return pb.Pool(spec=spec_to_proto(pool.spec), size_tokens=pool.size_tokens,
+                   page_num=pool.page_num, page_bytes=pool.spec.page_bytes, used_pages=used,
+                   free_pages=pool.page_num - used, capacity_bytes=pool.nbytes,
+                   used_bytes=used * pool.spec.page_bytes, pinned_bytes=pool.pinned_bytes,
+                   sessions=sessions)
+
+
+def session_message(s: Session) -> pb.Session:
+    runner = s.attachment.runner
+    uuid, events = "", 0
+    if isinstance(runner, CudaRunner):
+        uuid, events = runner.driver.devices[runner.ordinal].uuid, len(runner.layer_events)
+    return pb.Session(session_id=s.session_id, pool=s.pool_name, worker_id=s.worker_id,
+                      lease_ms=int(s.lease_seconds * 1000),
+                      expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
+                      attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
+                      transfers=s.transfers, device_uuid=uuid, layer_events=events)
+
+
+class HostCacheServicer(pb_grpc.HostCacheServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext
+                ) -> pb.GetInfoResponse:
+        d = self.daemon
+        devices = d.cuda.driver.devices if d.cuda is not None else ()
+        return pb.GetInfoResponse(
+            version=hicache.__version__,
+            transports=["shm", "cuda_ipc"] if d.cuda is not None else ["shm"],
+            memory_budget_bytes=d.pools.budget_bytes,
+            memory_used_bytes=d.pools.used_bytes, memory_available_bytes=available_bytes(),
+            shm_dir=d.shm.shm_dir, cuda_available=d.cuda is not None,
+            serving=not d.draining.is_set(), pools=len(d.pools.list()),
+            sessions=d.sessions.count(), metrics_port=d.metrics_port,
+            cuda_devices=[pb.CudaDevice(uuid=x.uuid, ordinal=x.ordinal, name=x.name,
+                                        total_bytes=x.total_bytes) for x in devices])
+
+    def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
+        return pb.PingResponse()
+
+    def CreatePool(self, request: pb.CreatePoolRequest, context: grpc.ServicerContext
+                   ) -> pb.Pool:
+        spec = spec_from_proto(request.spec)
+        pool, created = self.daemon.pools.create(spec)
+        if created:
+            log.info("pool %s created: %d bytes", spec.name, pool.nbytes)
+        return pool_message(pool, self.daemon.sessions.count(spec.name))
+
+    def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.Pool:
+        pool = self.daemon.pools.get(request.name)
+        return pool_message(pool, self.daemon.sessions.count(request.name))
+
+    def ListPools(self, request: pb.ListPoolsRequest, context: grpc.ServicerContext
+                  ) -> pb.ListPoolsResponse:
+        d = self.daemon
+        return pb.ListPoolsResponse(pools=[pool_message(p, d.sessions.count(p.spec.name))
+                                           for p in d.pools.list()])
+
+    def DeletePool(self, request: pb.DeletePoolRequest, context: grpc.ServicerContext
+                   ) -> pb.DeletePoolResponse:
+        self.daemon.pools.delete(request.name)
+        log.info("pool %s deleted", request.name)
+        return pb.DeletePoolResponse()
+
+    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
+                    ) -> pb.Session:
+        d = self.daemon
+        pool = d.pools.get(request.pool)
+        check_layer_events(len(request.layer_events), pool.spec.max_layers)
+        buffers = [buffer_from_proto(b, i) for i, b in enumerate(request.buffers)]
+        attachment = d.attach(buffers, list(request.layer_events), bytes(request.ready_event))
+        try:
+            assert attachment.buffers is not None
+            tokens = attachment.buffers.check_against(pool.spec)
+            session = d.sessions.open(request.pool, pool, request.worker_id, attachment, tokens,
+                                      request.lease_ms / 1000.0)
+        except BaseException:
+            attachment.release()
+            raise
+        return session_message(session)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+                  ) -> pb.Session:
+        return session_message(self.daemon.sessions.heartbeat(request.session_id))
+
+    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
+                     ) -> pb.CloseSessionResponse:
+        self.daemon.sessions.close(request.session_id)
+        return pb.CloseSessionResponse()
+
+    def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext
+                     ) -> pb.ListSessionsResponse:
+        return pb.ListSessionsResponse(
+            sessions=[session_message(s) for s in self.daemon.sessions.list(request.pool)])
+
+    def Alloc(self, request: pb.AllocRequest, context: grpc.ServicerContext
+              ) -> pb.AllocResponse:
+        pool = self.daemon.pools.get(request.pool)
+        return pb.AllocResponse(host_indices=indices_to_bytes(pool.alloc(request.num_tokens)))
+
+    def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
+        pool = self.daemon.pools.get(request.pool)
+        idx = to_index_array(request.host_indices, "host_indices")
+        return pb.FreeResponse(pages_freed=pool.free(idx))
+
+    def Backup(self, request: pb.TransferRequest, context: grpc.ServicerContext
+               ) -> pb.TransferResponse:
+        return self._transfer(Op.BACKUP, request)
+
+    def Load(self, request: pb.TransferRequest, context: grpc.ServicerContext
+             ) -> pb.TransferResponse:
+        return self._transfer(Op.LOAD, request)
+
+    def _transfer(self, op: Op, request: pb.TransferRequest) -> pb.TransferResponse:
+        r = self.daemon.transfer(
+            op, request.session_id, to_index_array(request.host_indices, "host_indices"),
+            to_index_array(request.device_indices, "device_indices"),
+            (int(request.layer_begin), int(request.layer_end)),
+            request.completion == pb.COMPLETION_LAYER_EVENTS)
+        return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages,
+                                   duration_seconds=r.seconds, pending=r.pending)

@@ -1,0 +1,198 @@
+"""Worker sessions: attached device buffers with a lease, reaped when the worker goes quiet.
+
+Primitives:
+
+- ``Session``: one worker's attachment to one pool; ``expires_at`` moves forward on every
+  heartbeat and transfer; ``in_flight`` counts transfers using its mappings.
+- ``SessionManager``: ``open``, ``get``, ``heartbeat``, ``close``, ``transfer(session_id)`` (a
+  context manager holding the session's mappings for one copy), ``hold`` / ``unhold`` (for GPU
+  copies that outlive their RPC), ``reap()`` and a reaper thread.
+
+A closed or expired session leaves the table at once (new calls get ``SESSION_NOT_FOUND``); its
+mappings are released when its last in-flight transfer ends, so a copy never runs on unmapped
+memory and a dead worker never keeps its buffers mapped. Host pages belong to the pool, not the
+session: a restarted worker opens a new session and loads what its predecessor backed up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from hicache.errors import SessionNotFound
+from hicached.core.pool import HostPool
+from hicached.transport.base import Attachment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    session_id: str
+    pool_name: str
+    pool: HostPool
+    worker_id: str
+    lease_seconds: float
+    attachment: Attachment
+    device_tokens: int
+    expires_at: float
+    in_flight: int = 0
+    transfers: int = 0
+    ended: bool = False
+    released: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def expires_in(self, now: float) -> float:
+        return max(self.expires_at - now, 0.0)
+
+
+class SessionManager:
+    def __init__(self, default_lease_seconds: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_reap: Callable[[Session], None] = lambda s: None) -> None:
+        self.default_lease = default_lease_seconds
+        self._clock = clock
+        self._on_reap = on_reap
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reaped_total = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def open(self, pool_name: str, pool: HostPool, worker_id: str, attachment: Attachment,
+             device_tokens: int, lease_seconds: float = 0.0) -> Session:
+        lease = lease_seconds if lease_seconds > 0 else self.default_lease
+        s = Session(session_id=uuid.uuid4().hex, pool_name=pool_name, pool=pool,
+                    worker_id=worker_id, lease_seconds=lease, attachment=attachment,
+                    device_tokens=device_tokens, expires_at=self._clock() + lease)
+        with self._lock:
+            self._sessions[s.session_id] = s
+        log.info("session %s opened: pool=%s worker=%s lease=%.1fs attached=%d bytes",
+                 s.session_id, pool_name, worker_id, lease, attachment.nbytes)
+        return s
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is None or s.expires_at < self._clock():
+            if s is not None:
+                self.reap()
+            raise SessionNotFound(f"no open session {session_id!r} (closed or lease expired)",
+                                  metadata={"session_id": session_id})
+        return s
+
+    def heartbeat(self, session_id: str) -> Session:
+        s = self.get(session_id)
+        s.expires_at = self._clock() + s.lease_seconds
+        return s
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            s = self._sessions.pop(session_id, None)
+        if s is None:
+            raise SessionNotFound(f"no open session {session_id!r}",
+                                  metadata={"session_id": session_id})
+        self._end(s, "closed")
+
+    @contextmanager
+    def transfer(self, session_id: str) -> Iterator[Session]:
+        """Hold the session's mappings for one copy; the lease counts it as a sign of life."""
+        s = self.get(session_id)
+        self.hold(s)
+        try:
+            yield s
+        finally:
+            s.transfers += 1
+            self.unhold(s)
+
+    def hold(self, s: Session) -> None:
+        """Keep the session's mappings until ``unhold`` (copies still running on a GPU after
+        their RPC returned hold them too)."""
+        with s.lock:
+            if s.ended:
+                raise SessionNotFound(f"session {s.session_id!r} ended",
+                                      metadata={"session_id": s.session_id})
+            s.in_flight += 1
+
+    def unhold(self, s: Session) -> None:
+        with s.lock:
+            s.in_flight -= 1
+            release = s.ended and s.in_flight == 0 and not s.released
+            if release:
+                s.released = True
+        s.expires_at = max(s.expires_at, self._clock() + s.lease_seconds)
+        if release:
+            s.attachment.release()
+
+    def _end(self, s: Session, why: str) -> None:
+        with s.lock:
+            s.ended = True
+            release = s.in_flight == 0 and not s.released
+            if release:
+                s.released = True
+        if release:
+            s.attachment.release()
+        log.info("session %s %s (worker %s, %d transfers)", s.session_id, why, s.worker_id,
+                 s.transfers)
+
+    def reap(self) -> list[Session]:
+        """End every session whose lease has run out."""
+        now = self._clock()
+        with self._lock:
+            dead = [s for s in self._sessions.values() if s.expires_at < now]
+            for s in dead:
+                del self._sessions[s.session_id]
+        for s in dead:
+            self._end(s, f"reaped: no heartbeat for {s.lease_seconds:.1f}s")
+            self.reaped_total += 1
+            self._on_reap(s)
+        return dead
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def list(self, pool_name: str = "") -> list[Session]:
+        with self._lock:
+            return [s for s in self._sessions.values() if not pool_name
+                    or s.pool_name == pool_name]
+
+    def count(self, pool_name: str = "") -> int:
+        return len(self.list(pool_name))
+
+    @property
+    def attached_bytes(self) -> int:
+        return sum(s.attachment.nbytes for s in self.list())
+
+    def in_flight(self) -> int:
+        return sum(s.in_flight for s in self.list())
+
+    # -- reaper ----------------------------------------------------------------------------
+
+    def start_reaper(self, interval: float | None = None) -> None:
+        period = interval if interval is not None else max(min(self.default_lease / 4, 1.0),
+                                                           0.05)
+
+        def loop() -> None:
+            while not self._stop.wait(period):
+                try:
+                    self.reap()
+                except Exception:  # the reaper must survive anything
+                    log.exception("session reaper failed")
+
+        self._thread = threading.Thread(target=loop, name="session-reaper", daemon=True)
+        self._thread.start()
+
+    def close_all(self) -> None:
+        self._stop.set()
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for s in sessions:
+            self._end(s, "closed at shutdown")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
