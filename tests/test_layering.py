@@ -1,0 +1,61 @@
+"""The layering shows at run time too: what importing each side loads, and module sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_proc import REPO
+
+MAX_MODULE_LINES = 400
+GENERATED = ("_pb2.py", "_pb2_grpc.py")
+
+
+def loaded_after(statement: str) -> dict[str, str]:
+    """Module name -> file of every module a fresh interpreter has loaded after ``statement``."""
+    code = (f"{statement}\nimport json, sys\n"
+            "print(json.dumps({n: getattr(m, '__file__', None) or '' "
+            "for n, m in list(sys.modules.items())}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    loaded: dict[str, str] = json.loads(out.stdout.splitlines()[-1])
+    return loaded
+
+
+def ours_native(loaded: dict[str, str]) -> list[str]:
+    return [n for n, f in loaded.items()
+            if n.split(".")[0] in ("hicache", "hicached", "hicache_client")
+            and f.endswith(".so")]
+
+
+def test_the_worker_client_loads_no_daemon_module_and_no_native_extension() -> None:
+    loaded = loaded_after("import hicache_client")
+    assert "hicache_client.client" in loaded  # the import did happen
+    assert [n for n in loaded if n == "hicached" or n.startswith("hicached.")] == []
+    assert ours_native(loaded) == []
+    assert "torch" not in loaded, "torch is imported when a worker makes tensors, not before"
+
+
+def test_the_api_package_loads_neither_grpc_nor_torch() -> None:
+    loaded = loaded_after("import hicache, hicache.specs, hicache.errors, hicache.buffers")
+    assert not {"grpc", "torch", "google.protobuf", "hicache.cuda_driver"} & set(loaded)
+
+
+def test_the_core_loads_no_grpc_no_protobuf_no_cuda_driver() -> None:
+    loaded = loaded_after("import hicached.core.pool, hicached.copy.engine")
+    forbidden = {"grpc", "google.protobuf", "hicache.v1", "hicache.cuda_driver", "hicached.cuda",
+                 "hicached.server", "hicached.transport"}
+    assert not forbidden & set(loaded)
+
+
+@pytest.mark.parametrize("tree", ["daemon/hicached", "clients/python"])
+def test_no_module_is_over_the_size_rule(tree: str) -> None:
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
+             for p in Path(REPO, tree).rglob("*.py") if not p.name.endswith(GENERATED)}
+    assert sizes, tree
+    assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}
