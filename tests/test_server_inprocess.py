@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -81,10 +83,26 @@ def test_draining_refuses_new_work_with_unavailable(served) -> None:  # type: ig
     server, client, _ = served
     server.daemon.draining.set()
     with pytest.raises(HiCacheError) as exc:
-        client.alloc("m", 4)
-    assert exc.value.reason in ("DRAINING", "UNAVAILABLE")
+        client.alloc("m", 4)  # not retried
+    assert exc.value.reason == "DRAINING" and exc.value.grpc_code == grpc.StatusCode.UNAVAILABLE
+    assert exc.value.from_daemon
+    t0 = time.monotonic()
+    with pytest.raises(HiCacheError) as exc:
+        client.create_pool(SPEC)  # retried for reconnect_seconds: a successor may come up
+    assert exc.value.reason == "DRAINING", exc.value  # not a generic "unreachable"
+    assert time.monotonic() - t0 >= client.reconnect_seconds
     assert client.get_info().serving is False  # reads still answer
     server.daemon.draining.clear()
+    client.create_pool(SPEC)  # served again once the drain is over
+
+
+def test_an_unreachable_daemon_is_unavailable_after_retries(tmp_path: Path) -> None:
+    client = HiCacheClient(f"unix:{tmp_path}/nobody.sock", reconnect_seconds=0.3)
+    with pytest.raises(HiCacheError) as exc:
+        client.get_info()
+    assert exc.value.reason == "UNAVAILABLE" and not exc.value.from_daemon
+    assert "unreachable" in exc.value.message
+    client.close()
 
 
 def test_budget_is_enforced(served) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,8 @@ Primitives:
   reason, metadata) and ``BadRequest`` field violations, ready for ``rpc_status.to_status``.
 - ``abort_status(exc)``: the ``grpc.Status`` a servicer aborts with.
 - ``from_rpc_error(err)``: the client side: a ``grpc.RpcError`` back into the domain class for
-  its reason, carrying metadata, violations and the gRPC code.
+  its reason, carrying metadata, violations, the gRPC code and whether the daemon itself
+  answered (``from_daemon``: an ErrorInfo of our domain was attached).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
     code = err.code() if hasattr(err, "code") else C.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
-    reason, metadata = "", {}
+    reason, metadata, from_daemon = "", {}, False
     violations: list[e.Violation] = []
     if status is not None:
         for any_msg in status.details:
@@ -117,7 +118,7 @@ def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
                 info = error_details_pb2.ErrorInfo()
                 any_msg.Unpack(info)
                 if info.domain == DOMAIN:
-                    reason, metadata = info.reason, dict(info.metadata)
+                    reason, metadata, from_daemon = info.reason, dict(info.metadata), True
             elif any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
                 bad = error_details_pb2.BadRequest()
                 any_msg.Unpack(bad)
@@ -135,5 +136,6 @@ def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
     cls = e.error_class_for(reason)
     exc = cls(details or "", metadata=metadata, violations=violations)
     exc.grpc_code = code
+    exc.from_daemon = from_daemon
     return exc
 

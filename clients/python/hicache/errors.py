@@ -84,6 +84,9 @@ class HiCacheError(Exception):
     reason: str = "INTERNAL"
     grpc_code: Any = None
     """Client side: the ``grpc.StatusCode`` the call ended with (None when raised locally)."""
+    from_daemon: bool = False
+    """Client side: the daemon answered with this reason (an ErrorInfo of our domain), as
+    opposed to a transport failure such as an unreachable socket."""
 
     def __init__(
         self,

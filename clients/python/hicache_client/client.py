@@ -1,9 +1,11 @@
 """``HiCacheClient``: typed calls to a hicached daemon.
 
 Every failure is raised as the daemon's domain error class (``hicache.errors``): ``reason``,
-``metadata``, ``violations`` and ``grpc_code`` attached. Idempotent calls (info, pool
-queries, CreatePool, Heartbeat, Backup, Load, Ping) are retried with exponential backoff while
-the daemon is unreachable, up to ``reconnect_seconds``; the error after that says so.
+``metadata``, ``violations``, ``grpc_code`` and ``from_daemon`` attached. Idempotent calls
+(info, pool queries, CreatePool, Heartbeat, Backup, Load, Ping) are retried with exponential
+backoff while the daemon is unreachable or draining (its successor may be starting), up to
+``reconnect_seconds``. After that an unreachable daemon is ``UNAVAILABLE`` saying so, and a
+draining one is ``DRAINING``, as the daemon said it.
 
 Primitives: ``HiCacheClient`` (one method per RPC), ``WorkerSession`` (an open session with its
 heartbeat thread), ``PoolInfo`` and ``TransferStats`` (replies as dataclasses).
@@ -24,7 +26,7 @@ import grpc
 from hicache.buffers import DeviceBufferSpec
 from hicache.codec import buffer_to_proto, spec_from_proto, spec_to_proto
 from hicache.error_mapping import from_rpc_error
-from hicache.errors import HiCacheError, Unavailable
+from hicache.errors import Draining, HiCacheError, Unavailable
 from hicache.indices import indices_to_bytes, to_index_array
 from hicache.paths import default_target
 from hicache.specs import PoolSpec
@@ -93,17 +95,20 @@ class HiCacheClient:
                 return method(request, timeout=self.timeout)
             except grpc.RpcError as err:
                 exc = from_rpc_error(err)
+                # the daemon is away, or draining with a successor likely on its way
                 unreachable = exc.grpc_code == grpc.StatusCode.UNAVAILABLE \
-                    and not exc.metadata
+                    and not exc.from_daemon
+                retryable = unreachable or isinstance(exc, Draining)
                 remaining = deadline - time.monotonic()
-                if not (retry and unreachable) or remaining <= 0:
+                if not (retry and retryable) or remaining <= 0:
                     if unreachable and retry:
                         raise Unavailable(
                             f"daemon at {self.target} unreachable for "
                             f"{self.reconnect_seconds:.0f}s: {exc.message}",
                             metadata={"target": self.target}) from None
                     raise exc from None
-                log.debug("daemon unreachable, retrying in %.2fs", delay)
+                log.debug("daemon %s, retrying in %.2fs",
+                          "unreachable" if unreachable else "draining", delay)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, 1.0)
 
