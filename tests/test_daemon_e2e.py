@@ -197,20 +197,60 @@ def test_socket_is_private(daemon: DaemonProc) -> None:
     assert oct(os.stat(daemon.socket).st_mode & 0o777) == "0o600"
 
 
+def run_ctl(target: str, *args: str, expect: int = 0) -> str:
+    out = subprocess.run([sys.executable, "-m", "hicache_client.cli", "--target", target,
+                          *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == expect, out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
 def test_hicachectl(daemon: DaemonProc, client: HiCacheClient) -> None:
     def ctl(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "hicache_client.cli", "--target",
-                              daemon.target, *args], capture_output=True, text=True,
-                             timeout=60, cwd=REPO)
-        assert out.returncode == 0, out.stderr
-        return out.stdout
+        return run_ctl(daemon.target, *args)
 
     status = json.loads(ctl("--json", "status"))
     assert status["version"] and status["transports"] == ["shm"]
     pools = json.loads(ctl("--json", "pools"))
     assert SPEC.name in [p["spec"]["name"] for p in pools]
-    assert "e2e" in ctl("pools") and "version" in ctl("status")
+    assert "version" in ctl("status")
+    row = next(line.split() for line in ctl("pools").splitlines() if line.startswith("e2e "))
+    assert row[1:5] == ["MHA", "bfloat16", "page_first", "16"], row  # names, not enum numbers
     assert json.loads(ctl("--json", "sessions")) == []
+
+
+def test_hicachectl_admin_verbs(daemon: DaemonProc, client: HiCacheClient) -> None:
+    spec = PoolSpec("ctl-admin", SPEC.geometry, 16, size_tokens=256)
+    client.create_pool(spec)
+    with ShmDeviceBuffers.create(spec, 64, daemon.shm_dir) as bufs:
+        s = client.open_session(spec.name, "ctl", bufs.descriptors, heartbeat=False)
+        refused = run_ctl(daemon.target, "delete-pool", spec.name, expect=1)
+        assert "POOL_IN_USE" in refused
+        assert [x.session_id for x in client.list_sessions(spec.name)] == [s.session_id]
+        assert json.loads(run_ctl(daemon.target, "--json", "close-session", s.session_id)) == {
+            "closed_session": s.session_id}
+        assert client.list_sessions(spec.name) == []
+        with pytest.raises(HiCacheError) as exc:
+            s.load(torch.arange(16), torch.arange(16))
+        assert exc.value.reason == "SESSION_NOT_FOUND"
+        assert "SESSION_NOT_FOUND" in run_ctl(daemon.target, "close-session", s.session_id,
+                                              expect=1)
+    assert "deleted pool ctl-admin" in run_ctl(daemon.target, "delete-pool", spec.name)
+    assert spec.name not in [p.spec.name for p in client.list_pools()]
+    assert "POOL_NOT_FOUND" in run_ctl(daemon.target, "delete-pool", spec.name, expect=1)
+
+
+def test_hicachectl_drain_stops_the_daemon_gracefully(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "--grace-seconds", "3")
+    with HiCacheClient(d.target, reconnect_seconds=0.2) as c:
+        c.create_pool(SPEC)
+        out = json.loads(run_ctl(d.target, "--json", "drain", "--grace", "2"))
+        assert out["draining"] is True and out["grace_seconds"] == 2.0
+        assert out["already_draining"] is False
+        assert d.proc.wait(20) == 0
+    log = d.log()
+    assert "draining" in log and "hicached stopped" in log
+    assert not os.path.exists(d.socket)
+    assert "INVALID_ARGUMENT" not in log
 
 
 def test_second_instance_refuses_and_stale_socket_is_replaced(tmp_path: Path) -> None:

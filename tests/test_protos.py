@@ -17,7 +17,7 @@ def test_contract_names() -> None:
     svc = pb.DESCRIPTOR.services_by_name["HostCache"]
     assert svc.full_name == "hicache.v1.HostCache"
     for method in ("GetInfo", "CreatePool", "GetPool", "ListPools", "DeletePool",
-                   "OpenSession", "CloseSession", "Alloc", "Free", "Backup", "Load"):
+                   "OpenSession", "CloseSession", "Alloc", "Free", "Backup", "Load", "Drain"):
         assert method in svc.methods_by_name
     assert [v.name.rsplit("_", 1)[-1] for v in pb.PoolKind.DESCRIPTOR.values][1:] == [
         "MHA", "MLA", "INDEXER", "LOGICAL"]

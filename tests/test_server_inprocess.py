@@ -135,3 +135,21 @@ def test_closing_the_client_stops_heartbeats(served) -> None:  # type: ignore[no
         thread.join(2)
         assert not thread.is_alive()
         assert session.heartbeat_error is None
+
+
+def test_drain_rpc_refuses_bad_grace_then_drains_once(served) -> None:  # type: ignore[no-untyped-def]
+    server, client, _ = served
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(HiCacheError) as exc:
+            client.drain(bad)
+        assert exc.value.reason == "SPEC_INVALID"
+        assert exc.value.violations[0].field == "grace_seconds"
+    assert client.get_info().serving is True  # a refused drain changed nothing
+    first = client.drain(0.5)
+    assert first.grace_seconds == 0.5 and not first.already_draining
+    try:
+        second = client.drain(0.5)
+        assert second.already_draining
+    except HiCacheError as exc:  # the first drain may already have stopped the server
+        assert exc.reason == "UNAVAILABLE"
+    assert server.wait(10), "the drain stops the server"

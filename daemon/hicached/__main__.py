@@ -2,8 +2,8 @@
 
 Precedence, lowest to highest: built-in defaults, the config file (``--config``), the
 environment (``HICACHED_<SETTING>``, e.g. ``HICACHED_SHM_DIR``; lists comma-separated), flags.
-SIGTERM / SIGINT drain the daemon: NOT_SERVING, new work refused with UNAVAILABLE, in-flight
-transfers finish, pools are freed. Argument and
+SIGTERM / SIGINT (or the Drain RPC, ``hicachectl drain``) drain the daemon: NOT_SERVING, new
+work refused with UNAVAILABLE, in-flight transfers finish, pools are freed. Argument and
 environment parsing happen here only; everything below takes a ``ServerConfig``.
 """
 
@@ -116,9 +116,10 @@ def serve(config: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     while not stop.wait(0.5):
-        pass
+        if server.wait(0):  # drained by the Drain RPC (hicachectl drain)
+            break
     t0 = time.monotonic()
-    server.drain_and_stop()
+    server.drain_and_stop()  # waits for a drain already under way
     logging.getLogger("hicached").info("drained in %.2fs", time.monotonic() - t0)
     return 0
 

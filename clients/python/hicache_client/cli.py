@@ -1,4 +1,11 @@
-"""``hicachectl``: status, pools and sessions of a running daemon, as tables or ``--json``."""
+"""``hicachectl``: inspect and administer a running daemon.
+
+Reads: ``status``, ``pools``, ``sessions`` (tables, or ``--json``). Admin verbs: ``delete-pool
+NAME`` (refused while sessions are open), ``close-session ID`` (the worker's mappings are
+released once its in-flight copies end), ``drain [--grace S]`` (graceful shutdown, as SIGTERM).
+Exit status: 0 on success, 1 when the daemon refused (the reason code is printed), 2 on usage
+errors.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,9 @@ from collections.abc import Sequence
 
 from google.protobuf.json_format import MessageToDict
 
+from hicache.codec import spec_from_proto
 from hicache.errors import HiCacheError
+from hicache.v1 import hicache_pb2 as pb
 from hicache_client.client import HiCacheClient
 
 
@@ -38,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("pools", help="pools with occupancy")
     sp = sub.add_parser("sessions", help="open worker sessions")
     sp.add_argument("--pool", default="", help="only this pool")
+    dp = sub.add_parser("delete-pool", help="delete a pool and free its memory")
+    dp.add_argument("name")
+    cp = sub.add_parser("close-session", help="close a worker session, releasing its mappings")
+    cp.add_argument("session_id")
+    gp = sub.add_parser("drain", help="graceful shutdown: refuse new work, finish in-flight "
+                                      "transfers, stop")
+    gp.add_argument("--grace", type=float, default=0.0,
+                    help="seconds in-flight transfers may take (default: the daemon's)")
     args = ap.parse_args(argv)
     client = HiCacheClient(args.target, reconnect_seconds=2.0, timeout=10.0)
     try:
@@ -49,7 +66,34 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
 
 
+def _pool_row(p: pb.Pool) -> tuple[object, ...]:
+    spec = spec_from_proto(p.spec)
+    kinds = "+".join([spec.geometry.kind.value, *(s.geometry.kind.value
+                                                  for s in spec.side_pools)])
+    return (spec.name, kinds, spec.geometry.dtype.value.lower(), spec.layout.value,
+            spec.page_size, p.page_num,
+            f"{p.used_pages} ({100 * p.used_pages / max(p.page_num, 1):.0f}%)",
+            _size(p.capacity_bytes), p.sessions)
+
+
+def _admin(client: HiCacheClient, args: argparse.Namespace) -> dict[str, object]:
+    if args.command == "delete-pool":
+        client.delete_pool(args.name)
+        return {"deleted_pool": args.name}
+    if args.command == "close-session":
+        client.close_session(args.session_id)
+        return {"closed_session": args.session_id}
+    r = client.drain(args.grace)
+    return {"draining": True, "grace_seconds": r.grace_seconds, "in_flight": r.in_flight,
+            "already_draining": r.already_draining}
+
+
 def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
+    if args.command in ("delete-pool", "close-session", "drain"):
+        done = _admin(client, args)
+        print(json.dumps(done) if args.json else
+              "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in done.items()))
+        return 0
     if args.command == "status":
         info = client.get_info()
         if args.json:
@@ -74,11 +118,8 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                                             always_print_fields_with_no_presence=True)
                               for p in resp.pools]))
             return 0
-        print(_table(["pool", "kind", "layout", "page", "pages", "used", "capacity",
-                      "sessions"], [
-            (p.spec.name, p.spec.kind, p.spec.layout, p.spec.page_size, p.page_num,
-             f"{p.used_pages} ({100 * p.used_pages / max(p.page_num, 1):.0f}%)",
-             _size(p.capacity_bytes), p.sessions) for p in resp.pools]))
+        print(_table(["pool", "kind", "dtype", "layout", "page", "pages", "used", "capacity",
+                      "sessions"], [_pool_row(p) for p in resp.pools]))
         return 0
     sessions = client.list_sessions(args.pool)
     if args.json:

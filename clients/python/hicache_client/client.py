@@ -155,6 +155,12 @@ class HiCacheClient:
     def delete_pool(self, name: str) -> None:
         self._call(self._stub.DeletePool, pb.DeletePoolRequest(name=name), retry=False)
 
+    def drain(self, grace_seconds: float = 0.0) -> pb.DrainResponse:
+        """Begin the daemon's graceful shutdown (as SIGTERM); 0 = its configured grace."""
+        resp: pb.DrainResponse = self._call(
+            self._stub.Drain, pb.DrainRequest(grace_seconds=grace_seconds), retry=False)
+        return resp
+
     def open_session(self, pool: str, worker_id: str,
                      buffers: Sequence[DeviceBufferSpec | pb.DeviceBuffer], *,
                      lease_ms: int = 0, heartbeat: bool = True,

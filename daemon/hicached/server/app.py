@@ -7,7 +7,8 @@ Primitives:
   refuses to start (``AlreadyServing``) while a socket left by a killed daemon is replaced.
 - ``HiCacheServer``: ``daemon``, ``metrics_port``, ``drain_and_stop(grace)`` (health
   NOT_SERVING, refuse new work with UNAVAILABLE, let in-flight transfers finish, stop with a
-  grace period, close sessions and free pool memory) and ``wait()``.
+  grace period, close sessions and free pool memory), ``begin_drain(grace)`` (the same in the
+  background, for the Drain RPC) and ``wait()``.
 
 The daemon's state and flows are in ``daemon``, its handlers in ``service``, what every call
 needs in ``interceptors``; this module only wires them to listeners and a process.
@@ -125,6 +126,7 @@ class HiCacheServer:
         self.health = health.HealthServicer()
         self._locks: list[_SocketLock] = []
         self._stopped = threading.Event()
+        self._drain_lock = threading.Lock()
         self.metrics_port = 0
         self._metrics_server: object | None = None
         opts = [("grpc.max_receive_message_length", config.max_message_bytes),
@@ -134,7 +136,7 @@ class HiCacheServer:
             ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="rpc"), options=opts,
             interceptors=server_interceptors(self.daemon, CREATES_WORK))
         pb_grpc.add_HostCacheServicer_to_server(  # type: ignore[no-untyped-call]
-            HostCacheServicer(self.daemon), self.grpc)
+            HostCacheServicer(self.daemon, self.begin_drain), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
@@ -182,11 +184,23 @@ class HiCacheServer:
         host = target.rpartition(":")[0]
         return f"{host}:{port}"
 
+    def begin_drain(self, grace: float = 0.0) -> float:
+        """Start ``drain_and_stop`` in the background (0 = the configured grace); returns the
+        grace period that applies. New work is refused from the moment this returns."""
+        grace = grace or self.config.grace_seconds
+        self.daemon.draining.set()
+        threading.Thread(target=self.drain_and_stop, args=(grace,), name="drain",
+                         daemon=True).start()
+        return grace
+
     def drain_and_stop(self, grace: float | None = None) -> None:
-        """SIGTERM path: NOT_SERVING, refuse new work, finish in-flight transfers, stop."""
-        if self._stopped.is_set():
-            return
-        grace = self.config.grace_seconds if grace is None else grace
+        """SIGTERM path: NOT_SERVING, refuse new work, finish in-flight transfers, stop. A
+        second caller waits for the first drain to finish."""
+        with self._drain_lock:
+            if not self._stopped.is_set():
+                self._drain_and_stop(self.config.grace_seconds if grace is None else grace)
+
+    def _drain_and_stop(self, grace: float) -> None:
         log.info("draining: refusing new work, waiting up to %.1fs for in-flight requests",
                  grace)
         self.health.enter_graceful_shutdown()

@@ -2,7 +2,7 @@
 
 Primitives:
 
-- ``HostCacheServicer(daemon)``: one method per RPC and nothing else; domain errors,
+- ``HostCacheServicer(daemon, drain)``: one method per RPC and nothing else; domain errors,
   metrics and the drain gate are the interceptors' (``interceptors``), the flows the daemon's
   (``daemon``).
 - ``CREATES_WORK``: the methods refused while the daemon drains.
@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
 import hicache
 from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
+from hicache.errors import SpecInvalid
 from hicache.indices import indices_to_bytes, to_index_array
 from hicache.layer_groups import check_layer_events
 from hicache.v1 import hicache_pb2 as pb
@@ -57,8 +59,11 @@ def session_message(s: Session) -> pb.Session:
 
 
 class HostCacheServicer(pb_grpc.HostCacheServicer):
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, drain: Callable[[float], float]) -> None:
+        """``drain(grace_seconds)`` begins the process's graceful shutdown (the Drain RPC) and
+        returns the grace period that applies (0 asks for the configured one)."""
         self.daemon = daemon
+        self._drain = drain
 
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext
                 ) -> pb.GetInfoResponse:
@@ -159,3 +164,15 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             request.completion == pb.COMPLETION_LAYER_EVENTS)
         return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages,
                                    duration_seconds=r.seconds, pending=r.pending)
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext
+              ) -> pb.DrainResponse:
+        grace = float(request.grace_seconds)
+        if not 0 <= grace < float("inf"):
+            raise SpecInvalid(f"grace_seconds must be a finite number >= 0, got {grace}",
+                              metadata={"field": "grace_seconds", "value": grace})
+        already = self.daemon.draining.is_set()
+        in_flight = self.daemon.in_flight
+        grace = self._drain(grace)
+        return pb.DrainResponse(in_flight=in_flight, grace_seconds=grace,
+                                already_draining=already)

@@ -411,3 +411,19 @@ class PingRequest(_message.Message):
 class PingResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_seconds",)
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("in_flight", "grace_seconds", "already_draining")
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    in_flight: int
+    grace_seconds: float
+    already_draining: bool
+    def __init__(self, in_flight: _Optional[int] = ..., grace_seconds: _Optional[float] = ..., already_draining: _Optional[bool] = ...) -> None: ...

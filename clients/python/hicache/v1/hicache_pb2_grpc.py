@@ -104,6 +104,11 @@ class HostCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.PingRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/hicache.v1.HostCache/Drain',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.DrainRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class HostCacheServicer:
@@ -194,6 +199,12 @@ class HostCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +277,11 @@ def add_HostCacheServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.PingRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.PingResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.DrainRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -646,6 +662,33 @@ class HostCache:
             '/hicache.v1.HostCache/Ping',
             hicache_dot_v1_dot_hicache__pb2.PingRequest.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HostCache/Drain',
+            hicache_dot_v1_dot_hicache__pb2.DrainRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
