@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from hicached import (
@@ -92,3 +95,15 @@ def native_kernel(enabled: bool) -> Iterator[None]:
         yield
     finally:
         native.KERNEL = saved
+
+
+def require_binary(name: str, package: str) -> str:
+    """The path of a server or tool the tests run. Missing, the test fails under CI (``CI`` is
+    set by .ci/run; scripts/test.sh installs it) and is skipped elsewhere, saying how to get
+    it."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is missing under CI: scripts/test.sh installs {package}")
+        pytest.skip(f"{name} not installed (apt-get install {package})")
+    return path

@@ -4,9 +4,7 @@ dashboard that only uses metrics the daemon exports, parseable manifests."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,17 +18,13 @@ from hicache.specs import CanarySpec, DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached.server.app import create_server
 from hicached.server.config import ServerConfig
+from tests.helpers import require_binary
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is missing in CI: scripts/test.sh installs prometheus")
-        pytest.skip("promtool not installed (apt-get install prometheus)")
-    return path
+    return require_binary("promtool", "prometheus")
 
 
 @pytest.mark.parametrize("args", [

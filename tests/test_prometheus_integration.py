@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -20,6 +18,7 @@ from hicache.errors import HiCacheError
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from tests.daemon_proc import start_daemon
+from tests.helpers import require_binary
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SPEC = PoolSpec("prom", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 32), 8,
@@ -57,11 +56,7 @@ def wait_value(port: int, expr: str, want: float, timeout: float = 40.0) -> None
 
 
 def test_prometheus_scrapes_transfers_rejections_and_capacity(tmp_path: Path) -> None:
-    prometheus = shutil.which("prometheus")
-    if prometheus is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus is missing in CI: scripts/test.sh installs it")
-        pytest.skip("prometheus not installed (apt-get install prometheus)")
+    prometheus = require_binary("prometheus", "prometheus")
     mport, pport = free_port(), free_port()
     daemon = start_daemon(tmp_path, "--metrics-listen", f"127.0.0.1:{mport}")
     cfg = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
