@@ -10,7 +10,9 @@ setup(
     ext_modules=[
         Extension(
             "hicached.copy._copykernel",
-            sources=["daemon/hicached/copy/copykernel.c"],
+            sources=[f"daemon/hicached/copy/csrc/{name}.c"
+                     for name in ("module", "copykernel", "cudasubmit")],
+            depends=["daemon/hicached/copy/csrc/kernel.h"],
             extra_compile_args=["-O3", "-pthread", "-std=c11"],
             extra_link_args=["-pthread"],
             optional=True,

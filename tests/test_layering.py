@@ -56,6 +56,7 @@ def test_the_core_loads_no_grpc_no_protobuf_no_cuda_driver() -> None:
 @pytest.mark.parametrize("tree", ["daemon/hicached", "clients/python"])
 def test_no_module_is_over_the_size_rule(tree: str) -> None:
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
-             for p in Path(REPO, tree).rglob("*.py") if not p.name.endswith(GENERATED)}
+             for pattern in ("*.py", "*.c", "*.h") for p in Path(REPO, tree).rglob(pattern)
+             if not p.name.endswith(GENERATED)}
     assert sizes, tree
     assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}

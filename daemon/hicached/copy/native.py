@@ -1,4 +1,4 @@
-"""The one loader of the native module ``hicached.copy._copykernel`` (built from copykernel.c).
+"""The one loader of the native module ``hicached.copy._copykernel`` (built from csrc/*.c).
 
 Primitives:
 

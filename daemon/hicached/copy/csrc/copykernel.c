@@ -1,5 +1,6 @@
 /*
- * hicached._copykernel: page-granular strided copies between raw host addresses.
+ * The CPU copy kernel of hicached.copy._copykernel: page-granular strided copies between raw
+ * host addresses (module.c builds the module, cudasubmit.c adds the CUDA batch submission).
  *
  * One call copies page dst_pages[i] <- src_pages[i] at every layer of one component. Page p of
  * layer l starts at base[l] + p * pitch and is `units` rows of `unit_bytes` bytes, `stride` bytes
@@ -15,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include "kernel.h"
 #include <stdatomic.h>
 #include <time.h>
 #include <stdint.h>
@@ -288,19 +290,7 @@ static void run_parallel(const plan_t *p, int64_t items, int nthreads) {
     run_range(p, 0, items);
 }
 
-static int get_i64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
-    if (view->itemsize != 8 || view->format == NULL ||
-        (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0 &&
-         strcmp(view->format, "<q") != 0 && strcmp(view->format, "<l") != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 buffer", name);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
-static PyObject *copy_pages(PyObject *self, PyObject *args) {
+PyObject *copy_pages(PyObject *self, PyObject *args) {
     PyObject *objs[4];
     plan_t p;
     int nthreads;
@@ -350,96 +340,3 @@ done:
     for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     return result;
 }
-
-/* -- CUDA submission -------------------------------------------------------------------------
- * Enqueue a batch of 1-D / 2-D async copies through driver entry points handed over as
- * addresses (the module never links or includes CUDA). Mirrors CUDA_MEMCPY2D (v2). */
-typedef struct {
-    size_t srcXInBytes, srcY;
-    int srcMemoryType;
-    const void *srcHost;
-    unsigned long long srcDevice;
-    void *srcArray;
-    size_t srcPitch;
-    size_t dstXInBytes, dstY;
-    int dstMemoryType;
-    void *dstHost;
-    unsigned long long dstDevice;
-    void *dstArray;
-    size_t dstPitch;
-    size_t WidthInBytes, Height;
-} cuda_memcpy2d_t;
-
-typedef int (*cuda_memcpy_fn)(unsigned long long, unsigned long long, size_t, void *);
-typedef int (*cuda_memcpy2d_fn)(const cuda_memcpy2d_t *, void *);
-
-static PyObject *cuda_submit(PyObject *self, PyObject *args) {
-    unsigned long long f1, f2, stream;
-    PyObject *objs[6];
-    (void)self;
-    if (!PyArg_ParseTuple(args, "KKKOOOOOO", &f1, &f2, &stream, &objs[0], &objs[1], &objs[2],
-                          &objs[3], &objs[4], &objs[5]))
-        return NULL;
-    static const char *names[6] = {"dst", "src", "dpitch", "spitch", "width", "height"};
-    Py_buffer views[6];
-    int got = 0;
-    PyObject *result = NULL;
-    for (; got < 6; got++)
-        if (get_i64_buffer(objs[got], &views[got], names[got]) < 0) goto done;
-    Py_ssize_t n = views[0].len / 8;
-    for (int i = 1; i < 6; i++)
-        if (views[i].len / 8 != n) {
-            PyErr_SetString(PyExc_ValueError, "segment arrays must have one length");
-            goto done;
-        }
-    if (!f1 || !f2) {
-        PyErr_SetString(PyExc_ValueError, "null CUDA entry point");
-        goto done;
-    }
-    cuda_memcpy_fn memcpy1 = (cuda_memcpy_fn)(uintptr_t)f1;
-    cuda_memcpy2d_fn memcpy2 = (cuda_memcpy2d_fn)(uintptr_t)f2;
-    const int64_t *dst = views[0].buf, *src = views[1].buf, *dp = views[2].buf,
-                  *sp = views[3].buf, *w = views[4].buf, *h = views[5].buf;
-    Py_ssize_t i = 0;
-    int rc = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (; i < n; i++) {
-        if (h[i] == 1) {
-            rc = memcpy1((unsigned long long)dst[i], (unsigned long long)src[i], (size_t)w[i],
-                         (void *)(uintptr_t)stream);
-        } else {
-            cuda_memcpy2d_t c;
-            memset(&c, 0, sizeof c);
-            c.srcMemoryType = c.dstMemoryType = 4; /* CU_MEMORYTYPE_UNIFIED */
-            c.srcDevice = (unsigned long long)src[i];
-            c.dstDevice = (unsigned long long)dst[i];
-            c.srcPitch = (size_t)sp[i];
-            c.dstPitch = (size_t)dp[i];
-            c.WidthInBytes = (size_t)w[i];
-            c.Height = (size_t)h[i];
-            rc = memcpy2((const cuda_memcpy2d_t *)&c, (void *)(uintptr_t)stream);
-        }
-        if (rc != 0) break;
-    }
-    Py_END_ALLOW_THREADS
-    result = Py_BuildValue("(ni)", i, rc);
-done:
-    for (int k = 0; k < got; k++) PyBuffer_Release(&views[k]);
-    return result;
-}
-
-static PyMethodDef methods[] = {
-    {"cuda_submit", cuda_submit, METH_VARARGS,
-     "cuda_submit(memcpy_async, memcpy2d_async, stream, dst, src, dpitch, spitch, width, "
-     "height) -> (segments submitted, CUresult of the first failure or 0)"},
-    {"copy_pages", copy_pages, METH_VARARGS,
-     "copy_pages(dst_base, src_base, dst_pages, src_pages, unit_bytes, units, dst_pitch, "
-     "src_pitch, dst_stride, src_stride, nthreads, min_parallel_bytes, streaming_bytes, "
-     "layer_inner) -> bytes copied"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_copykernel",
-                                    "Strided page copies between raw addresses.", -1, methods};
-
-PyMODINIT_FUNC PyInit__copykernel(void) { return PyModule_Create(&module); }

@@ -1,0 +1,20 @@
+/* What the three sources of hicached.copy._copykernel share. */
+#ifndef HICACHED_KERNEL_H
+#define HICACHED_KERNEL_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* A contiguous int64 buffer of `obj` in `view` (released by the caller), or -1 with a
+ * TypeError naming `name`. */
+int get_i64_buffer(PyObject *obj, Py_buffer *view, const char *name);
+
+/* copy_pages(dst_base, src_base, dst_pages, src_pages, unit_bytes, units, dst_pitch,
+ * src_pitch, dst_stride, src_stride, nthreads, min_parallel_bytes, streaming_bytes,
+ * layer_inner) -> bytes copied */
+PyObject *copy_pages(PyObject *self, PyObject *args);
+
+/* cuda_submit(memcpy_async, memcpy2d_async, stream, dst, src, dpitch, spitch, width, height)
+ * -> (segments submitted, CUresult of the first failure or 0) */
+PyObject *cuda_submit(PyObject *self, PyObject *args);
+
+#endif

@@ -1,0 +1,36 @@
+/*
+ * hicached.copy._copykernel: the module table, and the int64 buffer check both halves share.
+ * copykernel.c: copy_pages (CPU). cudasubmit.c: cuda_submit (GPU).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+#include "kernel.h"
+
+int get_i64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (view->itemsize != 8 || view->format == NULL ||
+        (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0 &&
+         strcmp(view->format, "<q") != 0 && strcmp(view->format, "<l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 buffer", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyMethodDef methods[] = {
+    {"cuda_submit", cuda_submit, METH_VARARGS,
+     "cuda_submit(memcpy_async, memcpy2d_async, stream, dst, src, dpitch, spitch, width, "
+     "height) -> (segments submitted, CUresult of the first failure or 0)"},
+    {"copy_pages", copy_pages, METH_VARARGS,
+     "copy_pages(dst_base, src_base, dst_pages, src_pages, unit_bytes, units, dst_pitch, "
+     "src_pitch, dst_stride, src_stride, nthreads, min_parallel_bytes, streaming_bytes, "
+     "layer_inner) -> bytes copied"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_copykernel",
+                                    "Strided page copies between raw addresses.", -1, methods};
+
+PyMODINIT_FUNC PyInit__copykernel(void) { return PyModule_Create(&module); }
