@@ -8,5 +8,5 @@ setup_hicached --test
 
 python3 -m ruff check .
 python3 -m mypy
-lint-imports  # the layer and import rules in pyproject.toml
+lint-imports --no-cache  # the layer and import rules in pyproject.toml
 python3 -m pytest -q -p no:cacheprovider "$@"

@@ -98,3 +98,30 @@ def test_alert_rules_use_only_exported_metrics(scraped_names: set[str]) -> None:
     exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
     used = {m for e in exprs for m in re.findall(r"\bhicache_[a-z_]+", e)}
     assert used and used <= scraped_names, used - scraped_names
+
+
+def _documented_metric(name: str, doc: str) -> bool:
+    """Documented by name, as a histogram's or counter's family, in docs/operations.md."""
+    family = re.sub(r"_(bucket|sum|count|created|total)$", "", name)
+    return f"`{name}`" in doc or f"`{family}" in doc
+
+
+def test_every_exported_metric_is_documented(scraped_names: set[str]) -> None:
+    doc = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    ours = {n for n in scraped_names if n.startswith("hicache_")}
+    assert ours and {n for n in ours if not _documented_metric(n, doc)} == set()
+
+
+def test_every_alert_has_a_runbook_entry() -> None:
+    doc = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    headings = {line[4:].strip() for line in doc.splitlines() if line.startswith("### ")}
+    rules = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
+    alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts
+    for rule in alerts:
+        name = rule["alert"]
+        assert name in headings, f"docs/operations.md has no runbook entry for {name}"
+        assert rule["annotations"]["runbook"] == f"docs/operations.md#{name.lower()}"
+        entry = doc.split(f"### {name}\n", 1)[1].split("\n### ", 1)[0]
+        for part in ("**Means:**", "**Check:**", "**Do:**"):
+            assert part in entry, f"{name}: runbook entry lacks {part}"
