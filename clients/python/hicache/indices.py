@@ -24,18 +24,23 @@ from hicache.errors import IndicesMalformed, Violation
 
 IndexArray = npt.NDArray[np.int64]
 
-_INT_TENSOR_DTYPES = ("int64", "int32", "int16", "uint8", "int8")
+_INT_TENSOR_DTYPES: frozenset[Any] = frozenset()
 
 
 def _tensor_to_numpy(obj: object, field: str) -> np.ndarray | None:
-    """A CPU numpy view of a torch tensor, or None when ``obj`` is not one."""
+    """A CPU numpy view of a torch tensor, or None when ``obj`` is not one (integer tensors
+    never require grad, so no detach is needed)."""
+    global _INT_TENSOR_DTYPES
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(obj, torch.Tensor):
         return None
+    if not _INT_TENSOR_DTYPES:
+        _INT_TENSOR_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.uint8,
+                                        torch.int8))
     t: Any = obj.cpu() if obj.device.type != "cpu" else obj
-    if str(t.dtype).removeprefix("torch.") not in _INT_TENSOR_DTYPES:
+    if t.dtype not in _INT_TENSOR_DTYPES:
         _malformed(field, f"dtype {t.dtype} is not an integer type")
-    return t.detach().numpy()  # type: ignore[no-any-return]
+    return t.numpy()  # type: ignore[no-any-return]
 
 
 def to_index_array(obj: object, field: str) -> IndexArray:

@@ -24,8 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from hicached.copy.cpu import execute
 from hicached.copy.plan import CopyPlan, Side
 from hicached.core.pool import ComponentStorage, HostPool
@@ -70,8 +68,7 @@ def _layers_of(batch: TransferBatch, cs: ComponentStorage) -> range:
 def host_side(cs: ComponentStorage) -> Side:
     """The copy planner's view of one host component."""
     a = cs.addressing
-    return Side(layer_bases=cs.layer_bases,
-                layer_limits=np.full(cs.layer_bases.size, cs.end, np.int64),
+    return Side(layer_bases=cs.layer_bases, layer_limits=cs.layer_limits,
                 page_pitch=a.page_pitch, unit_stride=a.unit_stride)
 
 

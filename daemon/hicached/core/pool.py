@@ -70,8 +70,8 @@ class ComponentStorage:
     """Typed view in SGLang's host shape for this component and layout."""
     layer_bases: np.ndarray
     """Absolute address of each layer's first row (int64, indexed by layer)."""
-    end: int
-    """One past the component's last byte (absolute)."""
+    layer_limits: np.ndarray
+    """One past the last byte each layer's rows may reach: the component's end (int64)."""
 
 
 class HostPool:
@@ -119,7 +119,8 @@ class HostPool:
                 self.components.append(ComponentStorage(
                     member=name, comp=comp, layer_num=geometry.layer_num, offset=off,
                     nbytes=nbytes, addressing=addressing, tensor=view.reshape(shape),
-                    layer_bases=base + layers * addressing.layer_stride, end=base + nbytes))
+                    layer_bases=base + layers * addressing.layer_stride,
+                    layer_limits=np.full(geometry.layer_num, base + nbytes, np.int64)))
         self.canary: CanaryTable | None = None
         if spec.canary is not None and self.components:
             self.canary = CanaryTable(self.page_num, spec.max_layers, spec.canary.read_bytes)
