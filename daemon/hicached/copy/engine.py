@@ -61,10 +61,6 @@ class PlanRunner(Protocol):
         ...
 
 
-def _layers_of(batch: TransferBatch, cs: ComponentStorage) -> range:
-    return range(batch.layers.start, min(batch.layers.stop, cs.layer_num))
-
-
 def host_side(cs: ComponentStorage) -> Side:
     """The copy planner's view of one host component."""
     a = cs.addressing
@@ -156,7 +152,7 @@ class TransferEngine:
         units = cs.comp.units_per_page(pool.page_size)
         starts, ends = buffers.extents(cs.member, cs.comp.role)
         dev = Side(layer_bases=starts, layer_limits=ends, page_pitch=units * ub, unit_stride=ub)
-        host, layers = host_side(cs), _layers_of(batch, cs)
+        host, layers = host_side(cs), cs.clip(batch.layers)
         if op is Op.BACKUP:
             return CopyPlan.build(dst=host, src=dev, dst_pages=batch.host_pages,
                                   src_pages=batch.device_pages, layers=layers, unit_bytes=ub,

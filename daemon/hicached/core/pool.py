@@ -73,6 +73,10 @@ class ComponentStorage:
     layer_limits: np.ndarray
     """One past the last byte each layer's rows may reach: the component's end (int64)."""
 
+    def clip(self, layers: range) -> range:
+        """The part of ``layers`` this component has (side pools may have fewer layers)."""
+        return range(layers.start, min(layers.stop, self.layer_num))
+
 
 class HostPool:
     def __init__(self, spec: PoolSpec, options: MemoryOptions | None = None,
@@ -162,7 +166,7 @@ class HostPool:
         read_words = self.canary.read_bytes // 8
         out = np.zeros((pages.size, len(layers)), dtype=np.uint64)
         for salt, cs in enumerate(self.components):
-            lays = range(layers.start, min(layers.stop, cs.layer_num))
+            lays = cs.clip(layers)
             if not len(lays):
                 continue
             a = cs.addressing
