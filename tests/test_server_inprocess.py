@@ -153,3 +153,34 @@ def test_drain_rpc_refuses_bad_grace_then_drains_once(served) -> None:  # type: 
     except HiCacheError as exc:  # the first drain may already have stopped the server
         assert exc.reason == "UNAVAILABLE"
     assert server.wait(10), "the drain stops the server"
+
+
+def test_an_unexpected_failure_is_internal_counted_and_not_leaked(served, monkeypatch,
+                                                                   caplog) -> None:  # type: ignore[no-untyped-def]
+    server, client, _ = served
+
+    def broken() -> list[object]:
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(server.daemon.pools, "list", broken)
+    with pytest.raises(HiCacheError) as exc:
+        client.list_pools()
+    assert exc.value.grpc_code == grpc.StatusCode.INTERNAL and not exc.value.from_daemon
+    assert "secret" not in exc.value.message and "see the daemon log" in exc.value.message
+    assert "secret internals" in caplog.text  # logged with its traceback
+    assert sample(server, "hicache_rpc_requests_total", method="ListPools", code="INTERNAL") == 1
+    assert sample(server, "hicache_rpc_duration_seconds_count", method="ListPools") == 1
+
+
+def test_interceptors_count_only_the_cache_service(served) -> None:  # type: ignore[no-untyped-def]
+    server, client, _ = served
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = client.target
+    with grpc.insecure_channel(target) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    client.ping()
+    methods = {s.labels["method"] for m in server.registry.collect()
+               if m.name == "hicache_rpc_requests" for s in m.samples}
+    assert "Ping" in methods and not any("Health" in m or "/" in m for m in methods)
