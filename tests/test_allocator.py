@@ -10,6 +10,7 @@ from hicache.errors import (
     DoubleFree,
     HiCacheError,
     IndicesNotPageAligned,
+    PageBusy,
     PageNotAllocated,
     PoolExhausted,
 )
@@ -80,23 +81,97 @@ def test_batch_with_one_bad_page_frees_nothing() -> None:
     a.memcheck()
 
 
-def test_pinned_page_is_released_only_after_unpin() -> None:
+def test_held_page_is_released_only_after_its_copy() -> None:
     a = PageAllocator(4, 2)
     idx = a.alloc(2)
     page = idx[::2] // 2
-    a.pin(page)
+    a.acquire(page, write=False)
     a.free(idx)
-    assert a.free_pages == 3  # still held by the pin
+    assert a.free_pages == 3  # still held by the reader
     a.memcheck()
     with pytest.raises(PageNotAllocated):
-        a.pin(page)  # a freed page cannot gain new readers
-    a.unpin(page)
+        a.acquire(page, write=False)  # a freed page cannot gain new readers
+    a.release(page, write=False)
     assert a.free_pages == 4
     a.memcheck()
 
 
+def test_one_writer_or_many_readers_else_page_busy() -> None:
+    a = PageAllocator(4, 2, layer_num=3)
+    pages = a.alloc(4)[::2] // 2
+    a.acquire(pages, write=False)
+    a.acquire(pages[:1], write=False)  # readers share
+    with pytest.raises(PageBusy) as exc:
+        a.acquire(pages, write=True)
+    assert exc.value.metadata["held_for"] == "read" and exc.value.metadata["count"] == "2"
+    a.release(pages, write=False)
+    with pytest.raises(PageBusy):
+        a.acquire(pages[:1], write=True)  # still one reader on the first page
+    a.acquire(pages[1:], write=True)
+    with pytest.raises(PageBusy) as exc:
+        a.acquire(pages, write=False)  # never read while written
+    assert exc.value.metadata["held_for"] == "written"
+    with pytest.raises(PageBusy):
+        a.acquire(pages[1:], write=True)  # never two writers
+    a.release(pages[:1], write=False)
+    a.release(pages[1:], write=True, layers=range(0, 2))
+    a.memcheck()
+    assert a.written_mask(pages, range(0, 2)).tolist() == [False, True]
+    assert a.written_mask(pages, range(0, 3)).tolist() == [False, False]
+    a.acquire(pages, write=True)  # all free again
+    a.release(pages, write=True)  # an aborted write marks nothing
+    assert a.written_mask(pages, range(2, 3)).tolist() == [False, False]
+
+
+def test_written_bits_start_clear_on_every_allocation() -> None:
+    a = PageAllocator(1, 2, layer_num=2)
+    page = a.alloc(2)[::2] // 2
+    a.acquire(page, write=True)
+    a.release(page, write=True, layers=range(0, 2))
+    assert a.written_mask(page, range(0, 2)).all()
+    a.free(page * 2 + np.arange(2))
+    again = a.alloc(2)[::2] // 2
+    assert again.tolist() == page.tolist() and not a.written_mask(again, range(0, 1)).any()
+
+
+def test_owned_pages_are_freed_with_their_owner_even_while_held() -> None:
+    a = PageAllocator(6, 1)
+    mine, theirs, nobody = a.alloc(2, owner=7), a.alloc(2, owner=8), a.alloc(1)
+    a.acquire(mine[:1], write=False)
+    assert a.free_owned(7) == 2 and a.free_pages == 2  # one released now, one after its copy
+    a.release(mine[:1], write=False)
+    assert a.free_pages == 3 and a.free_owned(7) == 0 and a.free_owned(0) == 0
+    assert a.is_allocated(np.concatenate([theirs, nobody])).all()
+    a.memcheck()
+
+
+def test_keyed_pages_are_not_raw_pages() -> None:
+    a = PageAllocator(4, 2)
+    keyed = a.alloc_pages(2)
+    assert a.counts()["keyed"] == 2 and a.counts()["held"] == 2  # held for their write
+    assert not a.is_allocated(keyed).any()
+    with pytest.raises(PageNotAllocated) as exc:
+        a.free(keyed[:1] * 2 + np.arange(2))
+    assert "keyed" in exc.value.message
+    a.release(keyed, write=True)
+    a.release_pages(keyed)
+    assert a.free_pages == 4
+    a.memcheck()
+
+
+def test_free_costs_the_pages_freed_not_the_free_ring() -> None:
+    """The ring wraps: pages come back in FIFO order and each is handed out once."""
+    a = PageAllocator(5, 1)
+    first = a.alloc(3)
+    a.free(first[1:])
+    assert a.alloc(4).tolist() == [3, 4, 1, 2]  # the two never used, then the freed ones
+    a.free(first[:1])
+    assert a.alloc(1).tolist() == [0]
+    a.memcheck()
+
+
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random alloc / free / pin / unpin sequences; memcheck after every step."""
+    """Random alloc / free / acquire / release sequences; memcheck after every step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,13 +220,13 @@ class AllocatorMachine(RuleBasedStateMachine):
     def pin(self, i: int) -> None:
         idx = self.owned[i % len(self.owned)]
         pages = idx[:: self.ps] // self.ps
-        self.a.pin(pages)
+        self.a.acquire(pages, write=False)
         self.pinned.append(pages)
 
     @precondition(lambda self: self.pinned)
     @rule()
     def unpin(self) -> None:
-        self.a.unpin(self.pinned.pop(0))
+        self.a.release(self.pinned.pop(0), write=False)
 
     @invariant()
     def memcheck(self) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.errors import CanaryMismatch
+from hicache.errors import CanaryMismatch, HiCacheError
 from hicache.specs import CanarySpec, DType, Layout, MemberSpec, Role
 from hicached.copy.engine import TransferEngine
 from hicached.core.worker_buffers import WorkerBuffers
@@ -89,12 +89,18 @@ def test_freed_page_forgets_its_fingerprint() -> None:
         src = random_device(s, 32)
         host = pool.alloc(4)
         ENGINE.backup(pool, src, host, torch.arange(4))
+        assert pool.canary is not None
+        page, layers = host[::4].numpy() // 4, range(0, 3)
+        wrong = np.zeros((1, 3), dtype=np.uint64)
+        with pytest.raises(CanaryMismatch):
+            pool.canary.verify(page, layers, wrong)  # recorded: a wrong print mismatches
         pool.free(host)
-        everything = pool.alloc(pool.size_tokens)  # page 0 comes back last (FIFO free list)
-        assert everything[-4:].tolist() == host.tolist()
-        pool.buffer("kv", Role.K).view(torch.uint8)[0, 0].view(-1)[0] ^= 1
-        ENGINE.load(pool, WorkerBuffers.allocate(s, 32), host, torch.arange(4))  # not recorded
-        assert pool.canary is not None and pool.canary.mismatched_pages == 0
+        pool.canary.verify(page, layers, wrong)  # forgotten: nothing left to compare
+        assert pool.canary.mismatched_pages == 1
+        again = pool.alloc(pool.size_tokens)  # the page comes back unwritten
+        with pytest.raises(HiCacheError) as exc:
+            ENGINE.load(pool, WorkerBuffers.allocate(s, 32), again[-4:], torch.arange(4))
+        assert exc.value.reason == "PAGE_NOT_WRITTEN"
     finally:
         pool.close()
 

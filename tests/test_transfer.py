@@ -233,6 +233,57 @@ def test_closed_pool_rejects_transfers() -> None:
         ENGINE.backup(pool, dev, idx, torch.arange(4))
 
 
+def test_load_of_unwritten_layers_is_refused_and_moves_nothing() -> None:
+    s = spec(mha())  # 3 layers
+    pool = make_pool(s)
+    try:
+        src, dst = random_device(s, 16), random_device(s, 16, seed=1)
+        host = pool.alloc(8)
+        ENGINE.backup(pool, src, host[:4], torch.arange(4), layer_begin=0, layer_end=2)
+        before = device_bytes(dst)
+        for h, layers in ((host[:4], (0, 3)), (host[4:], (0, 1)), (host, (0, 2))):
+            with pytest.raises(HiCacheError) as exc:
+                ENGINE.load(pool, dst, h, torch.arange(h.numel()), *layers)
+            assert exc.value.reason == "PAGE_NOT_WRITTEN", layers
+        assert exc.value.metadata["page"] == str(int(host[4]) // 4)
+        assert all(torch.equal(a, b) for a, b in zip(before, device_bytes(dst), strict=True))
+        ENGINE.load(pool, dst, host[:4], torch.arange(4), 0, 2)  # what was written loads
+        ENGINE.backup(pool, src, host[:4], torch.arange(4), layer_begin=2, layer_end=3)
+        ENGINE.load(pool, dst, host[:4], torch.arange(4))  # now every layer was written
+        assert_same_pages(src, dst, s, np.array([0]), np.array([0]))
+    finally:
+        pool.close()
+
+
+def test_a_page_held_by_another_copy_is_busy_and_nothing_moves() -> None:
+    s = spec(mha())
+    pool = make_pool(s)
+    try:
+        src, dst = random_device(s, 16), random_device(s, 16, seed=1)
+        host = pool.alloc(8)
+        ENGINE.backup(pool, src, host, torch.arange(8))
+        page = host[4:5].numpy() // 4
+        host_before, dst_before = pool_bytes(pool), device_bytes(dst)
+        pool.allocator.acquire(page, write=True)  # another request writes page 1
+        with pytest.raises(HiCacheError) as exc:
+            ENGINE.load(pool, dst, host, torch.arange(8))
+        assert exc.value.reason == "PAGE_BUSY" and exc.value.metadata["first_bad_position"] == "4"
+        with pytest.raises(HiCacheError):
+            ENGINE.backup(pool, random_device(s, 16, seed=2), host, torch.arange(8))
+        assert torch.equal(pool_bytes(pool), host_before)
+        assert all(torch.equal(a, b) for a, b in zip(dst_before, device_bytes(dst), strict=True))
+        pool.allocator.release(page, write=True)
+        pool.allocator.acquire(page, write=False)  # another request reads page 1
+        ENGINE.load(pool, dst, host, torch.arange(8))  # readers share
+        with pytest.raises(HiCacheError) as exc:
+            ENGINE.backup(pool, src, host, torch.arange(8))
+        assert exc.value.reason == "PAGE_BUSY"
+        pool.allocator.release(page, write=False)
+        pool.allocator.memcheck()
+    finally:
+        pool.close()
+
+
 def test_transfer_to_freed_page_is_rejected() -> None:
     s = spec(mha())
     pool = make_pool(s)

@@ -26,22 +26,29 @@ Hierarchy::
     │   ├── SpecInvalid                    SPEC_INVALID
     │   ├── CanarySourceInvalid            CANARY_SOURCE_INVALID
     │   ├── IpcHandleInvalid               IPC_HANDLE_INVALID
-    │   └── BufferNotShareable             BUFFER_NOT_SHAREABLE
+    │   ├── BufferNotShareable             BUFFER_NOT_SHAREABLE
+    │   ├── KeyInvalid                     KEY_INVALID
+    │   └── DuplicateKey                   DUPLICATE_KEY
     ├── StateConflict                  the request is well-formed but the state forbids it
     │   ├── PageNotAllocated               PAGE_NOT_ALLOCATED
     │   ├── DoubleFree                     DOUBLE_FREE
     │   ├── PoolSpecConflict               POOL_SPEC_CONFLICT
     │   ├── PoolClosed                     POOL_CLOSED
     │   ├── PoolInUse                      POOL_IN_USE
-    │   └── TransportUnavailable           TRANSPORT_UNAVAILABLE
+    │   ├── TransportUnavailable           TRANSPORT_UNAVAILABLE
+    │   └── PageNotWritten                 PAGE_NOT_WRITTEN
+    ├── Aborted                        a concurrent request holds what this one needs; retry
+    │   └── PageBusy                       PAGE_BUSY
     ├── ResourceExhausted              a limit was hit
     │   ├── PoolExhausted                  POOL_EXHAUSTED
     │   ├── HostMemoryInsufficient         HOST_MEMORY_INSUFFICIENT
-    │   └── PinFailed                      PIN_FAILED
+    │   ├── PinFailed                      PIN_FAILED
+    │   └── TooManyWatchers                TOO_MANY_WATCHERS
     ├── NotFound
     │   ├── PoolNotFound                   POOL_NOT_FOUND
     │   ├── SessionNotFound                SESSION_NOT_FOUND
-    │   └── DeviceNotFound                 DEVICE_NOT_FOUND
+    │   ├── DeviceNotFound                 DEVICE_NOT_FOUND
+    │   └── KeyNotFound                    KEY_NOT_FOUND
     ├── PermissionDenied               the caller may not use that resource
     │   └── ShmPathRejected                SHM_PATH_REJECTED
     ├── Unavailable                    try again later / elsewhere
@@ -174,6 +181,18 @@ class BufferNotShareable(InvalidRequest):
     reason = "BUFFER_NOT_SHAREABLE"
 
 
+class KeyInvalid(InvalidRequest):
+    """A cache key that is empty or longer than 64 bytes."""
+
+    reason = "KEY_INVALID"
+
+
+class DuplicateKey(InvalidRequest):
+    """The same key twice in one Store or LoadKeys batch."""
+
+    reason = "DUPLICATE_KEY"
+
+
 class StateConflict(HiCacheError):
     """The request is well-formed but the current state forbids it."""
 
@@ -204,6 +223,26 @@ class TransportUnavailable(StateConflict):
     reason = "TRANSPORT_UNAVAILABLE"
 
 
+class PageNotWritten(StateConflict):
+    """A load of host pages (or layers of them) nothing has written since they were
+    allocated: their bytes would be a previous owner's."""
+
+    reason = "PAGE_NOT_WRITTEN"
+
+
+class Aborted(HiCacheError):
+    """A concurrent request holds what this one needs; retrying later can succeed."""
+
+    reason = "ABORTED"
+
+
+class PageBusy(Aborted):
+    """A page is being written by another request (or read, for a write): one page is never
+    written by two requests at once, nor read while written."""
+
+    reason = "PAGE_BUSY"
+
+
 class ResourceExhausted(HiCacheError):
     reason = "RESOURCE_EXHAUSTED"
 
@@ -222,6 +261,12 @@ class PinFailed(ResourceExhausted):
     reason = "PIN_FAILED"
 
 
+class TooManyWatchers(ResourceExhausted):
+    """Every slot for WatchEvents streams is taken."""
+
+    reason = "TOO_MANY_WATCHERS"
+
+
 class NotFound(HiCacheError):
     reason = "NOT_FOUND"
 
@@ -238,6 +283,13 @@ class DeviceNotFound(NotFound):
     """No GPU of the daemon has the UUID a worker's buffers live on."""
 
     reason = "DEVICE_NOT_FOUND"
+
+
+class KeyNotFound(NotFound):
+    """A LoadKeys key is not in the cache (never stored, evicted, removed, or still being
+    written)."""
+
+    reason = "KEY_NOT_FOUND"
 
 
 class PermissionDenied(HiCacheError):

@@ -2,18 +2,21 @@
 
 Primitives:
 
-- ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` over all layers or a layer
-  range, for every kind, layout and pool group; returns a ``TransferResult``. CPU buffers are
-  copied by the CPU runner (``cpu.execute``); GPU buffers through the session's ``PlanRunner``.
+- ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` of raw pages by host indices,
+  over all layers or a layer range, for every kind, layout and pool group; returns a
+  ``TransferResult``. ``transfer_pages(op, ...)`` copies keyed pages the cache holds. CPU
+  buffers are copied by the CPU runner (``cpu.execute``); GPU buffers through the session's
+  ``PlanRunner``.
 - ``PlanRunner``: runs the copy plans elsewhere (``hicached.cuda.runner.CudaRunner``), either
   to completion or, for loads that signal per-layer events, asynchronously with a completion
   callback.
 - ``TransferResult``: op, bytes, pages, seconds spent validating and copying, ``pending``.
 
 Order of a transfer: check the worker buffers (cached) and the whole index batch
-(``core.validation``); on load, verify canary fingerprints; pin the host pages; copy each
-component (``plan``); unpin; on backup, record fingerprints. Any rejection happens before a byte
-moves.
+(``core.validation``); acquire the host pages (a backup exclusively, a load shared:
+``PAGE_BUSY`` on conflict); on load, verify canary fingerprints; copy each component
+(``plan``); on backup, record fingerprints and mark the layers written; release. Any rejection
+happens before a byte moves.
 """
 
 from __future__ import annotations
@@ -24,11 +27,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from hicached.copy.cpu import execute
 from hicached.copy.plan import CopyPlan, Side
 from hicached.core.pool import ComponentStorage, HostPool
 from hicached.core.system import default_threads
-from hicached.core.validation import TransferBatch, validate_transfer
+from hicached.core.validation import (
+    IndexArray,
+    TransferBatch,
+    validate_keyed,
+    validate_transfer,
+)
 from hicached.core.worker_buffers import WorkerBuffers
 
 
@@ -90,11 +100,31 @@ class TransferEngine:
         return self._transfer(Op.LOAD, pool, buffers, host_indices, device_indices,
                               layer_begin, layer_end, runner, wait, on_complete)
 
+    def transfer_pages(self, op: Op, pool: HostPool, buffers: WorkerBuffers,
+                       host_pages: IndexArray, device_indices: object, layer_begin: int = 0,
+                       layer_end: int = 0, runner: PlanRunner | None = None,
+                       wait: bool = True, on_complete: Callable[[], None] | None = None
+                       ) -> TransferResult:
+        """Copy whole keyed pages the caller already holds (the cache acquired them: written
+        for a store, read for a load) to or from the worker, one page per ``host_pages``
+        entry; only the device side is validated here. The caller releases the pages after
+        the call returns, or from ``on_complete`` when the result is ``pending``."""
+        t0 = time.perf_counter()
+        pool._check_open()
+        device_tokens = buffers.check_against(pool.spec)
+        device_pages, layers = validate_keyed(
+            keys=int(host_pages.size), device_indices=device_indices,
+            page_size=pool.page_size, device_tokens=device_tokens,
+            layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
+            writes_host=op is Op.BACKUP)
+        unique = op is Op.BACKUP or np.unique(host_pages).size == host_pages.size
+        batch = TransferBatch(host_pages, device_pages, layers, unique)
+        return self._run(op, pool, buffers, batch, t0, runner, wait, on_complete, hold=False)
+
     def _transfer(self, op: Op, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
                   device_indices: object, layer_begin: int, layer_end: int,
                   runner: PlanRunner | None, wait: bool,
                   on_complete: Callable[[], None] | None) -> TransferResult:
-        assert (runner is None) == (buffers.location == "cpu"), "GPU buffers need a runner"
         t0 = time.perf_counter()
         pool._check_open()
         device_tokens = buffers.check_against(pool.spec)
@@ -103,22 +133,37 @@ class TransferEngine:
             page_size=pool.page_size, host_tokens=pool.size_tokens, device_tokens=device_tokens,
             layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
             writes_host=op is Op.BACKUP, is_allocated=pool.allocator.is_allocated,
+            is_written=pool.allocator.written_mask,
         )
+        return self._run(op, pool, buffers, batch, t0, runner, wait, on_complete, hold=True)
+
+    def _run(self, op: Op, pool: HostPool, buffers: WorkerBuffers, batch: TransferBatch,
+             t0: float, runner: PlanRunner | None, wait: bool,
+             on_complete: Callable[[], None] | None, hold: bool) -> TransferResult:
+        """Plan, (``hold``: acquire the host pages,) verify the canary, copy, record it,
+        (release). Anything raised leaves nothing held and nothing in flight."""
+        assert (runner is None) == (buffers.location == "cpu"), "GPU buffers need a runner"
         bounds = batch.page_bounds()
         plans = [self._plan(op, pool, buffers, cs, batch, bounds) for cs in pool.components]
         t1 = time.perf_counter()
-        canary = pool.canary
-        pool.allocator.pin(batch.host_pages, batch.host_unique)
+        canary, allocator, writes = pool.canary, pool.allocator, op is Op.BACKUP
+        if hold:
+            allocator.acquire(batch.host_pages, writes, batch.host_unique)
+
+        def release(completed: bool) -> None:
+            if hold:
+                allocator.release(batch.host_pages, writes, batch.host_unique,
+                                  layers=batch.layers if completed else None)
 
         def landed() -> None:
             try:
-                if op is Op.BACKUP and canary is not None and batch.num_pages:
+                if writes and canary is not None and batch.num_pages:
                     canary.record(batch.host_pages, batch.layers,
                                   pool.fingerprints(batch.host_pages, batch.layers))
             finally:
-                pool.allocator.unpin(batch.host_pages, batch.host_unique)
+                release(True)
 
-        blocking = runner is None or wait or op is Op.BACKUP
+        blocking = runner is None or wait or writes
 
         def done() -> None:
             try:
@@ -128,17 +173,17 @@ class TransferEngine:
                     on_complete()
 
         try:
-            if op is Op.LOAD and canary is not None and batch.num_pages:
+            if not writes and canary is not None and batch.num_pages:
                 canary.verify(batch.host_pages, batch.layers,
                               pool.fingerprints(batch.host_pages, batch.layers))
             if runner is None:
                 nbytes = sum(execute(p, self.threads) for p in plans)
             else:
                 nbytes = sum(p.nbytes for p in plans)
-                runner.run(op is Op.LOAD, plans, batch.layers, pool.spec.max_layers, blocking,
+                runner.run(not writes, plans, batch.layers, pool.spec.max_layers, blocking,
                            done)
         except BaseException:
-            pool.allocator.unpin(batch.host_pages, batch.host_unique)
+            release(False)
             raise
         if runner is None:
             landed()

@@ -1,14 +1,22 @@
-"""Page allocator of a host pool: whole pages out, whole pages back, nothing lost or doubled.
+"""Page allocator of a host pool: whole pages out and back, who may touch them, what they hold.
 
 Primitives:
 
-- ``PageAllocator(page_num, page_size)``: a FIFO free list of page ids (like SGLang's host
-  allocator) plus per-page state, pin counts and allocation generations.
-- ``alloc(num_tokens)``: page-aligned token indices of fresh pages, or ``POOL_EXHAUSTED``.
-- ``free(indices)``: returns pages and their page numbers; double free, never-allocated pages
-  and partial pages are errors, found for the whole batch before anything changes.
-- ``pin(pages)`` / ``unpin(pages)``: reference counts; a pinned page that is freed is released
-  only when its last pin drops, so a copy in flight never reads a page handed to someone else.
+- ``PageAllocator(page_num, page_size, layer_num)``: per-page state, kind, owner, access and
+  written bits; free pages sit in a ring (FIFO, like SGLang's host allocator), so ``alloc`` and
+  ``free`` cost O(pages moved), never O(free pages).
+- Raw pages (``Alloc`` / ``Free``): ``alloc(num_tokens, owner)`` hands out page-aligned token
+  indices or ``POOL_EXHAUSTED``; ``free(indices)`` returns them (double free, never-allocated,
+  keyed and partial pages are errors, found for the whole batch before anything changes);
+  ``free_owned(owner)`` frees every raw page a session owned.
+- Keyed pages (the cache): ``alloc_pages(n)`` hands out page numbers held for writing,
+  ``release_pages(pages)`` gives them back.
+- Access: ``acquire(pages, write)`` / ``release(pages, write)``. A page has one writer or any
+  number of readers, never both: a conflicting request is refused with ``PAGE_BUSY`` (nothing is
+  waited for, nothing moves). A page freed while held is released when its last holder lets go,
+  so a copy in flight never touches a page handed to someone else.
+- ``written_mask(pages, layers)``: which pages had every layer of ``layers`` written since they
+  were allocated (a load of anything else is ``PAGE_NOT_WRITTEN``).
 - ``memcheck()``: verifies every invariant (the tests call it after every operation).
 
 Thread-safe: every public method holds the allocator's lock. Work is vectorized with numpy.
@@ -23,6 +31,7 @@ import numpy as np
 from hicache.errors import (
     AllocSizeNotPageAligned,
     DoubleFree,
+    PageBusy,
     PageNotAllocated,
     PoolExhausted,
     Violation,
@@ -40,19 +49,30 @@ from hicached.core.validation import (
 FREE = 0
 ALLOCATED = 1
 RELEASING = 2
-"""Freed by its owner while pinned: returns to the free list when the last pin drops."""
+"""Freed while held by a copy: returns to the free ring when its last holder lets go."""
+
+RAW = 1
+"""Kind of a page handed out by ``alloc``: named by host indices."""
+KEYED = 2
+"""Kind of a page handed out by ``alloc_pages``: named by a content key."""
 
 
 class PageAllocator:
-    def __init__(self, page_num: int, page_size: int) -> None:
-        assert page_num >= 0 and page_size >= 1
+    def __init__(self, page_num: int, page_size: int, layer_num: int = 1) -> None:
+        assert page_num >= 0 and page_size >= 1 and layer_num >= 1
         self.page_num = page_num
         self.page_size = page_size
+        self.layer_num = layer_num
         self._lock = threading.Lock()
-        self._free = np.arange(page_num, dtype=np.int64)
-        self._free_head = 0
+        self._ring = np.arange(page_num, dtype=np.int64)
+        self._head = 0
+        self._nfree = page_num
         self._state = np.zeros(page_num, dtype=np.int8)
-        self._pins = np.zeros(page_num, dtype=np.int32)
+        self._kind = np.zeros(page_num, dtype=np.int8)
+        self._owner = np.zeros(page_num, dtype=np.int64)
+        self._readers = np.zeros(page_num, dtype=np.int32)
+        self._writer = np.zeros(page_num, dtype=bool)
+        self._written = np.zeros((page_num, layer_num), dtype=bool)
         self._generation = np.zeros(page_num, dtype=np.uint32)
         self._releasing = 0
         self.alloc_failures = 0
@@ -62,25 +82,52 @@ class PageAllocator:
     @property
     def free_pages(self) -> int:
         with self._lock:
-            return len(self._free) - self._free_head
+            return self._nfree
 
     @property
     def used_pages(self) -> int:
         return self.page_num - self.free_pages
 
-    def is_allocated(self, pages: np.ndarray) -> np.ndarray:
-        """Boolean mask: which of ``pages`` (in range) are currently allocated to an owner."""
+    def counts(self) -> dict[str, int]:
+        """Pages by kind and how many are held by a copy right now."""
         with self._lock:
-            return np.asarray(self._state[pages] == ALLOCATED, dtype=bool)
+            live = self._state == ALLOCATED
+            return {"raw": int((live & (self._kind == RAW)).sum()),
+                    "keyed": int((live & (self._kind == KEYED)).sum()),
+                    "held": int(((self._readers > 0) | self._writer).sum()),
+                    "releasing": self._releasing, "free": self._nfree}
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Host bytes of the allocator's own tables."""
+        return sum(a.nbytes for a in (self._ring, self._state, self._kind, self._owner,
+                                      self._readers, self._writer, self._written,
+                                      self._generation))
+
+    def is_allocated(self, pages: np.ndarray) -> np.ndarray:
+        """Boolean mask: which of ``pages`` (in range) are raw pages allocated now."""
+        with self._lock:
+            return np.asarray((self._state[pages] == ALLOCATED) & (self._kind[pages] == RAW),
+                              dtype=bool)
+
+    def is_keyed(self, pages: np.ndarray) -> np.ndarray:
+        with self._lock:
+            return np.asarray(self._kind[pages] == KEYED, dtype=bool)
+
+    def written_mask(self, pages: np.ndarray, layers: range) -> np.ndarray:
+        """Which of ``pages`` had every layer of ``layers`` written since allocation."""
+        with self._lock:
+            return np.asarray(self._written[pages, layers.start:layers.stop].all(axis=1))
 
     def generation(self, pages: np.ndarray) -> np.ndarray:
         with self._lock:
             return np.array(self._generation[pages], dtype=np.uint32)
 
-    # -- mutations -------------------------------------------------------------------------
+    # -- raw pages -------------------------------------------------------------------------
 
-    def alloc(self, num_tokens: int) -> np.ndarray:
-        """Token indices of ``num_tokens // page_size`` fresh pages (each page a full run)."""
+    def alloc(self, num_tokens: int, owner: int = 0) -> np.ndarray:
+        """Token indices of ``num_tokens // page_size`` fresh raw pages (each a full run),
+        owned by ``owner`` (0: nobody; freed only by ``free``)."""
         ps = self.page_size
         if num_tokens < 0 or num_tokens % ps:
             up = -(-max(num_tokens, 0) // ps) * ps
@@ -89,55 +136,65 @@ class PageAllocator:
                 f"page_size {ps}; ask for {up}",
                 metadata={"num_tokens": num_tokens, "page_size": ps, "aligned_size": up},
             )
-        need = num_tokens // ps
         with self._lock:
-            have = len(self._free) - self._free_head
-            if need > have:
-                self.alloc_failures += 1
-                raise PoolExhausted(
-                    f"pool has {have} free pages, {need} requested",
-                    metadata={"requested_pages": need, "free_pages": have,
-                              "page_num": self.page_num, "page_size": ps},
-                )
-            pages = self._free[self._free_head:self._free_head + need].copy()
-            self._free_head += need
-            if self._free_head > len(self._free) // 2 and self._free_head > 4096:
-                self._free = self._free[self._free_head:].copy()
-                self._free_head = 0
-            self._state[pages] = ALLOCATED
-            self._generation[pages] += 1
+            pages = self._take(num_tokens // ps, RAW)
+            self._owner[pages] = owner
         return (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
 
     def free(self, indices: object, *, field: str = "host_indices") -> np.ndarray:
-        """Return the pages of ``indices`` (whole page runs); returns their page numbers."""
+        """Return the raw pages of ``indices`` (whole page runs); returns their page numbers."""
         idx = to_index_array(indices, field)
         pages = self._pages_of(idx, field)
         with self._lock:
-            state = self._state[pages]
-            bad = np.flatnonzero(state != ALLOCATED)
+            bad = np.flatnonzero((self._state[pages] != ALLOCATED) | (self._kind[pages] != RAW))
             if bad.size:
                 pos = int(bad[0])
                 page = int(pages[pos])
-                ever = bool(self._generation[page] > 0)
-                cls_reason = DoubleFree.reason if ever else PageNotAllocated.reason
+                keyed = bool(self._kind[page] == KEYED and self._state[page] == ALLOCATED)
+                ever = bool(self._generation[page] > 0) and not keyed
+                why = (" (a keyed cache page: remove its key instead)" if keyed
+                       else " (already freed)" if ever else " (never allocated)")
                 raise_violations([Violation(
-                    field, cls_reason,
-                    f"{bad.size} page(s) are not allocated; first is page {page} "
-                    f"(token {page * self.page_size}) at page position {pos}"
-                    + (" (already freed)" if ever else " (never allocated)"),
+                    field, DoubleFree.reason if ever else PageNotAllocated.reason,
+                    f"{bad.size} page(s) are not allocated raw pages; first is page {page} "
+                    f"(token {page * self.page_size}) at page position {pos}{why}",
                     {"page": page, "position": pos * self.page_size, "count": int(bad.size)},
                 )])
-            pinned = self._pins[pages] > 0
-            self._state[pages[pinned]] = RELEASING
-            self._releasing += int(pinned.sum())
-            released = pages[~pinned]
-            self._state[released] = FREE
-            self._push_free(released)
+            self._give_back(pages)
         return pages
 
-    def pin(self, pages: np.ndarray, unique: bool = False) -> None:
-        """Take a reference on ``pages``; all must be allocated (a concurrent free may have
-        released one since validation, so this is checked again under the lock)."""
+    def free_owned(self, owner: int) -> int:
+        """Free every raw page ``owner`` holds (a session that ended); returns how many."""
+        if owner == 0:
+            return 0
+        with self._lock:
+            pages = np.flatnonzero((self._owner == owner) & (self._state == ALLOCATED)
+                                   & (self._kind == RAW))
+            self._give_back(pages)
+        return int(pages.size)
+
+    # -- keyed pages -----------------------------------------------------------------------
+
+    def alloc_pages(self, n: int) -> np.ndarray:
+        """``n`` fresh keyed pages, held for writing by the caller (``release(write=True)``
+        ends the write)."""
+        with self._lock:
+            pages = self._take(n, KEYED)
+            self._writer[pages] = True
+        return pages
+
+    def release_pages(self, pages: np.ndarray) -> None:
+        """Give keyed pages back (released once nobody holds them)."""
+        with self._lock:
+            assert np.all((self._state[pages] == ALLOCATED) & (self._kind[pages] == KEYED))
+            self._give_back(pages)
+
+    # -- access ----------------------------------------------------------------------------
+
+    def acquire(self, pages: np.ndarray, write: bool, unique: bool = True) -> None:
+        """Hold ``pages`` for a copy that writes (exclusive) or reads (shared). They must be
+        allocated (a concurrent free may have released one since validation, so it is checked
+        again here), and no conflicting copy may hold them: else ``PAGE_BUSY``."""
         with self._lock:
             bad = np.flatnonzero(self._state[pages] != ALLOCATED)
             if bad.size:
@@ -146,29 +203,86 @@ class PageAllocator:
                     f"{bad.size} page(s) were freed before the transfer started; first {page}",
                     metadata={"page": page, "count": int(bad.size)},
                 )
-            if unique:
-                self._pins[pages] += 1
+            busy = self._writer[pages]
+            if write:
+                busy = busy | (self._readers[pages] > 0)
+            hit = np.flatnonzero(busy)
+            if hit.size:
+                page = int(pages[hit[0]])
+                doing = "written" if self._writer[page] else "read"
+                raise PageBusy(
+                    f"{hit.size} page(s) are being {doing} by another request; first page "
+                    f"{page} at page position {int(hit[0])}; retry once it finished",
+                    metadata={"page": page, "count": int(hit.size),
+                              "first_bad_position": int(hit[0]) * self.page_size,
+                              "held_for": doing},
+                )
+            if write:
+                self._writer[pages] = True
+            elif unique:
+                self._readers[pages] += 1
             else:
-                np.add.at(self._pins, pages, 1)
+                np.add.at(self._readers, pages, 1)
 
-    def unpin(self, pages: np.ndarray, unique: bool = False) -> None:
+    def release(self, pages: np.ndarray, write: bool, unique: bool = True,
+                layers: range | None = None) -> None:
+        """End a copy: a writer that completed marks ``layers`` of its pages written."""
         with self._lock:
-            if unique:
-                self._pins[pages] -= 1
+            if write:
+                self._writer[pages] = False
+                if layers is not None:
+                    self._written[pages, layers.start:layers.stop] = True
+            elif unique:
+                self._readers[pages] -= 1
             else:
-                np.add.at(self._pins, pages, -1)
-            if not self._releasing:
-                return
-            done = np.unique(pages[(self._pins[pages] == 0) & (self._state[pages] == RELEASING)])
-            if done.size:
-                self._state[done] = FREE
-                self._releasing -= int(done.size)
-                self._push_free(done)
+                np.add.at(self._readers, pages, -1)
+            if self._releasing:
+                done = np.unique(pages[(self._state[pages] == RELEASING)
+                                       & (self._readers[pages] == 0) & ~self._writer[pages]])
+                if done.size:
+                    self._releasing -= int(done.size)
+                    self._put(done)
 
-    def _push_free(self, pages: np.ndarray) -> None:
-        if pages.size:
-            self._free = np.concatenate([self._free[self._free_head:], pages])
-            self._free_head = 0
+    # -- internals (lock held) -------------------------------------------------------------
+
+    def _take(self, n: int, kind: int) -> np.ndarray:
+        if n > self._nfree:
+            self.alloc_failures += 1
+            raise PoolExhausted(
+                f"pool has {self._nfree} free pages, {n} requested",
+                metadata={"requested_pages": n, "free_pages": self._nfree,
+                          "page_num": self.page_num, "page_size": self.page_size},
+            )
+        end = self._head + n
+        if end <= self.page_num:
+            pages = self._ring[self._head:end].copy()
+        else:
+            pages = np.concatenate([self._ring[self._head:], self._ring[:end - self.page_num]])
+        self._head = end % self.page_num if self.page_num else 0
+        self._nfree -= n
+        self._state[pages] = ALLOCATED
+        self._kind[pages] = kind
+        self._written[pages] = False
+        self._generation[pages] += 1
+        return pages
+
+    def _put(self, pages: np.ndarray) -> None:
+        """Pages back on the ring as FREE."""
+        self._state[pages] = FREE
+        self._kind[pages] = 0
+        self._owner[pages] = 0
+        n = int(pages.size)
+        tail = (self._head + self._nfree) % self.page_num if self.page_num else 0
+        first = min(n, self.page_num - tail)
+        self._ring[tail:tail + first] = pages[:first]
+        self._ring[:n - first] = pages[first:]
+        self._nfree += n
+
+    def _give_back(self, pages: np.ndarray) -> None:
+        held = (self._readers[pages] > 0) | self._writer[pages]
+        self._state[pages[held]] = RELEASING
+        self._releasing += int(held.sum())
+        self._put(pages[~held])
 
     def _pages_of(self, idx: IndexArray, field: str) -> np.ndarray:
         ps = self.page_size
@@ -184,13 +298,22 @@ class PageAllocator:
     def memcheck(self) -> None:
         """Raise AssertionError when any invariant is broken."""
         with self._lock:
-            free = self._free[self._free_head:]
-            assert free.size == np.unique(free).size, "a page is on the free list twice"
-            assert np.all((free >= 0) & (free < self.page_num)), "free list holds a bad page id"
-            assert np.all(self._state[free] == FREE), "a listed free page is not in FREE state"
-            assert int((self._state == FREE).sum()) == free.size, "a FREE page is not listed"
-            assert np.all(self._pins >= 0), "negative pin count"
-            assert np.all(self._pins[self._state == FREE] == 0), "a free page is pinned"
+            n = self.page_num
+            ring = self._ring[(self._head + np.arange(self._nfree)) % max(n, 1)]
+            assert ring.size == np.unique(ring).size, "a page is on the free ring twice"
+            assert np.all((ring >= 0) & (ring < n)), "free ring holds a bad page id"
+            assert np.all(self._state[ring] == FREE), "a free-ring page is not in FREE state"
+            free = self._state == FREE
+            assert int(free.sum()) == ring.size, "a FREE page is not on the ring"
+            assert np.all(self._readers >= 0), "negative reader count"
+            assert not np.any(self._writer & (self._readers > 0)), "a page read while written"
+            assert np.all(self._readers[free] == 0) and not self._writer[free].any(), \
+                "a free page is held"
+            assert np.all(self._kind[free] == 0) and np.all(self._owner[free] == 0), \
+                "a free page keeps its kind or owner"
+            assert np.all(self._kind[~free] > 0), "a live page has no kind"
+            assert np.all(self._owner[self._kind == KEYED] == 0), "a keyed page has an owner"
             releasing = self._state == RELEASING
-            assert np.all(self._pins[releasing] > 0), "a releasing page has no pins"
+            assert np.all((self._readers[releasing] > 0) | self._writer[releasing]), \
+                "a releasing page is not held"
             assert int(releasing.sum()) == self._releasing, "releasing count is off"

@@ -87,7 +87,7 @@ class HostPool:
         self.page_size = spec.page_size
         self.size_tokens = spec.resolved_size_tokens()
         self.page_num = self.size_tokens // spec.page_size
-        self.allocator = PageAllocator(self.page_num, spec.page_size)
+        self.allocator = PageAllocator(self.page_num, spec.page_size, max(spec.max_layers, 1))
         self._lock = threading.Lock()
         self._closed = False
         layout: list[tuple[str, KVGeometry, Component, int, int]] = []

@@ -11,9 +11,10 @@ Primitives:
   SGLang checks only the length; a non-contiguous run would silently move the wrong bytes.
 - ``check_range``, ``check_duplicate_pages``, ``check_layers``: ``INDEX_OUT_OF_RANGE``,
   ``DUPLICATE_PAGE``, ``LAYER_OUT_OF_RANGE``.
-- ``validate_transfer``: all of the above for a backup or load, plus ``INDEX_COUNT_MISMATCH``
-  and ``PAGE_NOT_ALLOCATED``; returns a ``TransferBatch`` of page numbers or raises the first
-  violation's error carrying all of them.
+- ``validate_transfer``: all of the above for a raw backup or load, plus
+  ``INDEX_COUNT_MISMATCH``, ``PAGE_NOT_ALLOCATED`` and ``PAGE_NOT_WRITTEN``; returns a
+  ``TransferBatch`` of page numbers or raises the first violation's error carrying all of them.
+- ``validate_keyed``: the device side of a Store or LoadKeys (one page per key).
 
 Every check is a handful of numpy operations on the whole batch; nothing loops over tokens.
 """
@@ -32,6 +33,7 @@ from hicache.errors import (
     IndicesNotPageAligned,
     LayerOutOfRange,
     PageNotAllocated,
+    PageNotWritten,
     Violation,
     raise_violations,
 )
@@ -39,7 +41,7 @@ from hicache.indices import IndexArray, to_index_array
 
 __all__ = ["IndexArray", "TransferBatch", "check_duplicate_pages", "check_layers",
            "check_page_runs", "check_range", "page_numbers", "to_index_array",
-           "validate_transfer"]
+           "validate_keyed", "validate_transfer"]
 
 _ARANGES: dict[int, IndexArray] = {}
 
@@ -169,6 +171,33 @@ class TransferBatch:
                 (int(self.device_pages.min()), int(self.device_pages.max())))
 
 
+def _first_bad(mask: np.ndarray) -> np.ndarray:
+    """Positions where ``mask`` is False (empty, cheaply, when all are True)."""
+    return np.zeros(0, np.int64) if mask.all() else np.flatnonzero(~mask)
+
+
+def _page_violation(field: str, reason: str, what: str, pages: IndexArray,
+                    bad: np.ndarray, page_size: int) -> Violation:
+    pos = int(bad[0])
+    return Violation(
+        field, reason,
+        f"{bad.size} host page(s) {what}; first page {int(pages[pos])} at position "
+        f"{pos * page_size}",
+        {"count": int(bad.size), "first_bad_position": pos * page_size,
+         "page": int(pages[pos])},
+    )
+
+
+def _device_side(d: IndexArray, page_size: int, device_tokens: int, loading: bool
+                 ) -> tuple[list[Violation], list[Violation], list[Violation], IndexArray]:
+    """(page-run, range, duplicate violations, device pages): whole in-range pages, and a
+    load's destinations unique."""
+    dp = page_numbers(d, page_size)
+    dups = check_duplicate_pages(dp, page_size, "device_indices") if loading else []
+    return (check_page_runs(d, page_size, "device_indices"),
+            check_range(d, device_tokens, "device_indices"), dups, dp)
+
+
 def validate_transfer(
     *,
     host_indices: object,
@@ -181,8 +210,11 @@ def validate_transfer(
     layer_end: int,
     writes_host: bool,
     is_allocated: Callable[[IndexArray], np.ndarray],
+    is_written: Callable[[IndexArray, range], np.ndarray] | None = None,
 ) -> TransferBatch:
-    """Check a whole backup (``writes_host``) or load batch; raise with every violation."""
+    """Check a whole backup (``writes_host``) or load batch of raw pages; raise with every
+    violation. A load's host pages must have every requested layer written
+    (``is_written``)."""
     h = to_index_array(host_indices, "host_indices")
     d = to_index_array(device_indices, "device_indices")
     violations: list[Violation] = []
@@ -194,25 +226,61 @@ def validate_transfer(
         ))
     layer_violations, layers = check_layers(layer_begin, layer_end, layer_num)
     h_runs = check_page_runs(h, page_size, "host_indices")
-    d_runs = check_page_runs(d, page_size, "device_indices")
     h_range = check_range(h, host_tokens, "host_indices")
-    d_range = check_range(d, device_tokens, "device_indices")
-    violations += h_runs + d_runs + h_range + d_range + layer_violations
-    hp, dp = page_numbers(h, page_size), page_numbers(d, page_size)
-    violations += check_duplicate_pages(hp if writes_host else dp, page_size,
-                                        "host_indices" if writes_host else "device_indices")
+    d_runs, d_range, d_dups, dp = _device_side(d, page_size, device_tokens, not writes_host)
+    violations += h_runs + d_runs + h_range + d_range + layer_violations + d_dups
+    hp = page_numbers(h, page_size)
+    if writes_host:
+        violations += check_duplicate_pages(hp, page_size, "host_indices")
     host_unique = writes_host or not check_duplicate_pages(hp, page_size, "host_indices")
     if not h_range and hp.size:
-        allocated = is_allocated(hp)
-        missing = np.zeros(0, np.int64) if allocated.all() else np.flatnonzero(~allocated)
+        missing = _first_bad(is_allocated(hp))
         if missing.size:
-            pos = int(missing[0])
-            violations.append(Violation(
-                "host_indices", PageNotAllocated.reason,
-                f"{missing.size} host page(s) are not allocated; first page {int(hp[pos])} at "
-                f"position {pos * page_size}",
-                {"count": int(missing.size), "first_bad_position": pos * page_size,
-                 "page": int(hp[pos])},
-            ))
+            violations.append(_page_violation("host_indices", PageNotAllocated.reason,
+                                              "are not allocated raw pages", hp, missing,
+                                              page_size))
+        elif not writes_host and is_written is not None and len(layers):
+            unwritten = _first_bad(is_written(hp, layers))
+            if unwritten.size:
+                violations.append(_page_violation(
+                    "host_indices", PageNotWritten.reason,
+                    f"were never written at layers [{layers.start}, {layers.stop}) since they "
+                    f"were allocated", hp, unwritten, page_size))
     raise_violations(violations)
     return TransferBatch(hp, dp, layers, host_unique)
+
+
+def validate_keyed(
+    *,
+    keys: int,
+    device_indices: object,
+    page_size: int,
+    device_tokens: int,
+    layer_num: int,
+    layer_begin: int,
+    layer_end: int,
+    writes_host: bool,
+) -> tuple[IndexArray, range]:
+    """Check the device side of a Store (``writes_host``) or LoadKeys of ``keys`` keys: one
+    whole page per key, in range, a load's destinations unique; a store covers every layer
+    (a keyed page is whole). Returns (device pages, layers)."""
+    d = to_index_array(device_indices, "device_indices")
+    d_runs, d_range, d_dups, dp = _device_side(d, page_size, device_tokens, not writes_host)
+    violations = d_runs + d_range + d_dups
+    if d.size != keys * page_size:
+        violations.append(Violation(
+            "device_indices", IndexCountMismatch.reason,
+            f"{keys} key(s) need {keys * page_size} device indices ({page_size} per key), "
+            f"got {d.size}",
+            {"key_count": keys, "device_count": int(d.size), "page_size": page_size},
+        ))
+    layer_violations, layers = check_layers(layer_begin, layer_end, layer_num)
+    if writes_host and not layer_violations and len(layers) != layer_num:
+        layer_violations = [Violation(
+            "layer_begin", LayerOutOfRange.reason,
+            f"a Store writes whole pages: the layer range must be all layers [0, {layer_num}) "
+            f"(or 0, 0), got [{layer_begin}, {layer_end})",
+            {"layer_begin": layer_begin, "layer_end": layer_end, "layer_num": layer_num},
+        )]
+    raise_violations(violations + layer_violations)
+    return dp, layers
