@@ -9,6 +9,9 @@ setup_hicached() {
         # the observability tests run a real Prometheus server and promtool
         command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
             || missing+=(prometheus)
+        # the key tests compile SGLang's own page-hash binding (C++, OpenSSL)
+        command -v g++ >/dev/null 2>&1 || missing+=(g++)
+        [ -f /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
     fi
     if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ]; then
         apt-get update -qq
@@ -19,4 +22,9 @@ setup_hicached() {
         || python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" \
             --index-url https://download.pytorch.org/whl/cpu
     python3 -m pip install -q --disable-pip-version-check -e ".${extras}"
+    if [ "${1:-}" = "--test" ]; then
+        # SGLang's own code is the reference the integration tests run against; its
+        # dependencies are the serving stack, so only the package itself is installed
+        python3 -m pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23"
+    fi
 }

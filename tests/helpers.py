@@ -107,3 +107,16 @@ def require_binary(name: str, package: str) -> str:
             pytest.fail(f"{name} is missing under CI: scripts/test.sh installs {package}")
         pytest.skip(f"{name} not installed (apt-get install {package})")
     return path
+
+
+def require_module(name: str, package: str) -> str:
+    """The directory of an installed package the tests read (never imported), failing under
+    CI and skipping elsewhere when it is missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is missing under CI: scripts/test.sh installs {package}")
+        pytest.skip(f"{name} not installed (pip install {package})")
+    return str(spec.submodule_search_locations[0])

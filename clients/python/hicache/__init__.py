@@ -8,6 +8,7 @@ part of the daemon:
 - ``specs``: pool kinds, dtypes, layouts, geometry and ``PoolSpec`` (validated dataclasses).
 - ``buffers``: a worker's device buffers: rows, shapes, strides, ``DeviceBufferSpec``.
 - ``indices``: index batches and their little-endian int64 wire form.
+- ``keys``: cache keys (1..64 bytes, checked per batch) and SGLang's chained page hashes.
 - ``layer_groups``: which per-layer event covers which layers of a load.
 - ``codec``: wire messages <-> the domain objects above (imports protobuf).
 - ``error_mapping``: the one table from domain errors to gRPC codes, and the rich

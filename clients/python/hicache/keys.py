@@ -1,0 +1,110 @@
+"""Cache keys: what names a page, how a batch of them is checked, how SGLang computes them.
+
+A key is 1..64 opaque bytes naming one whole page of a pool (the pool is the namespace: model,
+rank and geometry). SGLang names a page by a chained SHA-256: the digest of the previous page's
+digest followed by this page's token ids.
+
+Primitives:
+
+- ``MAX_KEY_BYTES``: 64.
+- ``check_keys(keys, field, unique)``: the keys as ``bytes``; ``KEY_INVALID`` for one that is
+  empty, too long or not bytes, ``DUPLICATE_KEY`` (when ``unique``) for one given twice, each
+  naming the position.
+- ``sglang_page_hashes(token_ids, page_size, prior_hash)``: SGLang's ``get_hash_str(token_ids,
+  prior_hash, page_size)``, computed the same way (``sglang/srt/mem_cache/cpp_utils/
+  hash_binding.cpp``): per page, SHA-256 of the prior page's 32-byte digest (when there is one)
+  and the page's token ids as little-endian uint32, or, when a token id does not fit in 32
+  bits, a 0xff byte and the ids as uint64. Hex strings, one per page, the last page possibly
+  partial, exactly as SGLang returns them.
+- ``sglang_page_keys(...)``: the same as 32-byte keys, for whole pages only (what a cache
+  stores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicache.errors import DuplicateKey, KeyInvalid, Violation, raise_violations
+
+MAX_KEY_BYTES = 64
+_WIDE_TAG = b"\xff"
+_U32_MAX = (1 << 32) - 1
+
+
+def check_keys(keys: Sequence[object], field: str = "keys", unique: bool = False
+               ) -> list[bytes]:
+    """Every key 1..MAX_KEY_BYTES bytes (and, with ``unique``, none twice)."""
+    out: list[bytes] = []
+    violations: list[Violation] = []
+    first_at: dict[bytes, int] = {}
+    for pos, key in enumerate(keys):
+        if not isinstance(key, bytes | bytearray | memoryview):
+            violations.append(Violation(
+                field, KeyInvalid.reason, f"{field}[{pos}] is {type(key).__name__}, not bytes",
+                {"field": field, "position": pos}))
+            continue
+        k = bytes(key)
+        if not 1 <= len(k) <= MAX_KEY_BYTES:
+            violations.append(Violation(
+                field, KeyInvalid.reason,
+                f"{field}[{pos}] is {len(k)} bytes; a key is 1..{MAX_KEY_BYTES} bytes",
+                {"field": field, "position": pos, "length": len(k)}))
+        elif unique:
+            seen = first_at.setdefault(k, pos)
+            if seen != pos:
+                violations.append(Violation(
+                    field, DuplicateKey.reason,
+                    f"{field}[{pos}] repeats {field}[{seen}]: one batch names each page once",
+                    {"field": field, "position": pos, "first_position": seen}))
+        out.append(k)
+    raise_violations(violations)
+    return out
+
+
+def _page_digest(prior: bytes | None, tokens: np.ndarray) -> bytes:
+    h = hashlib.sha256()
+    if prior is not None:
+        h.update(prior)
+    if tokens.size and int(tokens.max()) > _U32_MAX:
+        h.update(_WIDE_TAG)
+        h.update(tokens.astype("<u8").tobytes())
+    else:
+        h.update(tokens.astype("<u4").tobytes())
+    return h.digest()
+
+
+def _digests(token_ids: Sequence[int] | np.ndarray, page_size: int,
+             prior_hash: str | bytes | None, whole_pages_only: bool) -> list[bytes]:
+    if page_size < 1:
+        raise ValueError("page_size must be positive")
+    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if tokens.size and int(tokens.min()) < 0:
+        raise ValueError("token ids must be non-negative")
+    prior: bytes | None
+    if isinstance(prior_hash, str):
+        prior = bytes.fromhex(prior_hash) if prior_hash else None
+    else:
+        prior = prior_hash or None
+    if prior is not None and len(prior) != 32:
+        raise ValueError("prior_hash must be a 32-byte SHA-256 digest (or its hex)")
+    end = tokens.size - tokens.size % page_size if whole_pages_only else tokens.size
+    out: list[bytes] = []
+    for start in range(0, end, page_size):
+        prior = _page_digest(prior, tokens[start:start + page_size])
+        out.append(prior)
+    return out
+
+
+def sglang_page_hashes(token_ids: Sequence[int] | np.ndarray, page_size: int,
+                       prior_hash: str | bytes | None = None) -> list[str]:
+    """What SGLang's ``get_hash_str(token_ids, prior_hash, page_size)`` returns."""
+    return [d.hex() for d in _digests(token_ids, page_size, prior_hash, False)]
+
+
+def sglang_page_keys(token_ids: Sequence[int] | np.ndarray, page_size: int,
+                     prior_hash: str | bytes | None = None) -> list[bytes]:
+    """Keys of the whole pages of ``token_ids`` (a partial last page has none)."""
+    return _digests(token_ids, page_size, prior_hash, True)

@@ -1,0 +1,83 @@
+"""Cache keys: batch checks, and SGLang's chained page hashes computed exactly as SGLang does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicache.errors import HiCacheError
+from hicache.keys import MAX_KEY_BYTES, check_keys, sglang_page_hashes, sglang_page_keys
+from tests.sglang_reference import sglang_get_hash_str, sglang_native_hash
+
+
+@pytest.fixture(scope="module")
+def sglang() -> Iterator[ModuleType]:
+    yield sglang_native_hash()
+
+
+def test_keys_are_1_to_64_bytes() -> None:
+    assert check_keys([b"a", b"b" * MAX_KEY_BYTES, bytearray(b"c")]) == [b"a", b"b" * 64, b"c"]
+    for bad, length in ((b"", 0), (b"x" * 65, 65)):
+        with pytest.raises(HiCacheError) as exc:
+            check_keys([b"ok", bad], "keys")
+        assert exc.value.reason == "KEY_INVALID"
+        assert exc.value.metadata == {"field": "keys", "position": "1", "length": str(length)}
+    with pytest.raises(HiCacheError) as exc:
+        check_keys(["text"])  # type: ignore[list-item]
+    assert exc.value.reason == "KEY_INVALID"
+
+
+def test_duplicates_are_named_where_a_batch_must_be_unique() -> None:
+    assert check_keys([b"a", b"a"]) == [b"a", b"a"]  # Lookup / LoadKeys may repeat a key
+    with pytest.raises(HiCacheError) as exc:
+        check_keys([b"a", b"b", b"a", b""], unique=True)
+    assert exc.value.reason == "DUPLICATE_KEY"
+    assert exc.value.metadata["position"] == "2" and exc.value.metadata["first_position"] == "0"
+    assert [v.reason for v in exc.value.violations] == ["DUPLICATE_KEY", "KEY_INVALID"]
+
+
+def test_chain_of_two_pages_by_hand() -> None:
+    import hashlib
+
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    first = hashlib.sha256(np.array([1, 2, 3], "<u4").tobytes()).digest()
+    second = hashlib.sha256(first + np.array([4, 5, 6], "<u4").tobytes()).digest()
+    third = hashlib.sha256(second + np.array([7], "<u4").tobytes()).digest()
+    assert sglang_page_hashes(tokens, 3) == [first.hex(), second.hex(), third.hex()]
+    assert sglang_page_keys(tokens, 3) == [first, second]  # whole pages only
+    assert sglang_page_keys(tokens[3:6], 3, prior_hash=first.hex()) == [second]
+    assert sglang_page_keys(tokens[3:6], 3, prior_hash=first) == [second]
+
+
+def test_bad_hash_inputs_are_refused() -> None:
+    for args in (([-1], 1, None), ([1], 0, None), ([1], 1, "ab")):
+        with pytest.raises(ValueError):
+            sglang_page_hashes(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16, 64])
+def test_matches_sglang_for_typical_prompts(sglang: ModuleType, page_size: int) -> None:
+    rng = np.random.default_rng(page_size)
+    for n in (0, 1, page_size, 3 * page_size + 1, 257):
+        tokens = rng.integers(0, 152_064, size=n).tolist()  # a Qwen-sized vocabulary
+        assert sglang_page_hashes(tokens, page_size) == sglang_get_hash_str(
+            sglang, tokens, None, page_size)
+
+
+@given(tokens=st.lists(st.integers(0, (1 << 63) - 1), max_size=40),
+       page_size=st.integers(1, 9), prior=st.one_of(st.none(), st.binary(min_size=32,
+                                                                           max_size=32)))
+def test_matches_sglang_for_any_tokens_and_prior(sglang: ModuleType, tokens: list[int],
+                                                 page_size: int, prior: bytes | None) -> None:
+    """Wide token ids (beyond uint32) switch SGLang to its 0xff-tagged uint64 encoding."""
+    prior_hex = prior.hex() if prior else None
+    ours = sglang_page_hashes(tokens, page_size, prior_hex)
+    assert ours == sglang_get_hash_str(sglang, tokens, prior_hex, page_size)
+    if tokens:  # the unpaged form is the one-page chain of every token
+        assert sglang_page_hashes(tokens, len(tokens), prior_hex) == [
+            sglang_get_hash_str(sglang, tokens, prior_hex, None)]
