@@ -18,9 +18,9 @@ setup_hicached() {
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
             "${missing[@]}"
     fi
-    python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null \
-        || python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" \
-            --index-url https://download.pytorch.org/whl/cpu
+    # the CPU build of torch, pinned: a bare "torch" could pull a multi-GB CUDA build. Where the
+    # configured index lacks it, point pip at one that has it (PIP_EXTRA_INDEX_URL).
+    python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu"
     python3 -m pip install -q --disable-pip-version-check -e ".${extras}"
     if [ "${1:-}" = "--test" ]; then
         # SGLang's own code is the reference the integration tests run against; its
