@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from hicache.errors import CanaryMismatch, PoolExhausted
 from hicache.specs import CanarySpec, Role
+from hicached.cache.pool_cache import PoolCache
 from hicached.copy.engine import TransferEngine
 from hicached.server.metrics import REASONS, Metrics, ScrapeState
 from tests.helpers import make_pool, mha, random_device, spec
@@ -16,7 +17,8 @@ def test_state_metrics_are_read_at_scrape_time() -> None:
     pool = make_pool(spec(mha(), canary=CanarySpec(16), name="c"))
     reg = CollectorRegistry()
     state = {"open": 2, "reaped": 5, "attached": 4096}
-    Metrics(reg, ScrapeState(pools=lambda: [pool], sessions_open=lambda: state["open"],
+    cache = PoolCache(pool)
+    Metrics(reg, ScrapeState(pools=lambda: [(pool, cache)], sessions_open=lambda: state["open"],
                              sessions_reaped=lambda: state["reaped"],
                              attached_bytes=lambda: state["attached"]),
             build={"version": "9.9", "torch": "x", "cuda_available": "false", "python": "3"})

@@ -162,7 +162,7 @@ def test_an_unexpected_failure_is_internal_counted_and_not_leaked(served, monkey
     def broken() -> list[object]:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(server.daemon.pools, "list", broken)
+    monkeypatch.setattr(server.daemon.pools, "entries", broken)
     with pytest.raises(HiCacheError) as exc:
         client.list_pools()
     assert exc.value.grpc_code == grpc.StatusCode.INTERNAL and not exc.value.from_daemon

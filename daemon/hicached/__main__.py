@@ -37,6 +37,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--lease-seconds": ("lease_seconds", "session lease (5)"),
     "--copy-threads": ("copy_threads", "threads per copy (0 = all CPUs)"),
     "--grpc-threads": ("grpc_threads", "concurrent RPCs (16)"),
+    "--max-watchers": ("max_watchers", "WatchEvents streams at once (4)"),
     "--grace-seconds": ("grace_seconds", "drain time on SIGTERM (10)"),
     "--tls-cert": ("tls_cert", "PEM certificate for TCP listeners"),
     "--tls-key": ("tls_key", "PEM key for TCP listeners"),
@@ -45,7 +46,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
 }
 _FLOATS = {"lease_seconds", "grace_seconds"}
-_INTS = {"copy_threads", "grpc_threads"}
+_INTS = {"copy_threads", "grpc_threads", "max_watchers"}
 
 
 class JsonFormatter(logging.Formatter):

@@ -111,6 +111,17 @@ def abort_status(exc: e.HiCacheError) -> grpc.Status:
     return rpc_status.to_status(to_rpc_status(exc))
 
 
+def _own_message(details: str, reason: str, metadata: dict[str, str]) -> str:
+    """The message the daemon's error was raised with: the status text carries the reason and
+    metadata around it (for clients that only read text), which the rebuilt error adds again."""
+    probe = e.HiCacheError("", metadata=metadata)
+    probe.reason = reason
+    prefix, _, suffix = str(probe).partition(": ")
+    if details.startswith(prefix + ": ") and details.endswith(suffix.strip()):
+        return details[len(prefix) + 2:len(details) - len(suffix.strip())].rstrip()
+    return details
+
+
 def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
     """Rebuild the domain error a daemon raised; a call the server cancelled becomes
     ``Unavailable``; other unknown failures become ``HiCacheError``."""
@@ -141,7 +152,8 @@ def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
                   C.INVALID_ARGUMENT: e.InvalidRequest.reason,
                   C.RESOURCE_EXHAUSTED: e.ResourceExhausted.reason}.get(code, "INTERNAL")
     cls = e.error_class_for(reason)
-    exc = cls(details or "", metadata=metadata, violations=violations)
+    exc = cls(_own_message(details or "", reason, metadata), metadata=metadata,
+              violations=violations)
     exc.grpc_code = code
     exc.from_daemon = from_daemon
     return exc

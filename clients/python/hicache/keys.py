@@ -10,6 +10,8 @@ Primitives:
 - ``check_keys(keys, field, unique)``: the keys as ``bytes``; ``KEY_INVALID`` for one that is
   empty, too long or not bytes, ``DUPLICATE_KEY`` (when ``unique``) for one given twice, each
   naming the position.
+- ``encode_keys(keys)``: keys as a worker may give them (bytes, or hex strings as SGLang's
+  ``hash_value``) as bytes for the wire; ``KEY_INVALID`` for a string that is not hex.
 - ``sglang_page_hashes(token_ids, page_size, prior_hash)``: SGLang's ``get_hash_str(token_ids,
   prior_hash, page_size)``, computed the same way (``sglang/srt/mem_cache/cpp_utils/
   hash_binding.cpp``): per page, SHA-256 of the prior page's 32-byte digest (when there is one)
@@ -61,6 +63,19 @@ def check_keys(keys: Sequence[object], field: str = "keys", unique: bool = False
                     {"field": field, "position": pos, "first_position": seen}))
         out.append(k)
     raise_violations(violations)
+    return out
+
+
+def encode_keys(keys: Sequence[bytes | str], field: str = "keys") -> list[bytes]:
+    out: list[bytes] = []
+    for pos, k in enumerate(keys):
+        if isinstance(k, str):
+            try:
+                k = bytes.fromhex(k)
+            except ValueError:
+                raise KeyInvalid(f"{field}[{pos}] is a string but not hex",
+                                 metadata={"field": field, "position": pos}) from None
+        out.append(bytes(k))
     return out
 
 

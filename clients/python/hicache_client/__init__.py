@@ -8,12 +8,23 @@ no native extension of ours, and not torch (imported when tensors are made).
   metadata, violations and ``grpc_code``; reconnect with backoff for idempotent calls.
 - ``ShmDeviceBuffers``: device KV buffers for CPU workers, backed by shared-memory files that the
   daemon maps.
-- ``WorkerSession``: an open session with a heartbeat thread.
+- ``WorkerSession``: an open session with a heartbeat thread (raw backup / load, keyed store /
+  load_keys, owned alloc).
+- ``LookupResult``, ``StoreResult``, ``CacheEvent``, ``PoolInfo``, ``TransferStats``: replies.
 - ``hicache_client.cuda``: GPU workers' buffers and events as CUDA IPC handles.
 - ``hicache_client.cli``: ``hicachectl``.
 """
 
-from hicache_client.client import HiCacheClient, PoolInfo, TransferStats, WorkerSession
+from hicache_client.client import EventStream, HiCacheClient
+from hicache_client.results import (
+    CacheEvent,
+    LookupResult,
+    PoolInfo,
+    StoreResult,
+    TransferStats,
+)
+from hicache_client.session import WorkerSession
 from hicache_client.shm import ShmDeviceBuffers
 
-__all__ = ["HiCacheClient", "PoolInfo", "ShmDeviceBuffers", "TransferStats", "WorkerSession"]
+__all__ = ["CacheEvent", "EventStream", "HiCacheClient", "LookupResult", "PoolInfo",
+           "ShmDeviceBuffers", "StoreResult", "TransferStats", "WorkerSession"]

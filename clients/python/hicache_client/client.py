@@ -7,31 +7,41 @@ backoff while the daemon is unreachable or draining (its successor may be starti
 ``reconnect_seconds``. After that an unreachable daemon is ``UNAVAILABLE`` saying so, and a
 draining one is ``DRAINING``, as the daemon said it.
 
-Primitives: ``HiCacheClient`` (one method per RPC), ``WorkerSession`` (an open session with its
-heartbeat thread), ``PoolInfo`` and ``TransferStats`` (replies as dataclasses).
+Primitives: ``HiCacheClient`` (one method per RPC, the cache's included: ``lookup``, ``store``,
+``store_async``, ``load_keys``, ``remove_keys``, ``clear_pool``, ``watch_events``), and
+``EventStream``. Sessions are ``session.WorkerSession``; replies are the dataclasses of
+``results``. Keys are bytes, or hex strings (SGLang's ``hash_value``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from hicache.buffers import DeviceBufferSpec
-from hicache.codec import buffer_to_proto, spec_from_proto, spec_to_proto
+from hicache.codec import buffer_to_proto, spec_to_proto
 from hicache.error_mapping import from_rpc_error
-from hicache.errors import Draining, HiCacheError, Unavailable
+from hicache.errors import Draining, Unavailable
 from hicache.indices import indices_to_bytes, to_index_array
+from hicache.keys import encode_keys
 from hicache.paths import default_target
 from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache_client.results import (
+    CacheEvent,
+    LookupResult,
+    PoolInfo,
+    StoreResult,
+    TransferStats,
+)
+from hicache_client.session import WorkerSession
 
 if TYPE_CHECKING:
     import torch
@@ -39,35 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class PoolInfo:
-    spec: PoolSpec
-    size_tokens: int
-    page_num: int
-    page_bytes: int
-    used_pages: int
-    free_pages: int
-    capacity_bytes: int
-    used_bytes: int
-    pinned_bytes: int
-    sessions: int
-
-    @classmethod
-    def from_proto(cls, p: pb.Pool) -> PoolInfo:
-        return cls(spec_from_proto(p.spec), p.size_tokens, p.page_num, p.page_bytes,
-                   p.used_pages, p.free_pages, p.capacity_bytes, p.used_bytes, p.pinned_bytes,
-                   p.sessions)
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    bytes_moved: int
-    pages: int
-    duration_seconds: float
-    pending: bool = False
-    """The copies may still be running on the GPU (a load with layer events)."""
 
 
 class HiCacheClient:
@@ -190,12 +171,13 @@ class HiCacheClient:
         return list(self._call(self._stub.ListSessions, pb.ListSessionsRequest(pool=pool),
                                retry=True).sessions)
 
-    def alloc(self, pool: str, num_tokens: int) -> torch.Tensor:
-        """Token indices of fresh host pages, as an int64 tensor."""
+    def alloc(self, pool: str, num_tokens: int, session_id: str = "") -> torch.Tensor:
+        """Token indices of fresh raw host pages, as an int64 tensor; owned by
+        ``session_id`` (freed when it ends) when one is given."""
         import torch
 
-        resp = self._call(self._stub.Alloc, pb.AllocRequest(pool=pool, num_tokens=num_tokens),
-                          retry=False)
+        resp = self._call(self._stub.Alloc, pb.AllocRequest(
+            pool=pool, num_tokens=num_tokens, session_id=session_id), retry=False)
         return torch.from_numpy(to_index_array(resp.host_indices, "host_indices").copy())
 
     def free(self, pool: str, host_indices: object) -> int:
@@ -225,60 +207,85 @@ class HiCacheClient:
             session_id=session_id, host_indices=indices_to_bytes(host),
             device_indices=indices_to_bytes(dev), layer_begin=begin, layer_end=end,
             completion=completion), retry=True)  # type: ignore[arg-type]
-        return TransferStats(resp.bytes_moved, resp.pages, resp.duration_seconds, resp.pending)
+        return TransferStats.from_proto(resp)
 
+    # -- the cache -------------------------------------------------------------------------
 
-class WorkerSession:
-    """An open session; heartbeats in a background thread at a third of the lease."""
+    def lookup(self, pool: str, keys: Sequence[bytes | str]) -> LookupResult:
+        """Which keys are cached (no pin, no copy): the hit prefix and a tier per key."""
+        r = self._call(self._stub.Lookup, pb.LookupRequest(pool=pool, keys=encode_keys(keys)),
+                       retry=True)
+        return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits)
 
-    def __init__(self, client: HiCacheClient, msg: pb.Session, heartbeat: bool) -> None:
-        self.client = client
-        self.session_id: str = msg.session_id
-        self.pool: str = msg.pool
-        self.lease_ms: int = msg.lease_ms
-        self.device_tokens: int = msg.device_tokens
-        self.device_uuid: str = msg.device_uuid
-        self.layer_events: int = msg.layer_events
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.heartbeat_error: HiCacheError | None = None
-        if heartbeat:
-            self._thread = threading.Thread(target=self._beat, daemon=True,
-                                            name=f"heartbeat-{self.session_id[:8]}")
-            self._thread.start()
+    def _store_request(self, session_id: str, keys: Sequence[bytes | str],
+                       device_indices: object) -> pb.StoreRequest:
+        return pb.StoreRequest(session_id=session_id, keys=encode_keys(keys),
+                               device_indices=indices_to_bytes(device_indices))
 
-    def _beat(self) -> None:
-        period = max(self.lease_ms / 3000.0, 0.05)
-        while not self._stop.wait(period):
+    def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object
+              ) -> StoreResult:
+        return StoreResult.from_proto(self._call(
+            self._stub.Store, self._store_request(session_id, keys, device_indices),
+            retry=True))
+
+    def store_async(self, session_id: str, keys: Sequence[bytes | str],
+                    device_indices: object) -> Future[StoreResult]:
+        """``store`` without blocking the caller: a future of its result (or domain error)."""
+        out: Future[StoreResult] = Future()
+        call = self._stub.Store.future(self._store_request(session_id, keys, device_indices),
+                                       timeout=self.timeout)
+
+        def done(f: Any) -> None:
             try:
-                self.client.heartbeat(self.session_id)
-                self.heartbeat_error = None
-            except HiCacheError as exc:  # kept for the caller; the next transfer will raise
-                self.heartbeat_error = exc
-            except ValueError:  # the client's channel was closed under us
-                return
+                out.set_result(StoreResult.from_proto(f.result()))
+            except grpc.RpcError as err:
+                out.set_exception(from_rpc_error(err))
+            except Exception as exc:  # cancelled, or the channel closed
+                out.set_exception(exc)
 
-    def backup(self, host_indices: object, device_indices: object, layer_begin: int = 0,
-               layer_end: int = 0) -> TransferStats:
-        return self.client.backup(self.session_id, host_indices, device_indices, layer_begin,
-                                  layer_end)
+        call.add_done_callback(done)
+        return out
 
-    def load(self, host_indices: object, device_indices: object, layer_begin: int = 0,
-             layer_end: int = 0, *, layer_events: bool = False) -> TransferStats:
-        return self.client.load(self.session_id, host_indices, device_indices, layer_begin,
-                                layer_end, layer_events=layer_events)
+    def load_keys(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
+                  layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False
+                  ) -> TransferStats:
+        completion = pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
+        resp = self._call(self._stub.LoadKeys, pb.LoadKeysRequest(
+            session_id=session_id, keys=encode_keys(keys),
+            device_indices=indices_to_bytes(device_indices), layer_begin=layer_begin,
+            layer_end=layer_end, completion=completion), retry=True)  # type: ignore[arg-type]
+        return TransferStats.from_proto(resp)
 
-    def stop_heartbeat(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+    def remove_keys(self, pool: str, keys: Sequence[bytes | str]) -> int:
+        r = self._call(self._stub.RemoveKeys,
+                       pb.RemoveKeysRequest(pool=pool, keys=encode_keys(keys)), retry=True)
+        return int(r.removed)
 
-    def close(self) -> None:
-        self.stop_heartbeat()
-        self.client.close_session(self.session_id)
+    def clear_pool(self, pool: str) -> int:
+        """Drop every key of the pool (raw pages stay); returns how many."""
+        r = self._call(self._stub.ClearPool, pb.ClearPoolRequest(pool=pool), retry=True)
+        return int(r.keys_removed)
 
-    def __enter__(self) -> WorkerSession:
-        return self
+    def watch_events(self, pool: str, after_seq: int = 0) -> EventStream:
+        """The pool's STORED / REMOVED / EVICTED events after ``after_seq``, as they happen."""
+        return EventStream(self._stub.WatchEvents(
+            pb.WatchEventsRequest(pool=pool, after_seq=after_seq)))
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+
+class EventStream:
+    """An iterator of ``CacheEvent``; ``cancel()`` ends it. Errors arrive as domain errors."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[CacheEvent]:
+        try:
+            for e in self._call:
+                yield CacheEvent.from_proto(e)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED and self._call.cancelled():
+                return  # cancel() from this side
+            raise from_rpc_error(err) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()

@@ -4,7 +4,8 @@ Primitives:
 
 - ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` of raw pages by host indices,
   over all layers or a layer range, for every kind, layout and pool group; returns a
-  ``TransferResult``. ``transfer_pages(op, ...)`` copies keyed pages the cache holds. CPU
+  ``TransferResult``. ``check_keyed`` / ``transfer_pages`` validate and copy keyed pages the
+  cache holds. CPU
   buffers are copied by the CPU runner (``cpu.execute``); GPU buffers through the session's
   ``PlanRunner``.
 - ``PlanRunner``: runs the copy plans elsewhere (``hicached.cuda.runner.CudaRunner``), either
@@ -100,23 +101,27 @@ class TransferEngine:
         return self._transfer(Op.LOAD, pool, buffers, host_indices, device_indices,
                               layer_begin, layer_end, runner, wait, on_complete)
 
-    def transfer_pages(self, op: Op, pool: HostPool, buffers: WorkerBuffers,
-                       host_pages: IndexArray, device_indices: object, layer_begin: int = 0,
-                       layer_end: int = 0, runner: PlanRunner | None = None,
-                       wait: bool = True, on_complete: Callable[[], None] | None = None
-                       ) -> TransferResult:
-        """Copy whole keyed pages the caller already holds (the cache acquired them: written
-        for a store, read for a load) to or from the worker, one page per ``host_pages``
-        entry; only the device side is validated here. The caller releases the pages after
-        the call returns, or from ``on_complete`` when the result is ``pending``."""
-        t0 = time.perf_counter()
+    def check_keyed(self, op: Op, pool: HostPool, buffers: WorkerBuffers, keys: int,
+                    device_indices: object, layer_begin: int = 0, layer_end: int = 0
+                    ) -> tuple[IndexArray, range]:
+        """Validate the worker side of a Store (``BACKUP``) or LoadKeys (``LOAD``) of ``keys``
+        keys before the cache commits to anything; returns (device pages, layers)."""
         pool._check_open()
         device_tokens = buffers.check_against(pool.spec)
-        device_pages, layers = validate_keyed(
-            keys=int(host_pages.size), device_indices=device_indices,
-            page_size=pool.page_size, device_tokens=device_tokens,
-            layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
-            writes_host=op is Op.BACKUP)
+        return validate_keyed(
+            keys=keys, device_indices=device_indices, page_size=pool.page_size,
+            device_tokens=device_tokens, layer_num=pool.spec.max_layers,
+            layer_begin=layer_begin, layer_end=layer_end, writes_host=op is Op.BACKUP)
+
+    def transfer_pages(self, op: Op, pool: HostPool, buffers: WorkerBuffers,
+                       host_pages: IndexArray, device_pages: IndexArray, layers: range,
+                       runner: PlanRunner | None = None, wait: bool = True,
+                       on_complete: Callable[[], None] | None = None) -> TransferResult:
+        """Copy whole keyed pages the caller holds (the cache acquired them: written for a
+        store, read for a load) to or from device pages ``check_keyed`` accepted, pairwise.
+        The caller releases the pages after the call returns, or from ``on_complete`` when the
+        result is ``pending``."""
+        t0 = time.perf_counter()
         unique = op is Op.BACKUP or np.unique(host_pages).size == host_pages.size
         batch = TransferBatch(host_pages, device_pages, layers, unique)
         return self._run(op, pool, buffers, batch, t0, runner, wait, on_complete, hold=False)

@@ -97,6 +97,12 @@ class PageAllocator:
                     "held": int(((self._readers > 0) | self._writer).sum()),
                     "releasing": self._releasing, "free": self._nfree}
 
+    @staticmethod
+    def bytes_per_page(layer_num: int) -> int:
+        """Host bytes of the allocator's tables per page (ring, state, kind, owner, readers,
+        writer, generation, a written bit per layer)."""
+        return 8 + 1 + 1 + 8 + 4 + 1 + 4 + layer_num
+
     @property
     def metadata_bytes(self) -> int:
         """Host bytes of the allocator's own tables."""

@@ -62,6 +62,15 @@ class CanaryTable:
         self.verified_pages = 0
         self.mismatched_pages = 0
 
+    @staticmethod
+    def bytes_per_page(layer_num: int) -> int:
+        """Host bytes per page: a fingerprint and a valid flag per layer."""
+        return 9 * layer_num
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._fp.nbytes + self._valid.nbytes)
+
     def record(self, pages: np.ndarray, layers: range, fps: np.ndarray) -> None:
         """Store ``fps`` of shape (len(pages), len(layers))."""
         sl = slice(layers.start, layers.stop)

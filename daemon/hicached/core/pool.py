@@ -158,6 +158,19 @@ class HostPool:
                 return c.tensor
         raise KeyError((member, role))
 
+    @staticmethod
+    def metadata_bytes_per_page(spec: PoolSpec) -> int:
+        """Host bytes of a pool's own tables per page (allocator, kv-canary), for budgets."""
+        layers = max(spec.max_layers, 1)
+        canary = CanaryTable.bytes_per_page(layers) if spec.canary is not None else 0
+        return PageAllocator.bytes_per_page(layers) + canary
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Host bytes of this pool's tables (beside its page memory)."""
+        canary = self.canary.nbytes if self.canary is not None else 0
+        return self.allocator.metadata_bytes + canary
+
     def fingerprints(self, pages: np.ndarray, layers: range) -> np.ndarray:
         """kv-canary fingerprints (len(pages), len(layers)) of host pages, over every
         component (the pool must have a canary)."""

@@ -100,7 +100,8 @@ class HiCacheServer:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        sessions = SessionManager(config.lease_seconds)
+        sessions = SessionManager(config.lease_seconds,
+                                  on_end=lambda s: self.daemon.session_ended(s))
         options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes)
         driver = load_driver(config.cuda_driver or None)
         if driver is None:
@@ -113,16 +114,17 @@ class HiCacheServer:
         pools = PoolTable(config.effective_budget(), options, sessions.count,
                           pinner=DriverPinner(driver) if driver is not None else None)
         metrics = Metrics(self.registry, ScrapeState(
-            pools=pools.list, sessions_open=sessions.count,
+            pools=pools.entries, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,
             attached_bytes=lambda: sessions.attached_bytes,
             ipc_handles=cuda.cache.stats if cuda is not None else lambda: (0, 0),
+            watchers=lambda: self.daemon.watchers,
         ), build={"version": hicache.__version__, "torch": torch.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
         self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir),
                              TransferEngine(config.copy_threads), metrics, cuda=cuda,
-                             cuda_driver=config.cuda_driver)
+                             cuda_driver=config.cuda_driver, max_watchers=config.max_watchers)
         self.health = health.HealthServicer()
         self._locks: list[_SocketLock] = []
         self._stopped = threading.Event()

@@ -65,6 +65,8 @@ class ServerConfig:
     """Threads per copy (0 = one per usable CPU, ``core.system.default_threads``)."""
     grpc_threads: int = 16
     """Concurrent RPCs served."""
+    max_watchers: int = 4
+    """WatchEvents streams served at once; each holds one of the grpc_threads while open."""
     grace_seconds: float = 10.0
     """On SIGTERM: how long in-flight transfers may take to finish."""
     max_message_bytes: int = 64 << 20
@@ -99,6 +101,11 @@ class ServerConfig:
             raise SpecInvalid("memory sizes must be >= 0")
         if self.copy_threads < 0 or self.grpc_threads < 1:
             raise SpecInvalid("copy_threads must be >= 0 and grpc_threads >= 1")
+        if not 0 <= self.max_watchers < self.grpc_threads:
+            raise SpecInvalid("max_watchers must be >= 0 and below grpc_threads (each stream "
+                              "holds an RPC thread)",
+                              metadata={"max_watchers": self.max_watchers,
+                                        "grpc_threads": self.grpc_threads})
         if self.log_format not in ("text", "json"):
             raise SpecInvalid("log_format is text or json")
         if not os.path.isabs(self.shm_dir):

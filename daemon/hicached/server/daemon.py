@@ -6,33 +6,46 @@ Primitives:
   with its drain state.
 - ``enter(creates_work)`` / ``leave()`` / ``wait_idle(timeout)``: the drain gate. While
   draining, work-creating calls are refused with ``DRAINING``; the rest still answer.
+- ``watch_slot()``: one of ``max_watchers`` event streams, or ``TOO_MANY_WATCHERS``.
 - ``attach(buffers, layer_events, ready_event)``: the transport a session's buffers need (all
   ``shm`` or all ``cuda_ipc``), refusing mixtures, CUDA events on shm sessions, and
   ``cuda_ipc`` where the CUDA driver has no device (``TRANSPORT_UNAVAILABLE``).
 - ``transfer(op, session_id, host, device, layers, layer_events)``: one backup or load on a
   session's buffers; a load with layer events keeps the session's mappings until its GPU
   copies land.
+- ``alloc(pool, tokens, session_id)``: raw pages, owned by a session when one is named (freed
+  when it ends: ``session_ended``).
+- ``store(session_id, keys, device)`` / ``load_keys(...)``: the keyed flows: the whole batch is
+  validated first, then the cache commits (pages found, held, taken or evicted), the copy
+  engine moves the bytes, and the cache finishes (keys become ready, holds are released).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import driver_problem
-from hicache.errors import Draining, SpecInvalid, TransportUnavailable
+from hicache.errors import Draining, SpecInvalid, TooManyWatchers, TransportUnavailable
 from hicache.indices import IndexArray
+from hicache.keys import check_keys
+from hicached.cache.pool_cache import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
 from hicached.server.metrics import Metrics
 from hicached.server.pool_table import PoolTable
-from hicached.server.sessions import SessionManager
+from hicached.server.sessions import Session, SessionManager
 from hicached.transport.base import Attachment
 from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +70,10 @@ class Daemon:
     """Set once shutdown began: new work is refused."""
     in_flight: int = 0
     """RPCs being handled now."""
+    max_watchers: int = 4
+    """WatchEvents streams served at once (each holds an RPC thread)."""
+    watchers: int = 0
+    """WatchEvents streams open now."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- drain gate ------------------------------------------------------------------------
@@ -80,6 +97,22 @@ class Daemon:
             time.sleep(0.01)
         return False
 
+    @contextmanager
+    def watch_slot(self) -> Iterator[None]:
+        """One of ``max_watchers`` slots for an event stream, or ``TOO_MANY_WATCHERS``."""
+        with self._lock:
+            if self.watchers >= self.max_watchers:
+                raise TooManyWatchers(
+                    f"{self.watchers} event streams are open, the limit is {self.max_watchers}; "
+                    f"close one or raise max_watchers",
+                    metadata={"watchers": self.watchers, "limit": self.max_watchers})
+            self.watchers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.watchers -= 1
+
     # -- flows -----------------------------------------------------------------------------
 
     def attach(self, buffers: list[DeviceBufferSpec], layer_events: list[bytes],
@@ -100,6 +133,12 @@ class Daemon:
                               metadata={"layer_events": len(layer_events)})
         return self.shm.attach(buffers)
 
+    @staticmethod
+    def _check_layer_events(layer_events: bool, runner: object) -> None:
+        if layer_events and not (isinstance(runner, CudaRunner) and runner.layer_events):
+            raise SpecInvalid("COMPLETION_LAYER_EVENTS needs a CUDA session opened with "
+                              "layer_events", metadata={"completion": "COMPLETION_LAYER_EVENTS"})
+
     def transfer(self, op: Op, session_id: str, host: IndexArray, device: IndexArray,
                  layers: tuple[int, int], layer_events: bool) -> TransferResult:
         """One backup or load; with ``layer_events`` a load returns once enqueued."""
@@ -115,11 +154,7 @@ class Daemon:
             if op is Op.BACKUP:
                 r = self.engine.backup(s.pool, buffers, host, device, *layers, runner=runner)
             else:
-                if layer_events and not (isinstance(runner, CudaRunner)
-                                         and runner.layer_events):
-                    raise SpecInvalid("COMPLETION_LAYER_EVENTS needs a CUDA session opened "
-                                      "with layer_events",
-                                      metadata={"completion": "COMPLETION_LAYER_EVENTS"})
+                self._check_layer_events(layer_events, runner)
                 sessions.hold(s)  # released when the GPU copies land
                 try:
                     r = self.engine.load(s.pool, buffers, host, device, *layers, runner=runner,
@@ -132,3 +167,76 @@ class Daemon:
                     sessions.unhold(s)
         self.metrics.transfer(s.pool_name, op.value, r.bytes, r.pages, r.seconds)
         return r
+
+    def alloc(self, pool_name: str, num_tokens: int, session_id: str = "") -> IndexArray:
+        owner = 0
+        if session_id:
+            s = self.sessions.get(session_id)
+            if s.pool_name != pool_name:
+                raise SpecInvalid(f"session {session_id} belongs to pool {s.pool_name}, not "
+                                  f"{pool_name}", metadata={"field": "session_id",
+                                                            "pool": s.pool_name})
+            owner = s.owner
+        return self.pools.cache(pool_name).alloc_raw(num_tokens, owner)
+
+    def session_ended(self, s: Session) -> None:
+        """Free the raw pages the session owned (a copy still holding one frees it later)."""
+        freed = s.pool.allocator.free_owned(s.owner)
+        if freed:
+            log.info("session %s ended: freed %d raw page(s) it owned", s.session_id, freed)
+
+    def store(self, session_id: str, keys: list[bytes], device: IndexArray,
+              layers: tuple[int, int]) -> tuple[StoreTicket, TransferResult | None]:
+        keys = check_keys(keys, "keys", unique=True)
+        with self.sessions.transfer(session_id) as s:
+            buffers = s.attachment.buffers
+            assert buffers is not None, "a session in use keeps its mappings"
+            device_pages, all_layers = self.engine.check_keyed(
+                Op.BACKUP, s.pool, buffers, len(keys), device, *layers)
+            cache = self.pools.cache(s.pool_name)
+            ticket = cache.begin_store(keys)
+            result, ok = None, False
+            try:
+                if ticket.pages.size:
+                    result = self.engine.transfer_pages(
+                        Op.BACKUP, s.pool, buffers, ticket.pages, device_pages[ticket.positions],
+                        all_layers, s.attachment.runner)
+                ok = True
+            finally:
+                cache.finish_store(ticket, ok)
+        if result is not None:
+            self.metrics.transfer(s.pool_name, "store", result.bytes, result.pages,
+                                  result.seconds)
+        return ticket, result
+
+    def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray,
+                  layers: tuple[int, int], layer_events: bool) -> TransferResult:
+        keys = check_keys(keys, "keys")
+        sessions = self.sessions
+        with sessions.transfer(session_id) as s:
+            buffers = s.attachment.buffers
+            runner = s.attachment.runner
+            assert buffers is not None, "a session in use keeps its mappings"
+            self._check_layer_events(layer_events, runner)
+            device_pages, load_layers = self.engine.check_keyed(
+                Op.LOAD, s.pool, buffers, len(keys), device, *layers)
+            cache = self.pools.cache(s.pool_name)
+            pages = cache.begin_load(keys)  # KEY_NOT_FOUND: nothing held, nothing moves
+            sessions.hold(s)  # both released when the bytes landed
+
+            def landed() -> None:
+                cache.finish_load(pages)
+                sessions.unhold(s)
+
+            try:
+                r = self.engine.transfer_pages(Op.LOAD, s.pool, buffers, pages, device_pages,
+                                               load_layers, runner, wait=not layer_events,
+                                               on_complete=landed)
+            except BaseException:
+                landed()
+                raise
+            if not r.pending:
+                landed()
+        self.metrics.transfer(s.pool_name, "load_keys", r.bytes, r.pages, r.seconds)
+        return r
+

@@ -9,7 +9,8 @@ outermost first (the order ``server_interceptors`` returns):
 - ``MetricsInterceptor``: ``hicache_rpc_requests_total{method, code}``,
   ``hicache_rpc_duration_seconds{method}`` and ``hicache_rejected_requests_total{reason}``.
 - ``DrainInterceptor``: the daemon's drain gate: in-flight accounting, and ``DRAINING`` for
-  work-creating methods once shutdown began.
+  work-creating methods once shutdown began. Server streams (WatchEvents) are not gated: they
+  end by themselves when the daemon drains.
 
 Health checking and reflection pass through untouched.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import grpc
@@ -33,17 +34,22 @@ log = logging.getLogger(__name__)
 SERVICE_PREFIX = "/hicache.v1.HostCache/"
 
 Behavior = Callable[[Any, grpc.ServicerContext], Any]
+StreamBehavior = Callable[[Any, grpc.ServicerContext], Iterator[Any]]
 
 
-class _UnaryInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Wraps the unary-unary handlers of ``hicache.v1.HostCache`` with ``wrap``, once per
-    method: the service's handlers never change, so the wrapped chain is reused."""
+class _ServiceInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Wraps the handlers of ``hicache.v1.HostCache`` (unary with ``wrap``, server streams
+    with ``wrap_stream``), once per method: the service's handlers never change, so the
+    wrapped chain is reused."""
 
     def __init__(self) -> None:
         self._wrapped: dict[str, Any] = {}
 
     def wrap(self, method: str, behavior: Behavior) -> Behavior:
         raise NotImplementedError
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        return behavior
 
     def intercept_service(self, continuation: Callable[[Any], Any],
                           handler_call_details: Any) -> Any:
@@ -52,33 +58,54 @@ class _UnaryInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         if wrapped is not None:
             return wrapped
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or not full.startswith(SERVICE_PREFIX):
+        if handler is None or not full.startswith(SERVICE_PREFIX):
             return handler
-        wrapped = self._wrapped[full] = grpc.unary_unary_rpc_method_handler(
-            self.wrap(full[len(SERVICE_PREFIX):], handler.unary_unary),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+        method = full[len(SERVICE_PREFIX):]
+        codec = {"request_deserializer": handler.request_deserializer,
+                 "response_serializer": handler.response_serializer}
+        if handler.unary_unary is not None:
+            wrapped = grpc.unary_unary_rpc_method_handler(
+                self.wrap(method, handler.unary_unary), **codec)
+        elif handler.unary_stream is not None:
+            wrapped = grpc.unary_stream_rpc_method_handler(
+                self.wrap_stream(method, handler.unary_stream), **codec)
+        else:
+            return handler
+        self._wrapped[full] = wrapped
         return wrapped
 
 
-class ErrorMappingInterceptor(_UnaryInterceptor):
+class ErrorMappingInterceptor(_ServiceInterceptor):
     def wrap(self, method: str, behavior: Behavior) -> Behavior:
         def mapped(request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 return behavior(request, context)
-            except HiCacheError as exc:
-                log.info("%s rejected: %s", method, exc)
-                context.abort_with_status(abort_status(exc))
+            except Exception as exc:
+                _abort(method, exc, context)
                 raise  # unreachable: abort raises
-            except Exception:
-                log.exception("%s failed", method)
-                context.abort(grpc.StatusCode.INTERNAL, f"{method} failed; see the daemon log")
-                raise
+
+        return mapped
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        def mapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from behavior(request, context)
+            except Exception as exc:
+                _abort(method, exc, context)
 
         return mapped
 
 
-class MetricsInterceptor(_UnaryInterceptor):
+def _abort(method: str, exc: Exception, context: grpc.ServicerContext) -> None:
+    """A domain error as its rich status; anything else logged and INTERNAL."""
+    if isinstance(exc, HiCacheError):
+        log.info("%s rejected: %s", method, exc)
+        context.abort_with_status(abort_status(exc))
+    log.error("%s failed", method, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed; see the daemon log")
+
+
+class MetricsInterceptor(_ServiceInterceptor):
     def __init__(self, metrics: Metrics) -> None:
         super().__init__()
         self._metrics = metrics
@@ -92,12 +119,8 @@ class MetricsInterceptor(_UnaryInterceptor):
             code = "OK"
             try:
                 return behavior(request, context)
-            except HiCacheError as exc:
-                code = grpc_code(exc).name
-                m.rejected.labels(exc.reason).inc()
-                raise
-            except Exception:
-                code = "INTERNAL"
+            except BaseException as exc:
+                code = self._failed(exc)
                 raise
             finally:
                 m.requests.labels(method, code).inc()
@@ -105,8 +128,35 @@ class MetricsInterceptor(_UnaryInterceptor):
 
         return observed
 
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        m = self._metrics
+        seconds = m.rpc_seconds.labels(method)
 
-class DrainInterceptor(_UnaryInterceptor):
+        def observed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                yield from behavior(request, context)
+            except BaseException as exc:
+                code = self._failed(exc)
+                raise
+            finally:
+                m.requests.labels(method, code).inc()
+                seconds.observe(time.perf_counter() - t0)
+
+        return observed
+
+    def _failed(self, exc: BaseException) -> str:
+        """The code a call ends with, counting domain rejections by reason."""
+        if isinstance(exc, HiCacheError):
+            self._metrics.rejected.labels(exc.reason).inc()
+            return str(grpc_code(exc).name)
+        if isinstance(exc, GeneratorExit):
+            return "CANCELLED"  # the client went away mid-stream
+        return "INTERNAL"
+
+
+class DrainInterceptor(_ServiceInterceptor):
     def __init__(self, daemon: Daemon, creates_work: Collection[str]) -> None:
         """``creates_work``: methods refused while draining (the others still answer)."""
         super().__init__()

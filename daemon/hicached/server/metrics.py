@@ -3,13 +3,15 @@
 Primitives:
 
 - ``Metrics(registry, state)``: counters and histograms updated on the request path, and a
-  custom collector that reads pool occupancy, sessions and canary tallies at scrape time.
+  custom collector that reads pool occupancy, cache tallies (lookups, stores by status,
+  evictions, keys), sessions and canary tallies at scrape time.
 - ``REASONS``: every reason code; ``hicache_rejected_requests_total`` starts at 0 for each, so
   alert rules can reference any of them from the first scrape.
 - ``serve(metrics, address)``: the HTTP endpoint (``HOST:PORT``; port 0 picks one).
 
 Names: prefix ``hicache_``, base units, ``_total`` for counters; labels ``pool``, ``op``
-(``backup``/``load``), ``reason``, ``method``, ``code``.
+(``backup``/``load``/``store``/``load_keys``), ``reason``, ``method``, ``code``, ``result``
+(``hit``/``miss``), ``status`` (``stored``/``already_present``/``no_space``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hicache.errors import all_error_classes
+from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 
 REASONS = sorted({c.reason for c in all_error_classes()})
@@ -37,12 +40,15 @@ DURATION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 
 class ScrapeState:
     """What the collector reads at scrape time (callables so nothing is cached stale)."""
 
-    pools: Callable[[], list[HostPool]]
+    pools: Callable[[], list[tuple[HostPool, PoolCache]]]
+    """Every pool with its cache."""
     sessions_open: Callable[[], int]
     sessions_reaped: Callable[[], int]
     attached_bytes: Callable[[], int]
     ipc_handles: Callable[[], tuple[int, int]] = lambda: (0, 0)
     """(CUDA IPC allocations mapped, their bytes)."""
+    watchers: Callable[[], int] = lambda: 0
+    """WatchEvents streams open."""
 
 
 class _StateCollector(Collector):
@@ -71,7 +77,8 @@ class _StateCollector(Collector):
         mismatched = CounterMetricFamily("hicache_canary_mismatched_pages",
                                          "Pages whose fingerprint differed on load.",
                                          labels=labels)
-        for pool in self._state.pools():
+        entries = self._state.pools()
+        for pool, _cache in entries:
             name = [pool.spec.name]
             used = pool.allocator.used_pages
             cap_b.add_metric(name, pool.nbytes)
@@ -85,6 +92,9 @@ class _StateCollector(Collector):
                 verified.add_metric(name, pool.canary.verified_pages)
                 mismatched.add_metric(name, pool.canary.mismatched_pages)
         yield from (cap_b, used_b, cap_p, used_p, pinned, pin_s, fails, verified, mismatched)
+        yield from _cache_families(entries)
+        yield GaugeMetricFamily("hicache_cache_watchers", "WatchEvents streams open.",
+                                value=self._state.watchers())
         yield GaugeMetricFamily("hicache_sessions_open", "Open worker sessions.",
                                 value=self._state.sessions_open())
         yield CounterMetricFamily("hicache_sessions_reaped", "Sessions ended by lease expiry.",
@@ -100,6 +110,47 @@ class _StateCollector(Collector):
                                 value=handle_bytes)
         yield GaugeMetricFamily("hicache_uptime_seconds", "Seconds since the daemon started.",
                                 value=time.monotonic() - self._started)
+
+
+def _cache_families(entries: list[tuple[HostPool, PoolCache]]) -> Iterator[Metric]:
+    """Pages by kind and the cache's tallies, per pool."""
+    pool_l = ["pool"]
+    g = {n: GaugeMetricFamily(f"hicache_{n}", h, labels=pool_l) for n, h in (
+        ("pool_raw_pages", "Pages handed out by Alloc."),
+        ("pool_keyed_pages", "Pages named by a key (ready or being written)."),
+        ("pool_pinned_pages", "Pages a copy holds now (never evicted)."),
+        ("pool_metadata_bytes", "Host bytes of the pool's tables (its key index aside)."),
+        ("cache_keys", "Ready keys."),
+        ("cache_keyed_bytes", "Host bytes of the pages of ready keys."))}
+    c = {n: CounterMetricFamily(f"hicache_{n}", h, labels=pool_l) for n, h in (
+        ("cache_lookups", "Lookup requests."),
+        ("cache_evicted_pages", "Ready keyed pages evicted to make room."),
+        ("cache_removed_keys", "Keys dropped by RemoveKeys or ClearPool."),
+        ("cache_load_misses", "LoadKeys refused with KEY_NOT_FOUND."))}
+    keys = CounterMetricFamily("hicache_cache_lookup_keys", "Keys looked up, by result.",
+                               labels=["pool", "result"])
+    stores = CounterMetricFamily("hicache_cache_store_keys", "Keys a Store named, by status.",
+                                 labels=["pool", "status"])
+    for pool, cache in entries:
+        name, st, counts = pool.spec.name, cache.stats, pool.allocator.counts()
+        ready = cache.key_count
+        for metric, value in (("pool_raw_pages", counts["raw"]),
+                              ("pool_keyed_pages", counts["keyed"]),
+                              ("pool_pinned_pages", counts["held"]),
+                              ("pool_metadata_bytes", pool.metadata_bytes),
+                              ("cache_keys", ready),
+                              ("cache_keyed_bytes", ready * pool.spec.page_bytes)):
+            g[metric].add_metric([name], value)
+        for metric, value in (("cache_lookups", st.lookups), ("cache_evicted_pages", st.evicted),
+                              ("cache_removed_keys", st.removed),
+                              ("cache_load_misses", st.load_misses)):
+            c[metric].add_metric([name], value)
+        keys.add_metric([name, "hit"], st.lookup_hits)
+        keys.add_metric([name, "miss"], st.lookup_misses)
+        for status, value in (("stored", st.stored), ("already_present", st.already_present),
+                              ("no_space", st.no_space)):
+            stores.add_metric([name, status], value)
+    yield from (*g.values(), *c.values(), keys, stores)
 
 
 class Metrics:

@@ -1,12 +1,14 @@
-"""The daemon's table of named pools under one memory budget.
+"""The daemon's table of named pools, each with its cache, under one memory budget.
 
 Primitives:
 
 - ``PoolTable(budget_bytes, options, sessions_of, pinner)``: ``create(spec)`` (idempotent:
   the same spec returns the existing pool, another spec is ``POOL_SPEC_CONFLICT``), ``get``,
-  ``list``, ``delete`` (refused with ``POOL_IN_USE`` while sessions are open), ``close_all``.
-- ``used_bytes``: host bytes of all pools; a pool that would exceed the budget is
-  ``HOST_MEMORY_INSUFFICIENT`` naming both numbers.
+  ``cache`` (the pool's ``PoolCache``), ``list``, ``delete`` (refused with ``POOL_IN_USE``
+  while sessions are open), ``close_all``.
+- ``charge(spec)``: what a pool costs the budget: its pages and, per page, its tables and key
+  index. ``used_bytes``: the charges of all pools; a pool that would exceed the budget is
+  ``HOST_MEMORY_INSUFFICIENT`` naming every number.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ from collections.abc import Callable
 
 from hicache.errors import HostMemoryInsufficient, PoolInUse, PoolNotFound, PoolSpecConflict
 from hicache.specs import PoolSpec
+from hicached.cache.pool_cache import KEY_INDEX_BYTES, PoolCache
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
+
+
+def charge(spec: PoolSpec) -> int:
+    """Budget bytes of a pool: page memory plus its tables and key index."""
+    pages = spec.resolved_size_tokens() // spec.page_size
+    return pages * (spec.page_bytes + HostPool.metadata_bytes_per_page(spec) + KEY_INDEX_BYTES)
 
 
 class PoolTable:
@@ -30,6 +39,7 @@ class PoolTable:
         self.pinner = pinner
         self._sessions_of = sessions_of
         self._pools: dict[str, HostPool] = {}
+        self._caches: dict[str, PoolCache] = {}
         self._lock = threading.Lock()
         self._creating = threading.Lock()
 
@@ -46,18 +56,19 @@ class PoolTable:
                                   "requested": _summary(spec)},
                     )
                 return existing, False
-            need = spec.resolved_size_tokens() // spec.page_size * spec.page_bytes
+            need = charge(spec)
             used = self.used_bytes
             if used + need > self.budget_bytes:
                 raise HostMemoryInsufficient(
-                    f"pool {spec.name} needs {need} bytes; the daemon budget of "
-                    f"{self.budget_bytes} bytes has {self.budget_bytes - used} left",
+                    f"pool {spec.name} needs {need} bytes (pages and their index); the daemon "
+                    f"budget of {self.budget_bytes} bytes has {self.budget_bytes - used} left",
                     metadata={"requested_bytes": need, "budget_bytes": self.budget_bytes,
                               "used_bytes": used, "pool": spec.name},
                 )
             pool = HostPool(spec, self.options, pinner=self.pinner)
             with self._lock:
                 self._pools[spec.name] = pool
+                self._caches[spec.name] = PoolCache(pool)
             return pool, True
 
     def get(self, name: str) -> HostPool:
@@ -66,6 +77,18 @@ class PoolTable:
         if pool is None:
             raise PoolNotFound(f"no pool named {name!r}", metadata={"pool": name})
         return pool
+
+    def cache(self, name: str) -> PoolCache:
+        with self._lock:
+            cache = self._caches.get(name)
+        if cache is None:
+            raise PoolNotFound(f"no pool named {name!r}", metadata={"pool": name})
+        return cache
+
+    def entries(self) -> list[tuple[HostPool, PoolCache]]:
+        """Every pool with its cache."""
+        with self._lock:
+            return [(p, self._caches[n]) for n, p in self._pools.items()]
 
     def list(self) -> list[HostPool]:
         with self._lock:
@@ -80,16 +103,17 @@ class PoolTable:
                                 metadata={"pool": name, "sessions": open_sessions})
             with self._lock:
                 self._pools.pop(name, None)
+                self._caches.pop(name, None)
             pool.close()
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return sum(p.nbytes for p in self._pools.values())
+            return sum(charge(p.spec) for p in self._pools.values())
 
     def close_all(self) -> None:
         with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
+            pools, self._pools, self._caches = list(self._pools.values()), {}, {}
         for p in pools:
             p.close()
 

@@ -6,24 +6,27 @@ Primitives:
   metrics and the drain gate are the interceptors' (``interceptors``), the flows the daemon's
   (``daemon``).
 - ``CREATES_WORK``: the methods refused while the daemon drains.
-- ``pool_message(pool, sessions)`` / ``session_message(session)``: state as wire messages.
+- ``pool_message(pool, cache, sessions)`` / ``session_message(session)``: state as wire
+  messages.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 
 import hicache
 from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
-from hicache.errors import SpecInvalid
+from hicache.errors import PoolNotFound, SpecInvalid
 from hicache.indices import indices_to_bytes, to_index_array
+from hicache.keys import check_keys
 from hicache.layer_groups import check_layer_events
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicached.cache.pool_cache import KEY_INDEX_BYTES, NO_SPACE, PRESENT, STORED, PoolCache
 from hicached.copy.engine import Op
 from hicached.core.pool import HostPool
 from hicached.core.system import available_bytes
@@ -33,17 +36,24 @@ from hicached.server.sessions import Session
 
 log = logging.getLogger(__name__)
 
-CREATES_WORK = frozenset({"CreatePool", "DeletePool", "OpenSession", "Alloc", "Backup", "Load"})
+CREATES_WORK = frozenset({"CreatePool", "DeletePool", "OpenSession", "Alloc", "Backup", "Load",
+                          "Store", "LoadKeys"})
 """Refused with DRAINING while the daemon shuts down; every other method still answers."""
 
+WATCH_POLL_SECONDS = 0.5
+"""How often an idle event stream checks that its client, its pool and the daemon are there."""
 
-def pool_message(pool: HostPool, sessions: int) -> pb.Pool:
-    used = pool.allocator.used_pages
+
+def pool_message(pool: HostPool, cache: PoolCache, sessions: int) -> pb.Pool:
+    counts = pool.allocator.counts()
+    used = pool.page_num - counts["free"]
     return pb.Pool(spec=spec_to_proto(pool.spec), size_tokens=pool.size_tokens,
                    page_num=pool.page_num, page_bytes=pool.spec.page_bytes, used_pages=used,
-                   free_pages=pool.page_num - used, capacity_bytes=pool.nbytes,
+                   free_pages=counts["free"], capacity_bytes=pool.nbytes,
                    used_bytes=used * pool.spec.page_bytes, pinned_bytes=pool.pinned_bytes,
-                   sessions=sessions)
+                   sessions=sessions, keys=cache.key_count, keyed_pages=counts["keyed"],
+                   raw_pages=counts["raw"], pinned_pages=counts["held"],
+                   metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES)
 
 
 def session_message(s: Session) -> pb.Session:
@@ -89,17 +99,20 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         pool, created = self.daemon.pools.create(spec)
         if created:
             log.info("pool %s created: %d bytes", spec.name, pool.nbytes)
-        return pool_message(pool, self.daemon.sessions.count(spec.name))
+        return self._pool(spec.name)
 
     def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.Pool:
-        pool = self.daemon.pools.get(request.name)
-        return pool_message(pool, self.daemon.sessions.count(request.name))
+        return self._pool(request.name)
+
+    def _pool(self, name: str) -> pb.Pool:
+        d = self.daemon
+        return pool_message(d.pools.get(name), d.pools.cache(name), d.sessions.count(name))
 
     def ListPools(self, request: pb.ListPoolsRequest, context: grpc.ServicerContext
                   ) -> pb.ListPoolsResponse:
         d = self.daemon
-        return pb.ListPoolsResponse(pools=[pool_message(p, d.sessions.count(p.spec.name))
-                                           for p in d.pools.list()])
+        return pb.ListPoolsResponse(pools=[pool_message(p, c, d.sessions.count(p.spec.name))
+                                           for p, c in d.pools.entries()])
 
     def DeletePool(self, request: pb.DeletePoolRequest, context: grpc.ServicerContext
                    ) -> pb.DeletePoolResponse:
@@ -140,8 +153,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
 
     def Alloc(self, request: pb.AllocRequest, context: grpc.ServicerContext
               ) -> pb.AllocResponse:
-        pool = self.daemon.pools.get(request.pool)
-        return pb.AllocResponse(host_indices=indices_to_bytes(pool.alloc(request.num_tokens)))
+        host = self.daemon.alloc(request.pool, request.num_tokens, request.session_id)
+        return pb.AllocResponse(host_indices=indices_to_bytes(host))
 
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
         pool = self.daemon.pools.get(request.pool)
@@ -176,3 +189,63 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         grace = self._drain(grace)
         return pb.DrainResponse(in_flight=in_flight, grace_seconds=grace,
                                 already_draining=already)
+
+    # -- the cache -------------------------------------------------------------------------
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext
+               ) -> pb.LookupResponse:
+        keys = check_keys(request.keys)
+        hit_prefix, tiers = self.daemon.pools.cache(request.pool).lookup(keys)
+        return pb.LookupResponse(hit_prefix=hit_prefix, tiers=tiers, hits=tiers.count(1))
+
+    def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext
+              ) -> pb.StoreResponse:
+        ticket, r = self.daemon.store(
+            request.session_id, list(request.keys),
+            to_index_array(request.device_indices, "device_indices"),
+            (int(request.layer_begin), int(request.layer_end)))
+        st = ticket.status
+        return pb.StoreResponse(stored=st.count(STORED), already_present=st.count(PRESENT),
+                                no_space=st.count(NO_SPACE), status=bytes(st),
+                                bytes_moved=r.bytes if r else 0,
+                                duration_seconds=r.seconds if r else 0.0)
+
+    def LoadKeys(self, request: pb.LoadKeysRequest, context: grpc.ServicerContext
+                 ) -> pb.TransferResponse:
+        r = self.daemon.load_keys(
+            request.session_id, list(request.keys),
+            to_index_array(request.device_indices, "device_indices"),
+            (int(request.layer_begin), int(request.layer_end)),
+            request.completion == pb.COMPLETION_LAYER_EVENTS)
+        return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages,
+                                   duration_seconds=r.seconds, pending=r.pending)
+
+    def RemoveKeys(self, request: pb.RemoveKeysRequest, context: grpc.ServicerContext
+                   ) -> pb.RemoveKeysResponse:
+        keys = check_keys(request.keys)
+        return pb.RemoveKeysResponse(removed=self.daemon.pools.cache(request.pool).remove(keys))
+
+    def ClearPool(self, request: pb.ClearPoolRequest, context: grpc.ServicerContext
+                  ) -> pb.ClearPoolResponse:
+        n = self.daemon.pools.cache(request.pool).clear()
+        log.info("pool %s cleared: %d key(s) dropped", request.pool, n)
+        return pb.ClearPoolResponse(pages_freed=n, keys_removed=n)
+
+    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
+                    ) -> Iterator[pb.CacheEvent]:
+        """Events after ``after_seq`` until the client goes, the pool is deleted or the daemon
+        drains."""
+        d = self.daemon
+        cache = d.pools.cache(request.pool)
+        seq = int(request.after_seq)
+        with d.watch_slot():
+            while context.is_active() and not d.draining.is_set():
+                for ev in cache.events.wait(seq, WATCH_POLL_SECONDS):
+                    yield pb.CacheEvent(seq=ev.seq, kind=ev.kind.value,  # type: ignore[arg-type]
+                                        keys=list(ev.keys),
+                                        pool=request.pool)
+                    seq = ev.seq
+                if d.pools.cache(request.pool) is not cache:  # deleted and made again
+                    raise PoolNotFound(f"pool {request.pool} was deleted",
+                                       metadata={"pool": request.pool})
+

@@ -3,7 +3,8 @@
 Primitives:
 
 - ``Session``: one worker's attachment to one pool; ``expires_at`` moves forward on every
-  heartbeat and transfer; ``in_flight`` counts transfers using its mappings.
+  heartbeat and transfer; ``in_flight`` counts transfers using its mappings; ``owner`` is the
+  number its raw pages are owned under (freed when it ends, through ``on_end``).
 - ``SessionManager``: ``open``, ``get``, ``heartbeat``, ``close``, ``transfer(session_id)`` (a
   context manager holding the session's mappings for one copy), ``hold`` / ``unhold`` (for GPU
   copies that outlive their RPC), ``reap()`` and a reaper thread.
@@ -16,6 +17,7 @@ session: a restarted worker opens a new session and loads what its predecessor b
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -41,6 +43,8 @@ class Session:
     attachment: Attachment
     device_tokens: int
     expires_at: float
+    owner: int = 0
+    """Owner number of the raw pages it allocated (unique in this daemon, never 0)."""
     in_flight: int = 0
     transfers: int = 0
     ended: bool = False
@@ -54,10 +58,14 @@ class Session:
 class SessionManager:
     def __init__(self, default_lease_seconds: float,
                  clock: Callable[[], float] = time.monotonic,
-                 on_reap: Callable[[Session], None] = lambda s: None) -> None:
+                 on_reap: Callable[[Session], None] = lambda s: None,
+                 on_end: Callable[[Session], None] = lambda s: None) -> None:
+        """``on_end`` runs once for every session that ends (closed, reaped, shut down)."""
         self.default_lease = default_lease_seconds
         self._clock = clock
         self._on_reap = on_reap
+        self._on_end = on_end
+        self._owners = itertools.count(1)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -71,7 +79,8 @@ class SessionManager:
         lease = lease_seconds if lease_seconds > 0 else self.default_lease
         s = Session(session_id=uuid.uuid4().hex, pool_name=pool_name, pool=pool,
                     worker_id=worker_id, lease_seconds=lease, attachment=attachment,
-                    device_tokens=device_tokens, expires_at=self._clock() + lease)
+                    device_tokens=device_tokens, expires_at=self._clock() + lease,
+                    owner=next(self._owners))
         with self._lock:
             self._sessions[s.session_id] = s
         log.info("session %s opened: pool=%s worker=%s lease=%.1fs attached=%d bytes",
@@ -139,6 +148,10 @@ class SessionManager:
                 s.released = True
         if release:
             s.attachment.release()
+        try:
+            self._on_end(s)
+        except Exception:  # ending a session must not fail half-way
+            log.exception("cleaning up after session %s failed", s.session_id)
         log.info("session %s %s (worker %s, %d transfers)", s.session_id, why, s.worker_id,
                  s.transfers)
 

@@ -44,6 +44,20 @@ class Completion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COMPLETION_WAIT: _ClassVar[Completion]
     COMPLETION_LAYER_EVENTS: _ClassVar[Completion]
+
+class StoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORE_STATUS_UNSPECIFIED: _ClassVar[StoreStatus]
+    STORE_STATUS_STORED: _ClassVar[StoreStatus]
+    STORE_STATUS_ALREADY_PRESENT: _ClassVar[StoreStatus]
+    STORE_STATUS_NO_SPACE: _ClassVar[StoreStatus]
+
+class CacheEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_EVENT_KIND_UNSPECIFIED: _ClassVar[CacheEventKind]
+    CACHE_EVENT_KIND_STORED: _ClassVar[CacheEventKind]
+    CACHE_EVENT_KIND_REMOVED: _ClassVar[CacheEventKind]
+    CACHE_EVENT_KIND_EVICTED: _ClassVar[CacheEventKind]
 POOL_KIND_UNSPECIFIED: PoolKind
 POOL_KIND_MHA: PoolKind
 POOL_KIND_MLA: PoolKind
@@ -67,6 +81,14 @@ BUFFER_ROLE_KV: BufferRole
 BUFFER_ROLE_INDEX: BufferRole
 COMPLETION_WAIT: Completion
 COMPLETION_LAYER_EVENTS: Completion
+STORE_STATUS_UNSPECIFIED: StoreStatus
+STORE_STATUS_STORED: StoreStatus
+STORE_STATUS_ALREADY_PRESENT: StoreStatus
+STORE_STATUS_NO_SPACE: StoreStatus
+CACHE_EVENT_KIND_UNSPECIFIED: CacheEventKind
+CACHE_EVENT_KIND_STORED: CacheEventKind
+CACHE_EVENT_KIND_REMOVED: CacheEventKind
+CACHE_EVENT_KIND_EVICTED: CacheEventKind
 
 class Geometry(_message.Message):
     __slots__ = ("kind", "dtype", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size")
@@ -139,7 +161,7 @@ class PoolSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., page_size: _Optional[int] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., size_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., side_pools: _Optional[_Iterable[_Union[SidePool, _Mapping]]] = ..., canary_read_bytes: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions")
+    __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions", "keys", "keyed_pages", "raw_pages", "pinned_pages", "metadata_bytes")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_NUM_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +172,11 @@ class Pool(_message.Message):
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEYED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RAW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     spec: PoolSpec
     size_tokens: int
     page_num: int
@@ -160,7 +187,12 @@ class Pool(_message.Message):
     used_bytes: int
     pinned_bytes: int
     sessions: int
-    def __init__(self, spec: _Optional[_Union[PoolSpec, _Mapping]] = ..., size_tokens: _Optional[int] = ..., page_num: _Optional[int] = ..., page_bytes: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    keys: int
+    keyed_pages: int
+    raw_pages: int
+    pinned_pages: int
+    metadata_bytes: int
+    def __init__(self, spec: _Optional[_Union[PoolSpec, _Mapping]] = ..., size_tokens: _Optional[int] = ..., page_num: _Optional[int] = ..., page_bytes: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., keys: _Optional[int] = ..., keyed_pages: _Optional[int] = ..., raw_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., metadata_bytes: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -349,12 +381,14 @@ class ListSessionsResponse(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
 
 class AllocRequest(_message.Message):
-    __slots__ = ("pool", "num_tokens")
+    __slots__ = ("pool", "num_tokens", "session_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     num_tokens: int
-    def __init__(self, pool: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, pool: _Optional[str] = ..., num_tokens: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class AllocResponse(_message.Message):
     __slots__ = ("host_indices",)
@@ -403,6 +437,118 @@ class TransferResponse(_message.Message):
     duration_seconds: float
     pending: bool
     def __init__(self, bytes_moved: _Optional[int] = ..., pages: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("pool", "keys")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hit_prefix", "tiers", "hits")
+    HIT_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    hit_prefix: int
+    tiers: bytes
+    hits: int
+    def __init__(self, hit_prefix: _Optional[int] = ..., tiers: _Optional[bytes] = ..., hits: _Optional[int] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    device_indices: bytes
+    layer_begin: int
+    layer_end: int
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("stored", "already_present", "status", "no_space", "bytes_moved", "duration_seconds")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NO_SPACE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    already_present: int
+    status: bytes
+    no_space: int
+    bytes_moved: int
+    duration_seconds: float
+    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., status: _Optional[bytes] = ..., no_space: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
+
+class LoadKeysRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end", "completion")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    device_indices: bytes
+    layer_begin: int
+    layer_end: int
+    completion: Completion
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., completion: _Optional[_Union[Completion, str]] = ...) -> None: ...
+
+class RemoveKeysRequest(_message.Message):
+    __slots__ = ("pool", "keys")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RemoveKeysResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class ClearPoolRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class ClearPoolResponse(_message.Message):
+    __slots__ = ("pages_freed", "keys_removed")
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    KEYS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    pages_freed: int
+    keys_removed: int
+    def __init__(self, pages_freed: _Optional[int] = ..., keys_removed: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pool", "after_seq")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    after_seq: int
+    def __init__(self, pool: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("seq", "kind", "keys", "pool")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: CacheEventKind
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pool: str
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[CacheEventKind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

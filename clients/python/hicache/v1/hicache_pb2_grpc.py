@@ -109,6 +109,36 @@ class HostCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.DrainRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/hicache.v1.HostCache/Lookup',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.LookupRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.LookupResponse.FromString,
+                _registered_method=True)
+        self.Store = channel.unary_unary(
+                '/hicache.v1.HostCache/Store',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.StoreRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.StoreResponse.FromString,
+                _registered_method=True)
+        self.LoadKeys = channel.unary_unary(
+                '/hicache.v1.HostCache/LoadKeys',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.LoadKeysRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.TransferResponse.FromString,
+                _registered_method=True)
+        self.RemoveKeys = channel.unary_unary(
+                '/hicache.v1.HostCache/RemoveKeys',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.RemoveKeysRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.RemoveKeysResponse.FromString,
+                _registered_method=True)
+        self.ClearPool = channel.unary_unary(
+                '/hicache.v1.HostCache/ClearPool',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.ClearPoolRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.ClearPoolResponse.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/hicache.v1.HostCache/WatchEvents',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.CacheEvent.FromString,
+                _registered_method=True)
 
 
 class HostCacheServicer:
@@ -205,6 +235,43 @@ class HostCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """The cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Store(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClearPool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -282,6 +349,36 @@ def add_HostCacheServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.DrainRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.DrainResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.LookupRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.LookupResponse.SerializeToString,
+            ),
+            'Store': grpc.unary_unary_rpc_method_handler(
+                    servicer.Store,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.StoreRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.StoreResponse.SerializeToString,
+            ),
+            'LoadKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadKeys,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.LoadKeysRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.TransferResponse.SerializeToString,
+            ),
+            'RemoveKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveKeys,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.RemoveKeysRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.RemoveKeysResponse.SerializeToString,
+            ),
+            'ClearPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearPool,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.ClearPoolRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.ClearPoolResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.WatchEventsRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.CacheEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -689,6 +786,168 @@ class HostCache:
             '/hicache.v1.HostCache/Drain',
             hicache_dot_v1_dot_hicache__pb2.DrainRequest.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HostCache/Lookup',
+            hicache_dot_v1_dot_hicache__pb2.LookupRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Store(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HostCache/Store',
+            hicache_dot_v1_dot_hicache__pb2.StoreRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.StoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HostCache/LoadKeys',
+            hicache_dot_v1_dot_hicache__pb2.LoadKeysRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.TransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HostCache/RemoveKeys',
+            hicache_dot_v1_dot_hicache__pb2.RemoveKeysRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.RemoveKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HostCache/ClearPool',
+            hicache_dot_v1_dot_hicache__pb2.ClearPoolRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.ClearPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hicache.v1.HostCache/WatchEvents',
+            hicache_dot_v1_dot_hicache__pb2.WatchEventsRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.CacheEvent.FromString,
             options,
             channel_credentials,
             insecure,

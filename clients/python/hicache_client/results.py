@@ -1,0 +1,96 @@
+"""What the client's calls return, as plain dataclasses (decoded from the wire replies).
+
+Primitives: ``PoolInfo``, ``TransferStats``, ``LookupResult``, ``StoreResult``, ``CacheEvent``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hicache.codec import spec_from_proto
+from hicache.specs import PoolSpec
+from hicache.v1 import hicache_pb2 as pb
+
+STORED, ALREADY_PRESENT, NO_SPACE = 1, 2, 3
+"""Per-key Store status."""
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    spec: PoolSpec
+    size_tokens: int
+    page_num: int
+    page_bytes: int
+    used_pages: int
+    free_pages: int
+    capacity_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    sessions: int
+    keys: int = 0
+    """Ready keys of the cache."""
+    keyed_pages: int = 0
+    raw_pages: int = 0
+    pinned_pages: int = 0
+    """Pages a copy holds right now."""
+    metadata_bytes: int = 0
+
+    @classmethod
+    def from_proto(cls, p: pb.Pool) -> PoolInfo:
+        return cls(spec_from_proto(p.spec), p.size_tokens, p.page_num, p.page_bytes,
+                   p.used_pages, p.free_pages, p.capacity_bytes, p.used_bytes, p.pinned_bytes,
+                   p.sessions, p.keys, p.keyed_pages, p.raw_pages, p.pinned_pages,
+                   p.metadata_bytes)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes_moved: int
+    pages: int
+    duration_seconds: float
+    pending: bool = False
+    """The copies may still be running on the GPU (a load with layer events)."""
+
+    @classmethod
+    def from_proto(cls, r: pb.TransferResponse) -> TransferStats:
+        return cls(r.bytes_moved, r.pages, r.duration_seconds, r.pending)
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hit_prefix: int
+    """Leading keys that are ready: the prefix a worker can load instead of recomputing."""
+    tiers: bytes
+    """One byte per key: 0 absent, 1 host memory."""
+    hits: int
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    stored: int
+    already_present: int
+    no_space: int
+    status: bytes
+    """One byte per key: STORED, ALREADY_PRESENT (or being written by another request),
+    NO_SPACE (the pool is full of pages no copy lets go: not cached, not an error)."""
+    bytes_moved: int
+    duration_seconds: float
+
+    @classmethod
+    def from_proto(cls, r: pb.StoreResponse) -> StoreResult:
+        return cls(r.stored, r.already_present, r.no_space, bytes(r.status), r.bytes_moved,
+                   r.duration_seconds)
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    seq: int
+    kind: str
+    """``STORED``, ``REMOVED`` or ``EVICTED``."""
+    keys: tuple[bytes, ...]
+    pool: str
+
+    @classmethod
+    def from_proto(cls, e: pb.CacheEvent) -> CacheEvent:
+        kind = pb.CacheEventKind.Name(e.kind).removeprefix("CACHE_EVENT_KIND_")
+        return cls(e.seq, kind, tuple(e.keys), e.pool)

@@ -1,0 +1,101 @@
+"""``WorkerSession``: an open session on a pool, heartbeating in a background thread.
+
+A session attaches a worker's device buffers; transfers name it. ``backup`` / ``load`` move raw
+pages by host index, ``store`` / ``store_async`` / ``load_keys`` move pages named by content
+keys, ``alloc`` hands out raw pages the session owns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from hicache.errors import HiCacheError
+from hicache.v1 import hicache_pb2 as pb
+from hicache_client.results import StoreResult, TransferStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from hicache_client.client import HiCacheClient
+
+
+class WorkerSession:
+    """An open session; heartbeats in a background thread at a third of the lease."""
+
+    def __init__(self, client: HiCacheClient, msg: pb.Session, heartbeat: bool) -> None:
+        self.client = client
+        self.session_id: str = msg.session_id
+        self.pool: str = msg.pool
+        self.lease_ms: int = msg.lease_ms
+        self.device_tokens: int = msg.device_tokens
+        self.device_uuid: str = msg.device_uuid
+        self.layer_events: int = msg.layer_events
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.heartbeat_error: HiCacheError | None = None
+        if heartbeat:
+            self._thread = threading.Thread(target=self._beat, daemon=True,
+                                            name=f"heartbeat-{self.session_id[:8]}")
+            self._thread.start()
+
+    def _beat(self) -> None:
+        period = max(self.lease_ms / 3000.0, 0.05)
+        while not self._stop.wait(period):
+            try:
+                self.client.heartbeat(self.session_id)
+                self.heartbeat_error = None
+            except HiCacheError as exc:  # kept for the caller; the next transfer will raise
+                self.heartbeat_error = exc
+            except ValueError:  # the client's channel was closed under us
+                return
+
+    def backup(self, host_indices: object, device_indices: object, layer_begin: int = 0,
+               layer_end: int = 0) -> TransferStats:
+        return self.client.backup(self.session_id, host_indices, device_indices, layer_begin,
+                                  layer_end)
+
+    def load(self, host_indices: object, device_indices: object, layer_begin: int = 0,
+             layer_end: int = 0, *, layer_events: bool = False) -> TransferStats:
+        return self.client.load(self.session_id, host_indices, device_indices, layer_begin,
+                                layer_end, layer_events=layer_events)
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Raw pages this session owns: freed when it closes or its lease runs out."""
+        return self.client.alloc(self.pool, num_tokens, session_id=self.session_id)
+
+    def store(self, keys: Sequence[bytes | str], device_indices: object) -> StoreResult:
+        """Copy one device page per key into the cache (all layers). Keys already there, or
+        being written by another request, are not written again."""
+        return self.client.store(self.session_id, keys, device_indices)
+
+    def store_async(self, keys: Sequence[bytes | str], device_indices: object
+                    ) -> Future[StoreResult]:
+        """``store`` without waiting (an inference scheduler must not block on it); the
+        future raises the call's domain error. Not retried when the daemon is away."""
+        return self.client.store_async(self.session_id, keys, device_indices)
+
+    def load_keys(self, keys: Sequence[bytes | str], device_indices: object,
+                  layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False
+                  ) -> TransferStats:
+        """Copy the pages of ``keys`` into one device page each; every key must be in the
+        cache, else ``KEY_NOT_FOUND`` and nothing moves."""
+        return self.client.load_keys(self.session_id, keys, device_indices, layer_begin,
+                                     layer_end, layer_events=layer_events)
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        self.stop_heartbeat()
+        self.client.close_session(self.session_id)
+
+    def __enter__(self) -> WorkerSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

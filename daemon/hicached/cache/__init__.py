@@ -1,0 +1,10 @@
+"""The cache: pages named by content keys, found again by every worker and instance.
+
+- ``lru``: the eviction policy (least recently used ready keys no copy holds).
+- ``events``: the STORED / REMOVED / EVICTED log routers follow.
+- ``pool_cache``: ``PoolCache``: keys -> pages, writing / ready states, store / load / remove /
+  clear, eviction, statistics.
+
+It sits beside ``copy`` above ``core``: the daemon resolves keys here, moves bytes with the copy
+engine, then finishes here.
+"""

@@ -1,0 +1,45 @@
+"""The eviction policy of a pool's keyed pages: least recently used first.
+
+Primitives:
+
+- ``LRU``: ``add(key)`` (most recently used), ``touch(key)``, ``discard(key)``,
+  ``pop_oldest(n)``, ``len``, ``in``. Every operation is O(1) per key.
+
+It holds only the keys that may be evicted now (ready, and not held by a copy); the cache adds
+a key when it becomes evictable and discards it when it stops being so.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class LRU:
+    def __init__(self) -> None:
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, key: bytes) -> None:
+        """Make ``key`` evictable, as the most recently used."""
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: bytes) -> None:
+        """Mark ``key`` used now, if it is evictable."""
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def discard(self, key: bytes) -> None:
+        self._order.pop(key, None)
+
+    def pop_oldest(self, n: int) -> list[bytes]:
+        """Up to ``n`` least recently used keys, removed from the policy."""
+        out: list[bytes] = []
+        while len(out) < n and self._order:
+            out.append(self._order.popitem(last=False)[0])
+        return out
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order

@@ -1,0 +1,262 @@
+"""The content index of one pool: keys -> pages, the state of each key, eviction, events.
+
+A key is *writing* from the moment a Store takes a page for it until the copy finished, then
+*ready*. Only ready keys are visible (Lookup, LoadKeys); a ready page is never written again, so
+a reader never sees a torn page. The copies themselves run elsewhere: the daemon calls
+``begin_*``, moves the bytes with the copy engine, then ``finish_*``.
+
+Primitives:
+
+- ``PoolCache(pool, events)``: over a ``HostPool``, sharing its allocator with the raw pages.
+- ``lookup(keys)``: (hit prefix, one tier byte per key: 1 host, 0 absent); no pin, no touch.
+- ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
+  (status 2, touched in the LRU); new keys get a page each, held for writing, evicting least
+  recently used ready keys that no copy holds when the pool is full; keys left without a page
+  are status 3. ``finish_store(ticket, ok)``: the keys become ready (status 1, STORED event), or
+  vanish if the copy failed or they were removed meanwhile.
+- ``begin_load(keys)`` -> pages held for reading, or ``KEY_NOT_FOUND`` (nothing held);
+  ``finish_load(pages)`` releases them and makes their keys evictable again, most recently used.
+- ``remove(keys)``, ``clear()``: keys vanish at once; a page a copy still holds is released
+  when the copy ends (REMOVED events).
+- ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
+- ``stats``: counters for metrics; ``key_count``.
+
+Raw pages (``Alloc``) share the allocator and are never evicted; they may evict keyed pages.
+Thread-safe: one lock per pool cache, taken before the allocator's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicache.errors import KeyNotFound
+from hicached.cache.events import EventKind, EventLog
+from hicached.cache.lru import LRU
+from hicached.core.pool import HostPool
+
+STORED, PRESENT, NO_SPACE = 1, 2, 3
+"""Store status bytes: written now, already present (or being written), no page to be had."""
+
+KEY_INDEX_BYTES = 400
+"""Host bytes the index spends per key (dict entries, the key object, LRU node), measured with
+tracemalloc in benchmarks/bench_cache.py; the pool table counts it against the budget."""
+
+
+@dataclass
+class StoreTicket:
+    """A Store between ``begin_store`` and ``finish_store``."""
+
+    keys: list[bytes]
+    status: bytearray
+    """One status byte per key (STORED is set by ``finish_store``)."""
+    positions: np.ndarray
+    """Positions in ``keys`` of the keys being written now."""
+    pages: np.ndarray
+    """Their pages, held for writing, in the same order."""
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    stored: int = 0
+    already_present: int = 0
+    no_space: int = 0
+    evicted: int = 0
+    removed: int = 0
+    load_requests: int = 0
+    load_misses: int = 0
+
+
+class PoolCache:
+    def __init__(self, pool: HostPool, events: EventLog | None = None) -> None:
+        self.pool = pool
+        self.events = events or EventLog()
+        self.stats = CacheStats()
+        self._alloc = pool.allocator
+        self._lock = threading.Lock()
+        self._ready: dict[bytes, int] = {}
+        self._writing: dict[bytes, int] = {}
+        self._page_key: dict[int, bytes] = {}
+        self._loads: dict[int, int] = {}
+        self._lru = LRU()
+        self._all_layers = range(0, max(pool.spec.max_layers, 1))
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def key_count(self) -> int:
+        """Ready keys."""
+        with self._lock:
+            return len(self._ready)
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, bytes]:
+        with self._lock:
+            tiers = bytes(1 if k in self._ready else 0 for k in keys)
+            hits = tiers.count(1)
+            self.stats.lookups += 1
+            self.stats.lookup_hits += hits
+            self.stats.lookup_misses += len(keys) - hits
+        hit_prefix = tiers.find(0)
+        return (len(keys) if hit_prefix < 0 else hit_prefix), tiers
+
+    # -- store -----------------------------------------------------------------------------
+
+    def begin_store(self, keys: list[bytes]) -> StoreTicket:
+        status = bytearray(len(keys))
+        with self._lock:
+            new: list[int] = []
+            for i, k in enumerate(keys):
+                if k in self._ready:
+                    status[i] = PRESENT
+                    self._lru.touch(k)
+                elif k in self._writing:
+                    status[i] = PRESENT
+                else:
+                    new.append(i)
+            short = len(new) - self._alloc.free_pages
+            if short > 0:
+                self._evict(short)
+            grant = min(len(new), self._alloc.free_pages)
+            pages = self._alloc.alloc_pages(grant) if grant else np.zeros(0, np.int64)
+            for i, page in zip(new[:grant], pages.tolist(), strict=True):
+                self._writing[keys[i]] = page
+                self._page_key[page] = keys[i]
+            for i in new[grant:]:
+                status[i] = NO_SPACE
+            self.stats.already_present += status.count(PRESENT)
+            self.stats.no_space += len(new) - grant
+        return StoreTicket(keys, status, np.asarray(new[:grant], dtype=np.int64), pages)
+
+    def finish_store(self, ticket: StoreTicket, ok: bool) -> None:
+        """The copy of ``ticket.pages`` completed (``ok``) or failed."""
+        if not ticket.pages.size:
+            return
+        stored: list[bytes] = []
+        drop: list[int] = []
+        with self._lock:
+            for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(), strict=True):
+                key = ticket.keys[i]
+                if self._writing.get(key) != page:  # removed or cleared meanwhile
+                    del self._page_key[page]
+                    drop.append(page)
+                    continue
+                del self._writing[key]
+                if ok:
+                    self._ready[key] = page
+                    self._lru.add(key)
+                    ticket.status[i] = STORED
+                    stored.append(key)
+                else:
+                    del self._page_key[page]
+                    drop.append(page)
+            self._alloc.release(ticket.pages, write=True, layers=self._all_layers if ok else None)
+            self._drop_pages(np.asarray(drop, dtype=np.int64))
+            self.stats.stored += len(stored)
+            self.events.append(EventKind.STORED, stored)
+
+    # -- load ------------------------------------------------------------------------------
+
+    def begin_load(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The pages of ``keys``, held for reading; every key must be ready."""
+        with self._lock:
+            self.stats.load_requests += 1
+            pages = [self._ready.get(k, -1) for k in keys]
+            if -1 in pages:
+                first = pages.index(-1)
+                missing = pages.count(-1)
+                self.stats.load_misses += 1
+                raise KeyNotFound(
+                    f"{missing} of {len(keys)} key(s) are not in the cache (never stored, "
+                    f"evicted, removed or still being written); first at position {first}; "
+                    f"nothing was loaded",
+                    metadata={"first_missing_position": first, "hit_prefix": first,
+                              "missing": missing, "field": "keys"})
+            held = np.asarray(pages, dtype=np.int64)
+            self._alloc.acquire(held, write=False, unique=False)
+            for page in pages:
+                n = self._loads.get(page, 0)
+                if n == 0:
+                    self._lru.discard(self._page_key[page])
+                self._loads[page] = n + 1
+        return held
+
+    def finish_load(self, pages: np.ndarray) -> None:
+        with self._lock:
+            self._alloc.release(pages, write=False, unique=False)
+            for page in pages.tolist():
+                n = self._loads[page] - 1
+                if n:
+                    self._loads[page] = n
+                    continue
+                del self._loads[page]
+                key = self._page_key.get(page)
+                if key is not None and self._ready.get(key) == page:
+                    self._lru.add(key)
+
+    # -- raw pages -------------------------------------------------------------------------
+
+    def alloc_raw(self, num_tokens: int, owner: int = 0) -> np.ndarray:
+        """Raw pages (``Alloc``), evicting least recently used ready keys when the pool is
+        full: a cache gives way. All or nothing: ``POOL_EXHAUSTED`` evicts nothing."""
+        with self._lock:
+            need = max(num_tokens, 0) // self.pool.page_size
+            short = need - self._alloc.free_pages
+            if 0 < short <= len(self._lru) and num_tokens % self.pool.page_size == 0:
+                self._evict(short)
+            return self._alloc.alloc(num_tokens, owner)
+
+    # -- removal ---------------------------------------------------------------------------
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop ``keys`` (ready or being written); returns how many were there."""
+        with self._lock:
+            gone = self._forget([k for k in dict.fromkeys(keys)
+                                 if k in self._ready or k in self._writing])
+            self.stats.removed += len(gone)
+            self.events.append(EventKind.REMOVED, gone)
+        return len(gone)
+
+    def clear(self) -> int:
+        """Drop every key; returns how many (each frees its page now, or once the copy that
+        holds it ends)."""
+        with self._lock:
+            gone = self._forget([*self._ready, *self._writing])
+            self.stats.removed += len(gone)
+            self.events.append(EventKind.REMOVED, gone)
+        return len(gone)
+
+    # -- internals (lock held) -------------------------------------------------------------
+
+    def _forget(self, keys: list[bytes]) -> list[bytes]:
+        pages = []
+        for k in keys:
+            page = self._ready.pop(k, None)
+            if page is None:
+                self._writing.pop(k, None)  # finish_store frees its page
+                continue
+            self._lru.discard(k)
+            del self._page_key[page]
+            pages.append(page)
+        self._drop_pages(np.asarray(pages, dtype=np.int64))
+        return keys
+
+    def _evict(self, n: int) -> None:
+        keys = self._lru.pop_oldest(n)
+        pages = np.asarray([self._ready.pop(k) for k in keys], dtype=np.int64)
+        for page in pages.tolist():
+            del self._page_key[page]
+        self._drop_pages(pages)
+        self.stats.evicted += len(keys)
+        self.events.append(EventKind.EVICTED, keys)
+
+    def _drop_pages(self, pages: np.ndarray) -> None:
+        if pages.size:
+            if self.pool.canary is not None:
+                self.pool.canary.forget(pages)
+            self._alloc.release_pages(pages)
