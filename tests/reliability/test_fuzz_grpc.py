@@ -238,3 +238,35 @@ def test_oversized_message_is_refused_and_the_daemon_stays_up(world: World) -> N
                                            host_indices=big, device_indices=b""), timeout=60)
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert world.client.get_info().serving
+
+
+KEY = st.one_of(st.binary(max_size=70), st.binary(min_size=1, max_size=64))
+
+
+@FUZZ
+@given(keys=st.lists(KEY, max_size=6), dev=st.one_of(st.binary(max_size=96),
+                                                      st.lists(INDEX, max_size=24)),
+       begin=st.integers(-3, 5), end=st.integers(-3, 5))
+def test_keyed_requests_with_random_keys_and_indices(world: World, keys: list[bytes],
+                                                     dev: bytes | list[int], begin: int,
+                                                     end: int) -> None:
+    """The pool is full of raw pages (never evicted): a valid Store finds no space, so every
+    keyed request leaves the pool's bytes as they were."""
+    d = dev if isinstance(dev, bytes) else indices_to_bytes(np.array(dev))
+    sid = world.session.session_id
+    call(world.stub.Store, pb.StoreRequest(session_id=sid, keys=keys, device_indices=d,
+                                           layer_begin=begin, layer_end=end), allow_ok=True)
+    call(world.stub.LoadKeys, pb.LoadKeysRequest(session_id=sid, keys=keys, device_indices=d,
+                                                 layer_begin=begin, layer_end=end),
+         allow_ok=not keys)  # nothing is ever stored here: KEY_NOT_FOUND at best
+    call(world.stub.Lookup, pb.LookupRequest(pool=SPEC.name, keys=keys), allow_ok=True)
+    call(world.stub.RemoveKeys, pb.RemoveKeysRequest(pool=SPEC.name, keys=keys), allow_ok=True)
+
+
+@FUZZ
+@given(pool=st.text(max_size=40).map(lambda s: "nx-" + s), seq=st.integers(-(2**63), 2**63 - 1))
+def test_watch_of_an_unknown_pool_is_a_structured_error(world: World, pool: str,
+                                                        seq: int) -> None:
+    stream = world.stub.WatchEvents(pb.WatchEventsRequest(pool=pool, after_seq=seq), timeout=10)
+    call(lambda request, timeout: next(iter(stream)), None, allow_ok=False)
+    call(world.stub.ClearPool, pb.ClearPoolRequest(pool=pool), allow_ok=False)
