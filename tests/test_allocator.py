@@ -159,12 +159,13 @@ def test_keyed_pages_are_not_raw_pages() -> None:
     a.memcheck()
 
 
-def test_free_costs_the_pages_freed_not_the_free_ring() -> None:
-    """The ring wraps: pages come back in FIFO order and each is handed out once."""
+def test_pages_freed_last_are_handed_out_first() -> None:
+    """A fresh pool hands out 0, 1, 2, ...; freed pages come back first, in freed order."""
     a = PageAllocator(5, 1)
     first = a.alloc(3)
+    assert first.tolist() == [0, 1, 2]
     a.free(first[1:])
-    assert a.alloc(4).tolist() == [3, 4, 1, 2]  # the two never used, then the freed ones
+    assert a.alloc(4).tolist() == [1, 2, 3, 4]
     a.free(first[:1])
     assert a.alloc(1).tolist() == [0]
     a.memcheck()
