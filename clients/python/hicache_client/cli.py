@@ -73,7 +73,7 @@ def _pool_row(p: pb.Pool) -> tuple[object, ...]:
     return (spec.name, kinds, spec.geometry.dtype.value.lower(), spec.layout.value,
             spec.page_size, p.page_num,
             f"{p.used_pages} ({100 * p.used_pages / max(p.page_num, 1):.0f}%)",
-            _size(p.capacity_bytes), p.sessions)
+            _size(p.capacity_bytes), p.sessions, p.keys, p.raw_pages, p.pinned_pages)
 
 
 def _admin(client: HiCacheClient, args: argparse.Namespace) -> dict[str, object]:
@@ -119,7 +119,7 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                               for p in resp.pools]))
             return 0
         print(_table(["pool", "kind", "dtype", "layout", "page", "pages", "used", "capacity",
-                      "sessions"], [_pool_row(p) for p in resp.pools]))
+                      "sessions", "keys", "raw", "pinned"], [_pool_row(p) for p in resp.pools]))
         return 0
     sessions = client.list_sessions(args.pool)
     if args.json:
