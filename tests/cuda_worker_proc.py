@@ -1,7 +1,9 @@
 """A GPU worker process: CUDA IPC device buffers, a session, backup / load / verify rounds.
 
 Usage: python -m tests.cuda_worker_proc TARGET POOL WORKER_ID SEED ROUNDS TOKENS [--forever]
-       [--layer-events] [--fake]
+       [--layer-events] [--fake] [--keyed]
+
+``--keyed`` moves the pages as cache keys (Store / LoadKeys) instead of raw host pages.
 
 With ``--fake`` the buffers live in the fake driver's memory (``$HICACHED_CUDA_DRIVER``) and are
 checked through host views; otherwise they are torch CUDA tensors and loads with layer events
@@ -54,7 +56,7 @@ def fake_buffers(spec: PoolSpec, tokens: int
 def main() -> int:
     target, pool, worker, seed, rounds, tokens = sys.argv[1:7]
     forever, fake = "--forever" in sys.argv, "--fake" in sys.argv
-    use_events = "--layer-events" in sys.argv
+    use_events, keyed = "--layer-events" in sys.argv, "--keyed" in sys.argv
     client = HiCacheClient(target)
     spec = client.get_pool(pool).spec
     ps = spec.page_size
@@ -106,16 +108,23 @@ def main() -> int:
                                      generator=gen)
                 v[idx] = vals.to(v.device)
                 expect[k] = vals
-            host = client.alloc(pool, 4 * ps)
             dev = torch.from_numpy((pages[:, None] * ps + np.arange(ps)).reshape(-1))
+            keys = [f"{worker}/{seed}/{i}/{j}".encode() for j in range(4)]
+            host = None if keyed else client.alloc(pool, 4 * ps)
             if ready is not None:
                 ready.record()
-            session.backup(host, dev)
+            if host is None:
+                assert session.store(keys, dev).stored == 4
+            else:
+                session.backup(host, dev)
             for k, v in views.items():
                 v[index(k, pages)] = 0
             if ready is not None:
                 ready.record()
-            r = session.load(host, dev, layer_events=use_events)
+            if host is None:
+                r = session.load_keys(keys, dev, layer_events=use_events)
+            else:
+                r = session.load(host, dev, layer_events=use_events)
             assert r.pending == use_events
             got: dict[tuple[str, Role, int], torch.Tensor] = {}
             if events is not None:
@@ -140,7 +149,10 @@ def main() -> int:
                     verified += 1
                 else:
                     mismatches += 1
-            client.free(pool, host)
+            if host is None:
+                client.remove_keys(pool, keys)
+            else:
+                client.free(pool, host)
             if forever:
                 time.sleep(0.01)
     print(json.dumps({"worker": worker, "rounds": i, "buffers": len(views),

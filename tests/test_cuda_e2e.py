@@ -105,6 +105,22 @@ def test_workers_numbering_gpus_differently_round_trip_exactly(daemon: DaemonPro
     assert metric(client, "hicache_cuda_ipc_handles_open") == 0
 
 
+def test_keyed_store_and_load_over_cuda_ipc(daemon: DaemonProc,
+                                            client: HiCacheClient) -> None:
+    """Store and LoadKeys on the GPU path: synchronous, and with layer events (the pages stay
+    held until the Completer saw the copies land, then are released and evictable)."""
+    workers = [spawn(daemon, "k0", 5, 4, f"{UUID_A},{UUID_B}", "--keyed"),
+               spawn(daemon, "k1", 6, 4, f"{UUID_B},{UUID_A}", "--keyed", "--layer-events")]
+    for w in workers:
+        out, err = w.communicate(timeout=120)
+        assert w.returncode == 0, err
+        r = json.loads(out.strip().splitlines()[-1])
+        assert r["mismatches"] == 0 and r["verified_buffers"] == 4 * r["buffers"] > 0
+    pool = client.get_pool(SPEC.name)
+    assert pool.pinned_pages == 0 and pool.keys == 0  # every round removed its keys
+    assert metric(client, "hicache_cuda_ipc_handles_open") == 0
+
+
 def test_killed_worker_releases_its_gpu_mappings(daemon: DaemonProc,
                                                  client: HiCacheClient) -> None:
     victim = spawn(daemon, "victim", 3, 0, f"{UUID_A},{UUID_B}", "--forever", "--layer-events")

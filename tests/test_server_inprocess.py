@@ -184,3 +184,71 @@ def test_interceptors_count_only_the_cache_service(served) -> None:  # type: ign
     methods = {s.labels["method"] for m in server.registry.collect()
                if m.name == "hicache_rpc_requests" for s in m.samples}
     assert "Ping" in methods and not any("Health" in m or "/" in m for m in methods)
+
+
+def test_cache_metrics_follow_stores_lookups_and_evictions(served) -> None:  # type: ignore[no-untyped-def]
+    server, client, shm = served
+    small = PoolSpec("small", SPEC.geometry, 4, size_tokens=8)  # two pages
+    client.create_pool(small)
+    with ShmDeviceBuffers.create(small, 16, str(shm)) as bufs:
+        with client.open_session("small", "w", bufs.descriptors, heartbeat=False) as s:
+            assert s.store([b"a", b"b", b"c"], torch.arange(12)).status == b"\x01\x01\x03"
+            assert s.store([b"c"], torch.arange(4)).status == b"\x01"  # evicts a
+            client.lookup("small", [b"a", b"b", b"c", b"d"])
+            with pytest.raises(HiCacheError):
+                s.load_keys([b"a"], torch.arange(4))
+            s.load_keys([b"c"], torch.arange(4))
+    for status, n in (("stored", 3), ("no_space", 1), ("already_present", 0)):
+        assert sample(server, "hicache_cache_store_keys_total", pool="small", status=status) == n
+    assert sample(server, "hicache_cache_evicted_pages_total", pool="small") == 1
+    assert sample(server, "hicache_cache_lookup_keys_total", pool="small", result="hit") == 2
+    assert sample(server, "hicache_cache_lookup_keys_total", pool="small", result="miss") == 2
+    assert sample(server, "hicache_cache_load_misses_total", pool="small") == 1
+    assert sample(server, "hicache_cache_keys", pool="small") == 2
+    assert sample(server, "hicache_rejected_requests_total", reason="KEY_NOT_FOUND") == 1
+    assert sample(server, "hicache_transfer_pages_total", pool="small", op="store") == 3
+    assert sample(server, "hicache_transfer_pages_total", pool="small", op="load_keys") == 1
+
+
+def test_event_streams_are_bounded_resumable_and_end_on_drain(served) -> None:  # type: ignore[no-untyped-def]
+    server, client, shm = served
+    with ShmDeviceBuffers.create(SPEC, 32, str(shm)) as bufs:
+        with client.open_session("m", "w", bufs.descriptors, heartbeat=False) as s:
+            s.store([b"x", b"y"], torch.arange(8))
+            client.remove_keys("m", [b"x"])
+    streams = [client.watch_events("m") for _ in range(server.daemon.max_watchers)]
+    got = [next(iter(st)) for st in streams]  # each holds a slot now
+    assert {(e.seq, e.kind, e.keys) for e in got} == {(1, "STORED", (b"x", b"y"))}
+    with pytest.raises(HiCacheError) as exc:
+        next(iter(client.watch_events("m")))
+    assert exc.value.reason == "TOO_MANY_WATCHERS" and exc.value.metadata["limit"] == "4"
+    streams[0].cancel()
+    deadline = time.monotonic() + 5
+    while server.daemon.watchers == len(streams):  # the slot frees once the stream ends
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    resumed = client.watch_events("m", after_seq=1)
+    resumed_iter = iter(resumed)
+    assert next(resumed_iter).kind == "REMOVED"
+    server.daemon.draining.set()  # a drain ends every stream, after what was already there
+    for st in streams[1:]:
+        assert [e.seq for e in st] == [2]
+    assert list(resumed_iter) == []
+    server.daemon.draining.clear()
+
+
+def test_alloc_owner_must_be_a_session_of_that_pool(served) -> None:  # type: ignore[no-untyped-def]
+    _, client, shm = served
+    client.create_pool(PoolSpec("other", SPEC.geometry, 4, size_tokens=16))
+    with ShmDeviceBuffers.create(SPEC, 32, str(shm)) as bufs:
+        with client.open_session("m", "w", bufs.descriptors, heartbeat=False) as s:
+            with pytest.raises(HiCacheError) as exc:
+                client.alloc("other", 4, session_id=s.session_id)
+            assert exc.value.reason == "SPEC_INVALID"
+            assert client.get_pool("other").used_pages == 0
+            owned = s.alloc(8)
+            assert client.get_pool("m").raw_pages == 2 and owned.numel() == 8
+        assert client.get_pool("m").raw_pages == 0  # freed with the session
+    with pytest.raises(HiCacheError) as exc:
+        client.alloc("m", 4, session_id="gone")
+    assert exc.value.reason == "SESSION_NOT_FOUND"
