@@ -234,6 +234,12 @@ def test_hicachectl_admin_verbs(daemon: DaemonProc, client: HiCacheClient) -> No
         assert exc.value.reason == "SESSION_NOT_FOUND"
         assert "SESSION_NOT_FOUND" in run_ctl(daemon.target, "close-session", s.session_id,
                                               expect=1)
+        s2 = client.open_session(spec.name, "ctl2", bufs.descriptors, heartbeat=False)
+        s2.store([b"a", b"b"], torch.arange(32))
+        cleared = json.loads(run_ctl(daemon.target, "--json", "clear-pool", spec.name))
+        assert cleared == {"cleared_pool": spec.name, "keys_removed": 2}
+        assert client.lookup(spec.name, [b"a", b"b"]).hits == 0
+        s2.close()
     assert "deleted pool ctl-admin" in run_ctl(daemon.target, "delete-pool", spec.name)
     assert spec.name not in [p.spec.name for p in client.list_pools()]
     assert "POOL_NOT_FOUND" in run_ctl(daemon.target, "delete-pool", spec.name, expect=1)

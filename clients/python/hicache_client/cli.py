@@ -1,8 +1,9 @@
 """``hicachectl``: inspect and administer a running daemon.
 
 Reads: ``status``, ``pools``, ``sessions`` (tables, or ``--json``). Admin verbs: ``delete-pool
-NAME`` (refused while sessions are open), ``close-session ID`` (the worker's mappings are
-released once its in-flight copies end), ``drain [--grace S]`` (graceful shutdown, as SIGTERM).
+NAME`` (refused while sessions are open), ``clear-pool NAME`` (drop every cached key; raw pages
+stay), ``close-session ID`` (the worker's mappings are released once its in-flight copies end),
+``drain [--grace S]`` (graceful shutdown, as SIGTERM).
 Exit status: 0 on success, 1 when the daemon refused (the reason code is printed), 2 on usage
 errors.
 """
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--pool", default="", help="only this pool")
     dp = sub.add_parser("delete-pool", help="delete a pool and free its memory")
     dp.add_argument("name")
+    xp = sub.add_parser("clear-pool", help="drop every cached key of a pool (raw pages stay)")
+    xp.add_argument("name")
     cp = sub.add_parser("close-session", help="close a worker session, releasing its mappings")
     cp.add_argument("session_id")
     gp = sub.add_parser("drain", help="graceful shutdown: refuse new work, finish in-flight "
@@ -80,6 +83,8 @@ def _admin(client: HiCacheClient, args: argparse.Namespace) -> dict[str, object]
     if args.command == "delete-pool":
         client.delete_pool(args.name)
         return {"deleted_pool": args.name}
+    if args.command == "clear-pool":
+        return {"cleared_pool": args.name, "keys_removed": client.clear_pool(args.name)}
     if args.command == "close-session":
         client.close_session(args.session_id)
         return {"closed_session": args.session_id}
@@ -89,7 +94,7 @@ def _admin(client: HiCacheClient, args: argparse.Namespace) -> dict[str, object]
 
 
 def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
-    if args.command in ("delete-pool", "close-session", "drain"):
+    if args.command in ("delete-pool", "clear-pool", "close-session", "drain"):
         done = _admin(client, args)
         print(json.dumps(done) if args.json else
               "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in done.items()))
