@@ -70,7 +70,6 @@ class CacheStats:
     no_space: int = 0
     evicted: int = 0
     removed: int = 0
-    load_requests: int = 0
     load_misses: int = 0
 
 
@@ -166,7 +165,6 @@ class PoolCache:
     def begin_load(self, keys: Sequence[bytes]) -> np.ndarray:
         """The pages of ``keys``, held for reading; every key must be ready."""
         with self._lock:
-            self.stats.load_requests += 1
             pages = [self._ready.get(k, -1) for k in keys]
             if -1 in pages:
                 first = pages.index(-1)
