@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -111,40 +112,32 @@ class MetricsInterceptor(_ServiceInterceptor):
         self._metrics = metrics
 
     def wrap(self, method: str, behavior: Behavior) -> Behavior:
-        m = self._metrics
-        seconds = m.rpc_seconds.labels(method)
-
         def observed(request: Any, context: grpc.ServicerContext) -> Any:
-            t0 = time.perf_counter()
-            code = "OK"
-            try:
+            with self._observing(method):
                 return behavior(request, context)
-            except BaseException as exc:
-                code = self._failed(exc)
-                raise
-            finally:
-                m.requests.labels(method, code).inc()
-                seconds.observe(time.perf_counter() - t0)
 
         return observed
 
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        m = self._metrics
-        seconds = m.rpc_seconds.labels(method)
-
         def observed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            t0 = time.perf_counter()
-            code = "OK"
-            try:
+            with self._observing(method):
                 yield from behavior(request, context)
-            except BaseException as exc:
-                code = self._failed(exc)
-                raise
-            finally:
-                m.requests.labels(method, code).inc()
-                seconds.observe(time.perf_counter() - t0)
 
         return observed
+
+    @contextmanager
+    def _observing(self, method: str) -> Iterator[None]:
+        """Count the call under the code it ends with, and time it."""
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            yield
+        except BaseException as exc:
+            code = self._failed(exc)
+            raise
+        finally:
+            self._metrics.requests.labels(method, code).inc()
+            self._metrics.rpc_seconds.labels(method).observe(time.perf_counter() - t0)
 
     def _failed(self, exc: BaseException) -> str:
         """The code a call ends with, counting domain rejections by reason."""

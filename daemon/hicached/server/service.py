@@ -6,8 +6,8 @@ Primitives:
   metrics and the drain gate are the interceptors' (``interceptors``), the flows the daemon's
   (``daemon``).
 - ``CREATES_WORK``: the methods refused while the daemon drains.
-- ``pool_message(pool, cache, sessions)`` / ``session_message(session)``: state as wire
-  messages.
+- ``pool_message(pool, cache, sessions)`` / ``session_message(session)`` /
+  ``transfer_response(result)``: state and results as wire messages.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hicache.layer_groups import check_layer_events
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.cache.pool_cache import KEY_INDEX_BYTES, NO_SPACE, PRESENT, STORED, PoolCache
-from hicached.copy.engine import Op
+from hicached.copy.engine import Op, TransferResult
 from hicached.core.pool import HostPool
 from hicached.core.system import available_bytes
 from hicached.cuda.runner import CudaRunner
@@ -66,6 +66,11 @@ def session_message(s: Session) -> pb.Session:
                       expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
                       attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
                       transfers=s.transfers, device_uuid=uuid, layer_events=events)
+
+
+def transfer_response(r: TransferResult) -> pb.TransferResponse:
+    return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages, duration_seconds=r.seconds,
+                               pending=r.pending)
 
 
 class HostCacheServicer(pb_grpc.HostCacheServicer):
@@ -175,8 +180,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             to_index_array(request.device_indices, "device_indices"),
             (int(request.layer_begin), int(request.layer_end)),
             request.completion == pb.COMPLETION_LAYER_EVENTS)
-        return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages,
-                                   duration_seconds=r.seconds, pending=r.pending)
+        return transfer_response(r)
 
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext
               ) -> pb.DrainResponse:
@@ -217,8 +221,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             to_index_array(request.device_indices, "device_indices"),
             (int(request.layer_begin), int(request.layer_end)),
             request.completion == pb.COMPLETION_LAYER_EVENTS)
-        return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages,
-                                   duration_seconds=r.seconds, pending=r.pending)
+        return transfer_response(r)
 
     def RemoveKeys(self, request: pb.RemoveKeysRequest, context: grpc.ServicerContext
                    ) -> pb.RemoveKeysResponse:
