@@ -26,7 +26,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -139,6 +139,29 @@ class Daemon:
             raise SpecInvalid("COMPLETION_LAYER_EVENTS needs a CUDA session opened with "
                               "layer_events", metadata={"completion": "COMPLETION_LAYER_EVENTS"})
 
+    def _held_load(self, s: Session,
+                   start: Callable[[Callable[[], None]], TransferResult],
+                   release: Callable[[], None] = lambda: None) -> TransferResult:
+        """Run a load that may outlive its call (layer events): the session's mappings, and
+        whatever ``release`` frees, are kept until the bytes landed. ``start`` gets the callback
+        to run then and returns the engine's result."""
+        self.sessions.hold(s)
+
+        def landed() -> None:
+            try:
+                release()
+            finally:
+                self.sessions.unhold(s)
+
+        try:
+            r = start(landed)
+        except BaseException:
+            landed()
+            raise
+        if not r.pending:
+            landed()
+        return r
+
     def transfer(self, op: Op, session_id: str, host: IndexArray, device: IndexArray,
                  layers: tuple[int, int], layer_events: bool) -> TransferResult:
         """One backup or load; with ``layer_events`` a load returns once enqueued."""
@@ -146,8 +169,7 @@ class Daemon:
             raise SpecInvalid("backups always complete before the reply; "
                               "COMPLETION_LAYER_EVENTS is for loads",
                               metadata={"completion": "COMPLETION_LAYER_EVENTS"})
-        sessions = self.sessions
-        with sessions.transfer(session_id) as s:
+        with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
             runner = s.attachment.runner
             assert buffers is not None, "a session in use keeps its mappings"
@@ -155,16 +177,9 @@ class Daemon:
                 r = self.engine.backup(s.pool, buffers, host, device, *layers, runner=runner)
             else:
                 self._check_layer_events(layer_events, runner)
-                sessions.hold(s)  # released when the GPU copies land
-                try:
-                    r = self.engine.load(s.pool, buffers, host, device, *layers, runner=runner,
-                                         wait=not layer_events,
-                                         on_complete=functools.partial(sessions.unhold, s))
-                except BaseException:
-                    sessions.unhold(s)
-                    raise
-                if not r.pending:
-                    sessions.unhold(s)
+                r = self._held_load(s, lambda landed: self.engine.load(
+                    s.pool, buffers, host, device, *layers, runner=runner,
+                    wait=not layer_events, on_complete=landed))
         self.metrics.transfer(s.pool_name, op.value, r.bytes, r.pages, r.seconds)
         return r
 
@@ -212,8 +227,7 @@ class Daemon:
     def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray,
                   layers: tuple[int, int], layer_events: bool) -> TransferResult:
         keys = check_keys(keys, "keys")
-        sessions = self.sessions
-        with sessions.transfer(session_id) as s:
+        with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
             runner = s.attachment.runner
             assert buffers is not None, "a session in use keeps its mappings"
@@ -222,21 +236,10 @@ class Daemon:
                 Op.LOAD, s.pool, buffers, len(keys), device, *layers)
             cache = self.pools.cache(s.pool_name)
             pages = cache.begin_load(keys)  # KEY_NOT_FOUND: nothing held, nothing moves
-            sessions.hold(s)  # both released when the bytes landed
-
-            def landed() -> None:
-                cache.finish_load(pages)
-                sessions.unhold(s)
-
-            try:
-                r = self.engine.transfer_pages(Op.LOAD, s.pool, buffers, pages, device_pages,
-                                               load_layers, runner, wait=not layer_events,
-                                               on_complete=landed)
-            except BaseException:
-                landed()
-                raise
-            if not r.pending:
-                landed()
+            r = self._held_load(s, lambda landed: self.engine.transfer_pages(
+                Op.LOAD, s.pool, buffers, pages, device_pages, load_layers, runner,
+                wait=not layer_events, on_complete=landed),
+                release=functools.partial(cache.finish_load, pages))
         self.metrics.transfer(s.pool_name, "load_keys", r.bytes, r.pages, r.seconds)
         return r
 
