@@ -5,9 +5,8 @@ Primitives:
 - ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` of raw pages by host indices,
   over all layers or a layer range, for every kind, layout and pool group; returns a
   ``TransferResult``. ``check_keyed`` / ``transfer_pages`` validate and copy keyed pages the
-  cache holds. CPU
-  buffers are copied by the CPU runner (``cpu.execute``); GPU buffers through the session's
-  ``PlanRunner``.
+  cache holds. CPU buffers are copied by the CPU runner (``cpu.execute``); GPU buffers
+  through the session's ``PlanRunner``.
 - ``PlanRunner``: runs the copy plans elsewhere (``hicached.cuda.runner.CudaRunner``), either
   to completion or, for loads that signal per-layer events, asynchronously with a completion
   callback.
