@@ -68,12 +68,13 @@ class HiCacheClient:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _call(self, method: Callable[..., T], request: Any, *, retry: bool) -> T:
+    def _call(self, method: Callable[..., T], request: Any, *, retry: bool,
+              timeout: float | None = None) -> T:
         deadline = time.monotonic() + self.reconnect_seconds
         delay = 0.05
         while True:
             try:
-                return method(request, timeout=self.timeout)
+                return method(request, timeout=timeout or self.timeout)
             except grpc.RpcError as err:
                 exc = from_rpc_error(err)
                 # the daemon is away, or draining with a successor likely on its way
@@ -211,10 +212,12 @@ class HiCacheClient:
 
     # -- the cache -------------------------------------------------------------------------
 
-    def lookup(self, pool: str, keys: Sequence[bytes | str]) -> LookupResult:
-        """Which keys are cached (no pin, no copy): the hit prefix and a tier per key."""
+    def lookup(self, pool: str, keys: Sequence[bytes | str], *, timeout: float | None = None
+               ) -> LookupResult:
+        """Which keys are cached (no pin, no copy): the hit prefix and a tier per key.
+        ``timeout`` overrides the client's deadline for this call."""
         r = self._call(self._stub.Lookup, pb.LookupRequest(pool=pool, keys=encode_keys(keys)),
-                       retry=True)
+                       retry=True, timeout=timeout)
         return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits)
 
     def _store_request(self, session_id: str, keys: Sequence[bytes | str],
@@ -247,13 +250,14 @@ class HiCacheClient:
         return out
 
     def load_keys(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
-                  layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False
-                  ) -> TransferStats:
+                  layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False,
+                  timeout: float | None = None) -> TransferStats:
         completion = pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
         resp = self._call(self._stub.LoadKeys, pb.LoadKeysRequest(
             session_id=session_id, keys=encode_keys(keys),
             device_indices=indices_to_bytes(device_indices), layer_begin=layer_begin,
-            layer_end=layer_end, completion=completion), retry=True)  # type: ignore[arg-type]
+            layer_end=layer_end, completion=completion),  # type: ignore[arg-type]
+            retry=True, timeout=timeout)
         return TransferStats.from_proto(resp)
 
     def remove_keys(self, pool: str, keys: Sequence[bytes | str]) -> int:

@@ -78,12 +78,12 @@ class WorkerSession:
         return self.client.store_async(self.session_id, keys, device_indices)
 
     def load_keys(self, keys: Sequence[bytes | str], device_indices: object,
-                  layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False
-                  ) -> TransferStats:
+                  layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False,
+                  timeout: float | None = None) -> TransferStats:
         """Copy the pages of ``keys`` into one device page each; every key must be in the
         cache, else ``KEY_NOT_FOUND`` and nothing moves."""
         return self.client.load_keys(self.session_id, keys, device_indices, layer_begin,
-                                     layer_end, layer_events=layer_events)
+                                     layer_end, layer_events=layer_events, timeout=timeout)
 
     def stop_heartbeat(self) -> None:
         self._stop.set()
