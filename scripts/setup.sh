@@ -5,7 +5,7 @@ setup_hicached() {
     local extras="" missing=()
     command -v cc >/dev/null 2>&1 || missing+=(gcc)  # the native copy kernel is C
     if [ "${1:-}" = "--test" ]; then
-        extras="[test]"
+        extras="[test,sglang]"
         # the observability tests run a real Prometheus server and promtool
         command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
             || missing+=(prometheus)
@@ -23,8 +23,9 @@ setup_hicached() {
     python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu"
     python3 -m pip install -q --disable-pip-version-check -e ".${extras}"
     if [ "${1:-}" = "--test" ]; then
-        # SGLang's own code is the reference the integration tests run against; its
-        # dependencies are the serving stack, so only the package itself is installed
+        # SGLang's own code is what the linker's integration tests run against; its own
+        # dependencies are the GPU serving stack, so the package comes without them and the
+        # [sglang] extra brings what its cache modules import
         python3 -m pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23"
     fi
 }

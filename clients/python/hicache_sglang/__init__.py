@@ -1,0 +1,9 @@
+"""SGLang integration: ``hicache_sglang.linker.HicachedLinker``, the unified-cache external
+linker SGLang loads by dotted path, so an SGLang worker's KV pages live in the hicached sidecar.
+
+Modules: ``config`` (the linker's extra config), ``namespace`` (which pool a worker's pages go
+to), ``device_pool`` (SGLang's device pool as a hicached pool spec and handover), ``link`` (the
+session, re-established in the background), ``linker`` (the linker; imports SGLang).
+
+Importing this package does not import SGLang, torch or gRPC; ``hicache_sglang.linker`` does.
+"""

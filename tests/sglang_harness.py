@@ -1,0 +1,217 @@
+"""SGLang's own cache classes on CPU with the hicached linker, as a scheduler drives them.
+
+``SGLangCache`` builds SGLang 0.5.23's real ``MHATokenToKVPool`` / ``MLATokenToKVPool``,
+``PagedTokenToKVPoolAllocator``, ``ReqToTokenPool`` and — through SGLang's own factory
+(``registry.default_radix_cache_factory``) with ``--enable-unified-cache-external-linker``
+and the ``dynamic`` backend — a ``UnifiedRadixCache`` whose linker SGLang imports by dotted
+path. Its methods are the scheduler's steps: ``prefill`` (write KV, insert -> write-through
+offload), ``poll_offloads`` (``check_hicache_events``), ``evict_all``, ``hit_and_load``
+(match_prefix -> init_load_back -> ready_to_load_host_cache -> the forward's per-layer waits
+-> finish_external_linker_loads).
+
+KV is a deterministic function of the token prefix (``expected_kv``), so another process can
+check bytes it never wrote. Used in-process by tests/test_sglang_linker.py and as a worker
+process by tests/sglang_worker_proc.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+import types
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+PAGE = 4
+SIZE = 256
+LAYERS = 3
+
+
+def install_inert_torchvision() -> None:
+    """SGLang's configs import torchvision at module level; the PyPI wheel is CUDA-linked, so
+    an inert stand-in is installed (after transformers has probed for the real one)."""
+    if "torchvision" in sys.modules:
+        return
+    from transformers.utils import is_torchvision_available  # type: ignore[attr-defined]
+
+    is_torchvision_available()
+
+    class _Inert(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            value = type(name, (), {})
+            setattr(self, name, value)
+            return value
+
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
+             "torchvision.io")
+    mods: dict[str, Any] = {}
+    for name in names:
+        mods[name] = _Inert(name)
+        mods[name].__path__ = []
+        sys.modules[name] = mods[name]
+    mods["torchvision"].transforms = mods["torchvision.transforms"]
+    mods["torchvision.transforms"].functional = mods["torchvision.transforms.functional"]
+
+
+def tokens_of(start: int, n: int) -> array[int]:
+    return array("q", range(start, start + n))
+
+
+def expected_kv(tokens: Sequence[int], layer: int, role: str, width: tuple[int, ...]
+                ) -> torch.Tensor:
+    """The KV bytes of ``tokens`` for one layer and role, shape (len, *width): each token's
+    row is a function of its prefix, as real KV is."""
+    rows = []
+    for i in range(len(tokens)):
+        seed = hashlib.sha256(repr((list(tokens[: i + 1]), layer, role)).encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(seed[:8], "little") >> 1)
+        rows.append(torch.randint(0, 256, width, generator=g, dtype=torch.uint8))
+    return torch.stack(rows)
+
+
+class SGLangCache:
+    def __init__(self, target: str, shm_dir: str, *, kind: str = "mha",
+                 dtype: torch.dtype = torch.bfloat16, model: str = "org/tiny-model",
+                 tp_group: Any = None, extra: dict[str, Any] | None = None) -> None:
+        install_inert_torchvision()
+        from sglang.srt import runtime_context as rc
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import (
+            MHATokenToKVPool,
+            MLATokenToKVPool,
+            ReqToTokenPool,
+        )
+        from sglang.srt.mem_cache.registry import (
+            TreeCacheBuildContext,
+            default_radix_cache_factory,
+        )
+
+        config = {"linker": "HicachedLinker", "linker_module_path": "hicache_sglang.linker",
+                  "linker_extra_config": {"target": target, "shm_dir": shm_dir,
+                                          "reconnect_interval_s": 0.2, **(extra or {})}}
+        self._override = rc._CONTEXT.override_server_args(
+            device="cpu", page_size=PAGE, model_path=model,
+            enable_unified_cache_external_linker=True,
+            unified_cache_external_linker_backend="dynamic",
+            unified_cache_external_linker_config=config)
+        server_args = self._override.install()
+        self.kind = kind
+        if kind == "mha":
+            self.kv = MHATokenToKVPool(size=SIZE, page_size=PAGE, dtype=dtype, head_num=2,
+                                       head_dim=8, v_head_dim=4, layer_num=LAYERS,
+                                       device="cpu", enable_memory_saver=False)
+            store = self.kv.store_dtype
+            self.roles = {"k": ("k_buffer", (2, 8 * store.itemsize)),
+                          "v": ("v_buffer", (2, 4 * store.itemsize))}
+        else:
+            self.kv = MLATokenToKVPool(size=SIZE, page_size=PAGE, dtype=dtype, kv_lora_rank=16,
+                                       qk_rope_head_dim=8, layer_num=LAYERS, device="cpu",
+                                       enable_memory_saver=False)
+            store = self.kv.store_dtype
+            self.roles = {"kv": ("kv_buffer", (1, 24 * store.itemsize))}
+        self.store_dtype = store
+        self.allocator = PagedTokenToKVPoolAllocator(size=SIZE, page_size=PAGE, dtype=dtype,
+                                                     device="cpu", kvcache=self.kv,
+                                                     need_sort=False)
+        req_pool = ReqToTokenPool(size=8, max_context_len=512, device="cpu",
+                                  enable_memory_saver=False)
+        params = CacheInitParams(disable=False, req_to_token_pool=req_pool,
+                                 token_to_kv_pool_allocator=self.allocator, page_size=PAGE,
+                                 tp_cache_group=tp_group)
+        self.counters: list[Any] = []
+        worker = types.SimpleNamespace(
+            model_runner=types.SimpleNamespace(forward_stream=None),
+            register_hicache_layer_transfer_counter=self.counters.append)
+        ctx = TreeCacheBuildContext(
+            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=worker,
+            model_config=None, tp_size=1, tp_rank=0, tp_group=tp_group)
+        self.cache = default_radix_cache_factory(ctx)
+        self.linker = self.cache.linker.cache_linker  # the HicachedLinker SGLang built
+
+    # -- KV ---------------------------------------------------------------------------------
+
+    def layer_rows(self, role: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        attr, _ = self.roles[role]
+        rows: torch.Tensor = getattr(self.kv, attr)[layer][slots]
+        return rows.view(torch.uint8)
+
+    def expected(self, tokens: Sequence[int], role: str, layer: int) -> torch.Tensor:
+        _, width = self.roles[role]
+        return expected_kv(tokens, layer, role, width)
+
+    def write_kv(self, tokens: Sequence[int], slots: torch.Tensor) -> None:
+        for role, (attr, _) in self.roles.items():
+            for layer in range(LAYERS):
+                buf = getattr(self.kv, attr)[layer]
+                buf.view(torch.uint8)[slots] = self.expected(tokens, role, layer)
+
+    def zero_kv(self) -> None:
+        for attr, _ in self.roles.values():
+            for buf in getattr(self.kv, attr):
+                buf.zero_()
+
+    # -- the scheduler's steps -------------------------------------------------------------
+
+    def prefill(self, tokens: array[int]) -> torch.Tensor:
+        """Compute (write) KV for ``tokens`` and insert it: write-through offloads it."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        slots: torch.Tensor | None = self.allocator.alloc(len(tokens))
+        assert slots is not None, "device pool full"
+        self.write_kv(tokens, slots)
+        self.cache.insert(InsertParams(key=RadixKey(tokens), value=slots))
+        return slots
+
+    def poll_offloads(self, timeout: float = 10.0) -> None:
+        """Run the scheduler's event poll until every offload is committed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.cache.check_hicache_events()
+            if not self.cache.linker.pending_offloads:
+                return
+            assert time.monotonic() < deadline, "offloads did not complete"
+            time.sleep(0.01)
+
+    def evict_all(self) -> int:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        return int(self.cache.evict(EvictParams(num_tokens=SIZE)).num_tokens_evicted)
+
+    def hit_and_load(self, tokens: array[int], rid: str = "r") -> tuple[int, list[Any],
+                                                                   torch.Tensor | None]:
+        """Admit a request for ``tokens`` + one new token: returns (external hit tokens, the
+        requests SGLang aborted, the device slots the hit was loaded into)."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        key = array("q", [*tokens, 7])
+        req = Req(rid, "", key, SamplingParams())
+        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(key), req=req))
+        req.last_node = match.last_device_node
+        if match.host_hit_length == 0:
+            return 0, [], None
+        loaded, _ = self.cache.init_load_back(InitLoadBackParams(
+            best_match_node=match.last_host_node, host_hit_length=match.host_hit_length,
+            req=req))
+        slots = self.cache.linker.private_load_indices.get(rid)
+        index = self.cache.ready_to_load_host_cache()
+        self.counters[0].set_consumer(index)
+        for layer in range(LAYERS):  # the forward reads each layer through the pool
+            self.kv.get_key_buffer(layer)
+        failed = self.cache.finish_external_linker_loads([req])
+        return int(loaded), failed, slots
+
+    def close(self) -> None:
+        self.cache.linker.close()
+        self._override.restore()

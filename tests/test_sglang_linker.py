@@ -1,0 +1,204 @@
+"""The hicached linker driven by SGLang 0.5.23's own cache classes, against a real daemon.
+
+SGLang builds the linker itself (its factory, the ``dynamic`` backend, our dotted path); the
+tests run the scheduler's steps (tests/sglang_harness.py) and check KV bytes after zeroing the
+device slots they land in. Covered: MHA (bf16, fp8 stored as uint8) and MLA; a second process
+hitting what the first stored; the daemon killed between offload and load and coming back; a
+load whose keys vanished (only its request aborts); MLA over two TP ranks sharing one pool that
+rank 0 writes; MHA over two ranks with a pool each.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests.helpers import require_module
+
+require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
+
+import torch  # noqa: E402
+
+from hicache_client import HiCacheClient  # noqa: E402
+from tests.sglang_harness import LAYERS, SGLangCache, tokens_of  # noqa: E402
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    d = start_daemon(tmp_path)
+    yield d
+    d.stop(signal.SIGKILL)
+
+
+def assert_exact(cache: SGLangCache, tokens, slots) -> None:
+    assert slots is not None
+    for role in cache.roles:
+        for layer in range(LAYERS):
+            got, want = cache.layer_rows(role, layer, slots), cache.expected(tokens, role, layer)
+            assert torch.equal(got, want), f"{role} layer {layer} differs"
+
+
+def roundtrip(cache: SGLangCache, tokens) -> None:
+    cache.prefill(tokens)
+    cache.poll_offloads()
+    assert cache.evict_all() == len(tokens)
+    cache.zero_kv()  # what lands must come from the daemon
+    hit, failed, slots = cache.hit_and_load(tokens)
+    assert (hit, failed) == (len(tokens), [])
+    assert_exact(cache, tokens, slots)
+
+
+@pytest.mark.parametrize("kind,dtype,stored", [
+    ("mha", torch.bfloat16, "BFLOAT16"),
+    ("mha", torch.float8_e4m3fn, "UINT8"),
+    ("mla", torch.bfloat16, "BFLOAT16"),
+    ("mla", torch.float16, "FLOAT16"),
+])
+def test_offload_evict_match_load_exact(daemon: DaemonProc, kind, dtype, stored) -> None:
+    cache = SGLangCache(daemon.target, daemon.shm_dir, kind=kind, dtype=dtype)
+    try:
+        assert type(cache.linker).__name__ == "HicachedLinker"
+        tokens = tokens_of(1000, 32)
+        roundtrip(cache, tokens)
+        stats = cache.linker.stats
+        assert stats["offload_pages"] == 8 and stats["load_pages"] == 8
+        assert stats["lookup_hit_pages"] == 8
+        with HiCacheClient(daemon.target) as c:
+            pool = c.get_pool(cache.linker.spec.name)
+            assert pool.spec.geometry.dtype.value == stored
+            assert pool.keys == 8
+    finally:
+        cache.close()
+
+
+def test_partial_prefix_hits_only_what_was_stored(daemon: DaemonProc) -> None:
+    cache = SGLangCache(daemon.target, daemon.shm_dir)
+    try:
+        stored = tokens_of(2000, 12)  # 3 pages
+        cache.prefill(stored)
+        cache.poll_offloads()
+        cache.evict_all()
+        cache.zero_kv()
+        longer = tokens_of(2000, 24)  # same 3 pages, then 3 never stored
+        hit, failed, slots = cache.hit_and_load(longer)
+        assert (hit, failed) == (12, [])
+        assert_exact(cache, stored, slots)
+        other = tokens_of(3000, 24)
+        assert cache.hit_and_load(other)[0] == 0
+    finally:
+        cache.close()
+
+
+def run_worker(daemon: DaemonProc, mode: str, *extra: str, timeout: float = 120
+               ) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.sglang_worker_proc", "--target", daemon.target,
+         "--shm-dir", daemon.shm_dir, "--mode", mode, *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_another_instance_hits_what_the_first_stored(daemon: DaemonProc) -> None:
+    first = run_worker(daemon, "store", "--start", "5000")
+    assert first["stats"]["offload_pages"] == 8
+    second = run_worker(daemon, "load", "--start", "5000")  # a fresh SGLang cache
+    assert second["pool"] == first["pool"]
+    assert (second["hit"], second["failed"], second["exact"]) == (32, [], True)
+    assert second["stats"]["offloads"] == 0
+
+
+def test_daemon_killed_between_offload_and_load(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    cache = SGLangCache(d.target, d.shm_dir)
+    try:
+        tokens = tokens_of(7000, 16)
+        cache.prefill(tokens)
+        cache.poll_offloads()
+        cache.evict_all()
+        d.stop(signal.SIGKILL)
+        # no daemon: no hit, no exception; an offload is dropped and counted
+        assert cache.hit_and_load(tokens) == (0, [], None)
+        cache.prefill(tokens_of(8000, 8))
+        cache.poll_offloads()
+        assert cache.linker.stats["offloads_dropped"] + cache.linker.stats[
+            "offload_failures"] >= 1
+        # the daemon comes back on the same socket: the link reconnects by itself
+        d = start_daemon(tmp_path, socket=d.socket)
+        deadline = time.monotonic() + 15
+        while not cache.linker.link.up:
+            assert time.monotonic() < deadline, "the linker did not reconnect"
+            time.sleep(0.05)
+        assert cache.linker.link.generation == 2
+        cache.evict_all()
+        roundtrip(cache, tokens_of(9000, 16))
+    finally:
+        cache.close()
+        d.stop(signal.SIGKILL)
+
+
+def test_a_load_whose_keys_vanished_aborts_only_its_request(daemon: DaemonProc) -> None:
+    cache = SGLangCache(daemon.target, daemon.shm_dir)
+    try:
+        tokens = tokens_of(4000, 16)
+        # the keys go (another instance's reset) between the lookup and the load
+        cache.prefill(tokens)
+        cache.poll_offloads()
+        cache.evict_all()
+        original = cache.linker.lookup
+
+        def lookup_then_remove(rid, transfers):
+            found = original(rid, transfers)
+            with HiCacheClient(daemon.target) as c:
+                c.clear_pool(cache.linker.spec.name)
+            return found
+
+        cache.linker.lookup = lookup_then_remove
+        hit, failed, _ = cache.hit_and_load(tokens, rid="victim")
+        assert hit == 16
+        assert [r.rid for r in failed] == ["victim"]
+        assert failed[0].discard_output_reason is not None
+        assert cache.linker.stats["load_failures"] == 1
+        assert cache.linker.link.up  # a refused load is not a lost daemon
+        cache.linker.lookup = original
+        roundtrip(cache, tokens_of(4500, 8))  # the next request is served normally
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+def test_two_tp_ranks(daemon: DaemonProc, tmp_path: Path, kind: str) -> None:
+    init = tmp_path / "dist-init"
+    cmd = [sys.executable, "-m", "tests.sglang_worker_proc", "--target", daemon.target,
+           "--shm-dir", daemon.shm_dir, "--mode", "roundtrip", "--kind", kind, "--start",
+           "6000", "--world", "2", "--init", str(init)]
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=180)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    for o in outs:
+        assert (o["hit"], o["failed"], o["exact"]) == (32, [], True), o
+    r0, r1 = outs
+    with HiCacheClient(daemon.target) as c:
+        pools = {p.spec.name: p for p in c.list_pools()}
+    if kind == "mla":  # identical KV on every rank: one pool, written once, read by both
+        assert r0["pool"] == r1["pool"] and "tpall" in r0["pool"]
+        assert r0["stats"]["offload_pages"] == 8 and r1["stats"]["offloads"] == 0
+        assert pools[r0["pool"]].keys == 8
+        assert r1["stats"]["load_pages"] == 8
+    else:  # MHA heads are split across ranks: a pool per rank
+        assert r0["pool"] != r1["pool"]
+        assert r0["stats"]["offload_pages"] == r1["stats"]["offload_pages"] == 8
+        assert pools[r0["pool"]].keys == pools[r1["pool"]].keys == 8
