@@ -216,6 +216,12 @@ def test_hicachectl(daemon: DaemonProc, client: HiCacheClient) -> None:
     row = next(line.split() for line in ctl("pools").splitlines() if line.startswith("e2e "))
     assert row[1:5] == ["MHA", "bfloat16", "page_first", "16"], row  # names, not enum numbers
     assert json.loads(ctl("--json", "sessions")) == []
+    assert ctl("health").strip() == "SERVING"  # the exec probe of the shipped pod
+    assert json.loads(ctl("--json", "health", "--service", "hicache.v1.HostCache")) == {
+        "serving": True}
+    assert run_ctl(daemon.target, "health", "--service", "no.such.Service",
+                   expect=1).strip() == "NOT_SERVING"
+    assert run_ctl(f"unix:{daemon.socket}.absent", "health", expect=1).strip() == "NOT_SERVING"
 
 
 def test_hicachectl_admin_verbs(daemon: DaemonProc, client: HiCacheClient) -> None:

@@ -1,9 +1,10 @@
 """``hicachectl``: inspect and administer a running daemon.
 
-Reads: ``status``, ``pools``, ``sessions`` (tables, or ``--json``). Admin verbs: ``delete-pool
-NAME`` (refused while sessions are open), ``clear-pool NAME`` (drop every cached key; raw pages
-stay), ``close-session ID`` (the worker's mappings are released once its in-flight copies end),
-``drain [--grace S]`` (graceful shutdown, as SIGTERM).
+Reads: ``status``, ``pools``, ``sessions`` (tables, or ``--json``); ``health [--service S]``
+(exit 0 only when SERVING: a probe for containers whose API has no network port).
+Admin verbs: ``delete-pool NAME`` (refused while sessions are open), ``clear-pool NAME`` (drop
+every cached key; raw pages stay), ``close-session ID`` (the worker's mappings are released once
+its in-flight copies end), ``drain [--grace S]`` (graceful shutdown, as SIGTERM).
 Exit status: 0 on success, 1 when the daemon refused (the reason code is printed), 2 on usage
 errors.
 """
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("status", help="version, transports, memory")
+    hp = sub.add_parser("health", help="gRPC health; exit status 0 only when SERVING")
+    hp.add_argument("--service", default="",
+                    help="'' (liveness) or hicache.v1.HostCache (readiness)")
     sub.add_parser("pools", help="pools with occupancy")
     sp = sub.add_parser("sessions", help="open worker sessions")
     sp.add_argument("--pool", default="", help="only this pool")
@@ -94,6 +98,11 @@ def _admin(client: HiCacheClient, args: argparse.Namespace) -> dict[str, object]
 
 
 def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
+    if args.command == "health":
+        ok = client.health(args.service)
+        print(json.dumps({"serving": ok}) if args.json else
+              ("SERVING" if ok else "NOT_SERVING"))
+        return 0 if ok else 1
     if args.command in ("delete-pool", "clear-pool", "close-session", "drain"):
         done = _admin(client, args)
         print(json.dumps(done) if args.json else

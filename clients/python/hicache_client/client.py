@@ -111,6 +111,18 @@ class HiCacheClient:
     def ping(self) -> None:
         self._call(self._stub.Ping, pb.PingRequest(), retry=True)
 
+    def health(self, service: str = "") -> bool:
+        """gRPC health of ``service`` ("" = the process, ``hicache.v1.HostCache`` = ready for
+        work: it turns NOT_SERVING when a drain starts). False when unreachable."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)  # type: ignore[no-untyped-call]
+        try:
+            r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+        except grpc.RpcError:
+            return False
+        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+
     def get_info(self) -> pb.GetInfoResponse:
         info: pb.GetInfoResponse = self._call(self._stub.GetInfo, pb.GetInfoRequest(),
                                               retry=True)
