@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinker,
 )
 
-from hicache.errors import HiCacheError, Unavailable
+from hicache.errors import HiCacheError, SpecInvalid, Unavailable
 from hicache_client.results import StoreResult
 from hicache_sglang.config import LinkerConfig
 from hicache_sglang.device_pool import DevicePool
@@ -89,17 +89,18 @@ class HicachedLinker(UnifiedCacheLinker):
     def __init__(self, server_args: Any, params: Any, *, components: Any,
                  extra_config: dict[str, Any] | None = None,
                  forward_stream: Any = None) -> None:
-        unsupported = set(components) - {ComponentType.FULL}
+        unsupported = sorted(c.name for c in set(components) - {ComponentType.FULL})
         if unsupported:
-            raise ValueError("HicachedLinker serves full-attention KV only; unsupported "
-                             f"components: {sorted(c.name for c in unsupported)}")
+            raise SpecInvalid("HicachedLinker serves full-attention KV only; unsupported "
+                              f"components: {unsupported}",
+                              metadata={"components": ",".join(unsupported)})
         self.config = cfg = LinkerConfig.from_extra(extra_config)
         self.forward_stream = forward_stream
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.device_pool = dp = DevicePool.from_kvcache(kvcache)
         if int(params.page_size) != dp.page_size:
-            raise ValueError(f"cache page_size {params.page_size} != pool page_size "
-                             f"{dp.page_size}")
+            raise SpecInvalid(f"cache page_size {params.page_size} != pool page_size "
+                              f"{dp.page_size}")
         self.page_size = dp.page_size
         self.pools = {PoolName.KV: kvcache}
         self.num_layers = dp.geometry.layer_num
