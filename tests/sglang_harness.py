@@ -78,7 +78,10 @@ def expected_kv(tokens: Sequence[int], layer: int, role: str, width: tuple[int, 
 class SGLangCache:
     def __init__(self, target: str, shm_dir: str, *, kind: str = "mha",
                  dtype: torch.dtype = torch.bfloat16, model: str = "org/tiny-model",
-                 tp_group: Any = None, extra: dict[str, Any] | None = None) -> None:
+                 tp_group: Any = None, extra: dict[str, Any] | None = None,
+                 page_size: int = PAGE, size: int = SIZE, layers: int = LAYERS,
+                 heads: int = 2, head_dim: int = 8, v_head_dim: int | None = None,
+                 device: str = "cpu") -> None:
         install_inert_torchvision()
         from sglang.srt import runtime_context as rc
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -97,37 +100,43 @@ class SGLangCache:
                   "linker_extra_config": {"target": target, "shm_dir": shm_dir,
                                           "reconnect_interval_s": 0.2, **(extra or {})}}
         self._override = rc._CONTEXT.override_server_args(
-            device="cpu", page_size=PAGE, model_path=model,
+            device=device, page_size=page_size, model_path=model,
             enable_unified_cache_external_linker=True,
             unified_cache_external_linker_backend="dynamic",
             unified_cache_external_linker_config=config)
         server_args = self._override.install()
-        self.kind = kind
+        self.kind, self.size, self.layers = kind, size, layers
         if kind == "mha":
-            self.kv = MHATokenToKVPool(size=SIZE, page_size=PAGE, dtype=dtype, head_num=2,
-                                       head_dim=8, v_head_dim=4, layer_num=LAYERS,
-                                       device="cpu", enable_memory_saver=False)
-            store = self.kv.store_dtype
-            self.roles = {"k": ("k_buffer", (2, 8 * store.itemsize)),
-                          "v": ("v_buffer", (2, 4 * store.itemsize))}
-        else:
-            self.kv = MLATokenToKVPool(size=SIZE, page_size=PAGE, dtype=dtype, kv_lora_rank=16,
-                                       qk_rope_head_dim=8, layer_num=LAYERS, device="cpu",
+            # by default K and V widths differ (as in MLA-derived MHA models), to test both
+            v_dim = head_dim // 2 if v_head_dim is None else v_head_dim
+            self.kv = MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype,
+                                       head_num=heads, head_dim=head_dim, v_head_dim=v_dim,
+                                       layer_num=layers, device=device,
                                        enable_memory_saver=False)
+            store = self.kv.store_dtype
+            self.roles = {"k": ("k_buffer", (heads, head_dim * store.itemsize)),
+                          "v": ("v_buffer", (heads, v_dim * store.itemsize))}
+        else:
+            self.kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=dtype,
+                                       kv_lora_rank=16, qk_rope_head_dim=8, layer_num=layers,
+                                       device=device, enable_memory_saver=False)
             store = self.kv.store_dtype
             self.roles = {"kv": ("kv_buffer", (1, 24 * store.itemsize))}
         self.store_dtype = store
-        self.allocator = PagedTokenToKVPoolAllocator(size=SIZE, page_size=PAGE, dtype=dtype,
-                                                     device="cpu", kvcache=self.kv,
+        self.allocator = PagedTokenToKVPoolAllocator(size=size, page_size=page_size, dtype=dtype,
+                                                     device=device, kvcache=self.kv,
                                                      need_sort=False)
-        req_pool = ReqToTokenPool(size=8, max_context_len=512, device="cpu",
+        req_pool = ReqToTokenPool(size=8, max_context_len=512, device=device,
                                   enable_memory_saver=False)
         params = CacheInitParams(disable=False, req_to_token_pool=req_pool,
-                                 token_to_kv_pool_allocator=self.allocator, page_size=PAGE,
+                                 token_to_kv_pool_allocator=self.allocator,
+                                 page_size=page_size,
                                  tp_cache_group=tp_group)
         self.counters: list[Any] = []
+        self.device = device
+        forward = torch.cuda.current_stream() if device == "cuda" else None
         worker = types.SimpleNamespace(
-            model_runner=types.SimpleNamespace(forward_stream=None),
+            model_runner=types.SimpleNamespace(forward_stream=forward),
             register_hicache_layer_transfer_counter=self.counters.append)
         ctx = TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
@@ -140,8 +149,8 @@ class SGLangCache:
 
     def layer_rows(self, role: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
         attr, _ = self.roles[role]
-        rows: torch.Tensor = getattr(self.kv, attr)[layer][slots]
-        return rows.view(torch.uint8)
+        rows: torch.Tensor = getattr(self.kv, attr)[layer][slots.to(self.device)]
+        return rows.view(torch.uint8).cpu()
 
     def expected(self, tokens: Sequence[int], role: str, layer: int) -> torch.Tensor:
         _, width = self.roles[role]
@@ -149,9 +158,9 @@ class SGLangCache:
 
     def write_kv(self, tokens: Sequence[int], slots: torch.Tensor) -> None:
         for role, (attr, _) in self.roles.items():
-            for layer in range(LAYERS):
+            for layer in range(self.layers):
                 buf = getattr(self.kv, attr)[layer]
-                buf.view(torch.uint8)[slots] = self.expected(tokens, role, layer)
+                buf.view(torch.uint8)[slots] = self.expected(tokens, role, layer).to(self.device)
 
     def zero_kv(self) -> None:
         for attr, _ in self.roles.values():
@@ -184,7 +193,7 @@ class SGLangCache:
     def evict_all(self) -> int:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        return int(self.cache.evict(EvictParams(num_tokens=SIZE)).num_tokens_evicted)
+        return int(self.cache.evict(EvictParams(num_tokens=self.size)).num_tokens_evicted)
 
     def hit_and_load(self, tokens: array[int], rid: str = "r") -> tuple[int, list[Any],
                                                                    torch.Tensor | None]:
@@ -207,9 +216,11 @@ class SGLangCache:
         slots = self.cache.linker.private_load_indices.get(rid)
         index = self.cache.ready_to_load_host_cache()
         self.counters[0].set_consumer(index)
-        for layer in range(LAYERS):  # the forward reads each layer through the pool
+        for layer in range(self.layers):  # the forward reads each layer through the pool
             self.kv.get_key_buffer(layer)
         failed = self.cache.finish_external_linker_loads([req])
+        if self.device == "cuda":
+            torch.cuda.current_stream().synchronize()  # the forward's reads were queued on it
         return int(loaded), failed, slots
 
     def close(self) -> None:

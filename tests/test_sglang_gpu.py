@@ -1,0 +1,58 @@
+"""The SGLang linker on a real GPU: SGLang's own KV tensors exported over CUDA IPC, layer
+events consumed by SGLang's layer waits, write-through with the ready event.
+
+Skipped without a CUDA device (the CPU integration tests in test_sglang_linker.py run the same
+scheduler steps on shared-memory buffers). Run by scripts/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.daemon_proc import DaemonProc, start_daemon
+from tests.helpers import require_module
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path, "--memory-budget", "4GiB")
+    yield d
+    d.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("kind,dtype", [("mha", torch.bfloat16), ("mha", torch.float8_e4m3fn),
+                                        ("mla", torch.bfloat16)])
+def test_sglang_cuda_kv_round_trip_with_layer_events(daemon: DaemonProc, kind, dtype) -> None:
+    require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
+    from tests.sglang_harness import SGLangCache, tokens_of
+
+    cache = SGLangCache(daemon.target, daemon.shm_dir, kind=kind, dtype=dtype, device="cuda",
+                        layers=8, heads=8, head_dim=128, page_size=16, size=4096)
+    try:
+        assert cache.linker.on_cuda and cache.linker.link.up
+        tokens = tokens_of(100, 256)
+        cache.prefill(tokens)
+        torch.cuda.synchronize()
+        cache.poll_offloads()
+        assert cache.evict_all() == 256
+        cache.zero_kv()
+        torch.cuda.synchronize()
+        hit, failed, slots = cache.hit_and_load(tokens)
+        assert (hit, failed) == (256, []) and slots is not None
+        for role in cache.roles:
+            for layer in range(cache.layers):
+                assert torch.equal(cache.layer_rows(role, layer, slots),
+                                   cache.expected(tokens, role, layer)), (role, layer)
+        assert cache.linker.stats["load_pages"] == 16
+    finally:
+        cache.close()
