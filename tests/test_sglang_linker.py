@@ -202,3 +202,26 @@ def test_two_tp_ranks(daemon: DaemonProc, tmp_path: Path, kind: str) -> None:
         assert r0["pool"] != r1["pool"]
         assert r0["stats"]["offload_pages"] == r1["stats"]["offload_pages"] == 8
         assert pools[r0["pool"]].keys == pools[r1["pool"]].keys == 8
+
+
+def test_instances_with_different_device_pool_sizes_share_one_pool(daemon: DaemonProc) -> None:
+    tokens = tokens_of(11000, 16)
+    first = SGLangCache(daemon.target, daemon.shm_dir, size=256)
+    try:
+        first.prefill(tokens)
+        first.poll_offloads()
+    finally:
+        first.close()
+    second = SGLangCache(daemon.target, daemon.shm_dir, size=512)  # another memory fraction
+    try:
+        assert second.linker.link.up, "the pool of another size must not keep it out"
+        assert second.linker.spec.name == first.linker.spec.name
+        second.zero_kv()
+        hit, failed, slots = second.hit_and_load(tokens)
+        assert (hit, failed) == (16, [])
+        assert_exact(second, tokens, slots)
+    finally:
+        second.close()
+    # the pool keeps the size its creator gave it
+    with HiCacheClient(daemon.target) as c:
+        assert c.get_pool(first.linker.spec.name).size_tokens == 256

@@ -18,6 +18,7 @@ Primitives:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from hicache.errors import (
     HiCacheError,
     PoolClosed,
     PoolNotFound,
+    PoolSpecConflict,
     SessionNotFound,
     Unavailable,
 )
@@ -136,7 +138,7 @@ class DaemonLink:
         self._state.attempts += 1
         try:
             client.get_info()
-            client.create_pool(self.spec)
+            self._create_pool(client)
             session = client.open_session(
                 self.spec.name, self.worker_id, self.handover.buffers, lease_ms=cfg.lease_ms,
                 layer_events=self.handover.layer_events, ready_event=self.handover.ready_event)
@@ -157,6 +159,20 @@ class DaemonLink:
         log.info("hicached link up: pool %s, session %s (generation %d)", self.spec.name,
                  session.session_id[:8], self._state.generation)
         return True
+
+    def _create_pool(self, client: HiCacheClient) -> None:
+        """Create the pool, or use the one there if it differs in size only: instances of a
+        model whose device pools differ in size (memory fractions) still share one pool."""
+        try:
+            client.create_pool(self.spec)
+        except PoolSpecConflict:
+            there = client.get_pool(self.spec.name).spec
+            sized = dataclasses.replace(self.spec, size_tokens=there.size_tokens,
+                                        size_bytes=there.size_bytes)
+            if there != sized:
+                raise
+            log.info("using pool %s as created (%d tokens) by another worker",
+                     self.spec.name, there.resolved_size_tokens())
 
     def _run(self) -> None:
         while not self._closed.is_set():
