@@ -190,6 +190,13 @@ class SGLangCache:
             assert time.monotonic() < deadline, "offloads did not complete"
             time.sleep(0.01)
 
+    def offload_and_evict(self, tokens: array[int]) -> int:
+        """Prefill ``tokens``, let the write-through land, then evict the device copy: what
+        follows can only hit the daemon. Returns the tokens evicted."""
+        self.prefill(tokens)
+        self.poll_offloads()
+        return self.evict_all()
+
     def evict_all(self) -> int:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 

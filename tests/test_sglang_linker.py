@@ -47,9 +47,7 @@ def assert_exact(cache: SGLangCache, tokens, slots) -> None:
 
 
 def roundtrip(cache: SGLangCache, tokens) -> None:
-    cache.prefill(tokens)
-    cache.poll_offloads()
-    assert cache.evict_all() == len(tokens)
+    assert cache.offload_and_evict(tokens) == len(tokens)
     cache.zero_kv()  # what lands must come from the daemon
     hit, failed, slots = cache.hit_and_load(tokens)
     assert (hit, failed) == (len(tokens), [])
@@ -83,9 +81,7 @@ def test_partial_prefix_hits_only_what_was_stored(daemon: DaemonProc) -> None:
     cache = SGLangCache(daemon.target, daemon.shm_dir)
     try:
         stored = tokens_of(2000, 12)  # 3 pages
-        cache.prefill(stored)
-        cache.poll_offloads()
-        cache.evict_all()
+        cache.offload_and_evict(stored)
         cache.zero_kv()
         longer = tokens_of(2000, 24)  # same 3 pages, then 3 never stored
         hit, failed, slots = cache.hit_and_load(longer)
@@ -122,9 +118,7 @@ def test_daemon_killed_between_offload_and_load(tmp_path: Path) -> None:
     cache = SGLangCache(d.target, d.shm_dir)
     try:
         tokens = tokens_of(7000, 16)
-        cache.prefill(tokens)
-        cache.poll_offloads()
-        cache.evict_all()
+        cache.offload_and_evict(tokens)
         d.stop(signal.SIGKILL)
         # no daemon: no hit, no exception; an offload is dropped and counted
         assert cache.hit_and_load(tokens) == (0, [], None)
@@ -151,9 +145,7 @@ def test_a_load_whose_keys_vanished_aborts_only_its_request(daemon: DaemonProc) 
     try:
         tokens = tokens_of(4000, 16)
         # the keys go (another instance's reset) between the lookup and the load
-        cache.prefill(tokens)
-        cache.poll_offloads()
-        cache.evict_all()
+        cache.offload_and_evict(tokens)
         original = cache.linker.lookup
 
         def lookup_then_remove(rid, transfers):
