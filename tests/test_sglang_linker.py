@@ -155,8 +155,12 @@ def test_a_load_whose_keys_vanished_aborts_only_its_request(daemon: DaemonProc) 
             return found
 
         cache.linker.lookup = lookup_then_remove
-        hit, failed, _ = cache.hit_and_load(tokens, rid="victim")
-        assert hit == 16
+        cache.zero_kv()
+        hit, failed, slots = cache.hit_and_load(tokens, rid="victim")
+        assert hit == 16 and slots is not None
+        for role in cache.roles:  # the refused load moved nothing into the request's slots
+            for layer in range(LAYERS):
+                assert not cache.layer_rows(role, layer, slots).any()
         assert [r.rid for r in failed] == ["victim"]
         assert failed[0].discard_output_reason is not None
         assert cache.linker.stats["load_failures"] == 1
