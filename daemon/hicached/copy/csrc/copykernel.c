@@ -164,7 +164,13 @@ static void run_range(const plan_t *p, int64_t first, int64_t last) {
  * MB here (each new stack is fresh memory), and waking a sleeping thread costs a VM exit on
  * virtual machines, so workers spin for SPIN_NS after their last job before sleeping. One caller
  * dispatches at a time; a concurrent caller runs on its own thread instead (it already adds
- * parallelism). Reset in a forked child. */
+ * parallelism). Reset in a forked child.
+ *
+ * Each job is tagged with the generation it was dispatched in, and a worker runs its job only
+ * when the tag equals the generation it woke for. A worker that saw a dispatch late (after it
+ * had finished and the next one, with more helpers, had begun) therefore skips instead of
+ * running the next dispatch's job twice: that double run ended a dispatch early and let a
+ * helper read the returned caller's plan. */
 #define MAX_THREADS 64
 #define SPIN_NS 1000000L
 
@@ -173,9 +179,10 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv_work = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t cv_done = PTHREAD_COND_INITIALIZER;
 static int nworkers = 0, sleepers = 0;
-static atomic_int active_workers = 0, pending = 0;
+static atomic_int pending = 0;
 static atomic_uint_fast64_t generation = 0;
 static work_t jobs[MAX_THREADS];
+static atomic_uint_fast64_t job_generation[MAX_THREADS]; /* the dispatch each job belongs to */
 static uint64_t start_generation[MAX_THREADS]; /* generation a worker was created in */
 static int atfork_registered = 0;
 
@@ -213,7 +220,7 @@ static void *pool_worker(void *arg) {
             pthread_mutex_unlock(&mu);
         }
         seen = g;
-        if (idx < atomic_load(&active_workers)) {
+        if (atomic_load(&job_generation[idx]) == g) {
             work_t w = jobs[idx];
             run_range(w.plan, w.first, w.last);
             if (atomic_fetch_sub(&pending, 1) == 1) {
@@ -234,7 +241,6 @@ static void reset_after_fork(void) {
     cv_work = c;
     cv_done = c;
     nworkers = sleepers = 0;
-    atomic_store(&active_workers, 0);
     atomic_store(&pending, 0);
 }
 
@@ -264,12 +270,14 @@ static void run_parallel(const plan_t *p, int64_t items, int nthreads) {
         int helpers = ensure_workers(nthreads - 1);
         if (helpers > nthreads - 1) helpers = nthreads - 1;
         int parts = helpers + 1;
+        /* only this dispatcher moves the generation (dispatch_lock is held) */
+        uint64_t next = atomic_load(&generation) + 1;
         for (int t = 0; t < helpers; t++) {
             jobs[t].plan = p;
             jobs[t].first = items * (t + 1) / parts;
             jobs[t].last = items * (t + 2) / parts;
+            atomic_store(&job_generation[t], next);
         }
-        atomic_store(&active_workers, helpers);
         atomic_store(&pending, helpers);
         pthread_mutex_lock(&mu);
         atomic_fetch_add(&generation, 1);
