@@ -91,6 +91,28 @@ def test_sigkilled_worker_is_reaped_and_the_other_is_unaffected(daemon: DaemonPr
     assert "wvictim" not in daemon_maps(daemon), "the dead worker's buffers are still mapped"
 
 
+def test_a_huge_lease_is_clamped_and_the_reply_says_so(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "--max-lease-seconds", "3")
+    try:
+        with HiCacheClient(d.target) as c, \
+                ShmDeviceBuffers.create(SPEC, 2 * SPEC.page_size, d.shm_dir) as bufs:
+            c.create_pool(SPEC)
+            s = c.open_session(SPEC.name, "greedy", bufs.descriptors, lease_ms=10**12,
+                               heartbeat=False)
+            assert (s.lease_ms, s.lease_clamped) == (3000, True)
+            listed = next(x for x in c.list_sessions() if x.session_id == s.session_id)
+            assert listed.lease_clamped and listed.lease_ms == 3000
+            deadline = time.monotonic() + 10  # silent: reaped after 3 s, not 31 years
+            while any(x.session_id == s.session_id for x in c.list_sessions()):
+                assert time.monotonic() < deadline, "the clamped session was not reaped"
+                time.sleep(0.1)
+            short = c.open_session(SPEC.name, "modest", bufs.descriptors, lease_ms=2000,
+                                   heartbeat=False)
+            assert (short.lease_ms, short.lease_clamped) == (2000, False)
+    finally:
+        d.stop()
+
+
 def test_misaligned_batch_is_rejected_and_changes_nothing(daemon: DaemonProc,
                                                            client: HiCacheClient) -> None:
     ps = SPEC.page_size

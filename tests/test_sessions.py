@@ -83,3 +83,18 @@ def test_close_all(setup) -> None:  # type: ignore[no-untyped-def]
         m.open("p", pool, "w", a, 16)
     m.close_all()
     assert [a.releases for a in atts] == [1, 1, 1] and m.count() == 0
+
+
+def test_a_lease_above_the_maximum_is_clamped_and_reaped_in_time() -> None:
+    pool = make_pool(spec(mha()))
+    try:
+        clock = Clock()
+        m = SessionManager(2.0, clock=clock, max_lease_seconds=10.0)
+        greedy = m.open("p", pool, "w", CountingAttachment(), 16, lease_seconds=86400.0)
+        modest = m.open("p", pool, "w", CountingAttachment(), 16, lease_seconds=8.0)
+        assert (greedy.lease_seconds, greedy.lease_clamped) == (10.0, True)
+        assert (modest.lease_seconds, modest.lease_clamped) == (8.0, False)
+        clock.t = 10.5  # a dead worker's mappings go within the maximum, not a day later
+        assert {s.session_id for s in m.reap()} == {greedy.session_id, modest.session_id}
+    finally:
+        pool.close()

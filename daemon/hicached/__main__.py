@@ -35,6 +35,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
                                          "of available memory)"),
     "--reserve": ("reserve", "memory left to the host (1GiB)"),
     "--lease-seconds": ("lease_seconds", "session lease (5)"),
+    "--max-lease-seconds": ("max_lease_seconds", "longest lease a worker may ask for (60)"),
     "--copy-threads": ("copy_threads", "threads per copy (0 = all CPUs)"),
     "--grpc-threads": ("grpc_threads", "concurrent RPCs (16)"),
     "--max-watchers": ("max_watchers", "WatchEvents streams at once (4)"),
@@ -45,7 +46,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--log-level": ("log_level", "DEBUG, INFO, WARNING, ..."),
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
 }
-_FLOATS = {"lease_seconds", "grace_seconds"}
+_FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds"}
 _INTS = {"copy_threads", "grpc_threads", "max_watchers"}
 
 

@@ -30,6 +30,8 @@ class WorkerSession:
         self.session_id: str = msg.session_id
         self.pool: str = msg.pool
         self.lease_ms: int = msg.lease_ms
+        self.lease_clamped: bool = msg.lease_clamped
+        """The daemon cut the lease asked for down to its maximum (``lease_ms`` is that)."""
         self.device_tokens: int = msg.device_tokens
         self.device_uuid: str = msg.device_uuid
         self.layer_events: int = msg.layer_events

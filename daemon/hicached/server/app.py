@@ -101,6 +101,7 @@ class HiCacheServer:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         sessions = SessionManager(config.lease_seconds,
+                                  max_lease_seconds=config.max_lease_seconds,
                                   on_end=lambda s: self.daemon.session_ended(s))
         options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes)
         driver = load_driver(config.cuda_driver or None)

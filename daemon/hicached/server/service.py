@@ -65,7 +65,8 @@ def session_message(s: Session) -> pb.Session:
                       lease_ms=int(s.lease_seconds * 1000),
                       expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
                       attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
-                      transfers=s.transfers, device_uuid=uuid, layer_events=events)
+                      transfers=s.transfers, device_uuid=uuid, layer_events=events,
+                      lease_clamped=s.lease_clamped)
 
 
 def transfer_response(r: TransferResult) -> pb.TransferResponse:

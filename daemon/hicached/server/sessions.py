@@ -47,6 +47,8 @@ class Session:
     """Owner number of the raw pages it allocated (unique in this daemon, never 0)."""
     in_flight: int = 0
     transfers: int = 0
+    lease_clamped: bool = False
+    """The worker asked for more than the daemon's maximum lease."""
     ended: bool = False
     released: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -58,10 +60,12 @@ class Session:
 class SessionManager:
     def __init__(self, default_lease_seconds: float,
                  clock: Callable[[], float] = time.monotonic,
+                 max_lease_seconds: float = float("inf"),
                  on_reap: Callable[[Session], None] = lambda s: None,
                  on_end: Callable[[Session], None] = lambda s: None) -> None:
         """``on_end`` runs once for every session that ends (closed, reaped, shut down)."""
         self.default_lease = default_lease_seconds
+        self.max_lease = max_lease_seconds
         self._clock = clock
         self._on_reap = on_reap
         self._on_end = on_end
@@ -77,10 +81,15 @@ class SessionManager:
     def open(self, pool_name: str, pool: HostPool, worker_id: str, attachment: Attachment,
              device_tokens: int, lease_seconds: float = 0.0) -> Session:
         lease = lease_seconds if lease_seconds > 0 else self.default_lease
+        clamped = lease > self.max_lease
+        if clamped:
+            log.info("worker %s asked for a %.1fs lease; clamped to %.1fs", worker_id, lease,
+                     self.max_lease)
+            lease = self.max_lease
         s = Session(session_id=uuid.uuid4().hex, pool_name=pool_name, pool=pool,
                     worker_id=worker_id, lease_seconds=lease, attachment=attachment,
                     device_tokens=device_tokens, expires_at=self._clock() + lease,
-                    owner=next(self._owners))
+                    owner=next(self._owners), lease_clamped=clamped)
         with self._lock:
             self._sessions[s.session_id] = s
         log.info("session %s opened: pool=%s worker=%s lease=%.1fs attached=%d bytes",

@@ -329,7 +329,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., layer_events: _Optional[_Iterable[bytes]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events")
+    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,7 @@ class Session(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     LAYER_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_CLAMPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     worker_id: str
@@ -350,7 +351,8 @@ class Session(_message.Message):
     transfers: int
     device_uuid: str
     layer_events: int
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ...) -> None: ...
+    lease_clamped: bool
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
