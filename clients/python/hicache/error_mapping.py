@@ -51,6 +51,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.PoolInUse: C.FAILED_PRECONDITION,
     e.TransportUnavailable: C.FAILED_PRECONDITION,
     e.PageNotWritten: C.FAILED_PRECONDITION,
+    e.BufferFault: C.FAILED_PRECONDITION,
     e.Aborted: C.ABORTED,
     e.PageBusy: C.ABORTED,
     e.ResourceExhausted: C.RESOURCE_EXHAUSTED,

@@ -36,7 +36,8 @@ Hierarchy::
     │   ├── PoolClosed                     POOL_CLOSED
     │   ├── PoolInUse                      POOL_IN_USE
     │   ├── TransportUnavailable           TRANSPORT_UNAVAILABLE
-    │   └── PageNotWritten                 PAGE_NOT_WRITTEN
+    │   ├── PageNotWritten                 PAGE_NOT_WRITTEN
+    │   └── BufferFault                    BUFFER_FAULT
     ├── Aborted                        a concurrent request holds what this one needs; retry
     │   └── PageBusy                       PAGE_BUSY
     ├── ResourceExhausted              a limit was hit
@@ -228,6 +229,13 @@ class PageNotWritten(StateConflict):
     allocated: their bytes would be a previous owner's."""
 
     reason = "PAGE_NOT_WRITTEN"
+
+
+class BufferFault(StateConflict):
+    """A worker's buffer memory vanished under a copy (its shared-memory file was truncated):
+    the request failed and the daemon ended that session; other sessions are untouched."""
+
+    reason = "BUFFER_FAULT"
 
 
 class Aborted(HiCacheError):

@@ -8,6 +8,9 @@ Primitives:
 
 - ``execute(plan, threads)``: run a plan with the native kernel, or a slow ctypes fallback with
   the same algorithm when the kernel is not built (``native.KERNEL`` is None; tests set it so).
+  The kernel copies under a SIGBUS guard: memory that vanished under the copy (a worker's
+  truncated shm file) raises ``BUFFER_FAULT`` instead of killing the process; the fallback
+  has no such guard.
 - ``MIN_PARALLEL_BYTES`` / ``STREAMING_BYTES``: when the kernel goes parallel and when it uses
   non-temporal stores.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 
+from hicache.errors import BufferFault
 from hicached.copy import native
 from hicached.copy.plan import CopyPlan
 
@@ -31,10 +35,13 @@ def execute(plan: CopyPlan, threads: int) -> int:
         return 0
     kernel = native.KERNEL
     if kernel is not None:
-        return int(kernel.copy_pages(
-            plan.dst_base, plan.src_base, plan.dst_pages, plan.src_pages, plan.unit_bytes,
-            plan.units, plan.dst_pitch, plan.src_pitch, plan.dst_stride, plan.src_stride,
-            threads, MIN_PARALLEL_BYTES, STREAMING_BYTES, plan.layer_inner))
+        try:
+            return int(kernel.copy_pages(
+                plan.dst_base, plan.src_base, plan.dst_pages, plan.src_pages, plan.unit_bytes,
+                plan.units, plan.dst_pitch, plan.src_pitch, plan.dst_stride, plan.src_stride,
+                threads, MIN_PARALLEL_BYTES, STREAMING_BYTES, plan.layer_inner))
+        except kernel.BufferFault as exc:
+            raise BufferFault(str(exc)) from None
     return _execute_python(plan)
 
 

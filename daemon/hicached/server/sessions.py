@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from hicache.errors import SessionNotFound
+from hicache.errors import BufferFault, SessionNotFound
 from hicached.core.pool import HostPool
 from hicached.transport.base import Attachment
 
@@ -121,11 +121,22 @@ class SessionManager:
 
     @contextmanager
     def transfer(self, session_id: str) -> Iterator[Session]:
-        """Hold the session's mappings for one copy; the lease counts it as a sign of life."""
+        """Hold the session's mappings for one copy; the lease counts it as a sign of life.
+        A copy that found the worker's memory gone (``BUFFER_FAULT``) ends the session: its
+        mappings can no longer be trusted, and no other session is touched."""
         s = self.get(session_id)
         self.hold(s)
         try:
             yield s
+        except BufferFault as exc:
+            with self._lock:
+                ended = self._sessions.pop(s.session_id, None) is not None
+            if ended:
+                log.warning("session %s (worker %s): %s", s.session_id, s.worker_id, exc)
+                self._end(s, "ended: its buffer memory vanished under a copy")
+            raise BufferFault(f"{exc.message}; session {s.session_id} ended",
+                              metadata={"session_id": s.session_id,
+                                        "worker_id": s.worker_id}) from None
         finally:
             s.transfers += 1
             self.unhold(s)

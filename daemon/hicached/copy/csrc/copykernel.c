@@ -77,6 +77,7 @@ typedef struct {
     const plan_t *plan;
     int64_t first; /* work items [first, last): item = layer * npages + page position */
     int64_t last;
+    int faulted; /* set by the helper: worker memory vanished under its range */
 } work_t;
 
 #define PREFETCH_MAX 4096
@@ -198,6 +199,16 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* run_range under the SIGBUS guard: 0, or -1 when memory under the range vanished. */
+static int guarded_range(const plan_t *p, int64_t first, int64_t last) {
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 1) != 0) return -1; /* the handler disarmed the guard */
+    fault_guard = &jump;
+    run_range(p, first, last);
+    fault_guard = NULL;
+    return 0;
+}
+
 static void *pool_worker(void *arg) {
     int idx = (int)(intptr_t)arg;
     pthread_mutex_lock(&mu);
@@ -222,7 +233,7 @@ static void *pool_worker(void *arg) {
         seen = g;
         if (atomic_load(&job_generation[idx]) == g) {
             work_t w = jobs[idx];
-            run_range(w.plan, w.first, w.last);
+            jobs[idx].faulted = guarded_range(w.plan, w.first, w.last) != 0;
             if (atomic_fetch_sub(&pending, 1) == 1) {
                 pthread_mutex_lock(&mu);
                 pthread_cond_signal(&cv_done);
@@ -264,8 +275,9 @@ static int ensure_workers(int want) {
     return nworkers;
 }
 
-/* Split items [0, items) over the calling thread and up to nthreads - 1 workers. */
-static void run_parallel(const plan_t *p, int64_t items, int nthreads) {
+/* Split items [0, items) over the calling thread and up to nthreads - 1 workers; -1 when any
+ * part faulted (the others still ran to their end). */
+static int run_parallel(const plan_t *p, int64_t items, int nthreads) {
     if (nthreads > 1 && pthread_mutex_trylock(&dispatch_lock) == 0) {
         int helpers = ensure_workers(nthreads - 1);
         if (helpers > nthreads - 1) helpers = nthreads - 1;
@@ -276,6 +288,7 @@ static void run_parallel(const plan_t *p, int64_t items, int nthreads) {
             jobs[t].plan = p;
             jobs[t].first = items * (t + 1) / parts;
             jobs[t].last = items * (t + 2) / parts;
+            jobs[t].faulted = 0;
             atomic_store(&job_generation[t], next);
         }
         atomic_store(&pending, helpers);
@@ -283,7 +296,7 @@ static void run_parallel(const plan_t *p, int64_t items, int nthreads) {
         atomic_fetch_add(&generation, 1);
         if (sleepers) pthread_cond_broadcast(&cv_work);
         pthread_mutex_unlock(&mu);
-        run_range(p, 0, items / parts);
+        int faulted = guarded_range(p, 0, items / parts) != 0;
         int64_t deadline = now_ns() + SPIN_NS;
         for (int i = 0; atomic_load(&pending) > 0; i++) {
             cpu_relax();
@@ -292,10 +305,11 @@ static void run_parallel(const plan_t *p, int64_t items, int nthreads) {
         pthread_mutex_lock(&mu);
         while (atomic_load(&pending) > 0) pthread_cond_wait(&cv_done, &mu);
         pthread_mutex_unlock(&mu);
+        for (int t = 0; t < helpers; t++) faulted |= jobs[t].faulted;
         pthread_mutex_unlock(&dispatch_lock);
-        return;
+        return faulted ? -1 : 0;
     }
-    run_range(p, 0, items);
+    return guarded_range(p, 0, items);
 }
 
 PyObject *copy_pages(PyObject *self, PyObject *args) {
@@ -339,11 +353,17 @@ PyObject *copy_pages(PyObject *self, PyObject *args) {
     if (total_bytes < min_parallel_bytes || items < nthreads) nthreads = 1;
     p.streaming = streaming_bytes > 0 && total_bytes >= streaming_bytes;
 
+    int faulted;
     Py_BEGIN_ALLOW_THREADS
-    run_parallel(&p, items, nthreads);
+    faulted = run_parallel(&p, items, nthreads);
     Py_END_ALLOW_THREADS
 
-    result = PyLong_FromLongLong((long long)total_bytes);
+    if (faulted)
+        PyErr_SetString(BufferFaultError,
+                        "memory under the copy vanished (SIGBUS): a shared-memory file it "
+                        "reads or writes was truncated");
+    else
+        result = PyLong_FromLongLong((long long)total_bytes);
 done:
     for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     return result;

@@ -3,6 +3,7 @@
 #define HICACHED_KERNEL_H
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <setjmp.h>
 
 /* A contiguous int64 buffer of `obj` in `view` (released by the caller), or -1 with a
  * TypeError naming `name`. */
@@ -16,5 +17,14 @@ PyObject *copy_pages(PyObject *self, PyObject *args);
 /* cuda_submit(memcpy_async, memcpy2d_async, stream, dst, src, dpitch, spitch, width, height)
  * -> (segments submitted, CUresult of the first failure or 0) */
 PyObject *cuda_submit(PyObject *self, PyObject *args);
+
+/* faultguard.c: while a thread copies from or to worker memory, `fault_guard` points at its
+ * jump buffer and a SIGBUS (a truncated shm file) jumps there instead of killing the daemon.
+ * fault_guard_install() sets the handler up once (module init); -1 when sigaction fails. */
+extern _Thread_local sigjmp_buf *fault_guard;
+int fault_guard_install(void);
+
+/* Raised by copy_pages when worker memory vanished under the copy (an OSError). */
+extern PyObject *BufferFaultError;
 
 #endif

@@ -1,6 +1,7 @@
 /*
  * hicached.copy._copykernel: the module table, and the int64 buffer check both halves share.
- * copykernel.c: copy_pages (CPU). cudasubmit.c: cuda_submit (GPU).
+ * copykernel.c: copy_pages (CPU). cudasubmit.c: cuda_submit (GPU). faultguard.c: the SIGBUS
+ * guard copies run under.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,4 +34,19 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_copykernel",
                                     "Strided page copies between raw addresses.", -1, methods};
 
-PyMODINIT_FUNC PyInit__copykernel(void) { return PyModule_Create(&module); }
+PyObject *BufferFaultError = NULL;
+
+PyMODINIT_FUNC PyInit__copykernel(void) {
+    if (fault_guard_install() != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    BufferFaultError = PyErr_NewExceptionWithDoc(
+        "hicached.copy._copykernel.BufferFault",
+        "Worker memory vanished under a copy (SIGBUS: its shared-memory file was truncated).",
+        PyExc_OSError, NULL);
+    if (BufferFaultError == NULL || PyModule_AddObjectRef(m, "BufferFault", BufferFaultError) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
