@@ -44,8 +44,7 @@ def test_manifests_parse() -> None:
     names = [c["name"] for c in pod["spec"]["containers"]]
     assert names == ["hicached", "sglang"]
     sidecar = pod["spec"]["containers"][0]
-    assert sidecar["readinessProbe"]["exec"]["command"][-2:] == ["--service",
-                                                                 "hicache.v1.HostCache"]
+    assert sidecar["readinessProbe"]["grpc"]["service"] == "hicache.v1.HostCache"
     assert {v["emptyDir"]["medium"] for v in pod["spec"]["volumes"]
             if v["name"].startswith("hicache")} == {"Memory"}
     unit = (DEPLOY / "systemd" / "hicached.service").read_text()

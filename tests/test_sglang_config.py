@@ -137,9 +137,9 @@ def test_kubernetes_pod_runs_sglang_with_the_linker_against_the_sidecar() -> Non
 
     for path in (sock, shm):  # both containers see the socket and the buffer files
         assert mounted(sidecar, path) == mounted(sglang, path)
-    for probe in ("readinessProbe", "livenessProbe"):
-        cmd = sidecar[probe]["exec"]["command"]
-        assert cmd[:4] == ["hicachectl", "--target", extra["target"], "health"]
+    health = [a.split("=", 1)[1] for a in sidecar["args"] if a.startswith("--health-listen=")]
+    for probe in ("readinessProbe", "livenessProbe"):  # on the health-only listener
+        assert [f"0.0.0.0:{sidecar[probe]['grpc']['port']}"] == health
 
 
 def test_systemd_unit_runs_sglang_with_the_linker() -> None:

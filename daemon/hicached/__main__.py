@@ -38,6 +38,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--max-lease-seconds": ("max_lease_seconds", "longest lease a worker may ask for (60)"),
     "--copy-threads": ("copy_threads", "threads per copy (0 = all CPUs)"),
     "--grpc-threads": ("grpc_threads", "concurrent RPCs (16)"),
+    "--max-data-rpcs": ("max_data_rpcs", "data calls at once before OVERLOADED "
+                                         "(grpc-threads - 4)"),
+    "--max-pending-rpcs": ("max_pending_rpcs", "calls queued for a thread (256)"),
+    "--health-listen": ("health_listen", "health-only gRPC target, repeatable (probes)"),
     "--max-watchers": ("max_watchers", "WatchEvents streams at once (4)"),
     "--grace-seconds": ("grace_seconds", "drain time on SIGTERM (10)"),
     "--tls-cert": ("tls_cert", "PEM certificate for TCP listeners"),
@@ -47,7 +51,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
 }
 _FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds"}
-_INTS = {"copy_threads", "grpc_threads", "max_watchers"}
+_INTS = {"copy_threads", "grpc_threads", "max_watchers", "max_data_rpcs", "max_pending_rpcs"}
+_LISTS = {"listen", "health_listen"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -64,7 +69,7 @@ def _coerce(setting: str, value: str) -> Any:
         return float(value)
     if setting in _INTS:
         return int(value)
-    if setting == "listen":
+    if setting in _LISTS:
         return [v for v in value.split(",") if v]
     if setting == "hugepages":
         return value.lower() in ("1", "true", "yes", "on")
@@ -84,7 +89,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
     for flag, (setting, _) in _FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
-            merged[setting] = value if setting == "listen" else _coerce(setting, value)
+            merged[setting] = value if setting in _LISTS else _coerce(setting, value)
     return config_from_mapping(merged)
 
 
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--config", help="TOML config file")
     for flag, (setting, text) in _FLAGS.items():
         kw: dict[str, Any] = {"help": text, "default": None}
-        if setting == "listen":
+        if setting in _LISTS:
             kw["action"] = "append"
         sp.add_argument(flag, **kw)
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -5,7 +5,8 @@ Primitives:
 - ``GRPC_CODES``: every domain error class -> ``grpc.StatusCode`` (a test fails when a class is
   missing: map new classes here explicitly, never by inheritance).
 - ``to_rpc_status(exc)``: ``google.rpc.Status`` with ``ErrorInfo`` (domain ``hicache.v1``,
-  reason, metadata) and ``BadRequest`` field violations, ready for ``rpc_status.to_status``.
+  reason, metadata), ``BadRequest`` field violations and, when the metadata carries
+  ``retry_after_ms``, a ``RetryInfo``, ready for ``rpc_status.to_status``.
 - ``abort_status(exc)``: the ``grpc.Status`` a servicer aborts with.
 - ``from_rpc_error(err)``: the client side: a ``grpc.RpcError`` back into the domain class for
   its reason, carrying metadata, violations, the gRPC code and whether the daemon itself
@@ -59,6 +60,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.HostMemoryInsufficient: C.RESOURCE_EXHAUSTED,
     e.PinFailed: C.RESOURCE_EXHAUSTED,
     e.TooManyWatchers: C.RESOURCE_EXHAUSTED,
+    e.Overloaded: C.RESOURCE_EXHAUSTED,
     e.NotFound: C.NOT_FOUND,
     e.PoolNotFound: C.NOT_FOUND,
     e.SessionNotFound: C.NOT_FOUND,
@@ -104,6 +106,12 @@ def to_rpc_status(exc: e.HiCacheError) -> status_pb2.Status:
             bad.field_violations.add(field=v.field, description=v.description, reason=v.reason)
         details.append(any_pb2.Any())
         details[-1].Pack(bad)
+    retry_ms = exc.metadata.get("retry_after_ms", "")
+    if retry_ms.isdigit():
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(int(retry_ms))
+        details.append(any_pb2.Any())
+        details[-1].Pack(retry)
     return status_pb2.Status(code=code.value[0], message=str(exc), details=details)
 
 

@@ -44,7 +44,8 @@ Hierarchy::
     │   ├── PoolExhausted                  POOL_EXHAUSTED
     │   ├── HostMemoryInsufficient         HOST_MEMORY_INSUFFICIENT
     │   ├── PinFailed                      PIN_FAILED
-    │   └── TooManyWatchers                TOO_MANY_WATCHERS
+    │   ├── TooManyWatchers                TOO_MANY_WATCHERS
+    │   └── Overloaded                     OVERLOADED
     ├── NotFound
     │   ├── PoolNotFound                   POOL_NOT_FOUND
     │   ├── SessionNotFound                SESSION_NOT_FOUND
@@ -273,6 +274,13 @@ class TooManyWatchers(ResourceExhausted):
     """Every slot for WatchEvents streams is taken."""
 
     reason = "TOO_MANY_WATCHERS"
+
+
+class Overloaded(ResourceExhausted):
+    """The data path is at its bound of concurrent transfers; retry after ``retry_after_ms``
+    (also sent as a ``google.rpc.RetryInfo``). Control calls are never refused this way."""
+
+    reason = "OVERLOADED"
 
 
 class NotFound(HiCacheError):

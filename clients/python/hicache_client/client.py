@@ -27,7 +27,7 @@ import grpc
 from hicache.buffers import DeviceBufferSpec
 from hicache.codec import buffer_to_proto, spec_to_proto
 from hicache.error_mapping import from_rpc_error
-from hicache.errors import Draining, Unavailable
+from hicache.errors import Draining, Overloaded, Unavailable
 from hicache.indices import indices_to_bytes, to_index_array
 from hicache.keys import encode_keys
 from hicache.paths import default_target
@@ -80,7 +80,8 @@ class HiCacheClient:
                 # the daemon is away, or draining with a successor likely on its way
                 unreachable = exc.grpc_code == grpc.StatusCode.UNAVAILABLE \
                     and not exc.from_daemon
-                retryable = unreachable or isinstance(exc, Draining)
+                # ... or its data path is full for a moment (it says when to come back)
+                retryable = unreachable or isinstance(exc, Draining | Overloaded)
                 remaining = deadline - time.monotonic()
                 if not (retry and retryable) or remaining <= 0:
                     if unreachable and retry:
@@ -89,8 +90,9 @@ class HiCacheClient:
                             f"{self.reconnect_seconds:.0f}s: {exc.message}",
                             metadata={"target": self.target}) from None
                     raise exc from None
-                log.debug("daemon %s, retrying in %.2fs",
-                          "unreachable" if unreachable else "draining", delay)
+                if isinstance(exc, Overloaded):
+                    delay = max(int(exc.metadata.get("retry_after_ms", "10")) / 1000, 0.001)
+                log.debug("daemon %s, retrying in %.3fs", exc.reason.lower(), delay)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, 1.0)
 

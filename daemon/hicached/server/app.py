@@ -38,10 +38,10 @@ from hicached.core.pool import MemoryOptions
 from hicached.cuda.pinner import DriverPinner
 from hicached.server.config import ServerConfig
 from hicached.server.daemon import Daemon
-from hicached.server.interceptors import server_interceptors
+from hicached.server.interceptors import AdmissionInterceptor, server_interceptors
 from hicached.server.metrics import Metrics, ScrapeState, serve
 from hicached.server.pool_table import PoolTable
-from hicached.server.service import CREATES_WORK, HostCacheServicer
+from hicached.server.service import CREATES_WORK, DATA_METHODS, HostCacheServicer
 from hicached.server.sessions import SessionManager
 from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
@@ -131,22 +131,41 @@ class HiCacheServer:
         self._stopped = threading.Event()
         self._drain_lock = threading.Lock()
         self.metrics_port = 0
+        self.health_bound: list[str] = []
+        """Where the health-only server listens (``health_listen``)."""
         self._metrics_server: object | None = None
         opts = [("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
+        interceptors = server_interceptors(self.daemon, CREATES_WORK, DATA_METHODS,
+                                           config.max_data_rpcs)
+        self.admission = next(i for i in interceptors if isinstance(i, AdmissionInterceptor))
+        """The data path's gate (its ``in_flight`` and ``limit``)."""
         self.grpc = grpc.server(
             ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="rpc"), options=opts,
-            interceptors=server_interceptors(self.daemon, CREATES_WORK))
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=config.grpc_threads + config.max_pending_rpcs)
+        # probes get their own server and threads: no API call can queue in front of them
+        self.health_grpc = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="health"),
+                                       options=[("grpc.so_reuseport", 0)],
+                                       maximum_concurrent_rpcs=64)
         pb_grpc.add_HostCacheServicer_to_server(  # type: ignore[no-untyped-call]
             HostCacheServicer(self.daemon, self.begin_drain), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
 
     def start(self) -> list[str]:
         bound: list[str] = []
         try:
+            # probes answer from the start: alive at once, ready once the API serves
+            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.health_bound = [self._listen(t, self.health_grpc)
+                                 for t in self.config.health_listen]
+            if self.health_bound:
+                self.health_grpc.start()
             for spec in self.config.pools:
                 self.daemon.pools.create(spec)
             for target in self.config.listen:
@@ -159,24 +178,29 @@ class HiCacheServer:
             for target in bound:
                 if target.startswith("unix:"):
                     os.chmod(_unix_path(target), 0o600)
+            for target in self.health_bound:  # health says nothing a local user may not see
+                if target.startswith("unix:"):
+                    os.chmod(_unix_path(target), 0o666)
         except BaseException:
             self._release()
             raise
         self.daemon.sessions.start_reaper()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("hicached %s serving on %s (metrics port %s, budget %d bytes, shm dir %s)",
                  hicache.__version__, ", ".join(bound), self.metrics_port or "off",
                  self.daemon.pools.budget_bytes, self.config.shm_dir)
         return bound
 
-    def _listen(self, target: str) -> str:
+    def _listen(self, target: str, server: grpc.Server | None = None) -> str:
+        server = server or self.grpc
         if target.startswith("unix:"):
             path = os.path.abspath(_unix_path(target))
             self._locks.append(_SocketLock(path))
-            self.grpc.add_insecure_port(f"unix:{path}")
+            server.add_insecure_port(f"unix:{path}")
             return f"unix:{path}"
-        if self.config.tls_cert:
+        if server is not self.grpc:  # health only: nothing to protect, probes speak plain
+            port = server.add_insecure_port(target)
+        elif self.config.tls_cert:
             with open(self.config.tls_key, "rb") as k, open(self.config.tls_cert, "rb") as c:
                 creds = grpc.ssl_server_credentials([(k.read(), c.read())])
             port = self.grpc.add_secure_port(target, creds)
@@ -215,6 +239,7 @@ class HiCacheServer:
         log.info("hicached stopped")
 
     def _release(self) -> None:
+        self.health_grpc.stop(grace=None)
         self.daemon.sessions.close_all()
         if self.daemon.cuda is not None:
             self.daemon.cuda.close()  # GPU copies still running finish, then sessions release

@@ -68,6 +68,16 @@ class ServerConfig:
     """Threads per copy (0 = one per usable CPU, ``core.system.default_threads``)."""
     grpc_threads: int = 16
     """Concurrent RPCs served."""
+    max_data_rpcs: int = 0
+    """Data calls (Backup, Load, Store, LoadKeys, Lookup) at once; past it they are refused
+    with OVERLOADED. 0 = grpc_threads - 4 (at least 1): the rest stay free for control calls
+    (health, heartbeats, sessions, pools) however busy the data path is."""
+    max_pending_rpcs: int = 256
+    """Calls accepted beyond grpc_threads, waiting for a thread; past it gRPC itself answers
+    RESOURCE_EXHAUSTED. Bounds the queue a flood can build."""
+    health_listen: tuple[str, ...] = ()
+    """Extra targets serving only ``grpc.health.v1``, on their own server and threads, so
+    probes never need the API and a flood of API calls cannot delay them."""
     max_watchers: int = 4
     """WatchEvents streams served at once; each holds one of the grpc_threads while open."""
     grace_seconds: float = 10.0
@@ -108,6 +118,17 @@ class ServerConfig:
             raise SpecInvalid("memory sizes must be >= 0")
         if self.copy_threads < 0 or self.grpc_threads < 1:
             raise SpecInvalid("copy_threads must be >= 0 and grpc_threads >= 1")
+        if not 0 <= self.max_data_rpcs < self.grpc_threads or self.max_pending_rpcs < 0:
+            raise SpecInvalid("max_data_rpcs must be below grpc_threads (threads must stay "
+                              "for control calls) and max_pending_rpcs >= 0",
+                              metadata={"max_data_rpcs": self.max_data_rpcs,
+                                        "grpc_threads": self.grpc_threads})
+        if not self.max_data_rpcs:
+            object.__setattr__(self, "max_data_rpcs", max(self.grpc_threads - 4, 1))
+        for target in self.health_listen:
+            if not target.startswith("unix:") and ":" not in target:
+                raise SpecInvalid(f"health_listen target {target!r} is neither unix:PATH nor "
+                                  "HOST:PORT")
         if not 0 <= self.max_watchers < self.grpc_threads:
             raise SpecInvalid("max_watchers must be >= 0 and below grpc_threads (each stream "
                               "holds an RPC thread)",
@@ -176,7 +197,7 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
             raise SpecInvalid(f"unknown setting {key!r}", metadata={"setting": key})
         if key in _SIZE_FIELDS:
             value = parse_size(value)
-        elif key == "listen":
+        elif key in ("listen", "health_listen"):
             value = (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
         kwargs[key] = value
     return ServerConfig(**kwargs)  # type: ignore[arg-type]

@@ -8,6 +8,9 @@ outermost first (the order ``server_interceptors`` returns):
   and becomes INTERNAL without leaking internals to the caller.
 - ``MetricsInterceptor``: ``hicache_rpc_requests_total{method, code}``,
   ``hicache_rpc_duration_seconds{method}`` and ``hicache_rejected_requests_total{reason}``.
+- ``AdmissionInterceptor``: the data path's bound: at most ``max_data_rpcs`` transfers at once,
+  past it ``OVERLOADED`` at once with a retry hint (never a queue), so control calls (health,
+  heartbeats, sessions, pools) always find an RPC thread while transfers saturate the rest.
 - ``DrainInterceptor``: the daemon's drain gate: in-flight accounting, and ``DRAINING`` for
   work-creating methods once shutdown began. Server streams (WatchEvents) are not gated: they
   end by themselves when the daemon drains.
@@ -18,6 +21,7 @@ Health checking and reflection pass through untouched.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -26,7 +30,7 @@ from typing import Any
 import grpc
 
 from hicache.error_mapping import abort_status, grpc_code
-from hicache.errors import HiCacheError
+from hicache.errors import HiCacheError, Overloaded
 from hicached.server.daemon import Daemon
 from hicached.server.metrics import Metrics
 
@@ -149,6 +153,42 @@ class MetricsInterceptor(_ServiceInterceptor):
         return "INTERNAL"
 
 
+RETRY_AFTER_MS = 10
+"""The retry hint of an OVERLOADED refusal: about one batch's time on a busy node."""
+
+
+class AdmissionInterceptor(_ServiceInterceptor):
+    def __init__(self, limit: int, data_methods: Collection[str]) -> None:
+        """``limit`` calls of ``data_methods`` run at once; the next one is refused."""
+        super().__init__()
+        self.limit = limit
+        self.in_flight = 0
+        self._data = frozenset(data_methods)
+        self._lock = threading.Lock()
+
+    def wrap(self, method: str, behavior: Behavior) -> Behavior:
+        if method not in self._data:
+            return behavior
+
+        def admitted(request: Any, context: grpc.ServicerContext) -> Any:
+            with self._lock:
+                busy = self.in_flight
+                if busy < self.limit:
+                    self.in_flight += 1
+            if busy >= self.limit:
+                raise Overloaded(f"{busy} transfers in flight, the data path's limit; retry in "
+                                 f"{RETRY_AFTER_MS} ms",
+                                 metadata={"in_flight": busy, "limit": self.limit,
+                                           "retry_after_ms": RETRY_AFTER_MS})
+            try:
+                return behavior(request, context)
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
+
+        return admitted
+
+
 class DrainInterceptor(_ServiceInterceptor):
     def __init__(self, daemon: Daemon, creates_work: Collection[str]) -> None:
         """``creates_work``: methods refused while draining (the others still answer)."""
@@ -170,8 +210,10 @@ class DrainInterceptor(_ServiceInterceptor):
         return gated
 
 
-def server_interceptors(daemon: Daemon, creates_work: Collection[str]
+def server_interceptors(daemon: Daemon, creates_work: Collection[str],
+                        data_methods: Collection[str], max_data_rpcs: int
                         ) -> list[grpc.ServerInterceptor]:
     """The interceptors of a daemon's gRPC server, outermost first."""
     return [ErrorMappingInterceptor(), MetricsInterceptor(daemon.metrics),
+            AdmissionInterceptor(max_data_rpcs, data_methods),
             DrainInterceptor(daemon, creates_work)]

@@ -1,0 +1,149 @@
+"""Overload: the data path is bounded, control calls and probes are not starved by it.
+
+Data calls (Backup, Load, Store, LoadKeys, Lookup) run at most ``max_data_rpcs`` at once and are
+refused at once past it with ``OVERLOADED`` and a ``RetryInfo``; the threads left over serve
+control calls (heartbeats, sessions, pools, health) however busy transfers are, and a
+health-only server on its own threads (``health_listen``) answers probes apart from the API.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from hicache.errors import HiCacheError, Overloaded
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
+from hicache.v1 import hicache_pb2 as pb
+from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicached.server.app import HiCacheServer, create_server
+from hicached.server.config import ServerConfig
+from hicached.server.interceptors import AdmissionInterceptor
+
+SPEC = PoolSpec("busy", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 16, 8, 128), 16,
+                Layout.LAYER_FIRST, size_tokens=64 * 16 * 10)
+BATCH = 64 * 16  # tokens: 64 pages, 64 MiB per backup
+
+
+def test_admission_refuses_past_the_limit_and_lets_control_through() -> None:
+    gate = AdmissionInterceptor(1, {"Backup"})
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(request: object, context: object) -> str:
+        entered.set()
+        release.wait(10)
+        return "done"
+
+    backup = gate.wrap("Backup", slow)
+    heartbeat = gate.wrap("Heartbeat", lambda r, c: "beat")
+    first = threading.Thread(target=backup, args=(None, None))
+    first.start()
+    assert entered.wait(10)
+    with pytest.raises(Overloaded) as exc:
+        backup(None, None)
+    assert exc.value.metadata == {"in_flight": "1", "limit": "1", "retry_after_ms": "10"}
+    assert heartbeat(None, None) == "beat"  # control is never gated
+    release.set()
+    first.join(10)
+    assert gate.in_flight == 0
+    assert backup(None, None) == "done"  # the slot came back
+
+
+@pytest.fixture
+def busy(tmp_path: Path) -> Iterator[tuple[HiCacheServer, str, str]]:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    server, bound = create_server(ServerConfig(
+        listen=(f"unix:{tmp_path}/api.sock",), health_listen=(f"unix:{tmp_path}/health.sock",),
+        shm_dir=str(shm), metrics_listen="", memory_budget_bytes=2 << 30, reserve_bytes=0,
+        grpc_threads=4, max_data_rpcs=2, max_watchers=1, copy_threads=1, pools=(SPEC,)))
+    yield server, bound[0], str(shm)
+    server.drain_and_stop(1.0)
+
+
+def test_saturated_data_path_refuses_transfers_not_control(busy) -> None:  # type: ignore[no-untyped-def]
+    server, target, shm = busy
+    assert server.config.max_data_rpcs == 2
+    outcomes: list[str] = []
+    stop = threading.Event()
+    with ShmDeviceBuffers.create(SPEC, BATCH, shm) as bufs, \
+            HiCacheClient(target, reconnect_seconds=0) as fast_fail:
+        session = fast_fail.open_session(SPEC.name, "flood", bufs.descriptors)
+        hosts = [fast_fail.alloc(SPEC.name, BATCH) for _ in range(8)]
+
+        def flood(host: torch.Tensor) -> None:
+            while not stop.is_set():
+                try:
+                    session.backup(host, torch.arange(BATCH))
+                    outcomes.append("ok")
+                except HiCacheError as exc:
+                    outcomes.append(exc.reason)
+
+        threads = [threading.Thread(target=flood, args=(h,)) for h in hosts]
+        for t in threads:
+            t.start()
+        try:
+            control_ok = 0
+            with HiCacheClient(target, reconnect_seconds=0) as ctl, \
+                    grpc.insecure_channel(f"unix:{server.health_bound[0][5:]}") as ch:
+                probe = health_pb2_grpc.HealthStub(ch)
+                deadline = time.monotonic() + 60
+                while "OVERLOADED" not in outcomes or control_ok < 30:
+                    assert time.monotonic() < deadline, "the data path never filled"
+                    ctl.heartbeat(session.session_id)
+                    assert ctl.get_pool(SPEC.name).spec.name == SPEC.name
+                    assert ctl.health("hicache.v1.HostCache")
+                    r = probe.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                    assert r.status == health_pb2.HealthCheckResponse.SERVING
+                    control_ok += 1
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert outcomes.count("ok") > 0
+        assert set(outcomes) <= {"ok", "OVERLOADED"}, set(outcomes)
+        # a client that may retry gets through once a slot frees (the daemon's hint)
+        with HiCacheClient(target, reconnect_seconds=10) as patient:
+            assert patient.backup(session.session_id, hosts[0], torch.arange(BATCH)).pages == 64
+
+
+def test_overloaded_travels_with_retry_info(busy) -> None:  # type: ignore[no-untyped-def]
+    server, target, _ = busy
+    gate = server.admission
+    gate.limit = 0  # every data call is refused: the wire form is what is checked here
+    try:
+        with grpc.insecure_channel(target) as ch:
+            stub = pb_grpc.HostCacheStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Lookup(pb.LookupRequest(pool=SPEC.name, keys=[b"k"]), timeout=5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            status = rpc_status.from_call(err.value)
+            assert status is not None
+            retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
+            assert len(retry) == 1
+            info = error_details_pb2.RetryInfo()
+            retry[0].Unpack(info)
+            assert info.retry_delay.ToMilliseconds() == 10
+            stub.ListPools(pb.ListPoolsRequest(), timeout=5)  # control still answers
+    finally:
+        gate.limit = 2
+
+
+def test_health_only_listener_serves_no_api(busy) -> None:  # type: ignore[no-untyped-def]
+    server, _target, _ = busy
+    with grpc.insecure_channel(f"unix:{server.health_bound[0][5:]}") as ch:
+        assert health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="hicache.v1.HostCache"), timeout=5
+        ).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.HostCacheStub(ch).ListPools(pb.ListPoolsRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
