@@ -148,16 +148,24 @@ class TransferEngine:
         (release). Anything raised leaves nothing held and nothing in flight."""
         assert (runner is None) == (buffers.location == "cpu"), "GPU buffers need a runner"
         bounds = batch.page_bounds()
-        plans = [self._plan(op, pool, buffers, cs, batch, bounds) for cs in pool.components]
+        pool.begin_copy()  # POOL_CLOSED once closing; the memory stays mapped until end_copy
+        try:
+            plans = [self._plan(op, pool, buffers, cs, batch, bounds) for cs in pool.components]
+            canary, allocator, writes = pool.canary, pool.allocator, op is Op.BACKUP
+            if hold:
+                allocator.acquire(batch.host_pages, writes, batch.host_unique)
+        except BaseException:
+            pool.end_copy()
+            raise
         t1 = time.perf_counter()
-        canary, allocator, writes = pool.canary, pool.allocator, op is Op.BACKUP
-        if hold:
-            allocator.acquire(batch.host_pages, writes, batch.host_unique)
 
         def release(completed: bool) -> None:
-            if hold:
-                allocator.release(batch.host_pages, writes, batch.host_unique,
-                                  layers=batch.layers if completed else None)
+            try:
+                if hold:
+                    allocator.release(batch.host_pages, writes, batch.host_unique,
+                                      layers=batch.layers if completed else None)
+            finally:
+                pool.end_copy()
 
         def landed() -> None:
             try:

@@ -7,7 +7,9 @@ Primitives:
 - ``ComponentStorage``: one component's bytes inside the region, with its SGLang-shaped typed
   tensor view (``tensor``), its addressing and the absolute base address of each layer.
 - ``HostPool``: ``alloc`` / ``free`` whole pages, ``buffer(member, role)``, ``fingerprints``
-  (the kv-canary hash of host pages), occupancy figures, ``close()``. Pinning is done by the
+  (the kv-canary hash of host pages), occupancy figures, ``begin_copy`` / ``end_copy`` (copies
+  in flight: ``close(wait_seconds)`` waits for them and never unmaps under one). Pinning is done
+  by the
   ``Pinner`` the caller injects. Copies live in ``hicached.copy``; this module never moves KV
   bytes.
 
@@ -89,7 +91,9 @@ class HostPool:
         self.page_num = self.size_tokens // spec.page_size
         self.allocator = PageAllocator(self.page_num, spec.page_size, max(spec.max_layers, 1))
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._closed = False
+        self._copies = 0
         layout: list[tuple[str, KVGeometry, Component, int, int]] = []
         offset = 0
         for name, geometry in spec.members():
@@ -218,12 +222,35 @@ class HostPool:
         if self._closed:
             raise PoolClosed(f"pool {self.spec.name} is closed", metadata={"pool": self.spec.name})
 
-    def close(self) -> None:
-        """Release the pool's memory. Idempotent."""
+    def begin_copy(self) -> None:
+        """A copy touches the pool's memory until ``end_copy``; refused once it is closing."""
         with self._lock:
-            if self._closed:
-                return
+            self._check_open()
+            self._copies += 1
+
+    def end_copy(self) -> None:
+        with self._lock:
+            self._copies -= 1
+            if not self._copies:
+                self._idle.notify_all()
+
+    @property
+    def copies_in_flight(self) -> int:
+        return self._copies
+
+    def close(self, wait_seconds: float = 10.0) -> bool:
+        """Refuse new copies, wait up to ``wait_seconds`` for those in flight, then release
+        the memory. Never unmaps under a copy: if one is still running the memory stays mapped
+        (logged) and False is returned. Idempotent."""
+        with self._lock:
+            if self._closed and not self.components:
+                return True
             self._closed = True
-        self.components = []
+            if not self._idle.wait_for(lambda: self._copies == 0, timeout=wait_seconds):
+                log.error("pool %s: %d copies still running after %.1fs; its memory stays "
+                          "mapped", self.spec.name, self._copies, wait_seconds)
+                return False
+            self.components = []
         if self.memory is not None:
             self.memory.close()
+        return True

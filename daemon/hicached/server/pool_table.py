@@ -14,6 +14,7 @@ Primitives:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from hicache.errors import HostMemoryInsufficient, PoolInUse, PoolNotFound, PoolSpecConflict
@@ -94,7 +95,9 @@ class PoolTable:
         with self._lock:
             return list(self._pools.values())
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, wait_seconds: float = 10.0) -> None:
+        """Remove the pool and free its memory once copies still running on it (of sessions
+        closed under them) have ended; the memory is never unmapped under a copy."""
         with self._creating:
             pool = self.get(name)
             open_sessions = self._sessions_of(name)
@@ -104,18 +107,20 @@ class PoolTable:
             with self._lock:
                 self._pools.pop(name, None)
                 self._caches.pop(name, None)
-            pool.close()
+        pool.close(wait_seconds)
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
             return sum(charge(p.spec) for p in self._pools.values())
 
-    def close_all(self) -> None:
+    def close_all(self, wait_seconds: float = 10.0) -> None:
+        """Close every pool, waiting at most ``wait_seconds`` in all for copies in flight."""
         with self._lock:
             pools, self._pools, self._caches = list(self._pools.values()), {}, {}
+        deadline = time.monotonic() + wait_seconds
         for p in pools:
-            p.close()
+            p.close(max(deadline - time.monotonic(), 0.0))
 
 
 def _summary(spec: PoolSpec) -> str:
