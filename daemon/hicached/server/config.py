@@ -61,9 +61,10 @@ class ServerConfig:
     """Memory left to the host: no pool may take MemAvailable minus this."""
     lease_seconds: float = 5.0
     """A session that neither heartbeats nor transfers for this long is reaped."""
-    max_lease_seconds: float = 60.0
+    max_lease_seconds: float = 0.0
     """The longest lease a worker may ask for; longer ones are clamped (the reply says so), so
-    a dead worker's mappings (GPU memory included) are released within this bound."""
+    a dead worker's mappings (GPU memory included) are released within this bound. 0 = 60 s,
+    or lease_seconds when that is longer."""
     copy_threads: int = 0
     """Threads per copy (0 = one per usable CPU, ``core.system.default_threads``)."""
     grpc_threads: int = 16
@@ -110,6 +111,8 @@ class ServerConfig:
             raise SpecInvalid("tls_cert and tls_key go together")
         if self.lease_seconds <= 0 or self.grace_seconds < 0:
             raise SpecInvalid("lease_seconds must be > 0 and grace_seconds >= 0")
+        if not self.max_lease_seconds:
+            object.__setattr__(self, "max_lease_seconds", max(60.0, self.lease_seconds))
         if not self.lease_seconds <= self.max_lease_seconds:
             raise SpecInvalid("max_lease_seconds must be at least lease_seconds",
                               metadata={"lease_seconds": self.lease_seconds,
