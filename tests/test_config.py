@@ -61,7 +61,10 @@ def test_declared_pools() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"bogus": 1}, {"listen": ["nonsense"]}, {"lease_seconds": 0}, {"shm_dir": "relative"},
-    {"tls_cert": "/c.pem"}, {"pool": [{"name": "x"}]},
+    {"tls_cert": "/c.pem"}, {"pool": [{"name": "x"}]}, {"socket_mode": "0666"},
+    {"socket_mode": 0o644}, {"lease_seconds": 90, "max_lease_seconds": 30},
+    {"max_data_rpcs": 16},
+    {"health_listen": ["nonsense"]},
 ])
 def test_invalid_settings(bad: dict[str, object]) -> None:
     with pytest.raises(SpecInvalid):

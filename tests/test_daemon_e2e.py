@@ -329,3 +329,33 @@ def test_client_reconnects_after_daemon_restart(tmp_path: Path) -> None:
         assert d2.stop() == 0
     finally:
         c.close()
+
+
+def test_socket_mode_and_group_let_the_services_group_connect(tmp_path: Path) -> None:
+    import grp
+    import stat
+
+    group = grp.getgrnam("daemon")  # any group other than the daemon's own
+    d = start_daemon(tmp_path, "--socket-mode", "0660", "--socket-group", group.gr_name)
+    try:
+        st = os.stat(d.socket)
+        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == group.gr_gid
+        with HiCacheClient(d.target) as c:
+            assert c.health()
+    finally:
+        d.stop()
+    refused = start_daemon(tmp_path, "--socket-mode", "0666", wait=False)
+    assert refused.proc.wait(30) == 2 and "socket_mode" in refused.log()
+
+
+def test_worker_buffer_files_take_the_mode_asked_for(tmp_path: Path) -> None:
+    import stat
+
+    old = os.umask(0o077)  # a strict umask must not take the group's bits away
+    try:
+        with ShmDeviceBuffers.create(SPEC, 16, str(tmp_path), mode=0o660) as shared, \
+                ShmDeviceBuffers.create(SPEC, 16, str(tmp_path)) as private:
+            assert {stat.S_IMODE(os.stat(p).st_mode) for p in shared.paths} == {0o660}
+            assert {stat.S_IMODE(os.stat(p).st_mode) for p in private.paths} == {0o600}
+    finally:
+        os.umask(old)

@@ -28,6 +28,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     # flag -> (setting, help)
     "--listen": ("listen", "gRPC target, repeatable: unix:PATH (default: a 0600 socket in "
                            "$XDG_RUNTIME_DIR/hicached) or HOST:PORT"),
+    "--socket-mode": ("socket_mode", "API socket permissions: 0600 or 0660 (group workers)"),
+    "--socket-group": ("socket_group", "group of the API socket (default: the daemon's)"),
     "--shm-dir": ("shm_dir", "the only directory workers may hand buffers from (/dev/shm)"),
     "--metrics-listen": ("metrics_listen", "HOST:PORT of the Prometheus endpoint "
                                            "(127.0.0.1:9464; empty disables)"),
@@ -71,6 +73,8 @@ def _coerce(setting: str, value: str) -> Any:
         return int(value)
     if setting in _LISTS:
         return [v for v in value.split(",") if v]
+    if setting == "socket_mode":
+        return int(value, 8)
     if setting == "hugepages":
         return value.lower() in ("1", "true", "yes", "on")
     return value

@@ -36,7 +36,9 @@ class ShmDeviceBuffers:
 
     @classmethod
     def create(cls, spec: PoolSpec, device_tokens: int, shm_dir: str = "/dev/shm",
-               prefix: str = "hicache-worker") -> ShmDeviceBuffers:
+               prefix: str = "hicache-worker", mode: int = 0o600) -> ShmDeviceBuffers:
+        """``mode`` 0o660 lets a daemon running as another user of the file's group map the
+        files (a worker in the service's group); the default keeps them the worker's own."""
         import torch
 
         tag = uuid.uuid4().hex[:12]
@@ -49,9 +51,10 @@ class ShmDeviceBuffers:
                 layer_bytes = math.prod(shape) * comp.dtype.itemsize
                 pitch = -(-layer_bytes // ALIGN) * ALIGN
                 path = os.path.join(shm_dir, f"{prefix}-{tag}-{name}-{comp.role.value}")
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
                 paths.append(path)
                 try:
+                    os.fchmod(fd, mode)  # the umask does not get a say
                     total = pitch * geometry.layer_num
                     os.ftruncate(fd, total)
                     m = mmap.mmap(fd, total, flags=mmap.MAP_SHARED

@@ -17,6 +17,7 @@ needs in ``interceptors``; this module only wires them to listeners and a proces
 from __future__ import annotations
 
 import fcntl
+import grp
 import logging
 import os
 import platform
@@ -177,7 +178,7 @@ class HiCacheServer:
             self.grpc.start()
             for target in bound:
                 if target.startswith("unix:"):
-                    os.chmod(_unix_path(target), 0o600)
+                    self._secure_socket(_unix_path(target))
             for target in self.health_bound:  # health says nothing a local user may not see
                 if target.startswith("unix:"):
                     os.chmod(_unix_path(target), 0o666)
@@ -190,6 +191,12 @@ class HiCacheServer:
                  hicache.__version__, ", ".join(bound), self.metrics_port or "off",
                  self.daemon.pools.budget_bytes, self.config.shm_dir)
         return bound
+
+    def _secure_socket(self, path: str) -> None:
+        """The socket's mode and group from the config (the unit's Group= by default)."""
+        if self.config.socket_group:
+            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
+        os.chmod(path, self.config.socket_mode)
 
     def _listen(self, target: str, server: grpc.Server | None = None) -> str:
         server = server or self.grpc

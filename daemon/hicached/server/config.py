@@ -51,6 +51,11 @@ class ServerConfig:
     listen: tuple[str, ...] = ()
     """gRPC targets: ``unix:/path`` (default: a 0600 socket in the runtime directory) and,
     opt-in, ``host:port`` TCP (TLS when tls_cert/tls_key are set)."""
+    socket_mode: int = 0o600
+    """Permission bits of ``unix:`` API sockets: 0o600 (the daemon's user only) or 0o660 (its
+    group too: workers running as other users in the service's group)."""
+    socket_group: str = ""
+    """Group the ``unix:`` API sockets are given ("" = the daemon's own group)."""
     shm_dir: str = "/dev/shm"
     """The only directory whose files workers may hand over as device buffers."""
     metrics_listen: str = "127.0.0.1:9464"
@@ -137,6 +142,9 @@ class ServerConfig:
                               "holds an RPC thread)",
                               metadata={"max_watchers": self.max_watchers,
                                         "grpc_threads": self.grpc_threads})
+        if self.socket_mode not in (0o600, 0o660):
+            raise SpecInvalid("socket_mode is 0o600 or 0o660 (never world-accessible)",
+                              metadata={"socket_mode": oct(self.socket_mode)})
         if self.log_format not in ("text", "json"):
             raise SpecInvalid("log_format is text or json")
         if not os.path.isabs(self.shm_dir):
@@ -200,6 +208,8 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
             raise SpecInvalid(f"unknown setting {key!r}", metadata={"setting": key})
         if key in _SIZE_FIELDS:
             value = parse_size(value)
+        elif key == "socket_mode" and isinstance(value, str):  # "0660" in TOML or env
+            value = int(value, 8)
         elif key in ("listen", "health_listen"):
             value = (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
         kwargs[key] = value
