@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from hicache.buffers import DeviceBufferSpec
 from hicache.errors import HiCacheError
+from hicache.identity import public_session_id
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache_client import HiCacheClient
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
@@ -135,7 +136,7 @@ def test_killed_worker_releases_its_gpu_mappings(daemon: DaemonProc,
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
     deadline = time.monotonic() + 5  # lease is 1 s
-    while any(s.session_id == first["session"] for s in client.list_sessions()):
+    while any(s.public_id == public_session_id(first["session"]) for s in client.list_sessions()):
         assert time.monotonic() < deadline, "the dead worker's session was not reaped"
         time.sleep(0.1)
     assert metric(client, "hicache_cuda_ipc_handles_open") == 0

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from hicache.identity import public_session_id
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
@@ -86,7 +87,7 @@ def test_killed_worker_gives_its_device_memory_back(daemon: DaemonProc) -> None:
         victim.send_signal(signal.SIGKILL)
         victim.wait(30)
         deadline = time.monotonic() + 10
-        while any(s.session_id == session for s in c.list_sessions()):
+        while any(s.public_id == public_session_id(session) for s in c.list_sessions()):
             assert time.monotonic() < deadline, "the dead worker's session was not reaped"
             time.sleep(0.1)
         deadline = time.monotonic() + 10

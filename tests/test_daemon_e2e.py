@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from hicache.buffers import DeviceBufferSpec
 from hicache.errors import HiCacheError
+from hicache.identity import public_session_id
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client import HiCacheClient, ShmDeviceBuffers
@@ -80,12 +81,12 @@ def test_sigkilled_worker_is_reaped_and_the_other_is_unaffected(daemon: DaemonPr
     survivor = spawn_worker(daemon, "survivor", seed=8, rounds=20)
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
-    assert any(s.session_id == first["session"] for s in client.list_sessions())
+    assert any(s.public_id == public_session_id(first["session"]) for s in client.list_sessions())
     out, err = survivor.communicate(timeout=120)
     assert survivor.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1])["mismatches"] == 0
     deadline = time.monotonic() + 5  # lease is 1 s
-    while any(s.session_id == first["session"] for s in client.list_sessions()):
+    while any(s.public_id == public_session_id(first["session"]) for s in client.list_sessions()):
         assert time.monotonic() < deadline, "the dead worker's session was not reaped"
         time.sleep(0.1)
     assert "wvictim" not in daemon_maps(daemon), "the dead worker's buffers are still mapped"
@@ -100,10 +101,10 @@ def test_a_huge_lease_is_clamped_and_the_reply_says_so(tmp_path: Path) -> None:
             s = c.open_session(SPEC.name, "greedy", bufs.descriptors, lease_ms=10**12,
                                heartbeat=False)
             assert (s.lease_ms, s.lease_clamped) == (3000, True)
-            listed = next(x for x in c.list_sessions() if x.session_id == s.session_id)
+            listed = next(x for x in c.list_sessions() if x.public_id == s.public_id)
             assert listed.lease_clamped and listed.lease_ms == 3000
             deadline = time.monotonic() + 10  # silent: reaped after 3 s, not 31 years
-            while any(x.session_id == s.session_id for x in c.list_sessions()):
+            while any(x.public_id == s.public_id for x in c.list_sessions()):
                 assert time.monotonic() < deadline, "the clamped session was not reaped"
                 time.sleep(0.1)
             short = c.open_session(SPEC.name, "modest", bufs.descriptors, lease_ms=2000,
@@ -253,9 +254,11 @@ def test_hicachectl_admin_verbs(daemon: DaemonProc, client: HiCacheClient) -> No
         s = client.open_session(spec.name, "ctl", bufs.descriptors, heartbeat=False)
         refused = run_ctl(daemon.target, "delete-pool", spec.name, expect=1)
         assert "POOL_IN_USE" in refused
-        assert [x.session_id for x in client.list_sessions(spec.name)] == [s.session_id]
-        assert json.loads(run_ctl(daemon.target, "--json", "close-session", s.session_id)) == {
-            "closed_session": s.session_id}
+        assert [x.public_id for x in client.list_sessions(spec.name)] == [s.public_id]
+        # operators name sessions by the public id hicachectl shows
+        assert s.public_id in run_ctl(daemon.target, "sessions")
+        assert json.loads(run_ctl(daemon.target, "--json", "close-session", s.public_id)) == {
+            "closed_session": s.public_id}
         assert client.list_sessions(spec.name) == []
         with pytest.raises(HiCacheError) as exc:
             s.load(torch.arange(16), torch.arange(16))
@@ -359,3 +362,23 @@ def test_worker_buffer_files_take_the_mode_asked_for(tmp_path: Path) -> None:
             assert {stat.S_IMODE(os.stat(p).st_mode) for p in private.paths} == {0o600}
     finally:
         os.umask(old)
+
+
+def test_list_sessions_never_hands_out_the_capability(daemon: DaemonProc,
+                                                      client: HiCacheClient) -> None:
+    with ShmDeviceBuffers.create(SPEC, 2 * SPEC.page_size, daemon.shm_dir, prefix="cap") as b:
+        s = client.open_session(SPEC.name, "holder", b.descriptors, heartbeat=False)
+        host = client.alloc(SPEC.name, SPEC.page_size)
+        listed = [x for x in client.list_sessions() if x.worker_id == "holder"]
+        assert len(listed) == 1
+        assert listed[0].session_id == "" and listed[0].public_id == s.public_id
+        assert s.public_id == public_session_id(s.session_id) != s.session_id
+        # what a stranger can learn does not move a byte
+        with pytest.raises(HiCacheError) as exc:
+            client.backup(listed[0].public_id, host, torch.arange(SPEC.page_size))
+        assert exc.value.reason == "SESSION_NOT_FOUND"
+        with pytest.raises(HiCacheError):
+            client.heartbeat(listed[0].public_id)
+        s.backup(host, torch.arange(SPEC.page_size))  # the holder still can
+        assert "holder" in daemon.log() and s.session_id not in daemon.log()
+        s.close()

@@ -143,7 +143,7 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
         return 0
     print(_table(["session", "pool", "worker", "device", "attached", "expires in",
                   "transfers"], [
-        (s.session_id, s.pool, s.worker_id, s.device_uuid or "shm", _size(s.attached_bytes),
+        (s.public_id, s.pool, s.worker_id, s.device_uuid or "shm", _size(s.attached_bytes),
          f"{s.expires_in_ms / 1000:.1f}s", s.transfers) for s in sessions]))
     return 0
 

@@ -31,6 +31,9 @@ class WorkerSession:
         self.pool: str = msg.pool
         self.lease_ms: int = msg.lease_ms
         self.lease_clamped: bool = msg.lease_clamped
+        self.public_id: str = msg.public_id
+        """The name others see (``ListSessions``, ``hicachectl sessions``); ``session_id`` is
+        the capability: keep it to this worker."""
         """The daemon cut the lease asked for down to its maximum (``lease_ms`` is that)."""
         self.device_tokens: int = msg.device_tokens
         self.device_uuid: str = msg.device_uuid

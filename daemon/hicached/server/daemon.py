@@ -198,7 +198,7 @@ class Daemon:
         """Free the raw pages the session owned (a copy still holding one frees it later)."""
         freed = s.pool.allocator.free_owned(s.owner)
         if freed:
-            log.info("session %s ended: freed %d raw page(s) it owned", s.session_id, freed)
+            log.info("session %s ended: freed %d raw page(s) it owned", s.public_id, freed)
 
     def store(self, session_id: str, keys: list[bytes], device: IndexArray,
               layers: tuple[int, int]) -> tuple[StoreTicket, TransferResult | None]:

@@ -59,12 +59,14 @@ def pool_message(pool: HostPool, cache: PoolCache, sessions: int) -> pb.Pool:
                    metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES)
 
 
-def session_message(s: Session) -> pb.Session:
+def session_message(s: Session, capability: bool = True) -> pb.Session:
+    """``capability=False`` for anyone but the worker holding it: the id left empty."""
     runner = s.attachment.runner
     uuid, events = "", 0
     if isinstance(runner, CudaRunner):
         uuid, events = runner.driver.devices[runner.ordinal].uuid, len(runner.layer_events)
-    return pb.Session(session_id=s.session_id, pool=s.pool_name, worker_id=s.worker_id,
+    return pb.Session(session_id=s.session_id if capability else "", public_id=s.public_id,
+                      pool=s.pool_name, worker_id=s.worker_id,
                       lease_ms=int(s.lease_seconds * 1000),
                       expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
                       attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
@@ -158,7 +160,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext
                      ) -> pb.ListSessionsResponse:
         return pb.ListSessionsResponse(
-            sessions=[session_message(s) for s in self.daemon.sessions.list(request.pool)])
+            sessions=[session_message(s, capability=False)
+                      for s in self.daemon.sessions.list(request.pool)])
 
     def Alloc(self, request: pb.AllocRequest, context: grpc.ServicerContext
               ) -> pb.AllocResponse:

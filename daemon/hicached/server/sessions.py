@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hicache.errors import BufferFault, SessionNotFound
+from hicache.identity import is_public_id, public_session_id
 from hicached.core.pool import HostPool
 from hicached.transport.base import Attachment
 
@@ -52,6 +53,11 @@ class Session:
     ended: bool = False
     released: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def public_id(self) -> str:
+        """What others see: names the session, cannot use it."""
+        return public_session_id(self.session_id)
 
     def expires_in(self, now: float) -> float:
         return max(self.expires_at - now, 0.0)
@@ -93,7 +99,7 @@ class SessionManager:
         with self._lock:
             self._sessions[s.session_id] = s
         log.info("session %s opened: pool=%s worker=%s lease=%.1fs attached=%d bytes",
-                 s.session_id, pool_name, worker_id, lease, attachment.nbytes)
+                 s.public_id, pool_name, worker_id, lease, attachment.nbytes)
         return s
 
     def get(self, session_id: str) -> Session:
@@ -112,7 +118,12 @@ class SessionManager:
         return s
 
     def close(self, session_id: str) -> None:
+        """End a session named by its capability, or by its public id (an operator's
+        ``hicachectl close-session``)."""
         with self._lock:
+            if is_public_id(session_id):
+                session_id = next((k for k, v in self._sessions.items()
+                                   if v.public_id == session_id), session_id)
             s = self._sessions.pop(session_id, None)
         if s is None:
             raise SessionNotFound(f"no open session {session_id!r}",
@@ -132,10 +143,10 @@ class SessionManager:
             with self._lock:
                 ended = self._sessions.pop(s.session_id, None) is not None
             if ended:
-                log.warning("session %s (worker %s): %s", s.session_id, s.worker_id, exc)
+                log.warning("session %s (worker %s): %s", s.public_id, s.worker_id, exc)
                 self._end(s, "ended: its buffer memory vanished under a copy")
-            raise BufferFault(f"{exc.message}; session {s.session_id} ended",
-                              metadata={"session_id": s.session_id,
+            raise BufferFault(f"{exc.message}; session {s.public_id} ended",
+                              metadata={"session_id": s.public_id,
                                         "worker_id": s.worker_id}) from None
         finally:
             s.transfers += 1
@@ -171,8 +182,8 @@ class SessionManager:
         try:
             self._on_end(s)
         except Exception:  # ending a session must not fail half-way
-            log.exception("cleaning up after session %s failed", s.session_id)
-        log.info("session %s %s (worker %s, %d transfers)", s.session_id, why, s.worker_id,
+            log.exception("cleaning up after session %s failed", s.public_id)
+        log.info("session %s %s (worker %s, %d transfers)", s.public_id, why, s.worker_id,
                  s.transfers)
 
     def reap(self) -> list[Session]:

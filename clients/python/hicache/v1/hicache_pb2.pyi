@@ -329,7 +329,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., layer_events: _Optional[_Iterable[bytes]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped")
+    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped", "public_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,7 @@ class Session(_message.Message):
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     LAYER_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_CLAMPED_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     worker_id: str
@@ -352,7 +353,8 @@ class Session(_message.Message):
     device_uuid: str
     layer_events: int
     lease_clamped: bool
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ...) -> None: ...
+    public_id: str
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ..., public_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
