@@ -36,8 +36,12 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     assert c.lease_seconds == 7.0             # env beats file
     assert c.grace_seconds == 5.0             # flag beats env
     assert c.memory_budget_bytes == 1 << 30
-    c = build_config(args(listen=["unix:/tmp/a.sock", "127.0.0.1:0"]), {})
-    assert c.listen == ("unix:/tmp/a.sock", "127.0.0.1:0")
+    c = build_config(args(listen=["unix:/tmp/a.sock", "127.0.0.1:0"], insecure_tcp=True), {})
+    assert c.listen == ("unix:/tmp/a.sock", "127.0.0.1:0") and c.insecure_tcp
+    with pytest.raises(SpecInvalid, match="without client authentication"):
+        build_config(args(listen=["127.0.0.1:0"]), {})
+    c = build_config(args(listen=["127.0.0.1:0"]), {"HICACHED_INSECURE_TCP": "1"})
+    assert c.insecure_tcp
     c = build_config(args(), {"HICACHED_CUDA_DRIVER": "/opt/compat/libcuda.so.1"})
     assert c.cuda_driver == "/opt/compat/libcuda.so.1"
 
@@ -64,7 +68,8 @@ def test_declared_pools() -> None:
     {"tls_cert": "/c.pem"}, {"pool": [{"name": "x"}]}, {"socket_mode": "0666"},
     {"socket_mode": 0o644}, {"lease_seconds": 90, "max_lease_seconds": 30},
     {"max_data_rpcs": 16},
-    {"health_listen": ["nonsense"]},
+    {"health_listen": ["nonsense"]}, {"auth_token_file": "/t"},
+    {"tls_client_ca": "/ca.pem"},
 ])
 def test_invalid_settings(bad: dict[str, object]) -> None:
     with pytest.raises(SpecInvalid):

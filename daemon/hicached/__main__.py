@@ -48,6 +48,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--grace-seconds": ("grace_seconds", "drain time on SIGTERM (10)"),
     "--tls-cert": ("tls_cert", "PEM certificate for TCP listeners"),
     "--tls-key": ("tls_key", "PEM key for TCP listeners"),
+    "--tls-client-ca": ("tls_client_ca", "PEM CA that signs TCP clients' certificates (mTLS)"),
+    "--auth-token-file": ("auth_token_file", "bearer token TCP clients must send (over TLS)"),
     "--log-format": ("log_format", "text or json"),
     "--log-level": ("log_level", "DEBUG, INFO, WARNING, ..."),
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
@@ -75,7 +77,7 @@ def _coerce(setting: str, value: str) -> Any:
         return [v for v in value.split(",") if v]
     if setting == "socket_mode":
         return int(value, 8)
-    if setting == "hugepages":
+    if setting in ("hugepages", "insecure_tcp"):
         return value.lower() in ("1", "true", "yes", "on")
     return value
 
@@ -85,7 +87,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
     if args.config:
         with open(args.config, "rb") as f:
             merged.update(tomllib.load(f))
-    settings = {s for s, _ in _FLAGS.values()} | {"hugepages"}
+    settings = {s for s, _ in _FLAGS.values()} | {"hugepages", "insecure_tcp"}
     for setting in sorted(settings):
         env = environ.get(ENV_PREFIX + setting.upper())
         if env is not None:
@@ -94,6 +96,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             merged[setting] = value if setting in _LISTS else _coerce(setting, value)
+    if getattr(args, "insecure_tcp", False):
+        merged["insecure_tcp"] = True
     return config_from_mapping(merged)
 
 
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if setting in _LISTS:
             kw["action"] = "append"
         sp.add_argument(flag, **kw)
+    sp.add_argument("--insecure-tcp", action="store_true",
+                    help="allow TCP listeners without TLS client authentication")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]

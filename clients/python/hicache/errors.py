@@ -53,6 +53,7 @@ Hierarchy::
     │   └── KeyNotFound                    KEY_NOT_FOUND
     ├── PermissionDenied               the caller may not use that resource
     │   └── ShmPathRejected                SHM_PATH_REJECTED
+    ├── Unauthenticated                UNAUTHENTICATED: a TCP caller without the daemon's token
     ├── Unavailable                    try again later / elsewhere
     │   └── Draining                       DRAINING
     ├── DataIntegrityError             bytes are not what was stored
@@ -314,6 +315,12 @@ class PermissionDenied(HiCacheError):
 
 class ShmPathRejected(PermissionDenied):
     reason = "SHM_PATH_REJECTED"
+
+
+class Unauthenticated(HiCacheError):
+    """A TCP caller without the bearer token the daemon asks for (or with another)."""
+
+    reason = "UNAUTHENTICATED"
 
 
 class Unavailable(HiCacheError):

@@ -53,16 +53,30 @@ T = TypeVar("T")
 
 class HiCacheClient:
     def __init__(self, target: str | None = None, *, timeout: float = 60.0,
-                 reconnect_seconds: float = 10.0, max_message_bytes: int = 64 << 20) -> None:
+                 reconnect_seconds: float = 10.0, max_message_bytes: int = 64 << 20,
+                 tls_ca: bytes | None = None, tls_cert: bytes | None = None,
+                 tls_key: bytes | None = None, auth_token: str | None = None) -> None:
+        """``tls_*`` (PEM bytes) and ``auth_token`` are for TCP daemons: the CA that signed
+        the daemon's certificate, this client's certificate and key (mutual TLS), the bearer
+        token of the daemon's ``auth_token_file``. Unix sockets need none of them."""
         self.target = target or default_target()
         self.timeout = timeout
         self.reconnect_seconds = reconnect_seconds
-        self._channel = grpc.insecure_channel(self.target, options=[
+        options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", 50),
             ("grpc.max_reconnect_backoff_ms", 250),  # a local sidecar: retry connects often
-        ])
+        ]
+        if tls_ca or tls_cert or auth_token:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca, private_key=tls_key,
+                                                 certificate_chain=tls_cert)
+            if auth_token:
+                creds = grpc.composite_channel_credentials(
+                    creds, grpc.access_token_call_credentials(auth_token))
+            self._channel = grpc.secure_channel(self.target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.HostCacheStub(self._channel)  # type: ignore[no-untyped-call]
         self._sessions: weakref.WeakSet[WorkerSession] = weakref.WeakSet()
 

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 
 import hicache
 from hicache.cuda_driver import driver_problem, load_driver
+from hicache.errors import SpecInvalid
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
@@ -139,7 +140,7 @@ class HiCacheServer:
                 ("grpc.max_send_message_length", config.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
         interceptors = server_interceptors(self.daemon, CREATES_WORK, DATA_METHODS,
-                                           config.max_data_rpcs)
+                                           config.max_data_rpcs, _read_token(config))
         self.admission = next(i for i in interceptors if isinstance(i, AdmissionInterceptor))
         """The data path's gate (its ``in_flight`` and ``limit``)."""
         self.grpc = grpc.server(
@@ -208,9 +209,7 @@ class HiCacheServer:
         if server is not self.grpc:  # health only: nothing to protect, probes speak plain
             port = server.add_insecure_port(target)
         elif self.config.tls_cert:
-            with open(self.config.tls_key, "rb") as k, open(self.config.tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            port = self.grpc.add_secure_port(target, creds)
+            port = self.grpc.add_secure_port(target, _server_credentials(self.config))
         else:
             port = self.grpc.add_insecure_port(target)
         if port == 0:
@@ -261,6 +260,29 @@ class HiCacheServer:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
+
+
+def _read_token(config: ServerConfig) -> str:
+    if not config.auth_token_file:
+        return ""
+    with open(config.auth_token_file) as f:
+        token = f.read().strip()
+    if len(token) < 16:
+        raise SpecInvalid("auth_token_file must hold a token of at least 16 characters",
+                          metadata={"auth_token_file": config.auth_token_file})
+    return token
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    """TLS for TCP listeners; with tls_client_ca, clients must present a certificate it
+    signed (the handshake fails otherwise, before any call)."""
+    with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
+        pair = (k.read(), c.read())
+    if not config.tls_client_ca:
+        return grpc.ssl_server_credentials([pair])
+    with open(config.tls_client_ca, "rb") as ca:
+        return grpc.ssl_server_credentials([pair], root_certificates=ca.read(),
+                                           require_client_auth=True)
 
 
 def create_server(config: ServerConfig) -> tuple[HiCacheServer, list[str]]:

@@ -50,7 +50,8 @@ class ServerConfig:
 
     listen: tuple[str, ...] = ()
     """gRPC targets: ``unix:/path`` (default: a 0600 socket in the runtime directory) and,
-    opt-in, ``host:port`` TCP (TLS when tls_cert/tls_key are set)."""
+    opt-in, ``host:port`` TCP: only with TLS and client authentication (``tls_client_ca`` or
+    ``auth_token_file``) unless ``insecure_tcp``."""
     socket_mode: int = 0o600
     """Permission bits of ``unix:`` API sockets: 0o600 (the daemon's user only) or 0o660 (its
     group too: workers running as other users in the service's group)."""
@@ -94,6 +95,13 @@ class ServerConfig:
     """PEM certificate for TCP listeners."""
     tls_key: str = ""
     """PEM private key for TCP listeners."""
+    tls_client_ca: str = ""
+    """PEM CA: TCP clients must present a certificate it signed (mutual TLS)."""
+    auth_token_file: str = ""
+    """File holding a bearer token TCP clients must send (``authorization: Bearer ...``), over
+    TLS. Unix-socket callers are not asked: the socket's permissions are their boundary."""
+    insecure_tcp: bool = False
+    """Allow TCP listeners without TLS or client authentication (tests, isolated networks)."""
     hugepages: bool = True
     """Ask for transparent huge pages for pool memory."""
     cuda_driver: str = ""
@@ -114,6 +122,16 @@ class ServerConfig:
                 raise SpecInvalid(f"listen target {target!r} is neither unix:PATH nor HOST:PORT")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise SpecInvalid("tls_cert and tls_key go together")
+        if (self.tls_client_ca or self.auth_token_file) and not self.tls_cert:
+            raise SpecInvalid("tls_client_ca and auth_token_file need TLS (tls_cert, tls_key): "
+                              "a client certificate or token is only checked over TLS")
+        tcp = [t for t in self.listen if not t.startswith("unix:")]
+        authenticated = self.tls_cert and (self.tls_client_ca or self.auth_token_file)
+        if tcp and not authenticated and not self.insecure_tcp:
+            raise SpecInvalid(
+                f"TCP listener {tcp[0]} without client authentication: give tls_cert + tls_key "
+                "and tls_client_ca (mutual TLS) or auth_token_file, or insecure_tcp to accept "
+                "anyone who can reach the port", metadata={"listen": tcp[0]})
         if self.lease_seconds <= 0 or self.grace_seconds < 0:
             raise SpecInvalid("lease_seconds must be > 0 and grace_seconds >= 0")
         if not self.max_lease_seconds:

@@ -8,6 +8,9 @@ outermost first (the order ``server_interceptors`` returns):
   and becomes INTERNAL without leaking internals to the caller.
 - ``MetricsInterceptor``: ``hicache_rpc_requests_total{method, code}``,
   ``hicache_rpc_duration_seconds{method}`` and ``hicache_rejected_requests_total{reason}``.
+- ``AuthInterceptor``: on TCP listeners with ``auth_token_file``, the bearer token every call
+  must carry (compared in constant time); Unix-socket callers pass (the socket's permissions
+  are their boundary). Mutual TLS is enforced by the listener itself.
 - ``AdmissionInterceptor``: the data path's bound: at most ``max_data_rpcs`` transfers at once,
   past it ``OVERLOADED`` at once with a retry hint (never a queue), so control calls (health,
   heartbeats, sessions, pools) always find an RPC thread while transfers saturate the rest.
@@ -20,6 +23,7 @@ Health checking and reflection pass through untouched.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -30,7 +34,7 @@ from typing import Any
 import grpc
 
 from hicache.error_mapping import abort_status, grpc_code
-from hicache.errors import HiCacheError, Overloaded
+from hicache.errors import HiCacheError, Overloaded, Unauthenticated
 from hicached.server.daemon import Daemon
 from hicached.server.metrics import Metrics
 
@@ -153,6 +157,33 @@ class MetricsInterceptor(_ServiceInterceptor):
         return "INTERNAL"
 
 
+class AuthInterceptor(_ServiceInterceptor):
+    def __init__(self, token: str) -> None:
+        """``token``: what TCP callers must send as ``authorization: Bearer <token>``."""
+        super().__init__()
+        self._expected = f"Bearer {token}".encode()
+
+    def wrap(self, method: str, behavior: Behavior) -> Behavior:
+        def authenticated(request: Any, context: grpc.ServicerContext) -> Any:
+            if not context.peer().startswith("unix:"):
+                sent = dict(context.invocation_metadata()).get("authorization", "")
+                if not hmac.compare_digest(str(sent).encode(), self._expected):
+                    raise Unauthenticated("this listener needs the daemon's bearer token "
+                                          "(authorization: Bearer ...)")
+            return behavior(request, context)
+
+        return authenticated
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        check = self.wrap(method, lambda r, c: None)
+
+        def authenticated(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            check(request, context)
+            yield from behavior(request, context)
+
+        return authenticated
+
+
 RETRY_AFTER_MS = 10
 """The retry hint of an OVERLOADED refusal: about one batch's time on a busy node."""
 
@@ -211,9 +242,10 @@ class DrainInterceptor(_ServiceInterceptor):
 
 
 def server_interceptors(daemon: Daemon, creates_work: Collection[str],
-                        data_methods: Collection[str], max_data_rpcs: int
-                        ) -> list[grpc.ServerInterceptor]:
+                        data_methods: Collection[str], max_data_rpcs: int,
+                        auth_token: str = "") -> list[grpc.ServerInterceptor]:
     """The interceptors of a daemon's gRPC server, outermost first."""
-    return [ErrorMappingInterceptor(), MetricsInterceptor(daemon.metrics),
+    auth: list[grpc.ServerInterceptor] = [AuthInterceptor(auth_token)] if auth_token else []
+    return [ErrorMappingInterceptor(), MetricsInterceptor(daemon.metrics), *auth,
             AdmissionInterceptor(max_data_rpcs, data_methods),
             DrainInterceptor(daemon, creates_work)]
