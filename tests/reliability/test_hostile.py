@@ -94,9 +94,10 @@ def test_truncate_and_shrink_buffers_mid_load(arena) -> None:  # type: ignore[no
             s = c.open_session(SPEC.name, "attacker", bufs.descriptors, heartbeat=False)
             host = c.alloc(SPEC.name, N)
             s.backup(host, torch.arange(N))
-            stop, outcomes = threading.Event(), []
+            stop, outcomes = threading.Event(), list[str]()
 
-            def loads(s: WorkerSession = s, host: torch.Tensor = host) -> None:
+            def loads(s: WorkerSession = s, host: torch.Tensor = host,
+                      stop: threading.Event = stop, outcomes: list[str] = outcomes) -> None:
                 while not stop.is_set():
                     try:
                         s.load(host, torch.arange(N))
