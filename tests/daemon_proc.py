@@ -37,12 +37,14 @@ class DaemonProc:
 
 
 def wait_serving(target: str, timeout: float = 30.0) -> None:
+    """Until readiness (the API serves and the declared pools are built)."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                r = stub.Check(health_pb2.HealthCheckRequest(service="hicache.v1.HostCache"),
+                               timeout=1)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:

@@ -118,7 +118,7 @@ def serve(config: ServerConfig) -> int:
 
     _setup_logging(config)
     try:
-        server, _bound = create_server(config)
+        server, _bound = create_server(config, wait_ready=False)  # pools build meanwhile
     except AlreadyServing as exc:
         logging.getLogger("hicached").error("%s", exc)
         return 2

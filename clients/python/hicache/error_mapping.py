@@ -71,6 +71,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.Unauthenticated: C.UNAUTHENTICATED,
     e.Unavailable: C.UNAVAILABLE,
     e.Draining: C.UNAVAILABLE,
+    e.PoolNotReady: C.UNAVAILABLE,
     e.DataIntegrityError: C.DATA_LOSS,
     e.CanaryMismatch: C.DATA_LOSS,
     e.DeviceFailure: C.INTERNAL,

@@ -55,6 +55,7 @@ Hierarchy::
     │   └── ShmPathRejected                SHM_PATH_REJECTED
     ├── Unauthenticated                UNAUTHENTICATED: a TCP caller without the daemon's token
     ├── Unavailable                    try again later / elsewhere
+    │   ├── PoolNotReady                   POOL_NOT_READY
     │   └── Draining                       DRAINING
     ├── DataIntegrityError             bytes are not what was stored
     │   └── CanaryMismatch                 CANARY_MISMATCH
@@ -325,6 +326,13 @@ class Unauthenticated(HiCacheError):
 
 class Unavailable(HiCacheError):
     reason = "UNAVAILABLE"
+
+
+class PoolNotReady(Unavailable):
+    """The pool is still being created (prefaulted, pinned) or its creation failed: the
+    metadata says which (``state``), how far it got and why it failed."""
+
+    reason = "POOL_NOT_READY"
 
 
 class Draining(Unavailable):

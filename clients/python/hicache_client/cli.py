@@ -80,7 +80,14 @@ def _pool_row(p: pb.Pool) -> tuple[object, ...]:
     return (spec.name, kinds, spec.geometry.dtype.value.lower(), spec.layout.value,
             spec.page_size, p.page_num,
             f"{p.used_pages} ({100 * p.used_pages / max(p.page_num, 1):.0f}%)",
-            _size(p.capacity_bytes), p.sessions, p.keys, p.raw_pages, p.pinned_pages)
+            _size(p.capacity_bytes), p.sessions, p.keys, p.raw_pages, p.pinned_pages,
+            _state(p))
+
+
+def _state(p: pb.Pool) -> str:
+    if p.state == pb.POOL_STATE_CREATING:
+        return f"creating {p.progress:.0%}"
+    return "FAILED: " + p.error_reason if p.state == pb.POOL_STATE_FAILED else "ready"
 
 
 def _admin(client: HiCacheClient, args: argparse.Namespace) -> dict[str, object]:
@@ -133,7 +140,8 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                               for p in resp.pools]))
             return 0
         print(_table(["pool", "kind", "dtype", "layout", "page", "pages", "used", "capacity",
-                      "sessions", "keys", "raw", "pinned"], [_pool_row(p) for p in resp.pools]))
+                      "sessions", "keys", "raw", "pinned", "state"],
+                     [_pool_row(p) for p in resp.pools]))
         return 0
     sessions = client.list_sessions(args.pool)
     if args.json:

@@ -27,7 +27,7 @@ import grpc
 from hicache.buffers import DeviceBufferSpec
 from hicache.codec import buffer_to_proto, spec_to_proto
 from hicache.error_mapping import from_rpc_error
-from hicache.errors import Draining, Overloaded, Unavailable
+from hicache.errors import Draining, Overloaded, PoolNotReady, Unavailable, error_class_for
 from hicache.indices import indices_to_bytes, to_index_array
 from hicache.keys import encode_keys
 from hicache.paths import default_target
@@ -144,12 +144,29 @@ class HiCacheClient:
                                               retry=True)
         return info
 
-    def create_pool(self, spec: PoolSpec | pb.PoolSpec) -> PoolInfo:
+    def create_pool(self, spec: PoolSpec | pb.PoolSpec, *, wait: bool = True,
+                    wait_seconds: float = 3600.0) -> PoolInfo:
+        """Create the pool (or find it). The daemon answers at once and builds a new pool in
+        the background; with ``wait`` this returns once it is READY (or raises the error its
+        build failed with, or ``POOL_NOT_READY`` after ``wait_seconds``)."""
         msg = spec if isinstance(spec, pb.PoolSpec) else spec_to_proto(spec)
-        return PoolInfo.from_proto(self._call(self._stub.CreatePool,
+        info = PoolInfo.from_proto(self._call(self._stub.CreatePool,
                                               pb.CreatePoolRequest(spec=msg), retry=True))
+        deadline, delay = time.monotonic() + wait_seconds, 0.01
+        while wait and info.state == "CREATING":
+            if time.monotonic() > deadline:
+                raise PoolNotReady(f"pool {msg.name} still building after {wait_seconds:.0f}s "
+                                   f"({info.progress:.0%})",
+                                   metadata={"pool": msg.name, "state": info.state})
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            info = self.get_pool(msg.name)
+        if wait and info.state == "FAILED":
+            raise error_class_for(info.error_reason)(info.error, metadata={"pool": msg.name})
+        return info
 
     def get_pool(self, name: str) -> PoolInfo:
+        """The pool in any state (``state``: READY, CREATING with ``progress``, FAILED)."""
         return PoolInfo.from_proto(self._call(self._stub.GetPool, pb.GetPoolRequest(name=name),
                                               retry=True))
 

@@ -34,13 +34,21 @@ class PoolInfo:
     pinned_pages: int = 0
     """Pages a copy holds right now."""
     metadata_bytes: int = 0
+    state: str = "READY"
+    """``READY``, ``CREATING`` (memory still being faulted in / pinned) or ``FAILED``."""
+    progress: float = 1.0
+    """CREATING: how much of the memory is faulted in (0..1)."""
+    error: str = ""
+    error_reason: str = ""
 
     @classmethod
     def from_proto(cls, p: pb.Pool) -> PoolInfo:
+        state = pb.PoolState.Name(p.state).removeprefix("POOL_STATE_")
         return cls(spec_from_proto(p.spec), p.size_tokens, p.page_num, p.page_bytes,
                    p.used_pages, p.free_pages, p.capacity_bytes, p.used_bytes, p.pinned_bytes,
                    p.sessions, p.keys, p.keyed_pages, p.raw_pages, p.pinned_pages,
-                   p.metadata_bytes)
+                   p.metadata_bytes, state, p.progress if state != "READY" else 1.0,
+                   p.error, p.error_reason)
 
 
 @dataclass(frozen=True)

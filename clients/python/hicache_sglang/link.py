@@ -164,7 +164,9 @@ class DaemonLink:
         """Create the pool, or use the one there if it differs in size only: instances of a
         model whose device pools differ in size (memory fractions) still share one pool."""
         try:
-            client.create_pool(self.spec)
+            # a large pool may take minutes to build: wait a deadline's worth, then leave it
+            # to the background thread (POOL_NOT_READY) rather than hold SGLang's start
+            client.create_pool(self.spec, wait_seconds=self.config.rpc_timeout_s)
         except PoolSpecConflict:
             there = client.get_pool(self.spec.name).spec
             sized = dataclasses.replace(self.spec, size_tokens=there.size_tokens,

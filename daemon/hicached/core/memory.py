@@ -24,6 +24,7 @@ import mmap
 import os
 import resource
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -78,7 +79,9 @@ class HostMemory:
         prefault_threads: int = 0,
         pinner: Pinner | None = None,
         name: str = "pool",
+        on_progress: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_progress(nbytes)`` is called as each chunk of the region is faulted in."""
         if nbytes <= 0:
             raise SpecInvalid("host memory size must be positive", metadata={"nbytes": nbytes})
         self.nbytes = nbytes
@@ -88,6 +91,7 @@ class HostMemory:
         self._pinned: list[int] = []
         self._pinner = pinner
         self._closed = False
+        self._on_progress = on_progress
         self.prefault_seconds = 0.0
         self.pin_seconds = 0.0
         self.hugepages = False
@@ -148,6 +152,8 @@ class HostMemory:
                 os.posix_fallocate(self._fd, off, length)
             if _libc.madvise(self.address + off, length, MADV_POPULATE_WRITE) != 0:
                 ctypes.memset(self.address + off, 0, length)  # older kernels
+            if self._on_progress is not None:
+                self._on_progress(length)
 
         if threads == 1 or len(chunks) == 1:
             for c in chunks:

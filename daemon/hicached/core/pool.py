@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,8 +83,10 @@ class ComponentStorage:
 
 class HostPool:
     def __init__(self, spec: PoolSpec, options: MemoryOptions | None = None,
-                 *, pinner: Pinner | None = None) -> None:
-        """Map, prefault and (with a ``pinner``) page-lock the pool's memory."""
+                 *, pinner: Pinner | None = None,
+                 on_progress: Callable[[int], None] | None = None) -> None:
+        """Map, prefault and (with a ``pinner``) page-lock the pool's memory;
+        ``on_progress(nbytes)`` follows the prefault."""
         options = options or MemoryOptions()
         self.spec = spec
         self.page_size = spec.page_size
@@ -114,6 +117,7 @@ class HostPool:
             self.memory = HostMemory(
                 self.nbytes, backing=options.backing, path=path, hugepages=options.hugepages,
                 prefault_threads=options.prefault_threads, pinner=pinner, name=spec.name,
+                on_progress=on_progress,
             )
             raw = self.memory.array()
             for name, geometry, comp, off, nbytes in layout:

@@ -42,6 +42,7 @@ from hicached.server.config import ServerConfig
 from hicached.server.daemon import Daemon
 from hicached.server.interceptors import AdmissionInterceptor, server_interceptors
 from hicached.server.metrics import Metrics, ScrapeState, serve
+from hicached.server.pool_build import PoolBuild
 from hicached.server.pool_table import PoolTable
 from hicached.server.service import CREATES_WORK, DATA_METHODS, HostCacheServicer
 from hicached.server.sessions import SessionManager
@@ -122,6 +123,7 @@ class HiCacheServer:
             attached_bytes=lambda: sessions.attached_bytes,
             ipc_handles=cuda.cache.stats if cuda is not None else lambda: (0, 0),
             watchers=lambda: self.daemon.watchers,
+            builds=lambda: [(b.spec.name, b.state, b.progress) for b in pools.builds()],
         ), build={"version": hicache.__version__, "torch": torch.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
@@ -133,6 +135,8 @@ class HiCacheServer:
         self._stopped = threading.Event()
         self._drain_lock = threading.Lock()
         self.metrics_port = 0
+        self._declared: list[object] = []
+        self._ready = threading.Event()
         self.health_bound: list[str] = []
         """Where the health-only server listens (``health_listen``)."""
         self._metrics_server: object | None = None
@@ -168,8 +172,9 @@ class HiCacheServer:
                                  for t in self.config.health_listen]
             if self.health_bound:
                 self.health_grpc.start()
-            for spec in self.config.pools:
-                self.daemon.pools.create(spec)
+            # declared pools build in the background (a budget error still stops the start)
+            self._declared = [self.daemon.pools.create_async(spec)[0]
+                              for spec in self.config.pools]
             for target in self.config.listen:
                 bound.append(self._listen(target))
             if self.config.metrics_listen:
@@ -187,11 +192,27 @@ class HiCacheServer:
             self._release()
             raise
         self.daemon.sessions.start_reaper()
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._ready_when_built, name="declared-pools",
+                         daemon=True).start()
         log.info("hicached %s serving on %s (metrics port %s, budget %d bytes, shm dir %s)",
                  hicache.__version__, ", ".join(bound), self.metrics_port or "off",
                  self.daemon.pools.budget_bytes, self.config.shm_dir)
         return bound
+
+    def _ready_when_built(self) -> None:
+        """Readiness turns SERVING once every declared pool is built (failed ones logged)."""
+        for b in self._declared:
+            if isinstance(b, PoolBuild):
+                b.wait()
+                if b.error is not None:
+                    log.error("declared pool %s failed to build: %s", b.spec.name, b.error)
+        self._ready.set()
+        if not self.daemon.draining.is_set():
+            self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once the declared pools are built and readiness is SERVING."""
+        return self._ready.wait(timeout)
 
     def _secure_socket(self, path: str) -> None:
         """The socket's mode and group from the config (the unit's Group= by default)."""
@@ -285,7 +306,12 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
                                            require_client_auth=True)
 
 
-def create_server(config: ServerConfig) -> tuple[HiCacheServer, list[str]]:
-    """Build and start a daemon; returns it and the addresses it is bound to."""
+def create_server(config: ServerConfig, wait_ready: bool = True
+                  ) -> tuple[HiCacheServer, list[str]]:
+    """Build and start a daemon; returns it and the addresses it is bound to, by default once
+    its declared pools are built (the listeners and health answer before that)."""
     server = HiCacheServer(config)
-    return server, server.start()
+    bound = server.start()
+    if wait_ready:
+        server.wait_ready()
+    return server, bound

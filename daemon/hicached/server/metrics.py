@@ -49,6 +49,8 @@ class ScrapeState:
     """(CUDA IPC allocations mapped, their bytes)."""
     watchers: Callable[[], int] = lambda: 0
     """WatchEvents streams open."""
+    builds: Callable[[], list[tuple[str, str, float]]] = lambda: []
+    """Pools being built in the background: (name, CREATING or FAILED, progress 0..1)."""
 
 
 class _StateCollector(Collector):
@@ -93,6 +95,13 @@ class _StateCollector(Collector):
                 mismatched.add_metric(name, pool.canary.mismatched_pages)
         yield from (cap_b, used_b, cap_p, used_p, pinned, pin_s, fails, verified, mismatched)
         yield from _cache_families(entries)
+        building = GaugeMetricFamily(
+            "hicache_pool_build_progress", "Pools being created: faulted-in share (0..1), by "
+            "state (CREATING, or FAILED until deleted or created again).",
+            labels=["pool", "state"])
+        for pool_name, build_state, progress in self._state.builds():
+            building.add_metric([pool_name, build_state], progress)
+        yield building
         yield GaugeMetricFamily("hicache_cache_watchers", "WatchEvents streams open.",
                                 value=self._state.watchers())
         yield GaugeMetricFamily("hicache_sessions_open", "Open worker sessions.",

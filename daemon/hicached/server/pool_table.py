@@ -3,7 +3,10 @@
 Primitives:
 
 - ``PoolTable(budget_bytes, options, sessions_of, pinner)``: ``create(spec)`` (idempotent:
-  the same spec returns the existing pool, another spec is ``POOL_SPEC_CONFLICT``), ``get``,
+  the same spec returns the existing pool, another spec is ``POOL_SPEC_CONFLICT``),
+  ``create_async(spec)`` (the same, answering at once while the pool builds in the background:
+  ``pool_build``), ``builds()``, ``get`` (``POOL_NOT_READY`` while a pool builds or after its
+  build failed),
   ``cache`` (the pool's ``PoolCache``), ``list``, ``delete`` (refused with ``POOL_IN_USE``
   while sessions are open), ``close_all``.
 - ``charge(spec)``: what a pool costs the budget: its pages and, per page, its tables and key
@@ -22,6 +25,7 @@ from hicache.specs import PoolSpec
 from hicached.cache.pool_cache import KEY_INDEX_BYTES, PoolCache
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
+from hicached.server.pool_build import PoolBuild
 
 
 def charge(spec: PoolSpec) -> int:
@@ -41,50 +45,113 @@ class PoolTable:
         self._sessions_of = sessions_of
         self._pools: dict[str, HostPool] = {}
         self._caches: dict[str, PoolCache] = {}
+        self._builds: dict[str, PoolBuild] = {}
+        self._closed = False
         self._lock = threading.Lock()
         self._creating = threading.Lock()
 
     def create(self, spec: PoolSpec) -> tuple[HostPool, bool]:
-        """The pool for ``spec`` and whether it was created now."""
+        """The pool for ``spec`` and whether it was created now (built in this thread)."""
         with self._creating:  # one allocation at a time keeps the budget check honest
-            with self._lock:
-                existing = self._pools.get(spec.name)
-            if existing is not None:
-                if existing.spec != spec:
-                    raise PoolSpecConflict(
-                        f"pool {spec.name} exists with a different spec",
-                        metadata={"pool": spec.name, "existing": _summary(existing.spec),
-                                  "requested": _summary(spec)},
-                    )
+            existing = self._existing(spec)
+            if isinstance(existing, HostPool):
                 return existing, False
-            need = charge(spec)
-            used = self.used_bytes
-            if used + need > self.budget_bytes:
-                raise HostMemoryInsufficient(
-                    f"pool {spec.name} needs {need} bytes (pages and their index); the daemon "
-                    f"budget of {self.budget_bytes} bytes has {self.budget_bytes - used} left",
-                    metadata={"requested_bytes": need, "budget_bytes": self.budget_bytes,
-                              "used_bytes": used, "pool": spec.name},
-                )
+            if existing is not None:
+                raise existing.not_ready()
+            self._check_budget(spec)
             pool = HostPool(spec, self.options, pinner=self.pinner)
             with self._lock:
                 self._pools[spec.name] = pool
                 self._caches[spec.name] = PoolCache(pool)
             return pool, True
 
+    def create_async(self, spec: PoolSpec) -> tuple[HostPool | PoolBuild, bool]:
+        """Like ``create``, but a new pool builds in the background: returns its
+        ``PoolBuild`` at once (the budget is reserved now). A failed build of the same spec
+        is started again."""
+        with self._creating:
+            existing = self._existing(spec)
+            if existing is not None and not (isinstance(existing, PoolBuild)
+                                             and existing.error is not None):
+                return existing, False
+            with self._lock:
+                self._builds.pop(spec.name, None)
+            self._check_budget(spec)
+
+            def make(on_progress: Callable[[int], None]) -> HostPool:
+                return HostPool(spec, self.options, pinner=self.pinner, on_progress=on_progress)
+
+            build = PoolBuild(spec, spec.resolved_size_tokens() // spec.page_size
+                              * spec.page_bytes, make)
+            with self._lock:
+                self._builds[spec.name] = build
+            build.start(self._built)
+            return build, True
+
+    def _built(self, build: PoolBuild, pool: HostPool | None) -> None:
+        with self._lock:
+            if pool is None or self._closed or self._builds.get(build.spec.name) is not build:
+                keep = None
+            else:
+                self._pools[build.spec.name] = pool
+                self._caches[build.spec.name] = PoolCache(pool)
+                del self._builds[build.spec.name]
+                keep = pool
+        if pool is not None and keep is None:
+            pool.close()  # the table closed (or the build was dropped) meanwhile
+
+    def _existing(self, spec: PoolSpec) -> HostPool | PoolBuild | None:
+        """The pool or build of that name, refusing another spec."""
+        with self._lock:
+            existing: HostPool | PoolBuild | None = (self._pools.get(spec.name)
+                                                     or self._builds.get(spec.name))
+        if existing is not None and existing.spec != spec:
+            raise PoolSpecConflict(
+                f"pool {spec.name} exists with a different spec",
+                metadata={"pool": spec.name, "existing": _summary(existing.spec),
+                          "requested": _summary(spec)},
+            )
+        return existing
+
+    def _check_budget(self, spec: PoolSpec) -> None:
+        need = charge(spec)
+        used = self.used_bytes
+        if used + need > self.budget_bytes:
+            raise HostMemoryInsufficient(
+                f"pool {spec.name} needs {need} bytes (pages and their index); the daemon "
+                f"budget of {self.budget_bytes} bytes has {self.budget_bytes - used} left",
+                metadata={"requested_bytes": need, "budget_bytes": self.budget_bytes,
+                          "used_bytes": used, "pool": spec.name},
+            )
+
     def get(self, name: str) -> HostPool:
         with self._lock:
-            pool = self._pools.get(name)
+            pool, build = self._pools.get(name), self._builds.get(name)
         if pool is None:
-            raise PoolNotFound(f"no pool named {name!r}", metadata={"pool": name})
+            raise self._missing(name, build)
         return pool
 
     def cache(self, name: str) -> PoolCache:
         with self._lock:
-            cache = self._caches.get(name)
+            cache, build = self._caches.get(name), self._builds.get(name)
         if cache is None:
-            raise PoolNotFound(f"no pool named {name!r}", metadata={"pool": name})
+            raise self._missing(name, build)
         return cache
+
+    @staticmethod
+    def _missing(name: str, build: PoolBuild | None) -> Exception:
+        if build is not None:
+            return build.not_ready()
+        return PoolNotFound(f"no pool named {name!r}", metadata={"pool": name})
+
+    def build(self, name: str) -> PoolBuild | None:
+        """The background build of ``name``, while it runs or after it failed."""
+        with self._lock:
+            return self._builds.get(name)
+
+    def builds(self) -> list[PoolBuild]:
+        with self._lock:
+            return list(self._builds.values())
 
     def entries(self) -> list[tuple[HostPool, PoolCache]]:
         """Every pool with its cache."""
@@ -99,6 +166,11 @@ class PoolTable:
         """Remove the pool and free its memory once copies still running on it (of sessions
         closed under them) have ended; the memory is never unmapped under a copy."""
         with self._creating:
+            with self._lock:
+                build = self._builds.get(name)
+                if build is not None and build.error is not None:
+                    del self._builds[name]  # a failed build holds nothing: just forget it
+                    return
             pool = self.get(name)
             open_sessions = self._sessions_of(name)
             if open_sessions:
@@ -111,12 +183,15 @@ class PoolTable:
 
     @property
     def used_bytes(self) -> int:
+        """Charges of the pools and of the builds under way (reserved when they start)."""
         with self._lock:
-            return sum(charge(p.spec) for p in self._pools.values())
+            return sum(charge(p.spec) for p in self._pools.values()) + sum(
+                charge(b.spec) for b in self._builds.values() if b.error is None)
 
     def close_all(self, wait_seconds: float = 10.0) -> None:
         """Close every pool, waiting at most ``wait_seconds`` in all for copies in flight."""
         with self._lock:
+            self._closed = True  # builds that finish from now on are closed at once
             pools, self._pools, self._caches = list(self._pools.values()), {}, {}
         deadline = time.monotonic() + wait_seconds
         for p in pools:

@@ -33,6 +33,7 @@ from hicached.core.pool import HostPool
 from hicached.core.system import available_bytes
 from hicached.cuda.runner import CudaRunner
 from hicached.server.daemon import Daemon
+from hicached.server.pool_build import FAILED, PoolBuild
 from hicached.server.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,16 @@ def pool_message(pool: HostPool, cache: PoolCache, sessions: int) -> pb.Pool:
                    sessions=sessions, keys=cache.key_count, keyed_pages=counts["keyed"],
                    raw_pages=counts["raw"], pinned_pages=counts["held"],
                    metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES)
+
+
+def build_message(b: PoolBuild) -> pb.Pool:
+    """A pool still building (or whose build failed): its spec, state and progress."""
+    failed = b.state == FAILED
+    return pb.Pool(spec=spec_to_proto(b.spec), size_tokens=b.spec.resolved_size_tokens(),
+                   page_bytes=b.spec.page_bytes,
+                   state=pb.POOL_STATE_FAILED if failed else pb.POOL_STATE_CREATING,
+                   progress=b.progress, error=b.error.message if b.error else "",
+                   error_reason=b.error.reason if b.error else "")
 
 
 def session_message(s: Session, capability: bool = True) -> pb.Session:
@@ -107,9 +118,9 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
     def CreatePool(self, request: pb.CreatePoolRequest, context: grpc.ServicerContext
                    ) -> pb.Pool:
         spec = spec_from_proto(request.spec)
-        pool, created = self.daemon.pools.create(spec)
-        if created:
-            log.info("pool %s created: %d bytes", spec.name, pool.nbytes)
+        _, started = self.daemon.pools.create_async(spec)
+        if started:
+            log.info("pool %s: building in the background", spec.name)
         return self._pool(spec.name)
 
     def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.Pool:
@@ -117,13 +128,17 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
 
     def _pool(self, name: str) -> pb.Pool:
         d = self.daemon
+        build = d.pools.build(name)
+        if build is not None:
+            return build_message(build)
         return pool_message(d.pools.get(name), d.pools.cache(name), d.sessions.count(name))
 
     def ListPools(self, request: pb.ListPoolsRequest, context: grpc.ServicerContext
                   ) -> pb.ListPoolsResponse:
         d = self.daemon
-        return pb.ListPoolsResponse(pools=[pool_message(p, c, d.sessions.count(p.spec.name))
-                                           for p, c in d.pools.entries()])
+        return pb.ListPoolsResponse(pools=[
+            *(pool_message(p, c, d.sessions.count(p.spec.name)) for p, c in d.pools.entries()),
+            *(build_message(b) for b in d.pools.builds())])
 
     def DeletePool(self, request: pb.DeletePoolRequest, context: grpc.ServicerContext
                    ) -> pb.DeletePoolResponse:

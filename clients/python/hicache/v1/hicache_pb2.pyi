@@ -40,6 +40,12 @@ class BufferRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_ROLE_KV: _ClassVar[BufferRole]
     BUFFER_ROLE_INDEX: _ClassVar[BufferRole]
 
+class PoolState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_STATE_READY: _ClassVar[PoolState]
+    POOL_STATE_CREATING: _ClassVar[PoolState]
+    POOL_STATE_FAILED: _ClassVar[PoolState]
+
 class Completion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COMPLETION_WAIT: _ClassVar[Completion]
@@ -79,6 +85,9 @@ BUFFER_ROLE_K: BufferRole
 BUFFER_ROLE_V: BufferRole
 BUFFER_ROLE_KV: BufferRole
 BUFFER_ROLE_INDEX: BufferRole
+POOL_STATE_READY: PoolState
+POOL_STATE_CREATING: PoolState
+POOL_STATE_FAILED: PoolState
 COMPLETION_WAIT: Completion
 COMPLETION_LAYER_EVENTS: Completion
 STORE_STATUS_UNSPECIFIED: StoreStatus
@@ -161,7 +170,7 @@ class PoolSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., page_size: _Optional[int] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., size_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., side_pools: _Optional[_Iterable[_Union[SidePool, _Mapping]]] = ..., canary_read_bytes: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions", "keys", "keyed_pages", "raw_pages", "pinned_pages", "metadata_bytes")
+    __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions", "keys", "keyed_pages", "raw_pages", "pinned_pages", "metadata_bytes", "state", "progress", "error", "error_reason")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_NUM_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +186,10 @@ class Pool(_message.Message):
     RAW_PAGES_FIELD_NUMBER: _ClassVar[int]
     PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
     METADATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_REASON_FIELD_NUMBER: _ClassVar[int]
     spec: PoolSpec
     size_tokens: int
     page_num: int
@@ -192,7 +205,11 @@ class Pool(_message.Message):
     raw_pages: int
     pinned_pages: int
     metadata_bytes: int
-    def __init__(self, spec: _Optional[_Union[PoolSpec, _Mapping]] = ..., size_tokens: _Optional[int] = ..., page_num: _Optional[int] = ..., page_bytes: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., keys: _Optional[int] = ..., keyed_pages: _Optional[int] = ..., raw_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., metadata_bytes: _Optional[int] = ...) -> None: ...
+    state: PoolState
+    progress: float
+    error: str
+    error_reason: str
+    def __init__(self, spec: _Optional[_Union[PoolSpec, _Mapping]] = ..., size_tokens: _Optional[int] = ..., page_num: _Optional[int] = ..., page_bytes: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., keys: _Optional[int] = ..., keyed_pages: _Optional[int] = ..., raw_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., state: _Optional[_Union[PoolState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., error_reason: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
