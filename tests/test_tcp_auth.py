@@ -10,6 +10,7 @@ import datetime
 import ipaddress
 import signal
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from cryptography.x509.oid import NameOID
 
 from hicache.errors import HiCacheError
 from hicache_client import HiCacheClient
-from tests.daemon_proc import start_daemon
+from tests.daemon_proc import DaemonProc, start_daemon
 
 TOKEN = "t0k3n-" + "x" * 26
 
@@ -53,46 +54,59 @@ def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificat
     return b.sign(issuer_key, hashes.SHA256())
 
 
+@dataclass(frozen=True)
+class Pki:
+    ca: bytes
+    client_cert: bytes
+    client_key: bytes
+    rogue_cert: bytes
+    """Signed by another CA."""
+    rogue_key: bytes
+    ca_path: Path
+    server_cert_path: Path
+    server_key_path: Path
+    token_path: Path
+
+
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes | Path]:
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     d = tmp_path_factory.mktemp("pki")
     ca_key, other_key = _key(), _key()
     ca = _cert("hicache-test-ca", ca_key, None, ca_key, ca=True)
     other_ca = _cert("someone-else", other_key, None, other_key, ca=True)
     srv_key, cli_key, rogue_key = _key(), _key(), _key()
-    out: dict[str, bytes | Path] = {
-        "ca": ca.public_bytes(serialization.Encoding.PEM),
-        "server_cert": _cert("hicached", srv_key, ca, ca_key, ca=False, server=True
-                             ).public_bytes(serialization.Encoding.PEM),
-        "server_key": _pem_key(srv_key),
-        "client_cert": _cert("worker", cli_key, ca, ca_key, ca=False
-                             ).public_bytes(serialization.Encoding.PEM),
-        "client_key": _pem_key(cli_key),
-        "rogue_cert": _cert("rogue", rogue_key, other_ca, other_key, ca=False
-                            ).public_bytes(serialization.Encoding.PEM),
-        "rogue_key": _pem_key(rogue_key),
-    }
-    for name in ("ca", "server_cert", "server_key"):
-        path = d / f"{name}.pem"
-        path.write_bytes(out[name])  # type: ignore[arg-type]
-        out[f"{name}_path"] = path
+
+    def pem(cert: x509.Certificate) -> bytes:
+        return cert.public_bytes(serialization.Encoding.PEM)
+
+    files = {"ca": pem(ca), "server_cert": pem(_cert("hicached", srv_key, ca, ca_key, ca=False,
+                                                     server=True)),
+             "server_key": _pem_key(srv_key)}
+    for name, data in files.items():
+        (d / f"{name}.pem").write_bytes(data)
     (d / "token").write_text(TOKEN + "\n")
-    out["token_path"] = d / "token"
-    return out
+    return Pki(ca=files["ca"], client_cert=pem(_cert("worker", cli_key, ca, ca_key, ca=False)),
+               client_key=_pem_key(cli_key),
+               rogue_cert=pem(_cert("rogue", rogue_key, other_ca, other_key, ca=False)),
+               rogue_key=_pem_key(rogue_key), ca_path=d / "ca.pem",
+               server_cert_path=d / "server_cert.pem", server_key_path=d / "server_key.pem",
+               token_path=d / "token")
 
 
-def free_port() -> int:
+def tcp_daemon(tmp_path: Path, pki: Pki, *auth: str) -> tuple[DaemonProc, str]:
+    """A daemon with TLS on a free loopback port, plus ``auth`` flags; and its TCP target."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def tls_args(pki: dict[str, bytes | Path]) -> list[str]:
-    return ["--tls-cert", str(pki["server_cert_path"]), "--tls-key", str(pki["server_key_path"])]
+        port = int(s.getsockname()[1])
+    d = start_daemon(tmp_path, "--listen", f"127.0.0.1:{port}", "--tls-cert",
+                     str(pki.server_cert_path), "--tls-key", str(pki.server_key_path), *auth)
+    return d, f"127.0.0.1:{port}"
 
 
 def test_plain_tcp_is_refused_unless_asked_for(tmp_path: Path) -> None:
-    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
     d = start_daemon(tmp_path, "--listen", f"127.0.0.1:{port}", wait=False)
     assert d.proc.wait(30) == 2
     assert "without client authentication" in d.log() and "insecure_tcp" in d.log()
@@ -104,17 +118,14 @@ def test_plain_tcp_is_refused_unless_asked_for(tmp_path: Path) -> None:
         ok.stop(signal.SIGKILL)
 
 
-def test_mutual_tls_admits_only_clients_the_ca_signed(tmp_path: Path, pki) -> None:  # type: ignore[no-untyped-def]
-    port = free_port()
-    d = start_daemon(tmp_path, "--listen", f"127.0.0.1:{port}", *tls_args(pki),
-                     "--tls-client-ca", str(pki["ca_path"]))
-    target = f"127.0.0.1:{port}"
+def test_mutual_tls_admits_only_clients_the_ca_signed(tmp_path: Path, pki: Pki) -> None:
+    d, target = tcp_daemon(tmp_path, pki, "--tls-client-ca", str(pki.ca_path))
     try:
-        with HiCacheClient(target, tls_ca=pki["ca"], tls_cert=pki["client_cert"],  # type: ignore[arg-type]
-                           tls_key=pki["client_key"]) as good:  # type: ignore[arg-type]
+        with HiCacheClient(target, tls_ca=pki.ca, tls_cert=pki.client_cert,
+                           tls_key=pki.client_key) as good:
             assert good.get_info().serving
-        for cert, key in ((None, None), (pki["rogue_cert"], pki["rogue_key"])):
-            with HiCacheClient(target, tls_ca=pki["ca"], tls_cert=cert, tls_key=key,  # type: ignore[arg-type]
+        for cert, key in ((None, None), (pki.rogue_cert, pki.rogue_key)):
+            with HiCacheClient(target, tls_ca=pki.ca, tls_cert=cert, tls_key=key,
                                reconnect_seconds=0, timeout=5) as bad:
                 with pytest.raises(HiCacheError) as exc:
                     bad.get_info()
@@ -126,17 +137,14 @@ def test_mutual_tls_admits_only_clients_the_ca_signed(tmp_path: Path, pki) -> No
         d.stop(signal.SIGKILL)
 
 
-def test_bearer_token_over_tls(tmp_path: Path, pki) -> None:  # type: ignore[no-untyped-def]
-    port = free_port()
-    d = start_daemon(tmp_path, "--listen", f"127.0.0.1:{port}", *tls_args(pki),
-                     "--auth-token-file", str(pki["token_path"]))
-    target = f"127.0.0.1:{port}"
+def test_bearer_token_over_tls(tmp_path: Path, pki: Pki) -> None:
+    d, target = tcp_daemon(tmp_path, pki, "--auth-token-file", str(pki.token_path))
     try:
-        with HiCacheClient(target, tls_ca=pki["ca"], auth_token=TOKEN) as good:  # type: ignore[arg-type]
+        with HiCacheClient(target, tls_ca=pki.ca, auth_token=TOKEN) as good:
             assert good.get_info().serving
             assert good.list_pools() == []
         for token in (None, TOKEN + "x", "wrong"):
-            with HiCacheClient(target, tls_ca=pki["ca"], auth_token=token,  # type: ignore[arg-type]
+            with HiCacheClient(target, tls_ca=pki.ca, auth_token=token,
                                reconnect_seconds=0) as bad:
                 with pytest.raises(HiCacheError) as exc:
                     bad.list_pools()
