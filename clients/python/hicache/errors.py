@@ -52,7 +52,8 @@ Hierarchy::
     │   ├── DeviceNotFound                 DEVICE_NOT_FOUND
     │   └── KeyNotFound                    KEY_NOT_FOUND
     ├── PermissionDenied               the caller may not use that resource
-    │   └── ShmPathRejected                SHM_PATH_REJECTED
+    │   ├── ShmPathRejected                SHM_PATH_REJECTED
+    │   └── PeerNotAllowed                 PEER_NOT_ALLOWED
     ├── Unauthenticated                UNAUTHENTICATED: a TCP caller without the daemon's token
     ├── Unavailable                    try again later / elsewhere
     │   ├── PoolNotReady                   POOL_NOT_READY
@@ -316,6 +317,13 @@ class PermissionDenied(HiCacheError):
 
 class ShmPathRejected(PermissionDenied):
     reason = "SHM_PATH_REJECTED"
+
+
+class PeerNotAllowed(PermissionDenied):
+    """The pool's access rules do not list the worker's uid or groups (or the worker did not
+    identify itself through the daemon's identity socket)."""
+
+    reason = "PEER_NOT_ALLOWED"
 
 
 class Unauthenticated(HiCacheError):

@@ -15,7 +15,9 @@ Primitives: ``HiCacheClient`` (one method per RPC, the cache's included: ``looku
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -199,10 +201,27 @@ class HiCacheClient:
         msgs = [b if isinstance(b, pb.DeviceBuffer) else buffer_to_proto(b) for b in buffers]
         s = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
             pool=pool, worker_id=worker_id, buffers=msgs, lease_ms=lease_ms,
-            layer_events=list(layer_events), ready_event=ready_event), retry=False)
+            layer_events=list(layer_events), ready_event=ready_event,
+            peer_token=self.peer_token()), retry=False)
         session = WorkerSession(self, s, heartbeat)
         self._sessions.add(session)
         return session
+
+    def peer_token(self) -> str:
+        """A one-time token from the daemon's identity socket (``<socket>.id``) naming this
+        process's uid / gid / pid as the kernel reports them; "" over TCP or when the daemon
+        has none (pools without access rules do not need it)."""
+        if not self.target.startswith("unix:"):
+            return ""
+        path = self.target[len("unix:"):].removeprefix("//") + ".id"
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(2.0)
+                s.connect(path)
+                line = s.makefile("rb").readline(4096)
+            return str(json.loads(line)["token"])
+        except (OSError, ValueError, KeyError):
+            return ""
 
     def heartbeat(self, session_id: str) -> pb.Session:
         s: pb.Session = self._call(self._stub.Heartbeat,

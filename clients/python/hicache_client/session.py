@@ -32,6 +32,8 @@ class WorkerSession:
         self.lease_ms: int = msg.lease_ms
         self.lease_clamped: bool = msg.lease_clamped
         self.public_id: str = msg.public_id
+        self.peer_uid: int | None = msg.peer_uid if msg.peer_known else None
+        """The uid the daemon bound the session to (identity socket), if it knows it."""
         """The name others see (``ListSessions``, ``hicachectl sessions``); ``session_id`` is
         the capability: keep it to this worker."""
         """The daemon cut the lease asked for down to its maximum (``lease_ms`` is that)."""

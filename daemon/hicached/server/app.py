@@ -40,6 +40,7 @@ from hicached.core.pool import MemoryOptions
 from hicached.cuda.pinner import DriverPinner
 from hicached.server.config import ServerConfig
 from hicached.server.daemon import Daemon
+from hicached.server.identity import IdentityChannel
 from hicached.server.interceptors import AdmissionInterceptor, server_interceptors
 from hicached.server.metrics import Metrics, ScrapeState, serve
 from hicached.server.pool_build import PoolBuild
@@ -129,7 +130,8 @@ class HiCacheServer:
                   "python": platform.python_version()})
         self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir),
                              TransferEngine(config.copy_threads), metrics, cuda=cuda,
-                             cuda_driver=config.cuda_driver, max_watchers=config.max_watchers)
+                             cuda_driver=config.cuda_driver, max_watchers=config.max_watchers,
+                             access=config.access)
         self.health = health.HealthServicer()
         self._locks: list[_SocketLock] = []
         self._stopped = threading.Event()
@@ -185,6 +187,12 @@ class HiCacheServer:
             for target in bound:
                 if target.startswith("unix:"):
                     self._secure_socket(_unix_path(target))
+                    channel = IdentityChannel(
+                        _unix_path(target) + ".id", self.config.socket_mode,
+                        grp.getgrnam(self.config.socket_group).gr_gid
+                        if self.config.socket_group else -1)
+                    channel.start()
+                    self.daemon.identities.append(channel)
             for target in self.health_bound:  # health says nothing a local user may not see
                 if target.startswith("unix:"):
                     os.chmod(_unix_path(target), 0o666)
@@ -267,6 +275,8 @@ class HiCacheServer:
 
     def _release(self) -> None:
         self.health_grpc.stop(grace=None)
+        for channel in self.daemon.identities:
+            channel.close()
         self.daemon.sessions.close_all()
         if self.daemon.cuda is not None:
             self.daemon.cuda.close()  # GPU copies still running finish, then sessions release

@@ -28,6 +28,7 @@ from hicache.specs import (
     PoolSpec,
 )
 from hicached.core.system import available_bytes
+from hicached.server.identity import AccessRule
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -57,6 +58,9 @@ class ServerConfig:
     group too: workers running as other users in the service's group)."""
     socket_group: str = ""
     """Group the ``unix:`` API sockets are given ("" = the daemon's own group)."""
+    access: tuple[AccessRule, ...] = ()
+    """``[[access]]`` rules: pools matching a glob may be opened only by listed uids / gids
+    (identified through the identity socket beside each API socket)."""
     shm_dir: str = "/dev/shm"
     """The only directory whose files workers may hand over as device buffers."""
     metrics_listen: str = "127.0.0.1:9464"
@@ -214,6 +218,16 @@ def pool_from_mapping(d: Mapping[str, object]) -> PoolSpec:
                     canary=CanarySpec(canary) if canary else None)
 
 
+def access_rule(r: Mapping[str, object]) -> AccessRule:
+    """An ``[[access]]`` table: ``pools`` (a glob), ``uids`` and/or ``gids`` (lists)."""
+    unknown = set(r) - {"pools", "uids", "gids"}
+    if "pools" not in r or unknown:
+        raise SpecInvalid("an [[access]] rule has pools (a glob) and uids / gids lists",
+                          metadata={"unknown": ",".join(sorted(unknown))})
+    ids = {k: tuple(int(str(x)) for x in r.get(k, ())) for k in ("uids", "gids")}  # type: ignore[attr-defined]
+    return AccessRule(str(r["pools"]), ids["uids"], ids["gids"])
+
+
 def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
     known = {f.name for f in fields(ServerConfig)}
     kwargs: dict[str, object] = {}
@@ -228,6 +242,8 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
             value = parse_size(value)
         elif key == "socket_mode" and isinstance(value, str):  # "0660" in TOML or env
             value = int(value, 8)
+        elif key == "access":
+            value = tuple(access_rule(r) for r in value)  # type: ignore[attr-defined]
         elif key in ("listen", "health_listen"):
             value = (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
         kwargs[key] = value

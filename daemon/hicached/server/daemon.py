@@ -38,6 +38,7 @@ from hicache.keys import check_keys
 from hicached.cache.pool_cache import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
+from hicached.server.identity import AccessRule, IdentityChannel, Peer
 from hicached.server.metrics import Metrics
 from hicached.server.pool_table import PoolTable
 from hicached.server.sessions import Session, SessionManager
@@ -72,9 +73,23 @@ class Daemon:
     """RPCs being handled now."""
     max_watchers: int = 4
     """WatchEvents streams served at once (each holds an RPC thread)."""
+    access: tuple[AccessRule, ...] = ()
+    """Who may open sessions on which pools."""
+    identities: list[IdentityChannel] = field(default_factory=list)
+    """The identity sockets beside the Unix API sockets (tokens for OpenSession)."""
     watchers: int = 0
     """WatchEvents streams open now."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def identify(self, token: str) -> Peer | None:
+        """The peer a token from an identity socket was issued to (None: no or stale token)."""
+        if not token:
+            return None
+        for channel in self.identities:
+            peer = channel.redeem(token)
+            if peer is not None:
+                return peer
+        return None
 
     # -- drain gate ------------------------------------------------------------------------
 

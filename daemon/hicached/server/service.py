@@ -33,6 +33,7 @@ from hicached.core.pool import HostPool
 from hicached.core.system import available_bytes
 from hicached.cuda.runner import CudaRunner
 from hicached.server.daemon import Daemon
+from hicached.server.identity import check_access
 from hicached.server.pool_build import FAILED, PoolBuild
 from hicached.server.sessions import Session
 
@@ -82,7 +83,9 @@ def session_message(s: Session, capability: bool = True) -> pb.Session:
                       expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
                       attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
                       transfers=s.transfers, device_uuid=uuid, layer_events=events,
-                      lease_clamped=s.lease_clamped)
+                      lease_clamped=s.lease_clamped, peer_known=s.peer is not None,
+                      peer_uid=s.peer.uid if s.peer else 0, peer_gid=s.peer.gid if s.peer else 0,
+                      peer_pid=s.peer.pid if s.peer else 0)
 
 
 def transfer_response(r: TransferResult) -> pb.TransferResponse:
@@ -150,6 +153,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                     ) -> pb.Session:
         d = self.daemon
         pool = d.pools.get(request.pool)
+        peer = d.identify(request.peer_token)
+        check_access(d.access, request.pool, peer)  # before anything is mapped
         check_layer_events(len(request.layer_events), pool.spec.max_layers)
         buffers = [buffer_from_proto(b, i) for i, b in enumerate(request.buffers)]
         attachment = d.attach(buffers, list(request.layer_events), bytes(request.ready_event))
@@ -157,7 +162,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             assert attachment.buffers is not None
             tokens = attachment.buffers.check_against(pool.spec)
             session = d.sessions.open(request.pool, pool, request.worker_id, attachment, tokens,
-                                      request.lease_ms / 1000.0)
+                                      request.lease_ms / 1000.0, peer)
         except BaseException:
             attachment.release()
             raise

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from hicache.errors import BufferFault, SessionNotFound
 from hicache.identity import is_public_id, public_session_id
 from hicached.core.pool import HostPool
+from hicached.server.identity import Peer
 from hicached.transport.base import Attachment
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class Session:
     transfers: int = 0
     lease_clamped: bool = False
     """The worker asked for more than the daemon's maximum lease."""
+    peer: Peer | None = None
+    """Who opened it, when the worker identified itself (identity socket)."""
     ended: bool = False
     released: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -85,7 +88,8 @@ class SessionManager:
     # -- lifecycle -------------------------------------------------------------------------
 
     def open(self, pool_name: str, pool: HostPool, worker_id: str, attachment: Attachment,
-             device_tokens: int, lease_seconds: float = 0.0) -> Session:
+             device_tokens: int, lease_seconds: float = 0.0, peer: Peer | None = None
+             ) -> Session:
         lease = lease_seconds if lease_seconds > 0 else self.default_lease
         clamped = lease > self.max_lease
         if clamped:
@@ -95,7 +99,7 @@ class SessionManager:
         s = Session(session_id=uuid.uuid4().hex, pool_name=pool_name, pool=pool,
                     worker_id=worker_id, lease_seconds=lease, attachment=attachment,
                     device_tokens=device_tokens, expires_at=self._clock() + lease,
-                    owner=next(self._owners), lease_clamped=clamped)
+                    owner=next(self._owners), lease_clamped=clamped, peer=peer)
         with self._lock:
             self._sessions[s.session_id] = s
         log.info("session %s opened: pool=%s worker=%s lease=%.1fs attached=%d bytes",

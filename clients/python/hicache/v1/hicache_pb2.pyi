@@ -330,23 +330,25 @@ class DeviceBuffer(_message.Message):
     def __init__(self, member: _Optional[str] = ..., role: _Optional[_Union[BufferRole, str]] = ..., layer: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., strides: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("pool", "worker_id", "buffers", "lease_ms", "layer_events", "ready_event")
+    __slots__ = ("pool", "worker_id", "buffers", "lease_ms", "layer_events", "ready_event", "peer_token")
     POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     LAYER_EVENTS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool: str
     worker_id: str
     buffers: _containers.RepeatedCompositeFieldContainer[DeviceBuffer]
     lease_ms: int
     layer_events: _containers.RepeatedScalarFieldContainer[bytes]
     ready_event: bytes
-    def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., layer_events: _Optional[_Iterable[bytes]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    peer_token: str
+    def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., layer_events: _Optional[_Iterable[bytes]] = ..., ready_event: _Optional[bytes] = ..., peer_token: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped", "public_id")
+    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped", "public_id", "peer_known", "peer_uid", "peer_gid", "peer_pid")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +361,10 @@ class Session(_message.Message):
     LAYER_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_CLAMPED_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    PEER_UID_FIELD_NUMBER: _ClassVar[int]
+    PEER_GID_FIELD_NUMBER: _ClassVar[int]
+    PEER_PID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     worker_id: str
@@ -371,7 +377,11 @@ class Session(_message.Message):
     layer_events: int
     lease_clamped: bool
     public_id: str
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ..., public_id: _Optional[str] = ...) -> None: ...
+    peer_known: bool
+    peer_uid: int
+    peer_gid: int
+    peer_pid: int
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ..., public_id: _Optional[str] = ..., peer_known: _Optional[bool] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
