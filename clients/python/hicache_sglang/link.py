@@ -68,7 +68,6 @@ class _State:
     session: WorkerSession | None = None
     generation: int = 0
     last_error: str = ""
-    attempts: int = 0
 
 
 class DaemonLink:
@@ -135,7 +134,6 @@ class DaemonLink:
         if client is None:
             client = HiCacheClient(cfg.target, timeout=cfg.rpc_timeout_s, reconnect_seconds=0)
             self._state.client = client
-        self._state.attempts += 1
         try:
             client.get_info()
             self._create_pool(client)

@@ -36,7 +36,7 @@ from hicache.errors import SpecInvalid
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
-from hicached.core.pool import MemoryOptions
+from hicached.core.pool import HostPool, MemoryOptions
 from hicached.cuda.pinner import DriverPinner
 from hicached.server.config import ServerConfig
 from hicached.server.daemon import Daemon
@@ -137,7 +137,7 @@ class HiCacheServer:
         self._stopped = threading.Event()
         self._drain_lock = threading.Lock()
         self.metrics_port = 0
-        self._declared: list[object] = []
+        self._declared: list[HostPool | PoolBuild] = []
         self._ready = threading.Event()
         self.health_bound: list[str] = []
         """Where the health-only server listens (``health_listen``)."""
@@ -187,10 +187,8 @@ class HiCacheServer:
             for target in bound:
                 if target.startswith("unix:"):
                     self._secure_socket(_unix_path(target))
-                    channel = IdentityChannel(
-                        _unix_path(target) + ".id", self.config.socket_mode,
-                        grp.getgrnam(self.config.socket_group).gr_gid
-                        if self.config.socket_group else -1)
+                    channel = IdentityChannel(_unix_path(target) + ".id",
+                                              self.config.socket_mode, self._socket_gid())
                     channel.start()
                     self.daemon.identities.append(channel)
             for target in self.health_bound:  # health says nothing a local user may not see
@@ -222,10 +220,14 @@ class HiCacheServer:
         """True once the declared pools are built and readiness is SERVING."""
         return self._ready.wait(timeout)
 
+    def _socket_gid(self) -> int:
+        """The configured socket group's gid; -1 = leave the daemon's own."""
+        group = self.config.socket_group
+        return grp.getgrnam(group).gr_gid if group else -1
+
     def _secure_socket(self, path: str) -> None:
         """The socket's mode and group from the config (the unit's Group= by default)."""
-        if self.config.socket_group:
-            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
+        os.chown(path, -1, self._socket_gid())
         os.chmod(path, self.config.socket_mode)
 
     def _listen(self, target: str, server: grpc.Server | None = None) -> str:
