@@ -232,7 +232,7 @@ def test_hicachectl(daemon: DaemonProc, client: HiCacheClient) -> None:
         return run_ctl(daemon.target, *args)
 
     status = json.loads(ctl("--json", "status"))
-    assert status["version"] and status["transports"] == ["shm"]
+    assert status["version"] and status["transports"] == ["shm", "memfd"]
     pools = json.loads(ctl("--json", "pools"))
     assert SPEC.name in [p["spec"]["name"] for p in pools]
     assert "version" in ctl("status")

@@ -33,7 +33,7 @@ from tests.sglang_harness import LAYERS, SGLangCache, tokens_of  # noqa: E402
 
 @pytest.fixture
 def daemon(tmp_path: Path):
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, "--no-shm-paths")  # CPU workers hand over sealed memfds
     yield d
     d.stop(signal.SIGKILL)
 
@@ -114,7 +114,7 @@ def test_another_instance_hits_what_the_first_stored(daemon: DaemonProc) -> None
 
 
 def test_daemon_killed_between_offload_and_load(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, "--no-shm-paths")
     cache = SGLangCache(d.target, d.shm_dir)
     try:
         tokens = tokens_of(7000, 16)
@@ -127,7 +127,7 @@ def test_daemon_killed_between_offload_and_load(tmp_path: Path) -> None:
         assert cache.linker.stats["offloads_dropped"] + cache.linker.stats[
             "offload_failures"] >= 1
         # the daemon comes back on the same socket: the link reconnects by itself
-        d = start_daemon(tmp_path, socket=d.socket)
+        d = start_daemon(tmp_path, "--no-shm-paths", socket=d.socket)
         deadline = time.monotonic() + 15
         while not cache.linker.link.up:
             assert time.monotonic() < deadline, "the linker did not reconnect"

@@ -57,6 +57,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
 _FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds"}
 _INTS = {"copy_threads", "grpc_threads", "max_watchers", "max_data_rpcs", "max_pending_rpcs"}
 _LISTS = {"listen", "health_listen"}
+_BOOLS = {"hugepages", "insecure_tcp", "accept_shm_paths"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -77,7 +78,7 @@ def _coerce(setting: str, value: str) -> Any:
         return [v for v in value.split(",") if v]
     if setting == "socket_mode":
         return int(value, 8)
-    if setting in ("hugepages", "insecure_tcp"):
+    if setting in _BOOLS:
         return value.lower() in ("1", "true", "yes", "on")
     return value
 
@@ -87,7 +88,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
     if args.config:
         with open(args.config, "rb") as f:
             merged.update(tomllib.load(f))
-    settings = {s for s, _ in _FLAGS.values()} | {"hugepages", "insecure_tcp"}
+    settings = {s for s, _ in _FLAGS.values()} | _BOOLS
     for setting in sorted(settings):
         env = environ.get(ENV_PREFIX + setting.upper())
         if env is not None:
@@ -98,6 +99,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
             merged[setting] = value if setting in _LISTS else _coerce(setting, value)
     if getattr(args, "insecure_tcp", False):
         merged["insecure_tcp"] = True
+    if getattr(args, "no_shm_paths", False):
+        merged["accept_shm_paths"] = False
     return config_from_mapping(merged)
 
 
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument(flag, **kw)
     sp.add_argument("--insecure-tcp", action="store_true",
                     help="allow TCP listeners without TLS client authentication")
+    sp.add_argument("--no-shm-paths", action="store_true",
+                    help="refuse shm buffers named by path: CPU workers hand over sealed memfds")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]

@@ -2,7 +2,8 @@
 
 One daemon serves a bystander that stores keyed pages before the attacks and checks them after
 each (loaded into zeroed rows); the attacks, each by real processes or real connections:
-truncating a handed-over buffer mid-load, shrinking one, connecting as another uid,
+truncating a handed-over buffer mid-load, shrinking one, passing garbage or unsealed fds and
+shrinking a sealed one, connecting as another uid,
 guessing and reusing session ids, a flood of 10,000 requests, 64 idle connections, a worker
 SIGSTOPped past its lease. After each: the daemon is up, health SERVING, the bystander's keys
 all there and exact.
@@ -26,7 +27,7 @@ import grpc
 import pytest
 import torch
 
-from hicache.errors import HiCacheError
+from hicache.errors import FdRejected, HiCacheError
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -117,6 +118,43 @@ def test_truncate_and_shrink_buffers_mid_load(arena) -> None:  # type: ignore[no
             c.free(SPEC.name, host)
         bystander.check(d)
     record("hostile_truncate", attacks=2, buffer_faults=faults)
+
+
+def test_garbage_unsealed_and_shrunk_fds(arena) -> None:  # type: ignore[no-untyped-def]
+    d, bystander = arena
+    refused = 0
+    with HiCacheClient(d.target, reconnect_seconds=0) as c, \
+            ShmDeviceBuffers.create(SPEC, N, sealed=True, prefix="attacker") as bufs:
+        need = max(x.offset + x.nbytes for x in bufs.descriptors)
+        unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+        os.ftruncate(unsealed, need)
+        r, w = os.pipe()
+        garbage = [unsealed, r, w, os.open("/dev/null", os.O_RDWR), os.open("/", os.O_RDONLY)]
+        try:
+            for fd in garbage:
+                with pytest.raises(FdRejected):
+                    c.open_session(SPEC.name, "attacker", bufs.descriptors,
+                                   fds=[fd, bufs.fds[1]], heartbeat=False)
+                refused += 1
+            # a sealed buffer mid-load: the worker tries to shrink it; the kernel says no
+            s = c.open_session(SPEC.name, "attacker", bufs.descriptors, fds=bufs.fds,
+                               heartbeat=False)
+            host = c.alloc(SPEC.name, N)
+            s.backup(host, torch.arange(N))
+            shrinks = 0
+            for _ in range(20):
+                s.load(host, torch.arange(N))
+                for fd in bufs.fds:
+                    with pytest.raises(PermissionError):
+                        os.ftruncate(fd, 0)
+                    shrinks += 1
+            s.close()
+            c.free(SPEC.name, host)
+        finally:
+            for fd in garbage:
+                os.close(fd)
+    bystander.check(d)
+    record("hostile_fds", garbage_refused=refused, shrinks_refused_by_kernel=shrinks)
 
 
 def test_another_uid_cannot_connect(arena) -> None:  # type: ignore[no-untyped-def]

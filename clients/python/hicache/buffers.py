@@ -13,7 +13,7 @@ Primitives:
 - ``contiguous_strides(shape)`` / ``strided_span(shape, strides)``: element strides of a dense
   buffer, and how many elements a strided one spans (its extent).
 - ``DeviceBufferSpec``: one buffer as handed over on the wire (``codec`` encodes it), by a
-  shared-memory file or a CUDA IPC handle.
+  shared-memory file, a sealed memfd or a CUDA IPC handle.
 - ``unmap_all(maps)``: close the mappings of buffer files, tolerating views still alive.
 """
 
@@ -89,14 +89,16 @@ class DeviceBufferSpec:
     strides: tuple[int, ...]
     """Element strides; empty = contiguous."""
     transport: str
-    """"shm" or "cuda_ipc"."""
+    """"shm" (a file by path), "memfd" (a sealed memfd passed by fd) or "cuda_ipc"."""
     path: str = ""
     """shm: the file under the daemon's shared-memory directory."""
     offset: int = 0
-    """Bytes from the start of the file (shm) or of the CUDA allocation (cuda_ipc)."""
+    """Bytes from the start of the file (shm, memfd) or of the CUDA allocation (cuda_ipc)."""
     nbytes: int = 0
     """Bytes of the buffer."""
     ipc_handle: bytes = b""
     """cuda_ipc: the 64-byte ``cuIpcGetMemHandle`` handle of the allocation holding it."""
     device_uuid: str = ""
     """cuda_ipc: the GPU's UUID (ordinals differ between processes)."""
+    fd_index: int = -1
+    """memfd: position of its fd among those passed with the session's identity request."""

@@ -128,7 +128,7 @@ def spec_to_proto(spec: PoolSpec) -> pb.PoolSpec:
 def buffer_from_proto(msg: pb.DeviceBuffer, position: int) -> DeviceBufferSpec:
     which = msg.WhichOneof("handle")
     if which is None:
-        raise SpecInvalid(f"buffers[{position}] has no handle (shm or cuda_ipc)",
+        raise SpecInvalid(f"buffers[{position}] has no handle (shm, memfd or cuda_ipc)",
                           metadata={"position": position})
     common = dict(member=msg.member or ANCHOR, role=role_from_proto(msg.role),
                   layer=int(msg.layer), shape=tuple(int(x) for x in msg.shape),
@@ -137,6 +137,10 @@ def buffer_from_proto(msg: pb.DeviceBuffer, position: int) -> DeviceBufferSpec:
     if which == "shm":
         return DeviceBufferSpec(transport="shm", path=msg.shm.path, offset=int(msg.shm.offset),
                                 nbytes=int(msg.shm.nbytes), **common)  # type: ignore[arg-type]
+    if which == "memfd":
+        return DeviceBufferSpec(transport="memfd", fd_index=int(msg.memfd.fd_index),
+                                offset=int(msg.memfd.offset), nbytes=int(msg.memfd.nbytes),
+                                **common)  # type: ignore[arg-type]
     return DeviceBufferSpec(transport="cuda_ipc", ipc_handle=msg.cuda_ipc.handle,
                             device_uuid=msg.cuda_ipc.device_uuid,
                             offset=int(msg.cuda_ipc.offset), nbytes=int(msg.cuda_ipc.nbytes),
@@ -150,6 +154,8 @@ def buffer_to_proto(b: DeviceBufferSpec) -> pb.DeviceBuffer:
     msg.dtype = dtype_to_proto(b.dtype)  # type: ignore[assignment]
     if b.transport == "shm":
         msg.shm.path, msg.shm.offset, msg.shm.nbytes = b.path, b.offset, b.nbytes
+    elif b.transport == "memfd":
+        msg.memfd.fd_index, msg.memfd.offset, msg.memfd.nbytes = b.fd_index, b.offset, b.nbytes
     else:
         msg.cuda_ipc.handle, msg.cuda_ipc.device_uuid = b.ipc_handle, b.device_uuid
         msg.cuda_ipc.offset, msg.cuda_ipc.nbytes = b.offset, b.nbytes

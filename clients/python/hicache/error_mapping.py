@@ -68,6 +68,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.KeyNotFound: C.NOT_FOUND,
     e.PermissionDenied: C.PERMISSION_DENIED,
     e.ShmPathRejected: C.PERMISSION_DENIED,
+    e.FdRejected: C.PERMISSION_DENIED,
     e.PeerNotAllowed: C.PERMISSION_DENIED,
     e.Unauthenticated: C.UNAUTHENTICATED,
     e.Unavailable: C.UNAVAILABLE,

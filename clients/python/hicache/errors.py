@@ -53,6 +53,7 @@ Hierarchy::
     │   └── KeyNotFound                    KEY_NOT_FOUND
     ├── PermissionDenied               the caller may not use that resource
     │   ├── ShmPathRejected                SHM_PATH_REJECTED
+    │   ├── FdRejected                     FD_REJECTED
     │   └── PeerNotAllowed                 PEER_NOT_ALLOWED
     ├── Unauthenticated                UNAUTHENTICATED: a TCP caller without the daemon's token
     ├── Unavailable                    try again later / elsewhere
@@ -229,15 +230,13 @@ class TransportUnavailable(StateConflict):
 
 
 class PageNotWritten(StateConflict):
-    """A load of host pages (or layers of them) nothing has written since they were
-    allocated: their bytes would be a previous owner's."""
+    """A load of host pages (or layers) nothing wrote since allocation: a previous owner's."""
 
     reason = "PAGE_NOT_WRITTEN"
 
 
 class BufferFault(StateConflict):
-    """A worker's buffer memory vanished under a copy (its shared-memory file was truncated):
-    the request failed and the daemon ended that session; other sessions are untouched."""
+    """A worker's buffer vanished under a copy (file truncated): that session is ended."""
 
     reason = "BUFFER_FAULT"
 
@@ -249,8 +248,7 @@ class Aborted(HiCacheError):
 
 
 class PageBusy(Aborted):
-    """A page is being written by another request (or read, for a write): one page is never
-    written by two requests at once, nor read while written."""
+    """A page is being written by another request (or read, for a write)."""
 
     reason = "PAGE_BUSY"
 
@@ -280,8 +278,7 @@ class TooManyWatchers(ResourceExhausted):
 
 
 class Overloaded(ResourceExhausted):
-    """The data path is at its bound of concurrent transfers; retry after ``retry_after_ms``
-    (also sent as a ``google.rpc.RetryInfo``). Control calls are never refused this way."""
+    """The data path is at its bound of transfers; retry after ``retry_after_ms`` (RetryInfo)."""
 
     reason = "OVERLOADED"
 
@@ -319,9 +316,14 @@ class ShmPathRejected(PermissionDenied):
     reason = "SHM_PATH_REJECTED"
 
 
+class FdRejected(PermissionDenied):
+    """A memfd buffer the daemon will not map (missing, unsealed, not memory, too small)."""
+
+    reason = "FD_REJECTED"
+
+
 class PeerNotAllowed(PermissionDenied):
-    """The pool's access rules do not list the worker's uid or groups (or the worker did not
-    identify itself through the daemon's identity socket)."""
+    """The pool's access rules do not list the caller (or it brought no credential)."""
 
     reason = "PEER_NOT_ALLOWED"
 

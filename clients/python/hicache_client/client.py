@@ -15,9 +15,7 @@ Primitives: ``HiCacheClient`` (one method per RPC, the cache's included: ``looku
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -29,13 +27,23 @@ import grpc
 from hicache.buffers import DeviceBufferSpec
 from hicache.codec import buffer_to_proto, spec_to_proto
 from hicache.error_mapping import from_rpc_error
-from hicache.errors import Draining, Overloaded, PoolNotReady, Unavailable, error_class_for
+from hicache.errors import (
+    Draining,
+    Overloaded,
+    PeerNotAllowed,
+    PoolNotReady,
+    TransportUnavailable,
+    Unavailable,
+    error_class_for,
+)
+from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
 from hicache.indices import indices_to_bytes, to_index_array
 from hicache.keys import encode_keys
 from hicache.paths import default_target
 from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache_client.identity import request_token
 from hicache_client.results import (
     CacheEvent,
     LookupResult,
@@ -84,15 +92,34 @@ class HiCacheClient:
 
     # -- plumbing --------------------------------------------------------------------------
 
+    def _credentials(self, pool: str) -> list[tuple[str, str]]:
+        """What proves this client may use ``pool`` where access rules cover it: the
+        capability of one of its open sessions on the pool."""
+        for s in list(self._sessions):
+            if s.pool == pool and not s.closed:
+                return [(SESSION_HEADER, s.session_id)]
+        return []
+
     def _call(self, method: Callable[..., T], request: Any, *, retry: bool,
-              timeout: float | None = None) -> T:
+              timeout: float | None = None, pool: str | None = None) -> T:
+        """``pool``: the pool a pool-level call acts on ("" = not known here); it carries this
+        client's credential for it, and a PEER_NOT_ALLOWED refusal (access rules) is retried
+        once with an identity token."""
         deadline = time.monotonic() + self.reconnect_seconds
         delay = 0.05
+        metadata = self._credentials(pool) if pool else []
+        identified = pool is None
         while True:
             try:
-                return method(request, timeout=timeout or self.timeout)
+                return method(request, timeout=timeout or self.timeout, metadata=metadata)
             except grpc.RpcError as err:
                 exc = from_rpc_error(err)
+                if isinstance(exc, PeerNotAllowed) and not identified:
+                    identified = True
+                    token = self.peer_token()
+                    if token:
+                        metadata = [(PEER_TOKEN_HEADER, token)]
+                        continue
                 # the daemon is away, or draining with a successor likely on its way
                 unreachable = exc.grpc_code == grpc.StatusCode.UNAVAILABLE \
                     and not exc.from_daemon
@@ -153,7 +180,8 @@ class HiCacheClient:
         build failed with, or ``POOL_NOT_READY`` after ``wait_seconds``)."""
         msg = spec if isinstance(spec, pb.PoolSpec) else spec_to_proto(spec)
         info = PoolInfo.from_proto(self._call(self._stub.CreatePool,
-                                              pb.CreatePoolRequest(spec=msg), retry=True))
+                                              pb.CreatePoolRequest(spec=msg), retry=True,
+                                              pool=msg.name))
         deadline, delay = time.monotonic() + wait_seconds, 0.01
         while wait and info.state == "CREATING":
             if time.monotonic() > deadline:
@@ -182,7 +210,8 @@ class HiCacheClient:
         return resp
 
     def delete_pool(self, name: str) -> None:
-        self._call(self._stub.DeletePool, pb.DeletePoolRequest(name=name), retry=False)
+        self._call(self._stub.DeletePool, pb.DeletePoolRequest(name=name), retry=False,
+                   pool=name)
 
     def drain(self, grace_seconds: float = 0.0) -> pb.DrainResponse:
         """Begin the daemon's graceful shutdown (as SIGTERM); 0 = its configured grace."""
@@ -193,35 +222,34 @@ class HiCacheClient:
     def open_session(self, pool: str, worker_id: str,
                      buffers: Sequence[DeviceBufferSpec | pb.DeviceBuffer], *,
                      lease_ms: int = 0, heartbeat: bool = True,
-                     layer_events: Sequence[bytes] = (), ready_event: bytes = b""
-                     ) -> WorkerSession:
-        """Attach ``buffers`` (shm or cuda_ipc). CUDA sessions may pass the IPC handles of
-        interprocess events the worker owns: ``layer_events`` are recorded by the daemon as
-        layer groups of a load land, ``ready_event`` is waited on before each copy."""
+                     layer_events: Sequence[bytes] = (), ready_event: bytes = b"",
+                     fds: Sequence[int] = ()) -> WorkerSession:
+        """Attach ``buffers`` (shm, memfd or cuda_ipc). memfd buffers need their ``fds``
+        (``ShmDeviceBuffers.fds``), passed to the daemon over its identity socket. CUDA
+        sessions may pass the IPC handles of interprocess events the worker owns:
+        ``layer_events`` are recorded by the daemon as layer groups of a load land,
+        ``ready_event`` is waited on before each copy."""
         msgs = [b if isinstance(b, pb.DeviceBuffer) else buffer_to_proto(b) for b in buffers]
+        token = self.peer_token(fds)
+        if fds and not token:
+            raise TransportUnavailable(
+                "memfd buffers travel over the daemon's identity socket (<socket>.id), which "
+                f"{self.target} does not offer", metadata={"target": self.target})
         s = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
             pool=pool, worker_id=worker_id, buffers=msgs, lease_ms=lease_ms,
             layer_events=list(layer_events), ready_event=ready_event,
-            peer_token=self.peer_token()), retry=False)
+            peer_token=token), retry=False)
         session = WorkerSession(self, s, heartbeat)
         self._sessions.add(session)
         return session
 
-    def peer_token(self) -> str:
+    def peer_token(self, fds: Sequence[int] = ()) -> str:
         """A one-time token from the daemon's identity socket (``<socket>.id``) naming this
-        process's uid / gid / pid as the kernel reports them; "" over TCP or when the daemon
-        has none (pools without access rules do not need it)."""
-        if not self.target.startswith("unix:"):
-            return ""
-        path = self.target[len("unix:"):].removeprefix("//") + ".id"
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(2.0)
-                s.connect(path)
-                line = s.makefile("rb").readline(4096)
-            return str(json.loads(line)["token"])
-        except (OSError, ValueError, KeyError):
-            return ""
+        process's uid / gid / pid as the kernel reports them, and the ``fds`` handed over with
+        it (SCM_RIGHTS); "" over TCP or when the daemon has none (pools without access rules
+        and sessions without memfd buffers do not need it). A refusal of the fds (too many)
+        raises ``FD_REJECTED``."""
+        return request_token(self.target, fds)
 
     def heartbeat(self, session_id: str) -> pb.Session:
         s: pb.Session = self._call(self._stub.Heartbeat,
@@ -230,7 +258,7 @@ class HiCacheClient:
 
     def close_session(self, session_id: str) -> None:
         self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id),
-                   retry=False)
+                   retry=False, pool=None if not is_public_id(session_id) else "")
 
     def list_sessions(self, pool: str = "") -> list[pb.Session]:
         return list(self._call(self._stub.ListSessions, pb.ListSessionsRequest(pool=pool),
@@ -242,12 +270,12 @@ class HiCacheClient:
         import torch
 
         resp = self._call(self._stub.Alloc, pb.AllocRequest(
-            pool=pool, num_tokens=num_tokens, session_id=session_id), retry=False)
+            pool=pool, num_tokens=num_tokens, session_id=session_id), retry=False, pool=pool)
         return torch.from_numpy(to_index_array(resp.host_indices, "host_indices").copy())
 
     def free(self, pool: str, host_indices: object) -> int:
         resp = self._call(self._stub.Free, pb.FreeRequest(
-            pool=pool, host_indices=indices_to_bytes(host_indices)), retry=False)
+            pool=pool, host_indices=indices_to_bytes(host_indices)), retry=False, pool=pool)
         return int(resp.pages_freed)
 
     def backup(self, session_id: str, host_indices: object, device_indices: object,
@@ -281,7 +309,7 @@ class HiCacheClient:
         """Which keys are cached (no pin, no copy): the hit prefix and a tier per key.
         ``timeout`` overrides the client's deadline for this call."""
         r = self._call(self._stub.Lookup, pb.LookupRequest(pool=pool, keys=encode_keys(keys)),
-                       retry=True, timeout=timeout)
+                       retry=True, timeout=timeout, pool=pool)
         return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits)
 
     def _store_request(self, session_id: str, keys: Sequence[bytes | str],
@@ -326,18 +354,23 @@ class HiCacheClient:
 
     def remove_keys(self, pool: str, keys: Sequence[bytes | str]) -> int:
         r = self._call(self._stub.RemoveKeys,
-                       pb.RemoveKeysRequest(pool=pool, keys=encode_keys(keys)), retry=True)
+                       pb.RemoveKeysRequest(pool=pool, keys=encode_keys(keys)), retry=True,
+                       pool=pool)
         return int(r.removed)
 
     def clear_pool(self, pool: str) -> int:
         """Drop every key of the pool (raw pages stay); returns how many."""
-        r = self._call(self._stub.ClearPool, pb.ClearPoolRequest(pool=pool), retry=True)
+        r = self._call(self._stub.ClearPool, pb.ClearPoolRequest(pool=pool), retry=True,
+                       pool=pool)
         return int(r.keys_removed)
 
     def watch_events(self, pool: str, after_seq: int = 0) -> EventStream:
         """The pool's STORED / REMOVED / EVICTED events after ``after_seq``, as they happen."""
+        metadata = self._credentials(pool)
+        if not metadata and self.target.startswith("unix:"):
+            metadata = [(PEER_TOKEN_HEADER, self.peer_token())]  # in case a rule covers it
         return EventStream(self._stub.WatchEvents(
-            pb.WatchEventsRequest(pool=pool, after_seq=after_seq)))
+            pb.WatchEventsRequest(pool=pool, after_seq=after_seq), metadata=metadata))
 
 
 class EventStream:

@@ -31,12 +31,13 @@ class WorkerSession:
         self.pool: str = msg.pool
         self.lease_ms: int = msg.lease_ms
         self.lease_clamped: bool = msg.lease_clamped
+        """The daemon cut the lease asked for down to its maximum (``lease_ms`` is that)."""
         self.public_id: str = msg.public_id
-        self.peer_uid: int | None = msg.peer_uid if msg.peer_known else None
-        """The uid the daemon bound the session to (identity socket), if it knows it."""
         """The name others see (``ListSessions``, ``hicachectl sessions``); ``session_id`` is
         the capability: keep it to this worker."""
-        """The daemon cut the lease asked for down to its maximum (``lease_ms`` is that)."""
+        self.peer_uid: int | None = msg.peer_uid if msg.peer_known else None
+        """The uid the daemon bound the session to (identity socket), if it knows it."""
+        self.closed = False
         self.device_tokens: int = msg.device_tokens
         self.device_uuid: str = msg.device_uuid
         self.layer_events: int = msg.layer_events
@@ -99,6 +100,7 @@ class WorkerSession:
 
     def close(self) -> None:
         self.stop_heartbeat()
+        self.closed = True
         self.client.close_session(self.session_id)
 
     def __enter__(self) -> WorkerSession:

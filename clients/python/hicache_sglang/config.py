@@ -53,7 +53,8 @@ class LinkerConfig:
     lease_ms: int = 0
     """Session lease; 0 = the daemon's default. Heartbeats keep a live worker's session."""
     shm_dir: str = "/dev/shm"
-    """CPU workers: where the device KV buffers are re-homed so the daemon can map them."""
+    """CPU workers over TCP only: where the device KV buffers are re-homed as files so the
+    daemon can map them. On the Unix socket they are sealed memfds passed by fd."""
     worker_id: str = ""
     """Name shown in ``hicachectl sessions``; default ``sglang-<host>-<pid>-tp<rank>``."""
     max_inflight_offloads: int = 64

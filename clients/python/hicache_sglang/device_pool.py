@@ -17,9 +17,10 @@ Primitives:
   else (HND / vectorized layouts, hybrid SWA / Mamba / DSA pools, layer-sharded pools) is
   refused with ``SpecInvalid`` saying what is unsupported.
 - ``DevicePool.pool_spec(name, size_tokens, size_bytes)``: the hicached ``PoolSpec``.
-- ``DevicePool.rehome_to_shm(spec, shm_dir)``: CPU workers: move the pool's tensors into shared
-  memory files (contents copied, SGLang's lists rebound in place) so the daemon can map them;
-  returns the ``ShmDeviceBuffers`` whose descriptors ``OpenSession`` takes.
+- ``DevicePool.rehome_to_shm(spec, shm_dir, sealed)``: CPU workers: move the pool's tensors into
+  shared memory (sealed memfds, or files under ``shm_dir``; contents copied, SGLang's lists
+  rebound in place) so the daemon can map them; returns the ``ShmDeviceBuffers`` whose
+  descriptors and fds ``OpenSession`` takes.
 - ``DevicePool.cuda_descriptors()``: GPU workers: CUDA IPC descriptors of the tensors as they are.
 """
 
@@ -123,13 +124,16 @@ class DevicePool:
                         layout=Layout.LAYER_FIRST, size_tokens=size_tokens,
                         size_bytes=size_bytes)
 
-    def rehome_to_shm(self, spec: PoolSpec, shm_dir: str) -> ShmDeviceBuffers:
-        """Copy every layer into shared-memory files and rebind SGLang's lists to them."""
+    def rehome_to_shm(self, spec: PoolSpec, shm_dir: str, sealed: bool = True
+                      ) -> ShmDeviceBuffers:
+        """Copy every layer into shared memory and rebind SGLang's lists to it: sealed memfds
+        (handed over by fd; nothing can shrink them) or files under ``shm_dir``."""
         import torch
 
         from hicache_client.shm import ShmDeviceBuffers
 
-        shm = ShmDeviceBuffers.create(spec, self.size, shm_dir=shm_dir, prefix="hicache-sglang")
+        shm = ShmDeviceBuffers.create(spec, self.size, shm_dir=shm_dir, prefix="hicache-sglang",
+                                      sealed=sealed)
         try:
             for role, attr in self.roles.items():
                 new = shm.layers(ANCHOR, role)

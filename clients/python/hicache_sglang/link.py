@@ -8,7 +8,8 @@ spec, OpenSession with the same device buffers and events) every ``reconnect_int
 
 Primitives:
 
-- ``Handover``: what ``OpenSession`` sends (descriptors, layer-event and ready-event handles).
+- ``Handover``: what ``OpenSession`` sends (descriptors, layer-event and ready-event handles,
+  memfds).
 - ``DaemonLink(config, spec, handover, worker_id)``: ``start()`` tries once at once, then in the
   background; ``session`` (None while down); ``report(exc)`` classifies a failed call and
   returns True when it took the link down; ``up`` / ``generation`` (bumped per new session);
@@ -60,6 +61,8 @@ class Handover:
     buffers: Sequence[DeviceBufferSpec]
     layer_events: Sequence[bytes] = ()
     ready_event: bytes = b""
+    fds: Sequence[int] = ()
+    """Sealed memfds of ``memfd`` buffers (passed over the identity socket on every open)."""
 
 
 @dataclass
@@ -139,7 +142,8 @@ class DaemonLink:
             self._create_pool(client)
             session = client.open_session(
                 self.spec.name, self.worker_id, self.handover.buffers, lease_ms=cfg.lease_ms,
-                layer_events=self.handover.layer_events, ready_event=self.handover.ready_event)
+                layer_events=self.handover.layer_events, ready_event=self.handover.ready_event,
+                fds=self.handover.fds)
         except HiCacheError as exc:
             text = f"{type(exc).__name__}: {exc}"
             if text != self._state.last_error:  # log a new cause once, not every retry

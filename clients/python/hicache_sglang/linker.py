@@ -129,8 +129,10 @@ class HicachedLinker(UnifiedCacheLinker):
             handover = Handover(dp.cuda_descriptors(), self._events.handles,
                                 self._ready.handle)
         else:
-            self._shm = dp.rehome_to_shm(self.spec, cfg.shm_dir)
-            handover = Handover(self._shm.descriptors)
+            # on the Unix socket: sealed memfds by fd; over TCP (tests, odd setups): files
+            self._shm = dp.rehome_to_shm(self.spec, cfg.shm_dir,
+                                         sealed=cfg.target.startswith("unix:"))
+            handover = Handover(self._shm.descriptors, fds=self._shm.fds)
         self.layer_done_counter = LayerWiseLoadCounter(
             self.num_layers, self._wait_layer_event if self.on_cuda else None)
 

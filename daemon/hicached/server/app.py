@@ -40,7 +40,7 @@ from hicached.core.pool import HostPool, MemoryOptions
 from hicached.cuda.pinner import DriverPinner
 from hicached.server.config import ServerConfig
 from hicached.server.daemon import Daemon
-from hicached.server.identity import IdentityChannel
+from hicached.server.identity_channel import IdentityChannel
 from hicached.server.interceptors import AdmissionInterceptor, server_interceptors
 from hicached.server.metrics import Metrics, ScrapeState, serve
 from hicached.server.pool_build import PoolBuild
@@ -128,7 +128,7 @@ class HiCacheServer:
         ), build={"version": hicache.__version__, "torch": torch.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
-        self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir),
+        self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir, config.accept_shm_paths),
                              TransferEngine(config.copy_threads), metrics, cuda=cuda,
                              cuda_driver=config.cuda_driver, max_watchers=config.max_watchers,
                              access=config.access)

@@ -63,6 +63,9 @@ class ServerConfig:
     (identified through the identity socket beside each API socket)."""
     shm_dir: str = "/dev/shm"
     """The only directory whose files workers may hand over as device buffers."""
+    accept_shm_paths: bool = True
+    """Accept shared-memory buffers named by path (under ``shm_dir``). False: CPU workers must
+    hand over sealed memfds through the identity socket, which they cannot shrink."""
     metrics_listen: str = "127.0.0.1:9464"
     """HOST:PORT of the Prometheus endpoint; empty disables it; port 0 picks a free one."""
     memory_budget_bytes: int = 0

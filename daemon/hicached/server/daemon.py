@@ -26,7 +26,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -38,7 +38,8 @@ from hicache.keys import check_keys
 from hicached.cache.pool_cache import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
-from hicached.server.identity import AccessRule, IdentityChannel, Peer
+from hicached.server.identity import AccessRule, Grant
+from hicached.server.identity_channel import IdentityChannel
 from hicached.server.metrics import Metrics
 from hicached.server.pool_table import PoolTable
 from hicached.server.sessions import Session, SessionManager
@@ -81,14 +82,15 @@ class Daemon:
     """WatchEvents streams open now."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def identify(self, token: str) -> Peer | None:
-        """The peer a token from an identity socket was issued to (None: no or stale token)."""
+    def identify(self, token: str) -> Grant | None:
+        """What a token from an identity socket was issued for: the peer and the fds it handed
+        over (the caller closes them). None: no, used or stale token."""
         if not token:
             return None
         for channel in self.identities:
-            peer = channel.redeem(token)
-            if peer is not None:
-                return peer
+            grant = channel.redeem(token)
+            if grant is not None:
+                return grant
         return None
 
     # -- drain gate ------------------------------------------------------------------------
@@ -131,7 +133,7 @@ class Daemon:
     # -- flows -----------------------------------------------------------------------------
 
     def attach(self, buffers: list[DeviceBufferSpec], layer_events: list[bytes],
-               ready_event: bytes) -> Attachment:
+               ready_event: bytes, fds: Sequence[int] = ()) -> Attachment:
         kinds = {b.transport for b in buffers}
         if kinds == {"cuda_ipc"}:
             if self.cuda is None:
@@ -140,13 +142,13 @@ class Daemon:
                     metadata={"transport": "cuda_ipc", "buffers": len(buffers)})
             return self.cuda.attach(buffers, layer_events, ready_event)
         if len(kinds) > 1:
-            raise SpecInvalid("a session's buffers use one transport, shm or cuda_ipc",
+            raise SpecInvalid("a session's buffers use one transport: shm, memfd or cuda_ipc",
                               metadata={"transports": ",".join(sorted(kinds))})
         if layer_events or ready_event:
             raise SpecInvalid("layer_events and ready_event are CUDA events; shm sessions "
                               "complete every transfer before replying",
                               metadata={"layer_events": len(layer_events)})
-        return self.shm.attach(buffers)
+        return self.shm.attach(buffers, fds)
 
     @staticmethod
     def _check_layer_events(layer_events: bool, runner: object) -> None:

@@ -11,6 +11,12 @@ outermost first (the order ``server_interceptors`` returns):
 - ``AuthInterceptor``: on TCP listeners with ``auth_token_file``, the bearer token every call
   must carry (compared in constant time); Unix-socket callers pass (the socket's permissions
   are their boundary). Mutual TLS is enforced by the listener itself.
+- ``PoolAccessInterceptor`` (only with ``[[access]]`` rules): pool-level calls on a pool a rule
+  covers (CreatePool, DeletePool, Alloc, Free, Lookup, RemoveKeys, ClearPool, WatchEvents,
+  CloseSession by public id) need a credential in the call's metadata: ``hicache-session``, the
+  capability of an open session on that pool (its opener was checked), or
+  ``hicache-peer-token``, an identity-socket token of a peer the rules list. Else
+  ``PEER_NOT_ALLOWED``. Session-bound calls are covered by the capability they carry.
 - ``AdmissionInterceptor``: the data path's bound: at most ``max_data_rpcs`` transfers at once,
   past it ``OVERLOADED`` at once with a retry hint (never a queue), so control calls (health,
   heartbeats, sessions, pools) always find an RPC thread while transfers saturate the rest.
@@ -23,6 +29,7 @@ Health checking and reflection pass through untouched.
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
 import logging
 import threading
@@ -34,8 +41,10 @@ from typing import Any
 import grpc
 
 from hicache.error_mapping import abort_status, grpc_code
-from hicache.errors import HiCacheError, Overloaded, Unauthenticated
+from hicache.errors import HiCacheError, Overloaded, SessionNotFound, Unauthenticated
+from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
 from hicached.server.daemon import Daemon
+from hicached.server.identity import check_access
 from hicached.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -188,6 +197,81 @@ RETRY_AFTER_MS = 10
 """The retry hint of an OVERLOADED refusal: about one batch's time on a busy node."""
 
 
+_POOL_OF: dict[str, Callable[[Any], str]] = {
+    "CreatePool": lambda r: str(r.spec.name),
+    "DeletePool": lambda r: str(r.name),
+    **{m: (lambda r: str(r.pool)) for m in ("Alloc", "Free", "Lookup", "RemoveKeys",
+                                            "ClearPool", "WatchEvents")},
+}
+"""Pool-level methods guarded by access rules, and where their request names the pool."""
+
+
+class PoolAccessInterceptor(_ServiceInterceptor):
+    def __init__(self, daemon: Daemon) -> None:
+        super().__init__()
+        self._daemon = daemon
+        self._covered: dict[str, bool] = {}
+
+    def _is_covered(self, pool: str) -> bool:
+        got = self._covered.get(pool)
+        if got is None:
+            if len(self._covered) > 4096:
+                self._covered.clear()
+            got = self._covered[pool] = any(fnmatch.fnmatchcase(pool, r.pools)
+                                            for r in self._daemon.access)
+        return got
+
+    def authorize(self, pool: str, context: grpc.ServicerContext, capability: str = ""
+                  ) -> None:
+        """PEER_NOT_ALLOWED unless the call carries a credential for ``pool``."""
+        if not self._is_covered(pool):
+            return
+        d = self._daemon
+        md = dict(context.invocation_metadata())
+        for sid in (capability, str(md.get(SESSION_HEADER, ""))):
+            if sid and not is_public_id(sid):
+                try:
+                    if d.sessions.get(sid).pool_name == pool:
+                        return
+                except SessionNotFound:
+                    pass
+        grant = d.identify(str(md.get(PEER_TOKEN_HEADER, "")))
+        if grant is not None:
+            grant.close()
+        check_access(d.access, pool, grant.peer if grant is not None else None)
+
+    def _pool_and_capability(self, method: str, request: Any) -> tuple[str, str]:
+        if method == "CloseSession":
+            sid = str(request.session_id)
+            if not is_public_id(sid):
+                return "", ""  # the capability itself: the handler checks it
+            found = [s for s in self._daemon.sessions.list() if s.public_id == sid]
+            return (found[0].pool_name, "") if found else ("", "")
+        capability = str(request.session_id) if method == "Alloc" else ""
+        return _POOL_OF[method](request), capability
+
+    def wrap(self, method: str, behavior: Behavior) -> Behavior:
+        if method not in _POOL_OF and method != "CloseSession":
+            return behavior
+
+        def authorized(request: Any, context: grpc.ServicerContext) -> Any:
+            pool, capability = self._pool_and_capability(method, request)
+            if pool:
+                self.authorize(pool, context, capability)
+            return behavior(request, context)
+
+        return authorized
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        check = self.wrap(method, lambda r, c: None)
+
+        def authorized(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            check(request, context)
+            yield from behavior(request, context)
+
+        return authorized
+
+
 class AdmissionInterceptor(_ServiceInterceptor):
     def __init__(self, limit: int, data_methods: Collection[str]) -> None:
         """``limit`` calls of ``data_methods`` run at once; the next one is refused."""
@@ -246,6 +330,8 @@ def server_interceptors(daemon: Daemon, creates_work: Collection[str],
                         auth_token: str = "") -> list[grpc.ServerInterceptor]:
     """The interceptors of a daemon's gRPC server, outermost first."""
     auth: list[grpc.ServerInterceptor] = [AuthInterceptor(auth_token)] if auth_token else []
-    return [ErrorMappingInterceptor(), MetricsInterceptor(daemon.metrics), *auth,
+    access: list[grpc.ServerInterceptor] = [PoolAccessInterceptor(daemon)] if daemon.access \
+        else []
+    return [ErrorMappingInterceptor(), MetricsInterceptor(daemon.metrics), *auth, *access,
             AdmissionInterceptor(max_data_rpcs, data_methods),
             DrainInterceptor(daemon, creates_work)]

@@ -106,7 +106,9 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         devices = d.cuda.driver.devices if d.cuda is not None else ()
         return pb.GetInfoResponse(
             version=hicache.__version__,
-            transports=["shm", "cuda_ipc"] if d.cuda is not None else ["shm"],
+            transports=[*(["shm"] if d.shm.accept_paths else []),
+                        *(["memfd"] if d.identities else []),
+                        *(["cuda_ipc"] if d.cuda is not None else [])],
             memory_budget_bytes=d.pools.budget_bytes,
             memory_used_bytes=d.pools.used_bytes, memory_available_bytes=available_bytes(),
             shm_dir=d.shm.shm_dir, cuda_available=d.cuda is not None,
@@ -153,11 +155,17 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                     ) -> pb.Session:
         d = self.daemon
         pool = d.pools.get(request.pool)
-        peer = d.identify(request.peer_token)
-        check_access(d.access, request.pool, peer)  # before anything is mapped
-        check_layer_events(len(request.layer_events), pool.spec.max_layers)
-        buffers = [buffer_from_proto(b, i) for i, b in enumerate(request.buffers)]
-        attachment = d.attach(buffers, list(request.layer_events), bytes(request.ready_event))
+        grant = d.identify(request.peer_token)
+        try:
+            peer = grant.peer if grant is not None else None
+            check_access(d.access, request.pool, peer)  # before anything is mapped
+            check_layer_events(len(request.layer_events), pool.spec.max_layers)
+            buffers = [buffer_from_proto(b, i) for i, b in enumerate(request.buffers)]
+            attachment = d.attach(buffers, list(request.layer_events),
+                                  bytes(request.ready_event), grant.fds if grant else ())
+        finally:
+            if grant is not None:
+                grant.close()  # mapped (the mappings hold the memory) or refused
         try:
             assert attachment.buffers is not None
             tokens = attachment.buffers.check_against(pool.spec)

@@ -297,6 +297,16 @@ class ShmHandle(_message.Message):
     nbytes: int
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
+class MemfdHandle(_message.Message):
+    __slots__ = ("fd_index", "offset", "nbytes")
+    FD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    fd_index: int
+    offset: int
+    nbytes: int
+    def __init__(self, fd_index: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
 class CudaIpcHandle(_message.Message):
     __slots__ = ("handle", "device_uuid", "offset", "nbytes")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -310,7 +320,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class DeviceBuffer(_message.Message):
-    __slots__ = ("member", "role", "layer", "shape", "dtype", "strides", "shm", "cuda_ipc")
+    __slots__ = ("member", "role", "layer", "shape", "dtype", "strides", "shm", "cuda_ipc", "memfd")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +329,7 @@ class DeviceBuffer(_message.Message):
     STRIDES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    MEMFD_FIELD_NUMBER: _ClassVar[int]
     member: str
     role: BufferRole
     layer: int
@@ -327,7 +338,8 @@ class DeviceBuffer(_message.Message):
     strides: _containers.RepeatedScalarFieldContainer[int]
     shm: ShmHandle
     cuda_ipc: CudaIpcHandle
-    def __init__(self, member: _Optional[str] = ..., role: _Optional[_Union[BufferRole, str]] = ..., layer: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., strides: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    memfd: MemfdHandle
+    def __init__(self, member: _Optional[str] = ..., role: _Optional[_Union[BufferRole, str]] = ..., layer: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., strides: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., memfd: _Optional[_Union[MemfdHandle, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("pool", "worker_id", "buffers", "lease_ms", "layer_events", "ready_event", "peer_token")
