@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{api_sock}",
              "--health-listen", f"unix:{health_sock}", "--shm-dir", shm, "--metrics-listen",
-             "", "--memory-budget", "4GiB", "--reserve", "0", "--log-level", "WARNING"],
+             "", "--memory-budget", "4GiB", "--reserve", "0", "--state-dir", "",
+             "--log-level", "WARNING"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             target = f"unix:{api_sock}"

@@ -61,8 +61,10 @@ def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
     sock = socket or str(workdir / "hicached.sock")
     log_path = workdir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    state = workdir / "state"  # pools outlive a daemon here; the next one on workdir finds them
     cmd = [sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
-           "--shm-dir", str(shm), "--metrics-listen", "127.0.0.1:0", "--lease-seconds", "1",
+           "--shm-dir", str(shm), "--state-dir", str(state), "--metrics-listen", "127.0.0.1:0",
+           "--lease-seconds", "1",
            "--memory-budget", "2GiB", "--reserve", "0", "--grace-seconds", "5", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

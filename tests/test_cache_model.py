@@ -49,6 +49,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     (tmp / "shm").mkdir()
     ENV.server, bound = create_server(ServerConfig(
         listen=(f"unix:{tmp}/s.sock",), shm_dir=str(tmp / "shm"), metrics_listen="",
+        state_dir="",
         memory_budget_bytes=64 << 20, reserve_bytes=0, lease_seconds=600))
     ENV.client = HiCacheClient(bound[0])
     spec = PoolSpec("shape", GEOMETRY, PS, size_tokens=PAGES * PS)

@@ -68,6 +68,7 @@ def scraped_names(tmp_path: Path) -> Iterator[set[str]]:
                     size_tokens=64, canary=CanarySpec(16))
     server, bound = create_server(ServerConfig(
         listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), metrics_listen="127.0.0.1:0",
+        state_dir=str(tmp_path / "state"),
         memory_budget_bytes=1 << 26, reserve_bytes=0, pools=(spec,)))
     try:
         with HiCacheClient(bound[0]) as c, ShmDeviceBuffers.create(spec, 16, str(shm)) as b:

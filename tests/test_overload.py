@@ -64,7 +64,8 @@ def busy(tmp_path: Path) -> Iterator[tuple[HiCacheServer, str, str]]:
     shm.mkdir()
     server, bound = create_server(ServerConfig(
         listen=(f"unix:{tmp_path}/api.sock",), health_listen=(f"unix:{tmp_path}/health.sock",),
-        shm_dir=str(shm), metrics_listen="", memory_budget_bytes=2 << 30, reserve_bytes=0,
+        shm_dir=str(shm), state_dir=str(tmp_path / "state"), metrics_listen="",
+        memory_budget_bytes=2 << 30, reserve_bytes=0,
         grpc_threads=4, max_data_rpcs=2, max_watchers=1, copy_threads=1, pools=(SPEC,)))
     yield server, bound[0], str(shm)
     server.drain_and_stop(1.0)

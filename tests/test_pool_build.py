@@ -53,6 +53,7 @@ def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, str, str]]:
     shm.mkdir()
     server, bound = create_server(ServerConfig(
         listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), metrics_listen="",
+        state_dir=str(tmp_path / "state"),
         memory_budget_bytes=64 << 20, reserve_bytes=0))
     yield server, bound[0], str(shm)
     server.drain_and_stop(1.0)

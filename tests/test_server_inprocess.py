@@ -27,6 +27,7 @@ def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, HiCacheClient, Path]
     shm = tmp_path / "shm"
     shm.mkdir()
     cfg = ServerConfig(listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm),
+                       state_dir=str(tmp_path / "state"),
                        metrics_listen="127.0.0.1:0", memory_budget_bytes=64 << 20,
                        reserve_bytes=0, pools=(SPEC,), grace_seconds=2)
     server, bound = create_server(cfg)

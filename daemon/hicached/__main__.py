@@ -31,6 +31,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--socket-mode": ("socket_mode", "API socket permissions: 0600 or 0660 (group workers)"),
     "--socket-group": ("socket_group", "group of the API socket (default: the daemon's)"),
     "--shm-dir": ("shm_dir", "the only directory workers may hand buffers from (/dev/shm)"),
+    "--state-dir": ("state_dir", "pools as files that outlive the daemon (/dev/shm/hicached; "
+                                 "'' = none)"),
     "--metrics-listen": ("metrics_listen", "HOST:PORT of the Prometheus endpoint "
                                            "(127.0.0.1:9464; empty disables)"),
     "--memory-budget": ("memory_budget", "bytes all pools may use, e.g. 64GiB (default: half "

@@ -126,7 +126,8 @@ def start_daemon(workdir: str, shm_dir: str, budget: str, metrics_listen: str = 
     proc = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--listen",
                              f"unix:{sock}", "--shm-dir", shm_dir, "--metrics-listen",
                              metrics_listen, "--memory-budget", budget, "--reserve", "0",
-                             "--log-level", "WARNING"], stdout=subprocess.DEVNULL,
+                             "--state-dir", "", "--log-level", "WARNING"],
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     c = HiCacheClient(f"unix:{sock}", reconnect_seconds=30)
     c.ping()

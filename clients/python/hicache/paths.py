@@ -5,11 +5,14 @@ Primitives:
 - ``default_socket_path()``: ``$XDG_RUNTIME_DIR/hicached/hicached.sock``, or
   ``/tmp/hicached-<uid>/hicached.sock`` when there is no runtime directory.
 - ``default_target()``: the same as a gRPC target (``unix:...``).
+- ``DEFAULT_STATE_DIR``: where a daemon keeps pools that outlive it (``/dev/shm/hicached``).
 """
 
 from __future__ import annotations
 
 import os
+
+DEFAULT_STATE_DIR = "/dev/shm/hicached"
 
 
 def default_socket_path() -> str:

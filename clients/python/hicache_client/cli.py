@@ -4,7 +4,9 @@ Reads: ``status``, ``pools``, ``sessions`` (tables, or ``--json``); ``health [--
 (exit 0 only when SERVING: a probe for containers whose API has no network port).
 Admin verbs: ``delete-pool NAME`` (refused while sessions are open), ``clear-pool NAME`` (drop
 every cached key; raw pages stay), ``close-session ID`` (the worker's mappings are released once
-its in-flight copies end), ``drain [--grace S]`` (graceful shutdown, as SIGTERM).
+its in-flight copies end), ``drain [--grace S]`` (graceful shutdown, as SIGTERM),
+``drop-state [NAME...] [--state-dir D]`` (delete pools a stopped daemon saved; a running one
+deletes a pool's files with ``delete-pool``).
 Exit status: 0 on success, 1 when the daemon refused (the reason code is printed), 2 on usage
 errors.
 """
@@ -12,7 +14,10 @@ errors.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +25,7 @@ from google.protobuf.json_format import MessageToDict
 
 from hicache.codec import spec_from_proto
 from hicache.errors import HiCacheError
+from hicache.paths import DEFAULT_STATE_DIR
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client.client import HiCacheClient
 
@@ -58,11 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     xp.add_argument("name")
     cp = sub.add_parser("close-session", help="close a worker session, releasing its mappings")
     cp.add_argument("session_id")
+    rp = sub.add_parser("drop-state", help="delete saved pool state while no daemon uses it "
+                                           "(a running daemon: delete-pool)")
+    rp.add_argument("names", nargs="*", help="pools (default: every pool saved there)")
+    rp.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
+                    help=f"the daemon's --state-dir ({DEFAULT_STATE_DIR})")
     gp = sub.add_parser("drain", help="graceful shutdown: refuse new work, finish in-flight "
                                       "transfers, stop")
     gp.add_argument("--grace", type=float, default=0.0,
                     help="seconds in-flight transfers may take (default: the daemon's)")
     args = ap.parse_args(argv)
+    if args.command == "drop-state":
+        return drop_state(args.state_dir, args.names, args.json)
     client = HiCacheClient(args.target, reconnect_seconds=2.0, timeout=10.0)
     try:
         return _run(client, args)
@@ -71,6 +84,47 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         client.close()
+
+
+def drop_state(state_dir: str, names: Sequence[str], as_json: bool) -> int:
+    """Remove saved pools (``<name>.meta`` / ``.data``) from a state directory no daemon
+    holds (its ``.lock``); refuses while one does."""
+    try:
+        fd = os.open(os.path.join(state_dir, ".lock"), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = -1
+    if fd >= 0:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            print(f"hicachectl: hicached (pid {holder}) uses {state_dir}: drop a pool with "
+                  "delete-pool while it runs", file=sys.stderr)
+            return 1
+        finally:
+            os.close(fd)
+    saved = sorted({f.rsplit(".", 1)[0] for f in _listdir(state_dir)
+                    if f.endswith((".meta", ".data"))})
+    missing = [n for n in names if n not in saved]
+    if missing:
+        print(f"hicachectl: no saved state for {', '.join(missing)} in {state_dir}",
+              file=sys.stderr)
+        return 1
+    dropped = list(names) or saved
+    for name in dropped:
+        for suffix in (".meta", ".data", ".meta.new"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(state_dir, name + suffix))
+    print(json.dumps({"dropped": dropped}) if as_json else
+          f"dropped {', '.join(dropped) or 'nothing'}")
+    return 0
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
 
 
 def _pool_row(p: pb.Pool) -> tuple[object, ...]:

@@ -40,6 +40,12 @@ class PoolInfo:
     """CREATING: how much of the memory is faulted in (0..1)."""
     error: str = ""
     error_reason: str = ""
+    attach_outcome: str = ""
+    """How the daemon found the pool's saved state: created, reattached, cold_version,
+    cold_mismatch, cold_corrupt, or memory (no state directory)."""
+    generation: int = 0
+    """How many times a daemon attached the pool's files."""
+    recovered_keys: int = 0
 
     @classmethod
     def from_proto(cls, p: pb.Pool) -> PoolInfo:
@@ -48,7 +54,7 @@ class PoolInfo:
                    p.used_pages, p.free_pages, p.capacity_bytes, p.used_bytes, p.pinned_bytes,
                    p.sessions, p.keys, p.keyed_pages, p.raw_pages, p.pinned_pages,
                    p.metadata_bytes, state, p.progress if state != "READY" else 1.0,
-                   p.error, p.error_reason)
+                   p.error, p.error_reason, p.attach_outcome, p.generation, p.recovered_keys)
 
 
 @dataclass(frozen=True)

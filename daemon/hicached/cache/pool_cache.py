@@ -35,6 +35,7 @@ import numpy as np
 
 from hicache.errors import KeyNotFound
 from hicached.cache.events import EventKind, EventLog
+from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
 from hicached.core.pool import HostPool
 
@@ -78,6 +79,10 @@ class PoolCache:
         self.pool = pool
         self.events = events or EventLog()
         self.stats = CacheStats()
+        self.recovered_keys = 0
+        """Keys found again when the pool was re-attached (``recover``)."""
+        self.slots = KeySlots(pool.state.table("key_slots") if pool.state is not None
+                              else None)
         self._alloc = pool.allocator
         self._lock = threading.Lock()
         self._ready: dict[bytes, int] = {}
@@ -86,6 +91,34 @@ class PoolCache:
         self._loads: dict[int, int] = {}
         self._lru = LRU()
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
+
+    def recover(self) -> dict[str, int]:
+        """After the pool's state files were re-attached: every complete key is ready again
+        (least recently stored first in the LRU); pages of keys whose store had not finished,
+        damaged slots and raw pages of dead sessions are freed (``allocator.recover``).
+        Returns counts: keys, raw pages, damaged slots, duplicates dropped."""
+        found, damaged = self.slots.scan()
+        found.sort(key=lambda f: f[2])
+        dupes = 0
+        with self._lock:
+            for page, key, _seq in found:
+                old = self._ready.get(key)
+                if old is not None:  # cannot happen with ordered writes; keep the newest
+                    self.slots.clear(np.asarray([old], dtype=np.int64))
+                    del self._page_key[old]
+                    self._lru.discard(key)
+                    dupes += 1
+                self._ready[key] = page
+                self._page_key[page] = key
+                self._lru.add(key)
+            kept = self._alloc.recover(np.asarray(list(self._page_key), dtype=np.int64))
+            if self.pool.canary is not None:  # fingerprints of the pages kept stay
+                every = np.arange(self.pool.page_num, dtype=np.int64)
+                kept_mask = self._alloc.is_allocated(every) | self._alloc.is_keyed(every)
+                self.pool.canary.forget(every[~kept_mask])
+        self.recovered_keys = len(self._ready)
+        return {"keys": len(self._ready), "raw_pages": kept["raw"], "damaged": damaged,
+                "duplicates": dupes}
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -138,6 +171,7 @@ class PoolCache:
         if not ticket.pages.size:
             return
         stored: list[bytes] = []
+        stored_pages: list[int] = []
         drop: list[int] = []
         with self._lock:
             for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(), strict=True):
@@ -152,10 +186,12 @@ class PoolCache:
                     self._lru.add(key)
                     ticket.status[i] = STORED
                     stored.append(key)
+                    stored_pages.append(page)
                 else:
                     del self._page_key[page]
                     drop.append(page)
             self._alloc.release(ticket.pages, write=True, layers=self._all_layers if ok else None)
+            self.slots.ready(stored_pages, stored)  # their bytes are complete: a restart keeps them
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
             self.events.append(EventKind.STORED, stored)
@@ -256,6 +292,7 @@ class PoolCache:
 
     def _drop_pages(self, pages: np.ndarray) -> None:
         if pages.size:
+            self.slots.clear(pages)
             if self.pool.canary is not None:
                 self.pool.canary.forget(pages)
             self._alloc.release_pages(pages)

@@ -20,6 +20,10 @@ Primitives:
 - ``written_mask(pages, layers)``: which pages had every layer of ``layers`` written since they
   were allocated (a load of anything else is ``PAGE_NOT_WRITTEN``).
 - ``memcheck()``: verifies every invariant (the tests call it after every operation).
+- ``table_specs`` / ``tables=`` / ``recover(keep_keyed)``: state, kind, owner and written bits
+  may live in a state file (``core.state_file``), so that a later daemon finds the raw pages
+  nobody owned and the pages of complete keys again; every table write is ordered so that a
+  process killed at any instant leaves nothing a restart would misread.
 
 Thread-safe: every public method holds the allocator's lock. Work is vectorized with numpy.
 """
@@ -27,6 +31,7 @@ Thread-safe: every public method holds the allocator's lock. Work is vectorized 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -39,6 +44,7 @@ from hicache.errors import (
     Violation,
     raise_violations,
 )
+from hicached.core.state_file import TableSpec
 from hicached.core.validation import (
     IndexArray,
     check_duplicate_pages,
@@ -59,8 +65,20 @@ KEYED = 2
 """Kind of a page handed out by ``alloc_pages``: named by a content key."""
 
 
+def table_specs(page_num: int, layer_num: int) -> list[TableSpec]:
+    """The tables a restart needs (state, kind, owner, written bits), for a state file."""
+    return [TableSpec("alloc_state", "i1", (page_num,)),
+            TableSpec("alloc_kind", "i1", (page_num,)),
+            TableSpec("alloc_owner", "<i8", (page_num,)),
+            TableSpec("alloc_written", "?", (page_num, layer_num))]
+
+
 class PageAllocator:
-    def __init__(self, page_num: int, page_size: int, layer_num: int = 1) -> None:
+    def __init__(self, page_num: int, page_size: int, layer_num: int = 1,
+                 tables: Mapping[str, np.ndarray] | None = None) -> None:
+        """``tables``: where the state, kind, owner and written bits live (``table_specs``;
+        views of a state file, so they outlive the process); zeroed arrays when None. Tables
+        saved by an earlier process are taken as they are: call ``recover`` next."""
         assert page_num >= 0 and page_size >= 1 and layer_num >= 1
         self.page_num = page_num
         self.page_size = page_size
@@ -68,12 +86,13 @@ class PageAllocator:
         self._lock = threading.Lock()
         self._stack = np.arange(page_num - 1, -1, -1, dtype=np.int64)
         self._nfree = page_num
-        self._state = np.zeros(page_num, dtype=np.int8)
-        self._kind = np.zeros(page_num, dtype=np.int8)
-        self._owner = np.zeros(page_num, dtype=np.int64)
+        t = tables or {}
+        self._state = t.get("alloc_state", np.zeros(page_num, dtype=np.int8))
+        self._kind = t.get("alloc_kind", np.zeros(page_num, dtype=np.int8))
+        self._owner = t.get("alloc_owner", np.zeros(page_num, dtype=np.int64))
+        self._written = t.get("alloc_written", np.zeros((page_num, layer_num), dtype=bool))
         self._readers = np.zeros(page_num, dtype=np.int32)
         self._writer = np.zeros(page_num, dtype=bool)
-        self._written = np.zeros((page_num, layer_num), dtype=bool)
         self._generation = np.zeros(page_num, dtype=np.uint32)
         self._releasing = 0
         self.alloc_failures = 0
@@ -144,8 +163,7 @@ class PageAllocator:
                 metadata={"num_tokens": num_tokens, "page_size": ps, "aligned_size": up},
             )
         with self._lock:
-            pages = self._take(num_tokens // ps, RAW)
-            self._owner[pages] = owner
+            pages = self._take(num_tokens // ps, RAW, owner)
         return (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
 
     def free(self, indices: object, *, field: str = "host_indices") -> np.ndarray:
@@ -252,7 +270,7 @@ class PageAllocator:
 
     # -- internals (lock held) -------------------------------------------------------------
 
-    def _take(self, n: int, kind: int) -> np.ndarray:
+    def _take(self, n: int, kind: int, owner: int = 0) -> np.ndarray:
         if n > self._nfree:
             self.alloc_failures += 1
             raise PoolExhausted(
@@ -262,21 +280,52 @@ class PageAllocator:
             )
         pages = self._stack[self._nfree - n:self._nfree][::-1].copy()
         self._nfree -= n
-        self._state[pages] = ALLOCATED
-        self._kind[pages] = kind
+        # what a restart reads (``recover``) is written state last: a page is never seen
+        # allocated with an earlier owner's written bits or owner
         self._written[pages] = False
+        self._owner[pages] = owner
+        self._kind[pages] = kind
+        self._state[pages] = ALLOCATED
         self._generation[pages] += 1
         return pages
 
     def _put(self, pages: np.ndarray) -> None:
         """Pages back on the free stack, so that the next ``_take`` of as many returns them in
-        this order."""
+        this order. State first: a restart never keeps a page being freed."""
         self._state[pages] = FREE
         self._kind[pages] = 0
         self._owner[pages] = 0
         n = int(pages.size)
         self._stack[self._nfree:self._nfree + n] = pages[::-1]
         self._nfree += n
+
+    def recover(self, keep_keyed: np.ndarray) -> dict[str, int]:
+        """After a restart, from tables an earlier process left: raw pages nobody owned stay
+        allocated with their written bits (their holders may still name them); keyed pages
+        stay only where ``keep_keyed`` (the pages of complete keys) says; owned raw pages
+        (their sessions died with that process), releasing pages and the rest are freed.
+        Returns how many raw and keyed pages were kept."""
+        with self._lock:
+            live = self._state == ALLOCATED  # RELEASING pages were freed already
+            raw = live & (self._kind == RAW) & (self._owner == 0)
+            keyed = np.zeros(self.page_num, dtype=bool)
+            keyed[keep_keyed] = True
+            keyed &= live & (self._kind == KEYED)
+            keep = raw | keyed
+            drop = ~keep
+            self._state[drop] = FREE
+            self._kind[drop] = 0
+            self._owner[drop] = 0
+            self._written[drop] = False
+            self._state[keep] = ALLOCATED
+            free = np.flatnonzero(drop)
+            self._nfree = int(free.size)
+            self._stack[:self._nfree] = free[::-1]
+            self._readers[:] = 0
+            self._writer[:] = False
+            self._releasing = 0
+            self._generation[keep] = 1
+            return {"raw": int(raw.sum()), "keyed": int(keyed.sum())}
 
     def _give_back(self, pages: np.ndarray) -> None:
         held = (self._readers[pages] > 0) | self._writer[pages]

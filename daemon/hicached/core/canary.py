@@ -16,10 +16,12 @@ Everything is numpy over the whole batch; nothing loops over tokens.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 
 from hicache.errors import CanaryMismatch
+from hicached.core.state_file import TableSpec
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -54,13 +56,22 @@ def fingerprints(words: np.ndarray, row_word_offsets: np.ndarray, read_words: in
 class CanaryTable:
     """Recorded fingerprints per (page, layer); unrecorded entries are not verified."""
 
-    def __init__(self, page_num: int, layer_num: int, read_bytes: int) -> None:
+    def __init__(self, page_num: int, layer_num: int, read_bytes: int,
+                 tables: Mapping[str, np.ndarray] | None = None) -> None:
+        """``tables``: views of a state file (``table_specs``) holding the fingerprints, so
+        that re-attached pages are verified on their first load; zeroed arrays when None."""
         self.read_bytes = read_bytes
-        self._fp = np.zeros((page_num, layer_num), dtype=np.uint64)
-        self._valid = np.zeros((page_num, layer_num), dtype=bool)
+        t = tables or {}
+        self._fp = t.get("canary_fp", np.zeros((page_num, layer_num), dtype=np.uint64))
+        self._valid = t.get("canary_valid", np.zeros((page_num, layer_num), dtype=bool))
         self._lock = threading.Lock()
         self.verified_pages = 0
         self.mismatched_pages = 0
+
+    @staticmethod
+    def table_specs(page_num: int, layer_num: int) -> list[TableSpec]:
+        return [TableSpec("canary_fp", "<u8", (page_num, layer_num)),
+                TableSpec("canary_valid", "?", (page_num, layer_num))]
 
     @staticmethod
     def bytes_per_page(layer_num: int) -> int:

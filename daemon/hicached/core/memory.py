@@ -3,7 +3,8 @@
 Primitives:
 
 - ``Backing``: ``ANONYMOUS`` (private, eligible for transparent huge pages), ``MEMFD`` (shareable
-  by fd) or ``FILE`` (a named file, e.g. under /dev/shm, so another process can map the pool).
+  by fd) or ``FILE`` (a named file, e.g. under /dev/shm, so another process can map the pool,
+  or a later daemon re-attach it: ``reuse``, ``keep``).
 - ``HostMemory``: one mapped region; ``address``, ``array()`` (a uint8 numpy view), ``close()``.
 - ``Pinner``: page-locks a region for fast DMA; injected by the caller (the daemon passes the
   CUDA driver's ``cuMemHostRegister`` where it has a GPU, ``hicached.cuda.pinner``). Pinning is
@@ -80,13 +81,19 @@ class HostMemory:
         pinner: Pinner | None = None,
         name: str = "pool",
         on_progress: Callable[[int], None] | None = None,
+        reuse: bool = False,
+        keep: bool = False,
     ) -> None:
-        """``on_progress(nbytes)`` is called as each chunk of the region is faulted in."""
+        """``on_progress(nbytes)`` is called as each chunk of the region is faulted in.
+        FILE backing: ``reuse`` maps an existing file of exactly ``nbytes`` as it is (its
+        bytes are the point: nothing is faulted in ahead), ``keep`` leaves the file when the
+        region closes."""
         if nbytes <= 0:
             raise SpecInvalid("host memory size must be positive", metadata={"nbytes": nbytes})
         self.nbytes = nbytes
         self.backing = backing
         self.path = path
+        self.keep = keep
         self._fd = -1
         self._pinned: list[int] = []
         self._pinner = pinner
@@ -95,7 +102,7 @@ class HostMemory:
         self.prefault_seconds = 0.0
         self.pin_seconds = 0.0
         self.hugepages = False
-        self._mm = self._map(nbytes, backing, path, name)
+        self._mm = self._map(nbytes, backing, path, name, reuse)
         try:
             if hugepages and hasattr(mmap, "MADV_HUGEPAGE") and _thp_enabled():
                 try:
@@ -105,14 +112,16 @@ class HostMemory:
                     log.debug("MADV_HUGEPAGE refused: %s", exc)
             self._array: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
             self.address = int(self._array.ctypes.data)
-            self.prefault(prefault_threads)
+            if not reuse:
+                self.prefault(prefault_threads)
             if pinner is not None:
                 self._pin(pinner)
         except BaseException:
             self.close()
             raise
 
-    def _map(self, nbytes: int, backing: Backing, path: str | None, name: str) -> mmap.mmap:
+    def _map(self, nbytes: int, backing: Backing, path: str | None, name: str,
+             reuse: bool) -> mmap.mmap:
         if backing is Backing.ANONYMOUS:
             return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if backing is Backing.MEMFD:
@@ -120,6 +129,13 @@ class HostMemory:
         else:
             if not path:
                 raise SpecInvalid("FILE backing needs a path")
+            if reuse:
+                self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+                size = os.fstat(self._fd).st_size
+                if size != nbytes:
+                    raise SpecInvalid(f"{path} has {size} bytes, the pool needs {nbytes}",
+                                      metadata={"path": path, "size": size, "nbytes": nbytes})
+                return mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED)
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.ftruncate(self._fd, nbytes)
         return mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED)
@@ -221,7 +237,7 @@ class HostMemory:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self.backing is Backing.FILE and self.path:
+        if self.backing is Backing.FILE and self.path and not self.keep:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 

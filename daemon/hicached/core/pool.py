@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,10 +29,11 @@ import torch
 
 from hicache.errors import PoolClosed, SpecInvalid
 from hicache.specs import Component, KVGeometry, PoolSpec, Role
-from hicached.core.allocator import PageAllocator
+from hicached.core.allocator import PageAllocator, table_specs
 from hicached.core.canary import CanaryTable, fingerprints
 from hicached.core.host_layout import HostAddressing, host_shape
 from hicached.core.memory import Backing, HostMemory, Pinner
+from hicached.core.state_file import Outcome, StateFiles, TableSpec
 from hicached.core.system import check_budget
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class MemoryOptions:
     """Threads that fault the pool in at creation (0 = one per usable CPU)."""
     reserve_bytes: int = 1 << 30
     """Memory left to the rest of the host: a pool may not exceed MemAvailable minus this."""
+    state_dir: str = ""
+    """Directory of pool files that outlive the daemon (``core.state_file``: memory and
+    tables, re-attached by the next daemon); "" = ``backing``, lost when the daemon exits."""
 
     def __post_init__(self) -> None:
         if self.prefault_threads < 0 or self.reserve_bytes < 0:
@@ -84,15 +88,19 @@ class ComponentStorage:
 class HostPool:
     def __init__(self, spec: PoolSpec, options: MemoryOptions | None = None,
                  *, pinner: Pinner | None = None,
-                 on_progress: Callable[[int], None] | None = None) -> None:
+                 on_progress: Callable[[int], None] | None = None,
+                 extra_tables: Sequence[TableSpec] = ()) -> None:
         """Map, prefault and (with a ``pinner``) page-lock the pool's memory;
-        ``on_progress(nbytes)`` follows the prefault."""
+        ``on_progress(nbytes)`` follows the prefault. With ``options.state_dir`` the memory
+        and the tables (the allocator's, the canary's, ``extra_tables`` of the layers above)
+        live in its files: saved ones that match are re-attached as they are (``outcome``
+        REATTACHED: the caller recovers the allocator next), others are replaced."""
         options = options or MemoryOptions()
         self.spec = spec
         self.page_size = spec.page_size
         self.size_tokens = spec.resolved_size_tokens()
         self.page_num = self.size_tokens // spec.page_size
-        self.allocator = PageAllocator(self.page_num, spec.page_size, max(spec.max_layers, 1))
+        layers = max(spec.max_layers, 1)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._closed = False
@@ -109,16 +117,38 @@ class HostPool:
         self.nbytes = offset
         self.memory: HostMemory | None = None
         self.components: list[ComponentStorage] = []
+        self.state: StateFiles | None = None
+        tables: dict[str, np.ndarray] = {}
+        if self.nbytes and options.state_dir:
+            canary = CanaryTable.table_specs(self.page_num, layers) if spec.canary else []
+            self.state = StateFiles(options.state_dir, spec, self.nbytes,
+                                    [*table_specs(self.page_num, layers), *canary,
+                                     *extra_tables])
+            self.state.open()
+            tables = {t.name: self.state.table(t.name) for t in
+                      [*table_specs(self.page_num, layers), *canary]}
+        self.outcome = self.state.outcome if self.state is not None else None
+        """How the state files were found (None without a state directory)."""
+        reuse = self.outcome is Outcome.REATTACHED
+        self.allocator = PageAllocator(self.page_num, spec.page_size, layers, tables)
         if self.nbytes:
-            check_budget(self.nbytes, options.reserve_bytes)
-            path = None
-            if options.backing is Backing.FILE:
+            if not reuse:  # re-attached memory is in use already: nothing new to fit
+                check_budget(self.nbytes, options.reserve_bytes)
+            backing, path = options.backing, None
+            if self.state is not None:
+                backing, path = Backing.FILE, self.state.data_path
+            elif options.backing is Backing.FILE:
                 path = f"{options.file_dir.rstrip('/')}/hicached-pool-{spec.name}"
-            self.memory = HostMemory(
-                self.nbytes, backing=options.backing, path=path, hugepages=options.hugepages,
-                prefault_threads=options.prefault_threads, pinner=pinner, name=spec.name,
-                on_progress=on_progress,
-            )
+            try:
+                self.memory = HostMemory(
+                    self.nbytes, backing=backing, path=path, hugepages=options.hugepages,
+                    prefault_threads=options.prefault_threads, pinner=pinner, name=spec.name,
+                    on_progress=on_progress, reuse=reuse, keep=self.state is not None,
+                )
+            except BaseException:
+                if self.state is not None:
+                    self.state.remove()  # half-made or unmappable: the next start is cold
+                raise
             raw = self.memory.array()
             for name, geometry, comp, off, nbytes in layout:
                 shape = host_shape(comp, spec.layout, geometry.layer_num, self.size_tokens,
@@ -127,15 +157,16 @@ class HostPool:
                 addressing = HostAddressing.of(comp, spec.layout, geometry.layer_num,
                                                self.size_tokens, spec.page_size)
                 base = self.memory.address + off
-                layers = np.arange(geometry.layer_num, dtype=np.int64)
+                layer_ids = np.arange(geometry.layer_num, dtype=np.int64)
                 self.components.append(ComponentStorage(
                     member=name, comp=comp, layer_num=geometry.layer_num, offset=off,
                     nbytes=nbytes, addressing=addressing, tensor=view.reshape(shape),
-                    layer_bases=base + layers * addressing.layer_stride,
+                    layer_bases=base + layer_ids * addressing.layer_stride,
                     layer_limits=np.full(geometry.layer_num, base + nbytes, np.int64)))
         self.canary: CanaryTable | None = None
         if spec.canary is not None and self.components:
-            self.canary = CanaryTable(self.page_num, spec.max_layers, spec.canary.read_bytes)
+            self.canary = CanaryTable(self.page_num, spec.max_layers, spec.canary.read_bytes,
+                                      tables)
         log.info(
             "pool %s: %d tokens in %d pages of %d, %d bytes, layout %s, prefault %.3f s",
             spec.name, self.size_tokens, self.page_num, spec.page_size, self.nbytes,
@@ -242,10 +273,11 @@ class HostPool:
     def copies_in_flight(self) -> int:
         return self._copies
 
-    def close(self, wait_seconds: float = 10.0) -> bool:
+    def close(self, wait_seconds: float = 10.0, remove_state: bool = False) -> bool:
         """Refuse new copies, wait up to ``wait_seconds`` for those in flight, then release
         the memory. Never unmaps under a copy: if one is still running the memory stays mapped
-        (logged) and False is returned. Idempotent."""
+        (logged) and False is returned. Idempotent. State files stay for the next daemon
+        unless ``remove_state`` (DeletePool)."""
         with self._lock:
             if self._closed and not self.components:
                 return True
@@ -257,4 +289,9 @@ class HostPool:
             self.components = []
         if self.memory is not None:
             self.memory.close()
+        if self.state is not None:
+            if remove_state:
+                self.state.remove()
+            else:
+                self.state.close()
         return True

@@ -67,12 +67,13 @@ def _unix_path(target: str) -> str:
 
 
 class _SocketLock:
-    """An flock held for the daemon's life on ``<socket>.lock``."""
+    """An flock held for the daemon's life on ``<socket>.lock`` (or, ``state=True``, on
+    ``<state dir>/.lock``: one daemon per state directory)."""
 
-    def __init__(self, socket_path: str) -> None:
-        self.socket_path = socket_path
-        self.lock_path = socket_path + ".lock"
-        directory = os.path.dirname(socket_path) or "."
+    def __init__(self, socket_path: str, state: bool = False) -> None:
+        self.socket_path = "" if state else socket_path
+        self.lock_path = os.path.join(socket_path, ".lock") if state else socket_path + ".lock"
+        directory = socket_path if state else (os.path.dirname(socket_path) or ".")
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -81,18 +82,21 @@ class _SocketLock:
             holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(self.fd)
             raise AlreadyServing(
+                f"another hicached (pid {holder}) uses the state directory {socket_path}; "
+                "give each daemon its own --state-dir" if state else
                 f"another hicached (pid {holder}) is serving on {socket_path}; "
                 "stop it first or choose another --listen path") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-        if os.path.exists(socket_path):  # left by a daemon that was killed
+        if self.socket_path and os.path.exists(socket_path):  # left by a killed daemon
             log.warning("removing stale socket %s", socket_path)
             os.unlink(socket_path)
 
     def release(self) -> None:
         for path in (self.socket_path, self.lock_path):
             try:
-                os.unlink(path)
+                if path:
+                    os.unlink(path)
             except FileNotFoundError:
                 pass
         os.close(self.fd)
@@ -107,7 +111,8 @@ class HiCacheServer:
         sessions = SessionManager(config.lease_seconds,
                                   max_lease_seconds=config.max_lease_seconds,
                                   on_end=lambda s: self.daemon.session_ended(s))
-        options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes)
+        options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes,
+                                state_dir=config.state_dir)
         driver = load_driver(config.cuda_driver or None)
         if driver is None:
             log.info("CUDA IPC off: %s", driver_problem(config.cuda_driver or None))
@@ -117,7 +122,11 @@ class HiCacheServer:
         cuda = CudaIpcTransport(driver) if driver is not None else None
         # pools are page-locked for DMA exactly where the CUDA driver has a device
         pools = PoolTable(config.effective_budget(), options, sessions.count,
-                          pinner=DriverPinner(driver) if driver is not None else None)
+                          pinner=DriverPinner(driver) if driver is not None else None,
+                          on_attach=lambda pool, rec: self.daemon.metrics.pool_attached(
+                              pool, rec),
+                          on_drop=lambda name, outcome: self.daemon.metrics.pool_attach.labels(
+                              name, outcome).inc())
         metrics = Metrics(self.registry, ScrapeState(
             pools=pools.entries, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,
@@ -174,9 +183,14 @@ class HiCacheServer:
                                  for t in self.config.health_listen]
             if self.health_bound:
                 self.health_grpc.start()
-            # declared pools build in the background (a budget error still stops the start)
+            if self.config.state_dir:  # before any pool touches its files
+                self._locks.append(_SocketLock(self.config.state_dir, state=True))
+            # declared pools build in the background (a budget error still stops the start);
+            # pools saved by an earlier daemon are re-attached the same way
             self._declared = [self.daemon.pools.create_async(spec)[0]
                               for spec in self.config.pools]
+            self._declared += self.daemon.pools.recover_saved(
+                {spec.name for spec in self.config.pools})
             for target in self.config.listen:
                 bound.append(self._listen(target))
             if self.config.metrics_listen:

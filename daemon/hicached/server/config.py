@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from hicache.errors import SpecInvalid
-from hicache.paths import default_socket_path
+from hicache.paths import DEFAULT_STATE_DIR, default_socket_path
 from hicache.specs import (
     CanarySpec,
     DType,
@@ -63,6 +63,10 @@ class ServerConfig:
     (identified through the identity socket beside each API socket)."""
     shm_dir: str = "/dev/shm"
     """The only directory whose files workers may hand over as device buffers."""
+    state_dir: str = DEFAULT_STATE_DIR
+    """Where pools live as files that outlive the daemon (memory and tables, re-attached on
+    the next start; a hugetlbfs mount works too); one daemon per directory. "" = pools in
+    anonymous memory, lost when the daemon exits."""
     accept_shm_paths: bool = True
     """Accept shared-memory buffers named by path (under ``shm_dir``). False: CPU workers must
     hand over sealed memfds through the identity socket, which they cannot shrink."""
@@ -172,6 +176,9 @@ class ServerConfig:
                               metadata={"socket_mode": oct(self.socket_mode)})
         if self.log_format not in ("text", "json"):
             raise SpecInvalid("log_format is text or json")
+        if self.state_dir and not os.path.isabs(self.state_dir):
+            raise SpecInvalid("state_dir must be an absolute path (or empty: no state)",
+                              metadata={"state_dir": self.state_dir})
         if not os.path.isabs(self.shm_dir):
             raise SpecInvalid("shm_dir must be an absolute path",
                               metadata={"shm_dir": self.shm_dir})

@@ -191,7 +191,24 @@ class Metrics:
         info = Gauge("hicache_build_info", "Build of the daemon.", list(build),
                      registry=registry)
         info.labels(**build).set(1)
+        self.pool_attach = Counter(
+            "hicache_pool_attach", "Pools opened, by how their saved state was found: "
+            "created, reattached, cold_version, cold_mismatch, cold_corrupt.",
+            ["pool", "outcome"], registry=registry)
+        self.recovered_keys = Counter("hicache_pool_recovered_keys",
+                                      "Keys found again in re-attached pools.", ["pool"],
+                                      registry=registry)
+        self.recovery_dropped = Counter(
+            "hicache_pool_recovery_dropped_slots",
+            "Saved key slots dropped on re-attach because their checksum failed.", ["pool"],
+            registry=registry)
         registry.register(_StateCollector(state, time.monotonic()))
+
+    def pool_attached(self, pool: HostPool, recovered: dict[str, int]) -> None:
+        name = pool.spec.name
+        self.pool_attach.labels(name, pool.outcome.value if pool.outcome else "memory").inc()
+        self.recovered_keys.labels(name).inc(recovered.get("keys", 0))
+        self.recovery_dropped.labels(name).inc(recovered.get("damaged", 0))
 
     def transfer(self, pool: str, op: str, nbytes: int, pages: int, seconds: float) -> None:
         self.transfer_bytes.labels(pool, op).inc(nbytes)

@@ -12,20 +12,37 @@ Primitives:
 - ``charge(spec)``: what a pool costs the budget: its pages and, per page, its tables and key
   index. ``used_bytes``: the charges of all pools; a pool that would exceed the budget is
   ``HOST_MEMORY_INSUFFICIENT`` naming every number.
+- With a state directory (``options.state_dir``) pools live in files that outlive the daemon:
+  a pool whose saved state matches is re-attached and its cache recovered
+  (``PoolCache.recover``) while it builds; ``recover_saved(declared)`` starts that for every
+  saved pool the config does not declare; ``delete`` removes the files, ``close_all`` keeps
+  them. ``on_attach(pool, recovered)`` reports how each pool was found, ``on_drop(name,
+  outcome)`` a saved pool that could not be re-attached (its files are removed).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
-from hicache.errors import HostMemoryInsufficient, PoolInUse, PoolNotFound, PoolSpecConflict
+from hicache.errors import (
+    HiCacheError,
+    HostMemoryInsufficient,
+    PoolInUse,
+    PoolNotFound,
+    PoolSpecConflict,
+)
 from hicache.specs import PoolSpec
+from hicached.cache import key_slots
 from hicached.cache.pool_cache import KEY_INDEX_BYTES, PoolCache
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
+from hicached.core.state_file import Outcome, remove_state, saved_specs
 from hicached.server.pool_build import PoolBuild
+
+log = logging.getLogger(__name__)
 
 
 def charge(spec: PoolSpec) -> int:
@@ -37,11 +54,16 @@ def charge(spec: PoolSpec) -> int:
 class PoolTable:
     def __init__(self, budget_bytes: int, options: MemoryOptions,
                  sessions_of: Callable[[str], int] = lambda name: 0,
-                 pinner: Pinner | None = None) -> None:
+                 pinner: Pinner | None = None,
+                 on_attach: Callable[[HostPool, dict[str, int]], None] = lambda p, r: None,
+                 on_drop: Callable[[str, str], None] = lambda name, outcome: None) -> None:
         """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts)."""
         self.budget_bytes = budget_bytes
         self.options = options
         self.pinner = pinner
+        self._on_attach = on_attach
+        self._on_drop = on_drop
+        self._recovered: dict[str, PoolCache] = {}
         self._sessions_of = sessions_of
         self._pools: dict[str, HostPool] = {}
         self._caches: dict[str, PoolCache] = {}
@@ -59,11 +81,58 @@ class PoolTable:
             if existing is not None:
                 raise existing.not_ready()
             self._check_budget(spec)
-            pool = HostPool(spec, self.options, pinner=self.pinner)
+            pool, cache = self._open(spec, lambda n: None)
             with self._lock:
                 self._pools[spec.name] = pool
-                self._caches[spec.name] = PoolCache(pool)
+                self._caches[spec.name] = cache
             return pool, True
+
+    def _open(self, spec: PoolSpec, on_progress: Callable[[int], None]
+              ) -> tuple[HostPool, PoolCache]:
+        """Build (or re-attach) the pool and its cache, recovering saved keys."""
+        pages = spec.resolved_size_tokens() // spec.page_size
+        pool = HostPool(spec, self.options, pinner=self.pinner, on_progress=on_progress,
+                        extra_tables=[key_slots.table_spec(pages)])
+        try:
+            cache = PoolCache(pool)
+            recovered = cache.recover() if pool.outcome is Outcome.REATTACHED else {}
+        except BaseException:
+            pool.close(0)
+            raise
+        if recovered:
+            log.info("pool %s re-attached (generation %d): %d keys, %d raw pages kept, %d "
+                     "damaged slots dropped", spec.name, pool.state.generation if pool.state
+                     else 0, recovered["keys"], recovered["raw_pages"], recovered["damaged"])
+        self._on_attach(pool, recovered)
+        return pool, cache
+
+    def recover_saved(self, declared: Collection[str] = ()) -> list[PoolBuild]:
+        """Re-attach, in the background, every pool the state directory holds that is not in
+        ``declared`` (those are created from the config and re-attach by themselves). Unusable
+        state is removed with a log line; a pool the budget cannot hold is dropped too."""
+        builds: list[PoolBuild] = []
+        if not self.options.state_dir:
+            return builds
+        for name, (spec, why) in saved_specs(self.options.state_dir).items():
+            if name in declared:
+                continue
+            if spec is None:
+                log.warning("saved state of pool %s is unusable (%s): removed", name, why)
+                remove_state(self.options.state_dir, name)
+                self._on_drop(name, Outcome.COLD_VERSION.value if why.startswith("version")
+                              else Outcome.COLD_CORRUPT.value)
+                continue
+            try:
+                build, _ = self.create_async(spec)
+            except HiCacheError as exc:
+                log.warning("saved pool %s not re-attached (%s): its state is removed",
+                            name, exc)
+                remove_state(self.options.state_dir, name)
+                self._on_drop(name, "dropped_" + exc.reason.lower())
+                continue
+            if isinstance(build, PoolBuild):
+                builds.append(build)
+        return builds
 
     def create_async(self, spec: PoolSpec) -> tuple[HostPool | PoolBuild, bool]:
         """Like ``create``, but a new pool builds in the background: returns its
@@ -79,7 +148,10 @@ class PoolTable:
             self._check_budget(spec)
 
             def make(on_progress: Callable[[int], None]) -> HostPool:
-                return HostPool(spec, self.options, pinner=self.pinner, on_progress=on_progress)
+                pool, cache = self._open(spec, on_progress)
+                with self._lock:
+                    self._recovered[spec.name] = cache
+                return pool
 
             build = PoolBuild(spec, spec.resolved_size_tokens() // spec.page_size
                               * spec.page_bytes, make)
@@ -90,11 +162,12 @@ class PoolTable:
 
     def _built(self, build: PoolBuild, pool: HostPool | None) -> None:
         with self._lock:
+            cache = self._recovered.pop(build.spec.name, None)
             if pool is None or self._closed or self._builds.get(build.spec.name) is not build:
                 keep = None
             else:
                 self._pools[build.spec.name] = pool
-                self._caches[build.spec.name] = PoolCache(pool)
+                self._caches[build.spec.name] = cache or PoolCache(pool)
                 del self._builds[build.spec.name]
                 keep = pool
         if pool is not None and keep is None:
@@ -179,7 +252,7 @@ class PoolTable:
             with self._lock:
                 self._pools.pop(name, None)
                 self._caches.pop(name, None)
-        pool.close(wait_seconds)
+        pool.close(wait_seconds, remove_state=True)
 
     @property
     def used_bytes(self) -> int:

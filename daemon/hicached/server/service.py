@@ -58,7 +58,10 @@ def pool_message(pool: HostPool, cache: PoolCache, sessions: int) -> pb.Pool:
                    used_bytes=used * pool.spec.page_bytes, pinned_bytes=pool.pinned_bytes,
                    sessions=sessions, keys=cache.key_count, keyed_pages=counts["keyed"],
                    raw_pages=counts["raw"], pinned_pages=counts["held"],
-                   metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES)
+                   metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES,
+                   attach_outcome=pool.outcome.value if pool.outcome else "memory",
+                   generation=pool.state.generation if pool.state else 0,
+                   recovered_keys=cache.recovered_keys)
 
 
 def build_message(b: PoolBuild) -> pb.Pool:
