@@ -74,3 +74,20 @@ def test_declared_pools() -> None:
 def test_invalid_settings(bad: dict[str, object]) -> None:
     with pytest.raises(SpecInvalid):
         config_from_mapping(bad)
+
+
+def test_disk_tier_table() -> None:
+    from hicached.tiers.config import DiskTierConfig
+
+    c = config_from_mapping({"tier": {"disk": {"path": "/var/cache/hicached", "capacity": "2GiB",
+                                               "spill_ahead": "64MiB", "fsync": "never"}}})
+    assert c.disk == DiskTierConfig("/var/cache/hicached", 2 << 30, fsync="never",
+                                    spill_ahead_bytes=64 << 20)
+    assert c.disk.share(1 << 30, 4 << 30, 1 << 20) == 512  # a quarter of the budget
+    for bad in ({"path": "rel", "capacity": "1GiB"}, {"path": "/x", "capacity": 0},
+                {"path": "/x", "capacity": "1GiB", "fsync": "always"},
+                {"path": "/x", "capacity": "1GiB", "speed": 1}, {"path": "/x"}):
+        with pytest.raises(SpecInvalid):
+            config_from_mapping({"tier": {"disk": bad}})
+    with pytest.raises(SpecInvalid, match="unknown tiers"):
+        config_from_mapping({"tier": {"tape": {}}})

@@ -268,3 +268,21 @@ class CrashModel(RuleBasedStateMachine):
 
 
 TestCrashModel = CrashModel.TestCase
+
+
+def test_canary_fingerprints_survive_and_catch_a_changed_page(state: str) -> None:
+    from hicache.errors import CanaryMismatch
+
+    spec = PoolSpec("cn", SPEC.geometry, PS, size_tokens=PS * 16, canary=CanarySpec(16))
+    pool, cache = open_pool(state, spec)
+    pages = np.array([store(pool, cache, b"c%d" % i, i) for i in range(3)], dtype=np.int64)
+    layers = range(0, spec.max_layers)
+    assert pool.canary is not None
+    pool.canary.record(pages, layers, pool.fingerprints(pages, layers))
+    pool2, _ = open_pool(state, spec)  # crash, re-attach
+    assert pool2.canary is not None
+    pool2.canary.verify(pages, layers, pool2.fingerprints(pages, layers))  # unchanged: fine
+    pool2.raw_bytes()[pool2.page_segments(int(pages[1]))[0][0]] ^= 0xFF  # the memory rots
+    with pytest.raises(CanaryMismatch) as err:
+        pool2.canary.verify(pages, layers, pool2.fingerprints(pages, layers))
+    assert err.value.metadata["first_page"] == str(int(pages[1]))

@@ -103,6 +103,12 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         merged["insecure_tcp"] = True
     if getattr(args, "no_shm_paths", False):
         merged["accept_shm_paths"] = False
+    disk = {k: v for k, v in (("path", getattr(args, "disk_path", None)),
+                              ("capacity", getattr(args, "disk_capacity", None))) if v}
+    if disk:  # over [tier.disk] of the file
+        tiers = dict(merged.get("tier", {}))
+        tiers["disk"] = {**tiers.get("disk", {}), **disk}
+        merged["tier"] = tiers
     return config_from_mapping(merged)
 
 
@@ -156,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument(flag, **kw)
     sp.add_argument("--insecure-tcp", action="store_true",
                     help="allow TCP listeners without TLS client authentication")
+    sp.add_argument("--disk-path", help="directory of the disk tier ([tier.disk] path)")
+    sp.add_argument("--disk-capacity", help="disk tier size, e.g. 500GiB ([tier.disk])")
     sp.add_argument("--no-shm-paths", action="store_true",
                     help="refuse shm buffers named by path: CPU workers hand over sealed memfds")
     argv = list(sys.argv[1:] if argv is None else argv)

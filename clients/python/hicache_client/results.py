@@ -46,6 +46,9 @@ class PoolInfo:
     generation: int = 0
     """How many times a daemon attached the pool's files."""
     recovered_keys: int = 0
+    disk_keys: int = 0
+    """Keys the pool's disk tier holds (0 without one)."""
+    disk_capacity_pages: int = 0
 
     @classmethod
     def from_proto(cls, p: pb.Pool) -> PoolInfo:
@@ -54,7 +57,8 @@ class PoolInfo:
                    p.used_pages, p.free_pages, p.capacity_bytes, p.used_bytes, p.pinned_bytes,
                    p.sessions, p.keys, p.keyed_pages, p.raw_pages, p.pinned_pages,
                    p.metadata_bytes, state, p.progress if state != "READY" else 1.0,
-                   p.error, p.error_reason, p.attach_outcome, p.generation, p.recovered_keys)
+                   p.error, p.error_reason, p.attach_outcome, p.generation, p.recovered_keys,
+                   p.disk_keys, p.disk_capacity_pages)
 
 
 @dataclass(frozen=True)

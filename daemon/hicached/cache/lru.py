@@ -3,7 +3,8 @@
 Primitives:
 
 - ``LRU``: ``add(key)`` (most recently used), ``touch(key)``, ``discard(key)``,
-  ``pop_oldest(n)``, ``len``, ``in``. Every operation is O(1) per key.
+  ``pop_oldest(n)``, ``oldest(n)`` (left in place), ``len``, ``in``. Every operation is O(1)
+  per key.
 
 It holds only the keys that may be evicted now (ready, and not held by a copy); the cache adds
 a key when it becomes evictable and discards it when it stops being so.
@@ -22,6 +23,15 @@ class LRU:
         """Make ``key`` evictable, as the most recently used."""
         self._order[key] = None
         self._order.move_to_end(key)
+
+    def oldest(self, n: int) -> list[bytes]:
+        """Up to ``n`` least recently used keys, oldest first, left in place."""
+        out: list[bytes] = []
+        for key in self._order:
+            if len(out) == n:
+                break
+            out.append(key)
+        return out
 
     def touch(self, key: bytes) -> None:
         """Mark ``key`` used now, if it is evictable."""

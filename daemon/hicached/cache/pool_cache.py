@@ -20,6 +20,11 @@ Primitives:
   when the copy ends (REMOVED events).
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
 - ``stats``: counters for metrics; ``key_count``.
+- A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
+  only it holds, ``remove`` / ``clear`` reach it, eviction counts whether each evicted key was
+  below already. ``spill_candidates`` / ``finish_spill`` lend the oldest keys' pages to the
+  spiller (held against reuse); ``not_ready`` names keys to promote; ``on_stored`` is its cue.
+- ``recover()``: after the pool's state files were re-attached, the complete keys again.
 
 Raw pages (``Alloc``) share the allocator and are never evicted; they may evict keyed pages.
 Thread-safe: one lock per pool cache, taken before the allocator's.
@@ -28,8 +33,9 @@ Thread-safe: one lock per pool cache, taken before the allocator's.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -61,6 +67,19 @@ class StoreTicket:
     """Their pages, held for writing, in the same order."""
 
 
+class LowerTier(Protocol):
+    """A tier below host memory holding keyed pages of this pool (``hicached.tiers``)."""
+
+    tier: int
+    """Its tier byte in Lookup (2 disk, 3 remote)."""
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def remove(self, keys: Sequence[bytes]) -> int: ...
+
+    def clear(self) -> int: ...
+
+
 @dataclass
 class CacheStats:
     lookups: int = 0
@@ -72,6 +91,10 @@ class CacheStats:
     evicted: int = 0
     removed: int = 0
     load_misses: int = 0
+    evicted_to_lower: int = 0
+    """Evicted keys whose page the lower tier already held (still found there)."""
+    spill_dropped: int = 0
+    """Evicted keys the lower tier had not written yet: gone from every tier."""
 
 
 class PoolCache:
@@ -79,6 +102,10 @@ class PoolCache:
         self.pool = pool
         self.events = events or EventLog()
         self.stats = CacheStats()
+        self.lower: LowerTier | None = None
+        """The tier below host memory, if the pool has one."""
+        self.on_stored: Callable[[], None] = lambda: None
+        """Called after keys became ready (the spiller's cue)."""
         self.recovered_keys = 0
         """Keys found again when the pool was re-attached (``recover``)."""
         self.slots = KeySlots(pool.state.table("key_slots") if pool.state is not None
@@ -90,6 +117,7 @@ class PoolCache:
         self._page_key: dict[int, bytes] = {}
         self._loads: dict[int, int] = {}
         self._lru = LRU()
+        self._spilling: set[bytes] = set()
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
 
     def recover(self) -> dict[str, int]:
@@ -129,14 +157,46 @@ class PoolCache:
             return len(self._ready)
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, bytes]:
+        """(leading keys found in any tier, one tier byte per key: 1 host, 2/3 below, 0)."""
+        lower = self.lower
         with self._lock:
-            tiers = bytes(1 if k in self._ready else 0 for k in keys)
-            hits = tiers.count(1)
+            tiers = bytes(1 if k in self._ready else
+                          lower.tier if lower is not None and lower.contains(k) else 0
+                          for k in keys)
+            hits = len(keys) - tiers.count(0)
             self.stats.lookups += 1
             self.stats.lookup_hits += hits
             self.stats.lookup_misses += len(keys) - hits
         hit_prefix = tiers.find(0)
         return (len(keys) if hit_prefix < 0 else hit_prefix), tiers
+
+    def not_ready(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys host memory does not hold ready (to be promoted from a lower tier)."""
+        with self._lock:
+            return [k for k in dict.fromkeys(keys) if k not in self._ready]
+
+    # -- spill -----------------------------------------------------------------------------
+
+    def spill_candidates(self, n: int, window: int,
+                         written: Callable[[bytes], bool]) -> tuple[list[bytes], np.ndarray]:
+        """Up to ``n`` of the ``window`` least recently used ready keys whose page the lower
+        tier has not ``written``, with their pages held for reading: an eviction meanwhile
+        drops the key from host memory, but its page is not reused until ``finish_spill``."""
+        with self._lock:
+            keys = [k for k in self._lru.oldest(window)
+                    if k not in self._spilling and not written(k)][:n]
+            if not keys:
+                return [], np.zeros(0, np.int64)
+            pages = np.asarray([self._ready[k] for k in keys], dtype=np.int64)
+            self._alloc.acquire(pages, write=False)
+            self._spilling.update(keys)
+        return keys, pages
+
+    def finish_spill(self, keys: list[bytes], pages: np.ndarray) -> None:
+        """The lower tier has (or failed to take) these pages: release them."""
+        with self._lock:
+            self._alloc.release(pages, write=False)
+            self._spilling.difference_update(keys)
 
     # -- store -----------------------------------------------------------------------------
 
@@ -195,6 +255,8 @@ class PoolCache:
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
             self.events.append(EventKind.STORED, stored)
+        if stored:
+            self.on_stored()
 
     # -- load ------------------------------------------------------------------------------
 
@@ -249,10 +311,17 @@ class PoolCache:
     # -- removal ---------------------------------------------------------------------------
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop ``keys`` (ready or being written); returns how many were there."""
+        """Drop ``keys`` (ready or being written) from every tier; returns how many were
+        there."""
         with self._lock:
-            gone = self._forget([k for k in dict.fromkeys(keys)
+            unique = list(dict.fromkeys(keys))
+            below = set(unique) if self.lower is None else {
+                k for k in unique if self.lower.contains(k)}
+            gone = self._forget([k for k in unique
                                  if k in self._ready or k in self._writing])
+            if self.lower is not None:
+                self.lower.remove(unique)
+                gone += [k for k in unique if k in below and k not in set(gone)]
             self.stats.removed += len(gone)
             self.events.append(EventKind.REMOVED, gone)
         return len(gone)
@@ -262,6 +331,8 @@ class PoolCache:
         holds it ends)."""
         with self._lock:
             gone = self._forget([*self._ready, *self._writing])
+            if self.lower is not None:
+                self.lower.clear()
             self.stats.removed += len(gone)
             self.events.append(EventKind.REMOVED, gone)
         return len(gone)
@@ -283,6 +354,10 @@ class PoolCache:
 
     def _evict(self, n: int) -> None:
         keys = self._lru.pop_oldest(n)
+        if self.lower is not None:  # being written below counts as below: it lands there
+            below = sum(k in self._spilling or self.lower.contains(k) for k in keys)
+            self.stats.evicted_to_lower += below
+            self.stats.spill_dropped += len(keys) - below
         pages = np.asarray([self._ready.pop(k) for k in keys], dtype=np.int64)
         for page in pages.tolist():
             del self._page_key[page]

@@ -6,7 +6,8 @@ Primitives:
   reserve).
 - ``ComponentStorage``: one component's bytes inside the region, with its SGLang-shaped typed
   tensor view (``tensor``), its addressing and the absolute base address of each layer.
-- ``HostPool``: ``alloc`` / ``free`` whole pages, ``buffer(member, role)``, ``fingerprints``
+- ``HostPool``: ``alloc`` / ``free`` whole pages, ``buffer(member, role)``, ``page_segments`` /
+  ``page_views`` (where one page's bytes lie, for tiers below host memory), ``fingerprints``
   (the kv-canary hash of host pages), occupancy figures, ``begin_copy`` / ``end_copy`` (copies
   in flight: ``close(wait_seconds)`` waits for them and never unmaps under one). Pinning is done
   by the
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from hicache.errors import PoolClosed, SpecInvalid
-from hicache.specs import Component, KVGeometry, PoolSpec, Role
+from hicache.specs import Component, KVGeometry, Layout, PoolSpec, Role
 from hicached.core.allocator import PageAllocator, table_specs
 from hicached.core.canary import CanaryTable, fingerprints
 from hicached.core.host_layout import HostAddressing, host_shape
@@ -231,6 +232,30 @@ class HostPool:
             with np.errstate(over="ignore"):
                 out[:, : len(lays)] += fingerprints(words, offs, read_words, salt)
         return out
+
+    def page_segments(self, page: int) -> list[tuple[int, int]]:
+        """Where one page's bytes lie in the region, as (offset, length) runs in a fixed
+        order (component by component, layer by layer); they add up to ``spec.page_bytes``."""
+        out: list[tuple[int, int]] = []
+        for c in self.components:
+            a = c.addressing
+            run = c.comp.units_per_page(self.page_size) * c.comp.unit_bytes
+            if self.spec.layout is Layout.LAYER_FIRST:  # one run per layer
+                starts = [c.offset + layer * a.layer_stride + page * a.page_pitch
+                          for layer in range(c.layer_num)]
+            else:  # the page's rows of every layer are one run
+                starts, run = [c.offset + page * a.page_pitch], run * c.layer_num
+            for start in starts:
+                if out and out[-1][0] + out[-1][1] == start:
+                    out[-1] = (out[-1][0], out[-1][1] + run)
+                else:
+                    out.append((start, run))
+        return out
+
+    def page_views(self, page: int) -> list[memoryview]:
+        """The page's bytes as writable views of the pool's memory (``page_segments``)."""
+        raw = self.raw_bytes()
+        return [raw[o:o + n].data for o, n in self.page_segments(page)]
 
     def raw_bytes(self) -> np.ndarray:
         """The whole pool region as uint8 (for fingerprints and tests)."""

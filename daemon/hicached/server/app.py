@@ -126,7 +126,10 @@ class HiCacheServer:
                           on_attach=lambda pool, rec: self.daemon.metrics.pool_attached(
                               pool, rec),
                           on_drop=lambda name, outcome: self.daemon.metrics.pool_attach.labels(
-                              name, outcome).inc())
+                              name, outcome).inc(),
+                          disk=config.disk,
+                          observe_disk=lambda op, s: self.daemon.metrics.disk_seconds.labels(
+                              op).observe(s))
         metrics = Metrics(self.registry, ScrapeState(
             pools=pools.entries, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,
@@ -134,6 +137,7 @@ class HiCacheServer:
             ipc_handles=cuda.cache.stats if cuda is not None else lambda: (0, 0),
             watchers=lambda: self.daemon.watchers,
             builds=lambda: [(b.spec.name, b.state, b.progress) for b in pools.builds()],
+            tiers=pools.tiers,
         ), build={"version": hicache.__version__, "torch": torch.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})

@@ -29,6 +29,7 @@ from hicache.specs import (
 )
 from hicached.core.system import available_bytes
 from hicached.server.identity import AccessRule
+from hicached.tiers.config import DiskTierConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -120,6 +121,8 @@ class ServerConfig:
     pinned and cuda_ipc sessions accepted only when it loads and reports a device."""
     pools: tuple[PoolSpec, ...] = field(default=())
     """Pools that exist from startup."""
+    disk: DiskTierConfig | None = None
+    """``[tier.disk]``: the local disk tier below host memory (None: none)."""
     log_format: str = "text"
     """``text`` or ``json`` (one object per line)."""
     log_level: str = "INFO"
@@ -245,6 +248,13 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
         key = _ALIASES.get(key, key)
         if key == "pool":
             kwargs["pools"] = tuple(pool_from_mapping(p) for p in value)  # type: ignore[attr-defined]
+            continue
+        if key == "tier":
+            tiers = dict(value)  # type: ignore[call-overload]
+            disk = tiers.pop("disk", None)
+            if tiers:
+                raise SpecInvalid(f"unknown tiers {sorted(tiers)} (known: disk)")
+            kwargs["disk"] = DiskTierConfig.from_mapping(disk, parse_size) if disk else None
             continue
         if key not in known:
             raise SpecInvalid(f"unknown setting {key!r}", metadata={"setting": key})

@@ -32,10 +32,16 @@ from dataclasses import dataclass, field
 
 from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import driver_problem
-from hicache.errors import Draining, SpecInvalid, TooManyWatchers, TransportUnavailable
+from hicache.errors import (
+    Draining,
+    KeyNotFound,
+    SpecInvalid,
+    TooManyWatchers,
+    TransportUnavailable,
+)
 from hicache.indices import IndexArray
 from hicache.keys import check_keys
-from hicached.cache.pool_cache import StoreTicket
+from hicached.cache.pool_cache import PoolCache, StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
 from hicached.server.identity import AccessRule, Grant
@@ -241,6 +247,28 @@ class Daemon:
                                   result.seconds)
         return ticket, result
 
+    def _promote(self, s: Session, cache: PoolCache, keys: list[bytes]) -> None:
+        """Bring the keys a lower tier holds into host memory (read straight into fresh host
+        pages, checksums checked). A key that fails its read is dropped there; the load
+        then fails whole with KEY_NOT_FOUND, nothing moved to the device."""
+        lower = self.pools.tier_of(s.pool_name)
+        if lower is None:
+            return
+        below = [k for k in cache.not_ready(keys) if lower.contains(k)]
+        if not below:
+            return
+        ticket = cache.begin_store(below)  # present or in flight elsewhere: left alone
+        ok = True
+        try:
+            for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(), strict=True):
+                if not lower.read_into(ticket.keys[i], s.pool.page_views(page)):
+                    ok = False
+                    break
+        finally:
+            cache.finish_store(ticket, ok)
+        if ok and ticket.pages.size:
+            self.metrics.promotions.labels(s.pool_name).inc(int(ticket.pages.size))
+
     def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray,
                   layers: tuple[int, int], layer_events: bool) -> TransferResult:
         keys = check_keys(keys, "keys")
@@ -252,7 +280,14 @@ class Daemon:
             device_pages, load_layers = self.engine.check_keyed(
                 Op.LOAD, s.pool, buffers, len(keys), device, *layers)
             cache = self.pools.cache(s.pool_name)
-            pages = cache.begin_load(keys)  # KEY_NOT_FOUND: nothing held, nothing moves
+            self._promote(s, cache, keys)
+            try:
+                pages = cache.begin_load(keys)  # KEY_NOT_FOUND: nothing held, nothing moves
+            except KeyNotFound:
+                if self.pools.tier_of(s.pool_name) is None:
+                    raise
+                self._promote(s, cache, keys)  # a promotion evicted a key of this batch
+                pages = cache.begin_load(keys)
             r = self._held_load(s, lambda landed: self.engine.transfer_pages(
                 Op.LOAD, s.pool, buffers, pages, device_pages, load_layers, runner,
                 wait=not layer_events, on_complete=landed),

@@ -39,8 +39,11 @@ from hicached.cache import key_slots
 from hicached.cache.pool_cache import KEY_INDEX_BYTES, PoolCache
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
-from hicached.core.state_file import Outcome, remove_state, saved_specs
+from hicached.core.state_file import Outcome, remove_state, saved_specs, spec_to_dict
 from hicached.server.pool_build import PoolBuild
+from hicached.tiers.config import DiskTierConfig
+from hicached.tiers.disk import DiskTier
+from hicached.tiers.spill import Spiller
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +59,19 @@ class PoolTable:
                  sessions_of: Callable[[str], int] = lambda name: 0,
                  pinner: Pinner | None = None,
                  on_attach: Callable[[HostPool, dict[str, int]], None] = lambda p, r: None,
-                 on_drop: Callable[[str, str], None] = lambda name, outcome: None) -> None:
-        """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts)."""
+                 on_drop: Callable[[str, str], None] = lambda name, outcome: None,
+                 disk: DiskTierConfig | None = None,
+                 observe_disk: Callable[[str, float], None] = lambda op, s: None) -> None:
+        """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts);
+        ``disk`` gives every pool a disk tier below it (its share of the capacity)."""
         self.budget_bytes = budget_bytes
         self.options = options
         self.pinner = pinner
         self._on_attach = on_attach
         self._on_drop = on_drop
+        self.disk = disk
+        self._observe_disk = observe_disk
+        self._tiers: dict[str, tuple[DiskTier, Spiller]] = {}
         self._recovered: dict[str, PoolCache] = {}
         self._sessions_of = sessions_of
         self._pools: dict[str, HostPool] = {}
@@ -99,12 +108,56 @@ class PoolTable:
         except BaseException:
             pool.close(0)
             raise
+        try:
+            self._attach_disk(pool, cache)
+        except BaseException:
+            pool.close(0)
+            raise
         if recovered:
             log.info("pool %s re-attached (generation %d): %d keys, %d raw pages kept, %d "
                      "damaged slots dropped", spec.name, pool.state.generation if pool.state
                      else 0, recovered["keys"], recovered["raw_pages"], recovered["damaged"])
         self._on_attach(pool, recovered)
         return pool, cache
+
+    def _attach_disk(self, pool: HostPool, cache: PoolCache) -> None:
+        """Open the pool's disk tier (its saved index, or a cold one) and start its spiller."""
+        cfg, spec = self.disk, pool.spec
+        if cfg is None or not pool.nbytes:
+            return
+        pages = cfg.share(pool.nbytes, self.budget_bytes, spec.page_bytes)
+        if pages < 1:
+            log.warning("pool %s gets no disk tier: its share of %d bytes is under a page",
+                        spec.name, cfg.capacity_bytes)
+            return
+        tier = DiskTier(cfg.path, spec.name, {"spec": spec_to_dict(spec)}, spec.page_bytes,
+                        pages, o_direct=cfg.o_direct, fsync=cfg.fsync,
+                        observe=self._observe_disk)
+        outcome = tier.open()
+        log.info("pool %s: disk tier %s, %d pages (%d keys)", spec.name, outcome, pages,
+                 tier.keys)
+        spiller = Spiller(pool, cache, tier, max(cfg.spill_ahead_bytes // spec.page_bytes, 1))
+        cache.lower, cache.on_stored = tier, spiller.nudge
+        spiller.start()
+        with self._lock:
+            self._tiers[spec.name] = (tier, spiller)
+
+    def _close_tiers(self, name: str, remove: bool = False) -> None:
+        with self._lock:
+            got = self._tiers.pop(name, None)
+        if got is not None:
+            tier, spiller = got
+            spiller.close()
+            tier.remove_files() if remove else tier.close()
+
+    def tier_of(self, name: str) -> DiskTier | None:
+        with self._lock:
+            got = self._tiers.get(name)
+        return got[0] if got is not None else None
+
+    def tiers(self) -> list[tuple[str, DiskTier, Spiller]]:
+        with self._lock:
+            return [(n, t, s) for n, (t, s) in self._tiers.items()]
 
     def recover_saved(self, declared: Collection[str] = ()) -> list[PoolBuild]:
         """Re-attach, in the background, every pool the state directory holds that is not in
@@ -171,6 +224,7 @@ class PoolTable:
                 del self._builds[build.spec.name]
                 keep = pool
         if pool is not None and keep is None:
+            self._close_tiers(build.spec.name)
             pool.close()  # the table closed (or the build was dropped) meanwhile
 
     def _existing(self, spec: PoolSpec) -> HostPool | PoolBuild | None:
@@ -252,6 +306,7 @@ class PoolTable:
             with self._lock:
                 self._pools.pop(name, None)
                 self._caches.pop(name, None)
+        self._close_tiers(name, remove=True)
         pool.close(wait_seconds, remove_state=True)
 
     @property
@@ -266,6 +321,8 @@ class PoolTable:
         with self._lock:
             self._closed = True  # builds that finish from now on are closed at once
             pools, self._pools, self._caches = list(self._pools.values()), {}, {}
+        for p in pools:
+            self._close_tiers(p.spec.name)  # spillers hand their pages back first
         deadline = time.monotonic() + wait_seconds
         for p in pools:
             p.close(max(deadline - time.monotonic(), 0.0))

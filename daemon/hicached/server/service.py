@@ -36,6 +36,7 @@ from hicached.server.daemon import Daemon
 from hicached.server.identity import check_access
 from hicached.server.pool_build import FAILED, PoolBuild
 from hicached.server.sessions import Session
+from hicached.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ WATCH_POLL_SECONDS = 0.5
 """How often an idle event stream checks that its client, its pool and the daemon are there."""
 
 
-def pool_message(pool: HostPool, cache: PoolCache, sessions: int) -> pb.Pool:
+def pool_message(pool: HostPool, cache: PoolCache, sessions: int,
+                 disk: DiskTier | None = None) -> pb.Pool:
     counts = pool.allocator.counts()
     used = pool.page_num - counts["free"]
     return pb.Pool(spec=spec_to_proto(pool.spec), size_tokens=pool.size_tokens,
@@ -61,7 +63,9 @@ def pool_message(pool: HostPool, cache: PoolCache, sessions: int) -> pb.Pool:
                    metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES,
                    attach_outcome=pool.outcome.value if pool.outcome else "memory",
                    generation=pool.state.generation if pool.state else 0,
-                   recovered_keys=cache.recovered_keys)
+                   recovered_keys=cache.recovered_keys,
+                   disk_keys=disk.keys if disk is not None else 0,
+                   disk_capacity_pages=disk.capacity if disk is not None else 0)
 
 
 def build_message(b: PoolBuild) -> pb.Pool:
@@ -139,13 +143,15 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         build = d.pools.build(name)
         if build is not None:
             return build_message(build)
-        return pool_message(d.pools.get(name), d.pools.cache(name), d.sessions.count(name))
+        return pool_message(d.pools.get(name), d.pools.cache(name), d.sessions.count(name),
+                            d.pools.tier_of(name))
 
     def ListPools(self, request: pb.ListPoolsRequest, context: grpc.ServicerContext
                   ) -> pb.ListPoolsResponse:
         d = self.daemon
         return pb.ListPoolsResponse(pools=[
-            *(pool_message(p, c, d.sessions.count(p.spec.name)) for p, c in d.pools.entries()),
+            *(pool_message(p, c, d.sessions.count(p.spec.name), d.pools.tier_of(p.spec.name))
+              for p, c in d.pools.entries()),
             *(build_message(b) for b in d.pools.builds())])
 
     def DeletePool(self, request: pb.DeletePoolRequest, context: grpc.ServicerContext
@@ -238,7 +244,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                ) -> pb.LookupResponse:
         keys = check_keys(request.keys)
         hit_prefix, tiers = self.daemon.pools.cache(request.pool).lookup(keys)
-        return pb.LookupResponse(hit_prefix=hit_prefix, tiers=tiers, hits=tiers.count(1))
+        return pb.LookupResponse(hit_prefix=hit_prefix, tiers=tiers,
+                                 hits=len(tiers) - tiers.count(0))
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext
               ) -> pb.StoreResponse:

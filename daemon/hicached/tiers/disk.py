@@ -1,0 +1,359 @@
+"""A pool's disk tier: keyed pages below host memory, checksummed, LRU within a capacity.
+
+Pages are written from and read into the pool's own memory (``HostPool.page_views``), run by
+run, each run hashed while it is in cache; with O_DIRECT straight from and into those views
+when they are 4 KiB-aligned (typical geometries), else through an aligned bounce buffer. A
+key is visible only once its page and then its record are written (the page first made
+durable with ``fsync = "batch"``); a read whose checksum fails drops the key and counts it,
+and is never served. The index survives restarts: ``open()`` rebuilds it
+from the records whose crc holds (least recently stored first), or starts cold (files
+replaced, the reason logged) when the header names another format, pool or geometry.
+
+Primitives:
+
+- ``DiskTier(directory, name, doc, page_bytes, capacity_pages, o_direct, fsync)``: ``open()``
+  -> "created" | "reattached" | "cold: <why>"; ``contains(key)``; ``write(key, buffers)`` ->
+  stored (or already there); ``read_into(key, buffers)`` -> exact bytes landed;
+  ``remove(keys)``; ``clear()``; ``close()``; ``remove_files()``; ``stats``; ``keys``.
+
+Thread-safe: one lock guards the index; I/O runs outside it. A slot being read is never
+reused until the read ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from hicached.tiers import disk_format as fmt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DiskStats:
+    writes: int = 0
+    write_bytes: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    checksum_failures: int = 0
+    write_errors: int = 0
+    evicted: int = 0
+
+
+def _aligned(buffers: Sequence[memoryview]) -> bool:
+    """Whether O_DIRECT can use these buffers as they are: 4 KiB-aligned starts and sizes,
+    few enough for one system call."""
+    if len(buffers) > 1024:
+        return False
+    return all(len(b) % fmt.ALIGN == 0 and
+               np.frombuffer(b, dtype=np.uint8).ctypes.data % fmt.ALIGN == 0
+               for b in buffers)
+
+
+class DiskTier:
+    tier = 2
+
+    def __init__(self, directory: str, name: str, doc: dict[str, Any], page_bytes: int,
+                 capacity_pages: int, *, o_direct: bool = False, fsync: str = "batch",
+                 observe: Callable[[str, float], None] = lambda op, seconds: None) -> None:
+        self.directory, self.name = directory, name
+        self.page_bytes = page_bytes
+        self.slot_bytes = fmt.slot_bytes(page_bytes)
+        self.capacity = capacity_pages
+        self.o_direct, self.fsync = o_direct, fsync
+        self.doc = {**doc, "page_bytes": page_bytes, "slots": capacity_pages}
+        self.stats = DiskStats()
+        self._observe = observe
+        self._lock = threading.Lock()
+        self._index: dict[bytes, int] = {}
+        self._digest: dict[int, int] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._free: list[int] = []
+        self._reading: dict[int, int] = {}
+        self._deferred: set[int] = set()
+        self._writing: set[bytes] = set()
+        self._seq = 0
+        self._data_fd = self._index_fd = -1
+        self._bounces: queue.LifoQueue[np.ndarray] = queue.LifoQueue()
+        self.pages_path = os.path.join(directory, f"{name}.pages")
+        self.index_path = os.path.join(directory, f"{name}.index")
+
+    # -- files -----------------------------------------------------------------------------
+
+    def open(self) -> str:
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        outcome = self._scan()
+        if outcome != "reattached":
+            if outcome != "created":
+                log.warning("disk tier of pool %s starts cold: %s", self.name, outcome)
+            self.remove_files()
+            with open(self.index_path, "wb") as f:
+                f.write(fmt.header_bytes(self.doc))
+                f.truncate(fmt.HEADER_BYTES + self.capacity * fmt.RECORD_BYTES)
+            with open(self.pages_path, "wb") as f:
+                f.truncate(self.capacity * self.slot_bytes)
+            self._index.clear()
+            self._lru.clear()
+            self._free = list(range(self.capacity - 1, -1, -1))
+        flags = os.O_RDWR | os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if self.o_direct else 0)
+        self._data_fd = os.open(self.pages_path, flags)
+        self._index_fd = os.open(self.index_path, os.O_RDWR | os.O_CLOEXEC)
+        return outcome
+
+    def _scan(self) -> str:
+        try:
+            with open(self.index_path, "rb") as f:
+                doc, why = fmt.parse_header(f.read(fmt.HEADER_BYTES))
+                if doc is None:
+                    return f"cold: {why}"
+                if doc != self.doc:
+                    return "cold: saved for another pool spec, page size or capacity"
+                raw = f.read(self.capacity * fmt.RECORD_BYTES)
+            if os.path.getsize(self.pages_path) != self.capacity * self.slot_bytes:
+                return "cold: the page file has another size"
+        except FileNotFoundError:
+            return "created"
+        found: list[tuple[int, bytes, int, int]] = []
+        used = set()
+        for slot in range(min(self.capacity, len(raw) // fmt.RECORD_BYTES)):
+            rec = fmt.parse_record(raw[slot * fmt.RECORD_BYTES:(slot + 1) * fmt.RECORD_BYTES])
+            if rec is not None:
+                found.append((rec[1], rec[0], slot, rec[2]))
+        for seq, key, slot, digest in sorted(found):
+            if key in self._index:  # an older copy of a key stored again: the newer wins
+                used.discard(self._index[key])
+            self._index[key], self._digest[slot] = slot, digest
+            self._lru[key] = None
+            self._lru.move_to_end(key)
+            used.add(slot)
+            self._seq = max(self._seq, seq)
+        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
+        return "reattached"
+
+    def close(self) -> None:
+        for fd in (self._data_fd, self._index_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._data_fd = self._index_fd = -1
+
+    def remove_files(self) -> None:
+        self.close()
+        for path in (self.pages_path, self.index_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    @property
+    def keys(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    # -- write -----------------------------------------------------------------------------
+
+    def write(self, key: bytes, buffers: Sequence[memoryview]) -> bool:
+        """Write one page (``buffers``, held stable by the caller) under ``key``; True when it
+        is on disk now (or was already). False: no slot could be had, or the write failed."""
+        with self._lock:
+            if key in self._index:
+                self._lru.move_to_end(key)
+                return True
+            if key in self._writing:
+                return True
+            slot = self._take_slot()
+            if slot is None:
+                return False
+            self._writing.add(key)
+        t0 = time.perf_counter()
+        try:
+            digest = self._pwrite_page(slot, buffers)
+            if self.fsync == "batch":
+                os.fdatasync(self._data_fd)
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
+            os.pwrite(self._index_fd, fmt.record_bytes(key, seq, digest),
+                      fmt.HEADER_BYTES + slot * fmt.RECORD_BYTES)  # after the page: visible
+        except OSError as exc:
+            with self._lock:
+                self._writing.discard(key)
+                self._free.append(slot)
+                self.stats.write_errors += 1
+            log.warning("disk tier of pool %s: writing a page failed: %s", self.name, exc)
+            return False
+        with self._lock:
+            self._writing.discard(key)
+            self._index[key], self._digest[slot] = slot, digest
+            self._lru[key] = None
+            self.stats.writes += 1
+            self.stats.write_bytes += self.page_bytes
+        self._observe("write", time.perf_counter() - t0)
+        return True
+
+    def _take_slot(self) -> int | None:
+        """A free slot, or the least recently used page's (lock held)."""
+        if self._free:
+            return self._free.pop()
+        for key in self._lru:
+            slot = self._index[key]
+            if not self._reading.get(slot):
+                self._forget(key)
+                self.stats.evicted += 1
+                return self._free.pop() if self._free else None
+        return None
+
+    def _pwrite_page(self, slot: int, buffers: Sequence[memoryview]) -> int:
+        """Write the page run by run, hashing each run while it is in cache; its digest."""
+        off = slot * self.slot_bytes
+        h = xxhash.xxh3_64()
+        if not self.o_direct:
+            for b in buffers:
+                h.update(b)
+                if os.pwrite(self._data_fd, b, off) != len(b):
+                    raise OSError(f"short write at {off}")
+                off += len(b)
+            return int(h.intdigest())
+        if _aligned(buffers):  # straight from the pool's memory, no bounce
+            for b in buffers:
+                h.update(b)
+            if os.pwritev(self._data_fd, buffers, off) != self.page_bytes:
+                raise OSError("short O_DIRECT write")
+            return int(h.intdigest())
+        bounce = self._bounce()
+        try:
+            pos = 0
+            for b in buffers:
+                view = np.frombuffer(b, dtype=np.uint8)
+                bounce[pos:pos + view.size] = view
+                h.update(bounce[pos:pos + view.size].data)
+                pos += view.size
+            if os.pwrite(self._data_fd, bounce.data, off) != self.slot_bytes:
+                raise OSError("short O_DIRECT write")
+        finally:
+            self._bounces.put(bounce)
+        return int(h.intdigest())
+
+    def _bounce(self) -> np.ndarray:
+        try:
+            return self._bounces.get_nowait()
+        except queue.Empty:
+            return np.frombuffer(mmap.mmap(-1, self.slot_bytes), dtype=np.uint8)
+
+    # -- read ------------------------------------------------------------------------------
+
+    def read_into(self, key: bytes, buffers: Sequence[memoryview]) -> bool:
+        """Read ``key``'s page into ``buffers`` and check it; False when the key is not here,
+        or its page failed its checksum or could not be read (the key is dropped then)."""
+        with self._lock:
+            slot = self._index.get(key)
+            if slot is None:
+                return False
+            self._reading[slot] = self._reading.get(slot, 0) + 1
+            digest = self._digest[slot]
+            self._lru.move_to_end(key)
+        t0 = time.perf_counter()
+        ok, why = False, ""
+        try:
+            ok = self._pread_page(slot, buffers) == digest
+            why = "" if ok else "checksum mismatch"
+        except OSError as exc:
+            why = str(exc)
+        with self._lock:
+            n = self._reading[slot] - 1
+            self._reading[slot] = n
+            if not n:
+                del self._reading[slot]
+                if slot in self._deferred:
+                    self._deferred.discard(slot)
+                    self._free.append(slot)
+            if ok:
+                self.stats.reads += 1
+                self.stats.read_bytes += self.page_bytes
+            elif self._index.get(key) == slot:
+                self.stats.checksum_failures += why == "checksum mismatch"
+                self._forget(key)
+        if not ok:
+            log.warning("disk tier of pool %s: page of a key dropped (%s)", self.name, why)
+        self._observe("read", time.perf_counter() - t0)
+        return ok
+
+    def _pread_page(self, slot: int, buffers: Sequence[memoryview]) -> int:
+        """Read the page into ``buffers`` run by run, hashing each run while it is in cache;
+        the digest of what landed."""
+        off = slot * self.slot_bytes
+        h = xxhash.xxh3_64()
+        if not self.o_direct:
+            for b in buffers:
+                if os.preadv(self._data_fd, [b], off) != len(b):
+                    raise OSError(f"short read at {off}")
+                h.update(b)
+                off += len(b)
+            return int(h.intdigest())
+        if _aligned(buffers):  # straight into the pool's memory, no bounce
+            if os.preadv(self._data_fd, buffers, off) != self.page_bytes:
+                raise OSError("short O_DIRECT read")
+            for b in buffers:
+                h.update(b)
+            return int(h.intdigest())
+        bounce = self._bounce()
+        try:
+            if os.preadv(self._data_fd, [bounce.data], off) != self.slot_bytes:
+                raise OSError("short O_DIRECT read")
+            pos = 0
+            for b in buffers:
+                view = np.frombuffer(b, dtype=np.uint8)
+                view[:] = bounce[pos:pos + view.size]
+                h.update(b)
+                pos += view.size
+        finally:
+            self._bounces.put(bounce)
+        return int(h.intdigest())
+
+    # -- removal ---------------------------------------------------------------------------
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            gone = [k for k in keys if k in self._index]
+            for k in gone:
+                self._forget(k)
+        return len(gone)
+
+    def clear(self) -> int:
+        with self._lock:
+            gone = list(self._index)
+            for k in gone:
+                self._forget(k)
+        return len(gone)
+
+    def _forget(self, key: bytes) -> None:
+        """Drop a key (lock held): its record first, then its slot (later, if being read)."""
+        slot = self._index.pop(key)
+        self._lru.pop(key, None)
+        self._digest.pop(slot, None)
+        try:
+            os.pwrite(self._index_fd, bytes(fmt.RECORD_BYTES),
+                      fmt.HEADER_BYTES + slot * fmt.RECORD_BYTES)
+        except OSError as exc:  # the page's checksum still guards a stale record
+            log.warning("disk tier of pool %s: clearing a record failed: %s", self.name, exc)
+        if self._reading.get(slot):
+            self._deferred.add(slot)
+        else:
+            self._free.append(slot)

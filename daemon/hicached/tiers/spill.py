@@ -1,0 +1,77 @@
+"""Writing a pool's oldest keys to its lower tier before host memory has to evict them.
+
+Eviction must never wait on a disk, so the tier is filled ahead of it: a ``Spiller`` thread
+per pool keeps the ``window`` least recently used ready keys written below, taking them in
+small batches with their pages held for reading (an eviction meanwhile takes the key out of
+host memory, but the page is not reused until the write is done). Eviction then drops a key
+whose page is below already or on its way (it stays found, tier 2), or,
+when stores outrun the disk and the window was not written in time, drops it for good and
+counts it (``CacheStats.spill_dropped``): a bounded queue that overflows by dropping, never by
+blocking a store.
+
+Primitives:
+
+- ``Spiller(pool, cache, tier, window, batch)``: ``start()``, ``nudge()`` (new keys were
+  stored), ``close()``; ``spilled`` / ``failed`` counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from hicached.cache.pool_cache import PoolCache
+from hicached.core.pool import HostPool
+from hicached.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_SECONDS = 1.0
+
+
+class Spiller:
+    def __init__(self, pool: HostPool, cache: PoolCache, tier: DiskTier, window: int,
+                 batch: int = 16) -> None:
+        self.pool, self.cache, self.tier = pool, cache, tier
+        self.window, self.batch = window, batch
+        self.spilled = 0
+        self.failed = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"spill-{pool.spec.name}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def nudge(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                keys, pages = self.cache.spill_candidates(self.batch, self.window,
+                                                          self.tier.contains)
+            except Exception:  # the pool closed under us
+                log.debug("spill of pool %s stopped", self.pool.spec.name, exc_info=True)
+                return
+            if not keys:
+                self._wake.wait(IDLE_WAIT_SECONDS)
+                self._wake.clear()
+                continue
+            try:
+                for key, page in zip(keys, pages.tolist(), strict=True):
+                    if self._stop.is_set():
+                        break
+                    if self.tier.write(key, self.pool.page_views(page)):
+                        self.spilled += 1
+                    else:
+                        self.failed += 1
+            finally:
+                self.cache.finish_spill(keys, pages)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
