@@ -67,7 +67,7 @@ def test_declared_pools() -> None:
     {"bogus": 1}, {"listen": ["nonsense"]}, {"lease_seconds": 0}, {"shm_dir": "relative"},
     {"tls_cert": "/c.pem"}, {"pool": [{"name": "x"}]}, {"socket_mode": "0666"},
     {"socket_mode": 0o644}, {"lease_seconds": 90, "max_lease_seconds": 30},
-    {"max_data_rpcs": 16},
+    {"max_data_rpcs": -1},
     {"health_listen": ["nonsense"]}, {"auth_token_file": "/t"},
     {"tls_client_ca": "/ca.pem"},
 ])

@@ -1,9 +1,10 @@
 """Overload: the data path is bounded, control calls and probes are not starved by it.
 
-Data calls (Backup, Load, Store, LoadKeys, Lookup) run at most ``max_data_rpcs`` at once and are
-refused at once past it with ``OVERLOADED`` and a ``RetryInfo``; the threads left over serve
-control calls (heartbeats, sessions, pools, health) however busy transfers are, and a
-health-only server on its own threads (``health_listen``) answers probes apart from the API.
+Data calls (Backup, Load, Store, LoadKeys, Lookup) run on their own executor, at most
+``max_data_rpcs`` at once, and are refused at once past it with ``OVERLOADED`` and a
+``RetryInfo``; control calls (heartbeats, sessions, pools, health) keep the server's threads
+however busy transfers are, and a health-only server on its own threads (``health_listen``)
+answers probes apart from the API.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -27,7 +29,7 @@ from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig
-from hicached.server.interceptors import AdmissionInterceptor
+from hicached.server.interceptors import AdmissionInterceptor, ExecutorInterceptor
 
 SPEC = PoolSpec("busy", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 16, 8, 128), 16,
                 Layout.LAYER_FIRST, size_tokens=64 * 16 * 10)
@@ -56,6 +58,65 @@ def test_admission_refuses_past_the_limit_and_lets_control_through() -> None:
     first.join(10)
     assert gate.in_flight == 0
     assert backup(None, None) == "done"  # the slot came back
+
+
+def test_data_calls_get_their_own_executor() -> None:
+    pool = ThreadPoolExecutor(1)
+    ex = ExecutorInterceptor(pool, {"Backup", "LoadKeys"})
+
+    def handler(request: object, context: object) -> str:
+        return "ran"
+
+    backup, heartbeat = ex.wrap("Backup", handler), ex.wrap("Heartbeat", handler)
+    assert backup.experimental_thread_pool is pool  # type: ignore[attr-defined]
+    assert backup(None, None) == "ran"
+    assert heartbeat is handler and not hasattr(heartbeat, "experimental_thread_pool")
+    pool.shutdown()
+
+
+def test_control_answers_with_every_data_thread_busy(tmp_path: Path) -> None:
+    """Two control threads, two data slots, six flooding workers: with one shared pool the
+    copies would hold every thread; here control calls never queue behind them."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    server, bound = create_server(ServerConfig(
+        listen=(f"unix:{tmp_path}/api.sock",), shm_dir=str(shm), state_dir="",
+        metrics_listen="", memory_budget_bytes=2 << 30, reserve_bytes=0, grpc_threads=2,
+        max_data_rpcs=2, max_watchers=1, copy_threads=1, pools=(SPEC,)))
+    stop = threading.Event()
+    running: set[str] = set()
+    try:
+        with ShmDeviceBuffers.create(SPEC, BATCH, str(shm)) as bufs, \
+                HiCacheClient(bound[0], reconnect_seconds=0) as c:
+            s = c.open_session(SPEC.name, "flood", bufs.descriptors)
+            hosts = [c.alloc(SPEC.name, BATCH) for _ in range(6)]
+
+            def flood(host: torch.Tensor) -> None:
+                while not stop.is_set():
+                    try:
+                        s.backup(host, torch.arange(BATCH))
+                    except HiCacheError:
+                        pass
+
+            threads = [threading.Thread(target=flood, args=(h,)) for h in hosts]
+            for t in threads:
+                t.start()
+            worst = 0.0
+            with HiCacheClient(bound[0], reconnect_seconds=0, timeout=5) as ctl:
+                for _ in range(40):
+                    running |= {t.name.split("_")[0] for t in threading.enumerate()}
+                    t0 = time.monotonic()
+                    ctl.heartbeat(s.session_id)
+                    ctl.get_pool(SPEC.name)
+                    worst = max(worst, time.monotonic() - t0)
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert "data" in running  # the copies ran on the data executor, not control's threads
+        assert worst < 1.0, f"a control call waited {worst:.2f}s behind transfers"
+    finally:
+        stop.set()
+        server.drain_and_stop(1.0)
 
 
 @pytest.fixture

@@ -102,6 +102,10 @@ class _SocketLock:
         os.close(self.fd)
 
 
+DATA_SPARE_THREADS = 2
+"""Data threads beyond ``max_data_rpcs``: the call past the bound is refused at once."""
+
+
 class HiCacheServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -158,14 +162,20 @@ class HiCacheServer:
         opts = [("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
+        # data calls on their own threads (a few beyond the admission bound, so a refusal
+        # never waits for one); control calls and health keep the server's
+        self.data_pool = ThreadPoolExecutor(config.max_data_rpcs + DATA_SPARE_THREADS,
+                                            thread_name_prefix="data")
         interceptors = server_interceptors(self.daemon, CREATES_WORK, DATA_METHODS,
-                                           config.max_data_rpcs, _read_token(config))
+                                           config.max_data_rpcs, _read_token(config),
+                                           self.data_pool)
         self.admission = next(i for i in interceptors if isinstance(i, AdmissionInterceptor))
         """The data path's gate (its ``in_flight`` and ``limit``)."""
         self.grpc = grpc.server(
             ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="rpc"), options=opts,
             interceptors=interceptors,
-            maximum_concurrent_rpcs=config.grpc_threads + config.max_pending_rpcs)
+            maximum_concurrent_rpcs=config.grpc_threads + config.max_data_rpcs
+            + DATA_SPARE_THREADS + config.max_pending_rpcs)
         # probes get their own server and threads: no API call can queue in front of them
         self.health_grpc = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="health"),
                                        options=[("grpc.so_reuseport", 0)],
@@ -290,6 +300,7 @@ class HiCacheServer:
         if not self.daemon.wait_idle(grace):
             log.warning("in-flight requests still running after %.1fs; stopping anyway", grace)
         self.grpc.stop(grace=min(grace, 1.0)).wait()
+        self.data_pool.shutdown(wait=False, cancel_futures=True)
         self._release()
         log.info("hicached stopped")
 

@@ -86,11 +86,11 @@ class ServerConfig:
     copy_threads: int = 0
     """Threads per copy (0 = one per usable CPU, ``core.system.default_threads``)."""
     grpc_threads: int = 16
-    """Concurrent RPCs served."""
+    """Threads serving control calls (sessions, heartbeats, pools, health, the rest); data
+    calls run on their own executor, so no transfer ever holds one of these."""
     max_data_rpcs: int = 0
-    """Data calls (Backup, Load, Store, LoadKeys, Lookup) at once; past it they are refused
-    with OVERLOADED. 0 = grpc_threads - 4 (at least 1): the rest stay free for control calls
-    (health, heartbeats, sessions, pools) however busy the data path is."""
+    """Data calls (Backup, Load, Store, LoadKeys, Lookup) at once, on their own executor;
+    past it they are refused at once with OVERLOADED. 0 = grpc_threads - 4 (at least 1)."""
     max_pending_rpcs: int = 256
     """Calls accepted beyond grpc_threads, waiting for a thread; past it gRPC itself answers
     RESOURCE_EXHAUSTED. Bounds the queue a flood can build."""
@@ -158,9 +158,8 @@ class ServerConfig:
             raise SpecInvalid("memory sizes must be >= 0")
         if self.copy_threads < 0 or self.grpc_threads < 1:
             raise SpecInvalid("copy_threads must be >= 0 and grpc_threads >= 1")
-        if not 0 <= self.max_data_rpcs < self.grpc_threads or self.max_pending_rpcs < 0:
-            raise SpecInvalid("max_data_rpcs must be below grpc_threads (threads must stay "
-                              "for control calls) and max_pending_rpcs >= 0",
+        if self.max_data_rpcs < 0 or self.max_pending_rpcs < 0:
+            raise SpecInvalid("max_data_rpcs and max_pending_rpcs must be >= 0",
                               metadata={"max_data_rpcs": self.max_data_rpcs,
                                         "grpc_threads": self.grpc_threads})
         if not self.max_data_rpcs:

@@ -3,6 +3,9 @@
 The servicer's handlers only decode, call the daemon and encode; what every call needs is here,
 outermost first (the order ``server_interceptors`` returns):
 
+- ``ExecutorInterceptor``: data methods run on their own executor (gRPC's per-handler
+  ``experimental_thread_pool``), every other call on the server's: transfers and control calls
+  never wait for each other's threads.
 - ``ErrorMappingInterceptor``: a domain error leaves as its gRPC code with a rich
   ``google.rpc.Status`` (``hicache.error_mapping``); anything else is logged with its traceback
   and becomes INTERNAL without leaking internals to the caller.
@@ -35,6 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -272,6 +276,25 @@ class PoolAccessInterceptor(_ServiceInterceptor):
         return authorized
 
 
+class ExecutorInterceptor(_ServiceInterceptor):
+    def __init__(self, pool: ThreadPoolExecutor, data_methods: Collection[str]) -> None:
+        """``data_methods`` run on ``pool``; must be the outermost interceptor (gRPC reads the
+        executor off the handler it is given)."""
+        super().__init__()
+        self.pool = pool
+        self._data = frozenset(data_methods)
+
+    def wrap(self, method: str, behavior: Behavior) -> Behavior:
+        if method not in self._data:
+            return behavior
+
+        def on_data_pool(request: Any, context: grpc.ServicerContext) -> Any:
+            return behavior(request, context)
+
+        on_data_pool.experimental_thread_pool = self.pool  # type: ignore[attr-defined]
+        return on_data_pool
+
+
 class AdmissionInterceptor(_ServiceInterceptor):
     def __init__(self, limit: int, data_methods: Collection[str]) -> None:
         """``limit`` calls of ``data_methods`` run at once; the next one is refused."""
@@ -327,11 +350,16 @@ class DrainInterceptor(_ServiceInterceptor):
 
 def server_interceptors(daemon: Daemon, creates_work: Collection[str],
                         data_methods: Collection[str], max_data_rpcs: int,
-                        auth_token: str = "") -> list[grpc.ServerInterceptor]:
-    """The interceptors of a daemon's gRPC server, outermost first."""
+                        auth_token: str = "", data_pool: ThreadPoolExecutor | None = None
+                        ) -> list[grpc.ServerInterceptor]:
+    """The interceptors of a daemon's gRPC server, outermost first; ``data_pool`` runs the
+    data methods apart from the server's threads."""
+    executor: list[grpc.ServerInterceptor] = [
+        ExecutorInterceptor(data_pool, data_methods)] if data_pool is not None else []
     auth: list[grpc.ServerInterceptor] = [AuthInterceptor(auth_token)] if auth_token else []
     access: list[grpc.ServerInterceptor] = [PoolAccessInterceptor(daemon)] if daemon.access \
         else []
-    return [ErrorMappingInterceptor(), MetricsInterceptor(daemon.metrics), *auth, *access,
+    return [*executor, ErrorMappingInterceptor(), MetricsInterceptor(daemon.metrics), *auth,
+            *access,
             AdmissionInterceptor(max_data_rpcs, data_methods),
             DrainInterceptor(daemon, creates_work)]
