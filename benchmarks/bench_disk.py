@@ -2,7 +2,9 @@
 
 One pool's pages (8 MiB each: MHA, 32 layers, 8 heads x 128, bf16, page 64, layer_first: 64
 runs of 128 KiB per page, as the pool lays them out) are written to a ``DiskTier`` and read
-back into the pool, checksums computed and checked (xxh3-64), and beside each, in the same
+back into the pool in batches of 8 (``write_many`` / ``read_many``, as the spiller and a
+LoadKeys promotion do; 2 I/O threads), checksums computed and checked (xxh3-64), and beside
+each, in the same
 run and directory, ``dd`` moves a file of as many bytes with the same block size:
 
 - write, ``fsync = "batch"`` (the default: every page on the device before its record) vs
@@ -38,6 +40,7 @@ from hicached.core.pool import MemoryOptions
 from hicached.tiers.disk import DiskTier
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)
+BATCH = 8  # pages per write_many / read_many (the tier's io_threads, 2, move them)
 
 
 def dd(*args: str) -> float:
@@ -53,8 +56,9 @@ def tier_write(pool: HostPool, d: str, pages: int, fsync: str, o_direct: bool) -
     t.open()
     os.sync()
     t0 = time.perf_counter()
-    for p in range(pages):
-        assert t.write(b"k%d" % p, pool.page_views(p))
+    for p in range(0, pages, BATCH):  # as the spiller: batches, io_threads at a time
+        assert all(t.write_many([(b"k%d" % q, pool.page_views(q))
+                                 for q in range(p, min(p + BATCH, pages))]))
     if fsync == "never":
         os.fdatasync(t._data_fd)
     dt = time.perf_counter() - t0
@@ -67,8 +71,9 @@ def tier_read(pool: HostPool, d: str, pages: int, o_direct: bool) -> float:
     assert t.open() == "reattached"
     os.sync()
     t0 = time.perf_counter()
-    for p in range(pages):
-        assert t.read_into(b"k%d" % p, pool.page_views(p)), "checksum"
+    for p in range(0, pages, BATCH):  # as a LoadKeys promotion of a batch
+        assert all(t.read_many([(b"k%d" % q, pool.page_views(q))
+                                for q in range(p, min(p + BATCH, pages))])), "checksum"
     dt = time.perf_counter() - t0
     t.close()
     return dt

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from hicache.specs import CanarySpec, DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached.server.app import create_server
 from hicached.server.config import ServerConfig
+from hicached.tiers.config import DiskTierConfig
 from tests.helpers import require_binary
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -68,7 +70,7 @@ def scraped_names(tmp_path: Path) -> Iterator[set[str]]:
                     size_tokens=64, canary=CanarySpec(16))
     server, bound = create_server(ServerConfig(
         listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), metrics_listen="127.0.0.1:0",
-        state_dir=str(tmp_path / "state"),
+        state_dir=str(tmp_path / "state"), disk=DiskTierConfig(str(tmp_path / "disk"), 1 << 30),
         memory_budget_bytes=1 << 26, reserve_bytes=0, pools=(spec,)))
     try:
         with HiCacheClient(bound[0]) as c, ShmDeviceBuffers.create(spec, 16, str(shm)) as b:
@@ -76,6 +78,12 @@ def scraped_names(tmp_path: Path) -> Iterator[set[str]]:
                 host = c.alloc("d", 4)
                 s.backup(host, torch.arange(4))
                 s.load(host, torch.arange(4))
+                s.store([b"k"], torch.arange(4))
+                deadline = time.monotonic() + 10
+                while c.get_pool("d").disk_keys < 1:  # the spiller wrote it
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                c.remove_keys("d", [b"k"])
                 with pytest.raises(HiCacheError):
                     c.alloc("d", 1000)
         import urllib.request

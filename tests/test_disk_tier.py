@@ -169,3 +169,17 @@ def test_many_threads_write_and_read_at_once(tmp_path: Path) -> None:
     assert errors == [] and t.stats.checksum_failures == 0
     assert t.keys == 64
     assert os.path.getsize(t.pages_path) == 64 * t.slot_bytes
+
+
+def test_batches_move_pages_in_parallel_and_fail_one_by_one(tier: DiskTier) -> None:
+    assert tier.write_many([(b"b%d" % i, views(page(i))) for i in range(6)]) == [True] * 6
+    slot = tier._index[b"b3"]
+    with open(tier.pages_path, "r+b") as f:
+        f.seek(slot * tier.slot_bytes + 10)
+        f.write(b"\0\0\0\0")
+    got = [zeroed() for _ in range(6)]
+    ok = tier.read_many([(b"b%d" % i, views(g)) for i, g in enumerate(got)])
+    assert ok == [True, True, True, False, True, True]
+    for i in (0, 1, 2, 4, 5):
+        assert all(np.array_equal(g, w) for g, w in zip(got[i], page(i), strict=True))
+    assert not tier.contains(b"b3") and tier.stats.checksum_failures == 1

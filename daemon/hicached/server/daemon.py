@@ -258,12 +258,12 @@ class Daemon:
         if not below:
             return
         ticket = cache.begin_store(below)  # present or in flight elsewhere: left alone
-        ok = True
+        ok = False
         try:
-            for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(), strict=True):
-                if not lower.read_into(ticket.keys[i], s.pool.page_views(page)):
-                    ok = False
-                    break
+            ok = all(lower.read_many([
+                (ticket.keys[i], s.pool.page_views(page))
+                for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(),
+                                   strict=True)]))
         finally:
             cache.finish_store(ticket, ok)
         if ok and ticket.pages.size:

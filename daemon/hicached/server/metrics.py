@@ -241,6 +241,8 @@ class Metrics:
         self.disk_seconds = Histogram("hicache_disk_io_seconds",
                                       "Disk tier page writes and reads (checksum included).",
                                       ["op"], buckets=DURATION_BUCKETS, registry=registry)
+        for op in ("write", "read"):
+            self.disk_seconds.labels(op)
         self.promotions = Counter("hicache_tier_promotions",
                                   "Keys read back from a lower tier into host memory by "
                                   "LoadKeys.", ["pool"], registry=registry)
@@ -252,6 +254,7 @@ class Metrics:
 
     def pool_attached(self, pool: HostPool, recovered: dict[str, int]) -> None:
         name = pool.spec.name
+        self.promotions.labels(name)  # exported at 0 from the start: rate() works at once
         self.pool_attach.labels(name, pool.outcome.value if pool.outcome else "memory").inc()
         self.recovered_keys.labels(name).inc(recovered.get("keys", 0))
         self.recovery_dropped.labels(name).inc(recovered.get("damaged", 0))

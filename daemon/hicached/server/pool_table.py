@@ -132,7 +132,7 @@ class PoolTable:
             return
         tier = DiskTier(cfg.path, spec.name, {"spec": spec_to_dict(spec)}, spec.page_bytes,
                         pages, o_direct=cfg.o_direct, fsync=cfg.fsync,
-                        observe=self._observe_disk)
+                        observe=self._observe_disk, io_threads=cfg.io_threads)
         outcome = tier.open()
         log.info("pool %s: disk tier %s, %d pages (%d keys)", spec.name, outcome, pages,
                  tier.keys)
@@ -148,7 +148,9 @@ class PoolTable:
         if got is not None:
             tier, spiller = got
             spiller.close()
-            tier.remove_files() if remove else tier.close()
+            tier.close()
+            if remove:
+                tier.remove_files()
 
     def tier_of(self, name: str) -> DiskTier | None:
         with self._lock:

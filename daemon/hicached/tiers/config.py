@@ -29,6 +29,8 @@ class DiskTierConfig:
     """``batch``: a page is on the device before its index record is written (a power loss
     cannot leave a record naming unwritten bytes); ``never``: the page cache decides (a
     process crash is still safe; checksums catch what a power loss tears)."""
+    io_threads: int = 2
+    """Pages a pool moves to or from disk at once (a spill batch, a LoadKeys promotion)."""
     spill_ahead_bytes: int = 1 << 30
     """How much of each pool's least recently used keys is kept written ahead of eviction: the
     bound of the spill queue. Evicting a key not yet written drops it (counted)."""
@@ -40,6 +42,8 @@ class DiskTierConfig:
         if self.capacity_bytes <= 0 or self.spill_ahead_bytes <= 0:
             raise SpecInvalid("tier.disk.capacity and spill_ahead must be positive",
                               metadata={"capacity_bytes": self.capacity_bytes})
+        if self.io_threads < 1:
+            raise SpecInvalid("tier.disk.io_threads must be >= 1")
         if self.fsync not in FSYNC_POLICIES:
             raise SpecInvalid(f"tier.disk.fsync is one of {FSYNC_POLICIES}",
                               metadata={"fsync": self.fsync})

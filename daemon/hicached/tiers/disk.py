@@ -14,6 +14,7 @@ Primitives:
 - ``DiskTier(directory, name, doc, page_bytes, capacity_pages, o_direct, fsync)``: ``open()``
   -> "created" | "reattached" | "cold: <why>"; ``contains(key)``; ``write(key, buffers)`` ->
   stored (or already there); ``read_into(key, buffers)`` -> exact bytes landed;
+  ``read_many`` / ``write_many`` (several pages, ``io_threads`` at once);
   ``remove(keys)``; ``clear()``; ``close()``; ``remove_files()``; ``stats``; ``keys``.
 
 Thread-safe: one lock guards the index; I/O runs outside it. A slot being read is never
@@ -30,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +69,10 @@ class DiskTier:
 
     def __init__(self, directory: str, name: str, doc: dict[str, Any], page_bytes: int,
                  capacity_pages: int, *, o_direct: bool = False, fsync: str = "batch",
-                 observe: Callable[[str, float], None] = lambda op, seconds: None) -> None:
+                 observe: Callable[[str, float], None] = lambda op, seconds: None,
+                 io_threads: int = 2) -> None:
+        """``io_threads``: pages of one ``read_many`` / ``write_many`` moved at once (reads,
+        writes and checksums release the GIL)."""
         self.directory, self.name = directory, name
         self.page_bytes = page_bytes
         self.slot_bytes = fmt.slot_bytes(page_bytes)
@@ -87,6 +92,7 @@ class DiskTier:
         self._seq = 0
         self._data_fd = self._index_fd = -1
         self._bounces: queue.LifoQueue[np.ndarray] = queue.LifoQueue()
+        self._io = ThreadPoolExecutor(max(io_threads, 1), thread_name_prefix=f"disk-{name}")
         self.pages_path = os.path.join(directory, f"{name}.pages")
         self.index_path = os.path.join(directory, f"{name}.index")
 
@@ -143,13 +149,17 @@ class DiskTier:
         return "reattached"
 
     def close(self) -> None:
+        self._io.shutdown(wait=True)
+        self._close_fds()
+
+    def _close_fds(self) -> None:
         for fd in (self._data_fd, self._index_fd):
             if fd >= 0:
                 os.close(fd)
         self._data_fd = self._index_fd = -1
 
     def remove_files(self) -> None:
-        self.close()
+        self._close_fds()
         for path in (self.pages_path, self.index_path):
             try:
                 os.unlink(path)
@@ -326,6 +336,20 @@ class DiskTier:
         finally:
             self._bounces.put(bounce)
         return int(h.intdigest())
+
+    # -- batches ---------------------------------------------------------------------------
+
+    def read_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[bool]:
+        """``read_into`` for several pages, ``io_threads`` at a time."""
+        if len(items) < 2:
+            return [self.read_into(k, b) for k, b in items]
+        return list(self._io.map(lambda it: self.read_into(*it), items))
+
+    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[bool]:
+        """``write`` for several pages, ``io_threads`` at a time."""
+        if len(items) < 2:
+            return [self.write(k, b) for k, b in items]
+        return list(self._io.map(lambda it: self.write(*it), items))
 
     # -- removal ---------------------------------------------------------------------------
 

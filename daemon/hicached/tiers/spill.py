@@ -60,13 +60,10 @@ class Spiller:
                 self._wake.clear()
                 continue
             try:
-                for key, page in zip(keys, pages.tolist(), strict=True):
-                    if self._stop.is_set():
-                        break
-                    if self.tier.write(key, self.pool.page_views(page)):
-                        self.spilled += 1
-                    else:
-                        self.failed += 1
+                done = self.tier.write_many([(k, self.pool.page_views(p))
+                                             for k, p in zip(keys, pages.tolist(), strict=True)])
+                self.spilled += sum(done)
+                self.failed += len(done) - sum(done)
             finally:
                 self.cache.finish_spill(keys, pages)
 
