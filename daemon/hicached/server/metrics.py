@@ -241,8 +241,8 @@ class Metrics:
         self.disk_seconds = Histogram("hicache_disk_io_seconds",
                                       "Disk tier page writes and reads (checksum included).",
                                       ["op"], buckets=DURATION_BUCKETS, registry=registry)
-        for op in ("write", "read"):
-            self.disk_seconds.labels(op)
+        for io in ("write", "read"):
+            self.disk_seconds.labels(io)
         self.promotions = Counter("hicache_tier_promotions",
                                   "Keys read back from a lower tier into host memory by "
                                   "LoadKeys.", ["pool"], registry=registry)
