@@ -238,6 +238,7 @@ def test_hicachectl(daemon: DaemonProc, client: HiCacheClient) -> None:
     assert "version" in ctl("status")
     row = next(line.split() for line in ctl("pools").splitlines() if line.startswith("e2e "))
     assert row[1:5] == ["MHA", "bfloat16", "page_first", "16"], row  # names, not enum numbers
+    assert row[-1] in ("created", "reattached") and row[-5] == "-", row  # attach, no disk tier
     assert json.loads(ctl("--json", "sessions")) == []
     assert ctl("health").strip() == "SERVING"  # the exec probe of the shipped pod
     assert json.loads(ctl("--json", "health", "--service", "hicache.v1.HostCache")) == {

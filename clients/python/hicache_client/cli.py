@@ -134,8 +134,9 @@ def _pool_row(p: pb.Pool) -> tuple[object, ...]:
     return (spec.name, kinds, spec.geometry.dtype.value.lower(), spec.layout.value,
             spec.page_size, p.page_num,
             f"{p.used_pages} ({100 * p.used_pages / max(p.page_num, 1):.0f}%)",
-            _size(p.capacity_bytes), p.sessions, p.keys, p.raw_pages, p.pinned_pages,
-            _state(p))
+            _size(p.capacity_bytes), p.sessions, p.keys,
+            f"{p.disk_keys}/{p.disk_capacity_pages}" if p.disk_capacity_pages else "-",
+            p.raw_pages, p.pinned_pages, _state(p), p.attach_outcome or "-")
 
 
 def _state(p: pb.Pool) -> str:
@@ -194,7 +195,7 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                               for p in resp.pools]))
             return 0
         print(_table(["pool", "kind", "dtype", "layout", "page", "pages", "used", "capacity",
-                      "sessions", "keys", "raw", "pinned", "state"],
+                      "sessions", "keys", "disk", "raw", "pinned", "state", "attach"],
                      [_pool_row(p) for p in resp.pools]))
         return 0
     sessions = client.list_sessions(args.pool)

@@ -34,14 +34,13 @@ from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import driver_problem
 from hicache.errors import (
     Draining,
-    KeyNotFound,
     SpecInvalid,
     TooManyWatchers,
     TransportUnavailable,
 )
 from hicache.indices import IndexArray
 from hicache.keys import check_keys
-from hicached.cache.pool_cache import PoolCache, StoreTicket
+from hicached.cache.pool_cache import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
 from hicached.server.identity import AccessRule, Grant
@@ -49,6 +48,7 @@ from hicached.server.identity_channel import IdentityChannel
 from hicached.server.metrics import Metrics
 from hicached.server.pool_table import PoolTable
 from hicached.server.sessions import Session, SessionManager
+from hicached.tiers.spill import hold_for_load
 from hicached.transport.base import Attachment
 from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
@@ -247,28 +247,6 @@ class Daemon:
                                   result.seconds)
         return ticket, result
 
-    def _promote(self, s: Session, cache: PoolCache, keys: list[bytes]) -> None:
-        """Bring the keys a lower tier holds into host memory (read straight into fresh host
-        pages, checksums checked). A key that fails its read is dropped there; the load
-        then fails whole with KEY_NOT_FOUND, nothing moved to the device."""
-        lower = self.pools.tier_of(s.pool_name)
-        if lower is None:
-            return
-        below = [k for k in cache.not_ready(keys) if lower.contains(k)]
-        if not below:
-            return
-        ticket = cache.begin_store(below)  # present or in flight elsewhere: left alone
-        ok = False
-        try:
-            ok = all(lower.read_many([
-                (ticket.keys[i], s.pool.page_views(page))
-                for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(),
-                                   strict=True)]))
-        finally:
-            cache.finish_store(ticket, ok)
-        if ok and ticket.pages.size:
-            self.metrics.promotions.labels(s.pool_name).inc(int(ticket.pages.size))
-
     def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray,
                   layers: tuple[int, int], layer_events: bool) -> TransferResult:
         keys = check_keys(keys, "keys")
@@ -280,14 +258,9 @@ class Daemon:
             device_pages, load_layers = self.engine.check_keyed(
                 Op.LOAD, s.pool, buffers, len(keys), device, *layers)
             cache = self.pools.cache(s.pool_name)
-            self._promote(s, cache, keys)
-            try:
-                pages = cache.begin_load(keys)  # KEY_NOT_FOUND: nothing held, nothing moves
-            except KeyNotFound:
-                if self.pools.tier_of(s.pool_name) is None:
-                    raise
-                self._promote(s, cache, keys)  # a promotion evicted a key of this batch
-                pages = cache.begin_load(keys)
+            # keys on disk are read back first; KEY_NOT_FOUND: nothing held, nothing moves
+            pages = hold_for_load(s.pool, cache, self.pools.tier_of(s.pool_name), keys,
+                                  self.metrics.promotions.labels(s.pool_name).inc)
             r = self._held_load(s, lambda landed: self.engine.transfer_pages(
                 Op.LOAD, s.pool, buffers, pages, device_pages, load_layers, runner,
                 wait=not layer_events, on_complete=landed),

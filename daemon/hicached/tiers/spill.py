@@ -13,13 +13,22 @@ Primitives:
 
 - ``Spiller(pool, cache, tier, window, batch)``: ``start()``, ``nudge()`` (new keys were
   stored), ``close()``; ``spilled`` / ``failed`` counts.
+- ``hold_for_load(pool, cache, tier, keys)``: what LoadKeys holds: the keys' host pages,
+  after promoting what only the tier holds (again if a promotion evicted one of them).
+- ``promote(pool, cache, tier, keys)``: the way back up: keys only the tier holds are read
+  into fresh host pages (checksums checked) and become ready there; returns how many. A read
+  that fails drops that key below and promotes none of the batch.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 
+import numpy as np
+
+from hicache.errors import KeyNotFound
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.tiers.disk import DiskTier
@@ -72,3 +81,35 @@ class Spiller:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(30)
+
+
+def hold_for_load(pool: HostPool, cache: PoolCache, tier: DiskTier | None,
+                  keys: Sequence[bytes], on_promoted: Callable[[int], None] = lambda n: None
+                  ) -> np.ndarray:
+    """The host pages of ``keys`` held for reading (``cache.begin_load``), promoting what only
+    the tier holds first; once more if a promotion evicted a key of this very batch.
+    ``KEY_NOT_FOUND`` when a key is in no tier (nothing held)."""
+    if tier is None:
+        return cache.begin_load(keys)
+    on_promoted(promote(pool, cache, tier, keys))
+    try:
+        return cache.begin_load(keys)
+    except KeyNotFound:
+        on_promoted(promote(pool, cache, tier, keys))
+        return cache.begin_load(keys)
+
+
+def promote(pool: HostPool, cache: PoolCache, tier: DiskTier, keys: Sequence[bytes]) -> int:
+    below = [k for k in cache.not_ready(keys) if tier.contains(k)]
+    if not below:
+        return 0
+    ticket = cache.begin_store(below)  # present or in flight elsewhere: left alone
+    ok = False
+    try:
+        ok = all(tier.read_many([
+            (ticket.keys[i], pool.page_views(page))
+            for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(), strict=True)]))
+    finally:
+        cache.finish_store(ticket, ok)
+    return int(ticket.pages.size) if ok else 0
+

@@ -1,0 +1,162 @@
+"""Host memory and the disk tier together, driven by a state machine against a small model.
+
+A real ``HostPool`` (8 pages) with its ``PoolCache``, a real ``DiskTier`` on disk with room for
+every key (so the disk never evicts), and the real spill and promotion steps
+(``spill_candidates`` / ``write_many`` / ``finish_spill``, ``hold_for_load`` as LoadKeys),
+called as rules in any order with stores, loads, removals, clears, a corrupted disk page and a
+reopened disk index.
+
+The model: each key stored and not removed has a tag its bytes are made of, and whether a copy
+of it went to disk. What must hold after every step: a key found (tier 1 or 2) loads exactly
+its tag's bytes; a removed or cleared key is never found; a key spilled to disk and not
+removed, cleared or corrupted is never lost, whatever host memory evicted.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hicache.errors import KeyNotFound
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicached.cache.pool_cache import PoolCache
+from hicached.core.pool import HostPool, MemoryOptions
+from hicached.tiers.disk import DiskTier
+from hicached.tiers.spill import hold_for_load
+
+PS = 4
+SPEC = PoolSpec("tm", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 8), PS,
+                size_tokens=PS * 8)
+KEYS = [b"key-%d" % i for i in range(24)]
+
+
+def fill(pool: HostPool, page: int, tag: int) -> None:
+    for v in pool.page_views(page):
+        np.frombuffer(v, dtype=np.uint8)[:] = tag
+
+
+def tag_of(pool: HostPool, page: int) -> set[int]:
+    return {int(x) for v in pool.page_views(page) for x in np.unique(np.frombuffer(v, np.uint8))}
+
+
+class Tiers(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="hicache-tm-", dir="/var/tmp")
+        self.pool = HostPool(SPEC, MemoryOptions(hugepages=False, reserve_bytes=0))
+        self.cache = PoolCache(self.pool)
+        self.disk = self._open_disk()
+        self.tags: dict[bytes, int] = {}
+        self.on_disk: set[bytes] = set()
+        self.next_tag = 1
+
+    def _open_disk(self) -> DiskTier:
+        d = DiskTier(self.dir, "tm", {"spec": "tm"}, SPEC.page_bytes, len(KEYS) + 4)
+        d.open()
+        self.cache.lower = d
+        return d
+
+    def teardown(self) -> None:
+        self.disk.close()
+        self.pool.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True))
+    def store(self, keys: list[bytes]) -> None:
+        t = self.cache.begin_store(keys)
+        for i, page in zip(t.positions.tolist(), t.pages.tolist(), strict=True):
+            tag = self.tags.get(keys[i]) or self.next_tag  # a key's bytes never change
+            self.next_tag = self.next_tag % 250 + 1
+            fill(self.pool, page, tag)
+            self.tags[keys[i]] = tag
+        self.cache.finish_store(t, ok=True)
+
+    @rule(n=st.integers(1, 8))
+    def spill(self, n: int) -> None:
+        keys, pages = self.cache.spill_candidates(n, 8, self.disk.contains)
+        try:
+            done = self.disk.write_many([(k, self.pool.page_views(p))
+                                         for k, p in zip(keys, pages.tolist(), strict=True)])
+            self.on_disk |= {k for k, ok in zip(keys, done, strict=True) if ok}
+        finally:
+            self.cache.finish_spill(keys, pages)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
+    def load(self, keys: list[bytes]) -> None:
+        try:
+            pages = hold_for_load(self.pool, self.cache, self.disk, keys)  # as LoadKeys
+        except KeyNotFound:
+            # only a key in no tier fails a load: never one written to disk intact
+            assert not set(keys) <= self.on_disk, "a load failed though every key was on disk"
+            return
+        try:
+            for k, page in zip(keys, pages.tolist(), strict=True):
+                assert tag_of(self.pool, page) == {self.tags[k]}, f"{k!r}: wrong bytes"
+        finally:
+            self.cache.finish_load(pages)
+
+    @rule(key=st.sampled_from(KEYS))
+    def remove(self, key: bytes) -> None:
+        self.cache.remove([key])
+        self.tags.pop(key, None)
+        self.on_disk.discard(key)
+
+    @rule()
+    def clear(self) -> None:
+        self.cache.clear()
+        self.tags.clear()
+        self.on_disk.clear()
+
+    @precondition(lambda self: bool(self.on_disk))
+    @rule(data=st.data())
+    def corrupt(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.on_disk)))
+        slot = self.disk._index.get(key)
+        if slot is None:
+            return
+        with open(self.disk.pages_path, "r+b") as f:
+            f.seek(slot * self.disk.slot_bytes)
+            f.write(b"\xff\xfe")  # no tag is 255: the page no longer matches its checksum
+        self.on_disk.discard(key)  # may be lost now (if host memory no longer has it)
+
+    @rule()
+    def reopen_disk(self) -> None:
+        self.disk.close()
+        self.disk = self._open_disk()
+
+    @invariant()
+    def found_keys_are_exact_and_spilled_keys_are_never_lost(self) -> None:
+        _, tiers = self.cache.lookup(KEYS)
+        for key, tier in zip(KEYS, tiers, strict=True):
+            if key not in self.tags:
+                assert tier == 0, f"{key!r} was removed but is found in tier {tier}"
+            elif key in self.on_disk:
+                assert tier in (1, 2), f"{key!r} was written to disk but is lost"
+        self.pool.allocator.memcheck()
+
+
+TestTiers = Tiers.TestCase
+TestTiers.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_a_promotion_that_evicts_a_key_of_its_own_batch_is_retried() -> None:
+    m = Tiers()
+    try:
+        for i in range(0, 12, 4):  # 12 keys through 8 host pages, each batch spilled
+            m.store(KEYS[i:i + 4])
+            m.spill(8)
+        m.spill(8)
+        _, tiers = m.cache.lookup(KEYS[:12])
+        oldest_host = KEYS[tiers.index(1)]  # host's least recently used key
+        disk_only = KEYS[tiers.index(2)]
+        # promoting disk_only evicts oldest_host, which this same load needs
+        pages = hold_for_load(m.pool, m.cache, m.disk, [oldest_host, disk_only])
+        assert pages.size == 2
+        m.cache.finish_load(pages)
+    finally:
+        m.teardown()
