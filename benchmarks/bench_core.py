@@ -10,6 +10,9 @@ alternate the engine and the baseline, so machine noise hits both alike.
    spin after each op and would steal the cores from whichever side runs next.
 2. Control-plane cost (validation + plan) of a 65,536-index batch vs its copy time (< 2 %).
 3. Prefault rate of a 4 GiB pool vs a naive single-threaded first touch (>= 4x).
+4. Pool memory: the same backup / load into a pool in a tmpfs file (a state directory, the
+   default) and in anonymous memory (``state_dir = ""``), alternated; the ratio says what restart
+   survival costs the copies on this host's ``shmem_enabled`` setting.
 
 Run: ``python benchmarks/bench_core.py [--quick] [--json FILE]``.
 """
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -169,6 +174,39 @@ def prefault(reps: int, nbytes: int) -> dict[str, Any]:
             "naive_gbps": nbytes / t_naive / 1e9, "ratio": t_naive / t_ours}
 
 
+def backing(engine: TransferEngine, reps: int) -> dict[str, Any]:
+    """Backup / load of 64 pages (page 64, layer_first) into a pool in anonymous memory (what
+    ``state_dir = ""`` gives: transparent huge pages) and into the same pool in a tmpfs file
+    (a state directory on /dev/shm: the default), alternated; GB/s and the tmpfs / anonymous
+    ratio."""
+    pages, ps = 64, 64
+    spec = PoolSpec("bench", GEOMETRY, ps, Layout.LAYER_FIRST, size_tokens=ps * pages)
+    state = tempfile.mkdtemp(prefix="hicache-bench-state-", dir="/dev/shm")
+    pools = {"anonymous": HostPool(spec, OPTIONS),
+             "tmpfs": HostPool(spec, MemoryOptions(reserve_bytes=0, state_dir=state))}
+    dev = WorkerBuffers.allocate(spec, pages * ps)
+    idx = torch.arange(pages * ps)
+    times: dict[str, list[float]] = {}
+    try:
+        for p in pools.values():
+            p.alloc(pages * ps)
+        for _ in range(reps):
+            for name, pool in pools.items():
+                for op, fn in (("backup", engine.backup), ("load", engine.load)):
+                    t0 = time.perf_counter()
+                    fn(pool, dev, idx, idx)
+                    times.setdefault(f"{name}_{op}", []).append(time.perf_counter() - t0)
+    finally:
+        for p in pools.values():
+            p.close()
+        shutil.rmtree(state, ignore_errors=True)
+    nbytes = pages * spec.page_bytes
+    out: dict[str, Any] = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+        out["shmem_enabled"] = f.read().split("[")[1].split("]")[0]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller pool")
@@ -200,9 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     pf = prefault(3 if args.quick else 5, (1 << 30) if args.quick else (4 << 30))
     print(f"prefault {pf['bytes'] >> 20} MiB: ours {pf['ours_gbps']:.2f} GB/s, naive single-thread "
           f"first touch {pf['naive_gbps']:.2f} GB/s -> {pf['ratio']:.1f}x")
+    bk = backing(engine, reps)
+    print(f"pool memory (64 x 8 MiB pages, layer_first; shmem THP: {bk['shmem_enabled']}): "
+          f"backup anonymous {bk['anonymous_backup']:.2f} / tmpfs {bk['tmpfs_backup']:.2f} GB/s "
+          f"({bk['tmpfs_backup'] / bk['anonymous_backup']:.2f}), load anonymous "
+          f"{bk['anonymous_load']:.2f} / tmpfs {bk['tmpfs_load']:.2f} GB/s "
+          f"({bk['tmpfs_load'] / bk['anonymous_load']:.2f})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"throughput": rows, "control_plane": cp, "prefault": pf}, f, indent=2)
+            json.dump({"throughput": rows, "control_plane": cp, "prefault": pf,
+                       "backing": bk}, f, indent=2)
     return 0
 
 
