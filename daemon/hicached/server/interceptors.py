@@ -170,7 +170,21 @@ class MetricsInterceptor(_ServiceInterceptor):
         return "INTERNAL"
 
 
-class AuthInterceptor(_ServiceInterceptor):
+class _CheckInterceptor(_ServiceInterceptor):
+    """An interceptor that only checks a call before it runs (``wrap`` raises or passes the
+    call on): a server stream gets the same check before its first message."""
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        check = self.wrap(method, lambda r, c: None)
+
+        def checked(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            check(request, context)
+            yield from behavior(request, context)
+
+        return checked
+
+
+class AuthInterceptor(_CheckInterceptor):
     def __init__(self, token: str) -> None:
         """``token``: what TCP callers must send as ``authorization: Bearer <token>``."""
         super().__init__()
@@ -184,15 +198,6 @@ class AuthInterceptor(_ServiceInterceptor):
                     raise Unauthenticated("this listener needs the daemon's bearer token "
                                           "(authorization: Bearer ...)")
             return behavior(request, context)
-
-        return authenticated
-
-    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        check = self.wrap(method, lambda r, c: None)
-
-        def authenticated(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            check(request, context)
-            yield from behavior(request, context)
 
         return authenticated
 
@@ -210,7 +215,7 @@ _POOL_OF: dict[str, Callable[[Any], str]] = {
 """Pool-level methods guarded by access rules, and where their request names the pool."""
 
 
-class PoolAccessInterceptor(_ServiceInterceptor):
+class PoolAccessInterceptor(_CheckInterceptor):
     def __init__(self, daemon: Daemon) -> None:
         super().__init__()
         self._daemon = daemon
@@ -263,15 +268,6 @@ class PoolAccessInterceptor(_ServiceInterceptor):
             if pool:
                 self.authorize(pool, context, capability)
             return behavior(request, context)
-
-        return authorized
-
-    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        check = self.wrap(method, lambda r, c: None)
-
-        def authorized(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            check(request, context)
-            yield from behavior(request, context)
 
         return authorized
 
