@@ -314,14 +314,14 @@ class PoolCache:
         """Drop ``keys`` (ready or being written) from every tier; returns how many were
         there."""
         with self._lock:
-            unique = list(dict.fromkeys(keys))
-            below = set(unique) if self.lower is None else {
-                k for k in unique if self.lower.contains(k)}
+            unique, lower = list(dict.fromkeys(keys)), self.lower
+            below = [k for k in unique if lower.contains(k)] if lower is not None else []
             gone = self._forget([k for k in unique
                                  if k in self._ready or k in self._writing])
-            if self.lower is not None:
-                self.lower.remove(unique)
-                gone += [k for k in unique if k in below and k not in set(gone)]
+            if lower is not None and below:
+                lower.remove(below)
+                here = set(gone)
+                gone += [k for k in below if k not in here]
             self.stats.removed += len(gone)
             self.events.append(EventKind.REMOVED, gone)
         return len(gone)
