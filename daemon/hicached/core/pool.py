@@ -121,13 +121,12 @@ class HostPool:
         self.state: StateFiles | None = None
         tables: dict[str, np.ndarray] = {}
         if self.nbytes and options.state_dir:
-            canary = CanaryTable.table_specs(self.page_num, layers) if spec.canary else []
+            own = [*table_specs(self.page_num, layers),
+                   *(CanaryTable.table_specs(self.page_num, layers) if spec.canary else [])]
             self.state = StateFiles(options.state_dir, spec, self.nbytes,
-                                    [*table_specs(self.page_num, layers), *canary,
-                                     *extra_tables])
+                                    [*own, *extra_tables])
             self.state.open()
-            tables = {t.name: self.state.table(t.name) for t in
-                      [*table_specs(self.page_num, layers), *canary]}
+            tables = {t.name: self.state.table(t.name) for t in own}
         self.outcome = self.state.outcome if self.state is not None else None
         """How the state files were found (None without a state directory)."""
         reuse = self.outcome is Outcome.REATTACHED
