@@ -50,11 +50,11 @@ from hicached.core.pool import MemoryOptions
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)
 PAGE = 64
 BATCH = 64
-SETTLE = 0.003  # let the other side's copy workers stop spinning before a timed call
 
 
 def timed(fn: Callable[[], object]) -> float:
-    time.sleep(SETTLE)
+    """Seconds ``fn`` takes, back to back with the previous call: no pause hides the cost of
+    copy threads that spin after a job (either side's)."""
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0

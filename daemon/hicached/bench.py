@@ -1,8 +1,10 @@
 """``hicache-bench``: drive backup/load traffic through a daemon and compare with in-process.
 
 Starts a daemon (or connects to ``--target``), creates a pool from a preset or flags, spawns N
-worker processes with shm device buffers and, for each batch size, has every worker send
-backup/load requests (``--read-ratio`` of them loads) for ``--seconds``. Reported side by side
+worker processes with shm device buffers and, for each batch size, has every worker set up,
+wait on a barrier, then send backup/load requests (``--read-ratio`` of them loads) for
+``--seconds``; throughput is divided by the measured time from the first request to the last
+reply, not by ``--seconds``. Reported side by side
 in one run: aggregate throughput through the daemon (GB/s, pages/s), the same bytes copied by the
 in-process engine in this process (baseline), their ratio, client latency percentiles, and the
 control-plane overhead (client latency minus the daemon's own validation + copy time).
@@ -56,10 +58,14 @@ class WorkerResult:
     pages: int
     latencies: list[float]
     server_seconds: list[float]
+    start: float
+    """time.monotonic() when the worker's first timed request went out (after the barrier)."""
+    end: float
+    """time.monotonic() when its last one came back."""
 
 
 def _worker(target: str, spec: PoolSpec, shm_dir: str, worker: int, batch_pages: int,
-            seconds: float, read_ratio: float, queue: Any) -> None:
+            seconds: float, read_ratio: float, queue: Any, barrier: Any) -> None:
     ps = spec.page_size
     client = HiCacheClient(target)
     rng = np.random.default_rng(worker * 7919 + batch_pages)
@@ -75,7 +81,9 @@ def _worker(target: str, spec: PoolSpec, shm_dir: str, worker: int, batch_pages:
         lat: list[float] = []
         srv: list[float] = []
         moved = pages = 0
-        deadline = time.monotonic() + seconds
+        barrier.wait()  # every worker set up: they start together
+        start = time.monotonic()
+        deadline = start + seconds
         while time.monotonic() < deadline:
             op = session.load if rng.random() < read_ratio else session.backup
             t0 = time.perf_counter()
@@ -84,10 +92,12 @@ def _worker(target: str, spec: PoolSpec, shm_dir: str, worker: int, batch_pages:
             srv.append(stats.duration_seconds)
             moved += stats.bytes_moved
             pages += stats.pages
+        end = time.monotonic()
         client.free(spec.name, host)
         session.close()
     client.close()
-    queue.put(asdict(WorkerResult(worker, batch_pages, len(lat), moved, pages, lat, srv)))
+    queue.put(asdict(WorkerResult(worker, batch_pages, len(lat), moved, pages, lat, srv,
+                                  start, end)))
 
 
 def _baseline(spec: PoolSpec, batch_pages: int, seconds: float) -> float:
@@ -153,9 +163,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx = mp.get_context("spawn")
         for i, bp in enumerate(batches):
             _progress(i, len(batches), f"batch {bp} pages")
-            queue = ctx.Queue()
+            queue, barrier = ctx.Queue(), ctx.Barrier(args.workers)
             procs = [ctx.Process(target=_worker, args=(target, spec, shm_dir, w, bp,
-                                                       args.seconds, args.read_ratio, queue))
+                                                       args.seconds, args.read_ratio, queue,
+                                                       barrier))
                      for w in range(args.workers)]
             for p in procs:
                 p.start()
@@ -166,12 +177,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lat = np.array([x for r in results for x in r["latencies"]])
             srv = np.array([x for r in results for x in r["server_seconds"]])
             total_bytes = sum(r["bytes"] for r in results)
+            # measured: from the first worker's first request to the last one's last reply
+            elapsed = max(r["end"] for r in results) - min(r["start"] for r in results)
             rows.append({
                 "batch_pages": bp, "batch_bytes": bp * spec.page_bytes, "workers": args.workers,
-                "requests": int(lat.size),
-                "gbps": total_bytes / args.seconds / 1e9,
-                "pages_per_s": sum(r["pages"] for r in results) / args.seconds,
-                "baseline_gbps": base, "ratio": total_bytes / args.seconds / 1e9 / base,
+                "requests": int(lat.size), "elapsed_s": elapsed,
+                "gbps": total_bytes / elapsed / 1e9,
+                "pages_per_s": sum(r["pages"] for r in results) / elapsed,
+                "baseline_gbps": base, "ratio": total_bytes / elapsed / 1e9 / base,
                 "p50_ms": float(np.percentile(lat, 50)) * 1e3,
                 "p90_ms": float(np.percentile(lat, 90)) * 1e3,
                 "p99_ms": float(np.percentile(lat, 99)) * 1e3,
