@@ -260,3 +260,16 @@ def test_drop_state_refuses_while_a_daemon_runs_and_empties_it_after(
             assert c.list_pools() == []
     finally:
         d.stop(signal.SIGKILL)
+
+
+def test_one_daemon_per_state_directory(tmp_path: Path, state_dir: Path) -> None:
+    (tmp_path / "a").mkdir()
+    d = _start(tmp_path / "a", state_dir)
+    try:
+        (tmp_path / "b").mkdir()
+        second = start_daemon(tmp_path / "b", "--state-dir", str(state_dir), wait=False)
+        assert second.proc.wait(30) != 0
+        assert f"uses the state directory {state_dir}" in second.log()
+        assert d.proc.poll() is None  # the first one serves on
+    finally:
+        d.stop(signal.SIGKILL)

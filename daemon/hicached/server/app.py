@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -66,40 +67,57 @@ def _unix_path(target: str) -> str:
     return path
 
 
-class _SocketLock:
-    """An flock held for the daemon's life on ``<socket>.lock`` (or, ``state=True``, on
-    ``<state dir>/.lock``: one daemon per state directory)."""
+class _PidLock:
+    """An flock on ``lock_path`` held for the daemon's life, the file holding its pid;
+    ``AlreadyServing`` (``busy(holder pid)`` says why) when another daemon holds it."""
 
-    def __init__(self, socket_path: str, state: bool = False) -> None:
-        self.socket_path = "" if state else socket_path
-        self.lock_path = os.path.join(socket_path, ".lock") if state else socket_path + ".lock"
-        directory = socket_path if state else (os.path.dirname(socket_path) or ".")
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        self.fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def __init__(self, lock_path: str, busy: Callable[[str], str]) -> None:
+        self.lock_path = lock_path
+        os.makedirs(os.path.dirname(lock_path) or ".", mode=0o700, exist_ok=True)
+        self.fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(self.fd)
-            raise AlreadyServing(
-                f"another hicached (pid {holder}) uses the state directory {socket_path}; "
-                "give each daemon its own --state-dir" if state else
-                f"another hicached (pid {holder}) is serving on {socket_path}; "
-                "stop it first or choose another --listen path") from None
+            raise AlreadyServing(busy(holder)) from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-        if self.socket_path and os.path.exists(socket_path):  # left by a killed daemon
+
+    def release(self) -> None:
+        try:
+            os.unlink(self.lock_path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+
+
+class _SocketLock(_PidLock):
+    """The lock of one API socket (``<socket>.lock``); a socket a killed daemon left behind
+    is replaced."""
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__(socket_path + ".lock", lambda holder: (
+            f"another hicached (pid {holder}) is serving on {socket_path}; stop it first or "
+            "choose another --listen path"))
+        self.socket_path = socket_path
+        if os.path.exists(socket_path):  # left by a daemon that was killed
             log.warning("removing stale socket %s", socket_path)
             os.unlink(socket_path)
 
     def release(self) -> None:
-        for path in (self.socket_path, self.lock_path):
-            try:
-                if path:
-                    os.unlink(path)
-            except FileNotFoundError:
-                pass
-        os.close(self.fd)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        super().release()
+
+
+def _state_lock(state_dir: str) -> _PidLock:
+    """One daemon per state directory: its ``.lock``."""
+    return _PidLock(os.path.join(state_dir, ".lock"), lambda holder: (
+        f"another hicached (pid {holder}) uses the state directory {state_dir}; give each "
+        "daemon its own --state-dir"))
 
 
 DATA_SPARE_THREADS = 2
@@ -150,7 +168,7 @@ class HiCacheServer:
                              cuda_driver=config.cuda_driver, max_watchers=config.max_watchers,
                              access=config.access)
         self.health = health.HealthServicer()
-        self._locks: list[_SocketLock] = []
+        self._locks: list[_PidLock] = []
         self._stopped = threading.Event()
         self._drain_lock = threading.Lock()
         self.metrics_port = 0
@@ -198,7 +216,7 @@ class HiCacheServer:
             if self.health_bound:
                 self.health_grpc.start()
             if self.config.state_dir:  # before any pool touches its files
-                self._locks.append(_SocketLock(self.config.state_dir, state=True))
+                self._locks.append(_state_lock(self.config.state_dir))
             # declared pools build in the background (a budget error still stops the start);
             # pools saved by an earlier daemon are re-attached the same way
             self._declared = [self.daemon.pools.create_async(spec)[0]
