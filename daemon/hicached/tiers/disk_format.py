@@ -10,8 +10,9 @@ A record is written only after its page's bytes (and, with ``fsync = "batch"``, 
 on the device), so a crash never leaves a record naming a page that was not written; a torn
 record fails its crc, a torn or rotted page fails its checksum on read. Neither is served.
 
-Primitives: ``RECORD`` (numpy dtype), ``record_bytes(...)`` / ``parse_record(raw)``,
-``header_bytes(doc)`` / ``parse_header(raw)``, ``page_hash(buffers)``.
+Primitives: ``slot_bytes(page_bytes)``, ``record_bytes(key, seq, digest)`` /
+``parse_record(raw)``, ``header_bytes(doc)`` / ``parse_header(raw)``. The page checksum is
+xxh3-64, computed by ``disk`` run by run while each run is in cache.
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Iterable
 from typing import Any
-
-import xxhash
 
 from hicache.keys import MAX_KEY_BYTES
 
@@ -40,14 +38,6 @@ _CRC_SKIP = slice(24, 28)  # the crc field itself
 
 def slot_bytes(page_bytes: int) -> int:
     return -(-page_bytes // ALIGN) * ALIGN
-
-
-def page_hash(buffers: Iterable[memoryview | bytes]) -> int:
-    """xxh3-64 of the buffers' bytes, in order (one page)."""
-    h = xxhash.xxh3_64()
-    for b in buffers:
-        h.update(b)
-    return int(h.intdigest())
 
 
 def _crc(raw: bytes) -> int:
