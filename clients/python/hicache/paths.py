@@ -5,7 +5,9 @@ Primitives:
 - ``default_socket_path()``: ``$XDG_RUNTIME_DIR/hicached/hicached.sock``, or
   ``/tmp/hicached-<uid>/hicached.sock`` when there is no runtime directory.
 - ``default_target()``: the same as a gRPC target (``unix:...``).
-- ``DEFAULT_STATE_DIR``: where a daemon keeps pools that outlive it (``/dev/shm/hicached``).
+- ``DEFAULT_STATE_DIR``: where a daemon keeps pools that outlive it (``/dev/shm/hicached``);
+  ``STATE_SUFFIXES``: the files of one saved pool there (``<pool>.meta``, ``.data``, and a
+  ``.meta.new`` a killed daemon may leave mid-creation).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 
 DEFAULT_STATE_DIR = "/dev/shm/hicached"
+STATE_SUFFIXES = (".meta", ".data", ".meta.new")
 
 
 def default_socket_path() -> str:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from hicache.errors import SpecInvalid
+from hicache.paths import STATE_SUFFIXES
 from hicache.specs import (
     CanarySpec,
     DType,
@@ -165,7 +166,7 @@ def saved_specs(state_dir: str) -> dict[str, tuple[PoolSpec | None, str]]:
 
 def remove_state(state_dir: str, name: str) -> None:
     """Delete a pool's saved state, whatever it holds."""
-    for suffix in (".meta", ".data", ".meta.new"):
+    for suffix in STATE_SUFFIXES:
         try:
             os.unlink(os.path.join(state_dir, name + suffix))
         except FileNotFoundError:
