@@ -38,7 +38,8 @@ import torch
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec
 from hicached.bench import start_daemon
-from hicached.cache.pool_cache import KEY_INDEX_BYTES, PoolCache
+from hicached.cache.index_types import KEY_INDEX_BYTES
+from hicached.cache.pool_cache import PoolCache
 from hicached.core.allocator import PageAllocator
 from hicached.core.pool import MemoryOptions
 

@@ -5,13 +5,20 @@ setup_hicached() {
     local extras="" missing=()
     command -v cc >/dev/null 2>&1 || missing+=(gcc)  # the native copy kernel is C
     if [ "${1:-}" = "--test" ]; then
-        extras="[test,sglang]"
+        extras="[test,sglang,mooncake-cpu]"
         # the observability tests run a real Prometheus server and promtool
         command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
             || missing+=(prometheus)
         # the key tests compile SGLang's own page-hash binding (C++, OpenSSL)
         command -v g++ >/dev/null 2>&1 || missing+=(g++)
         [ -f /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
+        # the cluster-tier tests run a real Mooncake master and daemons in a private network
+        # namespace (unshare, nsenter, ip); the Mooncake wheel links these libraries
+        command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+        command -v nsenter >/dev/null 2>&1 || missing+=(util-linux)
+        for lib in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
+            ldconfig -p | grep -q "${lib%%:*}" || missing+=("${lib##*:}")
+        done
     fi
     if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ]; then
         apt-get update -qq

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,14 +56,16 @@ def wait_serving(target: str, timeout: float = 30.0) -> None:
 
 
 def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
-                 wait: bool = True) -> DaemonProc:
+                 wait: bool = True, prefix: Sequence[str] = ()) -> DaemonProc:
+    """A daemon on ``workdir`` (its socket, shm and state directories), started through
+    ``prefix`` if given (e.g. ``nsenter`` into a network namespace)."""
     shm = workdir / "shm"
     shm.mkdir(exist_ok=True)
     sock = socket or str(workdir / "hicached.sock")
     log_path = workdir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     state = workdir / "state"  # pools outlive a daemon here; the next one on workdir finds them
-    cmd = [sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
+    cmd = [*prefix, sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
            "--shm-dir", str(shm), "--state-dir", str(state), "--metrics-listen", "127.0.0.1:0",
            "--lease-seconds", "1",
            "--memory-budget", "2GiB", "--reserve", "0", "--grace-seconds", "5", *extra]

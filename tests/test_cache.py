@@ -13,8 +13,9 @@ import pytest
 
 from hicache.errors import HiCacheError, PoolExhausted
 from hicached.cache.events import MAX_EVENT_KEYS, EventKind, EventLog
+from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.cache.lru import LRU
-from hicached.cache.pool_cache import NO_SPACE, PRESENT, STORED, PoolCache
+from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from tests.helpers import make_pool, mha, spec
 

@@ -2,7 +2,7 @@
 
 A real ``HostPool`` (8 pages) with its ``PoolCache``, a real ``DiskTier`` on disk with room for
 every key (so the disk never evicts), and the real spill and promotion steps
-(``spill_candidates`` / ``write_many`` / ``finish_spill``, ``hold_for_load`` as LoadKeys),
+(``spill_candidates`` / ``write_many`` / ``finish_spill``, ``TierStack.hold_for_load`` as LoadKeys),
 called as rules in any order with stores, loads, removals, clears, a corrupted disk page and a
 reopened disk index.
 
@@ -27,7 +27,7 @@ from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.tiers.disk import DiskTier
-from hicached.tiers.spill import hold_for_load
+from hicached.tiers.stack import TierStack
 
 PS = 4
 SPEC = PoolSpec("tm", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 8), PS,
@@ -89,7 +89,7 @@ class Tiers(RuleBasedStateMachine):
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
     def load(self, keys: list[bytes]) -> None:
         try:
-            pages = hold_for_load(self.pool, self.cache, self.disk, keys)  # as LoadKeys
+            pages = TierStack(self.pool, self.cache, self.disk).hold_for_load(keys)  # as LoadKeys
         except KeyNotFound:
             # only a key in no tier fails a load: never one written to disk intact
             assert not set(keys) <= self.on_disk, "a load failed though every key was on disk"
@@ -155,7 +155,7 @@ def test_a_promotion_that_evicts_a_key_of_its_own_batch_is_retried() -> None:
         oldest_host = KEYS[tiers.index(1)]  # host's least recently used key
         disk_only = KEYS[tiers.index(2)]
         # promoting disk_only evicts oldest_host, which this same load needs
-        pages = hold_for_load(m.pool, m.cache, m.disk, [oldest_host, disk_only])
+        pages = TierStack(m.pool, m.cache, m.disk).hold_for_load([oldest_host, disk_only])
         assert pages.size == 2
         m.cache.finish_load(pages)
     finally:

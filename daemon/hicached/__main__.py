@@ -109,6 +109,13 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         tiers = dict(merged.get("tier", {}))
         tiers["disk"] = {**tiers.get("disk", {}), **disk}
         merged["tier"] = tiers
+    mooncake = {k: v for k, v in (("master", getattr(args, "mooncake_master", None)),
+                                  ("local_hostname", getattr(args, "mooncake_hostname", None)))
+                if v}
+    if mooncake:  # over [tier.mooncake] of the file
+        tiers = dict(merged.get("tier", {}))
+        tiers["mooncake"] = {**tiers.get("mooncake", {}), **mooncake}
+        merged["tier"] = tiers
     return config_from_mapping(merged)
 
 
@@ -164,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="allow TCP listeners without TLS client authentication")
     sp.add_argument("--disk-path", help="directory of the disk tier ([tier.disk] path)")
     sp.add_argument("--disk-capacity", help="disk tier size, e.g. 500GiB ([tier.disk])")
+    sp.add_argument("--mooncake-master",
+                    help="the Mooncake master, host:port ([tier.mooncake] master)")
+    sp.add_argument("--mooncake-hostname", help="this node's address for Mooncake transfers "
+                    "([tier.mooncake] local_hostname)")
     sp.add_argument("--no-shm-paths", action="store_true",
                     help="refuse shm buffers named by path: CPU workers hand over sealed memfds")
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -184,6 +184,7 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
             ("host available", _size(info.memory_available_bytes)),
             ("shm dir", info.shm_dir), ("pools", info.pools), ("sessions", info.sessions),
             ("metrics port", info.metrics_port or "off"),
+            ("cluster tier", info.remote_tier or "none"),
             *((f"gpu {d.ordinal}", f"{d.uuid} {d.name} {_size(d.total_bytes)}")
               for d in info.cuda_devices)]))
         return 0

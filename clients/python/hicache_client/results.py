@@ -49,6 +49,12 @@ class PoolInfo:
     disk_keys: int = 0
     """Keys the pool's disk tier holds (0 without one)."""
     disk_capacity_pages: int = 0
+    remote_namespace: str = ""
+    """The pool's key namespace in the cluster tier ('' without one)."""
+    remote_puts: int = 0
+    """Keys this daemon wrote to the cluster tier."""
+    remote_pending: int = 0
+    """Stored keys waiting to be written there."""
 
     @classmethod
     def from_proto(cls, p: pb.Pool) -> PoolInfo:
@@ -58,7 +64,8 @@ class PoolInfo:
                    p.sessions, p.keys, p.keyed_pages, p.raw_pages, p.pinned_pages,
                    p.metadata_bytes, state, p.progress if state != "READY" else 1.0,
                    p.error, p.error_reason, p.attach_outcome, p.generation, p.recovered_keys,
-                   p.disk_keys, p.disk_capacity_pages)
+                   p.disk_keys, p.disk_capacity_pages, p.remote_namespace, p.remote_puts,
+                   p.remote_pending)
 
 
 @dataclass(frozen=True)

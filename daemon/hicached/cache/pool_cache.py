@@ -8,22 +8,24 @@ a reader never sees a torn page. The copies themselves run elsewhere: the daemon
 Primitives:
 
 - ``PoolCache(pool, events)``: over a ``HostPool``, sharing its allocator with the raw pages.
-- ``lookup(keys)``: (hit prefix, one tier byte per key: 1 host, 0 absent); no pin, no touch.
+- ``lookup(keys, below)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3 cluster
+  (``below``, asked outside the lock), 0 absent); no pin, no touch.
 - ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
   (status 2, touched in the LRU); new keys get a page each, held for writing, evicting least
   recently used ready keys that no copy holds when the pool is full; keys left without a page
   are status 3. ``finish_store(ticket, ok)``: the keys become ready (status 1, STORED event), or
-  vanish if the copy failed or they were removed meanwhile.
+  vanish if the copy failed (``ok`` per page, or for all) or they were removed meanwhile.
 - ``begin_load(keys)`` -> pages held for reading, or ``KEY_NOT_FOUND`` (nothing held);
   ``finish_load(pages)`` releases them and makes their keys evictable again, most recently used.
-- ``remove(keys)``, ``clear()``: keys vanish at once; a page a copy still holds is released
-  when the copy ends (REMOVED events).
+- ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once;
+  a page a copy still holds is released when the copy ends (REMOVED events).
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
 - ``stats``: counters for metrics; ``key_count``.
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
   only it holds, ``remove`` / ``clear`` reach it, eviction counts whether each evicted key was
   below already. ``spill_candidates`` / ``finish_spill`` lend the oldest keys' pages to the
-  spiller (held against reuse); ``not_ready`` names keys to promote; ``on_stored`` is its cue.
+  spiller (held against reuse); ``hold`` / ``release`` the pages of given keys (a writer to
+  another tier); ``not_ready`` names keys to promote; ``on_stored(keys)`` is their cue.
 - ``recover()``: after the pool's state files were re-attached, the complete keys again.
 
 Raw pages (``Alloc``) share the allocator and are never evicted; they may evict keyed pages.
@@ -33,68 +35,24 @@ Thread-safe: one lock per pool cache, taken before the allocator's.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from hicache.errors import KeyNotFound
 from hicached.cache.events import EventKind, EventLog
+from hicached.cache.index_types import (
+    NO_SPACE,
+    PRESENT,
+    STORED,
+    CacheStats,
+    LowerTier,
+    StoreTicket,
+)
 from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
 from hicached.core.pool import HostPool
-
-STORED, PRESENT, NO_SPACE = 1, 2, 3
-"""Store status bytes: written now, already present (or being written), no page to be had."""
-
-KEY_INDEX_BYTES = 400
-"""Host bytes the index spends per key (dict entries, the key object, LRU node), charged to the
-memory budget for every page of a pool: benchmarks/bench_cache.py measures ~280 with
-tracemalloc for 32-byte keys; longer keys (up to 64 bytes) and dict growth take the rest."""
-
-
-@dataclass
-class StoreTicket:
-    """A Store between ``begin_store`` and ``finish_store``."""
-
-    keys: list[bytes]
-    status: bytearray
-    """One status byte per key (STORED is set by ``finish_store``)."""
-    positions: np.ndarray
-    """Positions in ``keys`` of the keys being written now."""
-    pages: np.ndarray
-    """Their pages, held for writing, in the same order."""
-
-
-class LowerTier(Protocol):
-    """A tier below host memory holding keyed pages of this pool (``hicached.tiers``)."""
-
-    tier: int
-    """Its tier byte in Lookup (2 disk, 3 remote)."""
-
-    def contains(self, key: bytes) -> bool: ...
-
-    def remove(self, keys: Sequence[bytes]) -> int: ...
-
-    def clear(self) -> int: ...
-
-
-@dataclass
-class CacheStats:
-    lookups: int = 0
-    lookup_hits: int = 0
-    lookup_misses: int = 0
-    stored: int = 0
-    already_present: int = 0
-    no_space: int = 0
-    evicted: int = 0
-    removed: int = 0
-    load_misses: int = 0
-    evicted_to_lower: int = 0
-    """Evicted keys whose page the lower tier already held (still found there)."""
-    spill_dropped: int = 0
-    """Evicted keys the lower tier had not written yet: gone from every tier."""
 
 
 class PoolCache:
@@ -104,8 +62,11 @@ class PoolCache:
         self.stats = CacheStats()
         self.lower: LowerTier | None = None
         """The tier below host memory, if the pool has one."""
-        self.on_stored: Callable[[], None] = lambda: None
-        """Called after keys became ready (the spiller's cue)."""
+        self.kept_below: Callable[[bytes], bool] | None = None
+        """Whether an evicted key is kept by the tier its spiller writes to (default: the
+        lower tier's ``contains``), for the eviction counters."""
+        self.on_stored: Callable[[list[bytes]], None] = lambda keys: None
+        """Called with the keys that became ready (the cue of spillers and writers)."""
         self.recovered_keys = 0
         """Keys found again when the pool was re-attached (``recover``)."""
         self.slots = KeySlots(pool.state.table("key_slots") if pool.state is not None
@@ -117,7 +78,8 @@ class PoolCache:
         self._page_key: dict[int, bytes] = {}
         self._loads: dict[int, int] = {}
         self._lru = LRU()
-        self._spilling: set[bytes] = set()
+        self._spilling: Counter[bytes] = Counter()
+        """Keys a spiller is writing below (two spillers may write one key)."""
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
 
     def recover(self) -> dict[str, int]:
@@ -156,19 +118,27 @@ class PoolCache:
         with self._lock:
             return len(self._ready)
 
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, bytes]:
-        """(leading keys found in any tier, one tier byte per key: 1 host, 2/3 below, 0)."""
+    def lookup(self, keys: Sequence[bytes],
+               below: Callable[[list[bytes]], list[int]] | None = None) -> tuple[int, bytes]:
+        """(leading keys found in any tier, one tier byte per key: 1 host, 2/3 below, 0).
+        ``below`` (the cluster tier) is asked, outside the lock, for the tier bytes of the
+        keys no tier of this node holds."""
         lower = self.lower
         with self._lock:
-            tiers = bytes(1 if k in self._ready else
-                          lower.tier if lower is not None and lower.contains(k) else 0
-                          for k in keys)
-            hits = len(keys) - tiers.count(0)
+            tiers = bytearray(1 if k in self._ready else
+                              lower.tier if lower is not None and lower.contains(k) else 0
+                              for k in keys)
+        if below is not None and 0 in tiers:
+            absent = [i for i, t in enumerate(tiers) if not t]
+            for i, t in zip(absent, below([keys[i] for i in absent]), strict=True):
+                tiers[i] = t
+        hits = len(keys) - tiers.count(0)
+        with self._lock:
             self.stats.lookups += 1
             self.stats.lookup_hits += hits
             self.stats.lookup_misses += len(keys) - hits
         hit_prefix = tiers.find(0)
-        return (len(keys) if hit_prefix < 0 else hit_prefix), tiers
+        return (len(keys) if hit_prefix < 0 else hit_prefix), bytes(tiers)
 
     def not_ready(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys host memory does not hold ready (to be promoted from a lower tier)."""
@@ -196,7 +166,23 @@ class PoolCache:
         """The lower tier has (or failed to take) these pages: release them."""
         with self._lock:
             self._alloc.release(pages, write=False)
-            self._spilling.difference_update(keys)
+            self._spilling.subtract(keys)
+            self._spilling += Counter()  # drop the keys no spiller holds any more
+
+    def hold(self, keys: Sequence[bytes]) -> tuple[list[bytes], np.ndarray]:
+        """The keys of ``keys`` still ready, with their pages held for reading (a write to
+        another tier); an eviction meanwhile drops the key, its page waits for ``release``."""
+        with self._lock:
+            held = [k for k in dict.fromkeys(keys) if k in self._ready]
+            pages = np.asarray([self._ready[k] for k in held], dtype=np.int64)
+            if pages.size:
+                self._alloc.acquire(pages, write=False, unique=False)
+        return held, pages
+
+    def release(self, pages: np.ndarray) -> None:
+        if pages.size:
+            with self._lock:
+                self._alloc.release(pages, write=False, unique=False)
 
     # -- store -----------------------------------------------------------------------------
 
@@ -226,22 +212,25 @@ class PoolCache:
             self.stats.no_space += len(new) - grant
         return StoreTicket(keys, status, np.asarray(new[:grant], dtype=np.int64), pages)
 
-    def finish_store(self, ticket: StoreTicket, ok: bool) -> None:
-        """The copy of ``ticket.pages`` completed (``ok``) or failed."""
+    def finish_store(self, ticket: StoreTicket, ok: bool | Sequence[bool]) -> None:
+        """The copy of ``ticket.pages`` completed (``ok``) or failed; or, one bool per page,
+        which of them completed (a read from another tier)."""
         if not ticket.pages.size:
             return
+        oks = [ok] * ticket.pages.size if isinstance(ok, bool) else list(ok)
         stored: list[bytes] = []
         stored_pages: list[int] = []
         drop: list[int] = []
         with self._lock:
-            for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(), strict=True):
+            for i, page, good in zip(ticket.positions.tolist(), ticket.pages.tolist(), oks,
+                                     strict=True):
                 key = ticket.keys[i]
                 if self._writing.get(key) != page:  # removed or cleared meanwhile
                     del self._page_key[page]
                     drop.append(page)
                     continue
                 del self._writing[key]
-                if ok:
+                if good:
                     self._ready[key] = page
                     self._lru.add(key)
                     ticket.status[i] = STORED
@@ -250,13 +239,15 @@ class PoolCache:
                 else:
                     del self._page_key[page]
                     drop.append(page)
-            self._alloc.release(ticket.pages, write=True, layers=self._all_layers if ok else None)
+            done = np.asarray(oks, dtype=bool)
+            self._alloc.release(ticket.pages[done], write=True, layers=self._all_layers)
+            self._alloc.release(ticket.pages[~done], write=True)
             self.slots.ready(stored_pages, stored)  # their bytes are complete: a restart keeps them
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
             self.events.append(EventKind.STORED, stored)
         if stored:
-            self.on_stored()
+            self.on_stored(stored)
 
     # -- load ------------------------------------------------------------------------------
 
@@ -311,8 +302,12 @@ class PoolCache:
     # -- removal ---------------------------------------------------------------------------
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop ``keys`` (ready or being written) from every tier; returns how many were
-        there."""
+        """Drop ``keys`` (ready or being written) from every tier of this node; returns how
+        many were there."""
+        return len(self.remove_keys(keys))
+
+    def remove_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``remove``, returning the keys that were there."""
         with self._lock:
             unique, lower = list(dict.fromkeys(keys)), self.lower
             below = [k for k in unique if lower.contains(k)] if lower is not None else []
@@ -324,7 +319,7 @@ class PoolCache:
                 gone += [k for k in below if k not in here]
             self.stats.removed += len(gone)
             self.events.append(EventKind.REMOVED, gone)
-        return len(gone)
+        return gone
 
     def clear(self) -> int:
         """Drop every key; returns how many (each frees its page now, or once the copy that
@@ -354,8 +349,9 @@ class PoolCache:
 
     def _evict(self, n: int) -> None:
         keys = self._lru.pop_oldest(n)
-        if self.lower is not None:  # being written below counts as below: it lands there
-            below = sum(k in self._spilling or self.lower.contains(k) for k in keys)
+        kept = self.kept_below or (self.lower.contains if self.lower is not None else None)
+        if kept is not None:  # being written below counts as below: it lands there
+            below = sum(k in self._spilling or kept(k) for k in keys)
             self.stats.evicted_to_lower += below
             self.stats.spill_dropped += len(keys) - below
         pages = np.asarray([self._ready.pop(k) for k in keys], dtype=np.int64)

@@ -48,6 +48,7 @@ from hicached.server.pool_build import PoolBuild
 from hicached.server.pool_table import PoolTable
 from hicached.server.service import CREATES_WORK, DATA_METHODS, HostCacheServicer
 from hicached.server.sessions import SessionManager
+from hicached.tiers.mooncake import MooncakeStore
 from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
 
@@ -142,6 +143,9 @@ class HiCacheServer:
             log.info("CUDA IPC on: %s", ", ".join(f"{d.ordinal}={d.uuid} ({d.name})"
                                                    for d in driver.devices))
         cuda = CudaIpcTransport(driver) if driver is not None else None
+        remote = (MooncakeStore(config.mooncake, observe=lambda op, s: self.daemon.metrics
+                                .remote_seconds.labels(op).observe(s))
+                  if config.mooncake is not None else None)
         # pools are page-locked for DMA exactly where the CUDA driver has a device
         pools = PoolTable(config.effective_budget(), options, sessions.count,
                           pinner=DriverPinner(driver) if driver is not None else None,
@@ -151,7 +155,8 @@ class HiCacheServer:
                               name, outcome).inc(),
                           disk=config.disk,
                           observe_disk=lambda op, s: self.daemon.metrics.disk_seconds.labels(
-                              op).observe(s))
+                              op).observe(s),
+                          remote=remote)
         metrics = Metrics(self.registry, ScrapeState(
             pools=pools.entries, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,
@@ -159,7 +164,7 @@ class HiCacheServer:
             ipc_handles=cuda.cache.stats if cuda is not None else lambda: (0, 0),
             watchers=lambda: self.daemon.watchers,
             builds=lambda: [(b.spec.name, b.state, b.progress) for b in pools.builds()],
-            tiers=pools.tiers,
+            tiers=pools.stacks, remote=remote,
         ), build={"version": hicache.__version__, "torch": torch.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
@@ -217,6 +222,8 @@ class HiCacheServer:
                 self.health_grpc.start()
             if self.config.state_dir:  # before any pool touches its files
                 self._locks.append(_state_lock(self.config.state_dir))
+            if self.daemon.pools.remote is not None:  # connects in the background
+                self.daemon.pools.remote.start()
             # declared pools build in the background (a budget error still stops the start);
             # pools saved by an earlier daemon are re-attached the same way
             self._declared = [self.daemon.pools.create_async(spec)[0]
@@ -330,6 +337,8 @@ class HiCacheServer:
         if self.daemon.cuda is not None:
             self.daemon.cuda.close()  # GPU copies still running finish, then sessions release
         self.daemon.pools.close_all()
+        if self.daemon.pools.remote is not None:
+            self.daemon.pools.remote.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()  # type: ignore[attr-defined]
             self._metrics_server = None

@@ -30,6 +30,7 @@ from hicache.specs import (
 from hicached.core.system import available_bytes
 from hicached.server.identity import AccessRule
 from hicached.tiers.config import DiskTierConfig
+from hicached.tiers.mooncake_config import MooncakeTierConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -123,6 +124,9 @@ class ServerConfig:
     """Pools that exist from startup."""
     disk: DiskTierConfig | None = None
     """``[tier.disk]``: the local disk tier below host memory (None: none)."""
+    mooncake: MooncakeTierConfig | None = None
+    """``[tier.mooncake]``: the cluster tier, a Mooncake Store shared by the nodes (None:
+    none)."""
     log_format: str = "text"
     """``text`` or ``json`` (one object per line)."""
     log_level: str = "INFO"
@@ -250,10 +254,12 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
             continue
         if key == "tier":
             tiers = dict(value)  # type: ignore[call-overload]
-            disk = tiers.pop("disk", None)
+            disk, mooncake = tiers.pop("disk", None), tiers.pop("mooncake", None)
             if tiers:
-                raise SpecInvalid(f"unknown tiers {sorted(tiers)} (known: disk)")
+                raise SpecInvalid(f"unknown tiers {sorted(tiers)} (known: disk, mooncake)")
             kwargs["disk"] = DiskTierConfig.from_mapping(disk, parse_size) if disk else None
+            kwargs["mooncake"] = (MooncakeTierConfig.from_mapping(mooncake, parse_size)
+                                  if mooncake else None)
             continue
         if key not in known:
             raise SpecInvalid(f"unknown setting {key!r}", metadata={"setting": key})

@@ -40,7 +40,7 @@ from hicache.errors import (
 )
 from hicache.indices import IndexArray
 from hicache.keys import check_keys
-from hicached.cache.pool_cache import StoreTicket
+from hicached.cache.index_types import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
 from hicached.server.identity import AccessRule, Grant
@@ -48,7 +48,6 @@ from hicached.server.identity_channel import IdentityChannel
 from hicached.server.metrics import Metrics
 from hicached.server.pool_table import PoolTable
 from hicached.server.sessions import Session, SessionManager
-from hicached.tiers.spill import hold_for_load
 from hicached.transport.base import Attachment
 from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
@@ -258,9 +257,10 @@ class Daemon:
             device_pages, load_layers = self.engine.check_keyed(
                 Op.LOAD, s.pool, buffers, len(keys), device, *layers)
             cache = self.pools.cache(s.pool_name)
-            # keys on disk are read back first; KEY_NOT_FOUND: nothing held, nothing moves
-            pages = hold_for_load(s.pool, cache, self.pools.tier_of(s.pool_name), keys,
-                                  self.metrics.promotions.labels(s.pool_name).inc)
+            # keys on disk or in the cluster are read back first; KEY_NOT_FOUND: nothing
+            # held, nothing moves
+            pages = self.pools.stack(s.pool_name).hold_for_load(
+                keys, self.metrics.promotions.labels(s.pool_name).inc)
             r = self._held_load(s, lambda landed: self.engine.transfer_pages(
                 Op.LOAD, s.pool, buffers, pages, device_pages, load_layers, runner,
                 wait=not layer_events, on_complete=landed),

@@ -28,8 +28,9 @@ from prometheus_client.registry import Collector
 from hicache.errors import all_error_classes
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
-from hicached.tiers.disk import DiskTier
-from hicached.tiers.spill import Spiller
+from hicached.server.metrics_tiers import tier_families
+from hicached.tiers.mooncake import MooncakeStore
+from hicached.tiers.stack import TierStack
 
 REASONS = sorted({c.reason for c in all_error_classes()})
 
@@ -53,8 +54,10 @@ class ScrapeState:
     """WatchEvents streams open."""
     builds: Callable[[], list[tuple[str, str, float]]] = lambda: []
     """Pools being built in the background: (name, CREATING or FAILED, progress 0..1)."""
-    tiers: Callable[[], list[tuple[str, DiskTier, Spiller]]] = lambda: []
-    """Disk tiers of the pools, with their spillers."""
+    tiers: Callable[[], list[tuple[str, TierStack]]] = lambda: []
+    """The tiers below each pool's host memory."""
+    remote: MooncakeStore | None = None
+    """The cluster tier's client, if one is configured."""
 
 
 class _StateCollector(Collector):
@@ -106,7 +109,7 @@ class _StateCollector(Collector):
         for pool_name, build_state, progress in self._state.builds():
             building.add_metric([pool_name, build_state], progress)
         yield building
-        yield from _tier_families(self._state.pools(), self._state.tiers())
+        yield from tier_families(self._state.pools(), self._state.tiers(), self._state.remote)
         yield GaugeMetricFamily("hicache_cache_watchers", "WatchEvents streams open.",
                                 value=self._state.watchers())
         yield GaugeMetricFamily("hicache_sessions_open", "Open worker sessions.",
@@ -167,41 +170,6 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]]) -> Iterator[Metri
     yield from (*g.values(), *c.values(), keys, stores)
 
 
-def _tier_families(entries: list[tuple[HostPool, PoolCache]],
-                   tiers: list[tuple[str, DiskTier, Spiller]]) -> Iterator[Metric]:
-    """Keys and bytes per tier; the disk tier's traffic and what it dropped, per pool."""
-    keys = GaugeMetricFamily("hicache_tier_keys", "Keys held, by tier (host, disk).",
-                             labels=["pool", "tier"])
-    size = GaugeMetricFamily("hicache_tier_bytes", "Bytes of the pages held, by tier.",
-                             labels=["pool", "tier"])
-    for pool, cache in entries:
-        n = cache.key_count
-        keys.add_metric([pool.spec.name, "host"], n)
-        size.add_metric([pool.spec.name, "host"], n * pool.spec.page_bytes)
-    c = {n: CounterMetricFamily(f"hicache_disk_{n}", h, labels=["pool"]) for n, h in (
-        ("spilled_pages", "Pages written to the disk tier ahead of eviction."),
-        ("read_pages", "Pages read back from the disk tier (promotions)."),
-        ("spill_dropped_pages", "Keys evicted from host memory before they were written to "
-                                "disk: gone from every tier (the spill window overflowed)."),
-        ("checksum_failures", "Disk pages whose checksum failed on read: dropped, not served."),
-        ("write_errors", "Disk writes that failed (the key stays in host memory only)."),
-        ("evicted_pages", "Pages the disk tier evicted (LRU) to make room."))}
-    caches = {p.spec.name: cache for p, cache in entries}
-    for name, tier, _spiller in tiers:
-        st = tier.stats
-        n = tier.keys
-        keys.add_metric([name, "disk"], n)
-        size.add_metric([name, "disk"], n * tier.page_bytes)
-        dropped = caches[name].stats.spill_dropped if name in caches else 0
-        for metric, value in (("spilled_pages", st.writes), ("read_pages", st.reads),
-                              ("spill_dropped_pages", dropped),
-                              ("checksum_failures", st.checksum_failures),
-                              ("write_errors", st.write_errors),
-                              ("evicted_pages", st.evicted)):
-            c[metric].add_metric([name], value)
-    yield from (keys, size, *c.values())
-
-
 class Metrics:
     def __init__(self, registry: CollectorRegistry, state: ScrapeState,
                  build: dict[str, str]) -> None:
@@ -243,6 +211,10 @@ class Metrics:
                                       ["op"], buckets=DURATION_BUCKETS, registry=registry)
         for io in ("write", "read"):
             self.disk_seconds.labels(io)
+        self.remote_seconds = Histogram(
+            "hicache_remote_op_seconds", "Calls to the cluster store (Mooncake), by op: "
+            "setup, probe, exists, put, get, remove.", ["op"], buckets=DURATION_BUCKETS,
+            registry=registry)
         self.promotions = Counter("hicache_tier_promotions",
                                   "Keys read back from a lower tier into host memory by "
                                   "LoadKeys.", ["pool"], registry=registry)

@@ -36,14 +36,15 @@ from hicache.errors import (
 )
 from hicache.specs import PoolSpec
 from hicached.cache import key_slots
-from hicached.cache.pool_cache import KEY_INDEX_BYTES, PoolCache
+from hicached.cache.index_types import KEY_INDEX_BYTES
+from hicached.cache.pool_cache import PoolCache
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
-from hicached.core.state_file import Outcome, remove_state, saved_specs, spec_to_dict
+from hicached.core.state_file import Outcome, remove_state, saved_specs
 from hicached.server.pool_build import PoolBuild
 from hicached.tiers.config import DiskTierConfig
-from hicached.tiers.disk import DiskTier
-from hicached.tiers.spill import Spiller
+from hicached.tiers.mooncake import MooncakeStore
+from hicached.tiers.stack import TierStack, build_stack
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,11 @@ class PoolTable:
                  on_attach: Callable[[HostPool, dict[str, int]], None] = lambda p, r: None,
                  on_drop: Callable[[str, str], None] = lambda name, outcome: None,
                  disk: DiskTierConfig | None = None,
-                 observe_disk: Callable[[str, float], None] = lambda op, s: None) -> None:
+                 observe_disk: Callable[[str, float], None] = lambda op, s: None,
+                 remote: MooncakeStore | None = None) -> None:
         """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts);
-        ``disk`` gives every pool a disk tier below it (its share of the capacity)."""
+        ``disk`` gives every pool a disk tier below it (its share of the capacity),
+        ``remote`` a part of the cluster store."""
         self.budget_bytes = budget_bytes
         self.options = options
         self.pinner = pinner
@@ -71,7 +74,8 @@ class PoolTable:
         self._on_drop = on_drop
         self.disk = disk
         self._observe_disk = observe_disk
-        self._tiers: dict[str, tuple[DiskTier, Spiller]] = {}
+        self.remote = remote
+        self._stacks: dict[str, TierStack] = {}
         self._recovered: dict[str, PoolCache] = {}
         self._sessions_of = sessions_of
         self._pools: dict[str, HostPool] = {}
@@ -109,10 +113,14 @@ class PoolTable:
             pool.close(0)
             raise
         try:
-            self._attach_disk(pool, cache)
+            stack = build_stack(pool, cache, self.disk, self.budget_bytes, self._observe_disk,
+                                self.remote)
+            stack.start()
         except BaseException:
             pool.close(0)
             raise
+        with self._lock:
+            self._stacks[spec.name] = stack
         if recovered:
             log.info("pool %s re-attached (generation %d): %d keys, %d raw pages kept, %d "
                      "damaged slots dropped", spec.name, pool.state.generation if pool.state
@@ -120,46 +128,24 @@ class PoolTable:
         self._on_attach(pool, recovered)
         return pool, cache
 
-    def _attach_disk(self, pool: HostPool, cache: PoolCache) -> None:
-        """Open the pool's disk tier (its saved index, or a cold one) and start its spiller."""
-        cfg, spec = self.disk, pool.spec
-        if cfg is None or not pool.nbytes:
-            return
-        pages = cfg.share(pool.nbytes, self.budget_bytes, spec.page_bytes)
-        if pages < 1:
-            log.warning("pool %s gets no disk tier: its share of %d bytes is under a page",
-                        spec.name, cfg.capacity_bytes)
-            return
-        tier = DiskTier(cfg.path, spec.name, {"spec": spec_to_dict(spec)}, spec.page_bytes,
-                        pages, o_direct=cfg.o_direct, fsync=cfg.fsync,
-                        observe=self._observe_disk, io_threads=cfg.io_threads)
-        outcome = tier.open()
-        log.info("pool %s: disk tier %s, %d pages (%d keys)", spec.name, outcome, pages,
-                 tier.keys)
-        spiller = Spiller(pool, cache, tier, max(cfg.spill_ahead_bytes // spec.page_bytes, 1))
-        cache.lower, cache.on_stored = tier, spiller.nudge
-        spiller.start()
-        with self._lock:
-            self._tiers[spec.name] = (tier, spiller)
-
     def _close_tiers(self, name: str, remove: bool = False) -> None:
         with self._lock:
-            got = self._tiers.pop(name, None)
-        if got is not None:
-            tier, spiller = got
-            spiller.close()
-            tier.close()
-            if remove:
-                tier.remove_files()
+            stack = self._stacks.pop(name, None)
+        if stack is not None:
+            stack.close(remove_files=remove)
 
-    def tier_of(self, name: str) -> DiskTier | None:
+    def stack(self, name: str) -> TierStack:
+        """The pool's tiers, for keyed calls (``POOL_NOT_FOUND`` / ``POOL_NOT_READY``)."""
         with self._lock:
-            got = self._tiers.get(name)
-        return got[0] if got is not None else None
+            got, build = self._stacks.get(name), self._builds.get(name)
+            ready = name in self._pools
+        if got is None or not ready:
+            raise self._missing(name, build)
+        return got
 
-    def tiers(self) -> list[tuple[str, DiskTier, Spiller]]:
+    def stacks(self) -> list[tuple[str, TierStack]]:
         with self._lock:
-            return [(n, t, s) for n, (t, s) in self._tiers.items()]
+            return [(n, t) for n, t in self._stacks.items() if n in self._pools]
 
     def recover_saved(self, declared: Collection[str] = ()) -> list[PoolBuild]:
         """Re-attach, in the background, every pool the state directory holds that is not in

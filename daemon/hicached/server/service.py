@@ -27,7 +27,8 @@ from hicache.keys import check_keys
 from hicache.layer_groups import check_layer_events
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicached.cache.pool_cache import KEY_INDEX_BYTES, NO_SPACE, PRESENT, STORED, PoolCache
+from hicached.cache.index_types import KEY_INDEX_BYTES, NO_SPACE, PRESENT, STORED
+from hicached.cache.pool_cache import PoolCache
 from hicached.copy.engine import Op, TransferResult
 from hicached.core.pool import HostPool
 from hicached.core.system import available_bytes
@@ -36,7 +37,7 @@ from hicached.server.daemon import Daemon
 from hicached.server.identity import check_access
 from hicached.server.pool_build import FAILED, PoolBuild
 from hicached.server.sessions import Session
-from hicached.tiers.disk import DiskTier
+from hicached.tiers.stack import TierStack
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +52,27 @@ WATCH_POLL_SECONDS = 0.5
 
 
 def pool_message(pool: HostPool, cache: PoolCache, sessions: int,
-                 disk: DiskTier | None = None) -> pb.Pool:
+                 tiers: TierStack | None = None) -> pb.Pool:
     counts = pool.allocator.counts()
     used = pool.page_num - counts["free"]
-    return pb.Pool(spec=spec_to_proto(pool.spec), size_tokens=pool.size_tokens,
-                   page_num=pool.page_num, page_bytes=pool.spec.page_bytes, used_pages=used,
-                   free_pages=counts["free"], capacity_bytes=pool.nbytes,
-                   used_bytes=used * pool.spec.page_bytes, pinned_bytes=pool.pinned_bytes,
-                   sessions=sessions, keys=cache.key_count, keyed_pages=counts["keyed"],
-                   raw_pages=counts["raw"], pinned_pages=counts["held"],
-                   metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES,
-                   attach_outcome=pool.outcome.value if pool.outcome else "memory",
-                   generation=pool.state.generation if pool.state else 0,
-                   recovered_keys=cache.recovered_keys,
-                   disk_keys=disk.keys if disk is not None else 0,
-                   disk_capacity_pages=disk.capacity if disk is not None else 0)
+    msg = pb.Pool(spec=spec_to_proto(pool.spec), size_tokens=pool.size_tokens,
+                  page_num=pool.page_num, page_bytes=pool.spec.page_bytes, used_pages=used,
+                  free_pages=counts["free"], capacity_bytes=pool.nbytes,
+                  used_bytes=used * pool.spec.page_bytes, pinned_bytes=pool.pinned_bytes,
+                  sessions=sessions, keys=cache.key_count, keyed_pages=counts["keyed"],
+                  raw_pages=counts["raw"], pinned_pages=counts["held"],
+                  metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES,
+                  attach_outcome=pool.outcome.value if pool.outcome else "memory",
+                  generation=pool.state.generation if pool.state else 0,
+                  recovered_keys=cache.recovered_keys)
+    if tiers is not None and tiers.disk is not None:
+        msg.disk_keys, msg.disk_capacity_pages = tiers.disk.keys, tiers.disk.capacity
+    if tiers is not None and tiers.remote is not None:
+        msg.remote_namespace = tiers.remote.prefix
+        msg.remote_puts = (tiers.writer.put if tiers.writer is not None else
+                           tiers.remote_spiller.spilled if tiers.remote_spiller else 0)
+        msg.remote_pending = tiers.writer.waiting if tiers.writer is not None else 0
+    return msg
 
 
 def build_message(b: PoolBuild) -> pb.Pool:
@@ -122,7 +129,9 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             serving=not d.draining.is_set(), pools=len(d.pools.list()),
             sessions=d.sessions.count(), metrics_port=d.metrics_port,
             cuda_devices=[pb.CudaDevice(uuid=x.uuid, ordinal=x.ordinal, name=x.name,
-                                        total_bytes=x.total_bytes) for x in devices])
+                                        total_bytes=x.total_bytes) for x in devices],
+            remote_tier=("" if d.pools.remote is None else "up" if d.pools.remote.up
+                         else f"down: {d.pools.remote.why}"))
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         return pb.PingResponse()
@@ -144,13 +153,14 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         if build is not None:
             return build_message(build)
         return pool_message(d.pools.get(name), d.pools.cache(name), d.sessions.count(name),
-                            d.pools.tier_of(name))
+                            d.pools.stack(name))
 
     def ListPools(self, request: pb.ListPoolsRequest, context: grpc.ServicerContext
                   ) -> pb.ListPoolsResponse:
         d = self.daemon
+        stacks = dict(d.pools.stacks())
         return pb.ListPoolsResponse(pools=[
-            *(pool_message(p, c, d.sessions.count(p.spec.name), d.pools.tier_of(p.spec.name))
+            *(pool_message(p, c, d.sessions.count(p.spec.name), stacks.get(p.spec.name))
               for p, c in d.pools.entries()),
             *(build_message(b) for b in d.pools.builds())])
 
@@ -243,7 +253,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext
                ) -> pb.LookupResponse:
         keys = check_keys(request.keys)
-        hit_prefix, tiers = self.daemon.pools.cache(request.pool).lookup(keys)
+        hit_prefix, tiers = self.daemon.pools.stack(request.pool).lookup(keys)
         return pb.LookupResponse(hit_prefix=hit_prefix, tiers=tiers,
                                  hits=len(tiers) - tiers.count(0))
 
@@ -271,11 +281,11 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
     def RemoveKeys(self, request: pb.RemoveKeysRequest, context: grpc.ServicerContext
                    ) -> pb.RemoveKeysResponse:
         keys = check_keys(request.keys)
-        return pb.RemoveKeysResponse(removed=self.daemon.pools.cache(request.pool).remove(keys))
+        return pb.RemoveKeysResponse(removed=self.daemon.pools.stack(request.pool).remove(keys))
 
     def ClearPool(self, request: pb.ClearPoolRequest, context: grpc.ServicerContext
                   ) -> pb.ClearPoolResponse:
-        n = self.daemon.pools.cache(request.pool).clear()
+        n = self.daemon.pools.stack(request.pool).clear()
         log.info("pool %s cleared: %d key(s) dropped", request.pool, n)
         return pb.ClearPoolResponse(pages_freed=n, keys_removed=n)
 

@@ -11,10 +11,9 @@ blocking a store.
 
 Primitives:
 
-- ``Spiller(pool, cache, tier, window, batch)``: ``start()``, ``nudge()`` (new keys were
-  stored), ``close()``; ``spilled`` / ``failed`` counts.
-- ``hold_for_load(pool, cache, tier, keys)``: what LoadKeys holds: the keys' host pages,
-  after promoting what only the tier holds (again if a promotion evicted one of them).
+- ``Spiller(pool, cache, tier, window, batch)``: over any ``SpillTarget`` (the disk, or the
+  cluster store); ``start()``, ``nudge()`` (new keys were stored), ``close()``;
+  ``spilled`` / ``failed`` counts.
 - ``promote(pool, cache, tier, keys)``: the way back up: keys only the tier holds are read
   into fresh host pages (checksums checked) and become ready there; returns how many. A read
   that fails drops that key below and promotes none of the batch.
@@ -24,11 +23,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
-import numpy as np
-
-from hicache.errors import KeyNotFound
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.tiers.disk import DiskTier
@@ -38,8 +35,17 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 1.0
 
 
+class SpillTarget(Protocol):
+    """A tier a ``Spiller`` writes to: the disk, or the cluster store (``evict`` policy)."""
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]
+                   ) -> list[bool]: ...
+
+
 class Spiller:
-    def __init__(self, pool: HostPool, cache: PoolCache, tier: DiskTier, window: int,
+    def __init__(self, pool: HostPool, cache: PoolCache, tier: SpillTarget, window: int,
                  batch: int = 16) -> None:
         self.pool, self.cache, self.tier = pool, cache, tier
         self.window, self.batch = window, batch
@@ -81,22 +87,6 @@ class Spiller:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(30)
-
-
-def hold_for_load(pool: HostPool, cache: PoolCache, tier: DiskTier | None,
-                  keys: Sequence[bytes], on_promoted: Callable[[int], None] = lambda n: None
-                  ) -> np.ndarray:
-    """The host pages of ``keys`` held for reading (``cache.begin_load``), promoting what only
-    the tier holds first; once more if a promotion evicted a key of this very batch.
-    ``KEY_NOT_FOUND`` when a key is in no tier (nothing held)."""
-    if tier is None:
-        return cache.begin_load(keys)
-    on_promoted(promote(pool, cache, tier, keys))
-    try:
-        return cache.begin_load(keys)
-    except KeyNotFound:
-        on_promoted(promote(pool, cache, tier, keys))
-        return cache.begin_load(keys)
 
 
 def promote(pool: HostPool, cache: PoolCache, tier: DiskTier, keys: Sequence[bytes]) -> int:

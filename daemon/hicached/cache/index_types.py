@@ -1,0 +1,65 @@
+"""The types the content index speaks in: store tickets and status bytes, the lower-tier
+protocol, counters.
+
+Primitives: ``STORED`` / ``PRESENT`` / ``NO_SPACE``, ``KEY_INDEX_BYTES``, ``StoreTicket``,
+``LowerTier``, ``CacheStats``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+STORED, PRESENT, NO_SPACE = 1, 2, 3
+"""Store status bytes: written now, already present (or being written), no page to be had."""
+
+KEY_INDEX_BYTES = 400
+"""Host bytes the index spends per key (dict entries, the key object, LRU node), charged to the
+memory budget for every page of a pool: benchmarks/bench_cache.py measures ~280 with
+tracemalloc for 32-byte keys; longer keys (up to 64 bytes) and dict growth take the rest."""
+
+
+@dataclass
+class StoreTicket:
+    """A Store between ``begin_store`` and ``finish_store``."""
+
+    keys: list[bytes]
+    status: bytearray
+    """One status byte per key (STORED is set by ``finish_store``)."""
+    positions: np.ndarray
+    """Positions in ``keys`` of the keys being written now."""
+    pages: np.ndarray
+    """Their pages, held for writing, in the same order."""
+
+
+class LowerTier(Protocol):
+    """A tier below host memory holding keyed pages of this pool (``hicached.tiers``)."""
+
+    tier: int
+    """Its tier byte in Lookup (2 disk, 3 remote)."""
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def remove(self, keys: Sequence[bytes]) -> int: ...
+
+    def clear(self) -> int: ...
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    stored: int = 0
+    already_present: int = 0
+    no_space: int = 0
+    evicted: int = 0
+    removed: int = 0
+    load_misses: int = 0
+    evicted_to_lower: int = 0
+    """Evicted keys whose page the lower tier already held (still found there)."""
+    spill_dropped: int = 0
+    """Evicted keys the lower tier had not written yet: gone from every tier."""

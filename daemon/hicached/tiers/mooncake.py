@@ -1,0 +1,285 @@
+"""The daemon's one client of a Mooncake Store cluster: up or down, every call bounded in time.
+
+Mooncake's Python API (``mooncake.store.MooncakeDistributedStore``) blocks in C++: a setup
+against an absent master takes seconds, and a call to a master behind a dead route could
+take longer. So every call runs on a small executor and is waited for at most
+``timeout_seconds``; a call that times out, raises, or answers ``RPC_FAIL`` marks the tier
+down (logged once). While it is down, calls return at once without touching the network
+(Lookup and LoadKeys go on serving host and disk), and a background thread probes the
+master every ``retry_seconds`` (connecting first, if it never connected) until it answers:
+the tier is up again by itself. Pool memory is registered once per pool, and again after a
+reconnect; pages move between it and the store with no copy of ours.
+
+Primitives:
+
+- ``MooncakeStore(config, on_state, observe)``: ``start()``, ``close()``; ``up``;
+  ``on_state(up, why)`` on every change; ``observe(op, seconds)`` per call.
+- ``register(address, nbytes)`` / ``unregister(address)``: a pool's memory.
+- ``exists(keys)`` -> one bool per key, or None (down, or no answer in time).
+- ``put(keys, runs)`` -> one bool per key (stored, or already there).
+- ``get(keys, runs)`` -> one bool per key: its exact size landed in its runs.
+- ``remove(keys)`` -> one bool per key; ``remove_prefix(prefix)`` -> a count.
+- ``stats``: counters for metrics.
+
+``runs`` are, per key, the (address, length) pieces of its page in registered memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hicached.tiers.mooncake_config import MooncakeTierConfig
+
+log = logging.getLogger(__name__)
+
+RPC_FAIL = -900
+"""Mooncake's error code for a master it cannot reach."""
+PROBE_KEY = "hicache-probe"
+
+Runs = Sequence[tuple[int, int]]
+
+
+@dataclass
+class RemoteStats:
+    puts: int = 0
+    put_bytes: int = 0
+    put_failures: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    get_misses: int = 0
+    """Keys a get did not bring back whole (gone from the store, or a peer unreachable)."""
+    removed: int = 0
+    down_transitions: int = 0
+    timeouts: int = 0
+
+
+def _load_wheel() -> tuple[Any, Any]:
+    """The store class and its ReplicateConfig (the wheel is imported only when used)."""
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+class MooncakeStore:
+    def __init__(self, config: MooncakeTierConfig,
+                 on_state: Callable[[bool, str], None] = lambda up, why: None,
+                 observe: Callable[[str, float], None] = lambda op, s: None) -> None:
+        self.config = config
+        self.stats = RemoteStats()
+        self._on_state = on_state
+        self._observe = observe
+        self._store_class, replicate = _load_wheel()
+        self._replicate = replicate()
+        self._replicate.replica_num = config.replicas
+        self._store: Any = None
+        self._up = False
+        self._why = "not connected yet"
+        self._registered: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="mooncake")
+        self._busy = 0
+        self._thread = threading.Thread(target=self._watch, name="mooncake-watch", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(self.config.timeout_seconds + 30)
+        store, self._store = self._store, None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if store is not None:
+            try:
+                for address in list(self._registered):
+                    store.unregister_buffer(address)
+                store.close()
+            except Exception:  # the master may be gone; the process ends anyway
+                log.debug("closing the Mooncake client failed", exc_info=True)
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    @property
+    def why(self) -> str:
+        """Why the tier is down ('' while up)."""
+        return "" if self._up else self._why
+
+    def _set(self, up: bool, why: str) -> None:
+        with self._lock:
+            if up == self._up:
+                return
+            self._up, self._why = up, why
+            if not up:
+                self.stats.down_transitions += 1
+                self._wake.set()
+        if up:
+            log.info("Mooncake tier is up (master %s)", self.config.master)
+        else:
+            log.warning("Mooncake tier is down: %s; serving host and disk, retrying every "
+                        "%.1f s", why, self.config.retry_seconds)
+        self._on_state(up, why)
+
+    def _watch(self) -> None:
+        """Connect, then probe the master whenever the tier is down."""
+        while not self._stop.is_set():
+            if self._store is None:
+                self._connect()
+            elif not self._up:
+                got = self._call("probe", lambda s: s.batch_is_exist([PROBE_KEY]), probe=True)
+                if got is not None and RPC_FAIL not in got:
+                    self._set(True, "")
+            self._wake.wait(self.config.retry_seconds)
+            self._wake.clear()
+
+    def _connect(self) -> None:
+        c = self.config
+        store = self._store_class()
+        t0 = time.perf_counter()
+        try:
+            rc = store.setup(c.local_hostname, c.metadata_server, c.segment_bytes,
+                             c.local_buffer_bytes, c.protocol, c.rdma_devices, c.master)
+        except Exception as exc:  # a bad address raises rather than returning a code
+            rc, why = -1, f"setup raised {exc}"
+        else:
+            why = f"setup returned {rc} (master {c.master} unreachable?)"
+        self._observe("setup", time.perf_counter() - t0)
+        if rc != 0:
+            if self._why != why:
+                log.warning("Mooncake tier cannot connect: %s; retrying every %.1f s", why,
+                            c.retry_seconds)
+            self._why = why
+            return
+        with self._lock:
+            self._store = store
+            for address, nbytes in self._registered.items():
+                store.register_buffer(address, nbytes)
+        self._set(True, "")
+
+    # -- memory -------------------------------------------------------------------------
+
+    def register(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            self._registered[address] = nbytes
+            if self._store is not None:
+                self._store.register_buffer(address, nbytes)
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            if self._registered.pop(address, None) is not None and self._store is not None:
+                self._store.unregister_buffer(address)
+
+    # -- calls --------------------------------------------------------------------------
+
+    def _call(self, op: str, fn: Callable[[Any], list[int]], probe: bool = False
+              ) -> list[int] | None:
+        """``fn(store)`` on the executor, waited for at most ``timeout_seconds``; None if the
+        tier is down, busy with calls that did not return, or this one fails."""
+        store = self._store
+        if store is None or not (self._up or probe):
+            return None
+        with self._lock:
+            if self._busy >= 4:  # every worker is stuck on the network: do not queue more
+                return None
+            self._busy += 1
+        t0 = time.perf_counter()
+
+        def run() -> list[int]:
+            try:
+                return fn(store)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+        try:
+            got = self._pool.submit(run).result(self.config.timeout_seconds)
+        except cf.TimeoutError:
+            self.stats.timeouts += 1
+            self._set(False, f"{op} got no answer in {self.config.timeout_seconds:g} s")
+            return None
+        except Exception as exc:
+            self._set(False, f"{op} failed: {exc}")
+            return None
+        finally:
+            self._observe(op, time.perf_counter() - t0)
+        if RPC_FAIL in got:
+            self._set(False, f"{op}: master {self.config.master} unreachable (RPC_FAIL)")
+            return None if probe else got
+        return got
+
+    def exists(self, keys: Sequence[str]) -> list[bool] | None:
+        if not keys:
+            return []
+        got = self._call("exists", lambda s: s.batch_is_exist(list(keys)))
+        return None if got is None else [g == 1 for g in got]
+
+    def put(self, keys: Sequence[str], runs: Sequence[Runs]) -> list[bool]:
+        if not keys:
+            return []
+        got = self._call("put", lambda s: self._put(s, keys, runs))
+        ok = [g == 0 for g in got] if got is not None else [False] * len(keys)
+        n = sum(ok)
+        self.stats.puts += n
+        self.stats.put_failures += len(keys) - n
+        self.stats.put_bytes += sum(sum(size for _a, size in r)
+                                    for r, k in zip(runs, ok, strict=True) if k)
+        return ok
+
+    def _put(self, store: Any, keys: Sequence[str], runs: Sequence[Runs]) -> list[int]:
+        rc = self._replicate
+        if all(len(r) == 1 for r in runs):
+            return list(store.batch_put_from(list(keys), [r[0][0] for r in runs],
+                                             [r[0][1] for r in runs], rc))
+        return list(store.batch_put_from_multi_buffers(
+            list(keys), [[a for a, _ in r] for r in runs], [[n for _, n in r] for r in runs],
+            rc))
+
+    def get(self, keys: Sequence[str], runs: Sequence[Runs]) -> list[bool]:
+        if not keys:
+            return []
+        sizes = [sum(n for _, n in r) for r in runs]
+
+        def fn(s: Any) -> list[int]:
+            if all(len(r) == 1 for r in runs):
+                return list(s.batch_get_into(list(keys), [r[0][0] for r in runs], sizes))
+            return list(s.batch_get_into_multi_buffers(
+                list(keys), [[a for a, _ in r] for r in runs],
+                [[n for _, n in r] for r in runs]))
+
+        got = self._call("get", fn)
+        ok = ([g == size for g, size in zip(got, sizes, strict=True)] if got is not None
+              else [False] * len(keys))
+        n = sum(ok)
+        self.stats.gets += n
+        self.stats.get_misses += len(keys) - n
+        self.stats.get_bytes += sum(size for size, k in zip(sizes, ok, strict=True) if k)
+        return ok
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """One bool per key: removed (False: absent, or the store is down)."""
+        if not keys:
+            return []
+        got = self._call("remove", lambda s: list(s.batch_remove(list(keys), True)))
+        ok = [g == 0 for g in got] if got is not None else [False] * len(keys)
+        self.stats.removed += sum(ok)
+        return ok
+
+    def remove_prefix(self, prefix: str) -> int:
+        got = self._call("remove",
+                         lambda s: [s.remove_by_regex("^" + re.escape(prefix), True)])
+        n = max(got[0], 0) if got is not None else 0
+        self.stats.removed += n
+        return n

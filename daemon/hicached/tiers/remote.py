@@ -1,0 +1,217 @@
+"""One pool's part of the cluster tier: its keys in the store, its pages moved with no copy.
+
+Keys are namespaced as ``<key_prefix>/<pool name>.<geometry digest>/<key hex>``: pools of
+the same name and page geometry on every node share keys; another geometry, layout or page
+size never reads them. A page moves straight between the pool's registered memory and the
+store, as the runs ``HostPool.page_segments`` names (one run per page, or one per layer in
+the layer-first layout).
+
+Primitives:
+
+- ``namespace(spec, prefix)``: the pool's namespace in the store.
+- ``RemoteTier(pool, store, prefix)``: ``tier`` (3); ``exists(keys)`` -> a tier byte per
+  key (3 or 0; all 0 while the store is down); ``put_pages`` / ``get_pages`` (keys, pages)
+  -> one bool per key; ``written(key)``: whether this daemon put (or got) it recently;
+  ``contains`` / ``write_many`` (what a ``Spiller`` needs, for the ``evict`` policy);
+  ``remove(keys)`` -> those dropped, ``clear()``; ``close()`` (unregisters the memory).
+- ``RemoteWriter(cache, tier, max_keys, batch)``: the ``through`` policy: ``offer(keys)``
+  after a Store; a thread puts them in batches with their pages held for reading; a key
+  evicted before its turn or beyond ``max_keys`` waiting is not put (``dropped``).
+- ``promote_remote(cache, tier, keys)``: LoadKeys' way up: keys host memory lacks are got
+  from the store into fresh host pages in one batch call; returns how many landed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicache.specs import PoolSpec
+from hicached.cache.pool_cache import PoolCache
+from hicached.core.pool import HostPool
+from hicached.core.state_file import spec_to_dict
+from hicached.tiers.mooncake import MooncakeStore, Runs
+
+log = logging.getLogger(__name__)
+
+REMOTE_TIER = 3
+IDLE_WAIT_SECONDS = 1.0
+
+
+def namespace(spec: PoolSpec, prefix: str) -> str:
+    """``<prefix>/<name>.<digest of the page geometry>/``: what makes two pools' pages
+    interchangeable (not their sizes)."""
+    d = spec_to_dict(spec)
+    shape = {k: d[k] for k in ("geometry", "page_size", "layout", "side_pools")}
+    digest = hashlib.blake2b(json.dumps(shape, sort_keys=True).encode(),
+                             digest_size=6).hexdigest()
+    return f"{prefix}/{spec.name}.{digest}/"
+
+
+class RemoteTier:
+    tier = REMOTE_TIER
+
+    def __init__(self, pool: HostPool, store: MooncakeStore, prefix: str,
+                 remember: int = 1 << 16) -> None:
+        self.pool, self.store = pool, store
+        self.prefix = namespace(pool.spec, prefix)
+        self._written: OrderedDict[bytes, None] = OrderedDict()
+        self._remember = remember
+        self._lock = threading.Lock()
+        store.register(pool.address, pool.nbytes)
+
+    def close(self) -> None:
+        self.store.unregister(self.pool.address)
+
+    def name(self, key: bytes) -> str:
+        return self.prefix + key.hex()
+
+    def runs(self, page: int) -> Runs:
+        base = self.pool.address
+        return [(base + o, n) for o, n in self.pool.page_segments(page)]
+
+    # -- what this daemon knows it put ---------------------------------------------------
+
+    def written(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._written
+
+    contains = written
+
+    def _remember_keys(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._written[k] = None
+                self._written.move_to_end(k)
+            while len(self._written) > self._remember:
+                self._written.popitem(last=False)
+
+    # -- the store ------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[bytes]) -> list[int]:
+        got = self.store.exists([self.name(k) for k in keys])
+        if got is None:
+            return [0] * len(keys)
+        return [REMOTE_TIER if g else 0 for g in got]
+
+    def put_pages(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
+        ok = self.store.put([self.name(k) for k in keys],
+                            [self.runs(p) for p in pages.tolist()])
+        self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
+        return ok
+
+    def get_pages(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
+        ok = self.store.get([self.name(k) for k in keys],
+                            [self.runs(p) for p in pages.tolist()])
+        self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
+        return ok
+
+    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[bool]:
+        """Put pages given as views of the pool's memory (a ``Spiller``'s batch)."""
+        keys = [k for k, _ in items]
+        runs = [[(np.frombuffer(v, np.uint8).ctypes.data, v.nbytes) for v in views]
+                for _, views in items]
+        ok = self.store.put([self.name(k) for k in keys], runs)
+        self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
+        return ok
+
+    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys the store held and dropped."""
+        with self._lock:
+            for k in keys:
+                self._written.pop(k, None)
+        ok = self.store.remove([self.name(k) for k in keys])
+        return [k for k, done in zip(keys, ok, strict=True) if done]
+
+    def clear(self) -> int:
+        with self._lock:
+            self._written.clear()
+        return self.store.remove_prefix(self.prefix)
+
+
+class RemoteWriter:
+    def __init__(self, cache: PoolCache, tier: RemoteTier, max_keys: int,
+                 batch: int = 16) -> None:
+        self.cache, self.tier = cache, tier
+        self.max_keys, self.batch = max_keys, batch
+        self.put = 0
+        self.failed = 0
+        self.dropped = 0
+        self._queue: deque[bytes] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"remote-put-{cache.pool.spec.name}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def offer(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            room = self.max_keys - len(self._queue)
+            take = [k for k in keys if not self.tier.written(k)]
+            self._queue.extend(take[:max(room, 0)])
+            self.dropped += max(len(take) - max(room, 0), 0)
+        self._wake.set()
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def _take(self) -> list[bytes]:
+        with self._lock:
+            n = min(self.batch, len(self._queue))
+            return [self._queue.popleft() for _ in range(n)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            keys = self._take()
+            if not keys:
+                self._wake.wait(IDLE_WAIT_SECONDS)
+                self._wake.clear()
+                continue
+            try:
+                held, pages = self.cache.hold(keys)
+            except Exception:  # the pool closed under us
+                log.debug("remote writer of %s stopped", self.cache.pool.spec.name,
+                          exc_info=True)
+                return
+            self.dropped += len(keys) - len(held)  # evicted or removed before their turn
+            if not held:
+                continue
+            try:
+                ok = self.tier.put_pages(held, pages)
+                self.put += sum(ok)
+                self.failed += len(ok) - sum(ok)
+            finally:
+                self.cache.release(pages)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+
+def promote_remote(cache: PoolCache, tier: RemoteTier, keys: Sequence[bytes]) -> int:
+    """Get the keys host memory lacks from the store into fresh pages (one batch call);
+    those that land become ready. A key the store no longer has is simply not promoted (the
+    load that follows fails whole with ``KEY_NOT_FOUND``)."""
+    missing = cache.not_ready(keys)
+    if not missing or not tier.store.up:
+        return 0
+    ticket = cache.begin_store(missing)  # present or being written elsewhere: left alone
+    ok: list[bool] = []
+    try:
+        ok = tier.get_pages([ticket.keys[i] for i in ticket.positions.tolist()], ticket.pages)
+    finally:
+        cache.finish_store(ticket, ok if len(ok) == ticket.pages.size else False)
+    return sum(ok)

@@ -1,0 +1,163 @@
+"""The tiers below one pool's host memory, as the daemon's keyed calls see them.
+
+Host memory (tier 1), the node's disk (tier 2, with its spiller) and the cluster store
+(tier 3, with the writer of its policy), each optional. Lookup asks the node's tiers under
+the cache's lock and the cluster, for what they lack, outside it (bounded in time: a store
+that is down answers nothing and costs nothing). LoadKeys promotes from disk, then from the
+cluster in one batch call, into fresh host pages, and then holds every page or fails whole
+with ``KEY_NOT_FOUND``. Removal reaches every tier.
+
+Primitives:
+
+- ``TierStack(pool, cache, disk, remote, policy, window)``: ``start()`` wires the cache's
+  lower tier and its stored-keys cue, and starts the threads; ``close(remove_files)``.
+- ``lookup(keys)`` -> (hit prefix, tier bytes); ``hold_for_load(keys, on_promoted)`` ->
+  host pages held for reading; ``remove(keys)`` -> keys that were in some tier;
+  ``clear()`` -> keys dropped from this node.
+- ``disk``, ``spiller``, ``remote``, ``writer``, ``remote_spiller``: the parts, for metrics.
+- ``build_stack(pool, cache, disk_config, budget, observe_disk, store)``: what the config
+  gives a pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from hicache.errors import KeyNotFound
+from hicached.cache.pool_cache import PoolCache
+from hicached.core.pool import HostPool
+from hicached.core.state_file import spec_to_dict
+from hicached.tiers.config import DiskTierConfig
+from hicached.tiers.disk import DiskTier
+from hicached.tiers.mooncake import MooncakeStore
+from hicached.tiers.remote import RemoteTier, RemoteWriter, promote_remote
+from hicached.tiers.spill import Spiller, promote
+
+log = logging.getLogger(__name__)
+
+
+class TierStack:
+    def __init__(self, pool: HostPool, cache: PoolCache, disk: DiskTier | None = None,
+                 spill_window: int = 1, remote: RemoteTier | None = None,
+                 policy: str = "through", queue_pages: int = 1024, batch: int = 16) -> None:
+        """``spill_window``: pages kept written to disk ahead of eviction; ``policy``:
+        ``through`` (the writer puts every stored key) or ``evict`` (a spiller puts the
+        oldest ``queue_pages`` ahead of eviction); ``queue_pages`` bounds either."""
+        self.pool, self.cache = pool, cache
+        self.disk, self.remote = disk, remote
+        self.spiller = Spiller(pool, cache, disk, spill_window) if disk is not None else None
+        self.writer: RemoteWriter | None = None
+        self.remote_spiller: Spiller | None = None
+        if remote is not None and policy == "through":
+            self.writer = RemoteWriter(cache, remote, queue_pages, batch)
+        elif remote is not None:
+            self.remote_spiller = Spiller(pool, cache, remote, queue_pages, batch)
+
+    def start(self) -> None:
+        self.cache.lower = self.disk
+        self.cache.on_stored = self._stored
+        if self.disk is None and self.remote_spiller is not None and self.remote is not None:
+            self.cache.kept_below = self.remote.written  # the cluster is the tier spilled to
+        for t in (self.spiller, self.writer, self.remote_spiller):
+            if t is not None:
+                t.start()
+
+    def _stored(self, keys: list[bytes]) -> None:
+        for s in (self.spiller, self.remote_spiller):
+            if s is not None:
+                s.nudge()
+        if self.writer is not None:
+            self.writer.offer(keys)
+
+    def close(self, remove_files: bool = False) -> None:
+        for t in (self.spiller, self.writer, self.remote_spiller):
+            if t is not None:
+                t.close()
+        if self.disk is not None:
+            self.disk.close()
+            if remove_files:
+                self.disk.remove_files()
+        if self.remote is not None:
+            self.remote.close()
+
+    # -- keyed calls ----------------------------------------------------------------------
+
+    def _below(self) -> Callable[[list[bytes]], list[int]] | None:
+        r = self.remote
+        return r.exists if r is not None and r.store.up else None
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, bytes]:
+        return self.cache.lookup(keys, self._below())
+
+    def hold_for_load(self, keys: Sequence[bytes],
+                      on_promoted: Callable[[int], None] = lambda n: None) -> np.ndarray:
+        """The host pages of ``keys`` held for reading, promoting from disk and then from
+        the cluster what host memory lacks; once more if a promotion evicted a key of this
+        very batch. ``KEY_NOT_FOUND`` when a key is in no tier (nothing held)."""
+        for attempt in (0, 1):
+            n = 0
+            if self.disk is not None:
+                n += promote(self.pool, self.cache, self.disk, keys)
+            if self.remote is not None:
+                n += promote_remote(self.cache, self.remote, keys)
+            if n:
+                on_promoted(n)
+            try:
+                return self.cache.begin_load(keys)
+            except KeyNotFound:
+                if attempt or not n:
+                    raise
+        raise AssertionError("unreachable")
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop ``keys`` from every tier; returns how many some tier of this node held, or
+        the cluster store held."""
+        unique = list(dict.fromkeys(keys))
+        gone = set(self.cache.remove_keys(unique))
+        if self.remote is not None:
+            gone.update(self.remote.remove(unique))
+        return len(gone)
+
+    def clear(self) -> int:
+        """Drop every key of the pool from this node, and its namespace from the cluster."""
+        n = self.cache.clear()
+        if self.remote is not None:
+            removed = self.remote.clear()
+            log.info("pool %s: %d key(s) removed from the cluster store", self.pool.spec.name,
+                     removed)
+        return n
+
+
+def build_stack(pool: HostPool, cache: PoolCache, disk: DiskTierConfig | None,
+                budget_bytes: int, observe_disk: Callable[[str, float], None],
+                store: MooncakeStore | None) -> TierStack:
+    """The tiers the daemon's config gives a pool: its share of the disk (its saved index,
+    or a cold one) and its part of the cluster store. Not started."""
+    spec = pool.spec
+    tier, window = None, 1
+    if disk is not None and pool.nbytes:
+        pages = disk.share(pool.nbytes, budget_bytes, spec.page_bytes)
+        if pages < 1:
+            log.warning("pool %s gets no disk tier: its share of %d bytes is under a page",
+                        spec.name, disk.capacity_bytes)
+        else:
+            tier = DiskTier(disk.path, spec.name, {"spec": spec_to_dict(spec)},
+                            spec.page_bytes, pages, o_direct=disk.o_direct, fsync=disk.fsync,
+                            observe=observe_disk, io_threads=disk.io_threads)
+            outcome = tier.open()
+            log.info("pool %s: disk tier %s, %d pages (%d keys)", spec.name, outcome, pages,
+                     tier.keys)
+            window = max(disk.spill_ahead_bytes // spec.page_bytes, 1)
+    remote = None
+    if store is not None and pool.nbytes:
+        c = store.config
+        remote = RemoteTier(pool, store, c.key_prefix)
+        log.info("pool %s: cluster tier under %s (write policy %s)", spec.name, remote.prefix,
+                 c.write_policy)
+    queue = max(store.config.queue_bytes // spec.page_bytes, 1) if store is not None else 1
+    return TierStack(pool, cache, tier, window, remote,
+                     store.config.write_policy if store is not None else "through", queue,
+                     store.config.batch_pages if store is not None else 16)
