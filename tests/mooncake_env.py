@@ -100,7 +100,9 @@ class Master:
         log = open(self.workdir / "mooncake-master.log", "ab")  # noqa: SIM115 (the child's)
         self.proc = self.netns.popen(
             [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
-             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"],
+             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+             # a killed node's segment is dropped 2 s after its last heartbeat
+             "--client_ttl=2"],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 20

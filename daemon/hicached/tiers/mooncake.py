@@ -5,9 +5,9 @@ against an absent master takes seconds, and a call to a master behind a dead rou
 take longer. So every call runs on a small executor and is waited for at most
 ``timeout_seconds``; a call that times out, raises, or answers ``RPC_FAIL`` marks the tier
 down (logged once). While it is down, calls return at once without touching the network
-(Lookup and LoadKeys go on serving host and disk), and a background thread probes the
-master every ``retry_seconds`` (connecting first, if it never connected) until it answers:
-the tier is up again by itself. Pool memory is registered once per pool, and again after a
+(Lookup and LoadKeys go on serving host and disk). A background thread probes the master
+every ``retry_seconds`` (connecting first, if it never connected): a master gone is noticed
+without traffic, and once it answers again the tier is up by itself. Pool memory is registered once per pool, and again after a
 reconnect; pages move between it and the store with no copy of ours.
 
 Primitives:
@@ -134,13 +134,15 @@ class MooncakeStore:
         self._on_state(up, why)
 
     def _watch(self) -> None:
-        """Connect, then probe the master whenever the tier is down."""
+        """Connect, then probe the master every ``retry_seconds``: a master gone is noticed
+        without traffic (the alert fires on an idle node too), a master back brings the tier
+        up."""
         while not self._stop.is_set():
             if self._store is None:
                 self._connect()
-            elif not self._up:
+            else:
                 got = self._call("probe", lambda s: s.batch_is_exist([PROBE_KEY]), probe=True)
-                if got is not None and RPC_FAIL not in got:
+                if got is not None:
                     self._set(True, "")
             self._wake.wait(self.config.retry_seconds)
             self._wake.clear()

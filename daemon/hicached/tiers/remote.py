@@ -15,8 +15,9 @@ Primitives:
   ``contains`` / ``write_many`` (what a ``Spiller`` needs, for the ``evict`` policy);
   ``remove(keys)`` -> those dropped, ``clear()``; ``close()`` (unregisters the memory).
 - ``RemoteWriter(cache, tier, max_keys, batch)``: the ``through`` policy: ``offer(keys)``
-  after a Store; a thread puts them in batches with their pages held for reading; a key
-  evicted before its turn or beyond ``max_keys`` waiting is not put (``dropped``).
+  after a Store; a thread puts them in batches with their pages held for reading, trying a
+  failed key again (``PUT_ATTEMPTS`` in all); a key evicted before its turn, beyond
+  ``max_keys`` waiting, or failed every time is not put (``dropped``).
 - ``promote_remote(cache, tier, keys)``: LoadKeys' way up: keys host memory lacks are got
   from the store into fresh host pages in one batch call; returns how many landed.
 """
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 
 REMOTE_TIER = 3
 IDLE_WAIT_SECONDS = 1.0
+PUT_ATTEMPTS = 3
+"""Tries per key before the writer drops it (a put can land on a node that just died)."""
+RETRY_DELAY_SECONDS = 0.2
 
 
 def namespace(spec: PoolSpec, prefix: str) -> str:
@@ -142,8 +146,9 @@ class RemoteWriter:
         self.max_keys, self.batch = max_keys, batch
         self.put = 0
         self.failed = 0
+        """Puts that failed (a key is tried ``PUT_ATTEMPTS`` times before it is dropped)."""
         self.dropped = 0
-        self._queue: deque[bytes] = deque()
+        self._queue: deque[tuple[bytes, int]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -153,12 +158,12 @@ class RemoteWriter:
     def start(self) -> None:
         self._thread.start()
 
-    def offer(self, keys: Sequence[bytes]) -> None:
+    def offer(self, keys: Sequence[bytes], attempt: int = 0) -> None:
         with self._lock:
-            room = self.max_keys - len(self._queue)
+            room = max(self.max_keys - len(self._queue), 0)
             take = [k for k in keys if not self.tier.written(k)]
-            self._queue.extend(take[:max(room, 0)])
-            self.dropped += max(len(take) - max(room, 0), 0)
+            self._queue.extend((k, attempt) for k in take[:room])
+            self.dropped += max(len(take) - room, 0)
         self._wake.set()
 
     @property
@@ -166,33 +171,41 @@ class RemoteWriter:
         with self._lock:
             return len(self._queue)
 
-    def _take(self) -> list[bytes]:
+    def _take(self) -> list[tuple[bytes, int]]:
         with self._lock:
             n = min(self.batch, len(self._queue))
             return [self._queue.popleft() for _ in range(n)]
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            keys = self._take()
-            if not keys:
+            items = self._take()
+            if not items:
                 self._wake.wait(IDLE_WAIT_SECONDS)
                 self._wake.clear()
                 continue
+            attempts = dict(items)
             try:
-                held, pages = self.cache.hold(keys)
+                held, pages = self.cache.hold(list(attempts))
             except Exception:  # the pool closed under us
                 log.debug("remote writer of %s stopped", self.cache.pool.spec.name,
                           exc_info=True)
                 return
-            self.dropped += len(keys) - len(held)  # evicted or removed before their turn
+            self.dropped += len(attempts) - len(held)  # evicted or removed before their turn
             if not held:
                 continue
             try:
                 ok = self.tier.put_pages(held, pages)
-                self.put += sum(ok)
-                self.failed += len(ok) - sum(ok)
             finally:
                 self.cache.release(pages)
+            self.put += sum(ok)
+            failed = [k for k, done in zip(held, ok, strict=True) if not done]
+            self.failed += len(failed)
+            again = [k for k in failed if attempts[k] + 1 < PUT_ATTEMPTS]
+            self.dropped += len(failed) - len(again)
+            if again:  # a peer that just died is still placed on until the master drops it
+                self._stop.wait(RETRY_DELAY_SECONDS)
+                for k in again:
+                    self.offer([k], attempts[k] + 1)
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,334 @@
+"""The cluster tier end to end: a real Mooncake master and two daemons, "node A" and "node B".
+
+Everything Mooncake runs inside a private network namespace (``tests/mooncake_env.py``);
+workers are this test process, talking to each daemon over its Unix socket with sealed memfd
+buffers. Keys stored through A are found through B (tier 3) and load there exact, into rows
+zeroed first; a key that vanished fails B's load whole; A killed and restarted, B still loads
+(two replicas); the master killed, both daemons keep serving host memory, report the tier
+down, and bring it back up by themselves when the master returns; a master that stops
+answering costs a Lookup at most the timeout, once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.errors import KeyNotFound
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
+from hicache_client import HiCacheClient, ShmDeviceBuffers, WorkerSession
+from tests.daemon_proc import DaemonProc, start_daemon
+from tests.mooncake_env import Master, Netns, mooncake_toml, unavailable
+
+WHY = unavailable()
+if WHY and os.environ.get("CI"):
+    raise RuntimeError(f"the cluster-tier tests cannot run: {WHY}")
+pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY)
+
+PS = 16
+GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 16)
+
+
+def spec(name: str, pages: int = 64, layout: Layout = Layout.LAYER_FIRST) -> PoolSpec:
+    return PoolSpec(name, GEOMETRY, PS, layout, size_tokens=PS * pages)
+
+
+class Worker:
+    """A worker of one daemon: random pages stored, loads checked in zeroed rows."""
+
+    def __init__(self, d: DaemonProc, sp: PoolSpec, rows: int = 32) -> None:
+        self.spec = sp
+        self.client = HiCacheClient(d.target)
+        self.client.create_pool(sp)
+        self.bufs = ShmDeviceBuffers.create(sp, rows * PS, sealed=True)
+        self.rows = [t.view(torch.uint8) for t in self.bufs.all_tensors()]
+        self.session: WorkerSession = self.client.open_session(
+            sp.name, "w", self.bufs.descriptors, fds=self.bufs.fds, heartbeat=True)
+
+    def store(self, keys: list[bytes]) -> dict[bytes, list[torch.Tensor]]:
+        n = len(keys) * PS
+        for r in self.rows:
+            r[:n] = torch.randint(0, 256, r[:n].shape, dtype=torch.uint8)
+        want = {k: [r[i * PS:(i + 1) * PS].clone() for r in self.rows]
+                for i, k in enumerate(keys)}
+        assert self.session.store(keys, torch.arange(n)).stored == len(keys)
+        return want
+
+    def load_exact(self, keys: list[bytes], want: dict[bytes, list[torch.Tensor]]) -> bool:
+        for r in self.rows:
+            r.zero_()
+        self.session.load_keys(keys, torch.arange(len(keys) * PS))
+        return all(torch.equal(r[i * PS:(i + 1) * PS], want[k][j])
+                   for i, k in enumerate(keys) for j, r in enumerate(self.rows))
+
+    def zeroed(self) -> bool:
+        return all(int(r.count_nonzero()) == 0 for r in self.rows)
+
+    def close(self) -> None:
+        self.session.close()
+        self.bufs.close()
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Netns, Master]]:
+    work = tmp_path_factory.mktemp("mooncake")
+    ns = Netns()
+    master = Master(ns, work)
+    master.start()
+    yield ns, master
+    master.kill()
+    ns.close()
+
+
+@pytest.fixture
+def master(cluster: tuple[Netns, Master]) -> Master:
+    m = cluster[1]
+    if m.proc is None or m.proc.poll() is not None:
+        m.start()  # a test before this one killed it
+    m.resume()
+    return m
+
+
+def node(cluster: tuple[Netns, Master], workdir: Path, **settings: object) -> DaemonProc:
+    ns, m = cluster
+    workdir.mkdir(exist_ok=True)
+    cfg = workdir / "hicached.toml"
+    cfg.write_text(mooncake_toml(m.address, segment_size="64MiB", **settings))
+    d = start_daemon(workdir, "--config", str(cfg), prefix=ns.prefix)
+    wait_tier(d, "up")
+    return d
+
+
+def wait_tier(d: DaemonProc, state: str, seconds: float = 30) -> str:
+    deadline = time.monotonic() + seconds
+    with HiCacheClient(d.target) as c:
+        while not (got := c.get_info().remote_tier).startswith(state):
+            assert time.monotonic() < deadline, f"the tier stayed {got!r}, not {state!r}"
+            time.sleep(0.05)
+    return got
+
+
+def wait_puts(w: Worker, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while (p := w.client.get_pool(w.spec.name)).remote_puts < n:
+        assert time.monotonic() < deadline, f"only {p.remote_puts} of {n} keys were put"
+        time.sleep(0.02)
+
+
+def metric(ns: Netns, d: DaemonProc, name: str) -> float:
+    port = re.findall(r"metrics port (\d+)", d.log())[-1]
+    text = ns.fetch(f"http://127.0.0.1:{port}/metrics")
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} not exported"
+    return float(m.group(1))
+
+
+def keys_of(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}-{i:03d}".encode() for i in range(n)]
+
+
+@pytest.fixture
+def pair(cluster: tuple[Netns, Master], master: Master, tmp_path: Path,
+         request: pytest.FixtureRequest) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """Nodes A and B with the settings of the test's ``tier`` mark."""
+    mark = request.node.get_closest_marker("tier")
+    settings = mark.kwargs if mark is not None else {}
+    a = node(cluster, tmp_path / "a", **settings)
+    b = node(cluster, tmp_path / "b", **settings)
+    yield a, b
+    for d in (a, b):  # a clean stop unmounts their segments
+        d.stop(signal.SIGTERM)
+
+
+def test_stored_on_a_found_and_loaded_exact_on_b(cluster: tuple[Netns, Master],
+                                                  pair: tuple[DaemonProc, DaemonProc],
+                                                  tmp_path: Path) -> None:
+    a, b = pair
+    sp = spec("share")
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        keys = keys_of("share", 24)
+        want = wa.store(keys)
+        wait_puts(wa, 24)
+        look = wb.client.lookup(sp.name, [*keys, b"never-stored"])
+        assert look.tiers == b"\x03" * 24 + b"\x00" and look.hit_prefix == 24
+        assert wb.load_exact(keys, want)  # pulled into B's host memory, then copied
+        assert wb.client.lookup(sp.name, keys).tiers == b"\x01" * 24
+        ns = cluster[0]
+        assert metric(ns, b, "hicache_remote_get_pages_total") == 24
+        assert metric(ns, a, "hicache_remote_put_pages_total") == 24
+        assert metric(ns, b, "hicache_remote_up") == 1
+        # the same name with another layout is another namespace: never these pages
+        other = spec("share", layout=Layout.PAGE_FIRST)
+        c = node(cluster, tmp_path / "c")
+        wc = Worker(c, other)
+        assert wc.client.lookup(other.name, keys).hits == 0
+        wc.close()
+        c.stop(signal.SIGTERM)
+    finally:
+        wa.close()
+        wb.close()
+
+
+def test_a_key_vanished_fails_the_load_whole(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    a, b = pair
+    sp = spec("vanish")
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        keys = keys_of("vanish", 8)
+        want = wa.store(keys)
+        wait_puts(wa, 8)
+        assert wb.client.lookup(sp.name, keys).tiers == b"\x03" * 8
+        assert wa.client.remove_keys(sp.name, keys[5:6]) == 1  # from A's host and the cluster
+        assert wb.client.lookup(sp.name, keys).tiers == b"\x03" * 5 + b"\x00" + b"\x03" * 2
+        for r in wb.rows:
+            r.zero_()
+        with pytest.raises(KeyNotFound) as exc:
+            wb.session.load_keys(keys, torch.arange(len(keys) * PS))
+        assert exc.value.metadata["first_missing_position"] == "5"
+        assert wb.zeroed(), "a failed load moved bytes"
+        rest = keys[:5] + keys[6:]
+        assert wb.load_exact(rest, want)
+    finally:
+        wa.close()
+        wb.close()
+
+
+@pytest.mark.tier(replicas=2)
+def test_a_restarted_b_still_loads(cluster: tuple[Netns, Master],
+                                   pair: tuple[DaemonProc, DaemonProc], tmp_path: Path) -> None:
+    a, b = pair
+    sp = spec("restart")
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    keys = keys_of("restart", 16)
+    want = wa.store(keys)
+    wait_puts(wa, 16)
+    wa.close()
+    a.stop(signal.SIGKILL)  # its segment, with one replica of each key, is gone
+    try:
+        assert wb.client.lookup(sp.name, keys).tiers == b"\x03" * 16
+        assert wb.load_exact(keys, want)
+        a2 = node(cluster, tmp_path / "a", replicas=2)
+        wa2 = Worker(a2, sp)
+        assert wa2.load_exact(keys, want)  # its own pool came back from the state directory
+        wa2.close()
+        a2.stop(signal.SIGTERM)
+    finally:
+        wb.close()
+
+
+def test_master_killed_nodes_serve_host_then_recover(cluster: tuple[Netns, Master],
+                                                     pair: tuple[DaemonProc, DaemonProc]
+                                                     ) -> None:
+    ns, m = cluster
+    a, b = pair
+    sp = spec("outage")
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        keys = keys_of("outage", 8)
+        want = wa.store(keys)
+        wait_puts(wa, 8)
+        m.kill()
+        for d in (a, b):
+            wait_tier(d, "down")
+            assert metric(ns, d, "hicache_remote_up") == 0
+        t0 = time.monotonic()
+        assert wa.client.lookup(sp.name, keys).tiers == b"\x01" * 8  # host memory serves
+        assert wb.client.lookup(sp.name, keys).hits == 0  # the cluster is not asked
+        assert time.monotonic() - t0 < 0.5
+        assert wa.load_exact(keys, want)
+        with pytest.raises(KeyNotFound):
+            wb.session.load_keys(keys, torch.arange(8 * PS))
+        more = keys_of("outage-more", 4)
+        want.update(wa.store(more))  # Store never waits on the tier
+        m.start()
+        for d in (a, b):
+            wait_tier(d, "up")
+            assert metric(ns, d, "hicache_remote_down_transitions_total") >= 1
+        # a new master knows no keys; what is stored from now on is shared again
+        late = keys_of("outage-late", 4)
+        want.update(wa.store(late))
+        deadline = time.monotonic() + 30
+        while wb.client.lookup(sp.name, late).hits < 4:
+            assert time.monotonic() < deadline, "keys stored after the outage never arrived"
+            time.sleep(0.05)
+        assert wb.load_exact(late, want)
+    finally:
+        wa.close()
+        wb.close()
+
+
+@pytest.mark.tier(timeout_seconds=0.5)
+def test_master_not_answering_costs_one_timeout(cluster: tuple[Netns, Master],
+                                                pair: tuple[DaemonProc, DaemonProc]) -> None:
+    _, m = cluster
+    _, b = pair
+    sp = spec("stall")
+    wb = Worker(b, sp)
+    try:
+        m.pause()  # connections stay open, nothing answers
+        t0 = time.monotonic()
+        assert wb.client.lookup(sp.name, [b"x"]).hits == 0
+        first = time.monotonic() - t0
+        assert first < 0.5 + 1.0, f"a Lookup waited {first:.2f} s on a stalled master"
+        assert wait_tier(b, "down", 5).startswith("down")
+        t0 = time.monotonic()
+        for _ in range(10):
+            assert wb.client.lookup(sp.name, [b"x"]).hits == 0
+        assert time.monotonic() - t0 < 0.5, "a down tier was asked again"
+        m.resume()
+        wait_tier(b, "up")
+    finally:
+        m.resume()
+        wb.close()
+
+
+@pytest.mark.tier(write_policy="evict", queue_size="8KiB")
+def test_evict_policy_puts_what_host_memory_gives_up(pair: tuple[DaemonProc, DaemonProc]
+                                                     ) -> None:
+    a, b = pair
+    sp = spec("evict", pages=16)  # 2 KiB pages: 4 written ahead of eviction
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        keys = keys_of("evict", 48)
+        want: dict[bytes, list[torch.Tensor]] = {}
+        for i in range(0, 48, 4):  # each batch waits until what became old is in the cluster
+            want.update(wa.store(keys[i:i + 4]))
+            if i + 4 > 12:
+                wait_puts(wa, i + 4 - 12)
+        look = wa.client.lookup(sp.name, keys)
+        assert look.tiers[:16].count(3) >= 16 - 4 and look.hits == 48, look.tiers
+        assert wa.client.get_pool(sp.name).remote_puts < 48  # only what aged was put
+        assert wa.load_exact(keys[:8], want)  # A's evicted keys come back from the cluster
+        assert wb.load_exact(keys[:8], want)
+    finally:
+        wa.close()
+        wb.close()
+
+
+def test_clear_pool_clears_its_namespace(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    a, b = pair
+    sp = spec("clear")
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    other = spec("clear-other")
+    wo = Worker(a, other)
+    try:
+        wa.store(keys_of("clear", 6))
+        wo.store(keys_of("clear", 6))
+        wait_puts(wa, 6)
+        wait_puts(wo, 6)
+        assert wa.client.clear_pool(sp.name) == 6
+        assert wb.client.lookup(sp.name, keys_of("clear", 6)).hits == 0
+        wb.client.create_pool(other)
+        assert wb.client.lookup(other.name, keys_of("clear", 6)).tiers == b"\x03" * 6
+    finally:
+        for w in (wa, wb, wo):
+            w.close()
