@@ -91,3 +91,47 @@ def test_disk_tier_table() -> None:
             config_from_mapping({"tier": {"disk": bad}})
     with pytest.raises(SpecInvalid, match="unknown tiers"):
         config_from_mapping({"tier": {"tape": {}}})
+
+
+def test_mooncake_tier_table() -> None:
+    from hicached.tiers.mooncake_config import MooncakeTierConfig
+
+    c = config_from_mapping({"tier": {"mooncake": {
+        "master": "10.0.0.5:50051", "local_hostname": "10.0.0.7", "segment_size": "4GiB",
+        "write_policy": "evict", "replicas": 2, "timeout_seconds": 1, "key_prefix": "prod"}}})
+    assert c.mooncake == MooncakeTierConfig(
+        "10.0.0.5:50051", "10.0.0.7", segment_bytes=4 << 30, write_policy="evict", replicas=2,
+        timeout_seconds=1.0, key_prefix="prod")
+    assert c.mooncake.metadata_server == "P2PHANDSHAKE" and c.mooncake.protocol == "tcp"
+    ok = {"master": "m:1", "local_hostname": "h"}
+    for bad in ({"master": "m:1"}, {"local_hostname": "h"}, {**ok, "master": "nohost"},
+                {**ok, "protocol": "udp"}, {**ok, "write_policy": "back"},
+                {**ok, "key_prefix": "a/b"}, {**ok, "key_prefix": ""}, {**ok, "replicas": 0},
+                {**ok, "timeout_seconds": 0}, {**ok, "retry_seconds": 1000},
+                {**ok, "segment_size": -1}, {**ok, "queue_size": 0}, {**ok, "speed": 1}):
+        with pytest.raises(SpecInvalid):
+            config_from_mapping({"tier": {"mooncake": bad}})
+
+
+def test_mooncake_flags_over_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[tier.mooncake]\nmaster = "old:1"\nlocal_hostname = "h"\nreplicas = 2\n')
+    c = build_config(args(config=str(f), mooncake_master="new:2"), {})
+    assert c.mooncake is not None
+    assert (c.mooncake.master, c.mooncake.replicas) == ("new:2", 2)
+
+
+def test_cluster_namespace_names_the_page_geometry_not_the_size() -> None:
+    from hicache.specs import DType, KVGeometry, PoolSpec
+    from hicached.tiers.remote import namespace
+
+    g = KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64)
+    base = namespace(PoolSpec("m", g, 16, size_tokens=1024), "hc")
+    assert base.startswith("hc/m.") and base.endswith("/")
+    assert namespace(PoolSpec("m", g, 16, size_tokens=4096), "hc") == base
+    for other in (PoolSpec("m", g, 32, size_tokens=1024),
+                  PoolSpec("m", g, 16, Layout.PAGE_FIRST, size_tokens=1024),
+                  PoolSpec("m", KVGeometry(PoolKind.MHA, DType.FLOAT16, 4, 2, 64), 16,
+                           size_tokens=1024),
+                  PoolSpec("n", g, 16, size_tokens=1024)):
+        assert namespace(other, "hc") != base

@@ -24,8 +24,9 @@ import torch
 from hicache.errors import KeyNotFound
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers, WorkerSession
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import REPO, DaemonProc, start_daemon
 from tests.mooncake_env import Master, Netns, mooncake_toml, unavailable
+from tests.test_deploy import CLUSTER_TIER, deploy_metric_names, documented_metric
 
 WHY = unavailable()
 if WHY and os.environ.get("CI"):
@@ -123,10 +124,18 @@ def wait_puts(w: Worker, n: int) -> None:
         time.sleep(0.02)
 
 
-def metric(ns: Netns, d: DaemonProc, name: str) -> float:
+def scrape(ns: Netns, d: DaemonProc) -> str:
     port = re.findall(r"metrics port (\d+)", d.log())[-1]
-    text = ns.fetch(f"http://127.0.0.1:{port}/metrics")
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return ns.fetch(f"http://127.0.0.1:{port}/metrics")
+
+
+def scrape_names(ns: Netns, d: DaemonProc) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in scrape(ns, d).splitlines()
+            if line and not line.startswith("#")}
+
+
+def metric(ns: Netns, d: DaemonProc, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", scrape(ns, d), re.M)
     assert m, f"{name} not exported"
     return float(m.group(1))
 
@@ -166,6 +175,12 @@ def test_stored_on_a_found_and_loaded_exact_on_b(cluster: tuple[Netns, Master],
         assert metric(ns, b, "hicache_remote_get_pages_total") == 24
         assert metric(ns, a, "hicache_remote_put_pages_total") == 24
         assert metric(ns, b, "hicache_remote_up") == 1
+        scraped = scrape_names(ns, b)
+        ours = {n for n in scraped if n.startswith(CLUSTER_TIER)}
+        used = {n for n in deploy_metric_names() if n.startswith(CLUSTER_TIER)}
+        assert used and used <= scraped, used - scraped  # dashboard and alerts
+        doc = (REPO / "docs" / "operations.md").read_text()
+        assert ours and {n for n in ours if not documented_metric(n, doc)} == set()
         # the same name with another layout is another namespace: never these pages
         other = spec("share", layout=Layout.PAGE_FIRST)
         c = node(cluster, tmp_path / "c")

@@ -7,8 +7,9 @@ take longer. So every call runs on a small executor and is waited for at most
 down (logged once). While it is down, calls return at once without touching the network
 (Lookup and LoadKeys go on serving host and disk). A background thread probes the master
 every ``retry_seconds`` (connecting first, if it never connected): a master gone is noticed
-without traffic, and once it answers again the tier is up by itself. Pool memory is registered once per pool, and again after a
-reconnect; pages move between it and the store with no copy of ours.
+without traffic, and once it answers again the tier is up by itself. Pool memory is
+registered once per pool, and again after a reconnect; pages move between it and the store
+with no copy of ours.
 
 Primitives:
 
