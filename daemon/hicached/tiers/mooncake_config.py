@@ -55,7 +55,7 @@ class MooncakeTierConfig:
     queue_bytes: int = 1 << 30
     """Per pool, the most page bytes waiting to be put (held against reuse). Keys beyond it
     are not put (counted as dropped); Store never blocks on the tier."""
-    batch_pages: int = 16
+    batch_pages: int = 64
     """Pages per put call."""
 
     def __post_init__(self) -> None:
