@@ -98,12 +98,13 @@ def master(cluster: tuple[Netns, Master]) -> Master:
     return m
 
 
-def node(cluster: tuple[Netns, Master], workdir: Path, **settings: object) -> DaemonProc:
+def node(cluster: tuple[Netns, Master], workdir: Path, *extra: str,
+         **settings: object) -> DaemonProc:
     ns, m = cluster
     workdir.mkdir(exist_ok=True)
     cfg = workdir / "hicached.toml"
     cfg.write_text(mooncake_toml(m.address, segment_size="64MiB", **settings))
-    d = start_daemon(workdir, "--config", str(cfg), prefix=ns.prefix)
+    d = start_daemon(workdir, "--config", str(cfg), *extra, prefix=ns.prefix)
     wait_tier(d, "up")
     return d
 
@@ -327,6 +328,38 @@ def test_evict_policy_puts_what_host_memory_gives_up(pair: tuple[DaemonProc, Dae
     finally:
         wa.close()
         wb.close()
+
+
+def test_evict_policy_beside_a_disk_tier(cluster: tuple[Netns, Master], master: Master,
+                                         tmp_path: Path) -> None:
+    """Keys leaving A's host memory go to A's disk and to the cluster: A finds them on its
+    disk (tier 2), B in the cluster (tier 3); both load them exact."""
+    a = node(cluster, tmp_path / "a", "--disk-path", str(tmp_path / "disk"), "--disk-capacity",
+             "64GiB", write_policy="evict", queue_size="8KiB")
+    b = node(cluster, tmp_path / "b")
+    sp = spec("evict-disk", pages=16)
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        keys = keys_of("evict-disk", 32)
+        want: dict[bytes, list[torch.Tensor]] = {}
+        for i in range(0, 32, 4):  # both spillers idle before more arrives (a 16-page pool)
+            want.update(wa.store(keys[i:i + 4]))
+            if i + 4 > 12:
+                wait_puts(wa, i + 4 - 12)
+            deadline = time.monotonic() + 20
+            while wa.client.get_pool(sp.name).disk_keys < i + 4:  # the disk takes them all
+                assert time.monotonic() < deadline, "the disk spiller fell behind"
+                time.sleep(0.01)
+        on_a = wa.client.lookup(sp.name, keys).tiers
+        assert on_a.count(0) == 0 and on_a[:8] == b"\x02" * 8, on_a
+        assert wb.client.lookup(sp.name, keys[:8]).tiers == b"\x03" * 8
+        assert wa.load_exact(keys[:8], want)
+        assert wb.load_exact(keys[:8], want)
+    finally:
+        wa.close()
+        wb.close()
+        for d in (a, b):
+            d.stop(signal.SIGTERM)
 
 
 def test_clear_pool_clears_its_namespace(pair: tuple[DaemonProc, DaemonProc]) -> None:
