@@ -10,6 +10,9 @@ Rows, per page size (PAGE_FIRST pools: one contiguous run per page):
 - put: a worker's Store of N pages into daemon A (write policy ``through``), timed until A
   reports all N put into the cluster (``GetPool.remote_puts``; the Store's host copy
   included), vs one ``batch_put_from`` of the same N pages from a registered buffer.
+- the same two baselines with each page as the two runs (K, V) the pool holds it in, through
+  ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``: what Mooncake itself
+  does with the pool's layout.
 - get: daemon B's LoadKeys of N keys only the cluster holds (one ``batch_get_into`` into
   fresh host pages, then the copy into the worker's rows, zeroed first and checked), vs one
   ``batch_get_into`` of the same keys into a registered buffer.
@@ -99,7 +102,11 @@ def one_size(page: int, n: int, rounds: int, a: DaemonProc, b: DaemonProc) -> di
     ptrs = [ptr + i * spec.page_bytes for i in range(n)]
     sizes = [spec.page_bytes] * n
     out: dict[str, list[float]] = {k: [] for k in ("put", "raw_put", "get", "raw_get",
-                                                   "tier_put", "tier_get")}
+                                                   "tier_put", "tier_get", "runs_put",
+                                                   "runs_get")}
+    half = spec.page_bytes // 2  # the pool's page is two runs, K then V: the same for Mooncake
+    run_ptrs = [[p, p + half] for p in ptrs]
+    run_sizes = [[half, half]] * n
     idx = torch.arange(n * page)
     for r in range(rounds + 1):  # round 0 warms connections and pages up, not counted
         keys = [b"r%d-%d" % (r, i) for i in range(n)]
@@ -129,10 +136,19 @@ def one_size(page: int, n: int, rounds: int, a: DaemonProc, b: DaemonProc) -> di
         assert store.batch_get_into(names, ptrs, sizes) == sizes
         raw_get = time.perf_counter() - t0
         store.batch_remove(names, True)
+        t0 = time.perf_counter()
+        assert store.batch_put_from_multi_buffers(names, run_ptrs, run_sizes) == [0] * n
+        runs_put = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = store.batch_get_into_multi_buffers(names, run_ptrs, run_sizes)
+        runs_get = time.perf_counter() - t0
+        assert got == sizes, got
+        store.batch_remove(names, True)
         ca.remove_keys(spec.name, keys)  # from A's host memory and the cluster
         if r:
             for k, v in (("put", put), ("raw_put", raw_put), ("get", get), ("raw_get", raw_get),
-                         ("tier_put", tier_put), ("tier_get", tier_get)):
+                         ("tier_put", tier_put), ("tier_get", tier_get),
+                         ("runs_put", runs_put), ("runs_get", runs_get)):
                 out[k].append(nbytes / v / 1e9)
     sa.close()
     sb.close()
@@ -149,7 +165,9 @@ def one_size(page: int, n: int, rounds: int, a: DaemonProc, b: DaemonProc) -> di
             "put_ratio": round(med["put"] / med["raw_put"], 3),
             "get_ratio": round(med["get"] / med["raw_get"], 3),
             "tier_put_ratio": round(med["tier_put"] / med["raw_put"], 3),
-            "tier_get_ratio": round(med["tier_get"] / med["raw_get"], 3)}
+            "tier_get_ratio": round(med["tier_get"] / med["raw_get"], 3),
+            "runs_put_ratio": round(med["tier_put"] / med["runs_put"], 3),
+            "runs_get_ratio": round(med["tier_get"] / med["runs_get"], 3)}
 
 
 def inner(args: argparse.Namespace) -> None:
@@ -200,6 +218,12 @@ def inner(args: argparse.Namespace) -> None:
               f"{r['tier_put_gbps']:>5.2f} {r['tier_put_ratio']:>5.2f} {r['put_gbps']:>5.2f} "
               f"{r['put_ratio']:>5.2f} | {r['raw_get_gbps']:>7.2f} {r['tier_get_gbps']:>5.2f} "
               f"{r['tier_get_ratio']:>5.2f} {r['get_gbps']:>5.2f} {r['get_ratio']:>5.2f}")
+    print("the same pages as two runs each (K, V), as the pool holds them, through Mooncake's "
+          "batch_*_multi_buffers:")
+    for r in rows:
+        print(f"{r['page_bytes'] >> 20:>4}Mi {r['pages']:>5} | put {r['runs_put_gbps']:.2f} "
+              f"GB/s, tier / it {r['runs_put_ratio']:.2f} | get {r['runs_get_gbps']:.2f} GB/s, "
+              f"tier / it {r['runs_get_ratio']:.2f}")
 
 
 def main() -> None:

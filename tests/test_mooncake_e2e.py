@@ -307,6 +307,41 @@ def test_master_not_answering_costs_one_timeout(cluster: tuple[Netns, Master],
         wb.close()
 
 
+@pytest.mark.tier(timeout_seconds=0.5, retry_seconds=5.0)
+def test_a_late_get_never_lands_in_a_reused_page(cluster: tuple[Netns, Master],
+                                                 pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """B's LoadKeys of X times out on a stalled master and fails; the page the get would write
+    is not handed to the next Store (Y) while the get can still land: when the master
+    resumes and the late get completes, Y still holds Y's bytes."""
+    _, m = cluster
+    a, b = pair
+    sp = spec("late", pages=8)
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        want = wa.store([b"X"])
+        wait_puts(wa, 1)
+        assert wb.client.lookup(sp.name, [b"X"]).tiers == b"\x03"
+        m.pause()
+        with pytest.raises(KeyNotFound):
+            wb.session.load_keys([b"X"], torch.arange(PS))
+        for r in wb.rows:
+            r[:PS] = torch.randint(0, 256, r[:PS].shape, dtype=torch.uint8)
+        want_y = {b"Y": [r[:PS].clone() for r in wb.rows]}
+        assert wb.session.store([b"Y"], torch.arange(PS)).stored == 1
+        m.resume()
+        wait_tier(b, "up")
+        deadline = time.monotonic() + 30  # the late get ends, its pages go back
+        while wb.client.get_pool(sp.name).pinned_pages:
+            assert time.monotonic() < deadline, "the late get's pages were never released"
+            time.sleep(0.05)
+        assert wb.load_exact([b"Y"], want_y), "a late get wrote into Y's page"
+        assert wb.load_exact([b"X"], want)  # and X loads once the master answers
+    finally:
+        m.resume()
+        wa.close()
+        wb.close()
+
+
 @pytest.mark.tier(write_policy="evict", queue_size="8KiB")
 def test_evict_policy_puts_what_host_memory_gives_up(pair: tuple[DaemonProc, DaemonProc]
                                                      ) -> None:

@@ -3,13 +3,13 @@
 Mooncake's Python API (``mooncake.store.MooncakeDistributedStore``) blocks in C++: a setup
 against an absent master takes seconds, and a call to a master behind a dead route could
 take longer. So every call runs on a small executor and is waited for at most
-``timeout_seconds``; a call that times out, raises, or answers ``RPC_FAIL`` marks the tier
-down (logged once). While it is down, calls return at once without touching the network
-(Lookup and LoadKeys go on serving host and disk). A background thread probes the master
-every ``retry_seconds`` (connecting first, if it never connected): a master gone is noticed
-without traffic, and once it answers again the tier is up by itself. Pool memory is
-registered once per pool, and again after a reconnect; pages move between it and the store
-with no copy of ours.
+``timeout_seconds``; a call that times out, raises, or answers ``RPC_FAIL`` (the -900s)
+marks the tier down (logged once). While it is down, calls return at once without touching
+the network (Lookup and LoadKeys go on serving host and disk). A background thread probes
+the master every ``retry_seconds`` (connecting first, if it never connected): a master gone
+is noticed without traffic, and once it answers again the tier is up by itself. Pool memory
+is registered once per pool, and again after a reconnect; pages move between it and the
+store with no copy of ours.
 
 Primitives:
 
@@ -17,8 +17,10 @@ Primitives:
   ``on_state(up, why)`` on every change; ``observe(op, seconds)`` per call.
 - ``register(address, nbytes)`` / ``unregister(address)``: a pool's memory.
 - ``exists(keys)`` -> one bool per key, or None (down, or no answer in time).
-- ``put(keys, runs)`` -> one bool per key (stored, or already there).
-- ``get(keys, runs)`` -> one bool per key: its exact size landed in its runs.
+- ``put(keys, runs)`` -> one bool per key (stored, or already there); returns once Mooncake
+  no longer reads the runs, however long that takes (it runs on background threads).
+- ``get(keys, runs)`` -> (one bool per key: its exact size landed in its runs; the call, if it
+  outlived the timeout: it may still write into the runs until it completes).
 - ``remove(keys)`` -> one bool per key; ``remove_prefix(prefix)`` -> a count.
 - ``stats``: counters for metrics.
 
@@ -41,8 +43,15 @@ from hicached.tiers.mooncake_config import MooncakeTierConfig
 log = logging.getLogger(__name__)
 
 RPC_FAIL = -900
-"""Mooncake's error code for a master it cannot reach."""
+"""Mooncake's error code for a master it cannot reach; -901 and the other codes of the
+-900s are the master's RPC failing too (a timeout, a broken connection)."""
 PROBE_KEY = "hicache-probe"
+"""Probed with a fresh suffix each time: Mooncake's client answers a key it was just asked
+about from a cache of its own, without the master."""
+
+
+def _master_failed(codes: Sequence[int]) -> bool:
+    return any(-1000 < c <= RPC_FAIL for c in codes)
 
 Runs = Sequence[tuple[int, int]]
 
@@ -142,11 +151,15 @@ class MooncakeStore:
             if self._store is None:
                 self._connect()
             else:
-                got = self._call("probe", lambda s: s.batch_is_exist([PROBE_KEY]), probe=True)
-                if got is not None:
-                    self._set(True, "")
+                self._probe()
             self._wake.wait(self.config.retry_seconds)
             self._wake.clear()
+
+    def _probe(self) -> None:
+        key = [f"{PROBE_KEY}-{time.monotonic_ns()}"]
+        got = self._call("probe", lambda s: s.batch_is_exist(key), probe=True)
+        if got in ([0], [1]):  # an answer from the master, not an error code
+            self._set(True, "")
 
     def _connect(self) -> None:
         c = self.config
@@ -187,16 +200,17 @@ class MooncakeStore:
 
     # -- calls --------------------------------------------------------------------------
 
-    def _call(self, op: str, fn: Callable[[Any], list[int]], probe: bool = False
-              ) -> list[int] | None:
-        """``fn(store)`` on the executor, waited for at most ``timeout_seconds``; None if the
-        tier is down, busy with calls that did not return, or this one fails."""
+    def _submit(self, op: str, fn: Callable[[Any], list[int]], probe: bool = False
+                ) -> tuple[list[int] | None, cf.Future[list[int]] | None]:
+        """``fn(store)`` on the executor, waited for at most ``timeout_seconds``. Returns
+        (its answer, None); (None, the call) when it outlived the timeout and still runs;
+        (None, None) when the tier is down, every worker is stuck, or the call failed."""
         store = self._store
         if store is None or not (self._up or probe):
-            return None
+            return None, None
         with self._lock:
             if self._busy >= 4:  # every worker is stuck on the network: do not queue more
-                return None
+                return None, None
             self._busy += 1
         t0 = time.perf_counter()
 
@@ -206,33 +220,46 @@ class MooncakeStore:
             finally:
                 with self._lock:
                     self._busy -= 1
+                self._observe(op, time.perf_counter() - t0)
 
+        call = self._pool.submit(run)
         try:
-            got = self._pool.submit(run).result(self.config.timeout_seconds)
+            got = call.result(self.config.timeout_seconds)
         except cf.TimeoutError:
             self.stats.timeouts += 1
             self._set(False, f"{op} got no answer in {self.config.timeout_seconds:g} s")
-            return None
+            return None, call
         except Exception as exc:
             self._set(False, f"{op} failed: {exc}")
-            return None
-        finally:
-            self._observe(op, time.perf_counter() - t0)
-        if RPC_FAIL in got:
-            self._set(False, f"{op}: master {self.config.master} unreachable (RPC_FAIL)")
-            return None if probe else got
+            return None, None
+        if _master_failed(got):
+            self._set(False, f"{op}: master {self.config.master} unreachable (error "
+                             f"{min(got)})")
+        return got, None
+
+    def _call(self, op: str, fn: Callable[[Any], list[int]], probe: bool = False
+              ) -> list[int] | None:
+        """A call that touches no memory of ours: a late answer is simply dropped."""
+        got, _late = self._submit(op, fn, probe)
         return got
 
     def exists(self, keys: Sequence[str]) -> list[bool] | None:
         if not keys:
             return []
         got = self._call("exists", lambda s: s.batch_is_exist(list(keys)))
-        return None if got is None else [g == 1 for g in got]
+        return None if got is None or _master_failed(got) else [g == 1 for g in got]
 
     def put(self, keys: Sequence[str], runs: Sequence[Runs]) -> list[bool]:
+        """Put pages from registered memory; returns only once Mooncake no longer reads it
+        (a call that outlives the timeout marks the tier down and is waited for)."""
         if not keys:
             return []
-        got = self._call("put", lambda s: self._put(s, keys, runs))
+        got, late = self._submit("put", lambda s: self._put(s, keys, runs))
+        if late is not None:
+            try:
+                got = late.result()
+            except Exception:
+                got = None
         ok = [g == 0 for g in got] if got is not None else [False] * len(keys)
         n = sum(ok)
         self.stats.puts += n
@@ -250,9 +277,14 @@ class MooncakeStore:
             list(keys), [[a for a, _ in r] for r in runs], [[n for _, n in r] for r in runs],
             rc))
 
-    def get(self, keys: Sequence[str], runs: Sequence[Runs]) -> list[bool]:
+    def get(self, keys: Sequence[str], runs: Sequence[Runs]
+            ) -> tuple[list[bool], cf.Future[list[int]] | None]:
+        """Get pages into registered memory: one bool per key (its exact size landed), and,
+        when the call outlived the timeout (all False then), the call itself: it may still
+        write into ``runs`` until it completes, so the memory must stay the caller's until
+        then."""
         if not keys:
-            return []
+            return [], None
         sizes = [sum(n for _, n in r) for r in runs]
 
         def fn(s: Any) -> list[int]:
@@ -262,14 +294,14 @@ class MooncakeStore:
                 list(keys), [[a for a, _ in r] for r in runs],
                 [[n for _, n in r] for r in runs]))
 
-        got = self._call("get", fn)
+        got, late = self._submit("get", fn)
         ok = ([g == size for g, size in zip(got, sizes, strict=True)] if got is not None
               else [False] * len(keys))
         n = sum(ok)
         self.stats.gets += n
         self.stats.get_misses += len(keys) - n
         self.stats.get_bytes += sum(size for size, k in zip(sizes, ok, strict=True) if k)
-        return ok
+        return ok, late
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """One bool per key: removed (False: absent, or the store is down)."""

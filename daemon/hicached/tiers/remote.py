@@ -11,7 +11,9 @@ Primitives:
 - ``namespace(spec, prefix)``: the pool's namespace in the store.
 - ``RemoteTier(pool, store, prefix)``: ``tier`` (3); ``exists(keys)`` -> a tier byte per
   key (3 or 0; all 0 while the store is down); ``put_pages`` / ``get_pages`` (keys, pages)
-  -> one bool per key; ``written(key)``: whether this daemon put (or got) it recently;
+  -> one bool per key (each a copy of the pool while the store touches its memory;
+  ``get_pages`` hands its pages back through a callback once it is done); ``written(key)``:
+  whether this daemon put (or got) it recently;
   ``contains`` / ``write_many`` (what a ``Spiller`` needs, for the ``evict`` policy);
   ``remove(keys)`` -> those dropped, ``clear()``; ``close()`` (unregisters the memory).
 - ``RemoteWriter(cache, tier, max_keys, batch)``: the ``through`` policy: ``offer(keys)``
@@ -19,7 +21,9 @@ Primitives:
   failed key again (``PUT_ATTEMPTS`` in all); a key evicted before its turn, beyond
   ``max_keys`` waiting, or failed every time is not put (``dropped``).
 - ``promote_remote(cache, tier, keys)``: LoadKeys' way up: keys host memory lacks are got
-  from the store into fresh host pages in one batch call; returns how many landed.
+  from the store into fresh host pages in one batch call; returns how many landed. A get that
+  outlives the timeout keeps its pages held (the keys stay "being written") until it really
+  ends, so a late write never lands in a page given to another key.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -105,24 +109,54 @@ class RemoteTier:
         return [REMOTE_TIER if g else 0 for g in got]
 
     def put_pages(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
-        ok = self.store.put([self.name(k) for k in keys],
-                            [self.runs(p) for p in pages.tolist()])
-        self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
-        return ok
-
-    def get_pages(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
-        ok = self.store.get([self.name(k) for k in keys],
-                            [self.runs(p) for p in pages.tolist()])
-        self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
-        return ok
+        return self._put(keys, [self.runs(p) for p in pages.tolist()])
 
     def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[bool]:
         """Put pages given as views of the pool's memory (a ``Spiller``'s batch)."""
-        keys = [k for k, _ in items]
-        runs = [[(np.frombuffer(v, np.uint8).ctypes.data, v.nbytes) for v in views]
-                for _, views in items]
-        ok = self.store.put([self.name(k) for k in keys], runs)
+        return self._put([k for k, _ in items],
+                         [[(np.frombuffer(v, np.uint8).ctypes.data, v.nbytes) for v in views]
+                          for _, views in items])
+
+    def _put(self, keys: Sequence[bytes], runs: Sequence[Runs]) -> list[bool]:
+        """Returns once the store no longer reads the pool's memory (counted as a copy, so
+        the pool is never unmapped under it)."""
+        try:
+            self.pool.begin_copy()
+        except Exception:  # the pool is closing
+            return [False] * len(keys)
+        try:
+            ok = self.store.put([self.name(k) for k in keys], runs)
+        finally:
+            self.pool.end_copy()
         self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
+        return ok
+
+    def get_pages(self, keys: Sequence[bytes], pages: np.ndarray,
+                  release: Callable[[list[bool]], None]) -> list[bool]:
+        """Get ``keys`` into ``pages``; one bool per key. ``release(ok)`` is called exactly
+        once, when the store no longer writes into the pages: at once, or, for a call that
+        outlived the timeout (every key failed then), when that call ends, however late; the
+        pages must stay held until then."""
+        try:
+            self.pool.begin_copy()
+        except Exception:  # the pool is closing
+            release([False] * len(keys))
+            return [False] * len(keys)
+        ok, late = self.store.get([self.name(k) for k in keys],
+                                  [self.runs(p) for p in pages.tolist()])
+        if late is None:
+            self.pool.end_copy()
+            self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
+            release(ok)
+            return ok
+        log.warning("pool %s: a get of %d page(s) outlived its timeout; they stay held until "
+                    "it ends", self.pool.spec.name, len(keys))
+
+        def ended(_call: object) -> None:
+            self.pool.end_copy()
+            release([False] * len(keys))  # whatever it wrote is not trusted
+
+        late.add_done_callback(ended)
         return ok
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -222,9 +256,8 @@ def promote_remote(cache: PoolCache, tier: RemoteTier, keys: Sequence[bytes]) ->
     if not missing or not tier.store.up:
         return 0
     ticket = cache.begin_store(missing)  # present or being written elsewhere: left alone
-    ok: list[bool] = []
-    try:
-        ok = tier.get_pages([ticket.keys[i] for i in ticket.positions.tolist()], ticket.pages)
-    finally:
-        cache.finish_store(ticket, ok if len(ok) == ticket.pages.size else False)
+    if not ticket.pages.size:
+        return 0
+    ok = tier.get_pages([ticket.keys[i] for i in ticket.positions.tolist()], ticket.pages,
+                        lambda landed: cache.finish_store(ticket, landed))
     return sum(ok)
