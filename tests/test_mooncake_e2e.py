@@ -160,7 +160,8 @@ def pair(cluster: tuple[Netns, Master], master: Master, tmp_path: Path,
 
 def test_stored_on_a_found_and_loaded_exact_on_b(cluster: tuple[Netns, Master],
                                                   pair: tuple[DaemonProc, DaemonProc],
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     a, b = pair
     sp = spec("share")
     wa, wb = Worker(a, sp), Worker(b, sp)
@@ -176,6 +177,13 @@ def test_stored_on_a_found_and_loaded_exact_on_b(cluster: tuple[Netns, Master],
         assert metric(ns, b, "hicache_remote_get_pages_total") == 24
         assert metric(ns, a, "hicache_remote_put_pages_total") == 24
         assert metric(ns, b, "hicache_remote_up") == 1
+        from hicache_client.cli import main as hicachectl
+
+        capsys.readouterr()
+        assert hicachectl(["--target", a.target, "status"]) == 0
+        assert re.search(r"cluster tier\s+up", capsys.readouterr().out)
+        assert hicachectl(["--target", a.target, "pools"]) == 0
+        assert "24 put, 0 waiting" in capsys.readouterr().out
         scraped = scrape_names(ns, b)
         ours = {n for n in scraped if n.startswith(CLUSTER_TIER)}
         used = {n for n in deploy_metric_names() if n.startswith(CLUSTER_TIER)}

@@ -136,6 +136,7 @@ def _pool_row(p: pb.Pool) -> tuple[object, ...]:
             f"{p.used_pages} ({100 * p.used_pages / max(p.page_num, 1):.0f}%)",
             _size(p.capacity_bytes), p.sessions, p.keys,
             f"{p.disk_keys}/{p.disk_capacity_pages}" if p.disk_capacity_pages else "-",
+            f"{p.remote_puts} put, {p.remote_pending} waiting" if p.remote_namespace else "-",
             p.raw_pages, p.pinned_pages, _state(p), p.attach_outcome or "-")
 
 
@@ -196,7 +197,8 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                               for p in resp.pools]))
             return 0
         print(_table(["pool", "kind", "dtype", "layout", "page", "pages", "used", "capacity",
-                      "sessions", "keys", "disk", "raw", "pinned", "state", "attach"],
+                      "sessions", "keys", "disk", "cluster", "raw", "pinned", "state",
+                      "attach"],
                      [_pool_row(p) for p in resp.pools]))
         return 0
     sessions = client.list_sessions(args.pool)
