@@ -80,11 +80,98 @@ def test_request_metrics() -> None:
                                 {"pool": "p", "op": "backup"}) == 3
     assert reg.get_sample_value("hicache_transfer_requests_total",
                                 {"pool": "p", "op": "backup"}) == 2
+    # bandwidth is rate(hicache_transfer_bytes_total): no last-value gauge to mislead
     assert reg.get_sample_value("hicache_transfer_bandwidth_bytes_per_second",
-                                {"pool": "p", "op": "backup"}) == 1_500_000
+                                {"pool": "p", "op": "backup"}) is None
     # the histogram resolves both a 2 ms control-plane-sized call and a 0.5 s bulk copy
     le = {"pool": "p", "op": "backup"}
     assert reg.get_sample_value("hicache_transfer_duration_seconds_bucket",
                                 {**le, "le": "0.0025"}) == 1
     assert reg.get_sample_value("hicache_transfer_duration_seconds_bucket",
                                 {**le, "le": "0.5"}) == 2
+
+
+def test_a_scrape_takes_no_lock_of_the_copy_path() -> None:
+    """With the allocator's and the cache's locks held by another thread (a copy starting or
+    ending), a scrape still completes, with the page and key counts."""
+    import threading
+
+    pool = make_pool(spec(mha(), name="l"))
+    cache = PoolCache(pool)
+    reg = CollectorRegistry()
+    Metrics(reg, ScrapeState(pools=lambda: [(pool, cache)], sessions_open=lambda: 0,
+                             sessions_reaped=lambda: 0, attached_bytes=lambda: 0),
+            build={"version": "1"})
+    t = cache.begin_store([b"a", b"b"])
+    cache.finish_store(t, True)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with cache._lock, pool.allocator._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    got: dict[str, float | None] = {}
+    scrape = threading.Thread(target=lambda: got.update(
+        keys=reg.get_sample_value("hicache_cache_keys", {"pool": "l"}),
+        used=reg.get_sample_value("hicache_pool_used_pages", {"pool": "l"}),
+        keyed=reg.get_sample_value("hicache_pool_keyed_pages", {"pool": "l"})))
+    scrape.start()
+    scrape.join(5)
+    blocked = scrape.is_alive()
+    release.set()
+    holder.join()
+    scrape.join()
+    try:
+        assert not blocked, "the scrape waited for a lock the copy path holds"
+        assert got == {"keys": 2, "used": 2, "keyed": 2}
+    finally:
+        pool.close()
+
+
+def test_a_load_with_layer_events_is_timed_to_completion() -> None:
+    """A load that returns once enqueued (pending) is recorded when its bytes landed, with
+    the time until then; one that completes in its call with the engine's own time."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hicached.copy.engine import Op, TransferResult
+    from hicached.server.daemon import Daemon
+
+    reg = CollectorRegistry()
+    m = Metrics(reg, ScrapeState(lambda: [], lambda: 0, lambda: 0, lambda: 0),
+                build={"version": "1"})
+    held: list[int] = []
+    host = SimpleNamespace(sessions=SimpleNamespace(hold=lambda s: held.append(1),
+                                                    unhold=lambda s: held.pop()),
+                           metrics=m)
+    session = SimpleNamespace(pool_name="p")
+    released = threading.Event()
+
+    def enqueue(landed: object) -> TransferResult:
+        assert callable(landed)
+        threading.Timer(0.3, landed).start()  # the last layer lands 0.3 s later
+        return TransferResult(Op.LOAD, 4096, 2, 0.0001, 0.0002, pending=True)
+
+    le = {"pool": "p", "op": "load"}
+    r = Daemon._held_load(host, session, "load", enqueue, release=released.set)  # type: ignore[arg-type]
+    assert r.pending and held == [1]
+    assert reg.get_sample_value("hicache_transfer_requests_total", le) is None  # not yet
+    assert released.wait(5)
+    deadline = time.monotonic() + 5
+    while reg.get_sample_value("hicache_transfer_requests_total", le) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert held == []
+    total = reg.get_sample_value("hicache_transfer_duration_seconds_sum", le)
+    assert total is not None and total >= 0.3, total  # to completion, not to enqueue
+    assert reg.get_sample_value("hicache_transfer_bytes_total", le) == 4096
+
+    done = Daemon._held_load(host, session, "load",  # type: ignore[arg-type]
+                             lambda landed: TransferResult(Op.LOAD, 10, 1, 0.25, 0.25))
+    assert not done.pending and held == []
+    assert reg.get_sample_value("hicache_transfer_duration_seconds_sum", le) == total + 0.5

@@ -108,14 +108,21 @@ class PageAllocator:
     def used_pages(self) -> int:
         return self.page_num - self.free_pages
 
-    def counts(self) -> dict[str, int]:
-        """Pages by kind and how many are held by a copy right now."""
+    def counts(self, locked: bool = True) -> dict[str, int]:
+        """Pages by kind and how many are held by a copy right now. ``locked=False`` (a
+        metrics scrape) reads the tables without the lock: it never waits for, nor delays, a
+        copy, and the figures may straddle an update made meanwhile."""
+        if not locked:
+            return self._counts()
         with self._lock:
-            live = self._state == ALLOCATED
-            return {"raw": int((live & (self._kind == RAW)).sum()),
-                    "keyed": int((live & (self._kind == KEYED)).sum()),
-                    "held": int(((self._readers > 0) | self._writer).sum()),
-                    "releasing": self._releasing, "free": self._nfree}
+            return self._counts()
+
+    def _counts(self) -> dict[str, int]:
+        live = self._state == ALLOCATED
+        return {"raw": int((live & (self._kind == RAW)).sum()),
+                "keyed": int((live & (self._kind == KEYED)).sum()),
+                "held": int(((self._readers > 0) | self._writer).sum()),
+                "releasing": self._releasing, "free": self._nfree}
 
     @staticmethod
     def bytes_per_page(layer_num: int) -> int:

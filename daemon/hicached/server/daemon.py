@@ -161,19 +161,29 @@ class Daemon:
             raise SpecInvalid("COMPLETION_LAYER_EVENTS needs a CUDA session opened with "
                               "layer_events", metadata={"completion": "COMPLETION_LAYER_EVENTS"})
 
-    def _held_load(self, s: Session,
+    def _held_load(self, s: Session, op: str,
                    start: Callable[[Callable[[], None]], TransferResult],
                    release: Callable[[], None] = lambda: None) -> TransferResult:
         """Run a load that may outlive its call (layer events): the session's mappings, and
         whatever ``release`` frees, are kept until the bytes landed. ``start`` gets the callback
-        to run then and returns the engine's result."""
+        to run then and returns the engine's result. The load is recorded in the metrics when
+        its bytes landed: with layer events, its duration runs to the last layer's landing."""
         self.sessions.hold(s)
+        t0 = time.perf_counter()
+        lock = threading.Lock()
+        pending: list[TransferResult] = []
+        landed_at: list[float] = []
 
         def landed() -> None:
             try:
                 release()
             finally:
                 self.sessions.unhold(s)
+                with lock:
+                    landed_at.append(time.perf_counter())
+                    r = pending[0] if pending else None
+                if r is not None:
+                    self.metrics.transfer(s.pool_name, op, r.bytes, r.pages, landed_at[0] - t0)
 
         try:
             r = start(landed)
@@ -182,6 +192,13 @@ class Daemon:
             raise
         if not r.pending:
             landed()
+            self.metrics.transfer(s.pool_name, op, r.bytes, r.pages, r.seconds)
+            return r
+        with lock:  # the GPU may have finished already: then record here
+            pending.append(r)
+            done = landed_at[0] if landed_at else None
+        if done is not None:
+            self.metrics.transfer(s.pool_name, op, r.bytes, r.pages, done - t0)
         return r
 
     def transfer(self, op: Op, session_id: str, host: IndexArray, device: IndexArray,
@@ -197,13 +214,12 @@ class Daemon:
             assert buffers is not None, "a session in use keeps its mappings"
             if op is Op.BACKUP:
                 r = self.engine.backup(s.pool, buffers, host, device, *layers, runner=runner)
-            else:
-                self._check_layer_events(layer_events, runner)
-                r = self._held_load(s, lambda landed: self.engine.load(
-                    s.pool, buffers, host, device, *layers, runner=runner,
-                    wait=not layer_events, on_complete=landed))
-        self.metrics.transfer(s.pool_name, op.value, r.bytes, r.pages, r.seconds)
-        return r
+                self.metrics.transfer(s.pool_name, op.value, r.bytes, r.pages, r.seconds)
+                return r
+            self._check_layer_events(layer_events, runner)
+            return self._held_load(s, op.value, lambda landed: self.engine.load(
+                s.pool, buffers, host, device, *layers, runner=runner,
+                wait=not layer_events, on_complete=landed))
 
     def alloc(self, pool_name: str, num_tokens: int, session_id: str = "") -> IndexArray:
         owner = 0
@@ -261,10 +277,8 @@ class Daemon:
             # held, nothing moves
             pages = self.pools.stack(s.pool_name).hold_for_load(
                 keys, self.metrics.promotions.labels(s.pool_name).inc)
-            r = self._held_load(s, lambda landed: self.engine.transfer_pages(
+            return self._held_load(s, "load_keys", lambda landed: self.engine.transfer_pages(
                 Op.LOAD, s.pool, buffers, pages, device_pages, load_layers, runner,
                 wait=not layer_events, on_complete=landed),
                 release=functools.partial(cache.finish_load, pages))
-        self.metrics.transfer(s.pool_name, "load_keys", r.bytes, r.pages, r.seconds)
-        return r
 

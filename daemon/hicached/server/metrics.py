@@ -87,9 +87,9 @@ class _StateCollector(Collector):
                                          "Pages whose fingerprint differed on load.",
                                          labels=labels)
         entries = self._state.pools()
-        for pool, _cache in entries:
+        for pool, _cache in entries:  # no lock of the copy path is taken (counts(False))
             name = [pool.spec.name]
-            used = pool.allocator.used_pages
+            used = pool.page_num - pool.allocator.counts(locked=False)["free"]
             cap_b.add_metric(name, pool.nbytes)
             used_b.add_metric(name, used * pool.spec.page_bytes)
             cap_p.add_metric(name, pool.page_num)
@@ -149,7 +149,7 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]]) -> Iterator[Metri
     stores = CounterMetricFamily("hicache_cache_store_keys", "Keys a Store named, by status.",
                                  labels=["pool", "status"])
     for pool, cache in entries:
-        name, st, counts = pool.spec.name, cache.stats, pool.allocator.counts()
+        name, st, counts = pool.spec.name, cache.stats, pool.allocator.counts(locked=False)
         ready = cache.key_count
         for metric, value in (("pool_raw_pages", counts["raw"]),
                               ("pool_keyed_pages", counts["keyed"]),
@@ -185,8 +185,6 @@ class Metrics:
         self.transfer_seconds = Histogram("hicache_transfer_duration_seconds",
                                           "Backup/load duration, validation included.", op,
                                           buckets=DURATION_BUCKETS, registry=registry)
-        self.transfer_bandwidth = Gauge("hicache_transfer_bandwidth_bytes_per_second",
-                                        "Bandwidth of the last transfer.", op, registry=registry)
         self.requests = Counter("hicache_rpc_requests", "RPCs by method and gRPC code.",
                                 ["method", "code"], registry=registry)
         self.rpc_seconds = Histogram("hicache_rpc_duration_seconds", "RPC duration by method.",
@@ -236,8 +234,6 @@ class Metrics:
         self.transfer_pages.labels(pool, op).inc(pages)
         self.transfer_requests.labels(pool, op).inc()
         self.transfer_seconds.labels(pool, op).observe(seconds)
-        if seconds > 0:
-            self.transfer_bandwidth.labels(pool, op).set(nbytes / seconds)
 
 
 def serve(metrics: Metrics, address: str) -> tuple[Any, int]:
