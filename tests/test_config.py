@@ -135,3 +135,15 @@ def test_cluster_namespace_names_the_page_geometry_not_the_size() -> None:
                            size_tokens=1024),
                   PoolSpec("n", g, 16, size_tokens=1024)):
         assert namespace(other, "hc") != base
+
+
+def test_copy_threads_and_spin() -> None:
+    from hicached.core.system import default_copy_threads, usable_cpus
+
+    assert default_copy_threads(3) == 3
+    assert default_copy_threads(0) == max(1, min(8, usable_cpus() // 4))
+    c = build_config(args(copy_spin_us="250"), {})
+    assert c.copy_spin_us == 250 and c.copy_threads == 0
+    for bad in (-1, 100_001):
+        with pytest.raises(SpecInvalid):
+            config_from_mapping({"copy_spin_us": bad})

@@ -193,10 +193,12 @@ def test_stored_on_a_found_and_loaded_exact_on_b(cluster: tuple[Netns, Master],
         # the same name with another layout is another namespace: never these pages
         other = spec("share", layout=Layout.PAGE_FIRST)
         c = node(cluster, tmp_path / "c")
-        wc = Worker(c, other)
-        assert wc.client.lookup(other.name, keys).hits == 0
-        wc.close()
-        c.stop(signal.SIGTERM)
+        try:
+            wc = Worker(c, other)
+            assert wc.client.lookup(other.name, keys).hits == 0
+            wc.close()
+        finally:
+            c.stop(signal.SIGTERM)
     finally:
         wa.close()
         wb.close()
@@ -241,10 +243,12 @@ def test_a_restarted_b_still_loads(cluster: tuple[Netns, Master],
         assert wb.client.lookup(sp.name, keys).tiers == b"\x03" * 16
         assert wb.load_exact(keys, want)
         a2 = node(cluster, tmp_path / "a", replicas=2)
-        wa2 = Worker(a2, sp)
-        assert wa2.load_exact(keys, want)  # its own pool came back from the state directory
-        wa2.close()
-        a2.stop(signal.SIGTERM)
+        try:
+            wa2 = Worker(a2, sp)
+            assert wa2.load_exact(keys, want)  # its own pool came back from the state dir
+            wa2.close()
+        finally:
+            a2.stop(signal.SIGTERM)
     finally:
         wb.close()
 

@@ -40,7 +40,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--reserve": ("reserve", "memory left to the host (1GiB)"),
     "--lease-seconds": ("lease_seconds", "session lease (5)"),
     "--max-lease-seconds": ("max_lease_seconds", "longest lease a worker may ask for (60)"),
-    "--copy-threads": ("copy_threads", "threads per copy (0 = all CPUs)"),
+    "--copy-threads": ("copy_threads", "threads per copy (0 = a quarter of the CPUs, 1 to 8)"),
+    "--copy-spin-us": ("copy_spin_us", "microseconds copy threads spin after a job (0 = none)"),
     "--grpc-threads": ("grpc_threads", "concurrent RPCs (16)"),
     "--max-data-rpcs": ("max_data_rpcs", "data calls at once before OVERLOADED "
                                          "(grpc-threads - 4)"),
@@ -57,7 +58,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
 }
 _FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds"}
-_INTS = {"copy_threads", "grpc_threads", "max_watchers", "max_data_rpcs", "max_pending_rpcs"}
+_INTS = {"copy_threads", "copy_spin_us", "grpc_threads", "max_watchers", "max_data_rpcs",
+         "max_pending_rpcs"}
 _LISTS = {"listen", "health_listen"}
 _BOOLS = {"hugepages", "insecure_tcp", "accept_shm_paths"}
 

@@ -30,9 +30,10 @@ from typing import Protocol
 import numpy as np
 
 from hicached.copy.cpu import execute
+from hicached.copy.native import KERNEL
 from hicached.copy.plan import CopyPlan, Side
 from hicached.core.pool import ComponentStorage, HostPool
-from hicached.core.system import default_threads
+from hicached.core.system import default_copy_threads
 from hicached.core.validation import (
     IndexArray,
     TransferBatch,
@@ -79,8 +80,14 @@ def host_side(cs: ComponentStorage) -> Side:
 
 
 class TransferEngine:
-    def __init__(self, threads: int = 0) -> None:
-        self.threads = default_threads(threads)
+    def __init__(self, threads: int = 0, spin_us: int = 0) -> None:
+        """``threads`` per copy (0: ``default_copy_threads``); ``spin_us``: how long copy
+        threads spin after a job before sleeping (0: they sleep at once; spinning saves a
+        wake-up on the next copy and takes a CPU meanwhile). The spin is the process's."""
+        self.threads = default_copy_threads(threads)
+        self.spin_us = spin_us
+        if KERNEL is not None:
+            KERNEL.set_copy_spin(spin_us * 1000)
 
     def backup(self, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
                device_indices: object, layer_begin: int = 0, layer_end: int = 0,

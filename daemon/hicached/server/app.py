@@ -169,9 +169,9 @@ class HiCacheServer:
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
         self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir, config.accept_shm_paths),
-                             TransferEngine(config.copy_threads), metrics, cuda=cuda,
-                             cuda_driver=config.cuda_driver, max_watchers=config.max_watchers,
-                             access=config.access)
+                             TransferEngine(config.copy_threads, config.copy_spin_us),
+                             metrics, cuda=cuda, cuda_driver=config.cuda_driver,
+                             max_watchers=config.max_watchers, access=config.access)
         self.health = health.HealthServicer()
         self._locks: list[_PidLock] = []
         self._stopped = threading.Event()

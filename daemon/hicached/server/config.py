@@ -85,7 +85,11 @@ class ServerConfig:
     a dead worker's mappings (GPU memory included) are released within this bound. 0 = 60 s,
     or lease_seconds when that is longer."""
     copy_threads: int = 0
-    """Threads per copy (0 = one per usable CPU, ``core.system.default_threads``)."""
+    """Threads per copy (0 = a quarter of the usable CPUs, 1 to 8:
+    ``core.system.default_copy_threads``; the rest of the node is the inference servers')."""
+    copy_spin_us: int = 0
+    """How long copy threads spin after a job before sleeping (0: they sleep at once). A spin
+    saves the next copy a wake-up and takes a CPU meanwhile."""
     grpc_threads: int = 16
     """Threads serving control calls (sessions, heartbeats, pools, health, the rest); data
     calls run on their own executor, so no transfer ever holds one of these."""
@@ -162,6 +166,9 @@ class ServerConfig:
             raise SpecInvalid("memory sizes must be >= 0")
         if self.copy_threads < 0 or self.grpc_threads < 1:
             raise SpecInvalid("copy_threads must be >= 0 and grpc_threads >= 1")
+        if not 0 <= self.copy_spin_us <= 100_000:
+            raise SpecInvalid("copy_spin_us is within 0 .. 100000",
+                              metadata={"copy_spin_us": self.copy_spin_us})
         if self.max_data_rpcs < 0 or self.max_pending_rpcs < 0:
             raise SpecInvalid("max_data_rpcs and max_pending_rpcs must be >= 0",
                               metadata={"max_data_rpcs": self.max_data_rpcs,

@@ -162,8 +162,11 @@ static void run_range(const plan_t *p, int64_t first, int64_t last) {
 }
 
 /* A persistent pool of worker threads: creating threads per call costs more than copying a few
- * MB here (each new stack is fresh memory), and waking a sleeping thread costs a VM exit on
- * virtual machines, so workers spin for SPIN_NS after their last job before sleeping. One caller
+ * MB here (each new stack is fresh memory). After its job a worker sleeps at once, unless
+ * set_copy_spin asked it to spin first (waking a sleeping thread costs a VM exit on virtual
+ * machines, but a spinning one takes a CPU from the node's inference processes: it is the
+ * operator's choice, measured in benchmarks). A dispatcher waiting for its helpers spins up to
+ * SPIN_NS while they still copy its items, then sleeps. One caller
  * dispatches at a time; a concurrent caller runs on its own thread instead (it already adds
  * parallelism). Reset in a forked child.
  *
@@ -174,6 +177,7 @@ static void run_range(const plan_t *p, int64_t first, int64_t last) {
  * helper read the returned caller's plan. */
 #define MAX_THREADS 64
 #define SPIN_NS 1000000L
+static atomic_long worker_spin_ns = 0; /* spin after a job before sleeping (set_copy_spin) */
 
 static pthread_mutex_t dispatch_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -216,8 +220,9 @@ static void *pool_worker(void *arg) {
     pthread_mutex_unlock(&mu);
     for (;;) {
         uint64_t g = atomic_load(&generation);
-        if (g == seen) {
-            int64_t deadline = now_ns() + SPIN_NS;
+        long spin = atomic_load(&worker_spin_ns);
+        if (g == seen && spin > 0) {
+            int64_t deadline = now_ns() + spin;
             for (int i = 0; (g = atomic_load(&generation)) == seen; i++) {
                 cpu_relax();
                 if ((i & 255) == 0 && now_ns() > deadline) break;
@@ -310,6 +315,18 @@ static int run_parallel(const plan_t *p, int64_t items, int nthreads) {
         return faulted ? -1 : 0;
     }
     return guarded_range(p, 0, items);
+}
+
+PyObject *set_copy_spin(PyObject *self, PyObject *args) {
+    long long ns;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "L", &ns)) return NULL;
+    if (ns < 0 || ns > 100000000LL) {
+        PyErr_SetString(PyExc_ValueError, "spin must be within 0 .. 100 ms");
+        return NULL;
+    }
+    long old = atomic_exchange(&worker_spin_ns, (long)ns);
+    return PyLong_FromLong(old);
 }
 
 PyObject *copy_pages(PyObject *self, PyObject *args) {

@@ -13,6 +13,9 @@ int get_i64_buffer(PyObject *obj, Py_buffer *view, const char *name);
  * src_pitch, dst_stride, src_stride, nthreads, min_parallel_bytes, streaming_bytes,
  * layer_inner) -> bytes copied */
 PyObject *copy_pages(PyObject *self, PyObject *args);
+/* set_copy_spin(ns) -> the previous value: how long a copy worker spins after its job before
+ * sleeping (0, the default: it sleeps at once). */
+PyObject *set_copy_spin(PyObject *self, PyObject *args);
 
 /* cuda_submit(memcpy_async, memcpy2d_async, stream, dst, src, dpitch, spitch, width, height)
  * -> (segments submitted, CUresult of the first failure or 0) */

@@ -28,6 +28,8 @@ static PyMethodDef methods[] = {
      "copy_pages(dst_base, src_base, dst_pages, src_pages, unit_bytes, units, dst_pitch, "
      "src_pitch, dst_stride, src_stride, nthreads, min_parallel_bytes, streaming_bytes, "
      "layer_inner) -> bytes copied"},
+    {"set_copy_spin", set_copy_spin, METH_VARARGS,
+     "set_copy_spin(ns) -> previous: how long copy workers spin after a job before sleeping"},
     {NULL, NULL, 0, NULL},
 };
 
