@@ -108,7 +108,8 @@ def test_mooncake_tier_table() -> None:
                 {**ok, "protocol": "udp"}, {**ok, "write_policy": "back"},
                 {**ok, "key_prefix": "a/b"}, {**ok, "key_prefix": ""}, {**ok, "replicas": 0},
                 {**ok, "timeout_seconds": 0}, {**ok, "retry_seconds": 1000},
-                {**ok, "segment_size": -1}, {**ok, "queue_size": 0}, {**ok, "speed": 1}):
+                {**ok, "segment_size": -1}, {**ok, "queue_size": 0}, {**ok, "speed": 1},
+                {**ok, "floor_bytes_per_second": 0}):
         with pytest.raises(SpecInvalid):
             config_from_mapping({"tier": {"mooncake": bad}})
 
@@ -147,3 +148,12 @@ def test_copy_threads_and_spin() -> None:
     for bad in (-1, 100_001):
         with pytest.raises(SpecInvalid):
             config_from_mapping({"copy_spin_us": bad})
+
+
+def test_the_cluster_tier_answers_within_the_linkers_lookup_deadline() -> None:
+    """A Lookup waits on a stalled master for timeout_seconds; past the linker's deadline
+    SGLang's link to the daemon would go down (DEADLINE_EXCEEDED is a link failure)."""
+    from hicache_sglang.config import LinkerConfig
+    from hicached.tiers.mooncake_config import MooncakeTierConfig
+
+    assert MooncakeTierConfig("m:1", "h").timeout_seconds < LinkerConfig().lookup_timeout_s

@@ -200,9 +200,10 @@ class MooncakeStore:
 
     # -- calls --------------------------------------------------------------------------
 
-    def _submit(self, op: str, fn: Callable[[Any], list[int]], probe: bool = False
-                ) -> tuple[list[int] | None, cf.Future[list[int]] | None]:
-        """``fn(store)`` on the executor, waited for at most ``timeout_seconds``. Returns
+    def _submit(self, op: str, fn: Callable[[Any], list[int]], probe: bool = False,
+                nbytes: int = 0) -> tuple[list[int] | None, cf.Future[list[int]] | None]:
+        """``fn(store)`` on the executor, waited for at most ``timeout_seconds`` (plus
+        ``nbytes`` at ``floor_bytes_per_second`` for a call moving pages). Returns
         (its answer, None); (None, the call) when it outlived the timeout and still runs;
         (None, None) when the tier is down, every worker is stuck, or the call failed."""
         store = self._store
@@ -223,11 +224,12 @@ class MooncakeStore:
                 self._observe(op, time.perf_counter() - t0)
 
         call = self._pool.submit(run)
+        limit = self.config.timeout_seconds + nbytes / self.config.floor_bytes_per_second
         try:
-            got = call.result(self.config.timeout_seconds)
+            got = call.result(limit)
         except cf.TimeoutError:
             self.stats.timeouts += 1
-            self._set(False, f"{op} got no answer in {self.config.timeout_seconds:g} s")
+            self._set(False, f"{op} got no answer in {limit:.3g} s")
             return None, call
         except Exception as exc:
             self._set(False, f"{op} failed: {exc}")
@@ -254,7 +256,8 @@ class MooncakeStore:
         (a call that outlives the timeout marks the tier down and is waited for)."""
         if not keys:
             return []
-        got, late = self._submit("put", lambda s: self._put(s, keys, runs))
+        nbytes = sum(n for r in runs for _, n in r)
+        got, late = self._submit("put", lambda s: self._put(s, keys, runs), nbytes=nbytes)
         if late is not None:
             try:
                 got = late.result()
@@ -294,7 +297,7 @@ class MooncakeStore:
                 list(keys), [[a for a, _ in r] for r in runs],
                 [[n for _, n in r] for r in runs]))
 
-        got, late = self._submit("get", fn)
+        got, late = self._submit("get", fn, nbytes=sum(sizes))
         ok = ([g == size for g, size in zip(got, sizes, strict=True)] if got is not None
               else [False] * len(keys))
         n = sum(ok)

@@ -47,9 +47,13 @@ class MooncakeTierConfig:
     memory, the oldest first (as the disk tier is filled)."""
     replicas: int = 1
     """Copies the store keeps of each key, on different segments."""
-    timeout_seconds: float = 2.0
-    """How long Lookup and LoadKeys wait on the store before serving without it (the tier is
-    then marked down)."""
+    timeout_seconds: float = 0.3
+    """How long a call to the store may take before the tier is marked down and served
+    without: a Lookup waits at most this long (keep it under the SGLang linker's
+    ``lookup_timeout_s``, 0.5 s, or a stalled master takes the worker's link down with it);
+    a get or put waits this plus its bytes at ``floor_bytes_per_second``."""
+    floor_bytes_per_second: int = 100_000_000
+    """The slowest the store may move pages before a get or put counts as stalled."""
     retry_seconds: float = 2.0
     """How often a down tier is probed in the background until it answers again."""
     queue_bytes: int = 1 << 30
@@ -81,6 +85,8 @@ class MooncakeTierConfig:
         if self.replicas < 1 or self.batch_pages < 1:
             raise SpecInvalid("tier.mooncake.replicas and batch_pages must be >= 1",
                               metadata={"replicas": self.replicas})
+        if self.floor_bytes_per_second <= 0:
+            raise SpecInvalid("tier.mooncake.floor_bytes_per_second must be positive")
         if not (0 < self.timeout_seconds <= 60 and 0 < self.retry_seconds <= 600):
             raise SpecInvalid("tier.mooncake.timeout_seconds is in (0, 60], retry_seconds "
                               "in (0, 600]", metadata={"timeout_seconds": self.timeout_seconds})
