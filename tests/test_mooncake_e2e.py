@@ -221,6 +221,8 @@ def test_a_key_vanished_fails_the_load_whole(pair: tuple[DaemonProc, DaemonProc]
             wb.session.load_keys(keys, torch.arange(len(keys) * PS))
         assert exc.value.metadata["first_missing_position"] == "5"
         assert wb.zeroed(), "a failed load moved bytes"
+        # a load that had to fail took no host pages: nothing was pulled in for it
+        assert wb.client.get_pool(sp.name).keys == 0
         rest = keys[:5] + keys[6:]
         assert wb.load_exact(rest, want)
     finally:

@@ -118,10 +118,11 @@ class PoolCache:
         return len(self._ready)
 
     def lookup(self, keys: Sequence[bytes],
-               below: Callable[[list[bytes]], list[int]] | None = None) -> tuple[int, bytes]:
+               below: Callable[[list[bytes]], list[int]] | None = None,
+               count: bool = True) -> tuple[int, bytes]:
         """(leading keys found in any tier, one tier byte per key: 1 host, 2/3 below, 0).
         ``below`` (the cluster tier) is asked, outside the lock, for the tier bytes of the
-        keys no tier of this node holds."""
+        keys no tier of this node holds. ``count``: a Lookup (not a failed load's report)."""
         lower = self.lower
         with self._lock:
             tiers = bytearray(1 if k in self._ready else
@@ -132,10 +133,11 @@ class PoolCache:
             for i, t in zip(absent, below([keys[i] for i in absent]), strict=True):
                 tiers[i] = t
         hits = len(keys) - tiers.count(0)
-        with self._lock:
-            self.stats.lookups += 1
-            self.stats.lookup_hits += hits
-            self.stats.lookup_misses += len(keys) - hits
+        if count:
+            with self._lock:
+                self.stats.lookups += 1
+                self.stats.lookup_hits += hits
+                self.stats.lookup_misses += len(keys) - hits
         hit_prefix = tiers.find(0)
         return (len(keys) if hit_prefix < 0 else hit_prefix), bytes(tiers)
 

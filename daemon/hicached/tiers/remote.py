@@ -250,10 +250,14 @@ class RemoteWriter:
 
 def promote_remote(cache: PoolCache, tier: RemoteTier, keys: Sequence[bytes]) -> int:
     """Get the keys host memory lacks from the store into fresh pages (one batch call);
-    those that land become ready. A key the store no longer has is simply not promoted (the
-    load that follows fails whole with ``KEY_NOT_FOUND``)."""
+    those that land become ready. Only when the store has every one of them (asked first, one
+    metadata call): a load that must fail anyway takes no host pages from other keys. A key
+    that vanishes between the two calls is simply not promoted (the load that follows fails
+    whole with ``KEY_NOT_FOUND``)."""
     missing = cache.not_ready(keys)
     if not missing or not tier.store.up:
+        return 0
+    if not all(tier.exists(missing)):  # the load fails whole: evict nothing for it
         return 0
     ticket = cache.begin_store(missing)  # present or being written elsewhere: left alone
     if not ticket.pages.size:

@@ -107,10 +107,27 @@ class TierStack:
                 on_promoted(n)
             try:
                 return self.cache.begin_load(keys)
-            except KeyNotFound:
+            except KeyNotFound as exc:
                 if attempt or not n:
-                    raise
+                    raise self._not_found(keys, exc) from None
         raise AssertionError("unreachable")
+
+    def _not_found(self, keys: Sequence[bytes], exc: KeyNotFound) -> KeyNotFound:
+        """The refusal, naming the first key in no tier (host memory alone would name the
+        first key it lacks, though the disk or the cluster holds it)."""
+        if self.disk is None and self.remote is None:
+            return exc
+        hit_prefix, tiers = self.cache.lookup(keys, self._below(), count=False)
+        first = tiers.find(0)
+        if first < 0:  # every key is somewhere, but could not all be held at once
+            return exc
+        missing = tiers.count(0)
+        return KeyNotFound(
+            f"{missing} of {len(keys)} key(s) are in no tier (never stored, evicted, removed, "
+            f"still being written, or gone from the disk or the cluster); first at position "
+            f"{first}; nothing was loaded",
+            metadata={"first_missing_position": first, "hit_prefix": hit_prefix,
+                      "missing": missing, "field": "keys"})
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop ``keys`` from every tier; returns how many some tier of this node held, or
