@@ -2,7 +2,7 @@
 
 Primitives: ``DiskTierConfig`` (frozen; ``from_mapping`` reads the TOML table, sizes as
 ``"100GiB"`` or bytes), ``share(pool_bytes, budget_bytes, page_bytes)``: the pages one pool
-may keep on disk.
+may keep on disk; ``table_settings``: any tier's table as keyword arguments.
 """
 
 from __future__ import annotations
@@ -51,15 +51,9 @@ class DiskTierConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, object], parse_size: Callable[[object], int]
                      ) -> DiskTierConfig:
-        aliases = {"capacity": "capacity_bytes", "spill_ahead": "spill_ahead_bytes"}
-        known = {f.name for f in fields(cls)}
-        kwargs: dict[str, object] = {}
-        for key, value in d.items():
-            key = aliases.get(key, key)
-            if key not in known:
-                raise SpecInvalid(f"unknown tier.disk setting {key!r}",
-                                  metadata={"setting": key})
-            kwargs[key] = parse_size(value) if key.endswith("_bytes") else value
+        kwargs = table_settings(cls, d, parse_size, "tier.disk",
+                                {"capacity": "capacity_bytes",
+                                 "spill_ahead": "spill_ahead_bytes"})
         if "path" not in kwargs or "capacity_bytes" not in kwargs:
             raise SpecInvalid("[tier.disk] needs path and capacity")
         return cls(**kwargs)  # type: ignore[arg-type]
@@ -69,3 +63,22 @@ class DiskTierConfig:
         if page_bytes <= 0 or budget_bytes <= 0:
             return 0
         return int(self.capacity_bytes * min(pool_bytes / budget_bytes, 1.0)) // page_bytes
+
+
+def table_settings(cls: type, d: Mapping[str, object], parse_size: Callable[[object], int],
+                   table: str, aliases: Mapping[str, str]) -> dict[str, object]:
+    """A tier's TOML table as keyword arguments of its config class: names through
+    ``aliases``, ``*_bytes`` as sizes (``"4GiB"``), ``*_seconds`` as floats; an unknown name
+    is ``SPEC_INVALID``."""
+    known = {f.name for f in fields(cls)}
+    kwargs: dict[str, object] = {}
+    for key, value in d.items():
+        key = aliases.get(key, key)
+        if key not in known:
+            raise SpecInvalid(f"unknown {table} setting {key!r}", metadata={"setting": key})
+        if key.endswith("_bytes"):
+            value = parse_size(value)
+        elif key.endswith("_seconds"):
+            value = float(value)  # type: ignore[arg-type]
+        kwargs[key] = value
+    return kwargs

@@ -7,9 +7,10 @@ Primitives: ``MooncakeTierConfig`` (frozen; ``from_mapping`` reads the TOML tabl
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from hicache.errors import SpecInvalid
+from hicached.tiers.config import table_settings
 
 WRITE_POLICIES = ("through", "evict")
 PROTOCOLS = ("tcp", "rdma")
@@ -94,20 +95,9 @@ class MooncakeTierConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, object], parse_size: Callable[[object], int]
                      ) -> MooncakeTierConfig:
-        aliases = {"segment_size": "segment_bytes", "local_buffer_size": "local_buffer_bytes",
-                   "queue_size": "queue_bytes", "master_server_addr": "master"}
-        known = {f.name for f in fields(cls)}
-        kwargs: dict[str, object] = {}
-        for key, value in d.items():
-            key = aliases.get(key, key)
-            if key not in known:
-                raise SpecInvalid(f"unknown tier.mooncake setting {key!r}",
-                                  metadata={"setting": key})
-            if key.endswith("_bytes"):
-                value = parse_size(value)
-            elif key.endswith("_seconds"):
-                value = float(value)  # type: ignore[arg-type]
-            kwargs[key] = value
+        kwargs = table_settings(cls, d, parse_size, "tier.mooncake", {
+            "segment_size": "segment_bytes", "local_buffer_size": "local_buffer_bytes",
+            "queue_size": "queue_bytes", "master_server_addr": "master"})
         if "master" not in kwargs or "local_hostname" not in kwargs:
             raise SpecInvalid("[tier.mooncake] needs master and local_hostname")
         return cls(**kwargs)  # type: ignore[arg-type]
