@@ -95,8 +95,9 @@ class TierStack:
     def hold_for_load(self, keys: Sequence[bytes],
                       on_promoted: Callable[[int], None] = lambda n: None) -> np.ndarray:
         """The host pages of ``keys`` held for reading, promoting from disk and then from
-        the cluster what host memory lacks; once more if a promotion evicted a key of this
-        very batch. ``KEY_NOT_FOUND`` when a key is in no tier (nothing held)."""
+        the cluster what host memory lacks; once more if that did not hold them all (a
+        promotion evicted a key of this very batch, or found no free page). ``KEY_NOT_FOUND``
+        when a key is in no tier (nothing held)."""
         for attempt in (0, 1):
             n = 0
             if self.disk is not None:
@@ -107,8 +108,8 @@ class TierStack:
                 on_promoted(n)
             try:
                 return self.cache.begin_load(keys)
-            except KeyNotFound as exc:
-                if attempt or not n:
+            except KeyNotFound as exc:  # once more: a promotion may have evicted a key of
+                if attempt:  # this batch, or found every page held by a spiller for a moment
                     raise self._not_found(keys, exc) from None
         raise AssertionError("unreachable")
 
