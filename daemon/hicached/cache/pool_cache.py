@@ -252,14 +252,15 @@ class PoolCache:
 
     # -- load ------------------------------------------------------------------------------
 
-    def begin_load(self, keys: Sequence[bytes]) -> np.ndarray:
-        """The pages of ``keys``, held for reading; every key must be ready."""
+    def begin_load(self, keys: Sequence[bytes], count_miss: bool = True) -> np.ndarray:
+        """The pages of ``keys``, held for reading; every key must be ready (a refusal is
+        counted in ``load_misses`` unless ``count_miss`` is False: a try before a retry)."""
         with self._lock:
             pages = [self._ready.get(k, -1) for k in keys]
             if -1 in pages:
                 first = pages.index(-1)
                 missing = pages.count(-1)
-                self.stats.load_misses += 1
+                self.stats.load_misses += count_miss
                 raise KeyNotFound(
                     f"{missing} of {len(keys)} key(s) are not in the cache (never stored, "
                     f"evicted, removed or still being written); first at position {first}; "

@@ -98,6 +98,8 @@ class TierStack:
         the cluster what host memory lacks; once more if that did not hold them all (a
         promotion evicted a key of this very batch, or found no free page). ``KEY_NOT_FOUND``
         when a key is in no tier (nothing held)."""
+        if self.disk is None and self.remote is None:
+            return self.cache.begin_load(keys)
         for attempt in (0, 1):
             n = 0
             if self.disk is not None:
@@ -107,7 +109,7 @@ class TierStack:
             if n:
                 on_promoted(n)
             try:
-                return self.cache.begin_load(keys)
+                return self.cache.begin_load(keys, count_miss=bool(attempt))
             except KeyNotFound as exc:  # once more: a promotion may have evicted a key of
                 if attempt:  # this batch, or found every page held by a spiller for a moment
                     raise self._not_found(keys, exc) from None
