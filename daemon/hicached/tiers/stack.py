@@ -118,8 +118,6 @@ class TierStack:
     def _not_found(self, keys: Sequence[bytes], exc: KeyNotFound) -> KeyNotFound:
         """The refusal, naming the first key in no tier (host memory alone would name the
         first key it lacks, though the disk or the cluster holds it)."""
-        if self.disk is None and self.remote is None:
-            return exc
         hit_prefix, tiers = self.cache.lookup(keys, self._below(), count=False)
         first = tiers.find(0)
         if first < 0:  # every key is somewhere, but could not all be held at once
