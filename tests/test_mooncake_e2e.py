@@ -356,6 +356,41 @@ def test_a_late_get_never_lands_in_a_reused_page(cluster: tuple[Netns, Master],
         wb.close()
 
 
+@pytest.mark.tier(timeout_seconds=0.5)
+def test_a_key_removed_while_the_tier_is_down_does_not_come_back(
+        cluster: tuple[Netns, Master], pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """A's tier goes down (the master stalls); RemoveKeys on A then cannot reach the cluster:
+    the key is never found through A, and once the tier is back up A removes it there too, so
+    B stops finding it. Stored again, it is shared again."""
+    _, m = cluster
+    a, b = pair
+    sp = spec("tomb")
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        wa.store([b"K"])
+        wait_puts(wa, 1)
+        assert wb.client.lookup(sp.name, [b"K"]).tiers == b"\x03"
+        m.pause()
+        assert wa.client.lookup(sp.name, [b"absent"]).hits == 0  # times out: A goes down
+        assert wait_tier(a, "down").startswith("down")
+        assert wa.client.remove_keys(sp.name, [b"K"]) == 1  # host memory only: A is down
+        assert wa.client.lookup(sp.name, [b"K"]).tiers == b"\x00"
+        m.resume()
+        wait_tier(a, "up")
+        assert wa.client.lookup(sp.name, [b"K"]).tiers == b"\x00"
+        deadline = time.monotonic() + 20
+        while wb.client.lookup(sp.name, [b"K"]).hits:
+            assert time.monotonic() < deadline, "a removed key came back from the cluster"
+            time.sleep(0.1)
+        want = wa.store([b"K"])
+        wait_puts(wa, 2)
+        assert wb.load_exact([b"K"], want)
+    finally:
+        m.resume()
+        wa.close()
+        wb.close()
+
+
 @pytest.mark.tier(write_policy="evict", queue_size="8KiB")
 def test_evict_policy_puts_what_host_memory_gives_up(pair: tuple[DaemonProc, DaemonProc]
                                                      ) -> None:

@@ -21,7 +21,8 @@ Primitives:
   no longer reads the runs, however long that takes (it runs on background threads).
 - ``get(keys, runs)`` -> (one bool per key: its exact size landed in its runs; the call, if it
   outlived the timeout: it may still write into the runs until it completes).
-- ``remove(keys)`` -> one bool per key; ``remove_prefix(prefix)`` -> a count.
+- ``remove(keys)`` -> per key removed / absent / not known; ``remove_prefix(prefix)`` -> a
+  count; ``on_up``: tasks run each time the tier comes up (removals it missed).
 - ``stats``: counters for metrics.
 
 ``runs`` are, per key, the (address, length) pieces of its page in registered memory.
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 RPC_FAIL = -900
 """Mooncake's error code for a master it cannot reach; -901 and the other codes of the
 -900s are the master's RPC failing too (a timeout, a broken connection)."""
+OBJECT_NOT_FOUND = -704
 PROBE_KEY = "hicache-probe"
 """Probed with a fresh suffix each time: Mooncake's client answers a key it was just asked
 about from a cache of its own, without the master."""
@@ -84,6 +86,8 @@ class MooncakeStore:
         self.config = config
         self.stats = RemoteStats()
         self._on_state = on_state
+        self.on_up: list[Callable[[], object]] = []
+        """Called (on the watch thread) each time the tier comes up."""
         self._observe = observe
         self._store_class, replicate = _load_wheel()
         self._replicate = replicate()
@@ -142,6 +146,11 @@ class MooncakeStore:
             log.warning("Mooncake tier is down: %s; serving host and disk, retrying every "
                         "%.1f s", why, self.config.retry_seconds)
         self._on_state(up, why)
+        for cb in list(self.on_up) if up else ():
+            try:
+                cb()
+            except Exception:
+                log.exception("a task for the tier coming up failed")
 
     def _watch(self) -> None:
         """Connect, then probe the master every ``retry_seconds``: a master gone is noticed
@@ -306,14 +315,18 @@ class MooncakeStore:
         self.stats.get_bytes += sum(size for size, k in zip(sizes, ok, strict=True) if k)
         return ok, late
 
-    def remove(self, keys: Sequence[str]) -> list[bool]:
-        """One bool per key: removed (False: absent, or the store is down)."""
+    def remove(self, keys: Sequence[str]) -> list[bool | None]:
+        """Per key: True removed, False it was not there, None not known (the store is down
+        or the call failed)."""
         if not keys:
             return []
         got = self._call("remove", lambda s: list(s.batch_remove(list(keys), True)))
-        ok = [g == 0 for g in got] if got is not None else [False] * len(keys)
-        self.stats.removed += sum(ok)
-        return ok
+        if got is None or _master_failed(got):
+            return [None] * len(keys)
+        out: list[bool | None] = [True if g == 0 else False if g == OBJECT_NOT_FOUND else None
+                                  for g in got]
+        self.stats.removed += out.count(True)
+        return out
 
     def remove_prefix(self, prefix: str) -> int:
         got = self._call("remove",

@@ -15,7 +15,10 @@ Primitives:
   ``get_pages`` hands its pages back through a callback once it is done); ``written(key)``:
   whether this daemon put (or got) it recently;
   ``contains`` / ``write_many`` (what a ``Spiller`` needs, for the ``evict`` policy);
-  ``remove(keys)`` -> those dropped, ``clear()``; ``close()`` (unregisters the memory).
+  ``remove(keys)`` -> those dropped (a removal the store did not confirm, or that raced a
+  put, leaves a tombstone: the key is never found, and is removed again after the put or
+  when the tier is back: ``retry_removals``); ``revive(keys)`` (stored again); ``clear()``;
+  ``close()`` (unregisters the memory).
 - ``RemoteWriter(cache, tier, max_keys, batch)``: the ``through`` policy: ``offer(keys)``
   after a Store; a thread puts them in batches with their pages held for reading, trying a
   failed key again (``PUT_ATTEMPTS`` in all); a key evicted before its turn, beyond
@@ -32,7 +35,7 @@ import hashlib
 import json
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -71,10 +74,17 @@ class RemoteTier:
         self.prefix = namespace(pool.spec, prefix)
         self._written: OrderedDict[bytes, None] = OrderedDict()
         self._remember = remember
+        self._tombstones: OrderedDict[bytes, None] = OrderedDict()
+        """Keys removed whose removal has not reached the store for sure (it was down, or a
+        put of the key was in flight): never reported or promoted, removed again later."""
+        self._in_flight: Counter[bytes] = Counter()
         self._lock = threading.Lock()
         store.register(pool.address, pool.nbytes)
+        store.on_up.append(self.retry_removals)
 
     def close(self) -> None:
+        if self.retry_removals in self.store.on_up:
+            self.store.on_up.remove(self.retry_removals)
         self.store.unregister(self.pool.address)
 
     def name(self, key: bytes) -> str:
@@ -106,7 +116,10 @@ class RemoteTier:
         got = self.store.exists([self.name(k) for k in keys])
         if got is None:
             return [0] * len(keys)
-        return [REMOTE_TIER if g else 0 for g in got]
+        with self._lock:
+            dead = self._tombstones
+            return [REMOTE_TIER if g and k not in dead else 0
+                    for k, g in zip(keys, got, strict=True)]
 
     def put_pages(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
         return self._put(keys, [self.runs(p) for p in pages.tolist()])
@@ -124,11 +137,19 @@ class RemoteTier:
             self.pool.begin_copy()
         except Exception:  # the pool is closing
             return [False] * len(keys)
+        with self._lock:
+            self._in_flight.update(keys)
         try:
             ok = self.store.put([self.name(k) for k in keys], runs)
         finally:
             self.pool.end_copy()
+            with self._lock:
+                self._in_flight.subtract(keys)
+                self._in_flight += Counter()
+                removed = [k for k in keys if k in self._tombstones]
         self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
+        if removed:  # removed while the put ran: it must not stay in the store
+            self._remove_from_store(removed)
         return ok
 
     def get_pages(self, keys: Sequence[bytes], pages: np.ndarray,
@@ -160,16 +181,41 @@ class RemoteTier:
         return ok
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The keys the store held and dropped."""
+        """The keys the store held and dropped. Until the store confirms each removal (it
+        is down, or a put of the key is in flight) the key is a tombstone here: never found,
+        never promoted, removed again once a put ends or the tier comes back up."""
         with self._lock:
             for k in keys:
                 self._written.pop(k, None)
-        ok = self.store.remove([self.name(k) for k in keys])
-        return [k for k, done in zip(keys, ok, strict=True) if done]
+                self._tombstones[k] = None
+            while len(self._tombstones) > self._remember:
+                self._tombstones.popitem(last=False)
+        return self._remove_from_store(keys)
+
+    def _remove_from_store(self, keys: Sequence[bytes]) -> list[bytes]:
+        got = self.store.remove([self.name(k) for k in keys])
+        with self._lock:
+            for k, done in zip(keys, got, strict=True):
+                if done is not None and not self._in_flight[k]:
+                    self._tombstones.pop(k, None)
+        return [k for k, done in zip(keys, got, strict=True) if done]
+
+    def retry_removals(self) -> int:
+        """Remove again every tombstone no put holds (the tier came back up)."""
+        with self._lock:
+            keys = [k for k in self._tombstones if not self._in_flight[k]]
+        return len(self._remove_from_store(keys)) if keys else 0
+
+    def revive(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were stored again: they are no longer removed."""
+        with self._lock:
+            for k in keys:
+                self._tombstones.pop(k, None)
 
     def clear(self) -> int:
         with self._lock:
             self._written.clear()
+            self._tombstones.clear()
         return self.store.remove_prefix(self.prefix)
 
 

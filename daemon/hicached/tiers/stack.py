@@ -69,6 +69,8 @@ class TierStack:
         for s in (self.spiller, self.remote_spiller):
             if s is not None:
                 s.nudge()
+        if self.remote is not None:
+            self.remote.revive(keys)
         if self.writer is not None:
             self.writer.offer(keys)
 
