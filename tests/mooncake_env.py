@@ -18,6 +18,7 @@ Primitives:
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -53,8 +54,14 @@ def unavailable() -> str:
     return ""
 
 
+@functools.cache
 def _unshare_flags() -> list[str]:
-    return ["-n"] if os.geteuid() == 0 else ["-rn"]
+    """``-n`` as root; a user namespace too (``-rn``) otherwise, or where root may not make
+    a network namespace by itself (a container without CAP_SYS_ADMIN)."""
+    if os.geteuid() == 0 and subprocess.run(["unshare", "-n", "true"],
+                                            capture_output=True).returncode == 0:
+        return ["-n"]
+    return ["-rn"]
 
 
 class Netns:
@@ -65,7 +72,7 @@ class Netns:
         while os.readlink(f"/proc/{self.holder.pid}/ns/net") == ours:
             assert time.monotonic() < deadline, "unshare did not make a namespace"
             time.sleep(0.01)
-        user = [] if os.geteuid() == 0 else ["-U", "--preserve-credentials"]
+        user = [] if _unshare_flags() == ["-n"] else ["-U", "--preserve-credentials"]
         self.prefix = ["nsenter", "-t", str(self.holder.pid), *user, "-n"]
         self.run(["ip", "link", "set", "lo", "up"])
 
