@@ -142,20 +142,22 @@ def serve(config: ServerConfig) -> int:
     except AlreadyServing as exc:
         logging.getLogger("hicached").error("%s", exc)
         return 2
-    stop = threading.Event()
+    def drain() -> None:
+        t0 = time.monotonic()
+        server.drain_and_stop()  # waits for a drain already under way
+        logging.getLogger("hicached").info("drained in %.2fs", time.monotonic() - t0)
 
     def on_signal(signum: int, _frame: object) -> None:
         logging.getLogger("hicached").info("received %s", signal.Signals(signum).name)
-        stop.set()
+        threading.Thread(target=drain, name="drain").start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    while not stop.wait(0.5):
-        if server.wait(0):  # drained by the Drain RPC (hicachectl drain)
-            break
-    t0 = time.monotonic()
-    server.drain_and_stop()  # waits for a drain already under way
-    logging.getLogger("hicached").info("drained in %.2fs", time.monotonic() - t0)
+    # asleep until stopped: by a signal's drain, or by the Drain RPC (hicachectl drain)
+    server.wait()
+    for t in threading.enumerate():
+        if t.name == "drain":
+            t.join()  # its last log line
     return 0
 
 

@@ -89,7 +89,10 @@ class IdentityChannel:
         conns: dict[socket.socket, _Conn] = {}
         try:
             while not self._closing:
-                for key, _ in sel.select(timeout=0.5):
+                # asleep until a connection, a request, the close, or the next deadline
+                timeout = (max(min(c.deadline for c in conns.values()) - time.monotonic(), 0)
+                           if conns else None)
+                for key, _ in sel.select(timeout=timeout):
                     if key.fileobj is self._sock:
                         self._accept(sel, conns)
                     elif key.fileobj in conns:
