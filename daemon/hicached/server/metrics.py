@@ -87,9 +87,11 @@ class _StateCollector(Collector):
                                          "Pages whose fingerprint differed on load.",
                                          labels=labels)
         entries = self._state.pools()
-        for pool, _cache in entries:  # no lock of the copy path is taken (counts(False))
+        # one pass over each allocator's tables per scrape, without its lock
+        counts = [pool.allocator.counts(locked=False) for pool, _cache in entries]
+        for (pool, _cache), count in zip(entries, counts, strict=True):
             name = [pool.spec.name]
-            used = pool.page_num - pool.allocator.counts(locked=False)["free"]
+            used = pool.page_num - count["free"]
             cap_b.add_metric(name, pool.nbytes)
             used_b.add_metric(name, used * pool.spec.page_bytes)
             cap_p.add_metric(name, pool.page_num)
@@ -101,7 +103,7 @@ class _StateCollector(Collector):
                 verified.add_metric(name, pool.canary.verified_pages)
                 mismatched.add_metric(name, pool.canary.mismatched_pages)
         yield from (cap_b, used_b, cap_p, used_p, pinned, pin_s, fails, verified, mismatched)
-        yield from _cache_families(entries)
+        yield from _cache_families(entries, counts)
         building = GaugeMetricFamily(
             "hicache_pool_build_progress", "Pools being created: faulted-in share (0..1), by "
             "state (CREATING, or FAILED until deleted or created again).",
@@ -109,7 +111,7 @@ class _StateCollector(Collector):
         for pool_name, build_state, progress in self._state.builds():
             building.add_metric([pool_name, build_state], progress)
         yield building
-        yield from tier_families(self._state.pools(), self._state.tiers(), self._state.remote)
+        yield from tier_families(entries, self._state.tiers(), self._state.remote)
         yield GaugeMetricFamily("hicache_cache_watchers", "WatchEvents streams open.",
                                 value=self._state.watchers())
         yield GaugeMetricFamily("hicache_sessions_open", "Open worker sessions.",
@@ -129,7 +131,8 @@ class _StateCollector(Collector):
                                 value=time.monotonic() - self._started)
 
 
-def _cache_families(entries: list[tuple[HostPool, PoolCache]]) -> Iterator[Metric]:
+def _cache_families(entries: list[tuple[HostPool, PoolCache]],
+                    counts: list[dict[str, int]]) -> Iterator[Metric]:
     """Pages by kind and the cache's tallies, per pool."""
     pool_l = ["pool"]
     g = {n: GaugeMetricFamily(f"hicache_{n}", h, labels=pool_l) for n, h in (
@@ -148,12 +151,12 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]]) -> Iterator[Metri
                                labels=["pool", "result"])
     stores = CounterMetricFamily("hicache_cache_store_keys", "Keys a Store named, by status.",
                                  labels=["pool", "status"])
-    for pool, cache in entries:
-        name, st, counts = pool.spec.name, cache.stats, pool.allocator.counts(locked=False)
+    for (pool, cache), count in zip(entries, counts, strict=True):
+        name, st = pool.spec.name, cache.stats
         ready = cache.key_count
-        for metric, value in (("pool_raw_pages", counts["raw"]),
-                              ("pool_keyed_pages", counts["keyed"]),
-                              ("pool_pinned_pages", counts["held"]),
+        for metric, value in (("pool_raw_pages", count["raw"]),
+                              ("pool_keyed_pages", count["keyed"]),
+                              ("pool_pinned_pages", count["held"]),
                               ("pool_metadata_bytes", pool.metadata_bytes),
                               ("cache_keys", ready),
                               ("cache_keyed_bytes", ready * pool.spec.page_bytes)):
