@@ -11,6 +11,8 @@ Primitives:
 - ``from_rpc_error(err)``: the client side: a ``grpc.RpcError`` back into the domain class for
   its reason, carrying metadata, violations, the gRPC code and whether the daemon itself
   answered (``from_daemon``: an ErrorInfo of our domain was attached).
+- ``from_status(code, details, status)`` / ``from_status_bytes(data)``: the same from a
+  ``google.rpc.Status`` (the fast path's error frames carry one, serialized).
 """
 
 from __future__ import annotations
@@ -141,6 +143,23 @@ def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
     code = err.code() if hasattr(err, "code") else C.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
+    return from_status(code, details or "", status)
+
+
+_CODES_BY_VALUE = {c.value[0]: c for c in C}
+
+
+def from_status_bytes(data: bytes) -> e.HiCacheError:
+    """A serialized ``google.rpc.Status`` (the fast path's error frame, gRPC's
+    ``grpc-status-details-bin``) back into its domain error."""
+    status = status_pb2.Status.FromString(data)
+    return from_status(_CODES_BY_VALUE.get(status.code, C.UNKNOWN), status.message, status)
+
+
+def from_status(code: grpc.StatusCode, details: str, status: status_pb2.Status | None
+                ) -> e.HiCacheError:
+    """The domain error of a status: its ErrorInfo's reason and metadata, its BadRequest's
+    violations; without an ErrorInfo of our domain, a class for the code."""
     reason, metadata, from_daemon = "", {}, False
     violations: list[e.Violation] = []
     if status is not None:
@@ -165,9 +184,8 @@ def from_rpc_error(err: grpc.RpcError) -> e.HiCacheError:
                   C.INVALID_ARGUMENT: e.InvalidRequest.reason,
                   C.RESOURCE_EXHAUSTED: e.ResourceExhausted.reason}.get(code, "INTERNAL")
     cls = e.error_class_for(reason)
-    exc = cls(_own_message(details or "", reason, metadata), metadata=metadata,
+    exc = cls(_own_message(details, reason, metadata), metadata=metadata,
               violations=violations)
     exc.grpc_code = code
     exc.from_daemon = from_daemon
     return exc
-
