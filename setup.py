@@ -11,7 +11,8 @@ setup(
         Extension(
             "hicached.copy._copykernel",
             sources=[f"daemon/hicached/copy/csrc/{name}.c"
-                     for name in ("module", "copykernel", "cudasubmit", "faultguard")],
+                     for name in ("module", "copykernel", "cudasubmit", "faultguard",
+                                      "pagescan")],
             depends=["daemon/hicached/copy/csrc/kernel.h"],
             extra_compile_args=["-O3", "-pthread", "-std=c11"],
             extra_link_args=["-pthread"],

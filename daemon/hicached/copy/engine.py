@@ -4,8 +4,9 @@ Primitives:
 
 - ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` of raw pages by host indices,
   over all layers or a layer range, for every kind, layout and pool group; returns a
-  ``TransferResult``. ``check_keyed`` / ``transfer_pages`` validate and copy keyed pages the
-  cache holds. CPU buffers are copied by the CPU runner (``cpu.execute``); GPU buffers
+  ``TransferResult``; ``pages=True``: the batch names page ids (the fast path's form,
+  validated by ``page_batch``). ``check_keyed`` / ``transfer_pages`` validate and copy keyed
+  pages the cache holds. CPU buffers are copied by the CPU runner (``cpu.execute``); GPU buffers
   through the session's ``PlanRunner``.
 - ``PlanRunner``: runs the copy plans elsewhere (``hicached.cuda.runner.CudaRunner``), either
   to completion or, for loads that signal per-layer events, asynchronously with a completion
@@ -31,7 +32,8 @@ import numpy as np
 
 from hicached.copy.cpu import execute
 from hicached.copy.native import KERNEL
-from hicached.copy.plan import CopyPlan, Side
+from hicached.copy.page_batch import scan, validate_keyed_pages, validate_page_transfer
+from hicached.copy.plan import CopyPlan, PlanTemplate, Side
 from hicached.core.pool import ComponentStorage, HostPool
 from hicached.core.system import default_copy_threads
 from hicached.core.validation import (
@@ -91,29 +93,39 @@ class TransferEngine:
 
     def backup(self, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
                device_indices: object, layer_begin: int = 0, layer_end: int = 0,
-               runner: PlanRunner | None = None) -> TransferResult:
+               runner: PlanRunner | None = None, *, pages: bool = False) -> TransferResult:
         """Copy device pages into host pages (all layers unless a range is given). Always
-        complete when it returns: an acknowledged backup is in the pool."""
+        complete when it returns: an acknowledged backup is in the pool. ``pages``: the
+        indices are page ids (int64 arrays), not token indices."""
         return self._transfer(Op.BACKUP, pool, buffers, host_indices, device_indices,
-                              layer_begin, layer_end, runner, True, None)
+                              layer_begin, layer_end, runner, True, None, pages)
 
     def load(self, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
              device_indices: object, layer_begin: int = 0, layer_end: int = 0,
              runner: PlanRunner | None = None, wait: bool = True,
-             on_complete: Callable[[], None] | None = None) -> TransferResult:
+             on_complete: Callable[[], None] | None = None, *, pages: bool = False
+             ) -> TransferResult:
         """Copy host pages into device pages (all layers unless a range is given). With a
         runner and ``wait=False`` it may return ``pending``; ``on_complete`` then runs once the
-        bytes landed (and never for a result that is not pending)."""
+        bytes landed (and never for a result that is not pending). ``pages`` as ``backup``."""
         return self._transfer(Op.LOAD, pool, buffers, host_indices, device_indices,
-                              layer_begin, layer_end, runner, wait, on_complete)
+                              layer_begin, layer_end, runner, wait, on_complete, pages)
 
     def check_keyed(self, op: Op, pool: HostPool, buffers: WorkerBuffers, keys: int,
-                    device_indices: object, layer_begin: int = 0, layer_end: int = 0
-                    ) -> tuple[IndexArray, range]:
+                    device_indices: object, layer_begin: int = 0, layer_end: int = 0,
+                    pages: bool = False) -> tuple[IndexArray, range]:
         """Validate the worker side of a Store (``BACKUP``) or LoadKeys (``LOAD``) of ``keys``
-        keys before the cache commits to anything; returns (device pages, layers)."""
+        keys before the cache commits to anything; returns (device pages, layers).
+        ``pages``: ``device_indices`` are page ids (an int64 array)."""
         pool._check_open()
         device_tokens = buffers.check_against(pool.spec)
+        if pages:
+            assert isinstance(device_indices, np.ndarray)
+            return validate_keyed_pages(
+                keys=keys, device_pages=device_indices,
+                device_page_num=device_tokens // pool.page_size,
+                layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
+                writes_host=op is Op.BACKUP)
         return validate_keyed(
             keys=keys, device_indices=device_indices, page_size=pool.page_size,
             device_tokens=device_tokens, layer_num=pool.spec.max_layers,
@@ -128,17 +140,29 @@ class TransferEngine:
         The caller releases the pages after the call returns, or from ``on_complete`` when the
         result is ``pending``."""
         t0 = time.perf_counter()
-        unique = op is Op.BACKUP or np.unique(host_pages).size == host_pages.size
-        batch = TransferBatch(host_pages, device_pages, layers, unique)
+        # one native pass each: the extremes, and whether a load reads a page twice
+        found, host_bounds = scan(host_pages, pool.page_num, "host_pages", op is Op.LOAD)
+        device_bounds = scan(device_pages, 1 << 62, "device_pages", False)[1]
+        batch = TransferBatch(host_pages, device_pages, layers, not found,
+                              bounds=(host_bounds, device_bounds))
         return self._run(op, pool, buffers, batch, t0, runner, wait, on_complete, hold=False)
 
     def _transfer(self, op: Op, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
                   device_indices: object, layer_begin: int, layer_end: int,
                   runner: PlanRunner | None, wait: bool,
-                  on_complete: Callable[[], None] | None) -> TransferResult:
+                  on_complete: Callable[[], None] | None, pages: bool) -> TransferResult:
         t0 = time.perf_counter()
         pool._check_open()
         device_tokens = buffers.check_against(pool.spec)
+        if pages:
+            assert isinstance(host_indices, np.ndarray)
+            assert isinstance(device_indices, np.ndarray)
+            batch = validate_page_transfer(
+                host_pages=host_indices, device_pages=device_indices, allocator=pool.allocator,
+                device_page_num=device_tokens // pool.page_size,
+                layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
+                writes_host=op is Op.BACKUP)
+            return self._run(op, pool, buffers, batch, t0, runner, wait, on_complete, hold=True)
         batch = validate_transfer(
             host_indices=host_indices, device_indices=device_indices,
             page_size=pool.page_size, host_tokens=pool.size_tokens, device_tokens=device_tokens,
@@ -212,15 +236,28 @@ class TransferEngine:
     def _plan(self, op: Op, pool: HostPool, buffers: WorkerBuffers, cs: ComponentStorage,
               batch: TransferBatch, bounds: tuple[tuple[int, int], tuple[int, int]]
               ) -> CopyPlan:
+        key = (id(cs), op, batch.layers.start, batch.layers.stop)
+        cached = buffers.plan_cache.get(key)
+        if cached is None or cached[0] is not cs:
+            if len(buffers.plan_cache) > 256:
+                buffers.plan_cache.clear()
+            cached = buffers.plan_cache[key] = (cs, self._template(op, pool, buffers, cs,
+                                                                   batch.layers))
+        template: PlanTemplate = cached[1]
+        if op is Op.BACKUP:
+            return template.plan(batch.host_pages, batch.device_pages, bounds)
+        return template.plan(batch.device_pages, batch.host_pages, (bounds[1], bounds[0]))
+
+    @staticmethod
+    def _template(op: Op, pool: HostPool, buffers: WorkerBuffers, cs: ComponentStorage,
+                  layers: range) -> PlanTemplate:
+        """What every plan of this component, direction and layer range shares."""
         ub = cs.comp.unit_bytes
         units = cs.comp.units_per_page(pool.page_size)
         starts, ends = buffers.extents(cs.member, cs.comp.role)
         dev = Side(layer_bases=starts, layer_limits=ends, page_pitch=units * ub, unit_stride=ub)
-        host, layers = host_side(cs), cs.clip(batch.layers)
+        host, clipped = host_side(cs), cs.clip(layers)
         if op is Op.BACKUP:
-            return CopyPlan.build(dst=host, src=dev, dst_pages=batch.host_pages,
-                                  src_pages=batch.device_pages, layers=layers, unit_bytes=ub,
-                                  units=units, page_bounds=bounds)
-        return CopyPlan.build(dst=dev, src=host, dst_pages=batch.device_pages,
-                              src_pages=batch.host_pages, layers=layers, unit_bytes=ub,
-                              units=units, page_bounds=(bounds[1], bounds[0]))
+            return PlanTemplate.make(dst=host, src=dev, layers=clipped, unit_bytes=ub,
+                                     units=units)
+        return PlanTemplate.make(dst=dev, src=host, layers=clipped, unit_bytes=ub, units=units)

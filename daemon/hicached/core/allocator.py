@@ -63,6 +63,8 @@ RAW = 1
 """Kind of a page handed out by ``alloc``: named by host indices."""
 KEYED = 2
 """Kind of a page handed out by ``alloc_pages``: named by a content key."""
+SMALL_BATCH = 16
+"""Holds of up to this many pages are taken and given back page by page."""
 
 
 def table_specs(page_num: int, layer_num: int) -> list[TableSpec]:
@@ -228,6 +230,8 @@ class PageAllocator:
         allocated (a concurrent free may have released one since validation, so it is checked
         again here), and no conflicting copy may hold them: else ``PAGE_BUSY``."""
         with self._lock:
+            if pages.size <= SMALL_BATCH and self._acquire_small(pages.tolist(), write):
+                return
             bad = np.flatnonzero(self._state[pages] != ALLOCATED)
             if bad.size:
                 page = int(pages[bad[0]])
@@ -256,10 +260,38 @@ class PageAllocator:
             else:
                 np.add.at(self._readers, pages, 1)
 
+    def _acquire_small(self, pages: list[int], write: bool) -> bool:
+        """``acquire`` of a few pages, page by page (numpy's fancy indexing costs more than
+        the whole loop at this size); False, holding nothing, when a page is not free to
+        take: the caller's batch path then names the fault."""
+        state, writer, readers = self._state, self._writer, self._readers
+        for p in pages:
+            if state[p] != ALLOCATED or writer[p] or (write and readers[p] > 0):
+                return False
+        if write:
+            if len(set(pages)) != len(pages):
+                return False
+            for p in pages:
+                writer[p] = True
+        else:
+            for p in pages:
+                readers[p] += 1
+        return True
+
     def release(self, pages: np.ndarray, write: bool, unique: bool = True,
                 layers: range | None = None) -> None:
         """End a copy: a writer that completed marks ``layers`` of its pages written."""
         with self._lock:
+            if pages.size <= SMALL_BATCH and not self._releasing:
+                written = self._written
+                for p in pages.tolist():
+                    if write:
+                        self._writer[p] = False
+                        if layers is not None:
+                            written[p, layers.start:layers.stop] = True
+                    else:
+                        self._readers[p] -= 1
+                return
             if write:
                 self._writer[pages] = False
                 if layers is not None:
@@ -352,24 +384,8 @@ class PageAllocator:
     # -- invariants ------------------------------------------------------------------------
 
     def memcheck(self) -> None:
-        """Raise AssertionError when any invariant is broken."""
+        """Raise AssertionError when any invariant is broken (``allocator_check``)."""
+        from hicached.core.allocator_check import check_invariants
+
         with self._lock:
-            n = self.page_num
-            stack = self._stack[:self._nfree]
-            assert stack.size == np.unique(stack).size, "a page is on the free stack twice"
-            assert np.all((stack >= 0) & (stack < n)), "free stack holds a bad page id"
-            assert np.all(self._state[stack] == FREE), "a free-stack page is not in FREE state"
-            free = self._state == FREE
-            assert int(free.sum()) == stack.size, "a FREE page is not on the stack"
-            assert np.all(self._readers >= 0), "negative reader count"
-            assert not np.any(self._writer & (self._readers > 0)), "a page read while written"
-            assert np.all(self._readers[free] == 0) and not self._writer[free].any(), \
-                "a free page is held"
-            assert np.all(self._kind[free] == 0) and np.all(self._owner[free] == 0), \
-                "a free page keeps its kind or owner"
-            assert np.all(self._kind[~free] > 0), "a live page has no kind"
-            assert np.all(self._owner[self._kind == KEYED] == 0), "a keyed page has an owner"
-            releasing = self._state == RELEASING
-            assert np.all((self._readers[releasing] > 0) | self._writer[releasing]), \
-                "a releasing page is not held"
-            assert int(releasing.sum()) == self._releasing, "releasing count is off"
+            check_invariants(self)

@@ -158,6 +158,8 @@ class TransferBatch:
     layers: range
     host_unique: bool = True
     """No host page twice (always so for a backup; a load may read one page twice)."""
+    bounds: tuple[tuple[int, int], tuple[int, int]] | None = None
+    """``page_bounds()`` when the validation already found them."""
 
     @property
     def num_pages(self) -> int:
@@ -165,6 +167,8 @@ class TransferBatch:
 
     def page_bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """((host min, host max), (device min, device max)) page numbers; (0, 0) if empty."""
+        if self.bounds is not None:
+            return self.bounds
         if not self.host_pages.size:
             return (0, 0), (0, 0)
         return ((int(self.host_pages.min()), int(self.host_pages.max())),

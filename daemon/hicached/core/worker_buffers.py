@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,6 +73,8 @@ class WorkerBuffers:
         self.location = location
         self._checked: tuple[PoolSpec, int] | None = None
         self._extents: dict[tuple[str, Role], tuple[np.ndarray, np.ndarray]] = {}
+        self.plan_cache: dict[object, tuple[object, Any]] = {}
+        """What the copy engine plans once for these buffers (its business)."""
 
     @classmethod
     def allocate(cls, spec: PoolSpec, device_tokens: int,

@@ -15,7 +15,8 @@ Primitives:
   copies land.
 - ``alloc(pool, tokens, session_id)``: raw pages, owned by a session when one is named (freed
   when it ends: ``session_ended``).
-- ``store(session_id, keys, device)`` / ``load_keys(...)``: the keyed flows: the whole batch is
+- ``store(session_id, keys, device)`` / ``load_keys(...)``: the keyed flows (``pages=True``:
+  device page ids, as the fast path sends them, not token indices): the whole batch is
   validated first, then the cache commits (pages found, held, taken or evicted), the copy
   engine moves the bytes, and the cache finishes (keys become ready, holds are released).
 """
@@ -83,6 +84,8 @@ class Daemon:
     """Who may open sessions on which pools."""
     identities: list[IdentityChannel] = field(default_factory=list)
     """The identity sockets beside the Unix API sockets (tokens for OpenSession)."""
+    fast_paths: list[str] = field(default_factory=list)
+    """The fast path's sockets (``<socket>.fast``), beside the Unix API sockets."""
     watchers: int = 0
     """WatchEvents streams open now."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -202,8 +205,10 @@ class Daemon:
         return r
 
     def transfer(self, op: Op, session_id: str, host: IndexArray, device: IndexArray,
-                 layers: tuple[int, int], layer_events: bool) -> TransferResult:
-        """One backup or load; with ``layer_events`` a load returns once enqueued."""
+                 layers: tuple[int, int], layer_events: bool, pages: bool = False
+                 ) -> TransferResult:
+        """One backup or load; with ``layer_events`` a load returns once enqueued. ``pages``:
+        ``host`` and ``device`` are page ids (the fast path), not token indices."""
         if op is Op.BACKUP and layer_events:
             raise SpecInvalid("backups always complete before the reply; "
                               "COMPLETION_LAYER_EVENTS is for loads",
@@ -213,13 +218,14 @@ class Daemon:
             runner = s.attachment.runner
             assert buffers is not None, "a session in use keeps its mappings"
             if op is Op.BACKUP:
-                r = self.engine.backup(s.pool, buffers, host, device, *layers, runner=runner)
+                r = self.engine.backup(s.pool, buffers, host, device, *layers, runner=runner,
+                                       pages=pages)
                 self.metrics.transfer(s.pool_name, op.value, r.bytes, r.pages, r.seconds)
                 return r
             self._check_layer_events(layer_events, runner)
             return self._held_load(s, op.value, lambda landed: self.engine.load(
                 s.pool, buffers, host, device, *layers, runner=runner,
-                wait=not layer_events, on_complete=landed))
+                wait=not layer_events, on_complete=landed, pages=pages))
 
     def alloc(self, pool_name: str, num_tokens: int, session_id: str = "") -> IndexArray:
         owner = 0
@@ -239,13 +245,14 @@ class Daemon:
             log.info("session %s ended: freed %d raw page(s) it owned", s.public_id, freed)
 
     def store(self, session_id: str, keys: list[bytes], device: IndexArray,
-              layers: tuple[int, int]) -> tuple[StoreTicket, TransferResult | None]:
+              layers: tuple[int, int], pages: bool = False
+              ) -> tuple[StoreTicket, TransferResult | None]:
         keys = check_keys(keys, "keys", unique=True)
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
             assert buffers is not None, "a session in use keeps its mappings"
             device_pages, all_layers = self.engine.check_keyed(
-                Op.BACKUP, s.pool, buffers, len(keys), device, *layers)
+                Op.BACKUP, s.pool, buffers, len(keys), device, *layers, pages=pages)
             cache = self.pools.cache(s.pool_name)
             ticket = cache.begin_store(keys)
             result, ok = None, False
@@ -263,7 +270,8 @@ class Daemon:
         return ticket, result
 
     def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray,
-                  layers: tuple[int, int], layer_events: bool) -> TransferResult:
+                  layers: tuple[int, int], layer_events: bool, pages: bool = False
+                  ) -> TransferResult:
         keys = check_keys(keys, "keys")
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
@@ -271,14 +279,14 @@ class Daemon:
             assert buffers is not None, "a session in use keeps its mappings"
             self._check_layer_events(layer_events, runner)
             device_pages, load_layers = self.engine.check_keyed(
-                Op.LOAD, s.pool, buffers, len(keys), device, *layers)
+                Op.LOAD, s.pool, buffers, len(keys), device, *layers, pages=pages)
             cache = self.pools.cache(s.pool_name)
             # keys on disk or in the cluster are read back first; KEY_NOT_FOUND: nothing
             # held, nothing moves
-            pages = self.pools.stack(s.pool_name).hold_for_load(
+            held = self.pools.stack(s.pool_name).hold_for_load(
                 keys, self.metrics.promotions.labels(s.pool_name).inc)
             return self._held_load(s, "load_keys", lambda landed: self.engine.transfer_pages(
-                Op.LOAD, s.pool, buffers, pages, device_pages, load_layers, runner,
+                Op.LOAD, s.pool, buffers, held, device_pages, load_layers, runner,
                 wait=not layer_events, on_complete=landed),
-                release=functools.partial(cache.finish_load, pages))
+                release=functools.partial(cache.finish_load, held))
 

@@ -58,6 +58,8 @@ class ScrapeState:
     """The tiers below each pool's host memory."""
     remote: MooncakeStore | None = None
     """The cluster tier's client, if one is configured."""
+    fast_connections: Callable[[], int] = lambda: 0
+    """Connections open on the fast path's sockets."""
 
 
 class _StateCollector(Collector):
@@ -114,6 +116,9 @@ class _StateCollector(Collector):
         yield from tier_families(entries, self._state.tiers(), self._state.remote)
         yield GaugeMetricFamily("hicache_cache_watchers", "WatchEvents streams open.",
                                 value=self._state.watchers())
+        yield GaugeMetricFamily("hicache_fast_path_connections",
+                                "Worker connections open on the fast path.",
+                                value=self._state.fast_connections())
         yield GaugeMetricFamily("hicache_sessions_open", "Open worker sessions.",
                                 value=self._state.sessions_open())
         yield CounterMetricFamily("hicache_sessions_reaped", "Sessions ended by lease expiry.",
@@ -197,6 +202,13 @@ class Metrics:
                                 registry=registry)
         for reason in REASONS:
             self.rejected.labels(reason)
+        self.fast_requests = Counter(
+            "hicache_fast_path_requests", "Data calls served over the fast path "
+            "(<socket>.fast), by method; hicache_rpc_requests_total counts them too.",
+            ["method"], registry=registry)
+        for method in ("Store", "LoadKeys", "Lookup", "Backup", "Load"):
+            self.fast_requests.labels(method)
+        self._per_op: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         info = Gauge("hicache_build_info", "Build of the daemon.", list(build),
                      registry=registry)
         info.labels(**build).set(1)
@@ -233,10 +245,18 @@ class Metrics:
         self.recovery_dropped.labels(name).inc(recovered.get("damaged", 0))
 
     def transfer(self, pool: str, op: str, nbytes: int, pages: int, seconds: float) -> None:
-        self.transfer_bytes.labels(pool, op).inc(nbytes)
-        self.transfer_pages.labels(pool, op).inc(pages)
-        self.transfer_requests.labels(pool, op).inc()
-        self.transfer_seconds.labels(pool, op).observe(seconds)
+        children = self._per_op.get((pool, op))
+        if children is None:  # a label lookup costs microseconds: resolve them once
+            if len(self._per_op) > 4096:
+                self._per_op.clear()
+            children = self._per_op[(pool, op)] = (
+                self.transfer_bytes.labels(pool, op), self.transfer_pages.labels(pool, op),
+                self.transfer_requests.labels(pool, op), self.transfer_seconds.labels(pool, op))
+        nbytes_c, pages_c, requests_c, seconds_h = children
+        nbytes_c.inc(nbytes)
+        pages_c.inc(pages)
+        requests_c.inc()
+        seconds_h.observe(seconds)
 
 
 def serve(metrics: Metrics, address: str) -> tuple[Any, int]:

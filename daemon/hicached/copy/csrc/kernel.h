@@ -17,6 +17,11 @@ PyObject *copy_pages(PyObject *self, PyObject *args);
  * sleeping (0, the default: it sleeps at once). */
 PyObject *set_copy_spin(PyObject *self, PyObject *args);
 
+/* scan_pages(pages, upper, unique) -> (first position outside [0, upper) or -1, how many,
+ * first position repeating an earlier page or -1 (only checked when `unique` and all are in
+ * range), how many repeat, min, max) */
+PyObject *scan_pages(PyObject *self, PyObject *args);
+
 /* cuda_submit(memcpy_async, memcpy2d_async, stream, dst, src, dpitch, spitch, width, height)
  * -> (segments submitted, CUresult of the first failure or 0) */
 PyObject *cuda_submit(PyObject *self, PyObject *args);

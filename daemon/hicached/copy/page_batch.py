@@ -1,0 +1,145 @@
+"""Validating batches of page ids (the fast path's form), natively where the kernel is built.
+
+A batch the fast path sends names pages, not token indices: there is no page run to check, only
+the range, the duplicates a copy cannot have and, for raw pages, their allocation. The same
+reason codes as the token-index checks (``core.validation``), on fields ``host_pages`` and
+``device_pages``, collecting every violation before any byte moves.
+
+Primitives:
+
+- ``scan(pages, upper, field, unique)``: (violations, (min, max)): ``INDEX_OUT_OF_RANGE`` and,
+  when ``unique``, ``DUPLICATE_PAGE``; one native pass (``scan_pages``), numpy without it.
+- ``validate_page_transfer(...)``: a raw Backup or Load by page ids: both sides, the count,
+  the layers, and the host pages allocated (and, for a load, written); a ``TransferBatch``.
+- ``validate_keyed_pages(...)``: the device side of a Store or LoadKeys by page ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache.errors import (
+    DuplicatePage,
+    IndexCountMismatch,
+    IndexOutOfRange,
+    LayerOutOfRange,
+    PageNotAllocated,
+    PageNotWritten,
+    Violation,
+    raise_violations,
+)
+from hicache.indices import IndexArray
+from hicached.copy.native import KERNEL
+from hicached.core.allocator import PageAllocator
+from hicached.core.validation import TransferBatch, check_layers
+
+Bounds = tuple[int, int]
+
+
+def scan(pages: IndexArray, upper: int, field: str, unique: bool
+         ) -> tuple[list[Violation], Bounds]:
+    """Every page in [0, upper) and, with ``unique``, none twice; (violations, (min, max))."""
+    if KERNEL is not None:
+        bad, nbad, rep, dups, lo, hi = KERNEL.scan_pages(pages, upper, unique)
+    else:
+        bad, nbad, rep, dups, lo, hi = _scan_numpy(pages, upper, unique)
+    out: list[Violation] = []
+    if bad >= 0:
+        out.append(Violation(
+            field, IndexOutOfRange.reason,
+            f"{field}: {nbad} page(s) outside [0, {upper}); first {int(pages[bad])} at "
+            f"position {bad}",
+            {"count": nbad, "first_bad_position": bad, "first_bad_value": int(pages[bad]),
+             "upper_bound": upper}))
+    if rep >= 0:
+        out.append(Violation(
+            field, DuplicatePage.reason,
+            f"{field}: page {int(pages[rep])} appears more than once (again at position {rep})",
+            {"page": int(pages[rep]), "first_bad_position": rep, "duplicates": dups}))
+    return out, (lo, hi)
+
+
+def _scan_numpy(pages: IndexArray, upper: int, unique: bool
+                ) -> tuple[int, int, int, int, int, int]:
+    """``scan_pages`` without the kernel."""
+    if not pages.size:
+        return -1, 0, -1, 0, 0, 0
+    outside = np.flatnonzero((pages < 0) | (pages >= upper))
+    bad, nbad = (int(outside[0]), int(outside.size)) if outside.size else (-1, 0)
+    rep, dups = -1, 0
+    if unique and bad < 0 and pages.size > 1:
+        _, first = np.unique(pages, return_index=True)
+        repeat = np.ones(pages.size, bool)
+        repeat[first] = False
+        at = np.flatnonzero(repeat)
+        rep, dups = (int(at[0]), int(at.size)) if at.size else (-1, 0)
+    return bad, nbad, rep, dups, int(pages.min()), int(pages.max())
+
+
+def _count(field: str, what: str, want: int, got: int) -> Violation:
+    return Violation(field, IndexCountMismatch.reason, f"{what} but {got} {field}",
+                     {"expected": want, "count": got})
+
+
+def validate_page_transfer(*, host_pages: IndexArray, device_pages: IndexArray,
+                           allocator: PageAllocator, device_page_num: int, layer_num: int,
+                           layer_begin: int, layer_end: int, writes_host: bool
+                           ) -> TransferBatch:
+    """Check a raw Backup (``writes_host``) or Load by page ids; raise with every violation."""
+    violations: list[Violation] = []
+    if host_pages.size != device_pages.size:
+        violations.append(_count("device_pages", f"{host_pages.size} host pages",
+                                 int(host_pages.size), int(device_pages.size)))
+    layer_violations, layers = check_layers(layer_begin, layer_end, layer_num)
+    h_bad, h_bounds = scan(host_pages, allocator.page_num, "host_pages", writes_host)
+    d_bad, d_bounds = scan(device_pages, device_page_num, "device_pages", not writes_host)
+    violations += h_bad + d_bad + layer_violations
+    host_unique = writes_host
+    if not writes_host and not h_bad and host_pages.size > 1:
+        host_unique = not scan(host_pages, allocator.page_num, "host_pages", True)[0]
+    in_range = not any(v.reason == IndexOutOfRange.reason for v in h_bad)
+    if in_range and host_pages.size:
+        mask = allocator.is_allocated(host_pages)
+        if not mask.all():
+            violations.append(_host_violation(host_pages, mask, PageNotAllocated.reason,
+                                              "are not allocated raw pages"))
+        elif not writes_host and len(layers):
+            mask = allocator.written_mask(host_pages, layers)
+            if not mask.all():
+                violations.append(_host_violation(
+                    host_pages, mask, PageNotWritten.reason,
+                    f"were never written at layers [{layers.start}, {layers.stop}) since they "
+                    "were allocated"))
+    raise_violations(violations)
+    return TransferBatch(host_pages, device_pages, layers, host_unique,
+                         bounds=(h_bounds, d_bounds))
+
+
+def _host_violation(pages: IndexArray, ok: np.ndarray, reason: str, what: str) -> Violation:
+    bad = np.flatnonzero(~ok)
+    pos = int(bad[0])
+    return Violation("host_pages", reason,
+                     f"{bad.size} host page(s) {what}; first page {int(pages[pos])} at "
+                     f"position {pos}",
+                     {"count": int(bad.size), "first_bad_position": pos,
+                      "page": int(pages[pos])})
+
+
+def validate_keyed_pages(*, keys: int, device_pages: IndexArray, device_page_num: int,
+                         layer_num: int, layer_begin: int, layer_end: int, writes_host: bool
+                         ) -> tuple[IndexArray, range]:
+    """The device side of a Store (``writes_host``) or LoadKeys of ``keys`` keys by page ids:
+    one page per key, in range, a load's destinations unique, a store over every layer."""
+    violations, _ = scan(device_pages, device_page_num, "device_pages", not writes_host)
+    if device_pages.size != keys:
+        violations.append(_count("device_pages", f"{keys} key(s)", keys,
+                                 int(device_pages.size)))
+    layer_violations, layers = check_layers(layer_begin, layer_end, layer_num)
+    if writes_host and not layer_violations and len(layers) != layer_num:
+        layer_violations = [Violation(
+            "layer_begin", LayerOutOfRange.reason,
+            f"a Store writes whole pages: the layer range must be all layers [0, {layer_num}) "
+            f"(or 0, 0), got [{layer_begin}, {layer_end})",
+            {"layer_begin": layer_begin, "layer_end": layer_end, "layer_num": layer_num})]
+    raise_violations(violations + layer_violations)
+    return device_pages, layers
