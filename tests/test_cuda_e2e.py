@@ -149,11 +149,10 @@ def test_killed_worker_releases_its_gpu_mappings(daemon: DaemonProc,
 def test_backup_refuses_layer_event_completion(daemon: DaemonProc,
                                                client: HiCacheClient) -> None:
     from hicache.errors import SpecInvalid
-    from hicache.v1 import hicache_pb2 as pb
+    from hicache.fast_wire import Method
 
     with pytest.raises(SpecInvalid, match="COMPLETION_LAYER_EVENTS"):
-        client._transfer(client._stub.Backup, "no-such-session", b"", b"", 0, 0,
-                         pb.COMPLETION_LAYER_EVENTS)
+        client._transfer(Method.BACKUP, "no-such-session", b"", b"", 0, 0, True)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True,

@@ -42,6 +42,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--max-lease-seconds": ("max_lease_seconds", "longest lease a worker may ask for (60)"),
     "--copy-threads": ("copy_threads", "threads per copy (0 = a quarter of the CPUs, 1 to 8)"),
     "--copy-spin-us": ("copy_spin_us", "microseconds copy threads spin after a job (0 = none)"),
+    "--fast-path-spin-us": ("fast_path_spin_us", "microseconds a fast-path connection polls "
+                                                 "for the next request (0 = none)"),
     "--grpc-threads": ("grpc_threads", "concurrent RPCs (16)"),
     "--max-data-rpcs": ("max_data_rpcs", "data calls at once before OVERLOADED "
                                          "(grpc-threads - 4)"),
@@ -58,10 +60,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
 }
 _FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds"}
-_INTS = {"copy_threads", "copy_spin_us", "grpc_threads", "max_watchers", "max_data_rpcs",
-         "max_pending_rpcs"}
+_INTS = {"copy_threads", "copy_spin_us", "fast_path_spin_us", "grpc_threads", "max_watchers",
+         "max_data_rpcs", "max_pending_rpcs"}
 _LISTS = {"listen", "health_listen"}
-_BOOLS = {"hugepages", "insecure_tcp", "accept_shm_paths"}
+_BOOLS = {"hugepages", "insecure_tcp", "accept_shm_paths", "fast_path"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -105,6 +107,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         merged["insecure_tcp"] = True
     if getattr(args, "no_shm_paths", False):
         merged["accept_shm_paths"] = False
+    if getattr(args, "no_fast_path", False):
+        merged["fast_path"] = False
     disk = {k: v for k, v in (("path", getattr(args, "disk_path", None)),
                               ("capacity", getattr(args, "disk_capacity", None))) if v}
     if disk:  # over [tier.disk] of the file
@@ -134,7 +138,8 @@ def _setup_logging(config: ServerConfig) -> None:
 
 
 def serve(config: ServerConfig) -> int:
-    from hicached.server.app import AlreadyServing, create_server
+    from hicached.server.app import create_server
+    from hicached.server.locks import AlreadyServing
 
     _setup_logging(config)
     try:
@@ -181,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                     "([tier.mooncake] local_hostname)")
     sp.add_argument("--no-shm-paths", action="store_true",
                     help="refuse shm buffers named by path: CPU workers hand over sealed memfds")
+    sp.add_argument("--no-fast-path", action="store_true",
+                    help="serve the data calls over gRPC only (no <socket>.fast)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]

@@ -19,7 +19,6 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -43,13 +42,11 @@ from hicache.paths import default_target
 from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache_client.data_calls import DataCalls
 from hicache_client.identity import request_token
 from hicache_client.results import (
     CacheEvent,
-    LookupResult,
     PoolInfo,
-    StoreResult,
-    TransferStats,
 )
 from hicache_client.session import WorkerSession
 
@@ -61,14 +58,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class HiCacheClient:
+class HiCacheClient(DataCalls):
     def __init__(self, target: str | None = None, *, timeout: float = 60.0,
                  reconnect_seconds: float = 10.0, max_message_bytes: int = 64 << 20,
                  tls_ca: bytes | None = None, tls_cert: bytes | None = None,
-                 tls_key: bytes | None = None, auth_token: str | None = None) -> None:
+                 tls_key: bytes | None = None, auth_token: str | None = None,
+                 fast_path: bool = True, spin_us: int = 0) -> None:
         """``tls_*`` (PEM bytes) and ``auth_token`` are for TCP daemons: the CA that signed
         the daemon's certificate, this client's certificate and key (mutual TLS), the bearer
-        token of the daemon's ``auth_token_file``. Unix sockets need none of them."""
+        token of the daemon's ``auth_token_file``. Unix sockets need none of them.
+        ``fast_path=False`` keeps the data calls on gRPC even where the daemon offers its
+        fast path (``data_path`` says which is used). ``spin_us``: how long a fast-path call
+        polls for its reply before its thread sleeps (0: it sleeps at once; on a virtual
+        machine a sleeping CPU may take tens of microseconds to wake, a spin takes the CPU
+        meanwhile)."""
         self.target = target or default_target()
         self.timeout = timeout
         self.reconnect_seconds = reconnect_seconds
@@ -89,6 +92,7 @@ class HiCacheClient:
             self._channel = grpc.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.HostCacheStub(self._channel)  # type: ignore[no-untyped-call]
         self._sessions: weakref.WeakSet[WorkerSession] = weakref.WeakSet()
+        self._init_data_calls(fast_path, spin_us)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -143,6 +147,7 @@ class HiCacheClient:
         """Close the channel; heartbeats of sessions opened through it stop."""
         for s in list(self._sessions):
             s.stop_heartbeat()
+        self._close_data_calls()
         self._channel.close()
 
     def __enter__(self) -> HiCacheClient:
@@ -241,6 +246,7 @@ class HiCacheClient:
             peer_token=token), retry=False)
         session = WorkerSession(self, s, heartbeat)
         self._sessions.add(session)
+        self._page_sizes[s.session_id] = int(s.page_size)
         return session
 
     def peer_token(self, fds: Sequence[int] = ()) -> str:
@@ -257,6 +263,7 @@ class HiCacheClient:
         return s
 
     def close_session(self, session_id: str) -> None:
+        self._page_sizes.pop(session_id, None)
         self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id),
                    retry=False, pool=None if not is_public_id(session_id) else "")
 
@@ -278,79 +285,7 @@ class HiCacheClient:
             pool=pool, host_indices=indices_to_bytes(host_indices)), retry=False, pool=pool)
         return int(resp.pages_freed)
 
-    def backup(self, session_id: str, host_indices: object, device_indices: object,
-               layer_begin: int = 0, layer_end: int = 0) -> TransferStats:
-        return self._transfer(self._stub.Backup, session_id, host_indices, device_indices,
-                              layer_begin, layer_end)
-
-    def load(self, session_id: str, host_indices: object, device_indices: object,
-             layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False
-             ) -> TransferStats:
-        """Copy host pages to the device. ``layer_events=True`` (CUDA sessions opened with
-        layer events) returns once the copies are enqueued: wait on the session's events
-        before reading each layer."""
-        completion = pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
-        return self._transfer(self._stub.Load, session_id, host_indices, device_indices,
-                              layer_begin, layer_end, completion)
-
-    def _transfer(self, method: Callable[..., pb.TransferResponse], session_id: str,
-                  host: object, dev: object, begin: int, end: int,
-                  completion: int = pb.COMPLETION_WAIT) -> TransferStats:
-        resp = self._call(method, pb.TransferRequest(
-            session_id=session_id, host_indices=indices_to_bytes(host),
-            device_indices=indices_to_bytes(dev), layer_begin=begin, layer_end=end,
-            completion=completion), retry=True)  # type: ignore[arg-type]
-        return TransferStats.from_proto(resp)
-
-    # -- the cache -------------------------------------------------------------------------
-
-    def lookup(self, pool: str, keys: Sequence[bytes | str], *, timeout: float | None = None
-               ) -> LookupResult:
-        """Which keys are cached (no pin, no copy): the hit prefix and a tier per key.
-        ``timeout`` overrides the client's deadline for this call."""
-        r = self._call(self._stub.Lookup, pb.LookupRequest(pool=pool, keys=encode_keys(keys)),
-                       retry=True, timeout=timeout, pool=pool)
-        return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits)
-
-    def _store_request(self, session_id: str, keys: Sequence[bytes | str],
-                       device_indices: object) -> pb.StoreRequest:
-        return pb.StoreRequest(session_id=session_id, keys=encode_keys(keys),
-                               device_indices=indices_to_bytes(device_indices))
-
-    def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object
-              ) -> StoreResult:
-        return StoreResult.from_proto(self._call(
-            self._stub.Store, self._store_request(session_id, keys, device_indices),
-            retry=True))
-
-    def store_async(self, session_id: str, keys: Sequence[bytes | str],
-                    device_indices: object) -> Future[StoreResult]:
-        """``store`` without blocking the caller: a future of its result (or domain error)."""
-        out: Future[StoreResult] = Future()
-        call = self._stub.Store.future(self._store_request(session_id, keys, device_indices),
-                                       timeout=self.timeout)
-
-        def done(f: Any) -> None:
-            try:
-                out.set_result(StoreResult.from_proto(f.result()))
-            except grpc.RpcError as err:
-                out.set_exception(from_rpc_error(err))
-            except Exception as exc:  # cancelled, or the channel closed
-                out.set_exception(exc)
-
-        call.add_done_callback(done)
-        return out
-
-    def load_keys(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
-                  layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False,
-                  timeout: float | None = None) -> TransferStats:
-        completion = pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
-        resp = self._call(self._stub.LoadKeys, pb.LoadKeysRequest(
-            session_id=session_id, keys=encode_keys(keys),
-            device_indices=indices_to_bytes(device_indices), layer_begin=layer_begin,
-            layer_end=layer_end, completion=completion),  # type: ignore[arg-type]
-            retry=True, timeout=timeout)
-        return TransferStats.from_proto(resp)
+    # -- the cache (Lookup, Store and LoadKeys are in ``data_calls``) ----------------------
 
     def remove_keys(self, pool: str, keys: Sequence[bytes | str]) -> int:
         r = self._call(self._stub.RemoveKeys,

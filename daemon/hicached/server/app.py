@@ -16,13 +16,11 @@ needs in ``interceptors``; this module only wires them to listeners and a proces
 
 from __future__ import annotations
 
-import fcntl
 import grp
 import logging
 import os
 import platform
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -39,10 +37,13 @@ from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.cuda.pinner import DriverPinner
+from hicached.server.admission import DataGate
 from hicached.server.config import ServerConfig
 from hicached.server.daemon import Daemon
+from hicached.server.fast_path import FastPathServer
 from hicached.server.identity_channel import IdentityChannel
-from hicached.server.interceptors import AdmissionInterceptor, server_interceptors
+from hicached.server.interceptors import server_interceptors
+from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
 from hicached.server.metrics import Metrics, ScrapeState, serve
 from hicached.server.pool_build import PoolBuild
 from hicached.server.pool_table import PoolTable
@@ -55,70 +56,6 @@ from hicached.transport.shm import ShmTransport
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HostCache"].full_name
-
-
-class AlreadyServing(RuntimeError):
-    """Another hicached holds the socket."""
-
-
-def _unix_path(target: str) -> str:
-    path = target[len("unix:"):]
-    if path.startswith("//"):
-        path = path[2:]
-    return path
-
-
-class _PidLock:
-    """An flock on ``lock_path`` held for the daemon's life, the file holding its pid;
-    ``AlreadyServing`` (``busy(holder pid)`` says why) when another daemon holds it."""
-
-    def __init__(self, lock_path: str, busy: Callable[[str], str]) -> None:
-        self.lock_path = lock_path
-        os.makedirs(os.path.dirname(lock_path) or ".", mode=0o700, exist_ok=True)
-        self.fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self.fd)
-            raise AlreadyServing(busy(holder)) from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        try:
-            os.unlink(self.lock_path)
-        except FileNotFoundError:
-            pass
-        os.close(self.fd)
-
-
-class _SocketLock(_PidLock):
-    """The lock of one API socket (``<socket>.lock``); a socket a killed daemon left behind
-    is replaced."""
-
-    def __init__(self, socket_path: str) -> None:
-        super().__init__(socket_path + ".lock", lambda holder: (
-            f"another hicached (pid {holder}) is serving on {socket_path}; stop it first or "
-            "choose another --listen path"))
-        self.socket_path = socket_path
-        if os.path.exists(socket_path):  # left by a daemon that was killed
-            log.warning("removing stale socket %s", socket_path)
-            os.unlink(socket_path)
-
-    def release(self) -> None:
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        super().release()
-
-
-def _state_lock(state_dir: str) -> _PidLock:
-    """One daemon per state directory: its ``.lock``."""
-    return _PidLock(os.path.join(state_dir, ".lock"), lambda holder: (
-        f"another hicached (pid {holder}) uses the state directory {state_dir}; give each "
-        "daemon its own --state-dir"))
 
 
 DATA_SPARE_THREADS = 2
@@ -165,6 +102,7 @@ class HiCacheServer:
             watchers=lambda: self.daemon.watchers,
             builds=lambda: [(b.spec.name, b.state, b.progress) for b in pools.builds()],
             tiers=pools.stacks, remote=remote,
+            fast_connections=lambda: sum(f.connections for f in self.fast_paths),
         ), build={"version": hicache.__version__, "torch": torch.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
@@ -173,7 +111,7 @@ class HiCacheServer:
                              metrics, cuda=cuda, cuda_driver=config.cuda_driver,
                              max_watchers=config.max_watchers, access=config.access)
         self.health = health.HealthServicer()
-        self._locks: list[_PidLock] = []
+        self._locks: list[PidLock] = []
         self._stopped = threading.Event()
         self._drain_lock = threading.Lock()
         self.metrics_port = 0
@@ -189,11 +127,14 @@ class HiCacheServer:
         # never waits for one); control calls and health keep the server's
         self.data_pool = ThreadPoolExecutor(config.max_data_rpcs + DATA_SPARE_THREADS,
                                             thread_name_prefix="data")
+        self.admission = DataGate(config.max_data_rpcs)
+        """The data path's gate (its ``in_flight`` and ``limit``), over gRPC and the fast
+        path together."""
+        self.fast_paths: list[FastPathServer] = []
+        """The fast path beside each Unix API socket (``fast_path``)."""
         interceptors = server_interceptors(self.daemon, CREATES_WORK, DATA_METHODS,
-                                           config.max_data_rpcs, _read_token(config),
+                                           self.admission, _read_token(config),
                                            self.data_pool)
-        self.admission = next(i for i in interceptors if isinstance(i, AdmissionInterceptor))
-        """The data path's gate (its ``in_flight`` and ``limit``)."""
         self.grpc = grpc.server(
             ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="rpc"), options=opts,
             interceptors=interceptors,
@@ -221,7 +162,7 @@ class HiCacheServer:
             if self.health_bound:
                 self.health_grpc.start()
             if self.config.state_dir:  # before any pool touches its files
-                self._locks.append(_state_lock(self.config.state_dir))
+                self._locks.append(state_lock(self.config.state_dir))
             if self.daemon.pools.remote is not None:  # connects in the background
                 self.daemon.pools.remote.start()
             # declared pools build in the background (a budget error still stops the start);
@@ -239,14 +180,24 @@ class HiCacheServer:
             self.grpc.start()
             for target in bound:
                 if target.startswith("unix:"):
-                    self._secure_socket(_unix_path(target))
-                    channel = IdentityChannel(_unix_path(target) + ".id",
+                    self._secure_socket(unix_path(target))
+                    channel = IdentityChannel(unix_path(target) + ".id",
                                               self.config.socket_mode, self._socket_gid())
                     channel.start()
                     self.daemon.identities.append(channel)
+                    if self.config.fast_path:
+                        fast = FastPathServer(self.daemon, self.admission,
+                                              unix_path(target) + ".fast",
+                                              mode=self.config.socket_mode,
+                                              gid=self._socket_gid(),
+                                              max_frame_bytes=self.config.max_message_bytes,
+                                              spin_us=self.config.fast_path_spin_us)
+                        fast.start()
+                        self.fast_paths.append(fast)
+                        self.daemon.fast_paths.append(fast.path)
             for target in self.health_bound:  # health says nothing a local user may not see
                 if target.startswith("unix:"):
-                    os.chmod(_unix_path(target), 0o666)
+                    os.chmod(unix_path(target), 0o666)
         except BaseException:
             self._release()
             raise
@@ -286,8 +237,8 @@ class HiCacheServer:
     def _listen(self, target: str, server: grpc.Server | None = None) -> str:
         server = server or self.grpc
         if target.startswith("unix:"):
-            path = os.path.abspath(_unix_path(target))
-            self._locks.append(_SocketLock(path))
+            path = os.path.abspath(unix_path(target))
+            self._locks.append(SocketLock(path))
             server.add_insecure_port(f"unix:{path}")
             return f"unix:{path}"
         if server is not self.grpc:  # health only: nothing to protect, probes speak plain
@@ -324,6 +275,8 @@ class HiCacheServer:
         self.daemon.draining.set()
         if not self.daemon.wait_idle(grace):
             log.warning("in-flight requests still running after %.1fs; stopping anyway", grace)
+        for fast in self.fast_paths:
+            fast.close()
         self.grpc.stop(grace=min(grace, 1.0)).wait()
         self.data_pool.shutdown(wait=False, cancel_futures=True)
         self._release()
@@ -331,6 +284,8 @@ class HiCacheServer:
 
     def _release(self) -> None:
         self.health_grpc.stop(grace=None)
+        for fast in self.fast_paths:
+            fast.close()
         for channel in self.daemon.identities:
             channel.close()
         self.daemon.sessions.close_all()

@@ -72,6 +72,15 @@ class ServerConfig:
     accept_shm_paths: bool = True
     """Accept shared-memory buffers named by path (under ``shm_dir``). False: CPU workers must
     hand over sealed memfds through the identity socket, which they cannot shrink."""
+    fast_path: bool = True
+    """Serve the data calls (Store, LoadKeys, Lookup, Backup, Load) also on ``<socket>.fast``
+    beside each ``unix:`` API socket, in a compact binary framing that skips Python gRPC's
+    per-call cost; clients use it when ``GetInfo.fast_path`` offers it. False: gRPC only."""
+    fast_path_spin_us: int = 0
+    """How long a fast-path connection's thread polls for the worker's next request after a
+    reply before it sleeps: on a virtual machine a sleeping CPU can take tens of
+    microseconds to wake, a spin takes a CPU meanwhile (measured in bench_fastpath.py).
+    0: it sleeps at once."""
     metrics_listen: str = "127.0.0.1:9464"
     """HOST:PORT of the Prometheus endpoint; empty disables it; port 0 picks a free one."""
     memory_budget_bytes: int = 0
@@ -166,6 +175,9 @@ class ServerConfig:
             raise SpecInvalid("memory sizes must be >= 0")
         if self.copy_threads < 0 or self.grpc_threads < 1:
             raise SpecInvalid("copy_threads must be >= 0 and grpc_threads >= 1")
+        if not 0 <= self.fast_path_spin_us <= 100_000:
+            raise SpecInvalid("fast_path_spin_us is within 0 .. 100000",
+                              metadata={"fast_path_spin_us": self.fast_path_spin_us})
         if not 0 <= self.copy_spin_us <= 100_000:
             raise SpecInvalid("copy_spin_us is within 0 .. 100000",
                               metadata={"copy_spin_us": self.copy_spin_us})

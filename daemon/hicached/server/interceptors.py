@@ -20,7 +20,8 @@ outermost first (the order ``server_interceptors`` returns):
   capability of an open session on that pool (its opener was checked), or
   ``hicache-peer-token``, an identity-socket token of a peer the rules list. Else
   ``PEER_NOT_ALLOWED``. Session-bound calls are covered by the capability they carry.
-- ``AdmissionInterceptor``: the data path's bound: at most ``max_data_rpcs`` transfers at once,
+- ``AdmissionInterceptor``: the data path's bound (``admission.DataGate``, shared with the fast
+  path): at most ``max_data_rpcs`` transfers at once,
   past it ``OVERLOADED`` at once with a retry hint (never a queue), so control calls (health,
   heartbeats, sessions, pools) always find an RPC thread while transfers saturate the rest.
 - ``DrainInterceptor``: the daemon's drain gate: in-flight accounting, and ``DRAINING`` for
@@ -35,7 +36,6 @@ from __future__ import annotations
 import fnmatch
 import hmac
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,8 +45,9 @@ from typing import Any
 import grpc
 
 from hicache.error_mapping import abort_status, grpc_code
-from hicache.errors import HiCacheError, Overloaded, SessionNotFound, Unauthenticated
+from hicache.errors import HiCacheError, SessionNotFound, Unauthenticated
 from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
+from hicached.server.admission import DataGate
 from hicached.server.daemon import Daemon
 from hicached.server.identity import check_access
 from hicached.server.metrics import Metrics
@@ -202,10 +203,6 @@ class AuthInterceptor(_CheckInterceptor):
         return authenticated
 
 
-RETRY_AFTER_MS = 10
-"""The retry hint of an OVERLOADED refusal: about one batch's time on a busy node."""
-
-
 _POOL_OF: dict[str, Callable[[Any], str]] = {
     "CreatePool": lambda r: str(r.spec.name),
     "DeletePool": lambda r: str(r.name),
@@ -292,33 +289,32 @@ class ExecutorInterceptor(_ServiceInterceptor):
 
 
 class AdmissionInterceptor(_ServiceInterceptor):
-    def __init__(self, limit: int, data_methods: Collection[str]) -> None:
-        """``limit`` calls of ``data_methods`` run at once; the next one is refused."""
+    def __init__(self, limit: int | DataGate, data_methods: Collection[str]) -> None:
+        """``limit`` calls of ``data_methods`` run at once (a ``DataGate`` the fast path
+        shares, or a new one of that size); the next one is refused."""
         super().__init__()
-        self.limit = limit
-        self.in_flight = 0
+        self.gate = limit if isinstance(limit, DataGate) else DataGate(limit)
         self._data = frozenset(data_methods)
-        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> int:
+        return self.gate.limit
+
+    @property
+    def in_flight(self) -> int:
+        return self.gate.in_flight
 
     def wrap(self, method: str, behavior: Behavior) -> Behavior:
         if method not in self._data:
             return behavior
+        gate = self.gate
 
         def admitted(request: Any, context: grpc.ServicerContext) -> Any:
-            with self._lock:
-                busy = self.in_flight
-                if busy < self.limit:
-                    self.in_flight += 1
-            if busy >= self.limit:
-                raise Overloaded(f"{busy} transfers in flight, the data path's limit; retry in "
-                                 f"{RETRY_AFTER_MS} ms",
-                                 metadata={"in_flight": busy, "limit": self.limit,
-                                           "retry_after_ms": RETRY_AFTER_MS})
+            gate.enter()
             try:
                 return behavior(request, context)
             finally:
-                with self._lock:
-                    self.in_flight -= 1
+                gate.leave()
 
         return admitted
 
@@ -345,7 +341,7 @@ class DrainInterceptor(_ServiceInterceptor):
 
 
 def server_interceptors(daemon: Daemon, creates_work: Collection[str],
-                        data_methods: Collection[str], max_data_rpcs: int,
+                        data_methods: Collection[str], max_data_rpcs: int | DataGate,
                         auth_token: str = "", data_pool: ThreadPoolExecutor | None = None
                         ) -> list[grpc.ServerInterceptor]:
     """The interceptors of a daemon's gRPC server, outermost first; ``data_pool`` runs the

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 import hicache
+from hicache import fast_wire
 from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
 from hicache.errors import PoolNotFound, SpecInvalid
 from hicache.indices import indices_to_bytes, to_index_array
@@ -99,7 +100,7 @@ def session_message(s: Session, capability: bool = True) -> pb.Session:
                       transfers=s.transfers, device_uuid=uuid, layer_events=events,
                       lease_clamped=s.lease_clamped, peer_known=s.peer is not None,
                       peer_uid=s.peer.uid if s.peer else 0, peer_gid=s.peer.gid if s.peer else 0,
-                      peer_pid=s.peer.pid if s.peer else 0)
+                      peer_pid=s.peer.pid if s.peer else 0, page_size=s.pool.page_size)
 
 
 def transfer_response(r: TransferResult) -> pb.TransferResponse:
@@ -131,7 +132,9 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             cuda_devices=[pb.CudaDevice(uuid=x.uuid, ordinal=x.ordinal, name=x.name,
                                         total_bytes=x.total_bytes) for x in devices],
             remote_tier=("" if d.pools.remote is None else "up" if d.pools.remote.up
-                         else f"down: {d.pools.remote.why}"))
+                         else f"down: {d.pools.remote.why}"),
+            fast_path=d.fast_paths[0] if d.fast_paths else "",
+            fast_path_version=fast_wire.VERSION if d.fast_paths else 0)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         return pb.PingResponse()

@@ -232,7 +232,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices", "remote_tier")
+    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices", "remote_tier", "fast_path", "fast_path_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,8 @@ class GetInfoResponse(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     CUDA_DEVICES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     memory_budget_bytes: int
@@ -259,7 +261,9 @@ class GetInfoResponse(_message.Message):
     metrics_port: int
     cuda_devices: _containers.RepeatedCompositeFieldContainer[CudaDevice]
     remote_tier: str
-    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ..., remote_tier: _Optional[str] = ...) -> None: ...
+    fast_path: str
+    fast_path_version: int
+    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ..., remote_tier: _Optional[str] = ..., fast_path: _Optional[str] = ..., fast_path_version: _Optional[int] = ...) -> None: ...
 
 class CudaDevice(_message.Message):
     __slots__ = ("uuid", "ordinal", "name", "total_bytes")
@@ -378,7 +382,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., layer_events: _Optional[_Iterable[bytes]] = ..., ready_event: _Optional[bytes] = ..., peer_token: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped", "public_id", "peer_known", "peer_uid", "peer_gid", "peer_pid")
+    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped", "public_id", "peer_known", "peer_uid", "peer_gid", "peer_pid", "page_size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +399,7 @@ class Session(_message.Message):
     PEER_UID_FIELD_NUMBER: _ClassVar[int]
     PEER_GID_FIELD_NUMBER: _ClassVar[int]
     PEER_PID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     worker_id: str
@@ -411,7 +416,8 @@ class Session(_message.Message):
     peer_uid: int
     peer_gid: int
     peer_pid: int
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ..., public_id: _Optional[str] = ..., peer_known: _Optional[bool] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ...) -> None: ...
+    page_size: int
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ..., public_id: _Optional[str] = ..., peer_known: _Optional[bool] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)

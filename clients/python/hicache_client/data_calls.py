@@ -1,0 +1,250 @@
+"""The client's data calls (Backup, Load, Store, LoadKeys, Lookup), over the fast path or gRPC.
+
+``DataCalls`` is the half of ``HiCacheClient`` that moves pages. On a Unix target it asks
+``GetInfo`` once whether the daemon offers its fast path (``GetInfo.fast_path``, the socket
+``<socket>.fast``) and, when it does, sends every data call there as page ids: the same
+results, the same domain errors. A call goes over gRPC instead when the fast path is not
+offered, its connection fails (then the fast path is asked for again after
+``FAST_RETRY_SECONDS``), the daemon is draining (gRPC's retry waits for a successor), the
+indices are not whole aligned pages (the daemon names the fault over gRPC) or a key does not
+fit the framing. ``data_path`` says which path the calls take now; an OVERLOADED refusal is
+retried on the path it came from, after the daemon's hint, as gRPC's calls are.
+
+Primitives: ``DataCalls`` (``backup``, ``load``, ``lookup``, ``store``, ``store_async``,
+``load_keys``, ``data_path``), ``FAST_RETRY_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from hicache import fast_wire as w
+from hicache.error_mapping import from_rpc_error
+from hicache.errors import Draining, Overloaded
+from hicache.indices import IndexArray, indices_to_bytes
+from hicache.keys import encode_keys
+from hicache.v1 import hicache_pb2 as pb
+from hicache_client import fast_path as fp
+from hicache_client.results import LookupResult, StoreResult, TransferStats
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+FAST_RETRY_SECONDS = 2.0
+"""After the fast path failed (or was not offered), how long calls stay on gRPC before the
+client asks the daemon again."""
+
+
+class DataCalls:
+    target: str
+    timeout: float
+    reconnect_seconds: float
+    _stub: Any
+
+    def _init_data_calls(self, fast_path: bool, spin_us: int) -> None:
+        self._want_fast = fast_path and self.target.startswith("unix:")
+        self._spin_us = spin_us
+        self._fast: fp.FastPath | None = None
+        self._fast_asked_at = -FAST_RETRY_SECONDS
+        self._page_sizes: dict[str, int] = {}
+        self._async: ThreadPoolExecutor | None = None
+        self._fast_lock = threading.Lock()
+
+    def _call(self, method: Callable[..., T], request: Any, *, retry: bool,
+              timeout: float | None = None, pool: str | None = None) -> T:
+        raise NotImplementedError
+
+    def _credentials(self, pool: str) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def _close_data_calls(self) -> None:
+        self._want_fast = False
+        if self._fast is not None:
+            self._fast.close()
+        if self._async is not None:
+            self._async.shutdown(wait=False)
+
+    # -- choosing the path -------------------------------------------------------------------
+
+    @property
+    def data_path(self) -> str:
+        """``fast`` while the data calls go over the daemon's fast path, else ``grpc``."""
+        return "fast" if self._fast_path() is not None else "grpc"
+
+    def _fast_path(self) -> fp.FastPath | None:
+        if self._fast is not None or not self._want_fast:
+            return self._fast
+        with self._fast_lock:  # one thread asks; the others wait for its answer
+            return self._ask_fast_path()
+
+    def _ask_fast_path(self) -> fp.FastPath | None:
+        if self._fast is not None or not self._want_fast:
+            return self._fast
+        now = time.monotonic()
+        if now - self._fast_asked_at < FAST_RETRY_SECONDS:
+            return None
+        self._fast_asked_at = now
+        try:
+            info = self._stub.GetInfo(pb.GetInfoRequest(), timeout=min(self.timeout, 5.0))
+        except grpc.RpcError:
+            return None
+        if not info.fast_path or info.fast_path_version != w.VERSION:
+            return None
+        # the socket beside ours (the daemon may see its sockets at another path), else its
+        mine = self.target[len("unix:"):].removeprefix("//") + ".fast"
+        path = mine if os.path.exists(mine) else info.fast_path
+        self._fast = fp.FastPath(path, self.timeout, self._spin_us)
+        log.info("data calls to %s over the fast path %s", self.target, path)
+        return self._fast
+
+    def _fast_call(self, method: w.Method, build: Callable[[], list[bytes]], flags: int = 0,
+                   timeout: float | None = None) -> bytes | None:
+        """The reply body over the fast path, or None: send it over gRPC."""
+        fast = self._fast_path()
+        if fast is None:
+            return None
+        try:
+            parts = build()
+        except ValueError:
+            return None  # a key the framing cannot carry: gRPC names it
+        deadline = time.monotonic() + self.reconnect_seconds
+        while True:
+            try:
+                return fast.call(method, parts, flags, timeout)
+            except fp.FastPathLost as exc:
+                log.info("fast path lost (%s); data calls over gRPC", exc)
+                self._fast = None
+                self._fast_asked_at = time.monotonic()
+                fast.close()
+                return None
+            except Draining:
+                return None  # gRPC's retry waits for the successor
+            except Overloaded as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                delay = max(int(exc.metadata.get("retry_after_ms", "10")) / 1000, 0.001)
+                time.sleep(min(delay, remaining))
+
+    def _pages(self, session_id: str, indices: object) -> IndexArray | None:
+        page_size = self._page_sizes.get(session_id, 0)
+        return fp.page_ids(indices, page_size) if page_size else None
+
+    # -- raw pages ---------------------------------------------------------------------------
+
+    def backup(self, session_id: str, host_indices: object, device_indices: object,
+               layer_begin: int = 0, layer_end: int = 0) -> TransferStats:
+        return self._transfer(w.Method.BACKUP, session_id, host_indices, device_indices,
+                              layer_begin, layer_end)
+
+    def load(self, session_id: str, host_indices: object, device_indices: object,
+             layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False
+             ) -> TransferStats:
+        """Copy host pages to the device. ``layer_events=True`` (CUDA sessions opened with
+        layer events) returns once the copies are enqueued: wait on the session's events
+        before reading each layer."""
+        return self._transfer(w.Method.LOAD, session_id, host_indices, device_indices,
+                              layer_begin, layer_end, layer_events)
+
+    def _transfer(self, method: w.Method, session_id: str, host: object, dev: object,
+                  begin: int, end: int, layer_events: bool = False) -> TransferStats:
+        hp, dp = self._pages(session_id, host), self._pages(session_id, dev)
+        if hp is not None and dp is not None:
+            got = self._fast_call(method, lambda: fp.raw_body(session_id, hp, dp, (begin, end)),
+                                  w.FLAG_LAYER_EVENTS if layer_events else 0)
+            if got is not None:
+                return fp.decode_transfer(got)
+        stub = self._stub.Backup if method is w.Method.BACKUP else self._stub.Load
+        resp = self._call(stub, pb.TransferRequest(
+            session_id=session_id, host_indices=indices_to_bytes(host),
+            device_indices=indices_to_bytes(dev), layer_begin=begin, layer_end=end,
+            completion=_completion(layer_events)), retry=True)
+        return TransferStats.from_proto(resp)
+
+    # -- the cache ---------------------------------------------------------------------------
+
+    def lookup(self, pool: str, keys: Sequence[bytes | str], *, timeout: float | None = None
+               ) -> LookupResult:
+        """Which keys are cached (no pin, no copy): the hit prefix and a tier per key.
+        ``timeout`` overrides the client's deadline for this call."""
+        enc = encode_keys(keys)
+        cred = self._credentials(pool)
+        got = self._fast_call(w.Method.LOOKUP, lambda: fp.lookup_body(
+            pool, cred[0][1] if cred else "", enc), timeout=timeout)
+        if got is not None:
+            return fp.decode_lookup(got)
+        r = self._call(self._stub.Lookup, pb.LookupRequest(pool=pool, keys=enc),
+                       retry=True, timeout=timeout, pool=pool)
+        return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits)
+
+    def _store_request(self, session_id: str, keys: Sequence[bytes],
+                       device_indices: object) -> pb.StoreRequest:
+        return pb.StoreRequest(session_id=session_id, keys=keys,
+                               device_indices=indices_to_bytes(device_indices))
+
+    def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object
+              ) -> StoreResult:
+        enc = encode_keys(keys)
+        dp = self._pages(session_id, device_indices)
+        if dp is not None:
+            got = self._fast_call(w.Method.STORE, lambda: fp.keyed_body(session_id, enc, dp))
+            if got is not None:
+                return fp.decode_store(got)
+        return StoreResult.from_proto(self._call(
+            self._stub.Store, self._store_request(session_id, enc, device_indices),
+            retry=True))
+
+    def store_async(self, session_id: str, keys: Sequence[bytes | str],
+                    device_indices: object) -> Future[StoreResult]:
+        """``store`` without blocking the caller: a future of its result (or domain error)."""
+        if self._fast_path() is not None and self._pages(session_id, device_indices) is not None:
+            if self._async is None:
+                self._async = ThreadPoolExecutor(4, thread_name_prefix="hicache-store")
+            return self._async.submit(self.store, session_id, keys, device_indices)
+        out: Future[StoreResult] = Future()
+        call = self._stub.Store.future(
+            self._store_request(session_id, encode_keys(keys), device_indices),
+            timeout=self.timeout)
+
+        def done(f: Any) -> None:
+            try:
+                out.set_result(StoreResult.from_proto(f.result()))
+            except grpc.RpcError as err:
+                out.set_exception(from_rpc_error(err))
+            except Exception as exc:  # cancelled, or the channel closed
+                out.set_exception(exc)
+
+        call.add_done_callback(done)
+        return out
+
+    def load_keys(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
+                  layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False,
+                  timeout: float | None = None) -> TransferStats:
+        enc = encode_keys(keys)
+        dp = self._pages(session_id, device_indices)
+        if dp is not None:
+            got = self._fast_call(
+                w.Method.LOAD_KEYS,
+                lambda: fp.keyed_body(session_id, enc, dp, (layer_begin, layer_end)),
+                w.FLAG_LAYER_EVENTS if layer_events else 0, timeout)
+            if got is not None:
+                return fp.decode_transfer(got)
+        resp = self._call(self._stub.LoadKeys, pb.LoadKeysRequest(
+            session_id=session_id, keys=enc,
+            device_indices=indices_to_bytes(device_indices), layer_begin=layer_begin,
+            layer_end=layer_end, completion=_completion(layer_events)),
+            retry=True, timeout=timeout)
+        return TransferStats.from_proto(resp)
+
+
+def _completion(layer_events: bool) -> Any:
+    return pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT

@@ -1,0 +1,211 @@
+"""The client's side of the fast path: the data calls over ``<socket>.fast``.
+
+``HiCacheClient`` asks ``GetInfo`` once whether the daemon offers the fast path (Unix targets
+only) and then sends Store, LoadKeys, Lookup, Backup and Load there, falling back to gRPC by
+itself; ``HiCacheClient.data_path`` says which it uses ("fast" or "grpc").
+
+Primitives:
+
+- ``FastPath(path, timeout)``: one connection per calling thread (opened on first use, hello
+  exchanged); ``call(method, parts, flags, timeout)`` returns the reply body or raises the
+  daemon's domain error, rebuilt from the ``google.rpc.Status`` it sent, as gRPC would;
+  ``FastPathLost`` when the connection failed (the caller retries over gRPC); ``close()``.
+- ``page_ids(indices, page_size)``: token indices as page ids, or None when they are not
+  whole aligned page runs (such a batch goes over gRPC, where the daemon names what is
+  wrong).
+- ``decode_lookup`` / ``decode_store`` / ``decode_transfer``: reply bodies as results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from hicache import fast_wire as w
+from hicache.error_mapping import from_status, from_status_bytes
+from hicache.errors import HiCacheError
+from hicache.indices import IndexArray, to_index_array
+from hicache_client.results import LookupResult, StoreResult, TransferStats
+
+_U32 = struct.Struct("<I")
+_ARANGES: dict[int, IndexArray] = {}
+
+
+class FastPathLost(Exception):
+    """The fast path's connection failed before a reply: the call goes over gRPC."""
+
+
+class FastPath:
+    def __init__(self, path: str, timeout: float, spin_us: int = 0) -> None:
+        """``spin_us``: how long a call polls for its reply before sleeping in the kernel."""
+        self.path = path
+        self.timeout = timeout
+        self.spin_us = spin_us
+        self._local = threading.local()
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.closed = False
+
+    def _connect(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(self.timeout)
+            s.connect(self.path)
+            s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, 0))
+            magic, version, _, _ = w.HELLO.unpack(_recv_exact(s, w.HELLO.size))
+        except (OSError, EOFError, struct.error) as exc:
+            s.close()
+            raise FastPathLost(f"cannot open the fast path at {self.path}: {exc}") from None
+        if magic != w.MAGIC or version != w.VERSION:
+            s.close()
+            raise FastPathLost(f"the fast path at {self.path} speaks version {version}, "
+                               f"this client {w.VERSION}")
+        s.settimeout(None)  # blocking: a timed-out socket polls before each recv, and on a
+        # VM a poll that sleeps longer than ~20 us wakes ~75 us late; the kernel's own
+        # timeouts (SO_RCVTIMEO / SO_SNDTIMEO) bound each call instead
+        self._local.timeout = None
+        with self._lock:
+            if self.closed:
+                s.close()
+                raise FastPathLost("the client is closed")
+            self._socks.append(s)
+        self._local.sock = s
+        self._local.frames = w.FrameSocket(s, self.spin_us)
+        return s
+
+    def _set_timeout(self, s: socket.socket, seconds: float) -> None:
+        if getattr(self._local, "timeout", None) == seconds:
+            return
+        tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._local.timeout = seconds
+
+    def _drop(self, s: socket.socket) -> None:
+        self._local.sock = None
+        with self._lock:
+            if s in self._socks:
+                self._socks.remove(s)
+        s.close()
+
+    def call(self, method: w.Method, parts: list[bytes], flags: int = 0,
+             timeout: float | None = None) -> bytes:
+        """Send one request, wait for its reply body (``timeout`` or the client's)."""
+        s = getattr(self._local, "sock", None) or self._connect()
+        frames: w.FrameSocket = self._local.frames
+        body = b"".join(parts)
+        rid = next(self._ids) & 0xFFFFFFFF
+        try:
+            self._set_timeout(s, timeout or self.timeout)
+            s.sendall(w.REQUEST.pack(len(body), rid, method, flags, 0) + body)
+            (_, got, status), data = frames.read(w.REPLY)
+        except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
+            self._drop(s)  # its reply may still come: the stream is out of step
+            exc: HiCacheError = from_status(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            "Deadline Exceeded (fast path)", None)
+            raise exc from None
+        except (OSError, EOFError, struct.error) as err:
+            self._drop(s)
+            raise FastPathLost(f"the fast path at {self.path} failed: {err!r}") from None
+        if got != rid:
+            self._drop(s)
+            raise FastPathLost(f"the fast path answered request {got}, not {rid}")
+        if status != w.OK:
+            raise from_status_bytes(data)
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            socks, self._socks = self._socks, []
+        for s in socks:
+            s.close()
+
+
+def page_ids(indices: object, page_size: int) -> IndexArray | None:
+    """Whole aligned page runs of token indices as page ids; None otherwise."""
+    try:
+        arr = to_index_array(indices, "indices")
+    except HiCacheError:
+        return None  # gRPC's encoding raises the same, before anything is sent
+    if page_size == 1:
+        return arr
+    if page_size < 1 or arr.size % page_size:
+        return None
+    starts = arr[::page_size]
+    if (starts % page_size).any():
+        return None
+    offsets = _ARANGES.get(page_size)
+    if offsets is None:
+        offsets = _ARANGES[page_size] = np.arange(page_size, dtype=np.int64)
+    if not np.array_equal(arr.reshape(-1, page_size), starts[:, None] + offsets):
+        return None
+    return starts // page_size
+
+
+def decode_lookup(data: bytes) -> LookupResult:
+    hit_prefix, hits, n = w.LOOKUP_REPLY.unpack_from(data)
+    return LookupResult(hit_prefix, data[w.LOOKUP_REPLY.size:w.LOOKUP_REPLY.size + n], hits)
+
+
+def decode_store(data: bytes) -> StoreResult:
+    stored, present, no_space, nbytes, seconds = w.STORE_REPLY.unpack_from(data)
+    at = w.STORE_REPLY.size
+    (n,) = _U32.unpack_from(data, at)
+    return StoreResult(stored, present, no_space, data[at + 4:at + 4 + n], nbytes, seconds)
+
+
+def decode_transfer(data: bytes) -> TransferStats:
+    nbytes, pages, seconds, pending = w.TRANSFER_REPLY.unpack(data)
+    return TransferStats(nbytes, pages, seconds, bool(pending))
+
+
+def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
+               layers: tuple[int, int] = (0, 0)) -> list[bytes]:
+    """The body of a Store or LoadKeys (``ValueError`` for a key the framing cannot carry)."""
+    parts: list[bytes] = []
+    w.put_string(parts, session_id)
+    w.put_layers(parts, *layers)
+    w.put_keys(parts, keys)
+    w.put_pages(parts, device)
+    return parts
+
+
+def raw_body(session_id: str, host: IndexArray, device: IndexArray,
+             layers: tuple[int, int]) -> list[bytes]:
+    parts: list[bytes] = []
+    w.put_string(parts, session_id)
+    w.put_layers(parts, *layers)
+    w.put_pages(parts, host)
+    w.put_pages(parts, device)
+    return parts
+
+
+def lookup_body(pool: str, capability: str, keys: Sequence[bytes]) -> list[bytes]:
+    parts: list[bytes] = []
+    w.put_string(parts, pool)
+    w.put_string(parts, capability)
+    w.put_keys(parts, keys)
+    return parts
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    data = s.recv(n)
+    if len(data) == n:
+        return data
+    if not data:
+        raise EOFError("the daemon closed the fast path")
+    buf = bytearray(data)
+    while len(buf) < n:
+        more = s.recv(n - len(buf))
+        if not more:
+            raise EOFError("the daemon closed the fast path")
+        buf += more
+    return bytes(buf)

@@ -1,0 +1,305 @@
+"""The fast path: the data calls over ``<socket>.fast`` in ``hicache.fast_wire``'s framing.
+
+Python gRPC spends most of a millisecond on each call before and after the handler; a 1-page
+Store or a Lookup is a few tens of microseconds of work. Beside every Unix API socket the
+daemon offers this socket (``GetInfo.fast_path``), where a connection's own thread reads a
+frame, runs the same flow as the gRPC handler and writes the reply: no per-call allocation of
+gRPC's call objects, contexts, metadata or executors. What every gRPC call gets from the
+interceptors, a fast call gets here, in the same order and with the same outcome:
+
+- the same domain errors, sent as the ``google.rpc.Status`` gRPC would carry (ErrorInfo,
+  BadRequest, RetryInfo); anything else logged with its traceback, INTERNAL to the caller;
+- the same metrics (``hicache_rpc_requests_total{method, code}``,
+  ``hicache_rpc_duration_seconds{method}``, ``hicache_rejected_requests_total{reason}``; the
+  method named as in gRPC), and ``hicache_fast_path_requests_total{method}`` besides;
+- access rules: a Lookup on a pool a rule covers needs a capability of a session on the pool
+  or a peer the rules list, and the peer is the connection's own, as the kernel reports it
+  (SO_PEERCRED at accept); session calls are covered by the capability they carry;
+- the data path's bound (``admission.DataGate``, shared with gRPC: ``max_data_rpcs`` over both
+  paths), then the drain gate (``DRAINING`` for everything but Lookup once shutdown began).
+
+Primitives: ``FastPathServer(daemon, gate, path, ...)``: ``start()``, ``close()`` (no new
+connections; open ones are shut, their calls in flight finish first), ``connections``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from google.rpc import status_pb2
+
+from hicache import fast_wire as w
+from hicache.error_mapping import grpc_code, to_rpc_status
+from hicache.errors import HiCacheError, ResourceExhausted, SessionNotFound, SpecInvalid
+from hicache.keys import check_keys
+from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
+from hicached.copy.engine import Op, TransferResult
+from hicached.server.admission import DataGate
+from hicached.server.daemon import Daemon
+from hicached.server.identity import Peer, check_access, read_groups
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 1024
+"""Connections served at once (one thread each, asleep in recv while idle)."""
+HELLO_TIMEOUT_SECONDS = 2.0
+"""A connection that has not said hello by then is closed."""
+_U32 = struct.Struct("<I")
+_PEERCRED = struct.Struct("3i")
+_Handler = Callable[[w.Reader, int, Peer], bytes]
+
+
+class FastPathServer:
+    def __init__(self, daemon: Daemon, gate: DataGate, path: str, *, mode: int = 0o600,
+                 gid: int = -1, max_frame_bytes: int = 64 << 20, spin_us: int = 0) -> None:
+        """``path``: the socket (beside the API socket, whose lock guards it); ``mode`` and
+        ``gid`` as the API socket's; ``max_frame_bytes``: the largest request body;
+        ``spin_us``: how long a connection's thread polls for the next request after a reply
+        before it sleeps (``fast_path_spin_us``)."""
+        self.daemon, self.gate, self.path, self.spin_us = daemon, gate, path, spin_us
+        self._mode, self._gid, self.max_frame_bytes = mode, gid, max_frame_bytes
+        self._sock: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closing = False
+        m = daemon.metrics
+        self._handlers: dict[int, tuple[str, bool, _Handler]] = {
+            w.Method.LOOKUP: ("Lookup", False, self._lookup),
+            w.Method.STORE: ("Store", True, self._store),
+            w.Method.LOAD_KEYS: ("LoadKeys", True, self._load_keys),
+            w.Method.BACKUP: ("Backup", True, self._backup),
+            w.Method.LOAD: ("Load", True, self._load),
+        }
+        # labelled children resolved once: a label lookup costs a few microseconds per call
+        self._ok = {name: (m.requests.labels(name, "OK"), m.rpc_seconds.labels(name),
+                           m.fast_requests.labels(name))
+                    for name, _, _ in self._handlers.values()}
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def start(self) -> None:
+        if os.path.exists(self.path):  # left by a killed daemon (the API socket's lock is ours)
+            os.unlink(self.path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(self.path)
+        if self._gid >= 0:
+            os.chown(self.path, -1, self._gid)
+        os.chmod(self.path, self._mode)
+        s.listen(128)
+        self._sock = s
+        threading.Thread(target=self._accept_loop, name="fast-accept", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop accepting and shut every connection (a call in flight still replies)."""
+        self._closing = True
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+            self._sock = None
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RD)  # its thread's recv returns; a reply still goes
+            except OSError:
+                pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closing and self._sock is not None:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            try:
+                pid, uid, gid = _PEERCRED.unpack(conn.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError:
+                conn.close()
+                continue
+            with self._lock:
+                full = len(self._conns) >= MAX_CONNECTIONS
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                log.warning("fast path: %d connections open, refusing pid %d", MAX_CONNECTIONS,
+                            pid)
+                conn.close()  # the client falls back to gRPC
+                continue
+            peer = Peer(pid, uid, gid, read_groups(pid))
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name=f"fast-{pid}").start()
+
+    def _serve(self, conn: socket.socket, peer: Peer) -> None:
+        try:
+            conn.settimeout(HELLO_TIMEOUT_SECONDS)
+            magic, version, _, _ = w.HELLO.unpack(_recv_exact(conn, w.HELLO.size))
+            conn.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, self.max_frame_bytes))
+            if magic != w.MAGIC or version != w.VERSION:
+                return  # the client reads our version and speaks gRPC instead
+            conn.settimeout(None)
+            frames = w.FrameSocket(conn, self.spin_us)
+            while not self._closing:
+                try:
+                    (_, rid, method, flags, _), body = frames.read(w.REQUEST,
+                                                                   self.max_frame_bytes)
+                except w.FrameTooLarge as big:
+                    length, rid = big.fields[0], big.fields[1]
+                    conn.sendall(_error(rid, ResourceExhausted(
+                        f"a fast path frame of {length} bytes exceeds the daemon's "
+                        f"{self.max_frame_bytes}", metadata={
+                            "field": "frame", "length": length,
+                            "limit": self.max_frame_bytes})))
+                    return  # the body is not read: the stream cannot go on
+                conn.sendall(self._call(rid, method, flags, body, peer))
+        except (EOFError, OSError, struct.error):
+            pass  # the worker went away (or closed its end): nothing to answer
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    # -- one call ----------------------------------------------------------------------------
+
+    def _call(self, rid: int, method: int, flags: int, body: bytes, peer: Peer) -> bytes:
+        entry = self._handlers.get(method)
+        if entry is None:
+            return _error(rid, SpecInvalid(f"the fast path has no method {method}",
+                                           metadata={"field": "method", "method": method}))
+        name, creates_work, handler = entry
+        t0 = time.perf_counter()
+        d = self.daemon
+        try:
+            out = self._admitted(handler, w.Reader(body), flags, peer, creates_work)
+        except Exception as exc:
+            m = d.metrics
+            if isinstance(exc, HiCacheError):
+                log.info("%s rejected: %s", name, exc)
+                m.rejected.labels(exc.reason).inc()
+                code = str(grpc_code(exc).name)
+                reply = _error(rid, exc)
+            else:
+                log.error("%s failed", name, exc_info=exc)
+                code = "INTERNAL"
+                reply = _internal(rid, name)
+            m.requests.labels(name, code).inc()
+            m.rpc_seconds.labels(name).observe(time.perf_counter() - t0)
+            m.fast_requests.labels(name).inc()
+            return reply
+        ok, seconds, fast = self._ok[name]
+        ok.inc()
+        seconds.observe(time.perf_counter() - t0)
+        fast.inc()
+        return w.REPLY.pack(len(out), rid, w.OK) + out
+
+    def _admitted(self, handler: _Handler, r: w.Reader, flags: int, peer: Peer,
+                  creates_work: bool) -> bytes:
+        self.gate.enter()
+        try:
+            self.daemon.enter(creates_work)
+            try:
+                return handler(r, flags, peer)
+            finally:
+                self.daemon.leave()
+        finally:
+            self.gate.leave()
+
+    def _authorize(self, pool: str, capability: str, peer: Peer) -> None:
+        """``PEER_NOT_ALLOWED`` where a rule covers ``pool``, unless ``capability`` is a
+        session of the pool or the connection's peer is listed."""
+        d = self.daemon
+        if not d.access:
+            return
+        if capability:
+            try:
+                if d.sessions.get(capability).pool_name == pool:
+                    return
+            except SessionNotFound:
+                pass
+        check_access(d.access, pool, peer)
+
+    def _lookup(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
+        pool, capability, keys = r.string(), r.string(), r.keys()
+        r.end()
+        self._authorize(pool, capability, peer)
+        keys = check_keys(keys)
+        hit_prefix, tiers = self.daemon.pools.stack(pool).lookup(keys)
+        return (w.LOOKUP_REPLY.pack(hit_prefix, len(tiers) - tiers.count(0), len(tiers))
+                + bytes(tiers))
+
+    def _store(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
+        session, layers, keys, device = r.string(), r.layers(), r.keys(), r.pages()
+        r.end()
+        ticket, res = self.daemon.store(session, keys, device, layers, pages=True)
+        st = ticket.status
+        return (w.STORE_REPLY.pack(st.count(STORED), st.count(PRESENT), st.count(NO_SPACE),
+                                   res.bytes if res else 0, res.seconds if res else 0.0)
+                + _U32.pack(len(st)) + bytes(st))
+
+    def _load_keys(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
+        session, layers, keys, device = r.string(), r.layers(), r.keys(), r.pages()
+        r.end()
+        return _transfer_reply(self.daemon.load_keys(
+            session, keys, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True))
+
+    def _backup(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
+        return self._raw(Op.BACKUP, r, flags)
+
+    def _load(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
+        return self._raw(Op.LOAD, r, flags)
+
+    def _raw(self, op: Op, r: w.Reader, flags: int) -> bytes:
+        session, layers, host, device = r.string(), r.layers(), r.pages(), r.pages()
+        r.end()
+        return _transfer_reply(self.daemon.transfer(
+            op, session, host, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True))
+
+
+def _transfer_reply(res: TransferResult) -> bytes:
+    return w.TRANSFER_REPLY.pack(res.bytes, res.pages, res.seconds, res.pending)
+
+
+def _error(rid: int, exc: HiCacheError) -> bytes:
+    status: bytes = to_rpc_status(exc).SerializeToString()
+    return w.REPLY.pack(len(status), rid, w.ERROR) + status
+
+
+def _internal(rid: int, method: str) -> bytes:
+    """What gRPC's error mapping answers for an unexpected failure: INTERNAL, no details."""
+    data: bytes = status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0],
+                                    message=f"{method} failed; see the daemon log"
+                                    ).SerializeToString()
+    return w.REPLY.pack(len(data), rid, w.ERROR) + data
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    """``n`` bytes, or ``EOFError`` when the peer closes first."""
+    data = conn.recv(n)
+    if len(data) == n:
+        return data
+    if not data:
+        raise EOFError
+    buf = bytearray(data)
+    while len(buf) < n:
+        more = conn.recv(n - len(buf))
+        if not more:
+            raise EOFError
+        buf += more
+    return bytes(buf)

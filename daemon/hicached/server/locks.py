@@ -1,0 +1,83 @@
+"""The locks that make one daemon own its sockets and its state directory.
+
+Primitives:
+
+- ``AlreadyServing``: another daemon holds the lock (its pid in the message).
+- ``unix_path(target)``: the file of a ``unix:`` target.
+- ``SocketLock(socket_path)``: ``<socket>.lock`` flock'ed for the daemon's life; a socket a
+  killed daemon left is replaced; ``release()`` removes both.
+- ``state_lock(state_dir)``: the state directory's ``.lock``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class AlreadyServing(RuntimeError):
+    """Another hicached holds the socket."""
+
+
+def unix_path(target: str) -> str:
+    path = target[len("unix:"):]
+    if path.startswith("//"):
+        path = path[2:]
+    return path
+
+
+class PidLock:
+    """An flock on ``lock_path`` held for the daemon's life, the file holding its pid;
+    ``AlreadyServing`` (``busy(holder pid)`` says why) when another daemon holds it."""
+
+    def __init__(self, lock_path: str, busy: Callable[[str], str]) -> None:
+        self.lock_path = lock_path
+        os.makedirs(os.path.dirname(lock_path) or ".", mode=0o700, exist_ok=True)
+        self.fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise AlreadyServing(busy(holder)) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        try:
+            os.unlink(self.lock_path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+
+
+class SocketLock(PidLock):
+    """The lock of one API socket (``<socket>.lock``); a socket a killed daemon left behind
+    is replaced."""
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__(socket_path + ".lock", lambda holder: (
+            f"another hicached (pid {holder}) is serving on {socket_path}; stop it first or "
+            "choose another --listen path"))
+        self.socket_path = socket_path
+        if os.path.exists(socket_path):  # left by a daemon that was killed
+            log.warning("removing stale socket %s", socket_path)
+            os.unlink(socket_path)
+
+    def release(self) -> None:
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        super().release()
+
+
+def state_lock(state_dir: str) -> PidLock:
+    """One daemon per state directory: its ``.lock``."""
+    return PidLock(os.path.join(state_dir, ".lock"), lambda holder: (
+        f"another hicached (pid {holder}) uses the state directory {state_dir}; give each "
+        "daemon its own --state-dir"))

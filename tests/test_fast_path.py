@@ -1,0 +1,325 @@
+"""The fast path (``<socket>.fast``): offered, chosen, exact, and refusing what gRPC refuses.
+
+Each test runs a daemon in this process on a temp socket (a real Unix socket, real shared
+memory buffers) and compares the fast path with gRPC on the same daemon: the same bytes, the
+same reason codes and metadata, the same metrics, the same gates.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache import fast_wire as w
+from hicache.error_mapping import from_status_bytes
+from hicache.errors import Draining, HiCacheError, Overloaded, PeerNotAllowed
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicache_client.fast_path import FastPath
+from hicached.server.app import HiCacheServer, create_server
+from hicached.server.config import ServerConfig
+from hicached.server.identity import AccessRule
+
+GEOMETRIES = {
+    "mha-bf16": KVGeometry(PoolKind.MHA, DType.BFLOAT16, 3, head_num=2, head_dim=8),
+    "mla-fp8": KVGeometry(PoolKind.MLA, DType.FLOAT8_E4M3, 2, kv_lora_rank=16,
+                          qk_rope_head_dim=8),
+    "mha-f32": KVGeometry(PoolKind.MHA, DType.FLOAT32, 2, head_num=1, head_dim=4),
+}
+SPEC = PoolSpec("fp", GEOMETRIES["mha-bf16"], 4, size_tokens=4 * 64)
+DEVICE_TOKENS = 4 * 32
+
+
+def _serve(tmp_path: Path, *specs: PoolSpec, **cfg: object) -> tuple[HiCacheServer, str, str]:
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    config = ServerConfig(listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), state_dir="",
+                          metrics_listen="", memory_budget_bytes=256 << 20, reserve_bytes=0,
+                          pools=specs or (SPEC,), grace_seconds=2, **cfg)  # type: ignore[arg-type]
+    server, bound = create_server(config)
+    return server, bound[0], str(shm)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, str, str]]:
+    server, target, shm = _serve(tmp_path)
+    yield server, target, shm
+    server.drain_and_stop(1.0)
+
+
+def fast_count(server: HiCacheServer, method: str) -> float:
+    return server.registry.get_sample_value("hicache_fast_path_requests_total",
+                                            {"method": method}) or 0.0
+
+
+def test_offered_chosen_and_said(served: tuple[HiCacheServer, str, str]) -> None:
+    server, target, _ = served
+    with HiCacheClient(target) as fast, HiCacheClient(target, fast_path=False) as slow:
+        info = fast.get_info()
+        assert info.fast_path == target[len("unix:"):] + ".fast"
+        assert info.fast_path_version == w.VERSION
+        assert os.stat(info.fast_path).st_mode & 0o777 == 0o600
+        assert fast.data_path == "fast" and slow.data_path == "grpc"
+        fast.lookup("fp", [b"k"])
+        slow.lookup("fp", [b"k"])
+    assert fast_count(server, "Lookup") == 1
+    assert server.registry.get_sample_value("hicache_rpc_requests_total",
+                                            {"method": "Lookup", "code": "OK"}) == 2
+
+
+def test_not_offered_when_turned_off(tmp_path: Path) -> None:
+    server, target, _ = _serve(tmp_path, fast_path=False)
+    try:
+        with HiCacheClient(target) as c:
+            assert c.get_info().fast_path == "" and c.data_path == "grpc"
+            assert not os.path.exists(target[len("unix:"):] + ".fast")
+    finally:
+        server.drain_and_stop(1.0)
+
+
+@pytest.mark.parametrize("layout", [Layout.LAYER_FIRST, Layout.PAGE_FIRST])
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_exact_bytes_both_ways(tmp_path: Path, geometry: str, layout: Layout) -> None:
+    spec = PoolSpec("fp", GEOMETRIES[geometry], 4, layout, size_tokens=4 * 64)
+    server, target, shm = _serve(tmp_path, spec)
+    try:
+        with HiCacheClient(target) as c, ShmDeviceBuffers.create(spec, DEVICE_TOKENS, shm) as b:
+            s = c.open_session("fp", "w", b.descriptors, heartbeat=False)
+            assert c.data_path == "fast"
+            g = torch.Generator().manual_seed(7)
+            for t in b.all_tensors():
+                t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                        dtype=torch.uint8, generator=g))
+            want = [t.clone() for t in b.all_tensors()]
+            keys = [bytes([i]) * 32 for i in range(3)]
+            src = torch.cat([torch.arange(4) + 4 * p for p in (5, 1, 9)])
+            assert s.store(keys, src).stored == 3
+            host = s.alloc(8)
+            s.backup(host, torch.arange(8) + 4 * 20)
+            for t in b.all_tensors():
+                t.zero_()
+            dst = torch.cat([torch.arange(4) + 4 * p for p in (2, 3, 7)])
+            assert s.load_keys(keys, dst).pages == 3
+            assert s.load(host, torch.arange(8) + 4 * 12).pages == 2
+            for got, ref in zip(b.all_tensors(), want, strict=True):
+                rows = got.view(torch.uint8).view(got.shape[0], -1)  # bytes: NaN != NaN
+                ref_rows = ref.view(torch.uint8).view(ref.shape[0], -1)
+                for d, sp in ((2, 5), (3, 1), (7, 9), (12, 20), (13, 21)):
+                    assert torch.equal(rows[4 * d:4 * d + 4], ref_rows[4 * sp:4 * sp + 4])
+                assert not rows[:8].any()  # untouched rows stay zero
+            s.close()
+        for method in ("Store", "LoadKeys", "Backup", "Load"):
+            assert fast_count(server, method) >= 1, method
+    finally:
+        server.drain_and_stop(1.0)
+
+
+BAD = st.fixed_dictionaries({
+    "op": st.sampled_from(["store", "load_keys", "backup", "load"]),
+    "pages": st.lists(st.integers(-3, 40), min_size=0, max_size=5),
+    "keys": st.integers(0, 6),
+    "known": st.booleans(),
+    "layers": st.sampled_from([(0, 0), (0, 1), (2, 1), (0, 9)]),
+    "session": st.sampled_from(["ok", "bogus"]),
+})
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=BAD)
+def test_refusals_match_grpc(served: tuple[HiCacheServer, str, str], case: dict) -> None:
+    """Any batch, valid or not, gets the same outcome over both paths: the same reason (and,
+    past the index fields' names, the same metadata), and a refusal changes nothing."""
+    server, target, shm = served
+    with HiCacheClient(target, reconnect_seconds=0.2) as fast, \
+            HiCacheClient(target, fast_path=False, reconnect_seconds=0.2) as slow, \
+            ShmDeviceBuffers.create(SPEC, DEVICE_TOKENS, shm) as b:
+        s = fast.open_session("fp", "w", b.descriptors, heartbeat=False)
+        slow._page_sizes[s.session_id] = 4  # (it did not open the session)
+        known = [b"known-%d" % i for i in range(6)]
+        s.store(known, torch.arange(4 * 6))
+        host = s.alloc(8)
+        sid = s.session_id if case["session"] == "ok" else "bogus"
+        tokens = torch.tensor([4 * p + i for p in case["pages"] for i in range(4)],
+                              dtype=torch.int64)
+        keys = (known if case["known"] else [b"new-%d" % i for i in range(6)])[:case["keys"]]
+        outcomes = []
+        for c in (fast, slow):
+            for t in b.all_tensors():
+                t.zero_()
+            before = (server.daemon.pools.cache("fp").key_count, fast_count(server, "Load"))
+            try:
+                if case["op"] == "store":
+                    c.store(sid, [b"s" + k for k in keys], tokens)
+                    c.remove_keys("fp", [b"s" + k for k in keys])
+                    got = "ok"
+                elif case["op"] == "load_keys":
+                    c.load_keys(sid, keys, tokens, *case["layers"])
+                    got = "ok"
+                else:
+                    hp = host[:tokens.numel()] if tokens.numel() <= 8 else host
+                    getattr(c, case["op"])(sid, hp, tokens, *case["layers"])
+                    got = "ok"
+            except HiCacheError as exc:
+                got = exc.reason
+                md = {k: v for k, v in exc.metadata.items() if k != "field"}
+                assert server.daemon.pools.cache("fp").key_count == before[0]
+                if case["op"] in ("load_keys", "load"):
+                    assert not any(t.any() for t in b.all_tensors())  # nothing landed
+                outcomes.append((got, md if got in ("SESSION_NOT_FOUND", "KEY_NOT_FOUND",
+                                                    "LAYER_OUT_OF_RANGE") else None))
+                continue
+            outcomes.append((got, None))
+        assert outcomes[0] == outcomes[1], case
+        s.close()
+
+
+def test_malformed_frames_are_refused_and_the_daemon_serves_on(
+        served: tuple[HiCacheServer, str, str]) -> None:
+    server, target, _ = served
+    path = target[len("unix:"):] + ".fast"
+
+    def exchange(frames: bytes) -> tuple[int, bytes]:
+        with socket.socket(socket.AF_UNIX) as sk:
+            sk.settimeout(5)
+            sk.connect(path)
+            sk.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, 0))
+            assert w.HELLO.unpack(sk.recv(w.HELLO.size))[0] == w.MAGIC
+            sk.sendall(frames)
+            (_, _, status), body = w.FrameSocket(sk).read(w.REPLY)
+            return status, body
+
+    for method, body, reason in ((99, b"", "SPEC_INVALID"),
+                                 (w.Method.LOOKUP, b"\x05\x00ab", "INDICES_MALFORMED"),
+                                 (w.Method.STORE, b"\x00\x00" + b"\x00" * 8 + b"\xff" * 3,
+                                  "INDICES_MALFORMED")):
+        status, data = exchange(w.REQUEST.pack(len(body), 1, method, 0, 0) + body)
+        assert status == w.ERROR and from_status_bytes(data).reason == reason
+    too_big = server.config.max_message_bytes + 1
+    status, data = exchange(w.REQUEST.pack(too_big, 2, w.Method.LOOKUP, 0, 0))
+    assert from_status_bytes(data).reason == "RESOURCE_EXHAUSTED"
+    with socket.socket(socket.AF_UNIX) as sk:  # another version: told ours, then closed
+        sk.settimeout(5)
+        sk.connect(path)
+        sk.sendall(w.HELLO.pack(w.MAGIC, w.VERSION + 1, 0, 0))
+        assert w.HELLO.unpack(sk.recv(w.HELLO.size))[1] == w.VERSION
+        assert sk.recv(1) == b""
+    with HiCacheClient(target) as c:
+        assert c.lookup("fp", [b"x"]).hits == 0 and c.data_path == "fast"
+
+
+def test_access_rules_use_the_connections_own_peer(tmp_path: Path) -> None:
+    me = os.getuid()
+    spec_open = PoolSpec("mine", SPEC.geometry, 4, size_tokens=4 * 16)
+    spec_closed = PoolSpec("theirs", SPEC.geometry, 4, size_tokens=4 * 16)
+    server, target, _ = _serve(tmp_path, spec_open, spec_closed,
+                               access=(AccessRule("mine", uids=(me,)),
+                                       AccessRule("theirs", uids=(me + 1,))))
+    try:
+        fast = FastPath(target[len("unix:"):] + ".fast", 5.0)
+        from hicache_client.fast_path import decode_lookup, lookup_body
+
+        assert decode_lookup(fast.call(w.Method.LOOKUP,
+                                       lookup_body("mine", "", [b"k"]))).hits == 0
+        with pytest.raises(PeerNotAllowed):
+            fast.call(w.Method.LOOKUP, lookup_body("theirs", "", [b"k"]))
+        with pytest.raises(PeerNotAllowed):  # a capability of nothing proves nothing
+            fast.call(w.Method.LOOKUP, lookup_body("theirs", "not-a-session", [b"k"]))
+        fast.close()
+        assert server.registry.get_sample_value("hicache_rejected_requests_total",
+                                                {"reason": "PEER_NOT_ALLOWED"}) == 2
+    finally:
+        server.drain_and_stop(1.0)
+
+
+def test_one_bound_over_both_paths_and_the_drain_gate(
+        served: tuple[HiCacheServer, str, str]) -> None:
+    server, target, shm = served
+    with HiCacheClient(target, reconnect_seconds=0.3) as c, \
+            ShmDeviceBuffers.create(SPEC, DEVICE_TOKENS, shm) as b:
+        s = c.open_session("fp", "w", b.descriptors, heartbeat=False)
+        gate = server.admission
+        for _ in range(gate.limit):  # every slot taken (as by gRPC transfers in flight)
+            gate.enter()
+        try:
+            with pytest.raises(Overloaded) as exc:
+                s.store([b"a" * 32], torch.arange(4))
+            assert exc.value.metadata["limit"] == str(gate.limit)
+        finally:
+            for _ in range(gate.limit):
+                gate.leave()
+        assert s.store([b"a" * 32], torch.arange(4)).stored == 1
+        assert c.data_path == "fast"
+        fast = FastPath(target[len("unix:"):] + ".fast", 5.0)
+        from hicache_client.fast_path import keyed_body, lookup_body
+
+        server.daemon.draining.set()
+        try:
+            with pytest.raises(Draining):
+                fast.call(w.Method.LOAD_KEYS, keyed_body(s.session_id, [b"a" * 32],
+                                                         torch.tensor([1]).numpy()))
+            fast.call(w.Method.LOOKUP, lookup_body("fp", "", [b"a" * 32]))  # still answers
+        finally:
+            server.daemon.draining.clear()
+            fast.close()
+        s.close()
+
+
+def test_a_lost_fast_path_falls_back_to_grpc(served: tuple[HiCacheServer, str, str]) -> None:
+    server, target, shm = served
+    with HiCacheClient(target) as c, ShmDeviceBuffers.create(SPEC, DEVICE_TOKENS, shm) as b:
+        s = c.open_session("fp", "w", b.descriptors, heartbeat=False)
+        assert s.store([b"a" * 32], torch.arange(4)).stored == 1 and c.data_path == "fast"
+        for fp in server.fast_paths:
+            fp.close()
+        grpc_before = server.registry.get_sample_value(
+            "hicache_rpc_requests_total", {"method": "LoadKeys", "code": "OK"}) or 0
+        assert s.load_keys([b"a" * 32], torch.arange(4) + 4).pages == 1
+        assert c.data_path == "grpc"
+        assert server.registry.get_sample_value(
+            "hicache_rpc_requests_total", {"method": "LoadKeys", "code": "OK"}) == grpc_before + 1
+        s.close()
+
+
+def test_many_threads_share_a_client(served: tuple[HiCacheServer, str, str]) -> None:
+    """Eight threads, each its own connection, store and load their own pages at once."""
+    server, target, shm = served
+    with HiCacheClient(target) as c, ShmDeviceBuffers.create(SPEC, DEVICE_TOKENS, shm) as b:
+        s = c.open_session("fp", "w", b.descriptors, heartbeat=False)
+        for t in b.all_tensors():  # every row different: a load that did not land shows
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                    dtype=torch.uint8))
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(8)
+
+        def work(i: int) -> None:
+            try:
+                barrier.wait()
+                for n in range(30):
+                    key = struct.pack("<II", i, n) * 4
+                    s.store([key], torch.arange(4) + 4 * i)
+                    s.load_keys([key], torch.arange(4) + 4 * (8 + i))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        for t in b.all_tensors():
+            r = t.view(torch.uint8).view(t.shape[0], -1)
+            for i in range(8):
+                assert torch.equal(r[4 * (8 + i):4 * (9 + i)], r[4 * i:4 * (i + 1)])
+        assert fast_count(server, "Store") == 240 and fast_count(server, "LoadKeys") == 240
+        s.close()
