@@ -13,6 +13,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,7 +137,8 @@ BAD = st.fixed_dictionaries({
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=BAD)
-def test_refusals_match_grpc(served: tuple[HiCacheServer, str, str], case: dict) -> None:
+def test_refusals_match_grpc(served: tuple[HiCacheServer, str, str],
+                             case: dict[str, Any]) -> None:
     """Any batch, valid or not, gets the same outcome over both paths: the same reason (and,
     past the index fields' names, the same metadata), and a refusal changes nothing."""
     server, target, shm = served
@@ -295,9 +297,9 @@ def test_many_threads_share_a_client(served: tuple[HiCacheServer, str, str]) -> 
     server, target, shm = served
     with HiCacheClient(target) as c, ShmDeviceBuffers.create(SPEC, DEVICE_TOKENS, shm) as b:
         s = c.open_session("fp", "w", b.descriptors, heartbeat=False)
-        for t in b.all_tensors():  # every row different: a load that did not land shows
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                    dtype=torch.uint8))
+        for buf in b.all_tensors():  # every row different: a load that did not land shows
+            buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape,
+                                                      dtype=torch.uint8))
         errors: list[BaseException] = []
         barrier = threading.Barrier(8)
 
@@ -312,13 +314,13 @@ def test_many_threads_share_a_client(served: tuple[HiCacheServer, str, str]) -> 
                 errors.append(exc)
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
         assert not errors, errors
-        for t in b.all_tensors():
-            r = t.view(torch.uint8).view(t.shape[0], -1)
+        for buf in b.all_tensors():
+            r = buf.view(torch.uint8).view(buf.shape[0], -1)
             for i in range(8):
                 assert torch.equal(r[4 * (8 + i):4 * (9 + i)], r[4 * i:4 * (i + 1)])
         assert fast_count(server, "Store") == 240 and fast_count(server, "LoadKeys") == 240
