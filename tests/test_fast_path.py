@@ -134,7 +134,7 @@ BAD = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=200, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=BAD)
 def test_refusals_match_grpc(served: tuple[HiCacheServer, str, str],

@@ -93,7 +93,10 @@ def validate_page_transfer(*, host_pages: IndexArray, device_pages: IndexArray,
     layer_violations, layers = check_layers(layer_begin, layer_end, layer_num)
     h_bad, h_bounds = scan(host_pages, allocator.page_num, "host_pages", writes_host)
     d_bad, d_bounds = scan(device_pages, device_page_num, "device_pages", not writes_host)
-    violations += h_bad + d_bad + layer_violations
+    # in the token-index checks' order: ranges, layers, then duplicates (device, host)
+    dup = DuplicatePage.reason
+    violations += [v for v in h_bad + d_bad if v.reason != dup] + layer_violations
+    violations += [v for v in d_bad + h_bad if v.reason == dup]
     host_unique = writes_host
     if not writes_host and not h_bad and host_pages.size > 1:
         host_unique = not scan(host_pages, allocator.page_num, "host_pages", True)[0]
