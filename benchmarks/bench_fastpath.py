@@ -1,0 +1,217 @@
+"""Fast path benchmark: 1-page Store / LoadKeys / Lookup latency, fast path vs gRPC vs a raw
+Unix-socket ping-pong of the same sizes, with 1 and 8 worker processes.
+
+A real daemon process; worker processes (spawned, started on a barrier) map shm device
+buffers, open a session and, round after round, time calls of each op over each path in turn
+(side by side, in alternating blocks of ``BLOCK`` calls): ``fast`` (``HiCacheClient`` over
+``<socket>.fast``), ``grpc`` (the same client with ``fast_path=False``) and ``raw`` (a Python
+echo server in its own process answering a request of the fast path's request size with a
+reply of its reply size: the floor any Python-to-Python request over a Unix socket pays).
+Every Store names a fresh key (it copies its page); every LoadKeys loads a stored one; every
+Lookup asks a stored key. Two settings run one after the other: no spin (the default), and
+the daemon's ``fast_path_spin_us`` with the client's ``spin_us`` (a CPU traded for the
+wake-up of a sleeping one). Prints p50 / p99 per op and path, and grpc / fast and fast / raw
+ratios of the medians.
+
+Run: ``python benchmarks/bench_fastpath.py [--quick] [--spin-us 100] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache import fast_wire as w
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicache_client import fast_path as fp
+
+GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=8, head_num=2, head_dim=64)
+SPEC = PoolSpec("fastbench", GEOMETRY, 16, size_tokens=16 * 8192)
+OPS = ("store", "load_keys", "lookup")
+PATHS = ("fast", "grpc", "raw")
+_ECHO = struct.Struct("<II")
+BLOCK = 10
+"""Calls per path in a row, paths taking turns (rounds are blocks of this many)."""
+
+
+def _echo_server(path: str, ready: Any) -> None:
+    """Reads (request length, reply length) + the rest of the request; answers the reply."""
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(64)
+    ready.set()
+
+    def serve(c: socket.socket) -> None:
+        with c:
+            while True:
+                head = c.recv(_ECHO.size, socket.MSG_WAITALL)
+                if len(head) < _ECHO.size:
+                    return
+                n, reply = _ECHO.unpack(head)
+                if n:
+                    c.recv(n, socket.MSG_WAITALL)
+                c.sendall(bytes(reply))
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _sizes(session_id: str) -> dict[str, tuple[int, int]]:
+    """(request, reply) bytes of each op's fast-path frames, headers included."""
+    key, dev = [b"k" * 32], np.zeros(1, np.int64)
+    req = {"store": fp.keyed_body(session_id, key, dev),
+           "load_keys": fp.keyed_body(session_id, key, dev),
+           "lookup": fp.lookup_body(SPEC.name, "", key)}
+    rep = {"store": w.STORE_REPLY.size + 4 + 1, "load_keys": w.TRANSFER_REPLY.size,
+           "lookup": w.LOOKUP_REPLY.size + 1}
+    return {op: (w.REQUEST.size + len(b"".join(req[op])), w.REPLY.size + rep[op])
+            for op in OPS}
+
+
+def _worker(target: str, echo: str, shm: str, me: int, rounds: int, spin_us: int,
+            barrier: Any, out: Any) -> None:
+    fast = HiCacheClient(target, spin_us=spin_us)
+    grpc_c = HiCacheClient(target, fast_path=False)
+    bufs = ShmDeviceBuffers.create(SPEC, 64 * 16, shm)
+    s = fast.open_session(SPEC.name, f"bench-{me}", bufs.descriptors, heartbeat=False)
+    grpc_c._page_sizes[s.session_id] = SPEC.page_size
+    dev = torch.arange(16) + 16 * me
+    stored = [os.urandom(32) for _ in range(rounds)]
+    for k in stored:
+        fast.store(s.session_id, [k], dev)
+    raw = socket.socket(socket.AF_UNIX)
+    raw.connect(echo)
+    sizes = _sizes(s.session_id)
+    assert fast.data_path == "fast" and grpc_c.data_path == "grpc"
+
+    def ping(op: str) -> None:
+        req, rep = sizes[op]
+        raw.sendall(_ECHO.pack(req - _ECHO.size, rep) + bytes(req - _ECHO.size))
+        raw.recv(rep, socket.MSG_WAITALL)
+
+    pick = itertools.cycle(range(rounds))
+    calls = {
+        "store": lambda c: c.store(s.session_id, [os.urandom(32)], dev),
+        "load_keys": lambda c: c.load_keys(s.session_id, [stored[next(pick)]], dev),
+        "lookup": lambda c: c.lookup(SPEC.name, [stored[next(pick)]]),
+    }
+    lat: dict[str, dict[str, list[float]]] = {op: {p: [] for p in PATHS} for op in OPS}
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(rounds // BLOCK):
+        for op in OPS:
+            for path in PATHS:  # a block of calls per path: a worker's calls come in runs
+                for _ in range(BLOCK):
+                    a = time.perf_counter()
+                    if path == "raw":
+                        ping(op)
+                    else:
+                        calls[op](fast if path == "fast" else grpc_c)
+                    lat[op][path].append(time.perf_counter() - a)
+    out.put({"lat": lat, "seconds": time.perf_counter() - t0})
+    s.close()
+    fast.close()
+    grpc_c.close()
+    bufs.close()
+
+
+def _daemon(work: str, shm: str, spin_us: int) -> tuple[subprocess.Popen[bytes], str]:
+    sock = os.path.join(work, f"d{spin_us}.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--listen",
+                             f"unix:{sock}", "--shm-dir", shm, "--metrics-listen", "",
+                             "--memory-budget", "2GiB", "--reserve", "0", "--state-dir", "",
+                             "--log-level", "WARNING", "--fast-path-spin-us", str(spin_us)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    c = HiCacheClient(f"unix:{sock}", reconnect_seconds=30)
+    c.ping()
+    c.create_pool(SPEC)
+    c.close()
+    return proc, f"unix:{sock}"
+
+
+def run(workers_list: list[int], rounds: int, spin_us: int) -> list[dict[str, Any]]:
+    work = tempfile.mkdtemp(prefix="hicache-fastbench-")
+    shm = tempfile.mkdtemp(prefix="hicache-fastbench-", dir="/dev/shm")
+    ctx = mp.get_context("spawn")
+    echo = os.path.join(work, "echo.sock")
+    ready = ctx.Event()
+    echo_proc = ctx.Process(target=_echo_server, args=(echo, ready), daemon=True)
+    echo_proc.start()
+    ready.wait(10)
+    rows: list[dict[str, Any]] = []
+    try:
+        for spin in (0, spin_us):
+            proc, target = _daemon(work, shm, spin)
+            try:
+                for n in workers_list:
+                    per = max(rounds // n, 2 * BLOCK)
+                    barrier, out = ctx.Barrier(n), ctx.Queue()
+                    procs = [ctx.Process(target=_worker, args=(target, echo, shm, i, per, spin,
+                                                                barrier, out))
+                             for i in range(n)]
+                    for p in procs:
+                        p.start()
+                    got = [out.get(timeout=600) for _ in procs]
+                    for p in procs:
+                        p.join(60)
+                    for op in OPS:
+                        row: dict[str, Any] = {"spin_us": spin, "workers": n, "op": op}
+                        for path in PATHS:
+                            xs = np.array([x for g in got for x in g["lat"][op][path]]) * 1e6
+                            row[f"{path}_p50_us"] = float(np.median(xs))
+                            row[f"{path}_p99_us"] = float(np.percentile(xs, 99))
+                        rows.append(row)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    finally:
+        echo_proc.terminate()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    ap.add_argument("--rounds", type=int, default=600, help="rounds per setting, all workers")
+    ap.add_argument("--spin-us", type=int, default=100,
+                    help="the spin of the second setting (daemon and client)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    rounds = 120 if args.quick else args.rounds
+    print(f"page {SPEC.page_bytes // 1024} KiB (MHA bf16, 8 layers x 2 heads x 64, "
+          f"page_size {SPEC.page_size}); {os.cpu_count()} CPUs")
+    rows = run([1, 8], rounds, args.spin_us)
+    print(f"{'spin':>5} {'wk':>3} {'op':>10} | {'fast p50':>9} {'p99':>7} | {'grpc p50':>9} "
+          f"{'p99':>7} | {'raw p50':>8} {'p99':>7} | {'grpc/fast':>9} {'fast/raw':>8}")
+    for r in rows:
+        print(f"{r['spin_us']:>5} {r['workers']:>3} {r['op']:>10} | "
+              f"{r['fast_p50_us']:>9.0f} {r['fast_p99_us']:>7.0f} | "
+              f"{r['grpc_p50_us']:>9.0f} {r['grpc_p99_us']:>7.0f} | "
+              f"{r['raw_p50_us']:>8.0f} {r['raw_p99_us']:>7.0f} | "
+              f"{r['grpc_p50_us'] / r['fast_p50_us']:>9.2f} "
+              f"{r['fast_p50_us'] / r['raw_p50_us']:>8.2f}")
+    print("(us; target: 1-page fast p50 <= 150 us on this machine)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
