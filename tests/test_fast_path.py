@@ -8,6 +8,7 @@ same reason codes and metadata, the same metrics, the same gates.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import threading
@@ -75,6 +76,17 @@ def test_offered_chosen_and_said(served: tuple[HiCacheServer, str, str]) -> None
     assert fast_count(server, "Lookup") == 1
     assert server.registry.get_sample_value("hicache_rpc_requests_total",
                                             {"method": "Lookup", "code": "OK"}) == 2
+
+
+def test_hicachectl_says_which_path(served: tuple[HiCacheServer, str, str],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache_client.cli import main as hicachectl
+
+    _, target, _ = served
+    assert hicachectl(["--target", target, "status"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"fast path\s+/\S+\.sock\.fast", out)
+    assert re.search(r"data calls over\s+fast", out)
 
 
 def test_not_offered_when_turned_off(tmp_path: Path) -> None:

@@ -186,6 +186,8 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
             ("shm dir", info.shm_dir), ("pools", info.pools), ("sessions", info.sessions),
             ("metrics port", info.metrics_port or "off"),
             ("cluster tier", info.remote_tier or "none"),
+            ("fast path", info.fast_path or "off"),
+            ("data calls over", client.data_path),
             *((f"gpu {d.ordinal}", f"{d.uuid} {d.name} {_size(d.total_bytes)}")
               for d in info.cuda_devices)]))
         return 0

@@ -8,9 +8,10 @@ backoff while the daemon is unreachable or draining (its successor may be starti
 draining one is ``DRAINING``, as the daemon said it.
 
 Primitives: ``HiCacheClient`` (one method per RPC, the cache's included: ``lookup``, ``store``,
-``store_async``, ``load_keys``, ``remove_keys``, ``clear_pool``, ``watch_events``), and
-``EventStream``. Sessions are ``session.WorkerSession``; replies are the dataclasses of
-``results``. Keys are bytes, or hex strings (SGLang's ``hash_value``).
+``store_async``, ``load_keys``, ``remove_keys``, ``clear_pool``, ``watch_events``; the data
+calls are ``data_calls.DataCalls``, which take the daemon's fast path where it is offered and
+say so in ``data_path``), and ``EventStream``. Sessions are ``session.WorkerSession``; replies
+are the dataclasses of ``results``. Keys are bytes, or hex strings (SGLang's ``hash_value``).
 """
 
 from __future__ import annotations
