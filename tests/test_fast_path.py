@@ -12,6 +12,7 @@ import re
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -337,3 +338,25 @@ def test_many_threads_share_a_client(served: tuple[HiCacheServer, str, str]) -> 
                 assert torch.equal(r[4 * (8 + i):4 * (9 + i)], r[4 * i:4 * (i + 1)])
         assert fast_count(server, "Store") == 240 and fast_count(server, "LoadKeys") == 240
         s.close()
+
+
+def test_heartbeats_keep_a_session_over_the_fast_path_past_a_full_gate(
+        served: tuple[HiCacheServer, str, str]) -> None:
+    server, target, shm = served
+    with HiCacheClient(target) as c, ShmDeviceBuffers.create(SPEC, DEVICE_TOKENS, shm) as b:
+        s = c.open_session("fp", "w", b.descriptors, lease_ms=300, heartbeat=True)
+        gate = server.admission
+        for _ in range(gate.limit):  # the data path full: a heartbeat is control
+            gate.enter()
+        try:
+            time.sleep(1.2)  # four leases
+            assert s.heartbeat_error is None
+            assert server.daemon.sessions.count("fp") == 1
+        finally:
+            for _ in range(gate.limit):
+                gate.leave()
+        assert fast_count(server, "Heartbeat") >= 3
+        s.close()
+        with pytest.raises(HiCacheError) as exc:
+            c.beat(s.session_id)
+        assert exc.value.reason == "SESSION_NOT_FOUND"

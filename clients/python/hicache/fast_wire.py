@@ -25,6 +25,8 @@ and that many int64.
   ``STORE_REPLY`` then a u32 count and one status byte per key; of LoadKeys: ``TRANSFER_REPLY``.
 - Backup / Load: session, i32 layer begin and end, host pages, device pages; reply:
   ``TRANSFER_REPLY`` (bytes moved, pages, seconds, pending).
+- Heartbeat: session; reply: ``HEARTBEAT_REPLY`` (lease, time left, ms). A control call: the
+  data path's bound does not apply, as over gRPC.
 
 Primitives: ``FrameSocket`` (reads whole frames; ``FrameTooLarge``), the ``Method`` codes and
 their gRPC names (``METHOD_NAMES``), ``FLAG_LAYER_EVENTS``, the structs above, ``Reader``
@@ -66,6 +68,8 @@ TRANSFER_REPLY = struct.Struct("<QQdB7x")
 """bytes moved, pages, seconds, pending."""
 LOOKUP_REPLY = struct.Struct("<III")
 """hit prefix, hits, count (the tier bytes follow)."""
+HEARTBEAT_REPLY = struct.Struct("<qq")
+"""lease and time left on it, in ms."""
 _U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
 _KEYS = struct.Struct("<IB")
 
@@ -76,10 +80,11 @@ class Method(enum.IntEnum):
     LOAD_KEYS = 3
     BACKUP = 4
     LOAD = 5
+    HEARTBEAT = 6
 
 
 METHOD_NAMES = {Method.LOOKUP: "Lookup", Method.STORE: "Store", Method.LOAD_KEYS: "LoadKeys",
-                Method.BACKUP: "Backup", Method.LOAD: "Load"}
+                Method.BACKUP: "Backup", Method.LOAD: "Load", Method.HEARTBEAT: "Heartbeat"}
 """The gRPC method each code stands for (metrics and errors name calls by it)."""
 
 

@@ -188,6 +188,12 @@ def raw_body(session_id: str, host: IndexArray, device: IndexArray,
     return parts
 
 
+def session_body(session_id: str) -> list[bytes]:
+    parts: list[bytes] = []
+    w.put_string(parts, session_id)
+    return parts
+
+
 def lookup_body(pool: str, capability: str, keys: Sequence[bytes]) -> list[bytes]:
     parts: list[bytes] = []
     w.put_string(parts, pool)

@@ -53,7 +53,7 @@ class WorkerSession:
         period = max(self.lease_ms / 3000.0, 0.05)
         while not self._stop.wait(period):
             try:
-                self.client.heartbeat(self.session_id)
+                self.client.beat(self.session_id)
                 self.heartbeat_error = None
             except HiCacheError as exc:  # kept for the caller; the next transfer will raise
                 self.heartbeat_error = exc

@@ -203,10 +203,11 @@ class Metrics:
         for reason in REASONS:
             self.rejected.labels(reason)
         self.fast_requests = Counter(
-            "hicache_fast_path_requests", "Data calls served over the fast path "
-            "(<socket>.fast), by method; hicache_rpc_requests_total counts them too.",
+            "hicache_fast_path_requests", "Calls served over the fast path (<socket>.fast): "
+            "the data calls and heartbeats, by method; hicache_rpc_requests_total counts them "
+            "too.",
             ["method"], registry=registry)
-        for method in ("Store", "LoadKeys", "Lookup", "Backup", "Load"):
+        for method in ("Store", "LoadKeys", "Lookup", "Backup", "Load", "Heartbeat"):
             self.fast_requests.labels(method)
         self._per_op: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         info = Gauge("hicache_build_info", "Build of the daemon.", list(build),
