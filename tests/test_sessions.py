@@ -98,3 +98,34 @@ def test_a_lease_above_the_maximum_is_clamped_and_reaped_in_time() -> None:
         assert {s.session_id for s in m.reap()} == {greedy.session_id, modest.session_id}
     finally:
         pool.close()
+
+
+def test_the_reaper_sleeps_while_no_session_is_open(setup) -> None:  # type: ignore[no-untyped-def]
+    """An idle daemon's reaper costs nothing: it runs only while a session is open."""
+    import threading
+
+    pool, clock, m, reaped = setup
+    passes: list[int] = []
+    ran = threading.Event()
+    real_reap = m.reap
+
+    def counting_reap():  # type: ignore[no-untyped-def]
+        passes.append(1)
+        ran.set()
+        return real_reap()
+
+    m.reap = counting_reap  # type: ignore[method-assign]
+    m.start_reaper(interval=0.005)
+    try:
+        assert not ran.wait(0.3) and not passes  # 60 periods without a session: no pass
+        s = m.open("p", pool, "w", CountingAttachment(), 16)
+        assert ran.wait(5)  # a session: the reaper runs, and reaps it when its lease ends
+        clock.t = 10.0
+        for _ in range(500):
+            if reaped:
+                break
+            ran.clear()
+            ran.wait(0.05)
+        assert reaped == [s.session_id]
+    finally:
+        m.close_all()

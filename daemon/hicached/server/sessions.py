@@ -7,7 +7,8 @@ Primitives:
   number its raw pages are owned under (freed when it ends, through ``on_end``).
 - ``SessionManager``: ``open``, ``get``, ``heartbeat``, ``close``, ``transfer(session_id)`` (a
   context manager holding the session's mappings for one copy), ``hold`` / ``unhold`` (for GPU
-  copies that outlive their RPC), ``reap()`` and a reaper thread.
+  copies that outlive their RPC), ``reap()`` and a reaper thread (asleep while no session is
+  open).
 
 A closed or expired session leaves the table at once (new calls get ``SESSION_NOT_FOUND``); its
 mappings are released when its last in-flight transfer ends, so a copy never runs on unmapped
@@ -82,6 +83,8 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._opened = threading.Event()
+        """Set by ``open``: a reaper asleep for want of sessions wakes."""
         self._thread: threading.Thread | None = None
         self.reaped_total = 0
 
@@ -102,6 +105,7 @@ class SessionManager:
                     owner=next(self._owners), lease_clamped=clamped, peer=peer)
         with self._lock:
             self._sessions[s.session_id] = s
+        self._opened.set()
         log.info("session %s opened: pool=%s worker=%s lease=%.1fs attached=%d bytes",
                  s.public_id, pool_name, worker_id, lease, attachment.nbytes)
         return s
@@ -227,7 +231,13 @@ class SessionManager:
                                                            0.05)
 
         def loop() -> None:
-            while not self._stop.wait(period):
+            while not self._stop.is_set():
+                if not self._sessions:  # nothing to reap: asleep until a session opens
+                    self._opened.wait()
+                    self._opened.clear()
+                    continue
+                if self._stop.wait(period):
+                    return
                 try:
                     self.reap()
                 except Exception:  # the reaper must survive anything
@@ -238,6 +248,7 @@ class SessionManager:
 
     def close_all(self) -> None:
         self._stop.set()
+        self._opened.set()
         with self._lock:
             sessions, self._sessions = list(self._sessions.values()), {}
         for s in sessions:
