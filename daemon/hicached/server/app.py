@@ -44,7 +44,7 @@ from hicached.server.fast_path import FastPathServer
 from hicached.server.identity_channel import IdentityChannel
 from hicached.server.interceptors import server_interceptors
 from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
-from hicached.server.metrics import Metrics, ScrapeState, serve
+from hicached.server.metrics import Metrics, MetricsEndpoint, ScrapeState, serve
 from hicached.server.pool_build import PoolBuild
 from hicached.server.pool_table import PoolTable
 from hicached.server.service import CREATES_WORK, DATA_METHODS, HostCacheServicer
@@ -119,7 +119,7 @@ class HiCacheServer:
         self._ready = threading.Event()
         self.health_bound: list[str] = []
         """Where the health-only server listens (``health_listen``)."""
-        self._metrics_server: object | None = None
+        self._metrics_server: MetricsEndpoint | None = None
         opts = [("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
@@ -295,7 +295,7 @@ class HiCacheServer:
         if self.daemon.pools.remote is not None:
             self.daemon.pools.remote.close()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()  # type: ignore[attr-defined]
+            self._metrics_server.shutdown()
             self._metrics_server = None
         for lock in self._locks:
             lock.release()

@@ -7,7 +7,8 @@ Primitives:
   evictions, keys), sessions and canary tallies at scrape time.
 - ``REASONS``: every reason code; ``hicache_rejected_requests_total`` starts at 0 for each, so
   alert rules can reference any of them from the first scrape.
-- ``serve(metrics, address)``: the HTTP endpoint (``HOST:PORT``; port 0 picks one).
+- ``serve(metrics, address)``: the HTTP endpoint (``HOST:PORT``; port 0 picks one), a
+  ``MetricsEndpoint`` asleep until a scrape comes.
 
 Names: prefix ``hicache_``, base units, ``_total`` for counters; labels ``pool``, ``op``
 (``backup``/``load``/``store``/``load_keys``), ``reason``, ``method``, ``code``, ``result``
@@ -16,13 +17,19 @@ Names: prefix ``hicache_``, base units, ``_total`` for counters; labels ``pool``
 
 from __future__ import annotations
 
+import os
+import selectors
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from hicache.errors import all_error_classes
@@ -260,9 +267,48 @@ class Metrics:
         seconds_h.observe(seconds)
 
 
-def serve(metrics: Metrics, address: str) -> tuple[Any, int]:
-    """Start the HTTP endpoint; returns (server, bound port)."""
+class MetricsEndpoint:
+    """prometheus_client's WSGI app and threading server, served by a loop that sleeps until
+    a scrape or ``shutdown`` (its own ``serve_forever`` polls twice a second, an idle daemon's
+    most frequent wake-up)."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        class Quiet(WSGIRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # a scrape is not news
+
+        self.httpd = make_server(str(sockaddr[0]), port, make_wsgi_app(metrics.registry),
+                                 Server, handler_class=Quiet)
+        self.server_address = self.httpd.server_address
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._loop, name="metrics-http", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.httpd, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    if key.fileobj == self._wake_r:
+                        return
+                    self.httpd._handle_request_noblock()  # a scrape, on its own thread
+
+    def shutdown(self) -> None:
+        os.write(self._wake_w, b"x")
+        self._thread.join(5)
+        self.httpd.server_close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+
+def serve(metrics: Metrics, address: str) -> tuple[MetricsEndpoint, int]:
+    """Start the HTTP endpoint; returns (its server, the bound port)."""
     host, _, port = address.rpartition(":")
-    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1",
-                                        registry=metrics.registry)
+    server = MetricsEndpoint(metrics, host or "127.0.0.1", int(port))
     return server, int(server.server_address[1])
