@@ -62,12 +62,15 @@ class WorkerResult:
     """time.monotonic() when the worker's first timed request went out (after the barrier)."""
     end: float
     """time.monotonic() when its last one came back."""
+    data_path: str = ""
+    """``fast`` or ``grpc``: the path its calls took (``HiCacheClient.data_path``)."""
 
 
 def _worker(target: str, spec: PoolSpec, shm_dir: str, worker: int, batch_pages: int,
-            seconds: float, read_ratio: float, queue: Any, barrier: Any) -> None:
+            seconds: float, read_ratio: float, queue: Any, barrier: Any,
+            fast_path: bool = True) -> None:
     ps = spec.page_size
-    client = HiCacheClient(target)
+    client = HiCacheClient(target, fast_path=fast_path)
     rng = np.random.default_rng(worker * 7919 + batch_pages)
     tokens = batch_pages * ps * 2
     with ShmDeviceBuffers.create(spec, tokens, shm_dir, prefix=f"bench{worker}") as bufs:
@@ -78,6 +81,7 @@ def _worker(target: str, spec: PoolSpec, shm_dir: str, worker: int, batch_pages:
         dev_pages = torch.from_numpy(rng.permutation(tokens // ps)[:batch_pages])
         dev = (dev_pages[:, None] * ps + torch.arange(ps)).reshape(-1)
         session.backup(host, dev)
+        path = client.data_path
         lat: list[float] = []
         srv: list[float] = []
         moved = pages = 0
@@ -97,7 +101,7 @@ def _worker(target: str, spec: PoolSpec, shm_dir: str, worker: int, batch_pages:
         session.close()
     client.close()
     queue.put(asdict(WorkerResult(worker, batch_pages, len(lat), moved, pages, lat, srv,
-                                  start, end)))
+                                  start, end, path)))
 
 
 def _baseline(spec: PoolSpec, batch_pages: int, seconds: float) -> float:
@@ -166,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             queue, barrier = ctx.Queue(), ctx.Barrier(args.workers)
             procs = [ctx.Process(target=_worker, args=(target, spec, shm_dir, w, bp,
                                                        args.seconds, args.read_ratio, queue,
-                                                       barrier))
+                                                       barrier, not args.grpc))
                      for w in range(args.workers)]
             for p in procs:
                 p.start()
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "p90_ms": float(np.percentile(lat, 90)) * 1e3,
                 "p99_ms": float(np.percentile(lat, 99)) * 1e3,
                 "control_plane_ms": float(np.median(lat - srv)) * 1e3,
+                "data_path": ",".join(sorted({r["data_path"] for r in results})),
             })
         _progress(len(batches), len(batches), "done")
         sys.stderr.write("\n")
@@ -203,8 +208,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print(report: dict[str, Any]) -> None:
+    paths = ",".join(sorted({r["data_path"] for r in report["rows"]}))
     print(f"{report['preset']} {report['layout']} page_size {report['page_size']} "
-          f"({report['page_bytes'] / 2**20:.2f} MiB/page), read ratio {report['read_ratio']}")
+          f"({report['page_bytes'] / 2**20:.2f} MiB/page), read ratio {report['read_ratio']}, "
+          f"data calls over {paths}")
     print(f"{'pages':>6}{'workers':>8}{'reqs':>7}{'GB/s':>8}{'pages/s':>10}{'in-proc':>9}"
           f"{'ratio':>7}{'p50 ms':>8}{'p99 ms':>8}{'ctl ms':>8}")
     for r in report["rows"]:
@@ -246,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-pages", default="1,4,16,64", help="comma-separated batch sizes")
     ap.add_argument("--seconds", type=float, default=3.0, help="traffic per batch size")
     ap.add_argument("--read-ratio", type=float, default=0.5, help="fraction of loads")
+    ap.add_argument("--grpc", action="store_true",
+                    help="data calls over gRPC even where the daemon offers its fast path")
     ap.add_argument("--shm-dir", help="worker buffer directory (the daemon's --shm-dir)")
     ap.add_argument("--memory-budget", default="16GiB", help="for a daemon started here")
     ap.add_argument("--json", help="write the report to this file ('-' for stdout)")
