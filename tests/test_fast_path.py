@@ -296,6 +296,8 @@ def test_a_lost_fast_path_falls_back_to_grpc(served: tuple[HiCacheServer, str, s
         assert s.store([b"a" * 32], torch.arange(4)).stored == 1 and c.data_path == "fast"
         for fp in server.fast_paths:
             fp.close()
+            assert fp._accepting is not None and not fp._accepting.is_alive()
+            assert fp.connections == 0 or _drained(fp)
         grpc_before = server.registry.get_sample_value(
             "hicache_rpc_requests_total", {"method": "LoadKeys", "code": "OK"}) or 0
         assert s.load_keys([b"a" * 32], torch.arange(4) + 4).pages == 1
@@ -303,6 +305,15 @@ def test_a_lost_fast_path_falls_back_to_grpc(served: tuple[HiCacheServer, str, s
         assert server.registry.get_sample_value(
             "hicache_rpc_requests_total", {"method": "LoadKeys", "code": "OK"}) == grpc_before + 1
         s.close()
+
+
+def _drained(fp: object) -> bool:
+    """Every connection's thread saw its socket shut (they leave within moments)."""
+    for _ in range(100):
+        if fp.connections == 0:  # type: ignore[attr-defined]
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def test_many_threads_share_a_client(served: tuple[HiCacheServer, str, str]) -> None:

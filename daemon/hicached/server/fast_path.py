@@ -72,6 +72,7 @@ class FastPathServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closing = False
+        self._accepting: threading.Thread | None = None
         m = daemon.metrics
         self._handlers: dict[int, tuple[str, bool, _Handler]] = {
             w.Method.LOOKUP: ("Lookup", False, self._lookup),
@@ -100,16 +101,24 @@ class FastPathServer:
         os.chmod(self.path, self._mode)
         s.listen(128)
         self._sock = s
-        threading.Thread(target=self._accept_loop, name="fast-accept", daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept_loop, name="fast-accept",
+                                           daemon=True)
+        self._accepting.start()
 
     def close(self) -> None:
         """Stop accepting and shut every connection (a call in flight still replies)."""
+        if self._closing:
+            return
         self._closing = True
         if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
+            try:  # wake the accept loop (closing its socket would not): it sees _closing
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as poke:
+                    poke.settimeout(1.0)
+                    poke.connect(self.path)
             except OSError:
                 pass
+            if self._accepting is not None:
+                self._accepting.join(5)
             self._sock.close()
             self._sock = None
         with self._lock:
@@ -132,6 +141,9 @@ class FastPathServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
+            if self._closing:
+                conn.close()
+                return
             try:
                 pid, uid, gid = _PEERCRED.unpack(conn.getsockopt(
                     socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
