@@ -2,8 +2,9 @@
 
 A daemon on its defaults (one pool); N worker processes each open a session with sealed memfd
 buffers and then only heartbeat (the client's own heartbeat thread), as SGLang workers
-between requests do. The daemon's CPU time (utime + stime from /proc) is read before and after
-a measured window; figures are per minute of wall time.
+between requests do: first N whose calls go over gRPC (``fast_path=False``), then N over the
+fast path (each with its connection open). The daemon's CPU time (utime + stime from /proc)
+is read before and after a measured window; figures are per minute of wall time.
 
 Usage: python benchmarks/bench_idle.py [--workers 8] [--seconds 60] [--json]
 """
@@ -36,10 +37,11 @@ from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 spec = PoolSpec("idle", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 32, 8, 128), 64,
                 Layout.PAGE_FIRST, size_tokens=64 * 16)
-c = HiCacheClient(sys.argv[1])
+c = HiCacheClient(sys.argv[1], fast_path=sys.argv[3] == "fast")
 b = ShmDeviceBuffers.create(spec, 64, sealed=True)
 s = c.open_session("idle", "idle-" + sys.argv[2], b.descriptors, fds=b.fds, heartbeat=True)
-print("open", flush=True)
+s.client.lookup("idle", [b"warm"])  # the data path chosen (and, when fast, connected)
+print("open", c.data_path, flush=True)
 time.sleep(1e9)
 """
 
@@ -71,14 +73,21 @@ def main() -> None:
         alone = window(d.proc.pid, args.seconds)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO / "clients" / "python"), os.environ.get("PYTHONPATH", "")]))
-        for i in range(args.workers):
-            w = subprocess.Popen([sys.executable, "-c", WORKER, d.target, str(i)], text=True,
-                                 stdout=subprocess.PIPE, env=env)
-            workers.append(w)
-        for w in workers:
-            assert w.stdout is not None and w.stdout.readline().startswith("open")
-        time.sleep(2)
-        busy = window(d.proc.pid, args.seconds)
+        busy: dict[str, float] = {}
+        for path in ("grpc", "fast"):  # heartbeats over gRPC, then over the fast path
+            for i in range(args.workers):
+                w = subprocess.Popen([sys.executable, "-c", WORKER, d.target, str(i), path],
+                                     text=True, stdout=subprocess.PIPE, env=env)
+                workers.append(w)
+            for w in workers:
+                assert w.stdout is not None and w.stdout.readline().split() == ["open", path]
+            time.sleep(2)
+            busy[path] = window(d.proc.pid, args.seconds)
+            for w in workers:
+                w.kill()
+                w.wait()
+            workers.clear()
+            time.sleep(6)  # their sessions reaped (lease 5 s)
     finally:
         for w in workers:
             w.kill()
@@ -87,12 +96,14 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     row = {"seconds": args.seconds, "workers": args.workers,
            "cpu_s_per_min_no_workers": round(alone, 3),
-           "cpu_s_per_min_idle_workers": round(busy, 3)}
+           "cpu_s_per_min_idle_workers_grpc": round(busy["grpc"], 3),
+           "cpu_s_per_min_idle_workers": round(busy["fast"], 3)}
     if args.json:
         print(json.dumps(row))
         return
     print(f"idle daemon CPU over {args.seconds:g} s windows: {alone:.3f} s/min with no "
-          f"workers, {busy:.3f} s/min with {args.workers} idle workers (heartbeating)")
+          f"workers; with {args.workers} idle workers heartbeating over gRPC "
+          f"{busy['grpc']:.3f} s/min, over the fast path {busy['fast']:.3f} s/min")
 
 
 if __name__ == "__main__":
