@@ -74,9 +74,11 @@ def test_data_calls_get_their_own_executor() -> None:
     pool.shutdown()
 
 
-def test_control_answers_with_every_data_thread_busy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("data_path", ["grpc", "fast"])
+def test_control_answers_with_every_data_thread_busy(tmp_path: Path, data_path: str) -> None:
     """Two control threads, two data slots, six flooding workers: with one shared pool the
-    copies would hold every thread; here control calls never queue behind them."""
+    copies would hold every thread; here control calls never queue behind them, whether the
+    copies come over gRPC (its data executor) or the fast path (its connections' threads)."""
     shm = tmp_path / "shm"
     shm.mkdir()
     server, bound = create_server(ServerConfig(
@@ -87,7 +89,8 @@ def test_control_answers_with_every_data_thread_busy(tmp_path: Path) -> None:
     running: set[str] = set()
     try:
         with ShmDeviceBuffers.create(SPEC, BATCH, str(shm)) as bufs, \
-                HiCacheClient(bound[0], reconnect_seconds=0) as c:
+                HiCacheClient(bound[0], reconnect_seconds=0,
+                              fast_path=data_path == "fast") as c:
             s = c.open_session(SPEC.name, "flood", bufs.descriptors)
             hosts = [c.alloc(SPEC.name, BATCH) for _ in range(6)]
 
@@ -112,7 +115,10 @@ def test_control_answers_with_every_data_thread_busy(tmp_path: Path) -> None:
             stop.set()
             for t in threads:
                 t.join(30)
-        assert "data" in running  # the copies ran on the data executor, not control's threads
+            assert c.data_path == data_path
+        # the copies ran on the data executor (or the fast path's threads), not control's
+        assert any(name.startswith("data" if data_path == "grpc" else "fast-")
+                   for name in running), running
         assert worst < 1.0, f"a control call waited {worst:.2f}s behind transfers"
     finally:
         stop.set()
