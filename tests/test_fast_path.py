@@ -371,3 +371,30 @@ def test_heartbeats_keep_a_session_over_the_fast_path_past_a_full_gate(
         with pytest.raises(HiCacheError) as exc:
             c.beat(s.session_id)
         assert exc.value.reason == "SESSION_NOT_FOUND"
+
+
+def test_a_forked_child_opens_its_own_connection(served: tuple[HiCacheServer, str, str]
+                                                 ) -> None:
+    """A worker that forks after using the fast path: parent and child each keep a stream of
+    their own (a shared one would interleave their frames)."""
+    _server, target, _ = served
+    with HiCacheClient(target) as c:
+        assert c.lookup("fp", [b"p"]).hits == 0 and c.data_path == "fast"
+        parent_sock = c._fast._local.sock  # type: ignore[union-attr]
+        pid = os.fork()
+        if pid == 0:  # the child: its own connection, then a clean exit code
+            ok = False
+            try:
+                for _ in range(50):
+                    c.lookup("fp", [b"c"])
+                ok = c._fast._local.sock is not parent_sock  # type: ignore[union-attr]
+            except BaseException as exc:
+                os.write(2, f"child: {exc!r}\n".encode())
+            finally:
+                os._exit(0 if ok else 1)
+        for _ in range(50):
+            assert c.lookup("fp", [b"p"]).hits == 0
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert c._fast._local.sock is parent_sock  # type: ignore[union-attr]
+        assert c.lookup("fp", [b"p"]).hits == 0

@@ -19,6 +19,7 @@ Primitives:
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import struct
 import threading
@@ -52,6 +53,7 @@ class FastPath:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.closed = False
+        self._pid = os.getpid()
 
     def _connect(self) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -98,6 +100,8 @@ class FastPath:
     def call(self, method: w.Method, parts: list[bytes], flags: int = 0,
              timeout: float | None = None) -> bytes:
         """Send one request, wait for its reply body (``timeout`` or the client's)."""
+        if self._pid != os.getpid():
+            self._forked()
         s = getattr(self._local, "sock", None) or self._connect()
         frames: w.FrameSocket = self._local.frames
         body = b"".join(parts)
@@ -120,6 +124,16 @@ class FastPath:
         if status != w.OK:
             raise from_status_bytes(data)
         return data
+
+    def _forked(self) -> None:
+        """In a child: the parent's connections are the parent's (a frame written on one here
+        would interleave with the parent's); this process opens its own."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        socks, self._socks = self._socks, []
+        for s in socks:
+            s.close()  # this process's copy of the fd; the parent's stream stays open
 
     def close(self) -> None:
         with self._lock:
