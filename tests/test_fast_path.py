@@ -307,6 +307,29 @@ def test_a_lost_fast_path_falls_back_to_grpc(served: tuple[HiCacheServer, str, s
         s.close()
 
 
+def test_a_threads_connection_closes_with_the_thread(
+        served: tuple[HiCacheServer, str, str]) -> None:
+    """Calls from many short-lived threads leave no connection behind (on either side)."""
+    server, target, _ = served
+    with HiCacheClient(target) as c:
+        c.lookup("fp", [b"k"])
+        for _ in range(20):
+            t = threading.Thread(target=c.lookup, args=("fp", [b"k"]))
+            t.start()
+            t.join()
+        assert c._fast is not None and c._fast.connections == 1  # this thread's
+        assert _drained_to(server.fast_paths[0], 1)
+    assert _drained_to(server.fast_paths[0], 0)
+
+
+def _drained_to(fp: object, n: int) -> bool:
+    for _ in range(200):
+        if fp.connections == n:  # type: ignore[attr-defined]
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def _drained(fp: object) -> bool:
     """Every connection's thread saw its socket shut (they leave within moments)."""
     for _ in range(100):
@@ -380,14 +403,14 @@ def test_a_forked_child_opens_its_own_connection(served: tuple[HiCacheServer, st
     _server, target, _ = served
     with HiCacheClient(target) as c:
         assert c.lookup("fp", [b"p"]).hits == 0 and c.data_path == "fast"
-        parent_sock = c._fast._local.sock  # type: ignore[union-attr]
+        parent_sock = c._fast._local.conn  # type: ignore[union-attr]
         pid = os.fork()
         if pid == 0:  # the child: its own connection, then a clean exit code
             ok = False
             try:
                 for _ in range(50):
                     c.lookup("fp", [b"c"])
-                ok = c._fast._local.sock is not parent_sock  # type: ignore[union-attr]
+                ok = c._fast._local.conn is not parent_sock  # type: ignore[union-attr]
             except BaseException as exc:
                 os.write(2, f"child: {exc!r}\n".encode())
             finally:
@@ -396,5 +419,5 @@ def test_a_forked_child_opens_its_own_connection(served: tuple[HiCacheServer, st
             assert c.lookup("fp", [b"p"]).hits == 0
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        assert c._fast._local.sock is parent_sock  # type: ignore[union-attr]
+        assert c._fast._local.conn is parent_sock  # type: ignore[union-attr]
         assert c.lookup("fp", [b"p"]).hits == 0

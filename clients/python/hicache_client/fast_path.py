@@ -7,9 +7,10 @@ itself; ``HiCacheClient.data_path`` says which it uses ("fast" or "grpc").
 Primitives:
 
 - ``FastPath(path, timeout)``: one connection per calling thread (opened on first use, hello
-  exchanged); ``call(method, parts, flags, timeout)`` returns the reply body or raises the
-  daemon's domain error, rebuilt from the ``google.rpc.Status`` it sent, as gRPC would;
-  ``FastPathLost`` when the connection failed (the caller retries over gRPC); ``close()``.
+  exchanged; closed when the thread ends); ``call(method, parts, flags, timeout)`` returns
+  the reply body or raises the daemon's domain error, rebuilt from the ``google.rpc.Status``
+  it sent, as gRPC would; ``FastPathLost`` when the connection failed (the caller retries
+  over gRPC); ``close()``.
 - ``page_ids(indices, page_size)``: token indices as page ids, or None when they are not
   whole aligned page runs (such a batch goes over gRPC, where the daemon names what is
   wrong).
@@ -23,6 +24,7 @@ import os
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import Sequence
 
 import grpc
@@ -42,6 +44,28 @@ class FastPathLost(Exception):
     """The fast path's connection failed before a reply: the call goes over gRPC."""
 
 
+class _Conn:
+    """One thread's connection; closed when that thread ends (its thread-local goes) or the
+    client closes."""
+
+    __slots__ = ("__weakref__", "frames", "sock", "timeout")
+
+    def __init__(self, sock: socket.socket, spin_us: int) -> None:
+        self.sock = sock
+        self.frames = w.FrameSocket(sock, spin_us)
+        self.timeout: float | None = None
+
+    def set_timeout(self, seconds: float) -> None:
+        if self.timeout != seconds:
+            tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self.timeout = seconds
+
+    def __del__(self) -> None:
+        self.sock.close()
+
+
 class FastPath:
     def __init__(self, path: str, timeout: float, spin_us: int = 0) -> None:
         """``spin_us``: how long a call polls for its reply before sleeping in the kernel."""
@@ -49,13 +73,18 @@ class FastPath:
         self.timeout = timeout
         self.spin_us = spin_us
         self._local = threading.local()
-        self._socks: list[socket.socket] = []
+        self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.closed = False
         self._pid = os.getpid()
 
-    def _connect(self) -> socket.socket:
+    @property
+    def connections(self) -> int:
+        """Connections open now (one per thread that called and is still alive)."""
+        return len(self._conns)
+
+    def _connect(self) -> _Conn:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.settimeout(self.timeout)
@@ -72,54 +101,42 @@ class FastPath:
         s.settimeout(None)  # blocking: a timed-out socket polls before each recv, and on a
         # VM a poll that sleeps longer than ~20 us wakes ~75 us late; the kernel's own
         # timeouts (SO_RCVTIMEO / SO_SNDTIMEO) bound each call instead
-        self._local.timeout = None
+        conn = _Conn(s, self.spin_us)
         with self._lock:
             if self.closed:
                 s.close()
                 raise FastPathLost("the client is closed")
-            self._socks.append(s)
-        self._local.sock = s
-        self._local.frames = w.FrameSocket(s, self.spin_us)
-        return s
+            self._conns.add(conn)
+        self._local.conn = conn
+        return conn
 
-    def _set_timeout(self, s: socket.socket, seconds: float) -> None:
-        if getattr(self._local, "timeout", None) == seconds:
-            return
-        tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        self._local.timeout = seconds
-
-    def _drop(self, s: socket.socket) -> None:
-        self._local.sock = None
-        with self._lock:
-            if s in self._socks:
-                self._socks.remove(s)
-        s.close()
+    def _drop(self, conn: _Conn) -> None:
+        self._local.conn = None
+        self._conns.discard(conn)
+        conn.sock.close()
 
     def call(self, method: w.Method, parts: list[bytes], flags: int = 0,
              timeout: float | None = None) -> bytes:
         """Send one request, wait for its reply body (``timeout`` or the client's)."""
         if self._pid != os.getpid():
             self._forked()
-        s = getattr(self._local, "sock", None) or self._connect()
-        frames: w.FrameSocket = self._local.frames
+        conn: _Conn = getattr(self._local, "conn", None) or self._connect()
         body = b"".join(parts)
         rid = next(self._ids) & 0xFFFFFFFF
         try:
-            self._set_timeout(s, timeout or self.timeout)
-            s.sendall(w.REQUEST.pack(len(body), rid, method, flags, 0) + body)
-            (_, got, status), data = frames.read(w.REPLY)
+            conn.set_timeout(timeout or self.timeout)
+            conn.sock.sendall(w.REQUEST.pack(len(body), rid, method, flags, 0) + body)
+            (_, got, status), data = conn.frames.read(w.REPLY)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
-            self._drop(s)  # its reply may still come: the stream is out of step
+            self._drop(conn)  # its reply may still come: the stream is out of step
             exc: HiCacheError = from_status(grpc.StatusCode.DEADLINE_EXCEEDED,
                                             "Deadline Exceeded (fast path)", None)
             raise exc from None
         except (OSError, EOFError, struct.error) as err:
-            self._drop(s)
+            self._drop(conn)
             raise FastPathLost(f"the fast path at {self.path} failed: {err!r}") from None
         if got != rid:
-            self._drop(s)
+            self._drop(conn)
             raise FastPathLost(f"the fast path answered request {got}, not {rid}")
         if status != w.OK:
             raise from_status_bytes(data)
@@ -127,20 +144,19 @@ class FastPath:
 
     def _forked(self) -> None:
         """In a child: the parent's connections are the parent's (a frame written on one here
-        would interleave with the parent's); this process opens its own."""
+        would interleave with the parent's); this process opens its own. Dropping the
+        inherited ones closes this process's copies of their fds; the parent's streams stay."""
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._local = threading.local()
-        socks, self._socks = self._socks, []
-        for s in socks:
-            s.close()  # this process's copy of the fd; the parent's stream stays open
+        self._conns = weakref.WeakSet()
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            socks, self._socks = self._socks, []
-        for s in socks:
-            s.close()
+            conns, self._conns = list(self._conns), weakref.WeakSet()
+        for c in conns:
+            c.sock.close()
 
 
 def page_ids(indices: object, page_size: int) -> IndexArray | None:
