@@ -28,11 +28,11 @@ and that many int64.
 - Heartbeat: session; reply: ``HEARTBEAT_REPLY`` (lease, time left, ms). A control call: the
   data path's bound does not apply, as over gRPC.
 
-Primitives: ``FrameSocket`` (reads whole frames; ``FrameTooLarge``), the ``Method`` codes and
-their gRPC names (``METHOD_NAMES``), ``FLAG_LAYER_EVENTS``, the structs above, ``Reader``
-(decodes a body; ``INDICES_MALFORMED`` naming field ``frame`` when it is short or has bytes
-left), and the ``put_*`` encoders (``put_keys`` raises
-``ValueError`` for a key of 256 bytes or more: such a batch goes over gRPC, which names it).
+Primitives: ``FrameSocket`` (reads whole frames; ``FrameTooLarge``), ``recv_exact``, the
+``Method`` codes and their gRPC names (``METHOD_NAMES``), ``FLAG_LAYER_EVENTS``, the structs
+above, ``Reader`` (decodes a body; ``INDICES_MALFORMED`` naming field ``frame`` when it is
+short or has bytes left), and the ``put_*`` encoders (``put_keys`` raises ``ValueError`` for a
+key of 256 bytes or more: such a batch goes over gRPC, which names it).
 """
 
 from __future__ import annotations
@@ -218,6 +218,14 @@ class FrameSocket:
             if not n:
                 raise EOFError("the peer closed the connection")
             return n
+
+
+def recv_exact(sock: Any, n: int) -> bytes:
+    """``n`` bytes off a stream socket (the hellos); ``EOFError`` when the peer closes first."""
+    data: bytes = sock.recv(n, socket.MSG_WAITALL)
+    if len(data) < n:
+        raise EOFError("the peer closed the connection")
+    return data
 
 
 def put_string(out: list[bytes], s: str) -> None:

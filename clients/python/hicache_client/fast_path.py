@@ -90,7 +90,7 @@ class FastPath:
             s.settimeout(self.timeout)
             s.connect(self.path)
             s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, 0))
-            magic, version, _, _ = w.HELLO.unpack(_recv_exact(s, w.HELLO.size))
+            magic, version, _, _ = w.HELLO.unpack(w.recv_exact(s, w.HELLO.size))
         except (OSError, EOFError, struct.error) as exc:
             s.close()
             raise FastPathLost(f"cannot open the fast path at {self.path}: {exc}") from None
@@ -230,18 +230,3 @@ def lookup_body(pool: str, capability: str, keys: Sequence[bytes]) -> list[bytes
     w.put_string(parts, capability)
     w.put_keys(parts, keys)
     return parts
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    data = s.recv(n)
-    if len(data) == n:
-        return data
-    if not data:
-        raise EOFError("the daemon closed the fast path")
-    buf = bytearray(data)
-    while len(buf) < n:
-        more = s.recv(n - len(buf))
-        if not more:
-            raise EOFError("the daemon closed the fast path")
-        buf += more
-    return bytes(buf)

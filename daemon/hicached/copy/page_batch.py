@@ -22,7 +22,6 @@ from hicache.errors import (
     DuplicatePage,
     IndexCountMismatch,
     IndexOutOfRange,
-    LayerOutOfRange,
     PageNotAllocated,
     PageNotWritten,
     Violation,
@@ -31,7 +30,7 @@ from hicache.errors import (
 from hicache.indices import IndexArray
 from hicached.copy.native import KERNEL
 from hicached.core.allocator import PageAllocator
-from hicached.core.validation import TransferBatch, check_layers
+from hicached.core.validation import TransferBatch, check_keyed_layers, check_layers
 
 Bounds = tuple[int, int]
 
@@ -76,11 +75,6 @@ def _scan_numpy(pages: IndexArray, upper: int, unique: bool
     return bad, nbad, rep, dups, int(pages.min()), int(pages.max())
 
 
-def _count(field: str, what: str, want: int, got: int) -> Violation:
-    return Violation(field, IndexCountMismatch.reason, f"{what} but {got} {field}",
-                     {"expected": want, "count": got})
-
-
 def validate_page_transfer(*, host_pages: IndexArray, device_pages: IndexArray,
                            allocator: PageAllocator, device_page_num: int, layer_num: int,
                            layer_begin: int, layer_end: int, writes_host: bool
@@ -88,8 +82,10 @@ def validate_page_transfer(*, host_pages: IndexArray, device_pages: IndexArray,
     """Check a raw Backup (``writes_host``) or Load by page ids; raise with every violation."""
     violations: list[Violation] = []
     if host_pages.size != device_pages.size:
-        violations.append(_count("device_pages", f"{host_pages.size} host pages",
-                                 int(host_pages.size), int(device_pages.size)))
+        violations.append(Violation(
+            "device_pages", IndexCountMismatch.reason,
+            f"{host_pages.size} host pages but {device_pages.size} device pages",
+            {"host_count": int(host_pages.size), "device_count": int(device_pages.size)}))
     layer_violations, layers = check_layers(layer_begin, layer_end, layer_num)
     h_bad, h_bounds = scan(host_pages, allocator.page_num, "host_pages", writes_host)
     d_bad, d_bounds = scan(device_pages, device_page_num, "device_pages", not writes_host)
@@ -135,14 +131,11 @@ def validate_keyed_pages(*, keys: int, device_pages: IndexArray, device_page_num
     one page per key, in range, a load's destinations unique, a store over every layer."""
     violations, _ = scan(device_pages, device_page_num, "device_pages", not writes_host)
     if device_pages.size != keys:
-        violations.append(_count("device_pages", f"{keys} key(s)", keys,
-                                 int(device_pages.size)))
-    layer_violations, layers = check_layers(layer_begin, layer_end, layer_num)
-    if writes_host and not layer_violations and len(layers) != layer_num:
-        layer_violations = [Violation(
-            "layer_begin", LayerOutOfRange.reason,
-            f"a Store writes whole pages: the layer range must be all layers [0, {layer_num}) "
-            f"(or 0, 0), got [{layer_begin}, {layer_end})",
-            {"layer_begin": layer_begin, "layer_end": layer_end, "layer_num": layer_num})]
+        violations.append(Violation(
+            "device_pages", IndexCountMismatch.reason,
+            f"{keys} key(s) need {keys} device pages, got {device_pages.size}",
+            {"key_count": keys, "device_count": int(device_pages.size)}))
+    layer_violations, layers = check_keyed_layers(layer_begin, layer_end, layer_num,
+                                                  writes_host)
     raise_violations(violations + layer_violations)
     return device_pages, layers

@@ -14,7 +14,8 @@ Primitives:
 - ``validate_transfer``: all of the above for a raw backup or load, plus
   ``INDEX_COUNT_MISMATCH``, ``PAGE_NOT_ALLOCATED`` and ``PAGE_NOT_WRITTEN``; returns a
   ``TransferBatch`` of page numbers or raises the first violation's error carrying all of them.
-- ``validate_keyed``: the device side of a Store or LoadKeys (one page per key).
+- ``validate_keyed``: the device side of a Store or LoadKeys (one page per key);
+  ``check_keyed_layers``: its layer range (a Store's covers every layer).
 
 Every check is a handful of numpy operations on the whole batch; nothing loops over tokens.
 """
@@ -39,7 +40,8 @@ from hicache.errors import (
 )
 from hicache.indices import IndexArray, to_index_array
 
-__all__ = ["IndexArray", "TransferBatch", "check_duplicate_pages", "check_layers",
+__all__ = ["IndexArray", "TransferBatch", "check_duplicate_pages", "check_keyed_layers",
+           "check_layers",
            "check_page_runs", "check_range", "page_numbers", "to_index_array",
            "validate_keyed", "validate_transfer"]
 
@@ -278,13 +280,21 @@ def validate_keyed(
             f"got {d.size}",
             {"key_count": keys, "device_count": int(d.size), "page_size": page_size},
         ))
-    layer_violations, layers = check_layers(layer_begin, layer_end, layer_num)
-    if writes_host and not layer_violations and len(layers) != layer_num:
-        layer_violations = [Violation(
+    layer_violations, layers = check_keyed_layers(layer_begin, layer_end, layer_num,
+                                                  writes_host)
+    raise_violations(violations + layer_violations)
+    return dp, layers
+
+
+def check_keyed_layers(layer_begin: int, layer_end: int, layer_num: int, store: bool
+                       ) -> tuple[list[Violation], range]:
+    """``check_layers``, and a Store over every layer (a keyed page is whole)."""
+    violations, layers = check_layers(layer_begin, layer_end, layer_num)
+    if store and not violations and len(layers) != layer_num:
+        violations = [Violation(
             "layer_begin", LayerOutOfRange.reason,
             f"a Store writes whole pages: the layer range must be all layers [0, {layer_num}) "
             f"(or 0, 0), got [{layer_begin}, {layer_end})",
             {"layer_begin": layer_begin, "layer_end": layer_end, "layer_num": layer_num},
         )]
-    raise_violations(violations + layer_violations)
-    return dp, layers
+    return violations, layers

@@ -47,6 +47,7 @@ from hicached.copy.engine import Op, TransferResult
 from hicached.server.admission import DataGate
 from hicached.server.daemon import Daemon
 from hicached.server.identity import Peer, check_access, read_groups
+from hicached.server.locks import listen_beside
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +93,7 @@ class FastPathServer:
         return len(self._conns)
 
     def start(self) -> None:
-        if os.path.exists(self.path):  # left by a killed daemon (the API socket's lock is ours)
-            os.unlink(self.path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(self.path)
-        if self._gid >= 0:
-            os.chown(self.path, -1, self._gid)
-        os.chmod(self.path, self._mode)
-        s.listen(128)
-        self._sock = s
+        self._sock = listen_beside(self.path, self._mode, self._gid, 128)
         self._accepting = threading.Thread(target=self._accept_loop, name="fast-accept",
                                            daemon=True)
         self._accepting.start()
@@ -166,7 +159,7 @@ class FastPathServer:
     def _serve(self, conn: socket.socket, peer: Peer) -> None:
         try:
             conn.settimeout(HELLO_TIMEOUT_SECONDS)
-            magic, version, _, _ = w.HELLO.unpack(_recv_exact(conn, w.HELLO.size))
+            magic, version, _, _ = w.HELLO.unpack(w.recv_exact(conn, w.HELLO.size))
             conn.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, self.max_frame_bytes))
             if magic != w.MAGIC or version != w.VERSION:
                 return  # the client reads our version and speaks gRPC instead
@@ -317,19 +310,3 @@ def _internal(rid: int, method: str) -> bytes:
                                     message=f"{method} failed; see the daemon log"
                                     ).SerializeToString()
     return w.REPLY.pack(len(data), rid, w.ERROR) + data
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    """``n`` bytes, or ``EOFError`` when the peer closes first."""
-    data = conn.recv(n)
-    if len(data) == n:
-        return data
-    if not data:
-        raise EOFError
-    buf = bytearray(data)
-    while len(buf) < n:
-        more = conn.recv(n - len(buf))
-        if not more:
-            raise EOFError
-        buf += more
-    return bytes(buf)

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from hicached.server.identity import Grant, Peer, close_all, read_groups
+from hicached.server.locks import listen_beside
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,7 @@ class IdentityChannel:
         self._closing = False
 
     def start(self) -> None:
-        if os.path.exists(self.path):  # left by a killed daemon (the API socket's lock is ours)
-            os.unlink(self.path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(self.path)
-        if self._gid >= 0:
-            os.chown(self.path, -1, self._gid)
-        os.chmod(self.path, self._mode)
-        s.listen(64)
+        s = listen_beside(self.path, self._mode, self._gid, 64)
         s.setblocking(False)
         self._sock = s
         self._thread = threading.Thread(target=self._loop, name="identity", daemon=True)

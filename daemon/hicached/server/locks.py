@@ -7,6 +7,9 @@ Primitives:
 - ``SocketLock(socket_path)``: ``<socket>.lock`` flock'ed for the daemon's life; a socket a
   killed daemon left is replaced; ``release()`` removes both.
 - ``state_lock(state_dir)``: the state directory's ``.lock``.
+- ``listen_beside(path, mode, gid, backlog)``: a listening Unix socket beside an API socket
+  (``<socket>.id``, ``<socket>.fast``), whose lock guards it: one a killed daemon left is
+  replaced; the API socket's mode and group.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import socket
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -81,3 +85,15 @@ def state_lock(state_dir: str) -> PidLock:
     return PidLock(os.path.join(state_dir, ".lock"), lambda holder: (
         f"another hicached (pid {holder}) uses the state directory {state_dir}; give each "
         "daemon its own --state-dir"))
+
+
+def listen_beside(path: str, mode: int, gid: int, backlog: int) -> socket.socket:
+    if os.path.exists(path):  # left by a killed daemon (the API socket's lock is ours)
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    if gid >= 0:
+        os.chown(path, -1, gid)
+    os.chmod(path, mode)
+    s.listen(backlog)
+    return s
