@@ -28,7 +28,6 @@ connections; open ones are shut, their calls in flight finish first), ``connecti
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import threading
@@ -47,7 +46,7 @@ from hicached.copy.engine import Op, TransferResult
 from hicached.server.admission import DataGate
 from hicached.server.daemon import Daemon
 from hicached.server.identity import Peer, check_access, read_groups
-from hicached.server.locks import listen_beside
+from hicached.server.locks import listen_beside, remove_if_there
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +74,19 @@ class FastPathServer:
         self._closing = False
         self._accepting: threading.Thread | None = None
         m = daemon.metrics
-        self._handlers: dict[int, tuple[str, bool, _Handler]] = {
-            w.Method.LOOKUP: ("Lookup", False, self._lookup),
-            w.Method.STORE: ("Store", True, self._store),
-            w.Method.LOAD_KEYS: ("LoadKeys", True, self._load_keys),
-            w.Method.BACKUP: ("Backup", True, self._backup),
-            w.Method.LOAD: ("Load", True, self._load),
-            w.Method.HEARTBEAT: ("Heartbeat", False, self._heartbeat),
+        # (gRPC name, creates work (refused while draining), a data call (bounded), handler)
+        self._handlers: dict[int, tuple[str, bool, bool, _Handler]] = {
+            w.Method.LOOKUP: ("Lookup", False, True, self._lookup),
+            w.Method.STORE: ("Store", True, True, self._store),
+            w.Method.LOAD_KEYS: ("LoadKeys", True, True, self._load_keys),
+            w.Method.BACKUP: ("Backup", True, True, self._backup),
+            w.Method.LOAD: ("Load", True, True, self._load),
+            w.Method.HEARTBEAT: ("Heartbeat", False, False, self._heartbeat),
         }
         # labelled children resolved once: a label lookup costs a few microseconds per call
         self._ok = {name: (m.requests.labels(name, "OK"), m.rpc_seconds.labels(name),
                            m.fast_requests.labels(name))
-                    for name, _, _ in self._handlers.values()}
+                    for name, _, _, _ in self._handlers.values()}
 
     @property
     def connections(self) -> int:
@@ -121,10 +121,7 @@ class FastPathServer:
                 c.shutdown(socket.SHUT_RD)  # its thread's recv returns; a reply still goes
             except OSError:
                 pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        remove_if_there(self.path)
 
     # -- connections -------------------------------------------------------------------------
 
@@ -192,11 +189,11 @@ class FastPathServer:
         if entry is None:
             return _error(rid, SpecInvalid(f"the fast path has no method {method}",
                                            metadata={"field": "method", "method": method}))
-        name, creates_work, handler = entry
+        name, creates_work, data, handler = entry
         t0 = time.perf_counter()
         d = self.daemon
         try:
-            out = self._admitted(handler, w.Reader(body), flags, peer, creates_work)
+            out = self._admitted(handler, w.Reader(body), flags, peer, creates_work, data)
         except Exception as exc:
             m = d.metrics
             if isinstance(exc, HiCacheError):
@@ -219,8 +216,8 @@ class FastPathServer:
         return w.REPLY.pack(len(out), rid, w.OK) + out
 
     def _admitted(self, handler: _Handler, r: w.Reader, flags: int, peer: Peer,
-                  creates_work: bool) -> bytes:
-        if handler == self._heartbeat:  # a control call: never bounded with the data path
+                  creates_work: bool, data: bool) -> bytes:
+        if not data:  # a control call: never bounded with the data path
             return self._gated(handler, r, flags, peer, creates_work)
         self.gate.enter()
         try:

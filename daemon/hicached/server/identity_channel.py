@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from hicached.server.identity import Grant, Peer, close_all, read_groups
-from hicached.server.locks import listen_beside
+from hicached.server.locks import listen_beside, remove_if_there
 
 log = logging.getLogger(__name__)
 
@@ -213,10 +213,7 @@ class IdentityChannel:
                 os.close(fd)
             except OSError:
                 pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        remove_if_there(self.path)
 
 
 def _parse(data: bytes) -> int:

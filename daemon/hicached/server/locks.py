@@ -10,6 +10,7 @@ Primitives:
 - ``listen_beside(path, mode, gid, backlog)``: a listening Unix socket beside an API socket
   (``<socket>.id``, ``<socket>.fast``), whose lock guards it: one a killed daemon left is
   replaced; the API socket's mode and group.
+- ``remove_if_there(path)``: what every one of them does with its file at the end.
 """
 
 from __future__ import annotations
@@ -52,10 +53,7 @@ class PidLock:
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
-        try:
-            os.unlink(self.lock_path)
-        except FileNotFoundError:
-            pass
+        remove_if_there(self.lock_path)
         os.close(self.fd)
 
 
@@ -73,10 +71,7 @@ class SocketLock(PidLock):
             os.unlink(socket_path)
 
     def release(self) -> None:
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        remove_if_there(self.socket_path)
         super().release()
 
 
@@ -97,3 +92,11 @@ def listen_beside(path: str, mode: int, gid: int, backlog: int) -> socket.socket
     os.chmod(path, mode)
     s.listen(backlog)
     return s
+
+
+def remove_if_there(path: str) -> None:
+    """Unlink ``path``; already gone is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
