@@ -1,7 +1,11 @@
-"""Build the native copy kernel; all other metadata lives in pyproject.toml.
+"""Build the native parts; all other metadata lives in pyproject.toml.
 
-The kernel is optional at run time (hicached falls back to a slow pure-Python executor and logs a
-warning), but the build always tries it and the test suite asserts it loaded.
+- ``hicached.copy._copykernel``, the daemon's copy kernel: optional at run time (hicached falls
+  back to a slow pure-Python executor and logs a warning);
+- ``hicache._poll``, the fast path's poll-before-sleep wait (daemon and client): without it
+  they sleep in ``recv`` at once.
+
+The build always tries both and the test suite asserts they loaded.
 """
 
 from setuptools import Extension, setup
@@ -17,6 +21,12 @@ setup(
             extra_compile_args=["-O3", "-pthread", "-std=c11"],
             extra_link_args=["-pthread"],
             optional=True,
-        )
+        ),
+        Extension(
+            "hicache._poll",
+            sources=["clients/python/hicache/csrc/poll.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
     ]
 )

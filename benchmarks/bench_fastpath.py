@@ -8,12 +8,14 @@ buffers, open a session and, round after round, time calls of each op over each 
 echo server in its own process answering a request of the fast path's request size with a
 reply of its reply size: the floor any Python-to-Python request over a Unix socket pays).
 Every Store names a fresh key (it copies its page); every LoadKeys loads a stored one; every
-Lookup asks a stored key. Two settings run one after the other: no spin (the default), and
-the daemon's ``fast_path_spin_us`` with the client's ``spin_us`` (a CPU traded for the
-wake-up of a sleeping one). Prints p50 / p99 per op and path, and grpc / fast and fast / raw
-ratios of the medians.
+Lookup asks a stored key. Two settings run one after the other: no polling (daemon
+``fast_path_spin_us`` and client ``spin_us`` 0), and the adaptive poll windows (both at
+``--spin-us``, the default's 200 us: a CPU traded for the wake-up of a sleeping one, while
+calls come back to back). Prints p50 / p99 per op and path, the worker's CPU per fast call,
+grpc / fast and fast / raw ratios of the medians, and per setting the daemon's CPU and what
+its polls caught and cost (its ``hicache_fast_path_poll*`` counters).
 
-Run: ``python benchmarks/bench_fastpath.py [--quick] [--spin-us 100] [--json FILE]``.
+Run: ``python benchmarks/bench_fastpath.py [--quick] [--spin-us 200] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from typing import Any
 
 import numpy as np
 import torch
 
 from hicache import fast_wire as w
+from hicache.polling import DEFAULT_MAX_US
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicache_client import fast_path as fp
@@ -45,8 +49,10 @@ SPEC = PoolSpec("fastbench", GEOMETRY, 16, size_tokens=16 * 8192)
 OPS = ("store", "load_keys", "lookup")
 PATHS = ("fast", "grpc", "raw")
 _ECHO = struct.Struct("<II")
-BLOCK = 10
-"""Calls per path in a row, paths taking turns (rounds are blocks of this many)."""
+BLOCK = 50
+"""Calls per path in a row, paths taking turns (rounds are blocks of this many). A worker's
+data calls all take one path; a block this long shows each path's steady state (the poll
+windows adapt within a few calls) and still pays what a switch costs."""
 
 
 def _echo_server(path: str, ready: Any) -> None:
@@ -112,11 +118,13 @@ def _worker(target: str, echo: str, shm: str, me: int, rounds: int, spin_us: int
         "lookup": lambda c: c.lookup(SPEC.name, [stored[next(pick)]]),
     }
     lat: dict[str, dict[str, list[float]]] = {op: {p: [] for p in PATHS} for op in OPS}
+    cpu = {op: {p: 0.0 for p in PATHS} for op in OPS}
     barrier.wait()
     t0 = time.perf_counter()
     for _ in range(rounds // BLOCK):
         for op in OPS:
             for path in PATHS:  # a block of calls per path: a worker's calls come in runs
+                c0 = time.thread_time()
                 for _ in range(BLOCK):
                     a = time.perf_counter()
                     if path == "raw":
@@ -124,7 +132,8 @@ def _worker(target: str, echo: str, shm: str, me: int, rounds: int, spin_us: int
                     else:
                         calls[op](fast if path == "fast" else grpc_c)
                     lat[op][path].append(time.perf_counter() - a)
-    out.put({"lat": lat, "seconds": time.perf_counter() - t0})
+                cpu[op][path] += time.thread_time() - c0
+    out.put({"lat": lat, "cpu": cpu, "seconds": time.perf_counter() - t0})
     s.close()
     fast.close()
     grpc_c.close()
@@ -134,7 +143,7 @@ def _worker(target: str, echo: str, shm: str, me: int, rounds: int, spin_us: int
 def _daemon(work: str, shm: str, spin_us: int) -> tuple[subprocess.Popen[bytes], str]:
     sock = os.path.join(work, f"d{spin_us}.sock")
     proc = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--listen",
-                             f"unix:{sock}", "--shm-dir", shm, "--metrics-listen", "",
+                             f"unix:{sock}", "--shm-dir", shm, "--metrics-listen", "127.0.0.1:0",
                              "--memory-budget", "2GiB", "--reserve", "0", "--state-dir", "",
                              "--log-level", "WARNING", "--fast-path-spin-us", str(spin_us)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -143,6 +152,23 @@ def _daemon(work: str, shm: str, spin_us: int) -> tuple[subprocess.Popen[bytes],
     c.create_pool(SPEC)
     c.close()
     return proc, f"unix:{sock}"
+
+
+def _daemon_counters(proc: subprocess.Popen[bytes], target: str) -> dict[str, float]:
+    """The daemon's CPU seconds so far and its fast-path poll counters."""
+    with open(f"/proc/{proc.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    with HiCacheClient(target) as c:
+        port = c.get_info().metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    got = {"cpu": cpu, "caught": 0.0, "slept": 0.0, "poll_s": 0.0}
+    for line in text.decode().splitlines():
+        if line.startswith("hicache_fast_path_polls_total{"):
+            got["caught" if 'result="caught"' in line else "slept"] = float(line.split()[-1])
+        elif line.startswith("hicache_fast_path_poll_seconds_total "):
+            got["poll_s"] = float(line.split()[-1])
+    return got
 
 
 def run(workers_list: list[int], rounds: int, spin_us: int) -> list[dict[str, Any]]:
@@ -165,17 +191,27 @@ def run(workers_list: list[int], rounds: int, spin_us: int) -> list[dict[str, An
                     procs = [ctx.Process(target=_worker, args=(target, echo, shm, i, per, spin,
                                                                 barrier, out))
                              for i in range(n)]
+                    before = _daemon_counters(proc, target)
                     for p in procs:
                         p.start()
                     got = [out.get(timeout=600) for _ in procs]
                     for p in procs:
                         p.join(60)
+                    after = _daemon_counters(proc, target)
+                    fast_calls = sum(len(g["lat"][op]["fast"]) for g in got for op in OPS)
+                    daemon = {k: after[k] - before[k] for k in after}
                     for op in OPS:
                         row: dict[str, Any] = {"spin_us": spin, "workers": n, "op": op}
                         for path in PATHS:
                             xs = np.array([x for g in got for x in g["lat"][op][path]]) * 1e6
                             row[f"{path}_p50_us"] = float(np.median(xs))
                             row[f"{path}_p99_us"] = float(np.percentile(xs, 99))
+                            row[f"{path}_cpu_us"] = sum(g["cpu"][op][path] for g in got
+                                                        ) / len(xs) * 1e6
+                        row["daemon_cpu_s"] = daemon["cpu"]  # all paths, the whole run
+                        row["daemon_poll_us_per_fast_call"] = daemon["poll_s"] / fast_calls * 1e6
+                        polls = daemon["caught"] + daemon["slept"]
+                        row["daemon_polls_caught"] = daemon["caught"] / polls if polls else 0.0
                         rows.append(row)
             finally:
                 proc.terminate()
@@ -188,25 +224,33 @@ def run(workers_list: list[int], rounds: int, spin_us: int) -> list[dict[str, An
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
-    ap.add_argument("--rounds", type=int, default=600, help="rounds per setting, all workers")
-    ap.add_argument("--spin-us", type=int, default=100,
-                    help="the spin of the second setting (daemon and client)")
+    ap.add_argument("--rounds", type=int, default=600,
+                    help="calls per op and path in each setting, all workers together")
+    ap.add_argument("--spin-us", type=int, default=DEFAULT_MAX_US,
+                    help="the poll window's max in the second setting (daemon and client; "
+                         "the first has none)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
-    rounds = 120 if args.quick else args.rounds
+    rounds = 2 * BLOCK if args.quick else args.rounds
     print(f"page {SPEC.page_bytes // 1024} KiB (MHA bf16, 8 layers x 2 heads x 64, "
           f"page_size {SPEC.page_size}); {os.cpu_count()} CPUs")
     rows = run([1, 8], rounds, args.spin_us)
-    print(f"{'spin':>5} {'wk':>3} {'op':>10} | {'fast p50':>9} {'p99':>7} | {'grpc p50':>9} "
-          f"{'p99':>7} | {'raw p50':>8} {'p99':>7} | {'grpc/fast':>9} {'fast/raw':>8}")
+    print(f"{'poll':>5} {'wk':>3} {'op':>10} | {'fast p50':>9} {'p99':>7} {'cpu':>5} | "
+          f"{'grpc p50':>9} {'p99':>7} | {'raw p50':>8} {'p99':>7} | {'grpc/fast':>9} "
+          f"{'fast/raw':>8}")
     for r in rows:
         print(f"{r['spin_us']:>5} {r['workers']:>3} {r['op']:>10} | "
-              f"{r['fast_p50_us']:>9.0f} {r['fast_p99_us']:>7.0f} | "
+              f"{r['fast_p50_us']:>9.0f} {r['fast_p99_us']:>7.0f} {r['fast_cpu_us']:>5.0f} | "
               f"{r['grpc_p50_us']:>9.0f} {r['grpc_p99_us']:>7.0f} | "
               f"{r['raw_p50_us']:>8.0f} {r['raw_p99_us']:>7.0f} | "
               f"{r['grpc_p50_us'] / r['fast_p50_us']:>9.2f} "
               f"{r['fast_p50_us'] / r['raw_p50_us']:>8.2f}")
-    print("(us; target: 1-page fast p50 <= 150 us on this machine)")
+    print("(us; poll = the largest poll window, daemon and client, 0 = none; cpu = the "
+          "worker's CPU per fast call; target: 1-page fast p50 <= 150 us on this machine)")
+    for r in rows[::len(OPS)]:
+        print(f"poll {r['spin_us']}, {r['workers']} worker(s): daemon CPU {r['daemon_cpu_s']:.2f}"
+              f" s (all paths), polling {r['daemon_poll_us_per_fast_call']:.1f} us per fast "
+              f"call, {r['daemon_polls_caught']:.0%} of its polls caught the next request")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

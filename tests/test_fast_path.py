@@ -421,3 +421,41 @@ def test_a_forked_child_opens_its_own_connection(served: tuple[HiCacheServer, st
         assert os.waitstatus_to_exitcode(status) == 0
         assert c._fast._local.conn is parent_sock  # type: ignore[union-attr]
         assert c.lookup("fp", [b"p"]).hits == 0
+
+
+def _polls(server: HiCacheServer) -> tuple[float, float, float]:
+    def get(name: str, labels: dict[str, str] | None = None) -> float:
+        return server.registry.get_sample_value(name, labels or {}) or 0.0
+    return (get("hicache_fast_path_polls_total", {"result": "caught"}),
+            get("hicache_fast_path_polls_total", {"result": "slept"}),
+            get("hicache_fast_path_poll_seconds_total"))
+
+
+@pytest.mark.parametrize("spin_us", [200, 0])
+def test_back_to_back_calls_are_polled_for_both_ways(tmp_path: Path, spin_us: int) -> None:
+    """Calls that come back to back: the daemon's connection catches the next request by
+    polling, the client catches its reply; the counts outlive the connection. With both
+    windows at 0 nothing polls. (Daemon and client share this process, and so its limit of
+    threads polling at once; the busy-node check is off: it has a test of its own.)"""
+    from hicache import _poll  # type: ignore[attr-defined]
+
+    server, target, _ = _serve(tmp_path, fast_path_spin_us=spin_us)
+    busy_check = _poll.set_busy_check(False)
+    try:
+        with HiCacheClient(target, spin_us=spin_us) as c:
+            for _ in range(200):
+                c.lookup("fp", [b"k"])
+            client_poll = c._fast._local.conn.frames.poll  # type: ignore[union-attr]
+            mine = (client_poll.caught, client_poll.polls)
+        deadline = time.monotonic() + 5
+        while server.fast_paths[0].connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        caught, slept, seconds = _polls(server)
+        if spin_us:
+            assert caught >= 5 and seconds > 0, (caught, slept, seconds)
+            assert mine[0] >= 5, mine
+        else:
+            assert (caught, slept, seconds) == (0, 0, 0) and mine == (0, 0)
+    finally:
+        _poll.set_busy_check(busy_check)
+        server.drain_and_stop(1.0)

@@ -42,8 +42,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--max-lease-seconds": ("max_lease_seconds", "longest lease a worker may ask for (60)"),
     "--copy-threads": ("copy_threads", "threads per copy (0 = a quarter of the CPUs, 1 to 8)"),
     "--copy-spin-us": ("copy_spin_us", "microseconds copy threads spin after a job (0 = none)"),
-    "--fast-path-spin-us": ("fast_path_spin_us", "microseconds a fast-path connection polls "
-                                                 "for the next request (0 = none)"),
+    "--fast-path-spin-us": ("fast_path_spin_us", "most microseconds a fast-path connection "
+                                                 "polls for the next request (200; 0 = none)"),
     "--grpc-threads": ("grpc_threads", "concurrent RPCs (16)"),
     "--max-data-rpcs": ("max_data_rpcs", "data calls at once before OVERLOADED "
                                          "(grpc-threads - 4)"),

@@ -48,6 +48,7 @@ import numpy as np
 
 from hicache.errors import IndicesMalformed
 from hicache.indices import IndexArray
+from hicache.polling import AdaptivePoll
 
 MAGIC = b"HCFP"
 VERSION = 1
@@ -164,15 +165,15 @@ class FrameSocket:
     a frame that arrived in one piece costs one call (each call is a point where a busy
     process hands its interpreter lock to another thread)."""
 
-    __slots__ = ("_buf", "_sock", "_view", "spin_ns")
+    __slots__ = ("_buf", "_sock", "_view", "poll")
 
     def __init__(self, sock: Any, spin_us: int = 0) -> None:
-        """``spin_us``: how long ``read`` polls for the first bytes before it sleeps in the
-        kernel (a sleeping CPU of a virtual machine can take tens of microseconds to wake)."""
+        """``spin_us``: the largest window ``read`` polls for the first bytes before it
+        sleeps in the kernel (``polling.AdaptivePoll``; 0: it sleeps at once)."""
         self._sock = sock
         self._buf = bytearray(1 << 16)
         self._view = memoryview(self._buf)
-        self.spin_ns = spin_us * 1000
+        self.poll = AdaptivePoll(spin_us)
 
     def read(self, header: struct.Struct, limit: int = 1 << 62
              ) -> tuple[tuple[Any, ...], bytes]:
@@ -183,7 +184,10 @@ class FrameSocket:
         if len(self._buf) > 1 << 20:  # the last frame was large: give the memory back
             self._buf = bytearray(1 << 16)
             self._view = memoryview(self._buf)
-        got = self._spin() if self.spin_ns else 0
+        poll, t0 = self.poll, time.monotonic_ns()
+        caught = poll.wait(self._sock.fileno())
+        got = self._recv(0)  # the first bytes: at once when polled, else after a sleep
+        poll.learn(time.monotonic_ns() - t0, caught)
         need, sized = header.size, False
         while True:
             if not sized and got >= header.size:
@@ -196,28 +200,16 @@ class FrameSocket:
                     self._view = memoryview(self._buf)
             if sized and got >= need:
                 break
-            n = self._sock.recv_into(self._view[got:], len(self._buf) - got)
-            if not n:
-                raise EOFError("the peer closed the connection")
-            got += n
+            got += self._recv(got)
         if got > need:
             raise EOFError(f"{got - need} byte(s) after a frame: the peer is out of step")
         return header.unpack_from(self._buf), bytes(self._view[header.size:need])
 
-
-    def _spin(self) -> int:
-        """Bytes that arrived within ``spin_ns``, polled without sleeping (0: none)."""
-        deadline = time.monotonic_ns() + self.spin_ns
-        while True:
-            try:
-                n: int = self._sock.recv_into(self._view, len(self._buf), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                if time.monotonic_ns() > deadline:
-                    return 0
-                continue
-            if not n:
-                raise EOFError("the peer closed the connection")
-            return n
+    def _recv(self, at: int) -> int:
+        n: int = self._sock.recv_into(self._view[at:], len(self._buf) - at)
+        if not n:
+            raise EOFError("the peer closed the connection")
+        return n
 
 
 def recv_exact(sock: Any, n: int) -> bytes:

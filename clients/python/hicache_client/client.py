@@ -40,6 +40,7 @@ from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
 from hicache.indices import indices_to_bytes, to_index_array
 from hicache.keys import encode_keys
 from hicache.paths import default_target
+from hicache.polling import DEFAULT_MAX_US
 from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -64,15 +65,15 @@ class HiCacheClient(DataCalls):
                  reconnect_seconds: float = 10.0, max_message_bytes: int = 64 << 20,
                  tls_ca: bytes | None = None, tls_cert: bytes | None = None,
                  tls_key: bytes | None = None, auth_token: str | None = None,
-                 fast_path: bool = True, spin_us: int = 0) -> None:
+                 fast_path: bool = True, spin_us: int = DEFAULT_MAX_US) -> None:
         """``tls_*`` (PEM bytes) and ``auth_token`` are for TCP daemons: the CA that signed
         the daemon's certificate, this client's certificate and key (mutual TLS), the bearer
         token of the daemon's ``auth_token_file``. Unix sockets need none of them.
         ``fast_path=False`` keeps the data calls on gRPC even where the daemon offers its
-        fast path (``data_path`` says which is used). ``spin_us``: how long a fast-path call
-        polls for its reply before its thread sleeps (0: it sleeps at once; on a virtual
-        machine a sleeping CPU may take tens of microseconds to wake, a spin takes the CPU
-        meanwhile)."""
+        fast path (``data_path`` says which is used). ``spin_us``: the longest a fast-path call
+        polls for its reply before its thread sleeps; the window adapts per connection
+        (``hicache.polling``: calls whose replies take longer than this sleep at once), the
+        poll releases the interpreter lock. 0: never poll."""
         self.target = target or default_target()
         self.timeout = timeout
         self.reconnect_seconds = reconnect_seconds

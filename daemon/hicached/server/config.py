@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 
 from hicache.errors import SpecInvalid
 from hicache.paths import DEFAULT_STATE_DIR, default_socket_path
+from hicache.polling import DEFAULT_MAX_US
 from hicache.specs import (
     CanarySpec,
     DType,
@@ -76,11 +77,13 @@ class ServerConfig:
     """Serve the data calls (Store, LoadKeys, Lookup, Backup, Load) also on ``<socket>.fast``
     beside each ``unix:`` API socket, in a compact binary framing that skips Python gRPC's
     per-call cost; clients use it when ``GetInfo.fast_path`` offers it. False: gRPC only."""
-    fast_path_spin_us: int = 0
-    """How long a fast-path connection's thread polls for the worker's next request after a
-    reply before it sleeps: on a virtual machine a sleeping CPU can take tens of
-    microseconds to wake, a spin takes a CPU meanwhile (measured in bench_fastpath.py).
-    0: it sleeps at once."""
+    fast_path_spin_us: int = DEFAULT_MAX_US
+    """The longest a fast-path connection's thread polls for the worker's next request after
+    a reply before it sleeps (a sleeping CPU of a virtual machine takes 40-80 us to wake).
+    The window adapts per connection (``hicache.polling``): it grows while requests come
+    back to back and falls to 0 when they do not, so an idle or slow connection never
+    polls; at most a quarter of the CPUs poll at once. 0: never poll (measured in
+    bench_fastpath.py)."""
     metrics_listen: str = "127.0.0.1:9464"
     """HOST:PORT of the Prometheus endpoint; empty disables it; port 0 picks a free one."""
     memory_budget_bytes: int = 0

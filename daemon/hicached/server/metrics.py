@@ -67,6 +67,9 @@ class ScrapeState:
     """The cluster tier's client, if one is configured."""
     fast_connections: Callable[[], int] = lambda: 0
     """Connections open on the fast path's sockets."""
+    fast_polls: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)
+    """The fast path's waits for a next request: (polled, caught by the poll, ns polling, not
+    polled because the node's CPUs were all wanted)."""
 
 
 class _StateCollector(Collector):
@@ -126,6 +129,19 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("hicache_fast_path_connections",
                                 "Worker connections open on the fast path.",
                                 value=self._state.fast_connections())
+        polls, caught, polled_ns, busy = self._state.fast_polls()
+        by_result = CounterMetricFamily(
+            "hicache_fast_path_polls", "Waits of fast-path connections for a worker's next "
+            "request with a poll window: caught (it came within the window), slept (after "
+            "polling the window), node_busy (not polled: the node's CPUs were all wanted).",
+            labels=["result"])
+        by_result.add_metric(["caught"], caught)
+        by_result.add_metric(["slept"], polls - caught)
+        by_result.add_metric(["node_busy"], busy)
+        yield by_result
+        yield CounterMetricFamily("hicache_fast_path_poll_seconds",
+                                  "CPU time fast-path connections spent polling.",
+                                  value=polled_ns / 1e9)
         yield GaugeMetricFamily("hicache_sessions_open", "Open worker sessions.",
                                 value=self._state.sessions_open())
         yield CounterMetricFamily("hicache_sessions_reaped", "Sessions ended by lease expiry.",
