@@ -25,7 +25,8 @@ setup(
         Extension(
             "hicache._poll",
             sources=["clients/python/hicache/csrc/poll.c"],
-            extra_compile_args=["-O2", "-std=c11"],
+            extra_compile_args=["-O2", "-pthread", "-std=c11"],
+            extra_link_args=["-pthread"],
             optional=True,
         ),
     ]

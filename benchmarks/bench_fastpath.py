@@ -49,10 +49,12 @@ SPEC = PoolSpec("fastbench", GEOMETRY, 16, size_tokens=16 * 8192)
 OPS = ("store", "load_keys", "lookup")
 PATHS = ("fast", "grpc", "raw")
 _ECHO = struct.Struct("<II")
-BLOCK = 50
+BLOCK = 200
 """Calls per path in a row, paths taking turns (rounds are blocks of this many). A worker's
-data calls all take one path; a block this long shows each path's steady state (the poll
-windows adapt within a few calls) and still pays what a switch costs."""
+data calls all take one path; a block this long shows each path's steady state. Shorter
+blocks measure the neighbours too: on a VM the host's own halt polling adapts to how long
+the vCPUs slept lately, so a fast-path block right after a gRPC block (whose threads keep
+the vCPUs busy) wakes cheaper than a fast path alone, and one after a polling block dearer."""
 
 
 def _echo_server(path: str, ready: Any) -> None:
@@ -186,7 +188,7 @@ def run(workers_list: list[int], rounds: int, spin_us: int) -> list[dict[str, An
             proc, target = _daemon(work, shm, spin)
             try:
                 for n in workers_list:
-                    per = max(rounds // n, 2 * BLOCK)
+                    per = max(rounds // n, BLOCK)
                     barrier, out = ctx.Barrier(n), ctx.Queue()
                     procs = [ctx.Process(target=_worker, args=(target, echo, shm, i, per, spin,
                                                                 barrier, out))
@@ -231,7 +233,7 @@ def main() -> int:
                          "the first has none)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
-    rounds = 2 * BLOCK if args.quick else args.rounds
+    rounds = BLOCK if args.quick else args.rounds
     print(f"page {SPEC.page_bytes // 1024} KiB (MHA bf16, 8 layers x 2 heads x 64, "
           f"page_size {SPEC.page_size}); {os.cpu_count()} CPUs")
     rows = run([1, 8], rounds, args.spin_us)

@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -102,6 +103,37 @@ def test_no_more_threads_poll_at_once_than_the_limit(
         native.set_max_pollers(previous)
     with pytest.raises(ValueError):
         native.set_max_pollers(-1)
+
+
+def _child_polls(fd: int, out: Any) -> None:
+    from hicache import _poll  # type: ignore[attr-defined]
+
+    out.put(_poll.wait_readable(fd, 1_000_000))
+
+
+def test_a_child_forked_while_a_thread_polls_can_poll(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    """The parent's polling thread does not exist in the child: its slot is free there."""
+    import multiprocessing as mp
+
+    a, b = pair
+    native = _native()
+    previous = native.set_max_pollers(1)
+    try:
+        t = threading.Thread(target=native.wait_readable, args=(a.fileno(), 3_000_000_000))
+        t.start()
+        time.sleep(0.05)
+        assert native.wait_readable(b.fileno(), 1_000_000) == -1  # the one slot is taken
+        ctx = mp.get_context("fork")
+        out = ctx.SimpleQueue()
+        child = ctx.Process(target=_child_polls, args=(b.fileno(), out))
+        child.start()
+        child.join(10)
+        assert out.get() == 0  # polled its 1 ms and found nothing
+        b.sendall(b"x")
+        t.join()
+    finally:
+        native.set_max_pollers(previous)
 
 
 def _spin_until(stop: float) -> None:

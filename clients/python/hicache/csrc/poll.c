@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <unistd.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -123,7 +124,13 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_poll", NULL, -1, methods,
                                     NULL, NULL, NULL, NULL};
 
+/* A child forked while a thread polled inherits its slot but not the thread: free them all. */
+static void reset_after_fork(void) { atomic_store(&pollers, 0); }
+
 PyMODINIT_FUNC PyInit__poll(void) {
+    static int atfork_registered = 0;
+    if (!atfork_registered && pthread_atfork(NULL, NULL, reset_after_fork) == 0)
+        atfork_registered = 1;
     cpu_set_t set;
     ncpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
     if (ncpus <= 0) ncpus = (int)sysconf(_SC_NPROCESSORS_ONLN);
