@@ -83,10 +83,13 @@ typedef struct {
 #define PREFETCH_MAX 4096
 
 /* Ask for the next block's source lines while the current block is copied: random small rows
- * otherwise leave the memory system idle between copies (latency-bound, not bandwidth-bound). */
+ * otherwise leave the memory system idle between copies (latency-bound, not bandwidth-bound).
+ * Into every cache level (prefetcht0): the non-temporal hint (prefetchnta) kept them out of L2
+ * and cost page_size 1 backups half their speed (0.36-0.44 -> 0.72-0.79 of a streaming copy
+ * with 64-page batches; benchmarks/RESULTS.md). */
 static inline void prefetch(const char *p, int64_t n) {
     if (n > PREFETCH_MAX) n = PREFETCH_MAX;
-    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 0);
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
 /* Copy `n` consecutive pages starting at the given addresses. */
