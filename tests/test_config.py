@@ -150,6 +150,21 @@ def test_copy_threads_and_spin() -> None:
             config_from_mapping({"copy_spin_us": bad})
 
 
+def test_the_fast_paths_poll_window() -> None:
+    """Polls up to 200 us by default (the client too), 0 turns it off, bounded."""
+    import inspect
+
+    from hicache.polling import DEFAULT_MAX_US
+    from hicache_client import HiCacheClient
+
+    assert DEFAULT_MAX_US == 200 and ServerConfig().fast_path_spin_us == DEFAULT_MAX_US
+    assert inspect.signature(HiCacheClient).parameters["spin_us"].default == DEFAULT_MAX_US
+    assert build_config(args(fast_path_spin_us="0"), {}).fast_path_spin_us == 0
+    for bad in (-1, 100_001):
+        with pytest.raises(SpecInvalid):
+            config_from_mapping({"fast_path_spin_us": bad})
+
+
 def test_the_cluster_tier_answers_within_the_linkers_lookup_deadline() -> None:
     """A Lookup waits on a stalled master for timeout_seconds; past the linker's deadline
     SGLang's link to the daemon would go down (DEADLINE_EXCEEDED is a link failure)."""
