@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -75,32 +76,36 @@ def test_the_wait_releases_the_interpreter_lock(
     assert during > 100_000, during  # holding the lock, the counter would stand still
 
 
-def test_no_more_threads_poll_at_once_than_the_limit(
-        pair: tuple[socket.socket, socket.socket]) -> None:
+@contextmanager
+def _one_slot_taken(pair: tuple[socket.socket, socket.socket]) -> Iterator[list[int]]:
+    """One poller allowed, its slot taken by a thread polling ``a`` for up to 3 s; on exit
+    ``b`` writes, the thread returns what its wait said (into the yielded list)."""
     a, b = pair
     native = _native()
     previous = native.set_max_pollers(1)
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(native.wait_readable(a.fileno(),
+                                                                        3_000_000_000)))
+    t.start()
+    time.sleep(0.05)
     try:
-        started = threading.Event()
-        got: list[int] = []
+        yield got
+    finally:
+        b.sendall(b"x")
+        t.join()
+        native.set_max_pollers(previous)
 
-        def long_poll() -> None:
-            started.set()
-            got.append(native.wait_readable(a.fileno(), 2_000_000_000))
 
-        t = threading.Thread(target=long_poll)
-        t.start()
-        started.wait()
-        time.sleep(0.05)
+def test_no_more_threads_poll_at_once_than_the_limit(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    native = _native()
+    b = pair[1]
+    with _one_slot_taken(pair) as got:
         t0 = time.monotonic()
         assert native.wait_readable(b.fileno(), 1_000_000_000) == -1  # not polled: sleep
         assert time.monotonic() - t0 < 0.5
-        b.sendall(b"x")
-        t.join()
-        assert got == [1]
-        assert native.wait_readable(b.fileno(), 1_000_000) == 0  # the slot is free again
-    finally:
-        native.set_max_pollers(previous)
+    assert got == [1]
+    assert native.wait_readable(b.fileno(), 1_000_000) == 0  # the slot is free again
     with pytest.raises(ValueError):
         native.set_max_pollers(-1)
 
@@ -116,24 +121,15 @@ def test_a_child_forked_while_a_thread_polls_can_poll(
     """The parent's polling thread does not exist in the child: its slot is free there."""
     import multiprocessing as mp
 
-    a, b = pair
-    native = _native()
-    previous = native.set_max_pollers(1)
-    try:
-        t = threading.Thread(target=native.wait_readable, args=(a.fileno(), 3_000_000_000))
-        t.start()
-        time.sleep(0.05)
-        assert native.wait_readable(b.fileno(), 1_000_000) == -1  # the one slot is taken
+    b = pair[1]
+    with _one_slot_taken(pair):
+        assert _native().wait_readable(b.fileno(), 1_000_000) == -1  # the one slot is taken
         ctx = mp.get_context("fork")
         out = ctx.SimpleQueue()
         child = ctx.Process(target=_child_polls, args=(b.fileno(), out))
         child.start()
         child.join(10)
         assert out.get() == 0  # polled its 1 ms and found nothing
-        b.sendall(b"x")
-        t.join()
-    finally:
-        native.set_max_pollers(previous)
 
 
 def _spin_until(stop: float) -> None:
