@@ -18,8 +18,8 @@ a CPU from one of them). The rest sleep. Without the native helper nothing polls
 
 Primitives: ``DEFAULT_MAX_US``; ``AdaptivePoll(max_us)``: ``wait(fd)`` (before a blocking
 read; True when the bytes are there), ``learn(waited_ns, caught)`` (after it), ``window_ns``
-and the counters ``polls``, ``caught``, ``polled_ns``, ``busy``; ``max_pollers()``,
-``native_available()``.
+and the counters ``polls``, ``caught``, ``polled_ns``, ``busy`` (``counts()``, ``PollCounts``,
+``sum_counts``); ``max_pollers()``, ``native_available()``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ DEFAULT_MAX_US = 200
 request's reply, or a worker's next request in a burst, comes within it on a 2-vCPU VM."""
 GROW_START_NS = 50_000
 """The first window after a wait it could have covered (as haltpoll's grow_start)."""
+
+PollCounts = tuple[int, int, int, int]
+"""(waits that polled, those the poll caught, ns spent polling, waits not polled: node busy)."""
+
+
+def sum_counts(*counts: PollCounts) -> PollCounts:
+    """Counts of several windows (or totals) added up."""
+    return (sum(c[0] for c in counts), sum(c[1] for c in counts), sum(c[2] for c in counts),
+            sum(c[3] for c in counts))
+
 
 _native: ModuleType | None = None
 _loaded = False
@@ -91,6 +101,9 @@ class AdaptivePoll:
         """Waits that did not poll because more threads wanted to run than the node has CPUs."""
         native = _load() if max_us else None
         self._wait = native.wait_readable if native is not None else None
+
+    def counts(self) -> PollCounts:
+        return self.polls, self.caught, self.polled_ns, self.busy
 
     def wait(self, fd: int) -> bool:
         """Poll ``fd`` for the window; True when it became readable (or closed) in it."""

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 import hicache
 from hicache.cuda_driver import driver_problem, load_driver
 from hicache.errors import SpecInvalid
+from hicache.polling import sum_counts
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
@@ -103,7 +104,7 @@ class HiCacheServer:
             builds=lambda: [(b.spec.name, b.state, b.progress) for b in pools.builds()],
             tiers=pools.stacks, remote=remote,
             fast_connections=lambda: sum(f.connections for f in self.fast_paths),
-            fast_polls=self._fast_polls,
+            fast_polls=lambda: sum_counts(*(f.poll_stats() for f in self.fast_paths)),
         ), build={"version": hicache.__version__, "torch": torch.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
@@ -220,11 +221,6 @@ class HiCacheServer:
         self._ready.set()
         if not self.daemon.draining.is_set():
             self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-
-    def _fast_polls(self) -> tuple[int, int, int, int]:
-        stats = [f.poll_stats() for f in self.fast_paths]
-        return (sum(s[0] for s in stats), sum(s[1] for s in stats), sum(s[2] for s in stats),
-                sum(s[3] for s in stats))
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """True once the declared pools are built and readiness is SERVING."""

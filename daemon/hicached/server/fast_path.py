@@ -48,7 +48,7 @@ from hicache import fast_wire as w
 from hicache.error_mapping import grpc_code, to_rpc_status
 from hicache.errors import HiCacheError, ResourceExhausted, SessionNotFound, SpecInvalid
 from hicache.keys import check_keys
-from hicache.polling import AdaptivePoll
+from hicache.polling import PollCounts, sum_counts
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
 from hicached.server.admission import DataGate
@@ -79,7 +79,7 @@ class FastPathServer:
         self._mode, self._gid, self.max_frame_bytes = mode, gid, max_frame_bytes
         self._sock: socket.socket | None = None
         self._conns: dict[socket.socket, w.FrameSocket | None] = {}
-        self._closed_polls = (0, 0, 0, 0)  # the poll counters of connections gone
+        self._closed_polls: PollCounts = (0, 0, 0, 0)  # of the connections gone
         self._lock = threading.Lock()
         self._closing = False
         self._accepting: threading.Thread | None = None
@@ -102,13 +102,12 @@ class FastPathServer:
     def connections(self) -> int:
         return len(self._conns)
 
-    def poll_stats(self) -> tuple[int, int, int, int]:
-        """Over every connection this server served: waits for a next request that polled,
-        those the poll caught, ns spent polling, waits that did not poll (node busy)."""
+    def poll_stats(self) -> PollCounts:
+        """The poll counts of the waits for a next request, over every connection served."""
         with self._lock:
-            live = [f.poll for f in self._conns.values() if f is not None]
+            live = [f.poll.counts() for f in self._conns.values() if f is not None]
             total = self._closed_polls
-        return _add_polls(total, *live)
+        return sum_counts(total, *live)
 
     def start(self) -> None:
         self._sock = listen_beside(self.path, self._mode, self._gid, 128)
@@ -201,7 +200,8 @@ class FastPathServer:
             with self._lock:
                 frames_gone = self._conns.pop(conn, None)
                 if frames_gone is not None:
-                    self._closed_polls = _add_polls(self._closed_polls, frames_gone.poll)
+                    self._closed_polls = sum_counts(self._closed_polls,
+                                                    frames_gone.poll.counts())
             conn.close()
 
     # -- one call ----------------------------------------------------------------------------
@@ -312,14 +312,6 @@ class FastPathServer:
         r.end()
         return _transfer_reply(self.daemon.transfer(
             op, session, host, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True))
-
-
-def _add_polls(total: tuple[int, int, int, int], *polls: AdaptivePoll
-               ) -> tuple[int, int, int, int]:
-    n, caught, ns, busy = total
-    for p in polls:
-        n, caught, ns, busy = n + p.polls, caught + p.caught, ns + p.polled_ns, busy + p.busy
-    return n, caught, ns, busy
 
 
 def _transfer_reply(res: TransferResult) -> bytes:

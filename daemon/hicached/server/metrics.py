@@ -33,6 +33,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from hicache.errors import all_error_classes
+from hicache.polling import PollCounts
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.server.metrics_tiers import tier_families
@@ -67,7 +68,7 @@ class ScrapeState:
     """The cluster tier's client, if one is configured."""
     fast_connections: Callable[[], int] = lambda: 0
     """Connections open on the fast path's sockets."""
-    fast_polls: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)
+    fast_polls: Callable[[], PollCounts] = lambda: (0, 0, 0, 0)
     """The fast path's waits for a next request: (polled, caught by the poll, ns polling, not
     polled because the node's CPUs were all wanted)."""
 
