@@ -30,8 +30,10 @@ MLA = KVGeometry(PoolKind.MLA, DType.BFLOAT16, layer_num=61, kv_lora_rank=512,
 def test_config_defaults_and_overrides() -> None:
     cfg = LinkerConfig.from_extra(None)
     assert cfg.target.startswith("unix:") and cfg.lookup_timeout_s == 0.5
-    cfg = LinkerConfig.from_extra({"target": "unix:/s", "rpc_timeout_s": 2, "namespace": "a"})
-    assert (cfg.target, cfg.rpc_timeout_s, cfg.namespace) == ("unix:/s", 2, "a")
+    assert cfg.poll_us == 200
+    cfg = LinkerConfig.from_extra({"target": "unix:/s", "rpc_timeout_s": 2, "namespace": "a",
+                                   "poll_us": 0})
+    assert (cfg.target, cfg.rpc_timeout_s, cfg.namespace, cfg.poll_us) == ("unix:/s", 2, "a", 0)
 
 
 @pytest.mark.parametrize("extra,field", [
@@ -42,6 +44,9 @@ def test_config_defaults_and_overrides() -> None:
     ({"pool_size_tokens": -1}, "pool_size_tokens"),
     ({"pool_size_tokens": 64, "pool_size_bytes": 1 << 20}, "pool_size_bytes"),
     ({"max_inflight_offloads": 0}, "max_inflight_offloads"),
+    ({"poll_us": -1}, "poll_us"),
+    ({"poll_us": 100_001}, "poll_us"),
+    ({"poll_us": 2.5}, "poll_us"),
     ({"pool_prefix": "a b"}, "pool_prefix"),
     ({"target": ""}, "target"),
 ])

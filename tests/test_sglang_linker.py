@@ -93,6 +93,23 @@ def test_partial_prefix_hits_only_what_was_stored(daemon: DaemonProc) -> None:
         cache.close()
 
 
+@pytest.mark.parametrize("poll_us", [0, 150])
+def test_the_linkers_calls_poll_as_configured(daemon: DaemonProc, poll_us: int) -> None:
+    """``poll_us`` reaches the linker's client: every fast-path connection its threads opened
+    polls at most that long (0: never)."""
+    cache = SGLangCache(daemon.target, daemon.shm_dir, extra={"poll_us": poll_us})
+    try:
+        roundtrip(cache, tokens_of(2500, 16))
+        client = cache.linker.link.client
+        assert client is not None and client.data_path == "fast"
+        conns = list(client._fast._conns)  # type: ignore[union-attr]
+        assert conns and {c.frames.poll.max_ns for c in conns} == {poll_us * 1000}
+        if not poll_us:
+            assert sum(c.frames.poll.polls for c in conns) == 0
+    finally:
+        cache.close()
+
+
 def run_worker(daemon: DaemonProc, mode: str, *extra: str, timeout: float = 120
                ) -> dict[str, Any]:
     out = subprocess.run(

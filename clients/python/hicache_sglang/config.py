@@ -21,6 +21,7 @@ from typing import Any
 
 from hicache.errors import SpecInvalid
 from hicache.paths import default_target
+from hicache.polling import DEFAULT_MAX_US
 
 
 def _check(ok: bool, name: str, value: object, want: str) -> None:
@@ -59,6 +60,10 @@ class LinkerConfig:
     """Name shown in ``hicachectl sessions``; default ``sglang-<host>-<pid>-tp<rank>``."""
     max_inflight_offloads: int = 64
     """Offloads queued at once; beyond it an offload is dropped (counted) rather than wait."""
+    poll_us: int = DEFAULT_MAX_US
+    """The longest a call over the daemon's fast path polls for its reply before its thread
+    sleeps (``HiCacheClient(spin_us=...)``; the window adapts, ``hicache.polling``); 0 =
+    never poll."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.target, str) and bool(self.target), "target", self.target,
@@ -72,6 +77,9 @@ class LinkerConfig:
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, v,
                    "a non-negative integer")
+        _check(isinstance(self.poll_us, int) and not isinstance(self.poll_us, bool)
+               and 0 <= self.poll_us <= 100_000, "poll_us", self.poll_us,
+               "microseconds in [0, 100000]")
         _check(not (self.pool_size_tokens and self.pool_size_bytes), "pool_size_bytes",
                self.pool_size_bytes, "unset when pool_size_tokens is set")
         _check(self.max_inflight_offloads >= 1, "max_inflight_offloads",

@@ -135,7 +135,8 @@ class DaemonLink:
         cfg = self.config
         client = self._state.client
         if client is None:
-            client = HiCacheClient(cfg.target, timeout=cfg.rpc_timeout_s, reconnect_seconds=0)
+            client = HiCacheClient(cfg.target, timeout=cfg.rpc_timeout_s, reconnect_seconds=0,
+                                   spin_us=cfg.poll_us)
             self._state.client = client
         try:
             client.get_info()
