@@ -240,9 +240,13 @@ class PoolCache:
                 else:
                     del self._page_key[page]
                     drop.append(page)
-            done = np.asarray(oks, dtype=bool)
-            self._alloc.release(ticket.pages[done], write=True, layers=self._all_layers)
-            self._alloc.release(ticket.pages[~done], write=True)
+            if isinstance(ok, bool):  # one outcome for the whole copy (a Store's)
+                self._alloc.release(ticket.pages, write=True,
+                                    layers=self._all_layers if ok else None)
+            else:
+                done = np.asarray(oks, dtype=bool)
+                self._alloc.release(ticket.pages[done], write=True, layers=self._all_layers)
+                self._alloc.release(ticket.pages[~done], write=True)
             self.slots.ready(stored_pages, stored)  # their bytes are complete: a restart keeps them
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
