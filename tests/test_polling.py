@@ -87,7 +87,10 @@ def _one_slot_taken(pair: tuple[socket.socket, socket.socket]) -> Iterator[list[
     t = threading.Thread(target=lambda: got.append(native.wait_readable(a.fileno(),
                                                                         3_000_000_000)))
     t.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while native.wait_readable(b.fileno(), 0) != -1:  # until the thread holds the slot (a
+        assert time.monotonic() < deadline  # 0 ns probe polls nothing when it is free)
+        time.sleep(0.001)
     try:
         yield got
     finally:
