@@ -441,9 +441,9 @@ def test_back_to_back_calls_are_polled_for_both_ways(tmp_path: Path, spin_us: in
     lets two threads poll at once (two processes would have a limit each); the busy-node check
     is off (it has a test of its own)."""
     from hicache import _poll  # type: ignore[attr-defined]
-    from hicache import polling
+    from hicache.polling import native_available
 
-    assert polling.native_available()  # loaded now: loading sets the limit of pollers
+    assert native_available()  # loaded now: loading sets the limit of pollers
     server, target, _ = _serve(tmp_path, fast_path_spin_us=spin_us)
     busy_check = _poll.set_busy_check(False)
     pollers = _poll.set_max_pollers(2)
