@@ -5,29 +5,26 @@
 - ``hicache._poll``, the fast path's poll-before-sleep wait (daemon and client): without it
   they sleep in ``recv`` at once.
 
-The build always tries both and the test suite asserts they loaded.
+The build always tries both and the test suite asserts they loaded. ``NATIVE`` is also read
+(as a literal) by scripts/gpu/build_native.py, which builds the same modules without setuptools.
 """
 
-from setuptools import Extension, setup
+NATIVE = [
+    # (module, sources, headers, compile flags, link flags)
+    ("hicached.copy._copykernel",
+     ["daemon/hicached/copy/csrc/module.c", "daemon/hicached/copy/csrc/copykernel.c",
+      "daemon/hicached/copy/csrc/cudasubmit.c", "daemon/hicached/copy/csrc/faultguard.c",
+      "daemon/hicached/copy/csrc/pagescan.c"],
+     ["daemon/hicached/copy/csrc/kernel.h"], ["-O3", "-pthread", "-std=c11"], ["-pthread"]),
+    ("hicache._poll", ["clients/python/hicache/csrc/poll.c"], [],
+     ["-O2", "-pthread", "-std=c11"], ["-pthread"]),
+]
 
-setup(
-    ext_modules=[
-        Extension(
-            "hicached.copy._copykernel",
-            sources=[f"daemon/hicached/copy/csrc/{name}.c"
-                     for name in ("module", "copykernel", "cudasubmit", "faultguard",
-                                      "pagescan")],
-            depends=["daemon/hicached/copy/csrc/kernel.h"],
-            extra_compile_args=["-O3", "-pthread", "-std=c11"],
-            extra_link_args=["-pthread"],
-            optional=True,
-        ),
-        Extension(
-            "hicache._poll",
-            sources=["clients/python/hicache/csrc/poll.c"],
-            extra_compile_args=["-O2", "-pthread", "-std=c11"],
-            extra_link_args=["-pthread"],
-            optional=True,
-        ),
-    ]
-)
+if __name__ == "__main__":
+    from setuptools import Extension, setup
+
+    setup(ext_modules=[
+        Extension(name, sources=sources, depends=depends, extra_compile_args=cflags,
+                  extra_link_args=ldflags, optional=True)
+        for name, sources, depends, cflags, ldflags in NATIVE
+    ])
