@@ -3,15 +3,18 @@
 Starts a real daemon process (its pools pinned), makes this process the GPU worker (torch CUDA
 tensors exported over CUDA IPC) and measures side by side in one run, alternating, medians:
 
-1. Backup and Load of 64-page batches (32 layers x 8 KV heads x 128 bf16, page_size 64: 512 MiB,
-   random pages) through the daemon, per host layout, in GB/s measured at the worker (RPC
-   included), and as a ratio to a plain ``copy_`` of the same number of bytes between one pinned
-   host tensor and one device tensor in this process (target >= 0.9), and to the nominal PCIe
-   figure (55 GB/s per direction on H100/H200-class hosts).
+1. Backup and Load of 64-page batches (32 layers x 8 KV heads x 128 bf16; page sizes 1, 16 and
+   64: 8, 128 and 512 MiB; random pages) through the daemon, per host layout, in GB/s measured
+   at the worker (RPC included), and as a ratio to a plain ``copy_`` of the same number of bytes
+   between one pinned host tensor and one device tensor in this process (target >= 0.9), and to
+   the nominal PCIe figure (55 GB/s per direction on H100/H200-class hosts).
 2. A load with per-layer events: time until the RPC returns (enqueued), until layer 0 may be
-   used, and until the last layer has landed.
+   used, and until the last layer has landed; and the enqueue rate: the batch's driver calls
+   (its copy segments) per second of enqueueing, which tells whether thousands of small async
+   copies starve the copy engines (then: a gather kernel or batched memcpy).
 
-Run on a host with a GPU: ``python benchmarks/bench_cuda.py [--quick] [--json FILE]``.
+Run on a host with a GPU: ``python benchmarks/bench_cuda.py [--short] [--json FILE]``
+(``--short``: one layout, 5 repetitions, for scripts/gpu_check.sh).
 ``--plan-only`` runs anywhere: the daemon's control plane for the same batches (validation,
 copy plans, driver-call segments) with a runner that copies nothing, reporting how many driver
 calls each layout needs and what building them costs.
@@ -27,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +47,7 @@ from hicached.cuda.segments import plan_segments
 
 PCIE_GBPS = 55.0
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, 32, 8, 128)
-PAGE_SIZE = 64
+PAGE_SIZES = (1, 16, 64)
 BATCH_PAGES = 64
 
 
@@ -91,14 +95,16 @@ class _CountingRunner:
         done()
 
 
-def plan_only(reps: int) -> list[dict[str, Any]]:
+def plan_only(reps: int, page_size: int, layouts: Sequence[Layout],
+              patterns: Sequence[str] = ("random", "consecutive")) -> list[dict[str, Any]]:
+    """The daemon's control plane for 64-page backups (no GPU): driver calls and their cost."""
     rows_out = []
-    for layout in Layout:
-        spec = PoolSpec(f"plan-{layout.value}", GEOMETRY, PAGE_SIZE, layout,
-                        size_tokens=BATCH_PAGES * PAGE_SIZE)
+    for layout in layouts:
+        spec = PoolSpec(f"plan-{layout.value}", GEOMETRY, page_size, layout,
+                        size_tokens=BATCH_PAGES * page_size)
         pool = HostPool(spec, MemoryOptions(hugepages=False, reserve_bytes=0))
         device_pages = 4 * BATCH_PAGES
-        rows = device_pages * PAGE_SIZE + PAGE_SIZE
+        rows = device_pages * page_size + page_size
         layer_bytes = rows * GEOMETRY.head_num * GEOMETRY.head_dim * 2
         where = torch.device("cuda", 0)
         bufs = {"kv": {role: [RawBuffer((1 << 40) + (2 * i + r) * layer_bytes,
@@ -107,20 +113,20 @@ def plan_only(reps: int) -> list[dict[str, Any]]:
                               for i in range(GEOMETRY.layer_num)]
                        for r, role in enumerate((Role.K, Role.V))}}
         device = WorkerBuffers(bufs, "cuda")  # addresses only: nothing is dereferenced
-        host = pool.alloc(BATCH_PAGES * PAGE_SIZE)
+        host = pool.alloc(BATCH_PAGES * page_size)
         engine = TransferEngine(1)
         rng = np.random.default_rng(0)
-        for pattern in ("random", "consecutive"):
+        for pattern in patterns:
             runner = _CountingRunner()
             totals = []
             for _ in range(reps):
                 pages = (rng.permutation(device_pages)[:BATCH_PAGES] if pattern == "random"
                          else np.arange(BATCH_PAGES))
-                dev = (pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1)
+                dev = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
                 t0 = time.perf_counter()
                 engine.backup(pool, device, host, dev, runner=runner)
                 totals.append(time.perf_counter() - t0)
-            rows_out.append({"layout": layout.value, "pages": pattern,
+            rows_out.append({"layout": layout.value, "pages": pattern, "page_size": page_size,
                              "driver_calls": runner.calls // reps,
                              "segments_ms": 1e3 * runner.seconds / reps,
                              "control_plane_ms": 1e3 * statistics.median(totals)})
@@ -128,72 +134,83 @@ def plan_only(reps: int) -> list[dict[str, Any]]:
     return rows_out
 
 
+def measure(client: HiCacheClient, layout: Layout, page_size: int, reps: int,
+            driver_calls: int) -> list[dict[str, Any]]:
+    """One layout and page size: backup / load GB/s beside a pinned ``copy_`` of the same
+    bytes, then a load with layer events (enqueue time, layer 0, all layers, enqueue rate)."""
+    device_pages = 4 * BATCH_PAGES
+    spec = PoolSpec(f"bench-cuda-{layout.value}-p{page_size}", GEOMETRY, page_size, layout,
+                    size_tokens=2 * BATCH_PAGES * page_size)
+    pool = client.create_pool(spec)
+    bufs = device_buffers(spec, device_pages * page_size)
+    for ts in bufs["kv"].values():
+        for t in ts:
+            t.view(torch.uint8).random_()
+    events = LayerEvents(GEOMETRY.layer_num)
+    ready = ReadyEvent()
+    session = client.open_session(
+        spec.name, "bench", CudaDeviceBuffers.from_tensors(bufs).descriptors,
+        layer_events=events.handles, ready_event=ready.handle)
+    nbytes = BATCH_PAGES * spec.page_bytes
+    host = client.alloc(spec.name, BATCH_PAGES * page_size)
+    rng = np.random.default_rng(0)
+    base_d2h, base_h2d, d2h, h2d = [], [], [], []
+    enq, first, last = [], [], []
+    try:
+        for _ in range(reps):
+            pages = rng.permutation(device_pages)[:BATCH_PAGES]
+            dev = torch.from_numpy((pages[:, None] * page_size
+                                    + np.arange(page_size)).reshape(-1))
+            torch.cuda.synchronize()
+            ready.record()
+            t0 = time.perf_counter()
+            session.backup(host, dev)
+            d2h.append(gbps(nbytes, time.perf_counter() - t0))
+            ready.record()
+            t0 = time.perf_counter()
+            session.load(host, dev)
+            h2d.append(gbps(nbytes, time.perf_counter() - t0))
+            bd, bh = pinned_copy(nbytes, 1)
+            base_d2h += bd
+            base_h2d += bh
+            ready.record()
+            t0 = time.perf_counter()
+            session.load(host, dev, layer_events=True)
+            enq.append(time.perf_counter() - t0)
+            events.events[0].synchronize()
+            first.append(time.perf_counter() - t0)
+            events.events[-1].synchronize()
+            last.append(time.perf_counter() - t0)
+    finally:
+        session.close()
+        client.free(spec.name, host)
+        client.delete_pool(spec.name)
+    rows: list[dict[str, Any]] = []
+    for op, got, base in (("backup (D2H)", d2h, base_d2h), ("load (H2D)", h2d, base_h2d)):
+        g, b = statistics.median(got), statistics.median(base)
+        rows.append({"layout": layout.value, "page_size": page_size, "op": op,
+                     "daemon_gbps": g, "pinned_copy_gbps": b, "ratio": g / b,
+                     "vs_pcie": g / PCIE_GBPS,
+                     "pool_pinned": pool.pinned_bytes == pool.capacity_bytes})
+    enqueue = statistics.median(enq)
+    rows.append({"layout": layout.value, "page_size": page_size, "op": "load, layer events",
+                 "enqueue_ms": 1e3 * enqueue, "layer0_ms": 1e3 * statistics.median(first),
+                 "all_layers_ms": 1e3 * statistics.median(last), "driver_calls": driver_calls,
+                 "calls_per_s": driver_calls / enqueue})
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    reps = 3 if args.quick else args.reps
     work = tempfile.mkdtemp(prefix="hicache-bench-cuda-")
     proc, target = start_daemon(work, "/dev/shm", "24GiB")
     client = HiCacheClient(target, timeout=600)
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "rows": []}
     try:
-        device_pages = 4 * BATCH_PAGES
-        tokens = device_pages * PAGE_SIZE
-        layouts = [Layout.LAYER_FIRST] if args.quick else list(Layout)
-        for layout in layouts:
-            spec = PoolSpec(f"bench-cuda-{layout.value}", GEOMETRY, PAGE_SIZE, layout,
-                            size_tokens=2 * BATCH_PAGES * PAGE_SIZE)
-            pool = client.create_pool(spec)
-            bufs = device_buffers(spec, tokens)
-            for ts in bufs["kv"].values():
-                for t in ts:
-                    t.view(torch.uint8).random_()
-            events = LayerEvents(GEOMETRY.layer_num)
-            ready = ReadyEvent()
-            session = client.open_session(
-                spec.name, "bench", CudaDeviceBuffers.from_tensors(bufs).descriptors,
-                layer_events=events.handles, ready_event=ready.handle)
-            nbytes = BATCH_PAGES * spec.page_bytes
-            host = client.alloc(spec.name, BATCH_PAGES * PAGE_SIZE)
-            rng = np.random.default_rng(0)
-            base_d2h, base_h2d, d2h, h2d = [], [], [], []
-            enq, first, last = [], [], []
-            for _ in range(reps):
-                pages = rng.permutation(device_pages)[:BATCH_PAGES]
-                dev = torch.from_numpy((pages[:, None] * PAGE_SIZE
-                                        + np.arange(PAGE_SIZE)).reshape(-1))
-                torch.cuda.synchronize()
-                ready.record()
-                t0 = time.perf_counter()
-                session.backup(host, dev)
-                d2h.append(gbps(nbytes, time.perf_counter() - t0))
-                ready.record()
-                t0 = time.perf_counter()
-                session.load(host, dev)
-                h2d.append(gbps(nbytes, time.perf_counter() - t0))
-                bd, bh = pinned_copy(nbytes, 1)
-                base_d2h += bd
-                base_h2d += bh
-                ready.record()
-                t0 = time.perf_counter()
-                session.load(host, dev, layer_events=True)
-                enq.append(time.perf_counter() - t0)
-                events.events[0].synchronize()
-                first.append(time.perf_counter() - t0)
-                events.events[-1].synchronize()
-                last.append(time.perf_counter() - t0)
-            session.close()
-            client.free(spec.name, host)
-            client.delete_pool(spec.name)
-            for op, got, base in (("backup (D2H)", d2h, base_d2h), ("load (H2D)", h2d, base_h2d)):
-                g, b = statistics.median(got), statistics.median(base)
-                results["rows"].append({
-                    "layout": layout.value, "op": op, "daemon_gbps": g, "pinned_copy_gbps": b,
-                    "ratio": g / b, "vs_pcie": g / PCIE_GBPS,
-                    "pool_pinned": pool.pinned_bytes == pool.capacity_bytes})
-            results["rows"].append({
-                "layout": layout.value, "op": "load, layer events",
-                "enqueue_ms": 1e3 * statistics.median(enq),
-                "layer0_ms": 1e3 * statistics.median(first),
-                "all_layers_ms": 1e3 * statistics.median(last)})
+        for layout in args.layouts:
+            for page_size in args.page_sizes:
+                calls = plan_only(1, page_size, [layout], ["random"])[0]["driver_calls"]
+                results["rows"] += measure(client, layout, page_size, args.reps, calls)
+                print_row_group(results["rows"][-3:])
     finally:
         client.close()
         proc.send_signal(signal.SIGTERM)
@@ -201,22 +218,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def print_row_group(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        where = f"{row['layout']:>18} p{row['page_size']:<3}"
+        if "daemon_gbps" in row:
+            print(f"{where} {row['op']:<13} daemon {row['daemon_gbps']:6.1f} GB/s"
+                  f"  pinned copy_ {row['pinned_copy_gbps']:6.1f} GB/s"
+                  f"  ratio {row['ratio']:.2f}  of PCIe {row['vs_pcie']:.2f}")
+        else:
+            print(f"{where} {row['op']:<13} enqueued {row['enqueue_ms']:.2f} ms "
+                  f"({row['driver_calls']} calls, {row['calls_per_s'] / 1e3:.0f}k calls/s),"
+                  f" layer 0 ready {row['layer0_ms']:.2f} ms, all {row['all_layers_ms']:.2f} ms",
+                  flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="one layout, 3 repetitions")
+    p.add_argument("--short", action="store_true",
+                   help="layer_first only, 5 repetitions (the GPU check's short mode)")
+    p.add_argument("--quick", action="store_true", help="3 repetitions")
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)))
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--plan-only", action="store_true",
                    help="control plane only (no GPU needed): driver calls and their cost")
     args = p.parse_args(argv)
+    args.page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    args.layouts = [Layout.LAYER_FIRST] if args.short else list(Layout)
+    args.reps = 3 if args.quick else 5 if args.short else args.reps
     if args.plan_only:
-        rows = plan_only(3 if args.quick else args.reps)
-        print(f"{BATCH_PAGES}-page backups, {GEOMETRY.layer_num} layers x K/V, page_size "
-              f"{PAGE_SIZE}; validation + plans + segments, medians")
+        rows = [r for ps in args.page_sizes for r in plan_only(args.reps, ps, args.layouts)]
+        print(f"{BATCH_PAGES}-page backups, {GEOMETRY.layer_num} layers x K/V; validation + "
+              "plans + segments, medians")
         for row in rows:
-            print(f"{row['layout']:>18} {row['pages']:<12} {row['driver_calls']:6d} driver "
-                  f"calls  segments {row['segments_ms']:.2f} ms  control plane "
-                  f"{row['control_plane_ms']:.2f} ms")
+            print(f"{row['layout']:>18} p{row['page_size']:<3} {row['pages']:<12} "
+                  f"{row['driver_calls']:6d} driver calls  segments {row['segments_ms']:.2f} ms"
+                  f"  control plane {row['control_plane_ms']:.2f} ms")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=2)
@@ -224,17 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
         return 2
+    print(f"GPU: {torch.cuda.get_device_name()}; {BATCH_PAGES}-page batches of "
+          f"{GEOMETRY.layer_num} layers x 8 x 128 bf16, page sizes {args.page_sizes}; medians "
+          f"of {args.reps}; PCIe nominal {PCIE_GBPS} GB/s", flush=True)
     r = run(args)
-    print(f"GPU: {r['gpu']}; {BATCH_PAGES}-page batches of {GEOMETRY.layer_num} layers x 8 x "
-          f"128 bf16, page_size {PAGE_SIZE}; medians; PCIe nominal {PCIE_GBPS} GB/s")
-    for row in r["rows"]:
-        if "daemon_gbps" in row:
-            print(f"{row['layout']:>18} {row['op']:<13} daemon {row['daemon_gbps']:6.1f} GB/s"
-                  f"  pinned copy_ {row['pinned_copy_gbps']:6.1f} GB/s"
-                  f"  ratio {row['ratio']:.2f}  of PCIe {row['vs_pcie']:.2f}")
-        else:
-            print(f"{row['layout']:>18} {row['op']:<13} enqueued {row['enqueue_ms']:.2f} ms,"
-                  f" layer 0 ready {row['layer0_ms']:.2f} ms, all {row['all_layers_ms']:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)
