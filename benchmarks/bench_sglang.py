@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hicached.bench import start_daemon
-from tests.sglang_harness import SGLangCache, install_inert_torchvision
+from tests.sglang_harness import SGLangCache, install_stand_ins
 
 PAGES = 64
 INFLIGHT = 4
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     reps = 5 if args.quick else 21
-    install_inert_torchvision()
+    install_stand_ins()
     out = []
     with tempfile.TemporaryDirectory(prefix="hicache-sglang-bench-") as work, \
             tempfile.TemporaryDirectory(prefix="hicache-bench-", dir="/dev/shm") as shm_dir:

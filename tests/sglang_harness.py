@@ -17,6 +17,9 @@ process by tests/sglang_worker_proc.py.
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
 import time
 import types
@@ -31,32 +34,90 @@ SIZE = 256
 LAYERS = 3
 
 
-def install_inert_torchvision() -> None:
-    """SGLang's configs import torchvision at module level; the PyPI wheel is CUDA-linked, so
-    an inert stand-in is installed (after transformers has probed for the real one)."""
-    if "torchvision" in sys.modules:
-        return
-    from transformers.utils import is_torchvision_available  # type: ignore[attr-defined]
+class _InertType(type):
+    """Placeholder classes: any attribute is another placeholder (``scalar_types.uint4b8``)."""
 
-    is_torchvision_available()
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(f"{cls.__qualname__}.{name}", cls.__dict__.get("_raises", False))
+        setattr(cls, name, value)
+        return value
 
-    class _Inert(types.ModuleType):
-        def __getattr__(self, name: str) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            value = type(name, (), {})
-            setattr(self, name, value)
-            return value
 
-    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-             "torchvision.io")
-    mods: dict[str, Any] = {}
-    for name in names:
-        mods[name] = _Inert(name)
-        mods[name].__path__ = []
-        sys.modules[name] = mods[name]
-    mods["torchvision"].transforms = mods["torchvision.transforms"]
-    mods["torchvision.transforms"].functional = mods["torchvision.transforms.functional"]
+def _placeholder(name: str, raises: bool) -> type:
+    def refuse(cls: type, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{name} is a stand-in (its package is not installed here)")
+
+    body: dict[str, Any] = {"_raises": raises}
+    if raises:
+        body["__new__"] = refuse
+    return _InertType(name.rsplit(".", 1)[-1], (), body)
+
+
+class _Inert(types.ModuleType):
+    """A module whose every attribute is a placeholder class: SGLang's imports of a package
+    that is not here succeed; ``calls_raise`` makes using one an error instead of a no-op."""
+
+    calls_raise = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(f"{self.__name__}.{name}", self.calls_raise)
+        setattr(self, name, value)
+        return value
+
+
+class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of ``package`` and its submodules yield ``_Inert`` modules."""
+
+    def __init__(self, package: str, calls_raise: bool) -> None:
+        self.package, self.calls_raise = package, calls_raise
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.package and not name.startswith(self.package + "."):
+            return None
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = _Inert(spec.name)
+        module.calls_raise = self.calls_raise
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _importable(package: str) -> bool:
+    if importlib.util.find_spec(package) is None:
+        return False
+    try:
+        __import__(package)
+        return True
+    except Exception:  # e.g. a torchvision built for another torch
+        for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+            del sys.modules[name]
+        return False
+
+
+def install_stand_ins() -> None:
+    """Stand-ins for what SGLang's modules import at module level but the cache path never
+    uses, where the real package is not installed (a real one is used as it is):
+
+    - ``torchvision`` (SGLang's configs): the PyPI wheel is CUDA-linked, so CPU hosts have
+      none; installed after transformers has probed for the real one.
+    - ``sgl_kernel`` (SGLang's quantization and MoE layers import it when CUDA is available):
+      its wheel is CUDA-built and large; calling anything of the stand-in raises.
+    """
+    if not _importable("torchvision"):
+        from transformers.utils import is_torchvision_available  # type: ignore[attr-defined]
+
+        is_torchvision_available()
+        sys.meta_path.insert(0, _InertFinder("torchvision", calls_raise=False))
+    if not _importable("sgl_kernel"):
+        sys.meta_path.insert(0, _InertFinder("sgl_kernel", calls_raise=True))
 
 
 def tokens_of(start: int, n: int) -> array[int]:
@@ -82,7 +143,7 @@ class SGLangCache:
                  page_size: int = PAGE, size: int = SIZE, layers: int = LAYERS,
                  heads: int = 2, head_dim: int = 8, v_head_dim: int | None = None,
                  device: str = "cpu") -> None:
-        install_inert_torchvision()
+        install_stand_ins()
         from sglang.srt import runtime_context as rc
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams

@@ -90,9 +90,9 @@ def _sglang_config_from_argv(argv: list[str]) -> dict[str, Any]:
     import importlib
     import inspect
 
-    from tests.sglang_harness import install_inert_torchvision
+    from tests.sglang_harness import install_stand_ins
 
-    install_inert_torchvision()
+    install_stand_ins()
     from sglang.srt.mem_cache.unified_cache.linker_config import UnifiedCacheLinkerConfig
     from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
     from sglang.srt.server_args import ServerArgs
@@ -161,9 +161,9 @@ def test_device_pools_hicached_cannot_hold_are_refused_at_start() -> None:
     import torch
     from hicache_sglang.device_pool import DevicePool
 
-    from tests.sglang_harness import install_inert_torchvision
+    from tests.sglang_harness import install_stand_ins
 
-    install_inert_torchvision()
+    install_stand_ins()
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     def mha(**kw: object) -> MHATokenToKVPool:
