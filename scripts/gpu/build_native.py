@@ -15,6 +15,7 @@ import importlib.machinery
 import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -42,7 +43,11 @@ def target_path(module: str, dest: Path | None) -> Path:
 
 def build(module: str, sources: list[str], cflags: list[str], ldflags: list[str],
           out: Path) -> None:
+    # the compiler Python was built with, if this host has it (a relocated build names one
+    # that only existed where it was built), else the host's own
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")[:1]
+    if not shutil.which(cc[0]):
+        cc = ["cc"]
     include = sysconfig.get_paths()["include"]
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [*cc, "-shared", "-fPIC", f"-I{include}", *cflags,
