@@ -168,7 +168,7 @@ def control_plane(engine: TransferEngine, reps: int) -> dict[str, Any]:
     t_validate = median_time(lambda: validate_transfer(
         host_indices=h_idx, device_indices=d_idx, page_size=ps, host_tokens=n,
         device_tokens=n + ps, layer_num=8, layer_begin=0, layer_end=0, writes_host=True,
-        is_allocated=pool.allocator.is_allocated), reps * 3)
+        raw_state=pool.allocator.raw_state), reps * 3)
     results = [engine.backup(pool, dev, h_idx, d_idx) for _ in range(reps)]
     copy = statistics.median(r.copy_seconds for r in results)
     control = statistics.median(r.validate_seconds for r in results)

@@ -56,14 +56,16 @@ def wait_serving(target: str, timeout: float = 30.0) -> None:
 
 
 def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
-                 wait: bool = True, prefix: Sequence[str] = ()) -> DaemonProc:
+                 wait: bool = True, prefix: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> DaemonProc:
     """A daemon on ``workdir`` (its socket, shm and state directories), started through
-    ``prefix`` if given (e.g. ``nsenter`` into a network namespace)."""
+    ``prefix`` if given (e.g. ``nsenter`` into a network namespace), with ``env`` added to
+    this process's environment."""
     shm = workdir / "shm"
     shm.mkdir(exist_ok=True)
     sock = socket or str(workdir / "hicached.sock")
     log_path = workdir / f"daemon-{time.monotonic_ns()}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     state = workdir / "state"  # pools outlive a daemon here; the next one on workdir finds them
     cmd = [*prefix, sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
            "--shm-dir", str(shm), "--state-dir", str(state), "--metrics-listen", "127.0.0.1:0",

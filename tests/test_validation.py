@@ -24,13 +24,20 @@ def all_allocated(pages: np.ndarray) -> np.ndarray:
     return np.ones(pages.shape, dtype=bool)
 
 
+def raw_state_of(allocated):  # type: ignore[no-untyped-def]
+    """An allocator's ``raw_state`` where ``allocated`` says which pages are raw pages."""
+    return lambda pages, layers: (allocated(pages), None if layers is None else
+                                  np.ones(pages.shape, dtype=bool),
+                                  np.ones(pages.shape, dtype=np.uint32))
+
+
 def validate(h: object, d: object, *, ps: int = 4, host: int = 64, dev: int = 64,
              layers: tuple[int, int] = (0, 0), writes_host: bool = True,
              allocated=all_allocated):  # type: ignore[no-untyped-def]
     return validate_transfer(host_indices=h, device_indices=d, page_size=ps, host_tokens=host,
                              device_tokens=dev, layer_num=4, layer_begin=layers[0],
                              layer_end=layers[1], writes_host=writes_host,
-                             is_allocated=allocated)
+                             raw_state=raw_state_of(allocated))
 
 
 def reasons(exc: HiCacheError) -> list[str]:

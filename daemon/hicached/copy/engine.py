@@ -15,9 +15,10 @@ Primitives:
 
 Order of a transfer: check the worker buffers (cached) and the whole index batch
 (``core.validation``); acquire the host pages (a backup exclusively, a load shared:
-``PAGE_BUSY`` on conflict); on load, verify canary fingerprints; copy each component
-(``plan``); on backup, record fingerprints and mark the layers written; release. Any rejection
-happens before a byte moves.
+``PAGE_BUSY`` on conflict; raw pages only if still the very pages validated, by their
+generation: ``PAGE_NOT_ALLOCATED`` for a page freed meanwhile); on load, verify canary
+fingerprints; copy each component (``plan``); on backup, record fingerprints and mark the
+layers written; release. Any rejection happens before a byte moves.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
+from hicache import seams
 from hicached.copy.cpu import execute
 from hicached.copy.native import KERNEL
 from hicached.copy.page_batch import scan, validate_keyed_pages, validate_page_transfer
@@ -167,8 +169,7 @@ class TransferEngine:
             host_indices=host_indices, device_indices=device_indices,
             page_size=pool.page_size, host_tokens=pool.size_tokens, device_tokens=device_tokens,
             layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
-            writes_host=op is Op.BACKUP, is_allocated=pool.allocator.is_allocated,
-            is_written=pool.allocator.written_mask,
+            writes_host=op is Op.BACKUP, raw_state=pool.allocator.raw_state,
         )
         return self._run(op, pool, buffers, batch, t0, runner, wait, on_complete, hold=True)
 
@@ -183,8 +184,10 @@ class TransferEngine:
         try:
             plans = [self._plan(op, pool, buffers, cs, batch, bounds) for cs in pool.components]
             canary, allocator, writes = pool.canary, pool.allocator, op is Op.BACKUP
-            if hold:
-                allocator.acquire(batch.host_pages, writes, batch.host_unique)
+            if hold:  # raw pages: held only if still the pages validated (generations)
+                seams.reached("raw.checked")
+                allocator.acquire(batch.host_pages, writes, batch.host_unique,
+                                  batch.generations)
         except BaseException:
             pool.end_copy()
             raise

@@ -97,21 +97,21 @@ def validate_page_transfer(*, host_pages: IndexArray, device_pages: IndexArray,
     if not writes_host and not h_bad and host_pages.size > 1:
         host_unique = not scan(host_pages, allocator.page_num, "host_pages", True)[0]
     in_range = not any(v.reason == IndexOutOfRange.reason for v in h_bad)
+    generations = None
     if in_range and host_pages.size:
-        mask = allocator.is_allocated(host_pages)
+        mask, written, generations = allocator.raw_state(
+            host_pages, None if writes_host or not len(layers) else layers)
         if not mask.all():
             violations.append(_host_violation(host_pages, mask, PageNotAllocated.reason,
                                               "are not allocated raw pages"))
-        elif not writes_host and len(layers):
-            mask = allocator.written_mask(host_pages, layers)
-            if not mask.all():
-                violations.append(_host_violation(
-                    host_pages, mask, PageNotWritten.reason,
-                    f"were never written at layers [{layers.start}, {layers.stop}) since they "
-                    "were allocated"))
+        elif written is not None and not written.all():
+            violations.append(_host_violation(
+                host_pages, written, PageNotWritten.reason,
+                f"were never written at layers [{layers.start}, {layers.stop}) since they "
+                "were allocated"))
     raise_violations(violations)
     return TransferBatch(host_pages, device_pages, layers, host_unique,
-                         bounds=(h_bounds, d_bounds))
+                         bounds=(h_bounds, d_bounds), generations=generations)
 
 
 def _host_violation(pages: IndexArray, ok: np.ndarray, reason: str, what: str) -> Violation:

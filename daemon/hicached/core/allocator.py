@@ -17,8 +17,11 @@ Primitives:
   number of readers, never both: a conflicting request is refused with ``PAGE_BUSY`` (nothing is
   waited for, nothing moves). A page freed while held is released when its last holder lets go,
   so a copy in flight never touches a page handed to someone else.
-- ``written_mask(pages, layers)``: which pages had every layer of ``layers`` written since they
-  were allocated (a load of anything else is ``PAGE_NOT_WRITTEN``).
+- ``raw_state(pages, layers)``: in one step, which pages are allocated raw pages, which had
+  every layer of ``layers`` written since (a load of anything else is ``PAGE_NOT_WRITTEN``),
+  and their generations (bumped on every allocation). A raw copy passes those generations to
+  ``acquire``, which refuses (``PAGE_NOT_ALLOCATED``) a page freed, and perhaps handed to
+  someone else, since it was checked: a raw copy never writes or reads another's page.
 - ``memcheck()``: verifies every invariant (the tests call it after every operation).
 - ``table_specs`` / ``tables=`` / ``recover(keep_keyed)``: state, kind, owner and written bits
   may live in a state file (``core.state_file``), so that a later daemon finds the raw pages
@@ -149,14 +152,16 @@ class PageAllocator:
         with self._lock:
             return np.asarray(self._kind[pages] == KEYED, dtype=bool)
 
-    def written_mask(self, pages: np.ndarray, layers: range) -> np.ndarray:
-        """Which of ``pages`` had every layer of ``layers`` written since allocation."""
+    def raw_state(self, pages: np.ndarray, layers: range | None
+                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """In one step: which of ``pages`` are allocated raw pages, which had every layer of
+        ``layers`` written since their allocation (None without ``layers``), their
+        generations."""
         with self._lock:
-            return np.asarray(self._written[pages, layers.start:layers.stop].all(axis=1))
-
-    def generation(self, pages: np.ndarray) -> np.ndarray:
-        with self._lock:
-            return np.array(self._generation[pages], dtype=np.uint32)
+            raw = (self._state[pages] == ALLOCATED) & (self._kind[pages] == RAW)
+            written = (None if layers is None else np.asarray(
+                self._written[pages, layers.start:layers.stop].all(axis=1), dtype=bool))
+            return np.asarray(raw, dtype=bool), written, self._generation[pages].copy()
 
     # -- raw pages -------------------------------------------------------------------------
 
@@ -225,19 +230,29 @@ class PageAllocator:
 
     # -- access ----------------------------------------------------------------------------
 
-    def acquire(self, pages: np.ndarray, write: bool, unique: bool = True) -> None:
+    def acquire(self, pages: np.ndarray, write: bool, unique: bool = True,
+                generations: np.ndarray | None = None) -> None:
         """Hold ``pages`` for a copy that writes (exclusive) or reads (shared). They must be
         allocated (a concurrent free may have released one since validation, so it is checked
-        again here), and no conflicting copy may hold them: else ``PAGE_BUSY``."""
+        again here) and, with ``generations`` (a raw copy's, from ``raw_state``), still the
+        raw pages of those generations; no conflicting copy may hold them: else
+        ``PAGE_BUSY``."""
         with self._lock:
-            if pages.size <= SMALL_BATCH and self._acquire_small(pages.tolist(), write):
+            if pages.size <= SMALL_BATCH and self._acquire_small(
+                    pages.tolist(), write, None if generations is None else generations.tolist()):
                 return
-            bad = np.flatnonzero(self._state[pages] != ALLOCATED)
+            gone = self._state[pages] != ALLOCATED
+            if generations is not None:
+                gone |= (self._kind[pages] != RAW) | (self._generation[pages] != generations)
+            bad = np.flatnonzero(gone)
             if bad.size:
                 page = int(pages[bad[0]])
                 raise PageNotAllocated(
-                    f"{bad.size} page(s) were freed before the transfer started; first {page}",
-                    metadata={"page": page, "count": int(bad.size)},
+                    f"{bad.size} page(s) were freed (and perhaps reused) after the transfer "
+                    f"was checked; first page {page} at page position {int(bad[0])}; nothing "
+                    "was copied",
+                    metadata={"page": page, "count": int(bad.size),
+                              "first_bad_position": int(bad[0]) * self.page_size},
                 )
             busy = self._writer[pages]
             if write:
@@ -260,7 +275,7 @@ class PageAllocator:
             else:
                 np.add.at(self._readers, pages, 1)
 
-    def _acquire_small(self, pages: list[int], write: bool) -> bool:
+    def _acquire_small(self, pages: list[int], write: bool, gens: list[int] | None) -> bool:
         """``acquire`` of a few pages, page by page (numpy's fancy indexing costs more than
         the whole loop at this size); False, holding nothing, when a page is not free to
         take: the caller's batch path then names the fault."""
@@ -268,6 +283,11 @@ class PageAllocator:
         for p in pages:
             if state[p] != ALLOCATED or writer[p] or (write and readers[p] > 0):
                 return False
+        if gens is not None:
+            kind, generation = self._kind, self._generation
+            for p, g in zip(pages, gens, strict=True):
+                if kind[p] != RAW or generation[p] != g:
+                    return False
         if write:
             if len(set(pages)) != len(pages):
                 return False

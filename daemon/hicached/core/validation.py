@@ -151,6 +151,11 @@ def check_layers(layer_begin: int, layer_end: int, layer_num: int) -> tuple[list
     )], range(0)
 
 
+RawState = Callable[[IndexArray, range | None],
+                    tuple[np.ndarray, np.ndarray | None, np.ndarray]]
+"""The allocator's ``raw_state``: (allocated raw, written at the layers or None, generations)."""
+
+
 @dataclass(frozen=True)
 class TransferBatch:
     """A validated batch, as page numbers on each side."""
@@ -162,6 +167,8 @@ class TransferBatch:
     """No host page twice (always so for a backup; a load may read one page twice)."""
     bounds: tuple[tuple[int, int], tuple[int, int]] | None = None
     """``page_bounds()`` when the validation already found them."""
+    generations: np.ndarray | None = None
+    """Of raw host pages, as validated: the copy holds them only if they are unchanged."""
 
     @property
     def num_pages(self) -> int:
@@ -215,12 +222,12 @@ def validate_transfer(
     layer_begin: int,
     layer_end: int,
     writes_host: bool,
-    is_allocated: Callable[[IndexArray], np.ndarray],
-    is_written: Callable[[IndexArray, range], np.ndarray] | None = None,
+    raw_state: RawState,
 ) -> TransferBatch:
     """Check a whole backup (``writes_host``) or load batch of raw pages; raise with every
-    violation. A load's host pages must have every requested layer written
-    (``is_written``)."""
+    violation. A load's host pages must have every requested layer written. ``raw_state`` is
+    the allocator's (one step: allocated, written, generations), whose generations the batch
+    carries."""
     h = to_index_array(host_indices, "host_indices")
     d = to_index_array(device_indices, "device_indices")
     violations: list[Violation] = []
@@ -239,21 +246,24 @@ def validate_transfer(
     if writes_host:
         violations += check_duplicate_pages(hp, page_size, "host_indices")
     host_unique = writes_host or not check_duplicate_pages(hp, page_size, "host_indices")
+    generations = None
     if not h_range and hp.size:
-        missing = _first_bad(is_allocated(hp))
+        allocated, written, generations = raw_state(
+            hp, None if writes_host or not len(layers) else layers)
+        missing = _first_bad(allocated)
         if missing.size:
             violations.append(_page_violation("host_indices", PageNotAllocated.reason,
                                               "are not allocated raw pages", hp, missing,
                                               page_size))
-        elif not writes_host and is_written is not None and len(layers):
-            unwritten = _first_bad(is_written(hp, layers))
+        elif written is not None:
+            unwritten = _first_bad(written)
             if unwritten.size:
                 violations.append(_page_violation(
                     "host_indices", PageNotWritten.reason,
                     f"were never written at layers [{layers.start}, {layers.stop}) since they "
                     f"were allocated", hp, unwritten, page_size))
     raise_violations(violations)
-    return TransferBatch(hp, dp, layers, host_unique)
+    return TransferBatch(hp, dp, layers, host_unique, generations=generations)
 
 
 def validate_keyed(
