@@ -13,10 +13,9 @@ Primitives:
   ``free_owned(owner)`` frees every raw page a session owned.
 - Keyed pages (the cache): ``alloc_pages(n)`` hands out page numbers held for writing,
   ``release_pages(pages)`` gives them back.
-- Access: ``acquire(pages, write)`` / ``release(pages, write)``. A page has one writer or any
-  number of readers, never both: a conflicting request is refused with ``PAGE_BUSY`` (nothing is
-  waited for, nothing moves). A page freed while held is released when its last holder lets go,
-  so a copy in flight never touches a page handed to someone else.
+- Access (``page_access.PageAccess``, inherited): ``acquire`` / ``share`` / ``release``: one
+  writer or any number of readers per page; a page freed while held is released when its last
+  holder lets go.
 - ``raw_state(pages, layers)``: in one step, which pages are allocated raw pages, which had
   every layer of ``layers`` written since (a load of anything else is ``PAGE_NOT_WRITTEN``),
   and their generations (bumped on every allocation). A raw copy passes those generations to
@@ -41,12 +40,12 @@ import numpy as np
 from hicache.errors import (
     AllocSizeNotPageAligned,
     DoubleFree,
-    PageBusy,
     PageNotAllocated,
     PoolExhausted,
     Violation,
     raise_violations,
 )
+from hicached.core.page_access import ALLOCATED, RAW, RELEASING, PageAccess
 from hicached.core.state_file import TableSpec
 from hicached.core.validation import (
     IndexArray,
@@ -58,16 +57,9 @@ from hicached.core.validation import (
 )
 
 FREE = 0
-ALLOCATED = 1
-RELEASING = 2
-"""Freed while held by a copy: returns to the free stack when its last holder lets go."""
-
-RAW = 1
-"""Kind of a page handed out by ``alloc``: named by host indices."""
 KEYED = 2
-"""Kind of a page handed out by ``alloc_pages``: named by a content key."""
-SMALL_BATCH = 16
-"""Holds of up to this many pages are taken and given back page by page."""
+"""Kind of a page handed out by ``alloc_pages``: named by a content key (``RAW``: by host
+indices, handed out by ``alloc``)."""
 
 
 def table_specs(page_num: int, layer_num: int) -> list[TableSpec]:
@@ -78,7 +70,7 @@ def table_specs(page_num: int, layer_num: int) -> list[TableSpec]:
             TableSpec("alloc_written", "?", (page_num, layer_num))]
 
 
-class PageAllocator:
+class PageAllocator(PageAccess):
     def __init__(self, page_num: int, page_size: int, layer_num: int = 1,
                  tables: Mapping[str, np.ndarray] | None = None) -> None:
         """``tables``: where the state, kind, owner and written bits live (``table_specs``;
@@ -227,105 +219,6 @@ class PageAllocator:
         with self._lock:
             assert np.all((self._state[pages] == ALLOCATED) & (self._kind[pages] == KEYED))
             self._give_back(pages)
-
-    # -- access ----------------------------------------------------------------------------
-
-    def acquire(self, pages: np.ndarray, write: bool, unique: bool = True,
-                generations: np.ndarray | None = None) -> None:
-        """Hold ``pages`` for a copy that writes (exclusive) or reads (shared). They must be
-        allocated (a concurrent free may have released one since validation, so it is checked
-        again here) and, with ``generations`` (a raw copy's, from ``raw_state``), still the
-        raw pages of those generations; no conflicting copy may hold them: else
-        ``PAGE_BUSY``."""
-        with self._lock:
-            if pages.size <= SMALL_BATCH and self._acquire_small(
-                    pages.tolist(), write, None if generations is None else generations.tolist()):
-                return
-            gone = self._state[pages] != ALLOCATED
-            if generations is not None:
-                gone |= (self._kind[pages] != RAW) | (self._generation[pages] != generations)
-            bad = np.flatnonzero(gone)
-            if bad.size:
-                page = int(pages[bad[0]])
-                raise PageNotAllocated(
-                    f"{bad.size} page(s) were freed (and perhaps reused) after the transfer "
-                    f"was checked; first page {page} at page position {int(bad[0])}; nothing "
-                    "was copied",
-                    metadata={"page": page, "count": int(bad.size),
-                              "first_bad_position": int(bad[0]) * self.page_size},
-                )
-            busy = self._writer[pages]
-            if write:
-                busy = busy | (self._readers[pages] > 0)
-            hit = np.flatnonzero(busy)
-            if hit.size:
-                page = int(pages[hit[0]])
-                doing = "written" if self._writer[page] else "read"
-                raise PageBusy(
-                    f"{hit.size} page(s) are being {doing} by another request; first page "
-                    f"{page} at page position {int(hit[0])}; retry once it finished",
-                    metadata={"page": page, "count": int(hit.size),
-                              "first_bad_position": int(hit[0]) * self.page_size,
-                              "held_for": doing},
-                )
-            if write:
-                self._writer[pages] = True
-            elif unique:
-                self._readers[pages] += 1
-            else:
-                np.add.at(self._readers, pages, 1)
-
-    def _acquire_small(self, pages: list[int], write: bool, gens: list[int] | None) -> bool:
-        """``acquire`` of a few pages, page by page (numpy's fancy indexing costs more than
-        the whole loop at this size); False, holding nothing, when a page is not free to
-        take: the caller's batch path then names the fault."""
-        state, writer, readers = self._state, self._writer, self._readers
-        for p in pages:
-            if state[p] != ALLOCATED or writer[p] or (write and readers[p] > 0):
-                return False
-        if gens is not None:
-            kind, generation = self._kind, self._generation
-            for p, g in zip(pages, gens, strict=True):
-                if kind[p] != RAW or generation[p] != g:
-                    return False
-        if write:
-            if len(set(pages)) != len(pages):
-                return False
-            for p in pages:
-                writer[p] = True
-        else:
-            for p in pages:
-                readers[p] += 1
-        return True
-
-    def release(self, pages: np.ndarray, write: bool, unique: bool = True,
-                layers: range | None = None) -> None:
-        """End a copy: a writer that completed marks ``layers`` of its pages written."""
-        with self._lock:
-            if pages.size <= SMALL_BATCH and not self._releasing:
-                written = self._written
-                for p in pages.tolist():
-                    if write:
-                        self._writer[p] = False
-                        if layers is not None:
-                            written[p, layers.start:layers.stop] = True
-                    else:
-                        self._readers[p] -= 1
-                return
-            if write:
-                self._writer[pages] = False
-                if layers is not None:
-                    self._written[pages, layers.start:layers.stop] = True
-            elif unique:
-                self._readers[pages] -= 1
-            else:
-                np.add.at(self._readers, pages, -1)
-            if self._releasing:
-                done = np.unique(pages[(self._state[pages] == RELEASING)
-                                       & (self._readers[pages] == 0) & ~self._writer[pages]])
-                if done.size:
-                    self._releasing -= int(done.size)
-                    self._put(done)
 
     # -- internals (lock held) -------------------------------------------------------------
 

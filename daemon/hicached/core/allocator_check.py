@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicached.core.allocator import FREE, KEYED, RELEASING
+from hicached.core.allocator import FREE, KEYED
+from hicached.core.page_access import RELEASING
 
 if TYPE_CHECKING:
     from hicached.core.allocator import PageAllocator
