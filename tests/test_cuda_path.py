@@ -429,13 +429,13 @@ def test_lease_expiry_closes_the_mappings_but_not_under_a_running_copy(
         b = transport.attach(kv.descriptors.descriptors)
         quiet = sessions.open("p", pool, "quiet", a, 20)
         busy = sessions.open("p", pool, "busy", b, 20)
-        sessions.hold(busy)  # a load still running on the GPU after its RPC returned
+        sessions.begin_copy(busy)  # a load still running on the GPU after its RPC returned
         assert fake.stat("streams") == before[1] + 4
         now[0] = 10.0
         assert {x.session_id for x in sessions.reap()} == {quiet.session_id, busy.session_id}
         assert a.buffers is None and b.buffers is not None  # busy keeps its mappings
         assert fake.stat("open_handles") == before[0] + 2
-        sessions.unhold(busy)  # the copy landed
+        sessions.end_copy(busy)  # the copy landed
         assert b.buffers is None
         assert (fake.stat("open_handles"), fake.stat("streams")) == before
     finally:

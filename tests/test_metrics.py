@@ -146,8 +146,8 @@ def test_a_load_with_layer_events_is_timed_to_completion() -> None:
     m = Metrics(reg, ScrapeState(lambda: [], lambda: 0, lambda: 0, lambda: 0),
                 build={"version": "1"})
     held: list[int] = []
-    host = SimpleNamespace(sessions=SimpleNamespace(hold=lambda s: held.append(1),
-                                                    unhold=lambda s: held.pop()),
+    host = SimpleNamespace(sessions=SimpleNamespace(begin_copy=lambda s: held.append(1),
+                                                    end_copy=lambda s: held.pop()),
                            metrics=m)
     session = SimpleNamespace(pool_name="p")
     released = threading.Event()

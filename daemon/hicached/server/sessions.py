@@ -6,9 +6,9 @@ Primitives:
   heartbeat and transfer; ``in_flight`` counts transfers using its mappings; ``owner`` is the
   number its raw pages are owned under (freed when it ends, through ``on_end``).
 - ``SessionManager``: ``open``, ``get``, ``heartbeat``, ``close``, ``transfer(session_id)`` (a
-  context manager holding the session's mappings for one copy), ``hold`` / ``unhold`` (for GPU
-  copies that outlive their RPC), ``reap()`` and a reaper thread (asleep while no session is
-  open).
+  context manager keeping the session's mappings for one copy), ``begin_copy`` / ``end_copy``
+  (for GPU copies that outlive their RPC), ``reap()`` and a reaper thread (asleep while no
+  session is open; each round also runs ``on_tick``: holds expire there).
 
 A closed or expired session leaves the table at once (new calls get ``SESSION_NOT_FOUND``); its
 mappings are released when its last in-flight transfer ends, so a copy never runs on unmapped
@@ -72,13 +72,16 @@ class SessionManager:
                  clock: Callable[[], float] = time.monotonic,
                  max_lease_seconds: float = float("inf"),
                  on_reap: Callable[[Session], None] = lambda s: None,
-                 on_end: Callable[[Session], None] = lambda s: None) -> None:
-        """``on_end`` runs once for every session that ends (closed, reaped, shut down)."""
+                 on_end: Callable[[Session], None] = lambda s: None,
+                 on_tick: Callable[[], None] = lambda: None) -> None:
+        """``on_end`` runs once for every session that ends (closed, reaped, shut down);
+        ``on_tick`` on every round of the reaper (what expires with time: holds)."""
         self.default_lease = default_lease_seconds
         self.max_lease = max_lease_seconds
         self._clock = clock
         self._on_reap = on_reap
         self._on_end = on_end
+        self._on_tick = on_tick
         self._owners = itertools.count(1)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -144,7 +147,7 @@ class SessionManager:
         A copy that found the worker's memory gone (``BUFFER_FAULT``) ends the session: its
         mappings can no longer be trusted, and no other session is touched."""
         s = self.get(session_id)
-        self.hold(s)
+        self.begin_copy(s)
         try:
             yield s
         except BufferFault as exc:
@@ -158,18 +161,18 @@ class SessionManager:
                                         "worker_id": s.worker_id}) from None
         finally:
             s.transfers += 1
-            self.unhold(s)
+            self.end_copy(s)
 
-    def hold(self, s: Session) -> None:
-        """Keep the session's mappings until ``unhold`` (copies still running on a GPU after
-        their RPC returned hold them too)."""
+    def begin_copy(self, s: Session) -> None:
+        """A copy uses the session's mappings: they stay until its ``end_copy`` (copies still
+        running on a GPU after their RPC returned count too)."""
         with s.lock:
             if s.ended:
                 raise SessionNotFound(f"session {s.session_id!r} ended",
                                       metadata={"session_id": s.session_id})
             s.in_flight += 1
 
-    def unhold(self, s: Session) -> None:
+    def end_copy(self, s: Session) -> None:
         with s.lock:
             s.in_flight -= 1
             release = s.ended and s.in_flight == 0 and not s.released
@@ -240,6 +243,7 @@ class SessionManager:
                     return
                 try:
                     self.reap()
+                    self._on_tick()
                 except Exception:  # the reaper must survive anything
                     log.exception("session reaper failed")
 
