@@ -63,3 +63,13 @@ class CacheStats:
     """Evicted keys whose page the lower tier already held (still found there)."""
     spill_dropped: int = 0
     """Evicted keys the lower tier had not written yet: gone from every tier."""
+    holds_taken: int = 0
+    """Holds a Lookup (or the promotion it started) took."""
+    holds_loaded: int = 0
+    """Holds a LoadKeys of their session consumed (the promise kept)."""
+    holds_released: int = 0
+    """Holds ended by ReleaseHolds."""
+    holds_ended: int = 0
+    """Holds ended with their session."""
+    holds_expired: int = 0
+    """Holds that reached their deadline unused."""

@@ -7,25 +7,29 @@ a reader never sees a torn page. The copies themselves run elsewhere: the daemon
 
 Primitives:
 
-- ``PoolCache(pool, events)``: over a ``HostPool``, sharing its allocator with the raw pages.
+- ``PoolCache(pool, events, policy, clock)``: over a ``HostPool``, sharing its allocator with
+  the raw pages; ``policy``: the limits on holds (``holds.HoldPolicy``).
 - ``lookup(keys, below)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3 cluster
-  (``below``, asked outside the lock), 0 absent); no pin, no touch.
+  (``below``, asked outside the lock), 0 absent); no touch. The holds a Lookup takes for a
+  session (``lookup_held`` and the rest) are ``held.HeldKeys``'s, which this class inherits.
 - ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
   (status 2, touched in the LRU); new keys get a page each, held for writing, evicting least
   recently used ready keys that no copy holds when the pool is full; keys left without a page
   are status 3. ``finish_store(ticket, ok)``: the keys become ready (status 1, STORED event), or
   vanish if the copy failed (``ok`` per page, or for all) or they were removed meanwhile.
-- ``begin_load(keys)`` -> pages held for reading, or ``KEY_NOT_FOUND`` (nothing held);
-  ``finish_load(pages)`` releases them and makes their keys evictable again, most recently used.
+- ``begin_load(keys, owner=)`` -> pages held for reading, or ``KEY_NOT_FOUND`` (nothing
+  held): a key ``owner`` holds is never refused (removed meanwhile, it is read from its held
+  page); ``finish_load(pages)`` releases them, ends the holds they consumed and makes their
+  keys evictable again, most recently used.
 - ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once;
-  a page a copy still holds is released when the copy ends (REMOVED events).
+  a page a copy or a hold still has is freed when that ends (REMOVED events).
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
 - ``stats``: counters for metrics; ``key_count``.
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
   only it holds, ``remove`` / ``clear`` reach it, eviction counts whether each evicted key was
-  below already. ``spill_candidates`` / ``finish_spill`` lend the oldest keys' pages to the
-  spiller (held against reuse); ``hold`` / ``release`` the pages of given keys (a writer to
-  another tier); ``not_ready`` names keys to promote; ``on_stored(keys)`` is their cue.
+  below already; ``on_stored(keys)`` is the cue of its writers. What the tiers below borrow
+  (the spiller's oldest pages, a writer's pages, keys to promote) is ``lending.Lending``'s,
+  inherited.
 - ``recover()``: after the pool's state files were re-attached, the complete keys again.
 
 Raw pages (``Alloc``) share the allocator and are never evicted; they may evict keyed pages.
@@ -35,6 +39,7 @@ Thread-safe: one lock per pool cache, taken before the allocator's.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -42,6 +47,8 @@ import numpy as np
 
 from hicache.errors import KeyNotFound
 from hicached.cache.events import EventKind, EventLog
+from hicached.cache.held import HeldKeys, Holder
+from hicached.cache.holds import HoldPolicy, HoldTable
 from hicached.cache.index_types import (
     NO_SPACE,
     PRESENT,
@@ -51,13 +58,20 @@ from hicached.cache.index_types import (
     StoreTicket,
 )
 from hicached.cache.key_slots import KeySlots
+from hicached.cache.lending import Lending
 from hicached.cache.lru import LRU
 from hicached.core.pool import HostPool
 
 
-class PoolCache:
-    def __init__(self, pool: HostPool, events: EventLog | None = None) -> None:
+class PoolCache(HeldKeys, Lending):
+    def __init__(self, pool: HostPool, events: EventLog | None = None,
+                 policy: HoldPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
+        self.policy = policy or HoldPolicy()
+        """Limits on holds (``max_held_fraction`` of this pool's pages per session)."""
+        self.holds = HoldTable()
+        self._clock = clock
         self.events = events or EventLog()
         self.stats = CacheStats()
         self.lower: LowerTier | None = None
@@ -73,10 +87,13 @@ class PoolCache:
                               else None)
         self._alloc = pool.allocator
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)
+        """Notified whenever keys stop being written (a LoadKeys waits for a promotion)."""
         self._ready: dict[bytes, int] = {}
         self._writing: dict[bytes, int] = {}
         self._page_key: dict[int, bytes] = {}
-        self._loads: dict[int, int] = {}
+        self._reading: dict[int, int] = {}
+        """Read-holds per page that keep it out of the LRU: loads in flight and holds."""
         self._lru = LRU()
         self._spilling: Counter[bytes] = Counter()
         """Keys a spiller is writing below (two spillers may write one key)."""
@@ -123,11 +140,22 @@ class PoolCache:
         """(leading keys found in any tier, one tier byte per key: 1 host, 2/3 below, 0).
         ``below`` (the cluster tier) is asked, outside the lock, for the tier bytes of the
         keys no tier of this node holds. ``count``: a Lookup (not a failed load's report)."""
+        hit_prefix, tiers, _ = self._lookup(keys, below, count, None)
+        return hit_prefix, tiers
+
+    def _lookup(self, keys: Sequence[bytes], below: Callable[[list[bytes]], list[int]] | None,
+                count: bool, holder: Holder | None) -> tuple[int, bytes, int]:
+        """``lookup``; with ``holder`` also holds what host memory has of the hit prefix,
+        in the same step (``held.HeldKeys``): (hit prefix, tiers, keys held)."""
         lower = self.lower
+        held = 0
         with self._lock:
             tiers = bytearray(1 if k in self._ready else
                               lower.tier if lower is not None and lower.contains(k) else 0
                               for k in keys)
+            if holder is not None:
+                held = self._hold_locked(holder.owner, keys, tiers,
+                                         self._clock() + holder.seconds)
         if below is not None and 0 in tiers:
             absent = [i for i, t in enumerate(tiers) if not t]
             for i, t in zip(absent, below([keys[i] for i in absent]), strict=True):
@@ -139,56 +167,13 @@ class PoolCache:
                 self.stats.lookup_hits += hits
                 self.stats.lookup_misses += len(keys) - hits
         hit_prefix = tiers.find(0)
-        return (len(keys) if hit_prefix < 0 else hit_prefix), bytes(tiers)
-
-    def not_ready(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The keys host memory does not hold ready (to be promoted from a lower tier)."""
-        with self._lock:
-            return [k for k in dict.fromkeys(keys) if k not in self._ready]
-
-    # -- spill -----------------------------------------------------------------------------
-
-    def spill_candidates(self, n: int, window: int,
-                         written: Callable[[bytes], bool]) -> tuple[list[bytes], np.ndarray]:
-        """Up to ``n`` of the ``window`` least recently used ready keys whose page the lower
-        tier has not ``written``, with their pages held for reading: an eviction meanwhile
-        drops the key from host memory, but its page is not reused until ``finish_spill``."""
-        with self._lock:
-            keys = [k for k in self._lru.oldest(window)
-                    if k not in self._spilling and not written(k)][:n]
-            if not keys:
-                return [], np.zeros(0, np.int64)
-            pages = np.asarray([self._ready[k] for k in keys], dtype=np.int64)
-            self._alloc.acquire(pages, write=False)
-            self._spilling.update(keys)
-        return keys, pages
-
-    def finish_spill(self, keys: list[bytes], pages: np.ndarray) -> None:
-        """The lower tier has (or failed to take) these pages: release them."""
-        with self._lock:
-            self._alloc.release(pages, write=False)
-            self._spilling.subtract(keys)
-            self._spilling += Counter()  # drop the keys no spiller holds any more
-
-    def hold(self, keys: Sequence[bytes]) -> tuple[list[bytes], np.ndarray]:
-        """The keys of ``keys`` still ready, with their pages held for reading (a write to
-        another tier); an eviction meanwhile drops the key, its page waits for ``release``."""
-        with self._lock:
-            held = [k for k in dict.fromkeys(keys) if k in self._ready]
-            pages = np.asarray([self._ready[k] for k in held], dtype=np.int64)
-            if pages.size:
-                self._alloc.acquire(pages, write=False, unique=False)
-        return held, pages
-
-    def release(self, pages: np.ndarray) -> None:
-        if pages.size:
-            with self._lock:
-                self._alloc.release(pages, write=False, unique=False)
+        return (len(keys) if hit_prefix < 0 else hit_prefix), bytes(tiers), held
 
     # -- store -----------------------------------------------------------------------------
 
     def begin_store(self, keys: list[bytes]) -> StoreTicket:
         status = bytearray(len(keys))
+        self.expire_holds()  # pages whose holds ran out are evictable again
         with self._lock:
             new: list[int] = []
             for i, k in enumerate(keys):
@@ -251,16 +236,24 @@ class PoolCache:
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
             self.events.append(EventKind.STORED, stored)
+            self._landed.notify_all()
         if stored:
             self.on_stored(stored)
 
     # -- load ------------------------------------------------------------------------------
 
-    def begin_load(self, keys: Sequence[bytes], count_miss: bool = True) -> np.ndarray:
-        """The pages of ``keys``, held for reading; every key must be ready (a refusal is
-        counted in ``load_misses`` unless ``count_miss`` is False: a try before a retry)."""
+    def begin_load(self, keys: Sequence[bytes], count_miss: bool = True, owner: int = 0
+                   ) -> np.ndarray:
+        """The pages of ``keys``, read-held for the copy; every key must be ready, or held
+        by ``owner`` (a held key removed meanwhile is still loaded from its held page): else
+        ``KEY_NOT_FOUND`` and nothing changes (a refusal is counted in ``load_misses`` unless
+        ``count_miss`` is False: a try before a retry). The owner's holds of these keys pass
+        to the load: they end when ``finish_load`` does."""
         with self._lock:
-            pages = [self._ready.get(k, -1) for k in keys]
+            holds = self.holds
+            held = {k: h for k in keys if (h := holds.get(owner, k)) is not None} \
+                if owner and holds.count(owner) else {}
+            pages = [held[k].page if k in held else self._ready.get(k, -1) for k in keys]
             if -1 in pages:
                 first = pages.index(-1)
                 missing = pages.count(-1)
@@ -271,27 +264,59 @@ class PoolCache:
                     f"nothing was loaded",
                     metadata={"first_missing_position": first, "hit_prefix": first,
                               "missing": missing, "field": "keys"})
-            held = np.asarray(pages, dtype=np.int64)
-            self._alloc.acquire(held, write=False, unique=False)
-            for page in pages:
-                n = self._loads.get(page, 0)
-                if n == 0:
-                    self._lru.discard(self._page_key[page])
-                self._loads[page] = n + 1
-        return held
+            out = np.asarray(pages, dtype=np.int64)
+            if not held:
+                self._alloc.acquire(out, write=False, unique=False)
+                for k, page in zip(keys, pages, strict=True):
+                    self._read_more(page, k)
+                return out
+            # each position gets one read-hold: a consumed hold's own for the first use of
+            # its key, a shared one (the page may be released already: removed) for repeats
+            holds.take(owner, held)
+            self.stats.holds_loaded += len(held)
+            unused = set(held)
+            fresh: list[tuple[bytes, int]] = []
+            repeat: list[tuple[bytes, int]] = []
+            for k, page in zip(keys, pages, strict=True):
+                if k in unused:
+                    unused.discard(k)
+                    continue
+                (repeat if self._reading.get(page, 0) else fresh).append((k, page))
+            if fresh:
+                self._alloc.acquire(np.asarray([p for _, p in fresh], dtype=np.int64),
+                                    write=False, unique=False)
+            if repeat:
+                self._alloc.share(np.asarray([p for _, p in repeat], dtype=np.int64))
+            for k, page in fresh + repeat:
+                self._read_more(page, k)
+        return out
 
     def finish_load(self, pages: np.ndarray) -> None:
         with self._lock:
             self._alloc.release(pages, write=False, unique=False)
             for page in pages.tolist():
-                n = self._loads[page] - 1
-                if n:
-                    self._loads[page] = n
-                    continue
-                del self._loads[page]
-                key = self._page_key.get(page)
-                if key is not None and self._ready.get(key) == page:
-                    self._lru.add(key)
+                self._read_less(page)
+
+    # -- read-holds (internals, lock held) ---------------------------------------------------
+
+    def _read_more(self, page: int, key: bytes) -> None:
+        """One more read-hold of ``page``: out of the LRU while any is held."""
+        n = self._reading.get(page, 0)
+        if n == 0:
+            self._lru.discard(key)
+        self._reading[page] = n + 1
+
+    def _read_less(self, page: int) -> None:
+        """One read-hold of ``page`` ended (the allocator's already released): evictable
+        again, most recently used, once none is left and its key still names it."""
+        n = self._reading[page] - 1
+        if n:
+            self._reading[page] = n
+            return
+        del self._reading[page]
+        key = self._page_key.get(page)
+        if key is not None and self._ready.get(key) == page:
+            self._lru.add(key)
 
     # -- raw pages -------------------------------------------------------------------------
 

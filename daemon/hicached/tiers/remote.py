@@ -265,7 +265,7 @@ class RemoteWriter:
                 continue
             attempts = dict(items)
             try:
-                held, pages = self.cache.hold(list(attempts))
+                held, pages = self.cache.borrow(list(attempts))
             except Exception:  # the pool closed under us
                 log.debug("remote writer of %s stopped", self.cache.pool.spec.name,
                           exc_info=True)
@@ -276,7 +276,7 @@ class RemoteWriter:
             try:
                 ok = self.tier.put_pages(held, pages)
             finally:
-                self.cache.release(pages)
+                self.cache.give_back(pages)
             self.put += sum(ok)
             failed = [k for k, done in zip(held, ok, strict=True) if not done]
             self.failed += len(failed)

@@ -1,0 +1,144 @@
+"""Holds: which pages a session's Lookup promised to keep until its LoadKeys, and until when.
+
+A hit is a promise: a Lookup that names its session (``session_id``, ``hold_ms``) holds the
+pages of the hit prefix for that session, so that another worker's Store cannot evict them
+before the load. A hold ends when a LoadKeys of that session consumes it (its copy ended), by
+``ReleaseHolds``, when the session ends, or at its deadline (``hold_ms``, capped by
+``HoldPolicy.max_hold_ms``). A session holds at most ``max_held_fraction`` of a pool's pages:
+past that a Lookup holds fewer (``held`` says how many), never fails, and a Store never fails
+because of holds (a pool with nothing evictable answers no space, as ever).
+
+This module keeps the books; the pool cache (``pool_cache``) keeps each held page out of the
+LRU and read-held in the allocator while it is held, under its own lock, which also guards
+this table (no lock here).
+
+Primitives:
+
+- ``HoldPolicy(max_hold_ms, max_held_fraction)``: the daemon's limits (validated).
+- ``Hold``: a held page and its deadline.
+- ``HoldTable``: ``get(owner, key)``, ``count(owner)``, ``add(owner, key, page, until)``
+  (False for a refresh of a hold already there), ``take(owner, keys)`` (the holds a load
+  consumes), ``drop(owner, keys)`` (``ReleaseHolds``; no keys: all), ``end(owner)`` (the session
+  ended: every hold, and no new ones for it), ``expire(now)`` (holds past their deadline),
+  ``total``. Expiry costs O(log n) per hold (a heap; refreshed holds leave stale entries that
+  are skipped when they come due).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hicache.errors import SpecInvalid
+
+
+@dataclass(frozen=True)
+class HoldPolicy:
+    """The daemon's limits on holds (``max_hold_ms``, ``max_held_fraction`` in its config)."""
+
+    max_hold_ms: int = 30_000
+    """The longest a hold lasts whatever a Lookup asks for (a worker that never loads cannot
+    keep pages from the others for longer)."""
+    max_held_fraction: float = 0.25
+    """The share of a pool's pages one session may hold at once."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_hold_ms <= 3_600_000:
+            raise SpecInvalid("max_hold_ms is within 1 .. 3600000",
+                              metadata={"max_hold_ms": self.max_hold_ms})
+        if not 0 < self.max_held_fraction <= 1:
+            raise SpecInvalid("max_held_fraction is within (0, 1]",
+                              metadata={"max_held_fraction": self.max_held_fraction})
+
+    def seconds(self, hold_ms: int) -> float:
+        """How long a hold asked for ``hold_ms`` lasts."""
+        return min(max(hold_ms, 0), self.max_hold_ms) / 1000.0
+
+    def limit(self, page_num: int) -> int:
+        """The most pages one session may hold in a pool of ``page_num`` pages (at least 1)."""
+        return max(int(page_num * self.max_held_fraction), 1)
+
+
+@dataclass
+class Hold:
+    page: int
+    until: float
+
+
+class HoldTable:
+    def __init__(self) -> None:
+        self._by_owner: dict[int, dict[bytes, Hold]] = {}
+        self._ended: set[int] = set()
+        self._due: list[tuple[float, int, int, bytes]] = []
+        self._seq = itertools.count()
+        self.total = 0
+        """Holds in the table now."""
+
+    def get(self, owner: int, key: bytes) -> Hold | None:
+        held = self._by_owner.get(owner)
+        return held.get(key) if held else None
+
+    def count(self, owner: int) -> int:
+        held = self._by_owner.get(owner)
+        return len(held) if held else 0
+
+    def add(self, owner: int, key: bytes, page: int, until: float) -> bool:
+        """Hold ``page`` for ``key`` until ``until``: True for a new hold, False when the
+        owner held it already (its deadline moves to the later of the two). An ended owner
+        gets none (the caller checks ``ended`` first)."""
+        assert owner not in self._ended, "a hold for a session that ended"
+        held = self._by_owner.setdefault(owner, {})
+        h = held.get(key)
+        if h is not None:
+            if until > h.until:
+                h.until = until
+                heapq.heappush(self._due, (until, next(self._seq), owner, key))
+            return False
+        held[key] = Hold(page, until)
+        self.total += 1
+        heapq.heappush(self._due, (until, next(self._seq), owner, key))
+        return True
+
+    def ended(self, owner: int) -> bool:
+        return owner in self._ended
+
+    def take(self, owner: int, keys: Iterable[bytes]) -> dict[bytes, Hold]:
+        """Remove and return the owner's holds of ``keys`` (a load consumes them)."""
+        held = self._by_owner.get(owner)
+        if not held:
+            return {}
+        out = {k: held.pop(k) for k in dict.fromkeys(keys) if k in held}
+        self.total -= len(out)
+        if not held:
+            del self._by_owner[owner]
+        return out
+
+    def drop(self, owner: int, keys: Iterable[bytes] | None = None) -> list[Hold]:
+        """Remove the owner's holds of ``keys``, or all of them."""
+        if keys is None:
+            held = self._by_owner.pop(owner, {})
+            self.total -= len(held)
+            return list(held.values())
+        return list(self.take(owner, keys).values())
+
+    def end(self, owner: int) -> list[Hold]:
+        """The owner (a session) ended: its holds go, and it gets no new ones."""
+        self._ended.add(owner)
+        return self.drop(owner)
+
+    def expire(self, now: float) -> list[Hold]:
+        """Remove and return every hold whose deadline is at or before ``now``."""
+        out: list[Hold] = []
+        due = self._due
+        while due and due[0][0] <= now:
+            _, _, owner, key = heapq.heappop(due)
+            h = self.get(owner, key)
+            if h is not None and h.until <= now:
+                out.append(self.take(owner, [key])[key])
+        return out
+
+    def next_due(self) -> float | None:
+        """The earliest deadline in the table (stale entries included), or None."""
+        return self._due[0][0] if self._due else None
