@@ -51,6 +51,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--health-listen": ("health_listen", "health-only gRPC target, repeatable (probes)"),
     "--max-watchers": ("max_watchers", "WatchEvents streams at once (4)"),
     "--grace-seconds": ("grace_seconds", "drain time on SIGTERM (10)"),
+    "--max-hold-ms": ("max_hold_ms", "longest a Lookup's hold lasts (30000)"),
+    "--max-held-fraction": ("max_held_fraction", "share of a pool one session may hold (0.25)"),
     "--tls-cert": ("tls_cert", "PEM certificate for TCP listeners"),
     "--tls-key": ("tls_key", "PEM key for TCP listeners"),
     "--tls-client-ca": ("tls_client_ca", "PEM CA that signs TCP clients' certificates (mTLS)"),
@@ -59,9 +61,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--log-level": ("log_level", "DEBUG, INFO, WARNING, ..."),
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
 }
-_FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds"}
+_FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds", "max_held_fraction"}
 _INTS = {"copy_threads", "copy_spin_us", "fast_path_spin_us", "grpc_threads", "max_watchers",
-         "max_data_rpcs", "max_pending_rpcs"}
+         "max_data_rpcs", "max_pending_rpcs", "max_hold_ms"}
 _LISTS = {"listen", "health_listen"}
 _BOOLS = {"hugepages", "insecure_tcp", "accept_shm_paths", "fast_path"}
 

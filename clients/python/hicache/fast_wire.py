@@ -19,8 +19,11 @@ Bodies: a string is a u16 length and UTF-8; keys are a u32 count, a u8 width (ev
 many bytes) and the keys, or width 0, a u8 length per key and the keys; pages are a u32 count
 and that many int64.
 
-- Lookup: pool, credential (a session capability of the pool, or "") and keys; reply: u32
-  hit prefix, u32 hits, u32 count and one tier byte per key (0 = absent).
+- Lookup: pool, credential (a session capability of the pool, or "") and keys; with
+  ``FLAG_HOLD`` an i64 ``hold_ms`` follows (the hit is held for the credential's session);
+  reply: u32 hit prefix, u32 hits, u32 count and one tier byte per key (0 = absent), with
+  ``FLAG_HOLD`` then u32 held.
+- ReleaseHolds: session and keys (none: all); reply: u32 released. A control call.
 - Store / LoadKeys: session, i32 layer begin and end, keys, device pages; reply of Store:
   ``STORE_REPLY`` then a u32 count and one status byte per key; of LoadKeys: ``TRANSFER_REPLY``.
 - Backup / Load: session, i32 layer begin and end, host pages, device pages; reply:
@@ -61,6 +64,8 @@ REPLY = struct.Struct("<IIBxxx")
 OK, ERROR = 0, 1
 FLAG_LAYER_EVENTS = 1
 """LoadKeys / Load: reply once enqueued, the session's layer events signal arrival."""
+FLAG_HOLD = 2
+"""Lookup: hold the hit for the session named as the credential (``hold_ms`` follows)."""
 
 LAYERS = struct.Struct("<ii")
 STORE_REPLY = struct.Struct("<IIIQd")
@@ -72,6 +77,7 @@ LOOKUP_REPLY = struct.Struct("<III")
 HEARTBEAT_REPLY = struct.Struct("<qq")
 """lease and time left on it, in ms."""
 _U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
+_I64 = struct.Struct("<q")
 _KEYS = struct.Struct("<IB")
 
 
@@ -82,10 +88,12 @@ class Method(enum.IntEnum):
     BACKUP = 4
     LOAD = 5
     HEARTBEAT = 6
+    RELEASE_HOLDS = 7
 
 
 METHOD_NAMES = {Method.LOOKUP: "Lookup", Method.STORE: "Store", Method.LOAD_KEYS: "LoadKeys",
-                Method.BACKUP: "Backup", Method.LOAD: "Load", Method.HEARTBEAT: "Heartbeat"}
+                Method.BACKUP: "Backup", Method.LOAD: "Load", Method.HEARTBEAT: "Heartbeat",
+                Method.RELEASE_HOLDS: "ReleaseHolds"}
 """The gRPC method each code stands for (metrics and errors name calls by it)."""
 
 
@@ -145,6 +153,10 @@ class Reader:
 
     def u32(self) -> int:
         (v,) = _U32.unpack(self._take(4))
+        return int(v)
+
+    def i64(self) -> int:
+        (v,) = _I64.unpack(self._take(8))
         return int(v)
 
     def end(self) -> None:
@@ -234,6 +246,14 @@ def put_keys(out: list[bytes], keys: Sequence[bytes]) -> None:
         out += (_KEYS.pack(len(keys), 0), bytes(map(len, keys)), b"".join(keys))
     else:
         raise ValueError("a key of 256 bytes or more does not fit the fast path's framing")
+
+
+def put_i64(out: list[bytes], value: int) -> None:
+    out.append(_I64.pack(value))
+
+
+def put_u32(out: list[bytes], value: int) -> None:
+    out.append(_U32.pack(value))
 
 
 def put_pages(out: list[bytes], pages: IndexArray) -> None:

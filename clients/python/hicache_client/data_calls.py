@@ -10,9 +10,9 @@ indices are not whole aligned pages (the daemon names the fault over gRPC) or a 
 fit the framing. ``data_path`` says which path the calls take now; an OVERLOADED refusal is
 retried on the path it came from, after the daemon's hint, as gRPC's calls are.
 
-Primitives: ``DataCalls`` (``backup``, ``load``, ``lookup``, ``store``, ``store_async``,
-``load_keys``, ``beat`` (a session's heartbeat, on the same path), ``data_path``),
-``FAST_RETRY_SECONDS``.
+Primitives: ``DataCalls`` (``backup``, ``load``, ``lookup`` (holding the hit for a session
+when asked), ``release_holds``, ``store``, ``store_async``, ``load_keys``, ``beat`` (a
+session's heartbeat, on the same path), ``data_path``), ``FAST_RETRY_SECONDS``.
 """
 
 from __future__ import annotations
@@ -181,19 +181,37 @@ class DataCalls:
 
     # -- the cache ---------------------------------------------------------------------------
 
-    def lookup(self, pool: str, keys: Sequence[bytes | str], *, timeout: float | None = None
-               ) -> LookupResult:
-        """Which keys are cached (no pin, no copy): the hit prefix and a tier per key.
-        ``timeout`` overrides the client's deadline for this call."""
+    def lookup(self, pool: str, keys: Sequence[bytes | str], *, timeout: float | None = None,
+               session_id: str = "", hold_ms: int = 0) -> LookupResult:
+        """Which keys are cached (no copy): the hit prefix and a tier per key. With
+        ``session_id`` (a session of ``pool``) and ``hold_ms`` the hit is held for that
+        session until its ``load_keys`` consumes it, ``release_holds``, its end or
+        ``hold_ms`` (``held`` says how many leading keys). ``timeout`` overrides the client's
+        deadline for this call."""
         enc = encode_keys(keys)
-        cred = self._credentials(pool)
+        hold = bool(session_id and hold_ms > 0)
+        cred = session_id if hold else (self._credentials(pool) or [("", "")])[0][1]
         got = self._fast_call(w.Method.LOOKUP, lambda: fp.lookup_body(
-            pool, cred[0][1] if cred else "", enc), timeout=timeout)
+            pool, cred, enc, hold_ms if hold else 0), w.FLAG_HOLD if hold else 0,
+            timeout=timeout)
         if got is not None:
-            return fp.decode_lookup(got)
-        r = self._call(self._stub.Lookup, pb.LookupRequest(pool=pool, keys=enc),
-                       retry=True, timeout=timeout, pool=pool)
-        return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits)
+            return fp.decode_lookup(got, hold)
+        r = self._call(self._stub.Lookup, pb.LookupRequest(
+            pool=pool, keys=enc, session_id=session_id if hold else "",
+            hold_ms=hold_ms if hold else 0), retry=True, timeout=timeout, pool=pool)
+        return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits, r.held)
+
+    def release_holds(self, session_id: str, keys: Sequence[bytes | str] = (), *,
+                      timeout: float | None = None) -> int:
+        """End the session's holds of ``keys`` (none: all of them); returns how many."""
+        enc = encode_keys(keys)
+        got = self._fast_call(w.Method.RELEASE_HOLDS, lambda: fp.release_body(session_id, enc),
+                              timeout=timeout)
+        if got is not None:
+            return int(fp.U32.unpack(got)[0])
+        r = self._call(self._stub.ReleaseHolds, pb.ReleaseHoldsRequest(
+            session_id=session_id, keys=enc), retry=True, timeout=timeout)
+        return int(r.released)
 
     def _store_request(self, session_id: str, keys: Sequence[bytes],
                        device_indices: object) -> pb.StoreRequest:

@@ -14,7 +14,8 @@ Primitives:
 - ``page_ids(indices, page_size)``: token indices as page ids, or None when they are not
   whole aligned page runs (such a batch goes over gRPC, where the daemon names what is
   wrong).
-- ``decode_lookup`` / ``decode_store`` / ``decode_transfer``: reply bodies as results.
+- ``decode_lookup`` / ``decode_store`` / ``decode_transfer``: reply bodies as results; the
+  ``*_body`` builders: request bodies.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from hicache.errors import HiCacheError
 from hicache.indices import IndexArray, to_index_array
 from hicache_client.results import LookupResult, StoreResult, TransferStats
 
-_U32 = struct.Struct("<I")
+U32 = struct.Struct("<I")
+_U32 = U32
 _ARANGES: dict[int, IndexArray] = {}
 
 
@@ -180,9 +182,11 @@ def page_ids(indices: object, page_size: int) -> IndexArray | None:
     return starts // page_size
 
 
-def decode_lookup(data: bytes) -> LookupResult:
+def decode_lookup(data: bytes, held: bool = False) -> LookupResult:
     hit_prefix, hits, n = w.LOOKUP_REPLY.unpack_from(data)
-    return LookupResult(hit_prefix, data[w.LOOKUP_REPLY.size:w.LOOKUP_REPLY.size + n], hits)
+    at = w.LOOKUP_REPLY.size
+    count = _U32.unpack_from(data, at + n)[0] if held else 0
+    return LookupResult(hit_prefix, data[at:at + n], hits, count)
 
 
 def decode_store(data: bytes) -> StoreResult:
@@ -224,9 +228,20 @@ def session_body(session_id: str) -> list[bytes]:
     return parts
 
 
-def lookup_body(pool: str, capability: str, keys: Sequence[bytes]) -> list[bytes]:
+def lookup_body(pool: str, capability: str, keys: Sequence[bytes], hold_ms: int = 0
+                ) -> list[bytes]:
+    """A Lookup; with ``hold_ms`` (send ``FLAG_HOLD``) the hit is held for ``capability``."""
     parts: list[bytes] = []
     w.put_string(parts, pool)
     w.put_string(parts, capability)
+    w.put_keys(parts, keys)
+    if hold_ms:
+        w.put_i64(parts, hold_ms)
+    return parts
+
+
+def release_body(session_id: str, keys: Sequence[bytes]) -> list[bytes]:
+    parts: list[bytes] = []
+    w.put_string(parts, session_id)
     w.put_keys(parts, keys)
     return parts

@@ -84,10 +84,23 @@ class TransferStats:
 @dataclass(frozen=True)
 class LookupResult:
     hit_prefix: int
-    """Leading keys that are ready: the prefix a worker can load instead of recomputing."""
+    """Leading keys found in some tier: the prefix a worker can load instead of recomputing."""
     tiers: bytes
-    """One byte per key: 0 absent, 1 host memory."""
+    """One byte per key: 0 absent, 1 host memory, 2 the node's disk, 3 the cluster."""
     hits: int
+    held: int = 0
+    """Leading keys held for the session named (``session_id`` and ``hold_ms``): a LoadKeys
+    of that session cannot fail for them. Keys below host memory are held once promoted."""
+
+    @property
+    def promised(self) -> int:
+        """The leading keys a load can count on: those held, then those below host memory
+        that the daemon promotes and holds for the load (a host-memory key not held, past
+        the session's quota, ends the promise)."""
+        n = self.held
+        while n < self.hit_prefix and self.tiers[n] > 1:
+            n += 1
+        return n
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 A session attaches a worker's device buffers; transfers name it. ``backup`` / ``load`` move raw
 pages by host index, ``store`` / ``store_async`` / ``load_keys`` move pages named by content
-keys, ``alloc`` hands out raw pages the session owns.
+keys, ``lookup`` (with ``hold_ms``) holds a hit for this session's coming ``load_keys``,
+``alloc`` hands out raw pages the session owns.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from hicache.errors import HiCacheError
 from hicache.v1 import hicache_pb2 as pb
-from hicache_client.results import StoreResult, TransferStats
+from hicache_client.results import LookupResult, StoreResult, TransferStats
 
 if TYPE_CHECKING:
     import torch
@@ -85,11 +86,25 @@ class WorkerSession:
         future raises the call's domain error. Not retried when the daemon is away."""
         return self.client.store_async(self.session_id, keys, device_indices)
 
+    def lookup(self, keys: Sequence[bytes | str], hold_ms: int = 0, *,
+               timeout: float | None = None) -> LookupResult:
+        """Look the keys up in this session's pool; with ``hold_ms`` the hit is held for this
+        session (``held``) until its ``load_keys`` consumes it, ``release_holds``, its end or
+        ``hold_ms`` (capped by the daemon's ``max_hold_ms``)."""
+        return self.client.lookup(self.pool, keys, timeout=timeout, session_id=self.session_id,
+                                  hold_ms=hold_ms)
+
+    def release_holds(self, keys: Sequence[bytes | str] = (), *,
+                      timeout: float | None = None) -> int:
+        """End this session's holds of ``keys`` (none: all); returns how many."""
+        return self.client.release_holds(self.session_id, keys, timeout=timeout)
+
     def load_keys(self, keys: Sequence[bytes | str], device_indices: object,
                   layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False,
                   timeout: float | None = None) -> TransferStats:
         """Copy the pages of ``keys`` into one device page each; every key must be in the
-        cache, else ``KEY_NOT_FOUND`` and nothing moves."""
+        cache or held by this session, else ``KEY_NOT_FOUND`` and nothing moves. The holds
+        of the keys loaded end when the copy does."""
         return self.client.load_keys(self.session_id, keys, device_indices, layer_begin,
                                      layer_end, layer_events=layer_events, timeout=timeout)
 

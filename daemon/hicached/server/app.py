@@ -71,7 +71,8 @@ class HiCacheServer:
         PlatformCollector(registry=self.registry)
         sessions = SessionManager(config.lease_seconds,
                                   max_lease_seconds=config.max_lease_seconds,
-                                  on_end=lambda s: self.daemon.session_ended(s))
+                                  on_end=lambda s: self.daemon.session_ended(s),
+                                  on_tick=lambda: self.daemon.expire_holds())
         options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes,
                                 state_dir=config.state_dir)
         driver = load_driver(config.cuda_driver or None)
@@ -94,7 +95,7 @@ class HiCacheServer:
                           disk=config.disk,
                           observe_disk=lambda op, s: self.daemon.metrics.disk_seconds.labels(
                               op).observe(s),
-                          remote=remote)
+                          remote=remote, hold_policy=config.hold_policy())
         metrics = Metrics(self.registry, ScrapeState(
             pools=pools.entries, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,

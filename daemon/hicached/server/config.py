@@ -28,6 +28,7 @@ from hicache.specs import (
     PoolKind,
     PoolSpec,
 )
+from hicached.cache.holds import HoldPolicy
 from hicached.core.system import available_bytes
 from hicached.server.identity import AccessRule
 from hicached.tiers.config import DiskTierConfig
@@ -118,6 +119,12 @@ class ServerConfig:
     """WatchEvents streams served at once; each holds one of the grpc_threads while open."""
     grace_seconds: float = 10.0
     """On SIGTERM: how long in-flight transfers may take to finish."""
+    max_hold_ms: int = 30_000
+    """The longest a Lookup's hold lasts, whatever its ``hold_ms`` asks (a worker that never
+    loads cannot keep pages from the others for longer)."""
+    max_held_fraction: float = 0.25
+    """The share of a pool's pages one session may hold at once; past it a Lookup holds
+    fewer (``held``), never fails."""
     max_message_bytes: int = 64 << 20
     """Largest request accepted (index batches travel as bytes: 8 per index)."""
     tls_cert: str = ""
@@ -210,9 +217,13 @@ class ServerConfig:
         if not os.path.isabs(self.shm_dir):
             raise SpecInvalid("shm_dir must be an absolute path",
                               metadata={"shm_dir": self.shm_dir})
+        self.hold_policy()  # validates max_hold_ms and max_held_fraction
         names = [p.name for p in self.pools]
         if len(names) != len(set(names)):
             raise SpecInvalid("declared pool names must be unique")
+
+    def hold_policy(self) -> HoldPolicy:
+        return HoldPolicy(self.max_hold_ms, self.max_held_fraction)
 
     def effective_budget(self) -> int:
         if self.memory_budget_bytes:

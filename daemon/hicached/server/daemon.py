@@ -15,10 +15,14 @@ Primitives:
   copies land.
 - ``alloc(pool, tokens, session_id)``: raw pages, owned by a session when one is named (freed
   when it ends: ``session_ended``).
+- ``lookup(pool, keys, session_id, hold_ms)`` -> (hit prefix, tiers, held): with a session of
+  the pool and ``hold_ms``, the hit is held for it (``cache.holds``); ``release_holds``;
+  ``expire_holds()`` (the session reaper's tick).
 - ``store(session_id, keys, device)`` / ``load_keys(...)``: the keyed flows (``pages=True``:
   device page ids, as the fast path sends them, not token indices): the whole batch is
-  validated first, then the cache commits (pages found, held, taken or evicted), the copy
-  engine moves the bytes, and the cache finishes (keys become ready, holds are released).
+  validated first, then the cache commits (pages found, read-held, taken or evicted; the
+  session's holds consumed), the copy engine moves the bytes, and the cache finishes (keys
+  become ready, read-holds end).
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import driver_problem
 from hicache.errors import (
     Draining,
+    HiCacheError,
     SpecInvalid,
     TooManyWatchers,
     TransportUnavailable,
 )
 from hicache.indices import IndexArray
 from hicache.keys import check_keys
+from hicached.cache.held import Holder
 from hicached.cache.index_types import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
@@ -171,7 +177,7 @@ class Daemon:
         whatever ``release`` frees, are kept until the bytes landed. ``start`` gets the callback
         to run then and returns the engine's result. The load is recorded in the metrics when
         its bytes landed: with layer events, its duration runs to the last layer's landing."""
-        self.sessions.hold(s)
+        self.sessions.begin_copy(s)
         t0 = time.perf_counter()
         lock = threading.Lock()
         pending: list[TransferResult] = []
@@ -181,7 +187,7 @@ class Daemon:
             try:
                 release()
             finally:
-                self.sessions.unhold(s)
+                self.sessions.end_copy(s)
                 with lock:
                     landed_at.append(time.perf_counter())
                     r = pending[0] if pending else None
@@ -239,10 +245,47 @@ class Daemon:
         return self.pools.cache(pool_name).alloc_raw(num_tokens, owner)
 
     def session_ended(self, s: Session) -> None:
-        """Free the raw pages the session owned (a copy still holding one frees it later)."""
+        """Free the raw pages the session owned (a copy still holding one frees it later)
+        and end its holds."""
         freed = s.pool.allocator.free_owned(s.owner)
         if freed:
             log.info("session %s ended: freed %d raw page(s) it owned", s.public_id, freed)
+        try:
+            cache = self.pools.cache(s.pool_name)
+        except HiCacheError:  # the pool went first
+            return
+        if cache.pool is s.pool:
+            cache.end_holds(s.owner)
+
+    # -- holds ------------------------------------------------------------------------------
+
+    def lookup(self, pool: str, keys: list[bytes], session_id: str = "", hold_ms: int = 0
+               ) -> tuple[int, bytes, int]:
+        """Lookup, holding the hit for ``session_id`` when it and ``hold_ms`` are given."""
+        keys = check_keys(keys)
+        stack = self.pools.stack(pool)
+        if not session_id or hold_ms <= 0:
+            return stack.lookup(keys)
+        s = self._session_of(session_id, pool)
+        policy = self.pools.cache(pool).policy
+        return stack.lookup(keys, Holder(s.owner, policy.seconds(hold_ms)))
+
+    def release_holds(self, session_id: str, keys: list[bytes] | None) -> int:
+        """End the session's holds of ``keys`` (none: all of them); returns how many."""
+        s = self.sessions.get(session_id)
+        keys = check_keys(keys) if keys else None
+        return self.pools.cache(s.pool_name).release_holds(s.owner, keys)
+
+    def expire_holds(self) -> None:
+        for _, cache in self.pools.entries():
+            cache.expire_holds()
+
+    def _session_of(self, session_id: str, pool: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s.pool_name != pool:
+            raise SpecInvalid(f"session {s.public_id} belongs to pool {s.pool_name}, not "
+                              f"{pool}", metadata={"field": "session_id", "pool": s.pool_name})
+        return s
 
     def store(self, session_id: str, keys: list[bytes], device: IndexArray,
               layers: tuple[int, int], pages: bool = False
@@ -284,7 +327,7 @@ class Daemon:
             # keys on disk or in the cluster are read back first; KEY_NOT_FOUND: nothing
             # held, nothing moves
             held = self.pools.stack(s.pool_name).hold_for_load(
-                keys, self.metrics.promotions.labels(s.pool_name).inc)
+                keys, self.metrics.promotions.labels(s.pool_name).inc, owner=s.owner)
             return self._held_load(s, "load_keys", lambda landed: self.engine.transfer_pages(
                 Op.LOAD, s.pool, buffers, held, device_pages, load_layers, runner,
                 wait=not layer_events, on_complete=landed),

@@ -18,8 +18,9 @@ interceptors, a fast call gets here, in the same order and with the same outcome
 - the data path's bound (``admission.DataGate``, shared with gRPC: ``max_data_rpcs`` over both
   paths), then the drain gate (``DRAINING`` for everything but Lookup once shutdown began).
 
-Heartbeat is served here too (an idle worker's only call: over gRPC it costs the daemon about
-a millisecond of CPU each time), as a control call: outside the data path's bound.
+Heartbeat and ReleaseHolds are served here too (an idle worker's only call: over gRPC it costs
+the daemon about a millisecond of CPU each time; a request the scheduler cancels), as control
+calls: outside the data path's bound.
 
 After a reply, a connection's thread polls for the worker's next request for an adaptive
 window (``fast_path_spin_us`` at most, ``hicache.polling``) before it sleeps: requests that come
@@ -47,7 +48,6 @@ from google.rpc import status_pb2
 from hicache import fast_wire as w
 from hicache.error_mapping import grpc_code, to_rpc_status
 from hicache.errors import HiCacheError, ResourceExhausted, SessionNotFound, SpecInvalid
-from hicache.keys import check_keys
 from hicache.polling import PollCounts, sum_counts
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
@@ -92,6 +92,7 @@ class FastPathServer:
             w.Method.BACKUP: ("Backup", True, True, self._backup),
             w.Method.LOAD: ("Load", True, True, self._load),
             w.Method.HEARTBEAT: ("Heartbeat", False, False, self._heartbeat),
+            w.Method.RELEASE_HOLDS: ("ReleaseHolds", False, False, self._release_holds),
         }
         # labelled children resolved once: a label lookup costs a few microseconds per call
         self._ok = {name: (m.requests.labels(name, "OK"), m.rpc_seconds.labels(name),
@@ -272,12 +273,19 @@ class FastPathServer:
 
     def _lookup(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
         pool, capability, keys = r.string(), r.string(), r.keys()
+        hold_ms = r.i64() if flags & w.FLAG_HOLD else 0
         r.end()
         self._authorize(pool, capability, peer)
-        keys = check_keys(keys)
-        hit_prefix, tiers = self.daemon.pools.stack(pool).lookup(keys)
-        return (w.LOOKUP_REPLY.pack(hit_prefix, len(tiers) - tiers.count(0), len(tiers))
-                + bytes(tiers))
+        hit_prefix, tiers, held = self.daemon.lookup(pool, keys, capability if hold_ms else "",
+                                                     hold_ms)
+        reply = (w.LOOKUP_REPLY.pack(hit_prefix, len(tiers) - tiers.count(0), len(tiers))
+                 + bytes(tiers))
+        return reply + _U32.pack(held) if flags & w.FLAG_HOLD else reply
+
+    def _release_holds(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
+        session, keys = r.string(), r.keys()
+        r.end()
+        return _U32.pack(self.daemon.release_holds(session, keys))
 
     def _store(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
         session, layers, keys, device = r.string(), r.layers(), r.keys(), r.pages()

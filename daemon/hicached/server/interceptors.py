@@ -253,7 +253,7 @@ class PoolAccessInterceptor(_CheckInterceptor):
                 return "", ""  # the capability itself: the handler checks it
             found = [s for s in self._daemon.sessions.list() if s.public_id == sid]
             return (found[0].pool_name, "") if found else ("", "")
-        capability = str(request.session_id) if method == "Alloc" else ""
+        capability = str(request.session_id) if method in ("Alloc", "Lookup") else ""
         return _POOL_OF[method](request), capability
 
     def wrap(self, method: str, behavior: Behavior) -> Behavior:

@@ -170,12 +170,20 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
         ("pool_pinned_pages", "Pages a copy holds now (never evicted)."),
         ("pool_metadata_bytes", "Host bytes of the pool's tables (its key index aside)."),
         ("cache_keys", "Ready keys."),
-        ("cache_keyed_bytes", "Host bytes of the pages of ready keys."))}
+        ("cache_keyed_bytes", "Host bytes of the pages of ready keys."),
+        ("held_pages", "Pages held for a session's coming LoadKeys (Lookup with hold_ms); a "
+                       "page two sessions hold counts twice."))}
     c = {n: CounterMetricFamily(f"hicache_{n}", h, labels=pool_l) for n, h in (
         ("cache_lookups", "Lookup requests."),
         ("cache_evicted_pages", "Ready keyed pages evicted to make room."),
         ("cache_removed_keys", "Keys dropped by RemoveKeys or ClearPool."),
-        ("cache_load_misses", "LoadKeys refused with KEY_NOT_FOUND."))}
+        ("cache_load_misses", "LoadKeys refused with KEY_NOT_FOUND."),
+        ("holds_taken", "Holds taken by Lookups (and the promotions they started)."),
+        ("holds_expired", "Holds that reached their deadline unused."))}
+    released = CounterMetricFamily(
+        "hicache_holds_released", "Holds ended before their deadline, by reason: loaded "
+        "(their LoadKeys consumed them), released (ReleaseHolds), session_end.",
+        labels=["pool", "reason"])
     keys = CounterMetricFamily("hicache_cache_lookup_keys", "Keys looked up, by result.",
                                labels=["pool", "result"])
     stores = CounterMetricFamily("hicache_cache_store_keys", "Keys a Store named, by status.",
@@ -188,18 +196,24 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
                               ("pool_pinned_pages", count["held"]),
                               ("pool_metadata_bytes", pool.metadata_bytes),
                               ("cache_keys", ready),
-                              ("cache_keyed_bytes", ready * pool.spec.page_bytes)):
+                              ("cache_keyed_bytes", ready * pool.spec.page_bytes),
+                              ("held_pages", cache.holds.total)):
             g[metric].add_metric([name], value)
         for metric, value in (("cache_lookups", st.lookups), ("cache_evicted_pages", st.evicted),
                               ("cache_removed_keys", st.removed),
-                              ("cache_load_misses", st.load_misses)):
+                              ("cache_load_misses", st.load_misses),
+                              ("holds_taken", st.holds_taken),
+                              ("holds_expired", st.holds_expired)):
             c[metric].add_metric([name], value)
+        for reason, value in (("loaded", st.holds_loaded), ("released", st.holds_released),
+                              ("session_end", st.holds_ended)):
+            released.add_metric([name, reason], value)
         keys.add_metric([name, "hit"], st.lookup_hits)
         keys.add_metric([name, "miss"], st.lookup_misses)
         for status, value in (("stored", st.stored), ("already_present", st.already_present),
                               ("no_space", st.no_space)):
             stores.add_metric([name, status], value)
-    yield from (*g.values(), *c.values(), keys, stores)
+    yield from (*g.values(), *c.values(), keys, stores, released)
 
 
 class Metrics:

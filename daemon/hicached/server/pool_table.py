@@ -36,6 +36,7 @@ from hicache.errors import (
 )
 from hicache.specs import PoolSpec
 from hicached.cache import key_slots
+from hicached.cache.holds import HoldPolicy
 from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.memory import Pinner
@@ -63,8 +64,10 @@ class PoolTable:
                  on_drop: Callable[[str, str], None] = lambda name, outcome: None,
                  disk: DiskTierConfig | None = None,
                  observe_disk: Callable[[str, float], None] = lambda op, s: None,
-                 remote: MooncakeStore | None = None) -> None:
+                 remote: MooncakeStore | None = None,
+                 hold_policy: HoldPolicy | None = None) -> None:
         """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts);
+        ``hold_policy``: the limits on every pool's holds;
         ``disk`` gives every pool a disk tier below it (its share of the capacity),
         ``remote`` a part of the cluster store."""
         self.budget_bytes = budget_bytes
@@ -75,6 +78,7 @@ class PoolTable:
         self.disk = disk
         self._observe_disk = observe_disk
         self.remote = remote
+        self.hold_policy = hold_policy or HoldPolicy()
         self._stacks: dict[str, TierStack] = {}
         self._recovered: dict[str, PoolCache] = {}
         self._sessions_of = sessions_of
@@ -107,7 +111,7 @@ class PoolTable:
         pool = HostPool(spec, self.options, pinner=self.pinner, on_progress=on_progress,
                         extra_tables=[key_slots.table_spec(pages)])
         try:
-            cache = PoolCache(pool)
+            cache = PoolCache(pool, policy=self.hold_policy)
             recovered = cache.recover() if pool.outcome is Outcome.REATTACHED else {}
         except BaseException:
             pool.close(0)
@@ -208,7 +212,8 @@ class PoolTable:
                 keep = None
             else:
                 self._pools[build.spec.name] = pool
-                self._caches[build.spec.name] = cache or PoolCache(pool)
+                self._caches[build.spec.name] = cache or PoolCache(
+                    pool, policy=self.hold_policy)
                 del self._builds[build.spec.name]
                 keep = pool
         if pool is not None and keep is None:

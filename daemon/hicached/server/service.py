@@ -255,10 +255,15 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
 
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext
                ) -> pb.LookupResponse:
-        keys = check_keys(request.keys)
-        hit_prefix, tiers = self.daemon.pools.stack(request.pool).lookup(keys)
+        hit_prefix, tiers, held = self.daemon.lookup(request.pool, list(request.keys),
+                                                     request.session_id, request.hold_ms)
         return pb.LookupResponse(hit_prefix=hit_prefix, tiers=tiers,
-                                 hits=len(tiers) - tiers.count(0))
+                                 hits=len(tiers) - tiers.count(0), held=held)
+
+    def ReleaseHolds(self, request: pb.ReleaseHoldsRequest, context: grpc.ServicerContext
+                     ) -> pb.ReleaseHoldsResponse:
+        return pb.ReleaseHoldsResponse(released=self.daemon.release_holds(
+            request.session_id, list(request.keys)))
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext
               ) -> pb.StoreResponse:

@@ -11,9 +11,11 @@ Primitives:
 
 - ``TierStack(pool, cache, disk, remote, policy, window)``: ``start()`` wires the cache's
   lower tier and its stored-keys cue, and starts the threads; ``close(remove_files)``.
-- ``lookup(keys)`` -> (hit prefix, tier bytes); ``hold_for_load(keys, on_promoted)`` ->
-  host pages held for reading; ``remove(keys)`` -> keys that were in some tier;
-  ``clear()`` -> keys dropped from this node.
+- ``lookup(keys, holder)`` -> (hit prefix, tier bytes, keys held for ``holder``, if given:
+  what host memory has at once, what is below it once a ``Prefetcher`` promoted it);
+  ``hold_for_load(keys, on_promoted, owner)`` -> host pages held for reading (the owner's held
+  keys never refused; a promotion in flight waited for); ``promote(keys)``;
+  ``remove(keys)`` -> keys that were in some tier; ``clear()`` -> keys dropped from this node.
 - ``disk``, ``spiller``, ``remote``, ``writer``, ``remote_spiller``: the parts, for metrics.
 - ``build_stack(pool, cache, disk_config, budget, observe_disk, store)``: what the config
   gives a pool.
@@ -27,16 +29,21 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicache.errors import KeyNotFound
+from hicached.cache.held import Holder
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
 from hicached.tiers.config import DiskTierConfig
 from hicached.tiers.disk import DiskTier
 from hicached.tiers.mooncake import MooncakeStore
+from hicached.tiers.prefetch import Prefetcher
 from hicached.tiers.remote import RemoteTier, RemoteWriter, promote_remote
 from hicached.tiers.spill import Spiller, promote
 
 log = logging.getLogger(__name__)
+
+LANDING_WAIT_SECONDS = 2.0
+"""How long a LoadKeys waits for keys still being written (a promotion its Lookup started)."""
 
 
 class TierStack:
@@ -55,6 +62,9 @@ class TierStack:
             self.writer = RemoteWriter(cache, remote, queue_pages, batch)
         elif remote is not None:
             self.remote_spiller = Spiller(pool, cache, remote, queue_pages, batch)
+        self.prefetcher: Prefetcher | None = None
+        if disk is not None or remote is not None:
+            self.prefetcher = Prefetcher(self.promote, cache.hold_promoted, pool.spec.name)
 
     def start(self) -> None:
         self.cache.lower = self.disk
@@ -75,6 +85,8 @@ class TierStack:
             self.writer.offer(keys)
 
     def close(self, remove_files: bool = False) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         for t in (self.spiller, self.writer, self.remote_spiller):
             if t is not None:
                 t.close()
@@ -91,27 +103,48 @@ class TierStack:
         r = self.remote
         return r.exists if r is not None and r.store.up else None
 
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, bytes]:
-        return self.cache.lookup(keys, self._below())
+    def lookup(self, keys: Sequence[bytes], holder: Holder | None = None
+               ) -> tuple[int, bytes, int]:
+        """(hit prefix, tier bytes, keys held): with a ``holder``, what host memory has of the
+        hit prefix is held now and what only a lower tier has is promoted, then held."""
+        if holder is None:
+            hit_prefix, tiers = self.cache.lookup(keys, self._below())
+            return hit_prefix, tiers, 0
+        hit_prefix, tiers, held = self.cache.lookup_held(keys, holder, self._below())
+        if held < hit_prefix and self.prefetcher is not None and tiers[held] > 1:
+            self.prefetcher.submit(keys[held:hit_prefix], holder.owner, holder.seconds)
+        return hit_prefix, tiers, held
+
+    def promote(self, keys: Sequence[bytes]) -> int:
+        """Read what host memory lacks of ``keys`` up from the disk, then the cluster."""
+        n = 0
+        if self.disk is not None:
+            n += promote(self.pool, self.cache, self.disk, keys)
+        if self.remote is not None:
+            n += promote_remote(self.cache, self.remote, keys)
+        return n
 
     def hold_for_load(self, keys: Sequence[bytes],
-                      on_promoted: Callable[[int], None] = lambda n: None) -> np.ndarray:
+                      on_promoted: Callable[[int], None] = lambda n: None, owner: int = 0
+                      ) -> np.ndarray:
         """The host pages of ``keys`` held for reading, promoting from disk and then from
-        the cluster what host memory lacks; once more if that did not hold them all (a
-        promotion evicted a key of this very batch, or found no free page). ``KEY_NOT_FOUND``
-        when a key is in no tier (nothing held)."""
+        the cluster what host memory lacks (first waiting for promotions in flight); once
+        more if that did not hold them all (a promotion evicted a key of this very batch, or
+        found no free page). Keys ``owner`` holds are never refused. ``KEY_NOT_FOUND`` when
+        a key is in no tier (nothing held)."""
         if self.disk is None and self.remote is None:
-            return self.cache.begin_load(keys)
+            return self.cache.begin_load(keys, owner=owner)
+        try:
+            return self.cache.begin_load(keys, count_miss=False, owner=owner)
+        except KeyNotFound:
+            pass
         for attempt in (0, 1):
-            n = 0
-            if self.disk is not None:
-                n += promote(self.pool, self.cache, self.disk, keys)
-            if self.remote is not None:
-                n += promote_remote(self.cache, self.remote, keys)
+            self.cache.wait_landed(keys, LANDING_WAIT_SECONDS)
+            n = self.promote(keys)
             if n:
                 on_promoted(n)
             try:
-                return self.cache.begin_load(keys, count_miss=bool(attempt))
+                return self.cache.begin_load(keys, count_miss=bool(attempt), owner=owner)
             except KeyNotFound as exc:  # once more: a promotion may have evicted a key of
                 if attempt:  # this batch, or found every page held by a spiller for a moment
                     raise self._not_found(keys, exc) from None

@@ -506,22 +506,42 @@ class TransferResponse(_message.Message):
     def __init__(self, bytes_moved: _Optional[int] = ..., pages: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("pool", "keys")
+    __slots__ = ("pool", "keys", "session_id", "hold_ms")
     POOL_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, pool: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    session_id: str
+    hold_ms: int
+    def __init__(self, pool: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., hold_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_prefix", "tiers", "hits")
+    __slots__ = ("hit_prefix", "tiers", "hits", "held")
     HIT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     hit_prefix: int
     tiers: bytes
     hits: int
-    def __init__(self, hit_prefix: _Optional[int] = ..., tiers: _Optional[bytes] = ..., hits: _Optional[int] = ...) -> None: ...
+    held: int
+    def __init__(self, hit_prefix: _Optional[int] = ..., tiers: _Optional[bytes] = ..., hits: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
+
+class ReleaseHoldsRequest(_message.Message):
+    __slots__ = ("session_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReleaseHoldsResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
     __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end")

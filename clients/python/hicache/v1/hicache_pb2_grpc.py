@@ -139,6 +139,11 @@ class HostCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.CacheEvent.FromString,
                 _registered_method=True)
+        self.ReleaseHolds = channel.unary_unary(
+                '/hicache.v1.HostCache/ReleaseHolds',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.ReleaseHoldsRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.ReleaseHoldsResponse.FromString,
+                _registered_method=True)
 
 
 class HostCacheServicer:
@@ -272,6 +277,13 @@ class HostCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseHolds(self, request, context):
+        """Ends holds a Lookup took (a request that will not load them after all).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -379,6 +391,11 @@ def add_HostCacheServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.WatchEventsRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.CacheEvent.SerializeToString,
+            ),
+            'ReleaseHolds': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseHolds,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.ReleaseHoldsRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.ReleaseHoldsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -948,6 +965,33 @@ class HostCache:
             '/hicache.v1.HostCache/WatchEvents',
             hicache_dot_v1_dot_hicache__pb2.WatchEventsRequest.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.CacheEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseHolds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HostCache/ReleaseHolds',
+            hicache_dot_v1_dot_hicache__pb2.ReleaseHoldsRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.ReleaseHoldsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,70 @@
+"""Promotion at Lookup time: a held hit below host memory is read up before its LoadKeys.
+
+A Lookup that holds its hit (``session_id``, ``hold_ms``) holds at once what host memory has;
+the keys of its hit prefix that only the disk or the cluster has are handed to a
+``Prefetcher``, whose thread promotes them (``TierStack.promote``) and then holds them for the
+session (``PoolCache.hold_promoted``). The Lookup never waits for it; a LoadKeys that needs a
+key still being promoted waits for that promotion (``PoolCache.wait_landed``).
+
+The queue is bounded (``MAX_QUEUED``): past it a prefetch is dropped and counted, and the
+LoadKeys promotes what it needs itself, as without holds.
+
+Primitives: ``Prefetcher(promote, hold, name)``: ``submit(keys, owner, seconds)`` (False when
+dropped), ``close()``; ``done`` / ``dropped`` counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED = 64
+"""Prefetches waiting for the thread; more are dropped (the load promotes for itself)."""
+
+_Job = tuple[list[bytes], int, float]
+
+
+class Prefetcher:
+    def __init__(self, promote: Callable[[Sequence[bytes]], int],
+                 hold: Callable[[int, Sequence[bytes], float], int], name: str) -> None:
+        """``promote(keys)`` reads what the lower tiers hold into host memory; ``hold(owner,
+        keys, seconds)`` then holds what host memory has for the session."""
+        self._promote, self._hold = promote, hold
+        self._q: queue.Queue[_Job | None] = queue.Queue(MAX_QUEUED)
+        self.done = 0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"prefetch-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, keys: Sequence[bytes], owner: int, seconds: float) -> bool:
+        try:
+            self._q.put_nowait((list(keys), owner, seconds))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            keys, owner, seconds = job
+            try:
+                self._promote(keys)
+                self._hold(owner, keys, seconds)
+                self.done += 1
+            except Exception:  # a tier that failed: the load promotes (or refuses) itself
+                log.warning("prefetch of %d key(s) failed", len(keys), exc_info=True)
+
+    def close(self) -> None:
+        try:
+            self._q.put(None, timeout=1)
+        except queue.Full:
+            pass
+        self._thread.join(10)
