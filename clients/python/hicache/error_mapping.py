@@ -73,6 +73,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.FdRejected: C.PERMISSION_DENIED,
     e.PeerNotAllowed: C.PERMISSION_DENIED,
     e.Unauthenticated: C.UNAUTHENTICATED,
+    e.DeadlinePassed: C.DEADLINE_EXCEEDED,
     e.Unavailable: C.UNAVAILABLE,
     e.Draining: C.UNAVAILABLE,
     e.PoolNotReady: C.UNAVAILABLE,

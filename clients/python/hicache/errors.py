@@ -56,6 +56,8 @@ Hierarchy::
     │   ├── FdRejected                     FD_REJECTED
     │   └── PeerNotAllowed                 PEER_NOT_ALLOWED
     ├── Unauthenticated                UNAUTHENTICATED: a TCP caller without the daemon's token
+    ├── DeadlinePassed                 DEADLINE_PASSED: the call's deadline passed before its copy
+    │                                  began; nothing was copied (DEADLINE_EXCEEDED)
     ├── Unavailable                    try again later / elsewhere
     │   ├── PoolNotReady                   POOL_NOT_READY
     │   └── Draining                       DRAINING
@@ -332,6 +334,14 @@ class Unauthenticated(HiCacheError):
     """A TCP caller without the bearer token the daemon asks for (or with another)."""
 
     reason = "UNAUTHENTICATED"
+
+
+class DeadlinePassed(HiCacheError):
+    """A load reached the daemon, or got its turn, only after the deadline its caller sent
+    (``deadline_unix_ns``): refused before a byte moved, so the caller, which has given up on
+    it, can reuse the destination at once."""
+
+    reason = "DEADLINE_PASSED"
 
 
 class Unavailable(HiCacheError):

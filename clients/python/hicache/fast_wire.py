@@ -28,6 +28,7 @@ and that many int64.
   ``STORE_REPLY`` then a u32 count and one status byte per key; of LoadKeys: ``TRANSFER_REPLY``.
 - Backup / Load: session, i32 layer begin and end, host pages, device pages; reply:
   ``TRANSFER_REPLY`` (bytes moved, pages, seconds, pending).
+- LoadKeys and Load with ``FLAG_DEADLINE``: an i64 deadline (Unix ns) follows the body.
 - Heartbeat: session; reply: ``HEARTBEAT_REPLY`` (lease, time left, ms). A control call: the
   data path's bound does not apply, as over gRPC.
 
@@ -66,6 +67,8 @@ FLAG_LAYER_EVENTS = 1
 """LoadKeys / Load: reply once enqueued, the session's layer events signal arrival."""
 FLAG_HOLD = 2
 """Lookup: hold the hit for the session named as the credential (``hold_ms`` follows)."""
+FLAG_DEADLINE = 4
+"""LoadKeys / Load: the caller's deadline follows (i64 Unix ns): no copy begins after it."""
 
 LAYERS = struct.Struct("<ii")
 STORE_REPLY = struct.Struct("<IIIQd")

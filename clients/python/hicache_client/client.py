@@ -111,13 +111,18 @@ class HiCacheClient(DataCalls):
         """``pool``: the pool a pool-level call acts on ("" = not known here); it carries this
         client's credential for it, and a PEER_NOT_ALLOWED refusal (access rules) is retried
         once with an identity token."""
-        deadline = time.monotonic() + self.reconnect_seconds
+        start = time.monotonic()
+        deadline = start + self.reconnect_seconds
+        if timeout is not None:  # a call's own deadline bounds its retries too
+            deadline = min(deadline, start + timeout)
         delay = 0.05
         metadata = self._credentials(pool) if pool else []
         identified = pool is None
         while True:
+            left = timeout if timeout is None else max(start + timeout - time.monotonic(),
+                                                       0.001)
             try:
-                return method(request, timeout=timeout or self.timeout, metadata=metadata)
+                return method(request, timeout=left or self.timeout, metadata=metadata)
             except grpc.RpcError as err:
                 exc = from_rpc_error(err)
                 if isinstance(exc, PeerNotAllowed) and not identified:

@@ -81,13 +81,21 @@ class DataCalls:
         """``fast`` while the data calls go over the daemon's fast path, else ``grpc``."""
         return "fast" if self._fast_path() is not None else "grpc"
 
-    def _fast_path(self) -> fp.FastPath | None:
+    def _fast_path(self, timeout: float | None = None) -> fp.FastPath | None:
+        """The fast path, asking the daemon for it first if need be, within ``timeout``
+        (the call's): a caller never waits past its own deadline for another thread's
+        GetInfo, nor for its own (it goes over gRPC instead)."""
         if self._fast is not None or not self._want_fast:
             return self._fast
-        with self._fast_lock:  # one thread asks; the others wait for its answer
-            return self._ask_fast_path()
+        wait = min(timeout or self.timeout, 5.0)
+        if not self._fast_lock.acquire(timeout=wait):  # one thread asks; others wait, briefly
+            return None
+        try:
+            return self._ask_fast_path(wait)
+        finally:
+            self._fast_lock.release()
 
-    def _ask_fast_path(self) -> fp.FastPath | None:
+    def _ask_fast_path(self, timeout: float) -> fp.FastPath | None:
         if self._fast is not None or not self._want_fast:
             return self._fast
         now = time.monotonic()
@@ -95,7 +103,7 @@ class DataCalls:
             return None
         self._fast_asked_at = now
         try:
-            info = self._stub.GetInfo(pb.GetInfoRequest(), timeout=min(self.timeout, 5.0))
+            info = self._stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
         except grpc.RpcError:
             return None
         if not info.fast_path or info.fast_path_version != w.VERSION:
@@ -109,18 +117,26 @@ class DataCalls:
 
     def _fast_call(self, method: w.Method, build: Callable[[], list[bytes]], flags: int = 0,
                    timeout: float | None = None) -> bytes | None:
-        """The reply body over the fast path, or None: send it over gRPC."""
-        fast = self._fast_path()
+        """The reply body over the fast path, or None: send it over gRPC. Everything it
+        does (asking for the fast path, connecting, retrying an OVERLOADED) stays within
+        ``timeout`` (the call's; the client's when None)."""
+        start = time.monotonic()
+        fast = self._fast_path(timeout)
         if fast is None:
             return None
         try:
             parts = build()
         except ValueError:
             return None  # a key the framing cannot carry: gRPC names it
-        deadline = time.monotonic() + self.reconnect_seconds
+        budget = timeout or self.timeout
+        deadline = start + min(self.reconnect_seconds, budget)
         while True:
-            try:
-                return fast.call(method, parts, flags, timeout)
+            left = start + budget - time.monotonic()
+            if left <= 0:
+                raise fp.deadline_exceeded("before the call could be sent")
+            try:  # the whole budget while little of it is spent (the socket's timeout is
+                # set only when it changes: a syscall saved per call)
+                return fast.call(method, parts, flags, budget if budget - left < 0.01 else left)
             except fp.FastPathLost as exc:
                 log.info("fast path lost (%s); data calls over gRPC", exc)
                 self._fast = None
@@ -167,17 +183,25 @@ class DataCalls:
     def _transfer(self, method: w.Method, session_id: str, host: object, dev: object,
                   begin: int, end: int, layer_events: bool = False) -> TransferStats:
         hp, dp = self._pages(session_id, host), self._pages(session_id, dev)
+        loading = method is w.Method.LOAD
+        deadline = self._deadline_ns(None) if loading else 0
         if hp is not None and dp is not None:
-            got = self._fast_call(method, lambda: fp.raw_body(session_id, hp, dp, (begin, end)),
-                                  w.FLAG_LAYER_EVENTS if layer_events else 0)
+            got = self._fast_call(
+                method, lambda: fp.raw_body(session_id, hp, dp, (begin, end), deadline),
+                _flags(layer_events, deadline))
             if got is not None:
                 return fp.decode_transfer(got)
-        stub = self._stub.Backup if method is w.Method.BACKUP else self._stub.Load
+        stub = self._stub.Load if loading else self._stub.Backup
         resp = self._call(stub, pb.TransferRequest(
             session_id=session_id, host_indices=indices_to_bytes(host),
             device_indices=indices_to_bytes(dev), layer_begin=begin, layer_end=end,
-            completion=_completion(layer_events)), retry=True)
+            completion=_completion(layer_events), deadline_unix_ns=deadline), retry=True)
         return TransferStats.from_proto(resp)
+
+    def _deadline_ns(self, timeout: float | None) -> int:
+        """A load's deadline on this node's clock: no copy into the caller's memory begins
+        after the caller has given up on it (``DEADLINE_PASSED``)."""
+        return time.time_ns() + int((timeout or self.timeout) * 1e9)
 
     # -- the cache ---------------------------------------------------------------------------
 
@@ -191,6 +215,7 @@ class DataCalls:
         enc = encode_keys(keys)
         hold = bool(session_id and hold_ms > 0)
         cred = session_id if hold else (self._credentials(pool) or [("", "")])[0][1]
+        start = time.monotonic()
         got = self._fast_call(w.Method.LOOKUP, lambda: fp.lookup_body(
             pool, cred, enc, hold_ms if hold else 0), w.FLAG_HOLD if hold else 0,
             timeout=timeout)
@@ -198,19 +223,21 @@ class DataCalls:
             return fp.decode_lookup(got, hold)
         r = self._call(self._stub.Lookup, pb.LookupRequest(
             pool=pool, keys=enc, session_id=session_id if hold else "",
-            hold_ms=hold_ms if hold else 0), retry=True, timeout=timeout, pool=pool)
+            hold_ms=hold_ms if hold else 0), retry=True, timeout=_left(start, timeout),
+            pool=pool)
         return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits, r.held)
 
     def release_holds(self, session_id: str, keys: Sequence[bytes | str] = (), *,
                       timeout: float | None = None) -> int:
         """End the session's holds of ``keys`` (none: all of them); returns how many."""
         enc = encode_keys(keys)
+        start = time.monotonic()
         got = self._fast_call(w.Method.RELEASE_HOLDS, lambda: fp.release_body(session_id, enc),
                               timeout=timeout)
         if got is not None:
             return int(fp.U32.unpack(got)[0])
         r = self._call(self._stub.ReleaseHolds, pb.ReleaseHoldsRequest(
-            session_id=session_id, keys=enc), retry=True, timeout=timeout)
+            session_id=session_id, keys=enc), retry=True, timeout=_left(start, timeout))
         return int(r.released)
 
     def _store_request(self, session_id: str, keys: Sequence[bytes],
@@ -256,21 +283,35 @@ class DataCalls:
     def load_keys(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
                   layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False,
                   timeout: float | None = None) -> TransferStats:
+        """The pages of ``keys`` into one device page each (see ``WorkerSession``). No copy
+        begins once ``timeout`` (the client's when None) has passed."""
         enc = encode_keys(keys)
         dp = self._pages(session_id, device_indices)
+        deadline = self._deadline_ns(timeout)
+        start = time.monotonic()
         if dp is not None:
             got = self._fast_call(
                 w.Method.LOAD_KEYS,
-                lambda: fp.keyed_body(session_id, enc, dp, (layer_begin, layer_end)),
-                w.FLAG_LAYER_EVENTS if layer_events else 0, timeout)
+                lambda: fp.keyed_body(session_id, enc, dp, (layer_begin, layer_end), deadline),
+                _flags(layer_events, deadline), timeout)
             if got is not None:
                 return fp.decode_transfer(got)
         resp = self._call(self._stub.LoadKeys, pb.LoadKeysRequest(
             session_id=session_id, keys=enc,
             device_indices=indices_to_bytes(device_indices), layer_begin=layer_begin,
-            layer_end=layer_end, completion=_completion(layer_events)),
-            retry=True, timeout=timeout)
+            layer_end=layer_end, completion=_completion(layer_events),
+            deadline_unix_ns=deadline), retry=True, timeout=_left(start, timeout))
         return TransferStats.from_proto(resp)
+
+
+def _left(start: float, timeout: float | None) -> float | None:
+    """What is left of a call's ``timeout`` once the fast path gave up on it (None: none)."""
+    return None if timeout is None else max(timeout - (time.monotonic() - start), 0.001)
+
+
+def _flags(layer_events: bool, deadline_ns: int) -> int:
+    return ((w.FLAG_LAYER_EVENTS if layer_events else 0)
+            | (w.FLAG_DEADLINE if deadline_ns else 0))
 
 
 def _completion(layer_events: bool) -> Any:

@@ -86,13 +86,16 @@ class FastPath:
         """Connections open now (one per thread that called and is still alive)."""
         return len(self._conns)
 
-    def _connect(self) -> _Conn:
+    def _connect(self, timeout: float) -> _Conn:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            s.settimeout(self.timeout)
+            s.settimeout(timeout)
             s.connect(self.path)
             s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, 0))
             magic, version, _, _ = w.HELLO.unpack(w.recv_exact(s, w.HELLO.size))
+        except TimeoutError:
+            s.close()
+            raise deadline_exceeded("opening the connection") from None
         except (OSError, EOFError, struct.error) as exc:
             s.close()
             raise FastPathLost(f"cannot open the fast path at {self.path}: {exc}") from None
@@ -122,18 +125,17 @@ class FastPath:
         """Send one request, wait for its reply body (``timeout`` or the client's)."""
         if self._pid != os.getpid():
             self._forked()
-        conn: _Conn = getattr(self._local, "conn", None) or self._connect()
+        seconds = timeout or self.timeout
+        conn: _Conn = getattr(self._local, "conn", None) or self._connect(seconds)
         body = b"".join(parts)
         rid = next(self._ids) & 0xFFFFFFFF
         try:
-            conn.set_timeout(timeout or self.timeout)
+            conn.set_timeout(seconds)
             conn.sock.sendall(w.REQUEST.pack(len(body), rid, method, flags, 0) + body)
             (_, got, status), data = conn.frames.read(w.REPLY)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
             self._drop(conn)  # its reply may still come: the stream is out of step
-            exc: HiCacheError = from_status(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                            "Deadline Exceeded (fast path)", None)
-            raise exc from None
+            raise deadline_exceeded("waiting for the reply") from None
         except (OSError, EOFError, struct.error) as err:
             self._drop(conn)
             raise FastPathLost(f"the fast path at {self.path} failed: {err!r}") from None
@@ -159,6 +161,13 @@ class FastPath:
             conns, self._conns = list(self._conns), weakref.WeakSet()
         for c in conns:
             c.sock.close()
+
+
+def deadline_exceeded(where: str) -> HiCacheError:
+    """What gRPC raises when a call's deadline passes, for the fast path's calls."""
+    exc: HiCacheError = from_status(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"Deadline Exceeded (fast path, {where})", None)
+    return exc
 
 
 def page_ids(indices: object, page_size: int) -> IndexArray | None:
@@ -202,23 +211,28 @@ def decode_transfer(data: bytes) -> TransferStats:
 
 
 def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
-               layers: tuple[int, int] = (0, 0)) -> list[bytes]:
-    """The body of a Store or LoadKeys (``ValueError`` for a key the framing cannot carry)."""
+               layers: tuple[int, int] = (0, 0), deadline_ns: int = 0) -> list[bytes]:
+    """The body of a Store or LoadKeys (``ValueError`` for a key the framing cannot carry);
+    a LoadKeys' deadline (send ``FLAG_DEADLINE``) last."""
     parts: list[bytes] = []
     w.put_string(parts, session_id)
     w.put_layers(parts, *layers)
     w.put_keys(parts, keys)
     w.put_pages(parts, device)
+    if deadline_ns:
+        w.put_i64(parts, deadline_ns)
     return parts
 
 
 def raw_body(session_id: str, host: IndexArray, device: IndexArray,
-             layers: tuple[int, int]) -> list[bytes]:
+             layers: tuple[int, int], deadline_ns: int = 0) -> list[bytes]:
     parts: list[bytes] = []
     w.put_string(parts, session_id)
     w.put_layers(parts, *layers)
     w.put_pages(parts, host)
     w.put_pages(parts, device)
+    if deadline_ns:
+        w.put_i64(parts, deadline_ns)
     return parts
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import driver_problem
 from hicache.errors import (
+    DeadlinePassed,
     Draining,
     HiCacheError,
     SpecInvalid,
@@ -60,6 +61,22 @@ from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
 
 log = logging.getLogger(__name__)
+
+
+MAX_DEADLINE_AHEAD_NS = 24 * 3600 * 10**9
+"""A deadline further ahead than this is not a deadline (a clock set wrong): ignored."""
+
+
+def check_deadline(deadline_ns: int) -> None:
+    """``DEADLINE_PASSED`` once ``deadline_ns`` (Unix ns; 0 = none) has passed."""
+    if not deadline_ns:
+        return
+    now = time.time_ns()
+    if now > deadline_ns:
+        late_ms = (now - deadline_ns) // 10**6
+        raise DeadlinePassed(
+            f"the load's deadline passed {late_ms} ms before its copy could begin; nothing "
+            "was copied", metadata={"deadline_unix_ns": deadline_ns, "late_ms": late_ms})
 
 
 @dataclass
@@ -172,12 +189,17 @@ class Daemon:
 
     def _held_load(self, s: Session, op: str,
                    start: Callable[[Callable[[], None]], TransferResult],
-                   release: Callable[[], None] = lambda: None) -> TransferResult:
+                   release: Callable[[], None] = lambda: None, deadline_ns: int = 0
+                   ) -> TransferResult:
         """Run a load that may outlive its call (layer events): the session's mappings, and
         whatever ``release`` frees, are kept until the bytes landed. ``start`` gets the callback
-        to run then and returns the engine's result. The load is recorded in the metrics when
-        its bytes landed: with layer events, its duration runs to the last layer's landing."""
+        to run then and returns the engine's result; it is not called once ``deadline_ns``
+        (Unix ns, 0 = none) has passed (``DEADLINE_PASSED``). The load counts in the session's
+        ``loads`` until its bytes landed, and is recorded in the metrics then: with layer
+        events, its duration runs to the last layer's landing."""
         self.sessions.begin_copy(s)
+        with s.lock:
+            s.loads += 1
         t0 = time.perf_counter()
         lock = threading.Lock()
         pending: list[TransferResult] = []
@@ -187,6 +209,8 @@ class Daemon:
             try:
                 release()
             finally:
+                with s.lock:
+                    s.loads -= 1
                 self.sessions.end_copy(s)
                 with lock:
                     landed_at.append(time.perf_counter())
@@ -195,6 +219,7 @@ class Daemon:
                     self.metrics.transfer(s.pool_name, op, r.bytes, r.pages, landed_at[0] - t0)
 
         try:
+            check_deadline(deadline_ns)
             r = start(landed)
         except BaseException:
             landed()
@@ -211,10 +236,11 @@ class Daemon:
         return r
 
     def transfer(self, op: Op, session_id: str, host: IndexArray, device: IndexArray,
-                 layers: tuple[int, int], layer_events: bool, pages: bool = False
-                 ) -> TransferResult:
+                 layers: tuple[int, int], layer_events: bool, pages: bool = False,
+                 deadline_ns: int = 0) -> TransferResult:
         """One backup or load; with ``layer_events`` a load returns once enqueued. ``pages``:
-        ``host`` and ``device`` are page ids (the fast path), not token indices."""
+        ``host`` and ``device`` are page ids (the fast path), not token indices. A load whose
+        copy would begin after ``deadline_ns`` (Unix ns) is refused: ``DEADLINE_PASSED``."""
         if op is Op.BACKUP and layer_events:
             raise SpecInvalid("backups always complete before the reply; "
                               "COMPLETION_LAYER_EVENTS is for loads",
@@ -231,7 +257,8 @@ class Daemon:
             self._check_layer_events(layer_events, runner)
             return self._held_load(s, op.value, lambda landed: self.engine.load(
                 s.pool, buffers, host, device, *layers, runner=runner,
-                wait=not layer_events, on_complete=landed, pages=pages))
+                wait=not layer_events, on_complete=landed, pages=pages),
+                deadline_ns=deadline_ns)
 
     def alloc(self, pool_name: str, num_tokens: int, session_id: str = "") -> IndexArray:
         owner = 0
@@ -313,8 +340,8 @@ class Daemon:
         return ticket, result
 
     def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray,
-                  layers: tuple[int, int], layer_events: bool, pages: bool = False
-                  ) -> TransferResult:
+                  layers: tuple[int, int], layer_events: bool, pages: bool = False,
+                  deadline_ns: int = 0) -> TransferResult:
         keys = check_keys(keys, "keys")
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
@@ -331,5 +358,5 @@ class Daemon:
             return self._held_load(s, "load_keys", lambda landed: self.engine.transfer_pages(
                 Op.LOAD, s.pool, buffers, held, device_pages, load_layers, runner,
                 wait=not layer_events, on_complete=landed),
-                release=functools.partial(cache.finish_load, held))
+                release=functools.partial(cache.finish_load, held), deadline_ns=deadline_ns)
 

@@ -298,9 +298,11 @@ class FastPathServer:
 
     def _load_keys(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
         session, layers, keys, device = r.string(), r.layers(), r.keys(), r.pages()
+        deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
         r.end()
         return _transfer_reply(self.daemon.load_keys(
-            session, keys, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True))
+            session, keys, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True,
+            deadline_ns=deadline))
 
     def _heartbeat(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
         session = r.string()
@@ -317,9 +319,11 @@ class FastPathServer:
 
     def _raw(self, op: Op, r: w.Reader, flags: int) -> bytes:
         session, layers, host, device = r.string(), r.layers(), r.pages(), r.pages()
+        deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
         r.end()
         return _transfer_reply(self.daemon.transfer(
-            op, session, host, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True))
+            op, session, host, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True,
+            deadline_ns=deadline))
 
 
 def _transfer_reply(res: TransferResult) -> bytes:

@@ -100,7 +100,8 @@ def session_message(s: Session, capability: bool = True) -> pb.Session:
                       transfers=s.transfers, device_uuid=uuid, layer_events=events,
                       lease_clamped=s.lease_clamped, peer_known=s.peer is not None,
                       peer_uid=s.peer.uid if s.peer else 0, peer_gid=s.peer.gid if s.peer else 0,
-                      peer_pid=s.peer.pid if s.peer else 0, page_size=s.pool.page_size)
+                      peer_pid=s.peer.pid if s.peer else 0, page_size=s.pool.page_size,
+                      loads_in_flight=s.loads)
 
 
 def transfer_response(r: TransferResult) -> pb.TransferResponse:
@@ -236,7 +237,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             op, request.session_id, to_index_array(request.host_indices, "host_indices"),
             to_index_array(request.device_indices, "device_indices"),
             (int(request.layer_begin), int(request.layer_end)),
-            request.completion == pb.COMPLETION_LAYER_EVENTS)
+            request.completion == pb.COMPLETION_LAYER_EVENTS,
+            deadline_ns=int(request.deadline_unix_ns))
         return transfer_response(r)
 
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext
@@ -283,7 +285,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             request.session_id, list(request.keys),
             to_index_array(request.device_indices, "device_indices"),
             (int(request.layer_begin), int(request.layer_end)),
-            request.completion == pb.COMPLETION_LAYER_EVENTS)
+            request.completion == pb.COMPLETION_LAYER_EVENTS,
+            deadline_ns=int(request.deadline_unix_ns))
         return transfer_response(r)
 
     def RemoveKeys(self, request: pb.RemoveKeysRequest, context: grpc.ServicerContext

@@ -49,6 +49,8 @@ class Session:
     owner: int = 0
     """Owner number of the raw pages it allocated (unique in this daemon, never 0)."""
     in_flight: int = 0
+    loads: int = 0
+    """Loads whose copies began and have not landed (``Session.loads_in_flight``)."""
     transfers: int = 0
     lease_clamped: bool = False
     """The worker asked for more than the daemon's maximum lease."""

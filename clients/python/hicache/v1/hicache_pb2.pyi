@@ -382,7 +382,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., layer_events: _Optional[_Iterable[bytes]] = ..., ready_event: _Optional[bytes] = ..., peer_token: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped", "public_id", "peer_known", "peer_uid", "peer_gid", "peer_pid", "page_size")
+    __slots__ = ("session_id", "pool", "worker_id", "lease_ms", "expires_in_ms", "attached_bytes", "device_tokens", "transfers", "device_uuid", "layer_events", "lease_clamped", "public_id", "peer_known", "peer_uid", "peer_gid", "peer_pid", "page_size", "loads_in_flight")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +400,7 @@ class Session(_message.Message):
     PEER_GID_FIELD_NUMBER: _ClassVar[int]
     PEER_PID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOADS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     worker_id: str
@@ -417,7 +418,8 @@ class Session(_message.Message):
     peer_gid: int
     peer_pid: int
     page_size: int
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ..., public_id: _Optional[str] = ..., peer_known: _Optional[bool] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    loads_in_flight: int
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., attached_bytes: _Optional[int] = ..., device_tokens: _Optional[int] = ..., transfers: _Optional[int] = ..., device_uuid: _Optional[str] = ..., layer_events: _Optional[int] = ..., lease_clamped: _Optional[bool] = ..., public_id: _Optional[str] = ..., peer_known: _Optional[bool] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ..., page_size: _Optional[int] = ..., loads_in_flight: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -478,20 +480,22 @@ class FreeResponse(_message.Message):
     def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("session_id", "host_indices", "device_indices", "layer_begin", "layer_end", "completion")
+    __slots__ = ("session_id", "host_indices", "device_indices", "layer_begin", "layer_end", "completion", "deadline_unix_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     host_indices: bytes
     device_indices: bytes
     layer_begin: int
     layer_end: int
     completion: Completion
-    def __init__(self, session_id: _Optional[str] = ..., host_indices: _Optional[bytes] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., completion: _Optional[_Union[Completion, str]] = ...) -> None: ...
+    deadline_unix_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., host_indices: _Optional[bytes] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., completion: _Optional[_Union[Completion, str]] = ..., deadline_unix_ns: _Optional[int] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("bytes_moved", "pages", "duration_seconds", "pending")
@@ -574,20 +578,22 @@ class StoreResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., status: _Optional[bytes] = ..., no_space: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
 
 class LoadKeysRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end", "completion")
+    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end", "completion", "deadline_unix_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     device_indices: bytes
     layer_begin: int
     layer_end: int
     completion: Completion
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., completion: _Optional[_Union[Completion, str]] = ...) -> None: ...
+    deadline_unix_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., completion: _Optional[_Union[Completion, str]] = ..., deadline_unix_ns: _Optional[int] = ...) -> None: ...
 
 class RemoveKeysRequest(_message.Message):
     __slots__ = ("pool", "keys")
