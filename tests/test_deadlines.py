@@ -55,7 +55,7 @@ class Stopped:
         self.d.proc.send_signal(signal.SIGCONT)
 
 
-def timed(fn) -> tuple[float, BaseException | None]:  # type: ignore[no-untyped-def]
+def timed(fn) -> tuple[float, HiCacheError | None]:  # type: ignore[no-untyped-def]
     t0 = time.monotonic()
     try:
         fn()
