@@ -263,6 +263,42 @@ class SGLangCache:
 
         return int(self.cache.evict(EvictParams(num_tokens=self.size)).num_tokens_evicted)
 
+    def hit_and_load_batch(self, requests: Sequence[tuple[str, array[int]]]
+                           ) -> tuple[list[int], list[str], dict[str, torch.Tensor]]:
+        """Admit several requests into one batch (each ``tokens`` + one new token), as the
+        scheduler does: match each, load each hit back, one layer-wise load for the batch,
+        the forward's layer waits, then SGLang's verdict. Returns (external hit tokens per
+        request, the rids SGLang aborted, the device slots each hit was loaded into)."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        reqs, hits, slots = [], [], {}
+        for rid, tokens in requests:
+            key = array("q", [*tokens, 7])
+            req = Req(rid, "", key, SamplingParams())
+            match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(key), req=req))
+            req.last_node = match.last_device_node
+            loaded = 0
+            if match.host_hit_length:
+                loaded, _ = self.cache.init_load_back(InitLoadBackParams(
+                    best_match_node=match.last_host_node,
+                    host_hit_length=match.host_hit_length, req=req))
+                got = self.cache.linker.private_load_indices.get(rid)
+                if got is not None:
+                    slots[rid] = got
+            reqs.append(req)
+            hits.append(int(loaded))
+        index = self.cache.ready_to_load_host_cache()
+        self.counters[0].set_consumer(index)
+        for layer in range(self.layers):
+            self.kv.get_key_buffer(layer)
+        failed = self.cache.finish_external_linker_loads(reqs)
+        if self.device == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return hits, [r.rid for r in failed], slots
+
     def hit_and_load(self, tokens: array[int], rid: str = "r") -> tuple[int, list[Any],
                                                                    torch.Tensor | None]:
         """Admit a request for ``tokens`` + one new token: returns (external hit tokens, the

@@ -169,7 +169,6 @@ def test_the_cluster_tier_answers_within_the_linkers_lookup_deadline() -> None:
     """A Lookup waits on a stalled master for timeout_seconds; past the linker's deadline
     SGLang's link to the daemon would go down (DEADLINE_EXCEEDED is a link failure)."""
     from hicache_sglang.config import LinkerConfig
-
     from hicached.tiers.mooncake_config import MooncakeTierConfig
 
     assert MooncakeTierConfig("m:1", "h").timeout_seconds < LinkerConfig().lookup_timeout_s

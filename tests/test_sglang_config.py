@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import yaml
-from hicache_sglang.config import LinkerConfig
-from hicache_sglang.namespace import Shard, pool_name
 
 from hicache.errors import SpecInvalid
 from hicache.specs import DType, KVGeometry, PoolKind
+from hicache_sglang.config import LinkerConfig
+from hicache_sglang.namespace import Shard, pool_name
 from tests.helpers import require_module
 
 REPO = Path(__file__).resolve().parent.parent
@@ -159,8 +159,8 @@ def test_systemd_unit_runs_sglang_with_the_linker() -> None:
 def test_device_pools_hicached_cannot_hold_are_refused_at_start() -> None:
     require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
     import torch
-    from hicache_sglang.device_pool import DevicePool
 
+    from hicache_sglang.device_pool import DevicePool
     from tests.sglang_harness import install_stand_ins
 
     install_stand_ins()

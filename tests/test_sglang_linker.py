@@ -157,32 +157,47 @@ def test_daemon_killed_between_offload_and_load(tmp_path: Path) -> None:
         d.stop(signal.SIGKILL)
 
 
-def test_a_load_whose_keys_vanished_aborts_only_its_request(daemon: DaemonProc) -> None:
-    cache = SGLangCache(daemon.target, daemon.shm_dir)
+@pytest.mark.parametrize("holds", [True, False], ids=["holds", "no_holds"])
+def test_a_batch_whose_keys_vanish_after_lookup(daemon: DaemonProc, holds: bool) -> None:
+    """Two requests in one batch; between the lookups and the load another instance clears
+    the pool (its reset). With holds (the default) both requests still load, exactly: a hit
+    is a promise. Without them the batch's load fails, and SGLang 0.5.23, which judges a
+    batch's load as one, aborts both; the refused load moved nothing into their slots."""
+    cache = SGLangCache(daemon.target, daemon.shm_dir,
+                        extra=None if holds else {"lookup_hold_ms": 0})
     try:
-        tokens = tokens_of(4000, 16)
-        # the keys go (another instance's reset) between the lookup and the load
-        cache.offload_and_evict(tokens)
+        first, second = tokens_of(4000, 16), tokens_of(6000, 12)
+        cache.offload_and_evict(first)
+        cache.offload_and_evict(second)
         original = cache.linker.lookup
+        looked: list[str] = []
 
-        def lookup_then_remove(rid, transfers):
+        def lookup_then_clear(rid, transfers):
             found = original(rid, transfers)
-            with HiCacheClient(daemon.target) as c:
-                c.clear_pool(cache.linker.spec.name)
+            looked.append(rid)
+            if len(looked) == 2:
+                with HiCacheClient(daemon.target) as c:
+                    assert c.clear_pool(cache.linker.spec.name) > 0
             return found
 
-        cache.linker.lookup = lookup_then_remove
+        cache.linker.lookup = lookup_then_clear
         cache.zero_kv()
-        hit, failed, slots = cache.hit_and_load(tokens, rid="victim")
-        assert hit == 16 and slots is not None
-        for role in cache.roles:  # the refused load moved nothing into the request's slots
-            for layer in range(LAYERS):
-                assert not cache.layer_rows(role, layer, slots).any()
-        assert [r.rid for r in failed] == ["victim"]
-        assert failed[0].discard_output_reason is not None
-        assert cache.linker.stats["load_failures"] == 1
-        assert cache.linker.link.up  # a refused load is not a lost daemon
+        hits, failed, slots = cache.hit_and_load_batch([("a", first), ("b", second)])
         cache.linker.lookup = original
+        assert hits == [16, 12] and set(slots) == {"a", "b"}
+        if holds:
+            assert failed == []
+            assert_exact(cache, first, slots["a"])
+            assert_exact(cache, second, slots["b"])
+            assert cache.linker.stats["load_failures"] == 0
+        else:
+            assert sorted(failed) == ["a", "b"]  # SGLang's batch verdict
+            for rid in ("a", "b"):
+                for role in cache.roles:
+                    for layer in range(LAYERS):
+                        assert not cache.layer_rows(role, layer, slots[rid]).any()
+            assert cache.linker.stats["load_failures"] == 1
+        assert cache.linker.link.up  # a refused load is not a lost daemon
         roundtrip(cache, tokens_of(4500, 8))  # the next request is served normally
     finally:
         cache.close()

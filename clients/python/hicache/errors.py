@@ -56,8 +56,7 @@ Hierarchy::
     │   ├── FdRejected                     FD_REJECTED
     │   └── PeerNotAllowed                 PEER_NOT_ALLOWED
     ├── Unauthenticated                UNAUTHENTICATED: a TCP caller without the daemon's token
-    ├── DeadlinePassed                 DEADLINE_PASSED: the call's deadline passed before its copy
-    │                                  began; nothing was copied (DEADLINE_EXCEEDED)
+    ├── DeadlinePassed                 DEADLINE_PASSED: too late to copy (DEADLINE_EXCEEDED)
     ├── Unavailable                    try again later / elsewhere
     │   ├── PoolNotReady                   POOL_NOT_READY
     │   └── Draining                       DRAINING
@@ -77,11 +76,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Violation:
-    """One problem found in a request.
-
-    ``field`` names the request field at fault (``host_indices``, ``spec.page_size``); it becomes a
-    ``google.rpc.BadRequest.FieldViolation`` on the wire.
-    """
+    """One problem found in a request; ``field`` names the request field at fault
+    (``host_indices``, ``spec.page_size``): a ``google.rpc.BadRequest.FieldViolation``."""
 
     field: str
     reason: str
@@ -183,8 +179,7 @@ class IpcHandleInvalid(InvalidRequest):
 
 
 class BufferNotShareable(InvalidRequest):
-    """Device memory that CUDA IPC cannot share (VMM / expandable segments, managed memory);
-    raised on the worker before anything is sent."""
+    """Device memory CUDA IPC cannot share (VMM, managed); raised before anything is sent."""
 
     reason = "BUFFER_NOT_SHAREABLE"
 
@@ -304,8 +299,7 @@ class DeviceNotFound(NotFound):
 
 
 class KeyNotFound(NotFound):
-    """A LoadKeys key is not in the cache (never stored, evicted, removed, or still being
-    written)."""
+    """A LoadKeys key is in no tier (never stored, evicted, removed, or being written)."""
 
     reason = "KEY_NOT_FOUND"
 
@@ -337,9 +331,7 @@ class Unauthenticated(HiCacheError):
 
 
 class DeadlinePassed(HiCacheError):
-    """A load reached the daemon, or got its turn, only after the deadline its caller sent
-    (``deadline_unix_ns``): refused before a byte moved, so the caller, which has given up on
-    it, can reuse the destination at once."""
+    """A load got its turn after its caller's ``deadline_unix_ns``: refused, nothing copied."""
 
     reason = "DEADLINE_PASSED"
 
@@ -349,8 +341,7 @@ class Unavailable(HiCacheError):
 
 
 class PoolNotReady(Unavailable):
-    """The pool is still being created (prefaulted, pinned) or its creation failed: the
-    metadata says which (``state``), how far it got and why it failed."""
+    """The pool is still being created, or its creation failed (``state`` says which)."""
 
     reason = "POOL_NOT_READY"
 

@@ -26,7 +26,8 @@ from contextlib import contextmanager
 
 POINTS = {
     "raw.checked": "a raw Backup / Load: its pages validated, not yet held for the copy",
-    "load_keys.resolved": "a LoadKeys: keys resolved and validated, pages not yet held",
+    "load_keys.resolved": "a LoadKeys: keys resolved and their pages held, the copy not begun",
+    "store.taken": "a Store: pages taken for its keys, the copy not begun",
     "spill.written": "a spiller: a page written below, the write not yet committed",
     "promote.read": "a promotion: a page read from below into host memory, not yet ready",
     "remote.put": "the cluster writer: a batch put, not yet recorded as put",

@@ -264,9 +264,11 @@ class HiCacheClient(DataCalls):
         raises ``FD_REJECTED``."""
         return request_token(self.target, fds)
 
-    def heartbeat(self, session_id: str) -> pb.Session:
+    def heartbeat(self, session_id: str, *, timeout: float | None = None) -> pb.Session:
+        """Extend the lease; the session as the daemon sees it (``loads_in_flight`` too)."""
         s: pb.Session = self._call(self._stub.Heartbeat,
-                                   pb.HeartbeatRequest(session_id=session_id), retry=True)
+                                   pb.HeartbeatRequest(session_id=session_id), retry=True,
+                                   timeout=timeout)
         return s
 
     def close_session(self, session_id: str) -> None:

@@ -8,8 +8,8 @@ Primitives:
   field or a bad value raises ``hicache.errors.SpecInvalid`` naming it, at SGLang's start-up.
 
 Deadlines are short on purpose: the scheduler calls ``lookup`` and ``offload`` on its own
-thread, and a sidecar that does not answer within them is treated as down (no hits, offloads
-dropped) while a background thread reconnects.
+thread, and a sidecar that does not answer within them is skipped (no hits, loads declined,
+offloads dropped) while a background thread probes it (``hicache_sglang.link``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,16 @@ class LinkerConfig:
     """Deadline of a ``LoadKeys`` or ``Store`` (linker threads) and of set-up calls."""
     reconnect_interval_s: float = 1.0
     """Seconds between attempts to reach the daemon again while it is down."""
+    down_after_s: float = 10.0
+    """How long calls may keep missing their deadlines (a daemon paused, swapping, stuck)
+    before the link is taken down and a new session opened; until then the session is kept
+    and the daemon is skipped (no hits, loads declined, offloads dropped) while it is probed."""
+    lookup_hold_ms: int = 5000
+    """How long a ``lookup``'s hit is held for this worker's coming load (the daemon keeps
+    the pages from eviction until the load consumes them, ``cancel_queued_load`` or this
+    passes; capped by the daemon's ``max_hold_ms``). A hit is then a promise: a load of it
+    cannot fail for a key evicted meanwhile. 0: no holds (a hit another worker's stores evict
+    before the load aborts the batch)."""
     pool_size_tokens: int = 0
     """Host pool size in tokens; 0 = SGLang's own device pool size (its ``size``)."""
     pool_size_bytes: int = 0
@@ -68,12 +78,13 @@ class LinkerConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.target, str) and bool(self.target), "target", self.target,
                "a non-empty address")
-        for name in ("lookup_timeout_s", "rpc_timeout_s", "reconnect_interval_s"):
+        for name in ("lookup_timeout_s", "rpc_timeout_s", "reconnect_interval_s",
+                     "down_after_s"):
             v = getattr(self, name)
             _check(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
                    and 0 < v <= 600, name, v, "a number of seconds in (0, 600]")
         for name in ("pool_size_tokens", "pool_size_bytes", "layer_events", "lease_ms",
-                     "max_inflight_offloads"):
+                     "max_inflight_offloads", "lookup_hold_ms"):
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, v,
                    "a non-negative integer")

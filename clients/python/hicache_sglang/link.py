@@ -1,20 +1,35 @@
-"""One worker's link to the daemon: its pool and session, re-established in the background.
+"""One worker's link to the daemon: its pool and session, kept up from a background thread.
 
-The scheduler must never wait for, nor see an exception from, a daemon that is down, restarting
-or draining. ``DaemonLink`` keeps that promise for the linker: ``session`` is the open session
-or None, and every failure that means "the daemon or my session is gone" flips the link down
-and wakes a background thread that sets everything up again (GetInfo, CreatePool with the same
-spec, OpenSession with the same device buffers and events) every ``reconnect_interval_s``.
+The scheduler must never wait for, nor see an exception from, a daemon that is down,
+restarting, draining, paused or slow. ``DaemonLink`` keeps that promise for the linker: every
+decision the scheduler's thread needs is a read of local state, and everything that waits on
+the daemon (setting up, probing, stopping an old session's heartbeat) happens on the link's
+own thread.
+
+States: *up* (``usable``), *late* (a call missed its deadline: the daemon is alive but not
+answering in time; the session is kept, calls are skipped (no hits, loads declined, offloads
+dropped) while the link's thread probes it with heartbeats), *down* (no session: the thread
+sets everything up again, GetInfo, CreatePool with the same spec, OpenSession with the same
+buffers and events, every ``reconnect_interval_s``).
+
+- A call's ``DEADLINE_EXCEEDED`` (or the daemon's ``DEADLINE_PASSED``) makes the link late,
+  not down: a daemon paused for a moment comes back to the same session, its buffers mapped
+  once. Calls that keep missing their deadlines for ``down_after_s`` take it down.
+- ``UNAVAILABLE``, ``SESSION_NOT_FOUND``, ``POOL_NOT_FOUND``, ``POOL_CLOSED``, a closed
+  channel and a heartbeat that finds the session gone take it down.
+- A late link is *fenced* before it is up again: a heartbeat must show no load of this session
+  still copying (``loads_in_flight == 0``), then ``on_fenced`` runs (the linker gives back the
+  device slots of loads that timed out) and the link is up.
 
 Primitives:
 
 - ``Handover``: what ``OpenSession`` sends (descriptors, layer-event and ready-event handles,
   memfds).
-- ``DaemonLink(config, spec, handover, worker_id)``: ``start()`` tries once at once, then in the
-  background; ``session`` (None while down); ``report(exc)`` classifies a failed call and
-  returns True when it took the link down; ``up`` / ``generation`` (bumped per new session);
-  ``close()`` ends the session and the channel.
-- ``is_link_failure(exc)``: the errors that mean the daemon or the session is gone.
+- ``DaemonLink(config, spec, handover, worker_id, on_fenced)``: ``start()`` tries once at
+  once, then in the background; ``session`` (None while down), ``client``, ``usable`` (up and
+  not late), ``up``, ``generation`` (bumped per new session); ``report(exc)`` classifies a
+  failed call (True when it took the link down or made it late); ``close()``.
+- ``is_link_failure(exc)`` / ``is_late(exc)``: the classification.
 """
 
 from __future__ import annotations
@@ -22,13 +37,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from hicache.buffers import DeviceBufferSpec
 from hicache.errors import (
+    DeadlinePassed,
     HiCacheError,
     PoolClosed,
     PoolNotFound,
@@ -43,16 +60,26 @@ from hicache_sglang.config import LinkerConfig
 
 log = logging.getLogger("hicache_sglang")
 
-_LINK_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-               grpc.StatusCode.CANCELLED)
+PROBE_SECONDS = 0.1
+"""How often a late link probes the daemon (a heartbeat, at most a second each)."""
+
+
+def is_late(exc: BaseException) -> bool:
+    """The call ran out of time: the daemon may be alive, only slow or paused."""
+    if isinstance(exc, DeadlinePassed):
+        return True
+    return (isinstance(exc, HiCacheError) and not exc.from_daemon
+            and exc.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def is_link_failure(exc: BaseException) -> bool:
-    """True for "the daemon or my session is gone"; False for a refusal of one request."""
+    """True for "the daemon or my session is gone"; False for a refusal of one request and
+    for a call that was only late (``is_late``)."""
     if isinstance(exc, Unavailable | SessionNotFound | PoolNotFound | PoolClosed):
         return True
     if isinstance(exc, HiCacheError):
-        return exc.grpc_code in _LINK_CODES and not exc.from_daemon
+        return (exc.grpc_code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                and not exc.from_daemon)
     return isinstance(exc, ValueError | RuntimeError)  # a closed channel, a torn-down stub
 
 
@@ -71,22 +98,27 @@ class _State:
     session: WorkerSession | None = None
     generation: int = 0
     last_error: str = ""
+    late_since: float | None = None
+    """When calls began to miss their deadlines (None: the link is not late)."""
 
 
 class DaemonLink:
     def __init__(self, config: LinkerConfig, spec: PoolSpec, handover: Handover,
-                 worker_id: str) -> None:
+                 worker_id: str, on_fenced: Callable[[], object] = lambda: None) -> None:
         self.config = config
         self.spec = spec
         self.handover = handover
         self.worker_id = worker_id
+        self._on_fenced = on_fenced
         self._lock = threading.Lock()
         self._state = _State()
+        self._retired: list[WorkerSession] = []
+        """Sessions the link dropped; their heartbeats are stopped on the link's thread."""
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # -- state -----------------------------------------------------------------------------
+    # -- state (read on the scheduler's thread: no waiting) ---------------------------------
 
     @property
     def session(self) -> WorkerSession | None:
@@ -105,6 +137,15 @@ class DaemonLink:
         return self.session is not None
 
     @property
+    def late(self) -> bool:
+        return self._state.late_since is not None
+
+    @property
+    def usable(self) -> bool:
+        """Up, and not late: calls may be made."""
+        return self._state.late_since is None and self.session is not None
+
+    @property
     def generation(self) -> int:
         return self._state.generation
 
@@ -117,19 +158,40 @@ class DaemonLink:
         return ok
 
     def report(self, exc: BaseException) -> bool:
-        """A call failed with ``exc``: take the link down if that is what it means."""
+        """A call failed with ``exc``: make the link late or take it down if that is what it
+        means; True when it did. Never waits."""
+        if is_late(exc):
+            with self._lock:
+                state = self._state
+                now = time.monotonic()
+                first = state.late_since is None
+                if first:
+                    state.late_since = now
+                gone = now - (state.late_since or now) >= self.config.down_after_s
+            if gone:
+                return self._down(f"calls missed their deadlines for "
+                                  f"{self.config.down_after_s:.0f}s ({exc})")
+            if first:
+                log.warning("hicached late (%s); skipping it while it is probed", exc)
+            self._wake.set()
+            return True
         if not is_link_failure(exc):
             return False
+        return self._down(f"{type(exc).__name__}: {exc}")
+
+    def _down(self, why: str) -> bool:
         with self._lock:
             session, self._state.session = self._state.session, None
+            self._state.late_since = None
+            if session is not None:
+                self._retired.append(session)
         if session is not None:
-            session.stop_heartbeat()
-            log.warning("hicached link down (%s: %s); reconnecting every %.1fs",
-                        type(exc).__name__, exc, self.config.reconnect_interval_s)
+            log.warning("hicached link down (%s); reconnecting every %.1fs", why,
+                        self.config.reconnect_interval_s)
         self._wake.set()
         return True
 
-    # -- setting up ------------------------------------------------------------------------
+    # -- the link's thread -------------------------------------------------------------------
 
     def _connect(self) -> bool:
         cfg = self.config
@@ -154,11 +216,12 @@ class DaemonLink:
             return False
         with self._lock:
             if self._closed.is_set():
-                session.stop_heartbeat()
+                self._retired.append(session)
                 return False
             self._state.session = session
             self._state.generation += 1
             self._state.last_error = ""
+            self._state.late_since = None
         log.info("hicached link up: pool %s, session %s (generation %d)", self.spec.name,
                  session.session_id[:8], self._state.generation)
         return True
@@ -179,14 +242,48 @@ class DaemonLink:
             log.info("using pool %s as created (%d tokens) by another worker",
                      self.spec.name, there.resolved_size_tokens())
 
+    def _probe(self) -> None:
+        """A late link: is the daemon answering again, and has every copy of this session's
+        loads ended? Then the fence (``on_fenced``) and the link is up again."""
+        client, session = self._state.client, self._state.session
+        if client is None or session is None:
+            return
+        try:
+            s = client.heartbeat(session.session_id, timeout=min(self.config.rpc_timeout_s,
+                                                                  1.0))
+        except HiCacheError as exc:
+            self.report(exc)
+            return
+        if s.loads_in_flight:
+            return  # a load that timed out may still be copying: not yet
+        try:
+            self._on_fenced()
+        except Exception:
+            log.exception("hicached link: giving back the slots of timed-out loads failed")
+        with self._lock:
+            if self._state.session is session:
+                self._state.late_since = None
+        log.info("hicached answering again: link up (session %s kept)",
+                 session.session_id[:8])
+
     def _run(self) -> None:
         while not self._closed.is_set():
-            self._wake.wait(self.config.reconnect_interval_s)
+            late = self._state.late_since is not None
+            self._wake.wait(PROBE_SECONDS if late else self.config.reconnect_interval_s)
             self._wake.clear()
+            self._stop_retired()
             if self._closed.is_set():
                 return
             if self._state.session is None:
                 self._connect()
+            elif self._state.late_since is not None:
+                self._probe()
+
+    def _stop_retired(self) -> None:
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for s in retired:
+            s.stop_heartbeat()
 
     def close(self) -> None:
         """End the session (its keys stay cached) and the channel; idempotent."""
@@ -194,6 +291,7 @@ class DaemonLink:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self._stop_retired()
         with self._lock:
             session, self._state.session = self._state.session, None
             client, self._state.client = self._state.client, None

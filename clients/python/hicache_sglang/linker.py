@@ -9,21 +9,31 @@ write-through -> ``offload`` + ``num_completed_offloads`` / ``pop_completed_offl
 
 What each call becomes:
 
-- ``lookup``: one ``Lookup`` with a short deadline; every prefix of the hit is restorable.
-- ``load`` queues; ``start_layer_wise_loading`` starts one ``LoadKeys`` for the whole batch on
-  the load thread. On GPUs the daemon records one interprocess event per layer group and the
-  forward's ``wait_until(layer)`` makes the current stream wait on that layer's event; on CPU
-  the call returns when the bytes are in place and every layer completes at once.
-- ``offload``: records the ready event (GPU: after the forward stream's KV writes), then
-  ``store_async``; results are handed back in submission order, as SGLang commits them.
-- ``reset``: quiesce, then ``ClearPool`` (the writer rank); ``close``: quiesce and end the
-  session; the keys stay cached for the next worker.
+- ``lookup``: one ``Lookup`` with a short deadline that holds the hit for this worker's
+  session (``lookup_hold_ms``): the hit is a promise, its pages cannot be evicted before the
+  load. Every prefix of the promised hit is restorable.
+- ``load`` queues what its lookup promised (a request whose promise is gone, or older than
+  the hold, is declined: SGLang recomputes it); ``cancel_queued_load`` releases its holds
+  (off the scheduler's thread). ``start_layer_wise_loading`` starts one ``LoadKeys`` for the
+  whole batch on the load thread; it consumes the holds. On GPUs the daemon records one
+  interprocess event per layer group and the forward's ``wait_until(layer)`` makes the current
+  stream wait on that layer's event; on CPU the call returns when the bytes are in place.
+- ``offload``: a ``Store`` that never waits for the GPU on the scheduler's thread
+  (``hicache_sglang.offloads``); results are handed back in submission order, as SGLang
+  commits them.
+- ``reset``: quiesce, then ``ClearPool`` (the writer rank); ``close``: quiesce, end the
+  session (the keys stay cached).
 
-Failure semantics: nothing raises into the scheduler. With the daemon down, restarting or
-refusing, ``lookup`` reports no hit, ``load`` declines (SGLang recomputes), ``offload`` is
-dropped and counted, a load that fails aborts only the requests of its batch (SGLang's
-``finish_loads``), and the link reconnects in the background (``hicache_sglang.link``).
-Counters are in ``stats`` and logged at ``close``.
+Failure semantics: nothing raises into the scheduler, and nothing on its thread waits past a
+deadline: ``lookup`` at most ``lookup_timeout_s``, a load in flight at most ``rpc_timeout_s``.
+With the daemon down, restarting, refusing, paused or slow, ``lookup`` reports no hit, ``load``
+declines (SGLang recomputes), ``offload`` is dropped and counted, and the link recovers by
+itself (``hicache_sglang.link``: a daemon that was only late keeps its session). SGLang 0.5.23
+judges a batch's load as one (``finish_layer_wise_loading``: every request of the batch is
+aborted when it is False), so the linker makes a batch's load unable to fail for one request:
+every key it loads is held for it. A load that timed out may still be copying: its device
+slots are withheld from SGLang's allocator until the daemon shows no copy of this session in
+flight (``hicache_sglang.quarantine``). Counters are in ``stats`` and logged at ``close``.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ import os
 import queue
 import socket
 import threading
-from concurrent.futures import Future
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -46,17 +58,22 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from hicache.errors import HiCacheError, SpecInvalid, Unavailable
-from hicache_client.results import StoreResult
 from hicache_sglang.config import LinkerConfig
 from hicache_sglang.device_pool import DevicePool
-from hicache_sglang.link import DaemonLink, Handover
+from hicache_sglang.link import DaemonLink, Handover, is_late
 from hicache_sglang.namespace import Shard, pool_name
+from hicache_sglang.offloads import Offloads
+from hicache_sglang.quarantine import SlotQuarantine
 
 log = logging.getLogger("hicache_sglang")
 
-_STATS = ("lookups", "lookup_hit_pages", "lookup_failures", "loads", "load_pages",
-          "load_failures", "loads_declined", "offloads", "offload_pages", "offloads_dropped",
-          "offload_failures", "offload_no_space")
+_STATS = ("lookups", "lookup_hit_pages", "lookup_held_pages", "lookup_failures",
+          "lookups_skipped", "loads", "load_pages", "load_failures", "loads_declined",
+          "loads_cancelled", "load_slots_withheld", "offloads", "offload_pages",
+          "offloads_dropped", "offload_failures", "offload_no_space")
+MAX_PROMISES = 4096  # lookups remembered until their load (oldest forgotten first)
+PROMISE_MARGIN = 0.8
+"""A promise older than this share of ``lookup_hold_ms`` is not trusted: the load declines."""
 
 
 def _kv(transfers: list[PoolTransfer]) -> PoolTransfer | None:
@@ -138,11 +155,20 @@ class HicachedLinker(UnifiedCacheLinker):
 
         worker_id = cfg.worker_id or (f"sglang-{socket.gethostname()}-{os.getpid()}-"
                                       f"tp{self.shard.tp_rank}")
-        self.link = DaemonLink(cfg, self.spec, handover, worker_id)
+        self.quarantine = SlotQuarantine(params.token_to_kv_pool_allocator, self.page_size)
+        self.link = DaemonLink(cfg, self.spec, handover, worker_id,
+                               on_fenced=self.quarantine.release)
         self._pending: dict[str, tuple[list[str], torch.Tensor]] = {}
-        self._offloads: collections.deque[Future[StoreResult]] = collections.deque()
+        self._promises: collections.OrderedDict[str, tuple[tuple[Any, ...], float]] = \
+            collections.OrderedDict()
+        """rid -> (the keys its lookup holds, when): what ``load`` may count on."""
         self._loads: queue.Queue[tuple[int, list[tuple[list[str], torch.Tensor]]] | None] = \
             queue.Queue()
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-control")
+        """Calls the scheduler asks for but must not wait on (releasing holds)."""
+        self.offloads = Offloads(cfg.max_inflight_offloads,
+                                 (dp.device, self._ready, self.record_offload_ready)
+                                 if self.on_cuda else None)
         self._load_thread = threading.Thread(target=self._load_loop, daemon=True,
                                              name=f"hicache-load-tp{self.shard.tp_rank}")
         self._load_thread.start()
@@ -156,18 +182,35 @@ class HicachedLinker(UnifiedCacheLinker):
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         kv = _kv(transfers)
-        client = self.link.client
-        if kv is None or not kv.keys or client is None:
+        if kv is None or not kv.keys:
+            return []
+        link = self.link
+        client, session = link.client, link.session
+        if client is None or session is None or not link.usable:
+            self.stats["lookups_skipped"] += 1
             return []
         self.stats["lookups"] += 1
+        keys = list(kv.keys)
+        hold_ms = self.config.lookup_hold_ms
         try:
-            hit = client.lookup(self.spec.name, list(kv.keys),
-                                timeout=self.config.lookup_timeout_s).hit_prefix
+            if hold_ms:
+                r = client.lookup(self.spec.name, keys, timeout=self.config.lookup_timeout_s,
+                                  session_id=session.session_id, hold_ms=hold_ms)
+                hit = r.promised
+            else:
+                hit = client.lookup(self.spec.name, keys,
+                                    timeout=self.config.lookup_timeout_s).hit_prefix
         except HiCacheError as exc:
             self.stats["lookup_failures"] += 1
-            self.link.report(exc)
+            link.report(exc)
             log.debug("lookup for %s failed: %s", rid, exc)
             return []
+        if hold_ms and hit:
+            self._promises[rid] = (tuple(keys[:hit]), time.monotonic())
+            self._promises.move_to_end(rid)
+            while len(self._promises) > MAX_PROMISES:
+                self._promises.popitem(last=False)
+            self.stats["lookup_held_pages"] += r.held
         self.stats["lookup_hit_pages"] += hit
         return list(range(1, hit + 1))
 
@@ -175,16 +218,54 @@ class HicachedLinker(UnifiedCacheLinker):
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = _kv(transfers)
+        promise = self._promises.pop(rid, None)
         if (kv is None or not kv.keys or kv.device_indices is None or rid in self._pending
                 or len(kv.device_indices) != len(kv.keys) * self.page_size
-                or not self.link.up):
+                or not self.link.usable or not self._kept(promise, kv.keys)):
             self.stats["loads_declined"] += 1
+            if promise is not None:
+                self._release(list(promise[0]))
             return False
         self._pending[rid] = (list(kv.keys), kv.device_indices)
         return True
 
+    def _kept(self, promise: tuple[tuple[Any, ...], float] | None, keys: Sequence[Any]) -> bool:
+        """Whether the lookup's holds still cover ``keys`` (no holds: always)."""
+        hold_ms = self.config.lookup_hold_ms
+        if not hold_ms:
+            return True
+        if promise is None:
+            return False
+        held, at = promise
+        return (len(keys) <= len(held) and tuple(keys) == held[:len(keys)]
+                and time.monotonic() - at < hold_ms / 1000 * PROMISE_MARGIN)
+
     def cancel_queued_load(self, rid: str) -> bool:
-        return self._pending.pop(rid, None) is not None
+        item = self._pending.pop(rid, None)
+        if item is None:
+            return False
+        self.stats["loads_cancelled"] += 1
+        self._release(item[0])
+        return True
+
+    def _release(self, keys: list[Any]) -> None:
+        """End this worker's holds of ``keys`` that no other queued load needs, on the
+        control thread (the scheduler never waits for it)."""
+        if not self.config.lookup_hold_ms or not keys:
+            return
+        needed = {k for ks, _ in self._pending.values() for k in ks}
+        free = [k for k in keys if k not in needed]
+        session = self.link.session
+        if not free or session is None:
+            return
+
+        def release() -> None:
+            try:
+                session.release_holds(free, timeout=self.config.rpc_timeout_s)
+            except HiCacheError as exc:  # they expire by themselves
+                log.debug("releasing %d hold(s) failed: %s", len(free), exc)
+
+        self._control.submit(release)
 
     def start_layer_wise_loading(self) -> int:
         if not self._pending:
@@ -220,6 +301,11 @@ class HicachedLinker(UnifiedCacheLinker):
         except BaseException as exc:
             self.stats["load_failures"] += 1
             if isinstance(exc, HiCacheError):
+                if is_late(exc) and exc.reason != "DEADLINE_PASSED":
+                    # the daemon may still be copying into these slots: they go back to
+                    # SGLang once the link is fenced, not when it frees them now
+                    self.quarantine.withhold(slots)
+                    self.stats["load_slots_withheld"] += len(slots) // self.page_size
                 self.link.report(exc)
             log.warning("hicached load of %d pages failed (%s: %s); SGLang aborts the "
                         "batch's %d loading request(s)", len(keys), type(exc).__name__, exc,
@@ -248,41 +334,26 @@ class HicachedLinker(UnifiedCacheLinker):
         if kv is None or not kv.keys or kv.device_indices is None:
             return False
         if not self.shard.writer:  # replicated KV: rank 0 stores it for every rank
-            done: Future[StoreResult] = Future()
-            done.set_result(StoreResult(0, len(kv.keys), 0, b"", 0, 0.0))
-            self._offloads.append(done)
-            return True
+            return self.offloads.skip(len(kv.keys))
         session = self.link.session
-        if session is None or len(self._offloads) >= self.config.max_inflight_offloads:
+        if session is None or not self.link.usable or self.offloads.full:
             self.stats["offloads_dropped"] += 1
             return False
-        if self.on_cuda:
-            stream = torch.cuda.current_stream()
-            for event in self.record_offload_ready():
-                stream.wait_event(event)
-            self._ready.record(stream)
         try:
-            future = session.store_async(list(kv.keys), kv.device_indices.to(torch.int64).cpu())
+            self.offloads.submit(session, list(kv.keys), kv.device_indices)
         except (HiCacheError, ValueError) as exc:
             self.stats["offloads_dropped"] += 1
             self.link.report(exc)
             return False
         self.stats["offloads"] += 1
-        self._offloads.append(future)
         return True
 
     def num_completed_offloads(self) -> int:
-        n = 0
-        for future in self._offloads:
-            if not future.done():
-                break
-            n += 1
-        return n
+        return self.offloads.completed()
 
     def pop_completed_offload(self) -> bool:
-        future = self._offloads.popleft()
         try:
-            result = future.result(timeout=self.config.rpc_timeout_s)
+            result = self.offloads.pop()
         except BaseException as exc:
             self.stats["offload_failures"] += 1
             if isinstance(exc, HiCacheError):
@@ -298,13 +369,10 @@ class HicachedLinker(UnifiedCacheLinker):
     # -- lifecycle -------------------------------------------------------------------------
 
     def _quiesce(self) -> None:
+        """Let queued and running loads and offloads end (each bounded by its deadline)."""
         self._pending.clear()
         self._loads.join()
-        while self._offloads:
-            try:
-                self._offloads.popleft().result(timeout=self.config.rpc_timeout_s)
-            except BaseException:  # a failed store leaves nothing behind
-                pass
+        self.offloads.drain(self.config.rpc_timeout_s)
         self.layer_done_counter.reset()
 
     def reset(self) -> None:
@@ -323,7 +391,10 @@ class HicachedLinker(UnifiedCacheLinker):
         self._quiesce()
         self._loads.put(None)
         self._load_thread.join(timeout=10)
+        self._control.shutdown(wait=False)
+        self.offloads.close()
         self.link.close()
+        self.quarantine.close()
         if self._shm is not None:
             self._shm.close()  # unlinks the files; SGLang's tensors keep their mapping
         log.info("hicached linker stats: %s", self.stats)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from hicache import seams
 from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import driver_problem
 from hicache.errors import (
@@ -327,6 +328,7 @@ class Daemon:
             ticket = cache.begin_store(keys)
             result, ok = None, False
             try:
+                seams.reached("store.taken")
                 if ticket.pages.size:
                     result = self.engine.transfer_pages(
                         Op.BACKUP, s.pool, buffers, ticket.pages, device_pages[ticket.positions],
@@ -355,6 +357,7 @@ class Daemon:
             # held, nothing moves
             held = self.pools.stack(s.pool_name).hold_for_load(
                 keys, self.metrics.promotions.labels(s.pool_name).inc, owner=s.owner)
+            seams.reached("load_keys.resolved")
             return self._held_load(s, "load_keys", lambda landed: self.engine.transfer_pages(
                 Op.LOAD, s.pool, buffers, held, device_pages, load_layers, runner,
                 wait=not layer_events, on_complete=landed),

@@ -1,0 +1,186 @@
+"""The linker never stalls SGLang's scheduler, whatever the daemon does: SGLang 0.5.23's own
+cache classes against a real daemon that is SIGSTOPped (a daemon swapping, stuck in I/O,
+paused) or slow.
+
+- Lookups while the daemon is stopped: every ``match_prefix`` returns within
+  ``lookup_timeout_s`` + 50 ms (the maximum is recorded); after the first deadline the link is
+  late and lookups skip the daemon. After SIGCONT the link is fenced and up again with the
+  same session (no second OpenSession, buffers mapped once) and hits load exactly.
+- A load in flight when the daemon stops fails within ``rpc_timeout_s`` + 0.5 s and aborts
+  only its batch's requests; nothing lands in their slots after the daemon resumes; the slots
+  are withheld from SGLang's allocator until the fence, then given back.
+- ``offload`` returns at once while the daemon's Store is slow (2 s per Store).
+- The quarantine itself, on SGLang's real allocator.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_proc import DaemonProc, start_daemon
+from tests.helpers import require_module
+from tests.reliability.figures import record
+
+require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
+
+import torch  # noqa: E402
+
+from tests.sglang_harness import LAYERS, SGLangCache, tokens_of  # noqa: E402
+
+LOOKUP_S, RPC_S = 0.5, 2.0
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path, "--no-shm-paths", "--lease-seconds", "30",
+                     env={"HICACHE_SEAM_DELAYS": "load_keys.resolved=300000"})
+    yield d
+    d.proc.send_signal(signal.SIGCONT)
+    d.stop(signal.SIGKILL)
+
+
+def cache_for(d: DaemonProc) -> SGLangCache:
+    return SGLangCache(d.target, d.shm_dir, extra={
+        "lookup_timeout_s": LOOKUP_S, "rpc_timeout_s": RPC_S, "reconnect_interval_s": 0.2})
+
+
+def wait_usable(cache: SGLangCache, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cache.linker.link.usable:
+        assert time.monotonic() < deadline, "the link did not come back"
+        time.sleep(0.02)
+
+
+def exact(cache: SGLangCache, tokens, slots) -> bool:  # type: ignore[no-untyped-def]
+    return all(torch.equal(cache.layer_rows(role, layer, slots),
+                           cache.expected(tokens, role, layer))
+               for role in cache.roles for layer in range(LAYERS))
+
+
+def test_lookups_against_a_stopped_daemon_keep_their_deadline(daemon: DaemonProc) -> None:
+    cache = cache_for(daemon)
+    try:
+        tokens = tokens_of(100, 32)
+        assert cache.offload_and_evict(tokens) == 32
+        cache.hit_and_load(tokens_of(50, 8), rid="warm")  # SGLang's lazy imports, done
+        generation = cache.linker.link.generation
+        daemon.proc.send_signal(signal.SIGSTOP)
+        times = []
+        try:
+            for i in range(12):
+                t0 = time.monotonic()
+                hit, failed, _ = cache.hit_and_load(tokens, rid=f"stopped-{i}")
+                times.append(time.monotonic() - t0)
+                assert hit == 0 and failed == []  # no hit: SGLang recomputes
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert max(times) <= LOOKUP_S + 0.05, times
+        assert sum(t > 0.1 for t in times) == 1, "lookups kept waiting on a late daemon"
+        wait_usable(cache)
+        assert cache.linker.link.generation == generation, "a new session was opened"
+        cache.zero_kv()
+        hit, failed, slots = cache.hit_and_load(tokens, rid="after")
+        assert (hit, failed) == (32, []) and exact(cache, tokens, slots)
+        record("sglang_stopped_lookups", lookups=len(times), max_ms=1e3 * max(times),
+               deadline_ms=1e3 * LOOKUP_S)
+    finally:
+        cache.close()
+
+
+def test_a_load_in_flight_when_the_daemon_stops(daemon: DaemonProc) -> None:
+    cache = cache_for(daemon)
+    try:
+        first, second = tokens_of(300, 16), tokens_of(700, 16)
+        cache.offload_and_evict(first)
+        cache.offload_and_evict(second)
+        generation = cache.linker.link.generation
+        cache.zero_kv()
+        original = cache.linker._load_batch
+
+        def stop_during(index, batch):  # type: ignore[no-untyped-def]
+            # the daemon sits in the seam (300 ms) with the pages held: stop it there
+            import threading
+
+            threading.Timer(0.1, daemon.proc.send_signal, (signal.SIGSTOP,)).start()
+            return original(index, batch)
+
+        cache.linker._load_batch = stop_during  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        hits, failed, slots = cache.hit_and_load_batch([("x", first), ("y", second)])
+        took = time.monotonic() - t0
+        cache.linker._load_batch = original  # type: ignore[method-assign]
+        assert hits == [16, 16] and sorted(failed) == ["x", "y"]
+        assert took <= RPC_S + 0.5, f"the batch took {took:.2f} s"
+        withheld = cache.linker.quarantine.withheld
+        assert withheld == 8, withheld
+        daemon.proc.send_signal(signal.SIGCONT)
+        wait_usable(cache)
+        assert cache.linker.quarantine.withheld == 0, "the fence did not give the slots back"
+        assert cache.linker.link.generation == generation
+        time.sleep(0.5)  # whatever the resumed daemon does with the late load: done
+        for rid in ("x", "y"):  # SGLang's slots of the aborted requests: nothing landed
+            for role in cache.roles:
+                for layer in range(LAYERS):
+                    assert not cache.layer_rows(role, layer, slots[rid]).any()
+        cache.zero_kv()
+        hit, failed, got = cache.hit_and_load(first, rid="again")
+        assert (hit, failed) == (16, []) and exact(cache, first, got)
+    finally:
+        cache.close()
+
+
+def test_offload_returns_at_once_while_the_store_is_slow(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "--no-shm-paths",
+                     env={"HICACHE_SEAM_DELAYS": "store.taken=2000000"})
+    cache = cache_for(d)
+    try:
+        tokens = tokens_of(900, 32)
+        t0 = time.monotonic()
+        cache.prefill(tokens)  # the insert offloads (write-through): 8 pages, one Store
+        took = time.monotonic() - t0
+        assert cache.linker.stats["offloads"] >= 1
+        assert took < 0.2, f"prefill + offload took {took:.2f} s on the scheduler's thread"
+        cache.poll_offloads(timeout=10)
+        assert cache.linker.stats["offload_pages"] == 8
+    finally:
+        cache.close()
+        d.stop(signal.SIGKILL)
+
+
+def test_the_quarantine_keeps_withheld_pages_from_sglangs_allocator() -> None:
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    from hicache_sglang.quarantine import SlotQuarantine
+    from tests.sglang_harness import install_stand_ins
+
+    install_stand_ins()
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    override = rc._CONTEXT.override_server_args(device="cpu", page_size=4)
+    override.install()
+    try:
+        kv = MHATokenToKVPool(size=64, page_size=4, dtype=torch.bfloat16, head_num=1,
+                              head_dim=8, layer_num=1, device="cpu", enable_memory_saver=False)
+        alloc = PagedTokenToKVPoolAllocator(size=64, page_size=4, dtype=torch.bfloat16,
+                                            device="cpu", kvcache=kv, need_sort=False)
+        q = SlotQuarantine(alloc, 4)
+        assert q.installed
+        slots = alloc.alloc(16)
+        assert slots is not None
+        free_before = alloc.available_size()
+        q.withhold(slots[:8])  # two pages of a load that timed out
+        alloc.free(slots)
+        assert alloc.available_size() == free_before + 8, "withheld pages were handed back"
+        assert q.kept == 2
+        assert q.release() == 2
+        assert alloc.available_size() == free_before + 16
+        q.close()
+        assert alloc._release_page_ids == q._release_pages
+    finally:
+        override.restore()
