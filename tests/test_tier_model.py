@@ -78,13 +78,14 @@ class Tiers(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def spill(self, n: int) -> None:
-        keys, pages = self.cache.spill_candidates(n, 8, self.disk.contains)
+        keys, pages, epoch = self.cache.spill_candidates(n, 8, self.disk.contains)
         try:
             done = self.disk.write_many([(k, self.pool.page_views(p))
-                                         for k, p in zip(keys, pages.tolist(), strict=True)])
+                                         for k, p in zip(keys, pages.tolist(), strict=True)],
+                                        lambda k: not self.cache.removed_since(k, epoch))
             self.on_disk |= {k for k, ok in zip(keys, done, strict=True) if ok}
         finally:
-            self.cache.finish_spill(keys, pages)
+            self.cache.finish_spill(keys, pages, epoch)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
     def load(self, keys: list[bytes]) -> None:

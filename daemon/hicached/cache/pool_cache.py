@@ -21,8 +21,9 @@ Primitives:
   held): a key ``owner`` holds is never refused (removed meanwhile, it is read from its held
   page); ``finish_load(pages)`` releases them, ends the holds they consumed and makes their
   keys evictable again, most recently used.
-- ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once;
-  a page a copy or a hold still has is freed when that ends (REMOVED events).
+- ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once from
+  every tier, writes below in flight included (``lending``); a page a copy or a hold still
+  has is freed when that ends (REMOVED events).
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
 - ``stats``: counters for metrics; ``key_count``.
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
@@ -32,8 +33,8 @@ Primitives:
   inherited.
 - ``recover()``: after the pool's state files were re-attached, the complete keys again.
 
-Raw pages (``Alloc``) share the allocator and are never evicted; they may evict keyed pages.
-Thread-safe: one lock per pool cache, taken before the allocator's.
+Raw pages share the allocator, are never evicted, may evict keyed pages. Thread-safe: one
+lock per pool cache, taken before the allocator's (and a lower tier's).
 """
 
 from __future__ import annotations
@@ -49,14 +50,7 @@ from hicache.errors import KeyNotFound
 from hicached.cache.events import EventKind, EventLog
 from hicached.cache.held import HeldKeys, Holder
 from hicached.cache.holds import HoldPolicy, HoldTable
-from hicached.cache.index_types import (
-    NO_SPACE,
-    PRESENT,
-    STORED,
-    CacheStats,
-    LowerTier,
-    StoreTicket,
-)
+from hicached.cache.index_types import NO_SPACE, PRESENT, STORED, CacheStats, LowerTier, StoreTicket
 from hicached.cache.key_slots import KeySlots
 from hicached.cache.lending import Lending
 from hicached.cache.lru import LRU
@@ -97,6 +91,7 @@ class PoolCache(HeldKeys, Lending):
         self._lru = LRU()
         self._spilling: Counter[bytes] = Counter()
         """Keys a spiller is writing below (two spillers may write one key)."""
+        self._init_lending()
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
 
     def recover(self) -> dict[str, int]:
@@ -341,6 +336,7 @@ class PoolCache(HeldKeys, Lending):
         """``remove``, returning the keys that were there."""
         with self._lock:
             unique, lower = list(dict.fromkeys(keys)), self.lower
+            self._record_removal(unique)  # before any tier hears of it
             below = [k for k in unique if lower.contains(k)] if lower is not None else []
             gone = self._forget([k for k in unique
                                  if k in self._ready or k in self._writing])
@@ -356,6 +352,7 @@ class PoolCache(HeldKeys, Lending):
         """Drop every key; returns how many (each frees its page now, or once the copy that
         holds it ends)."""
         with self._lock:
+            self._record_removal(None)  # before any tier hears of it
             gone = self._forget([*self._ready, *self._writing])
             if self.lower is not None:
                 self.lower.clear()

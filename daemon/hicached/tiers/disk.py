@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from hicache import seams
 from hicached.tiers import disk_format as fmt
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class DiskStats:
     checksum_failures: int = 0
     write_errors: int = 0
     evicted: int = 0
+    not_committed: int = 0
+    """Pages written whose key was removed meanwhile: their record never written."""
 
 
 def _aligned(buffers: Sequence[memoryview]) -> bool:
@@ -179,9 +182,12 @@ class DiskTier:
 
     # -- write -----------------------------------------------------------------------------
 
-    def write(self, key: bytes, buffers: Sequence[memoryview]) -> bool:
+    def write(self, key: bytes, buffers: Sequence[memoryview],
+              still_wanted: Callable[[bytes], bool] | None = None) -> bool:
         """Write one page (``buffers``, held stable by the caller) under ``key``; True when it
-        is on disk now (or was already). False: no slot could be had, or the write failed."""
+        is on disk now (or was already). False: no slot could be had, the write failed, or
+        ``still_wanted(key)`` (asked under the index's lock, just before the record is
+        written) said no: a key removed while its page was written is never committed."""
         with self._lock:
             if key in self._index:
                 self._lru.move_to_end(key)
@@ -197,11 +203,20 @@ class DiskTier:
             digest = self._pwrite_page(slot, buffers)
             if self.fsync == "batch":
                 os.fdatasync(self._data_fd)
-            with self._lock:
+            seams.reached("spill.written")
+            with self._lock:  # the check and the record in one step: a removal sees either
+                self._writing.discard(key)
+                if still_wanted is not None and not still_wanted(key):
+                    self._free.append(slot)
+                    self.stats.not_committed += 1
+                    return False
                 self._seq += 1
-                seq = self._seq
-            os.pwrite(self._index_fd, fmt.record_bytes(key, seq, digest),
-                      fmt.HEADER_BYTES + slot * fmt.RECORD_BYTES)  # after the page: visible
+                os.pwrite(self._index_fd, fmt.record_bytes(key, self._seq, digest),
+                          fmt.HEADER_BYTES + slot * fmt.RECORD_BYTES)  # after the page
+                self._index[key], self._digest[slot] = slot, digest
+                self._lru[key] = None
+                self.stats.writes += 1
+                self.stats.write_bytes += self.page_bytes
         except OSError as exc:
             with self._lock:
                 self._writing.discard(key)
@@ -209,12 +224,6 @@ class DiskTier:
                 self.stats.write_errors += 1
             log.warning("disk tier of pool %s: writing a page failed: %s", self.name, exc)
             return False
-        with self._lock:
-            self._writing.discard(key)
-            self._index[key], self._digest[slot] = slot, digest
-            self._lru[key] = None
-            self.stats.writes += 1
-            self.stats.write_bytes += self.page_bytes
         self._observe("write", time.perf_counter() - t0)
         return True
 
@@ -345,11 +354,12 @@ class DiskTier:
             return [self.read_into(k, b) for k, b in items]
         return list(self._io.map(lambda it: self.read_into(*it), items))
 
-    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[bool]:
+    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]],
+                   still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]:
         """``write`` for several pages, ``io_threads`` at a time."""
         if len(items) < 2:
-            return [self.write(k, b) for k, b in items]
-        return list(self._io.map(lambda it: self.write(*it), items))
+            return [self.write(k, b, still_wanted) for k, b in items]
+        return list(self._io.map(lambda it: self.write(it[0], it[1], still_wanted), items))
 
     # -- removal ---------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ Primitives:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hicache import seams
 from hicache.specs import PoolSpec
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
@@ -121,33 +123,50 @@ class RemoteTier:
             return [REMOTE_TIER if g and k not in dead else 0
                     for k, g in zip(keys, got, strict=True)]
 
-    def put_pages(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
-        return self._put(keys, [self.runs(p) for p in pages.tolist()])
+    def put_pages(self, keys: Sequence[bytes], pages: np.ndarray,
+                  still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]:
+        return self._put(keys, [self.runs(p) for p in pages.tolist()], still_wanted)
 
-    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[bool]:
+    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]],
+                   still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]:
         """Put pages given as views of the pool's memory (a ``Spiller``'s batch)."""
         return self._put([k for k, _ in items],
                          [[(np.frombuffer(v, np.uint8).ctypes.data, v.nbytes) for v in views]
-                          for _, views in items])
+                          for _, views in items], still_wanted)
 
-    def _put(self, keys: Sequence[bytes], runs: Sequence[Runs]) -> list[bool]:
+    def _put(self, keys: Sequence[bytes], runs: Sequence[Runs],
+             still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]:
         """Returns once the store no longer reads the pool's memory (counted as a copy, so
-        the pool is never unmapped under it)."""
+        the pool is never unmapped under it). A key for which ``still_wanted`` says no (it
+        was removed after its page was lent) is not put, or, if that happened during the put,
+        removed from the store again at once."""
+        wanted = still_wanted or (lambda k: True)
+        todo = [i for i, k in enumerate(keys) if wanted(k)]
+        ok = [False] * len(keys)
+        if not todo:
+            return ok
+        keys_now, runs_now = [keys[i] for i in todo], [runs[i] for i in todo]
         try:
             self.pool.begin_copy()
         except Exception:  # the pool is closing
-            return [False] * len(keys)
+            return ok
         with self._lock:
-            self._in_flight.update(keys)
+            self._in_flight.update(keys_now)
         try:
-            ok = self.store.put([self.name(k) for k in keys], runs)
+            got = self.store.put([self.name(k) for k in keys_now], runs_now)
         finally:
             self.pool.end_copy()
             with self._lock:
-                self._in_flight.subtract(keys)
+                self._in_flight.subtract(keys_now)
                 self._in_flight += Counter()
-                removed = [k for k in keys if k in self._tombstones]
-        self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
+        seams.reached("remote.put")
+        with self._lock:
+            removed = [k for k, done in zip(keys_now, got, strict=True)
+                       if k in self._tombstones or (done and not wanted(k))]
+        for i, done in zip(todo, got, strict=True):
+            ok[i] = done and keys[i] not in removed
+        self._remember_keys([k for k, done in zip(keys_now, got, strict=True)
+                             if done and k not in removed])
         if removed:  # removed while the put ran: it must not stay in the store
             self._remove_from_store(removed)
         return ok
@@ -265,18 +284,17 @@ class RemoteWriter:
                 continue
             attempts = dict(items)
             try:
-                held, pages = self.cache.borrow(list(attempts))
+                held, pages, epoch = self.cache.borrow(list(attempts))
             except Exception:  # the pool closed under us
                 log.debug("remote writer of %s stopped", self.cache.pool.spec.name,
                           exc_info=True)
                 return
             self.dropped += len(attempts) - len(held)  # evicted or removed before their turn
-            if not held:
-                continue
             try:
-                ok = self.tier.put_pages(held, pages)
+                ok = self.tier.put_pages(held, pages, functools.partial(
+                    _wanted, self.cache, epoch)) if held else []
             finally:
-                self.cache.give_back(pages)
+                self.cache.give_back(pages, epoch)
             self.put += sum(ok)
             failed = [k for k, done in zip(held, ok, strict=True) if not done]
             self.failed += len(failed)
@@ -292,6 +310,10 @@ class RemoteWriter:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(30)
+
+
+def _wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
+    return not cache.removed_since(key, epoch)
 
 
 def promote_remote(cache: PoolCache, tier: RemoteTier, keys: Sequence[bytes]) -> int:

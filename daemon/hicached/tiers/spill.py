@@ -7,7 +7,8 @@ host memory, but the page is not reused until the write is done). Eviction then 
 whose page is below already or on its way (it stays found, tier 2), or,
 when stores outrun the disk and the window was not written in time, drops it for good and
 counts it (``CacheStats.spill_dropped``): a bounded queue that overflows by dropping, never by
-blocking a store.
+blocking a store. A key removed while its page is being written below is not committed there
+(``PoolCache.removed_since``, asked at the commit): a removed key never comes back.
 
 Primitives:
 
@@ -21,11 +22,13 @@ Primitives:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from hicache import seams
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.tiers.disk import DiskTier
@@ -36,12 +39,14 @@ IDLE_WAIT_SECONDS = 1.0
 
 
 class SpillTarget(Protocol):
-    """A tier a ``Spiller`` writes to: the disk, or the cluster store (``evict`` policy)."""
+    """A tier a ``Spiller`` writes to: the disk, or the cluster store (``evict`` policy).
+    ``write_many`` keeps a key only if ``still_wanted(key)`` holds when it commits it (the
+    disk: asked under its lock; the cluster: the put is undone otherwise)."""
 
     def contains(self, key: bytes) -> bool: ...
 
-    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]
-                   ) -> list[bool]: ...
+    def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]],
+                   still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]: ...
 
 
 class Spiller:
@@ -65,8 +70,8 @@ class Spiller:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                keys, pages = self.cache.spill_candidates(self.batch, self.window,
-                                                          self.tier.contains)
+                keys, pages, epoch = self.cache.spill_candidates(self.batch, self.window,
+                                                                 self.tier.contains)
             except Exception:  # the pool closed under us
                 log.debug("spill of pool %s stopped", self.pool.spec.name, exc_info=True)
                 return
@@ -75,18 +80,25 @@ class Spiller:
                 self._wake.clear()
                 continue
             try:
-                done = self.tier.write_many([(k, self.pool.page_views(p))
-                                             for k, p in zip(keys, pages.tolist(), strict=True)])
+                done = self.tier.write_many(
+                    [(k, self.pool.page_views(p)) for k, p in zip(keys, pages.tolist(),
+                                                                 strict=True)],
+                    functools.partial(_wanted, self.cache, epoch))
                 self.spilled += sum(done)
                 self.failed += len(done) - sum(done)
             finally:
-                self.cache.finish_spill(keys, pages)
+                self.cache.finish_spill(keys, pages, epoch)
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(30)
+
+
+def _wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
+    """A key lent at ``epoch`` may still be committed below: not removed since."""
+    return not cache.removed_since(key, epoch)
 
 
 def promote(pool: HostPool, cache: PoolCache, tier: DiskTier, keys: Sequence[bytes]) -> int:
@@ -99,6 +111,7 @@ def promote(pool: HostPool, cache: PoolCache, tier: DiskTier, keys: Sequence[byt
         ok = all(tier.read_many([
             (ticket.keys[i], pool.page_views(page))
             for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(), strict=True)]))
+        seams.reached("promote.read")
     finally:
         cache.finish_store(ticket, ok)
     return int(ticket.pages.size) if ok else 0
