@@ -91,7 +91,10 @@ class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _importable(package: str) -> bool:
-    if importlib.util.find_spec(package) is None:
+    try:
+        if importlib.util.find_spec(package) is None:
+            return False
+    except ImportError:  # a finder that refuses it
         return False
     try:
         __import__(package)
@@ -110,14 +113,17 @@ def install_stand_ins() -> None:
       none; installed after transformers has probed for the real one.
     - ``sgl_kernel`` (SGLang's quantization and MoE layers import it when CUDA is available):
       its wheel is CUDA-built and large; calling anything of the stand-in raises.
+    - ``IPython`` (``sglang.utils`` imports its notebook display helpers): calling anything
+      of the stand-in raises.
     """
     if not _importable("torchvision"):
         from transformers.utils import is_torchvision_available  # type: ignore[attr-defined]
 
         is_torchvision_available()
         sys.meta_path.insert(0, _InertFinder("torchvision", calls_raise=False))
-    if not _importable("sgl_kernel"):
-        sys.meta_path.insert(0, _InertFinder("sgl_kernel", calls_raise=True))
+    for package in ("sgl_kernel", "IPython"):
+        if not _importable(package):
+            sys.meta_path.insert(0, _InertFinder(package, calls_raise=True))
 
 
 def tokens_of(start: int, n: int) -> array[int]:

@@ -149,7 +149,7 @@ def test_a_load_with_layer_events_is_timed_to_completion() -> None:
     host = SimpleNamespace(sessions=SimpleNamespace(begin_copy=lambda s: held.append(1),
                                                     end_copy=lambda s: held.pop()),
                            metrics=m)
-    session = SimpleNamespace(pool_name="p")
+    session = SimpleNamespace(pool_name="p", lock=threading.Lock(), loads=0)
     released = threading.Event()
 
     def enqueue(landed: object) -> TransferResult:

@@ -464,3 +464,36 @@ def test_clear_pool_clears_its_namespace(pair: tuple[DaemonProc, DaemonProc]) ->
     finally:
         for w in (wa, wb, wo):
             w.close()
+
+
+def test_a_corrupt_object_is_never_served(cluster: tuple[Netns, Master],
+                                          pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """One bad node must not poison the others: an object whose bytes do not match its
+    digest is not loaded, is counted, and is removed from the store."""
+    import subprocess
+    import sys
+
+    from hicached.tiers.remote import namespace
+
+    ns, m = cluster
+    _, b = pair
+    sp = spec("poison")
+    wb = Worker(b, sp)
+    try:
+        name = namespace(sp, "hicache") + b"bad-key".hex()
+        r = subprocess.run([*ns.prefix, sys.executable, "-m", "tests.mooncake_poison",
+                            m.address, name, str(sp.page_bytes + 8)], cwd=REPO, text=True,
+                           capture_output=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert wb.client.lookup(sp.name, [b"bad-key"]).tiers == b"\x03"
+        for rows in wb.rows:
+            rows.zero_()
+        with pytest.raises(KeyNotFound):  # served, it would land in the zeroed rows
+            wb.session.load_keys([b"bad-key"], torch.arange(PS))
+        assert wb.zeroed(), "a corrupt page reached the worker"
+        text = scrape(ns, b)
+        assert re.search(r'^hicache_remote_checksum_failures_total{pool="poison"} 1\.0$',
+                         text, re.M), text
+        assert wb.client.lookup(sp.name, [b"bad-key"]).tiers == b"\x00", "still in the store"
+    finally:
+        wb.close()

@@ -61,6 +61,16 @@ def write_page(pool: HostPool, page: int, tag: int) -> None:
             pool.raw_bytes()[start:start + n] = (tag * 7 + layer) % 251
 
 
+def pattern(pool: HostPool, tag: int) -> bytes:
+    """The bytes ``write_page`` writes for ``tag``: what a restarted pool must hold."""
+    out = b""
+    for c in pool.components:
+        n = c.comp.units_per_page(PS) * c.addressing.unit_stride
+        for layer in range(c.layer_num):
+            out += bytes([(tag * 7 + layer) % 251]) * n
+    return out
+
+
 def store(pool: HostPool, cache: PoolCache, key: bytes, tag: int, finish: bool = True
           ) -> int:
     t = cache.begin_store([key])
@@ -107,9 +117,9 @@ def test_a_crash_keeps_complete_keys_and_drops_everything_unfinished(state: str)
     assert pool2.state.generation == 2
     assert cache2.lookup([b"done-0", b"done-1", b"done-2"])[0] == 3
     assert cache2.lookup([b"inflight"])[1] == b"\0" and cache2.lookup([b"removed"])[1] == b"\0"
-    for key, page in ((b"done-%d" % i, p) for p, i in done.items()):
-        got = cache2.begin_load([key])
-        assert int(got[0]) == page and page_bytes(pool2, page) == page_bytes(pool, page)
+    for page, i in done.items():
+        got = cache2.begin_load([b"done-%d" % i])
+        assert int(got[0]) == page and page_bytes(pool2, page) == pattern(pool2, i)
         cache2.finish_load(got)
     counts = pool2.allocator.counts()
     assert counts == {"raw": 2, "keyed": 3, "held": 0, "releasing": 0,
@@ -119,6 +129,40 @@ def test_a_crash_keeps_complete_keys_and_drops_everything_unfinished(state: str)
     assert not pool2.allocator.is_keyed(np.array([inflight])).any()  # its page is free again
     pool2.allocator.memcheck()
     assert held.size == 1
+
+
+CRASHING_CHILD = """
+import os, signal, sys
+from tests.test_restart_state import open_pool, store
+pool, cache = open_pool(sys.argv[1])
+for i in range(3):
+    store(pool, cache, b"done-%d" % i, 10 + i)
+store(pool, cache, b"inflight", 99, finish=False)
+print("stored", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no flush: what a killed daemon leaves
+"""
+
+
+def test_a_pool_killed_in_another_process_reattaches_with_its_bytes(state: str) -> None:
+    """The first daemon is another process, SIGKILLed: this one reads what it left, and
+    compares with the pattern written (not with a mapping of the same file)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.daemon_proc import REPO
+
+    r = subprocess.run([sys.executable, "-c", CRASHING_CHILD, state], cwd=REPO, text=True,
+                       capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL and "stored" in r.stdout, r.stderr
+    pool, cache = open_pool(state)
+    assert pool.outcome is Outcome.REATTACHED
+    assert cache.lookup([b"inflight"])[1] == b"\0"
+    for i in range(3):
+        got = cache.begin_load([b"done-%d" % i])
+        assert page_bytes(pool, int(got[0])) == pattern(pool, 10 + i), f"done-{i} changed"
+        cache.finish_load(got)
+    pool.allocator.memcheck()
 
 
 def test_a_damaged_slot_is_dropped_not_served(state: str) -> None:
@@ -260,8 +304,7 @@ class CrashModel(RuleBasedStateMachine):
             assert self.cache.lookup(keys)[0] == len(keys)
             pages = self.cache.begin_load(keys)
             for key, page in zip(keys, pages.tolist(), strict=True):
-                tag = self.ready[key]
-                assert page_bytes(self.pool, page)[:1] == bytes([(tag * 7) % 251])
+                assert page_bytes(self.pool, page) == pattern(self.pool, self.ready[key])
             self.cache.finish_load(pages)
         counts = self.pool.allocator.counts()
         assert counts["raw"] == len(self.raw)

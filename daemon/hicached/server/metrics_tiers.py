@@ -83,7 +83,12 @@ def _remote_families(stacks: list[tuple[str, TierStack]],
     dropped = CounterMetricFamily("hicache_remote_dropped_pages", "Stored keys never put: "
                                   "evicted or removed before their turn, or beyond the "
                                   "queue.", labels=["pool"])
+    checksums = CounterMetricFamily(
+        "hicache_remote_checksum_failures", "Pages got from the cluster store whose digest "
+        "did not match: not served, removed from the store.", labels=["pool"])
     for name, stack in stacks:
+        if stack.remote is not None:
+            checksums.add_metric([name], stack.remote.checksum_failures)
         if stack.writer is not None:
             waiting.add_metric([name], stack.writer.waiting)
             dropped.add_metric([name], stack.writer.dropped)
@@ -92,4 +97,4 @@ def _remote_families(stacks: list[tuple[str, TierStack]],
             # with a disk tier its spill counter already tells
             dropped.add_metric([name], stack.cache.stats.spill_dropped
                                if stack.disk is None else 0)
-    yield from (waiting, dropped)
+    yield from (waiting, dropped, checksums)

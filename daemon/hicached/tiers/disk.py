@@ -355,8 +355,9 @@ class DiskTier:
         return list(self._io.map(lambda it: self.read_into(*it), items))
 
     def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]],
-                   still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]:
-        """``write`` for several pages, ``io_threads`` at a time."""
+                   still_wanted: Callable[[bytes], bool] | None = None,
+                   pages: Sequence[int] = ()) -> list[bool]:
+        """``write`` for several pages, ``io_threads`` at a time (``pages``: unused here)."""
         if len(items) < 2:
             return [self.write(k, b, still_wanted) for k, b in items]
         return list(self._io.map(lambda it: self.write(it[0], it[1], still_wanted), items))

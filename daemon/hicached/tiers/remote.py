@@ -12,7 +12,10 @@ Primitives:
 - ``RemoteTier(pool, store, prefix)``: ``tier`` (3); ``exists(keys)`` -> a tier byte per
   key (3 or 0; all 0 while the store is down); ``put_pages`` / ``get_pages`` (keys, pages)
   -> one bool per key (each a copy of the pool while the store touches its memory;
-  ``get_pages`` hands its pages back through a callback once it is done); ``written(key)``:
+  ``get_pages`` hands its pages back through a callback once it is done). Every object
+  carries the xxh3-64 digest of its page (``OBJECT_FORMAT``), checked on every get: a page
+  that does not match is not served, counted (``checksum_failures``) and removed from the
+  store, so one bad node cannot poison the others; ``written(key)``:
   whether this daemon put (or got) it recently;
   ``contains`` / ``write_many`` (what a ``Spiller`` needs, for the ``evict`` policy);
   ``remove(keys)`` -> those dropped (a removal the store did not confirm, or that raced a
@@ -40,6 +43,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import xxhash
 
 from hicache import seams
 from hicache.specs import PoolSpec
@@ -55,6 +59,9 @@ IDLE_WAIT_SECONDS = 1.0
 PUT_ATTEMPTS = 3
 """Tries per key before the writer drops it (a put can land on a node that just died)."""
 RETRY_DELAY_SECONDS = 0.2
+OBJECT_FORMAT = 2
+"""An object is the page's runs, then the xxh3-64 digest of those bytes (8 bytes, little
+endian); format 1 (no digest) lives in another namespace and is never read."""
 
 
 def namespace(spec: PoolSpec, prefix: str) -> str:
@@ -62,6 +69,7 @@ def namespace(spec: PoolSpec, prefix: str) -> str:
     interchangeable (not their sizes)."""
     d = spec_to_dict(spec)
     shape = {k: d[k] for k in ("geometry", "page_size", "layout", "side_pools")}
+    shape["object_format"] = OBJECT_FORMAT
     digest = hashlib.blake2b(json.dumps(shape, sort_keys=True).encode(),
                              digest_size=6).hexdigest()
     return f"{prefix}/{spec.name}.{digest}/"
@@ -81,13 +89,30 @@ class RemoteTier:
         put of the key was in flight): never reported or promoted, removed again later."""
         self._in_flight: Counter[bytes] = Counter()
         self._lock = threading.Lock()
+        self._digests = np.zeros(max(pool.page_num, 1), dtype="<u8")
+        """One digest slot per page, registered beside the pool: a put sends the page's
+        digest from its slot, a get brings the object's into it (a page is never put and got
+        at once: gets land in fresh pages)."""
+        self.checksum_failures = 0
         store.register(pool.address, pool.nbytes)
+        store.register(self._digests.ctypes.data, self._digests.nbytes)
         store.on_up.append(self.retry_removals)
 
     def close(self) -> None:
         if self.retry_removals in self.store.on_up:
             self.store.on_up.remove(self.retry_removals)
         self.store.unregister(self.pool.address)
+        self.store.unregister(self._digests.ctypes.data)
+
+    def _digest(self, page: int) -> int:
+        h = xxhash.xxh3_64()
+        for view in self.pool.page_views(page):
+            h.update(view)
+        return int(h.intdigest())
+
+    def _object_runs(self, page: int) -> Runs:
+        """The page's runs and its digest slot: what one object holds."""
+        return [*self.runs(page), (self._digests.ctypes.data + 8 * page, 8)]
 
     def name(self, key: bytes) -> str:
         return self.prefix + key.hex()
@@ -125,14 +150,18 @@ class RemoteTier:
 
     def put_pages(self, keys: Sequence[bytes], pages: np.ndarray,
                   still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]:
-        return self._put(keys, [self.runs(p) for p in pages.tolist()], still_wanted)
+        """Put pages (read-held by the caller), each with its digest."""
+        for p in pages.tolist():
+            self._digests[p] = self._digest(p)
+        return self._put(keys, [self._object_runs(p) for p in pages.tolist()], still_wanted)
 
     def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]],
-                   still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]:
-        """Put pages given as views of the pool's memory (a ``Spiller``'s batch)."""
-        return self._put([k for k, _ in items],
-                         [[(np.frombuffer(v, np.uint8).ctypes.data, v.nbytes) for v in views]
-                          for _, views in items], still_wanted)
+                   still_wanted: Callable[[bytes], bool] | None = None,
+                   pages: Sequence[int] = ()) -> list[bool]:
+        """A ``Spiller``'s batch: ``pages`` name the pages the views are of."""
+        assert len(pages) == len(items), "the cluster tier puts pages by number"
+        return self.put_pages([k for k, _ in items], np.asarray(pages, dtype=np.int64),
+                              still_wanted)
 
     def _put(self, keys: Sequence[bytes], runs: Sequence[Runs],
              still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]:
@@ -183,8 +212,9 @@ class RemoteTier:
             release([False] * len(keys))
             return [False] * len(keys)
         ok, late = self.store.get([self.name(k) for k in keys],
-                                  [self.runs(p) for p in pages.tolist()])
+                                  [self._object_runs(p) for p in pages.tolist()])
         if late is None:
+            ok = self._checked(keys, pages, ok)
             self.pool.end_copy()
             self._remember_keys([k for k, done in zip(keys, ok, strict=True) if done])
             release(ok)
@@ -198,6 +228,22 @@ class RemoteTier:
 
         late.add_done_callback(ended)
         return ok
+
+    def _checked(self, keys: Sequence[bytes], pages: np.ndarray, ok: list[bool]
+                 ) -> list[bool]:
+        """A landed page whose digest is not the object's is not served: the object is
+        corrupt (objects are never written twice), so it is removed from the store too."""
+        bad = [k for k, p, done in zip(keys, pages.tolist(), ok, strict=True)
+               if done and self._digest(p) != int(self._digests[p])]
+        if not bad:
+            return ok
+        self.checksum_failures += len(bad)
+        log.error("pool %s: %d page(s) got from the cluster store failed their checksum; not "
+                  "served, removed from the store (first key %s)", self.pool.spec.name,
+                  len(bad), bad[0].hex())
+        self._remove_from_store(bad)
+        gone = set(bad)
+        return [done and k not in gone for k, done in zip(keys, ok, strict=True)]
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys the store held and dropped. Until the store confirms each removal (it

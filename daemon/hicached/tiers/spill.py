@@ -41,12 +41,14 @@ IDLE_WAIT_SECONDS = 1.0
 class SpillTarget(Protocol):
     """A tier a ``Spiller`` writes to: the disk, or the cluster store (``evict`` policy).
     ``write_many`` keeps a key only if ``still_wanted(key)`` holds when it commits it (the
-    disk: asked under its lock; the cluster: the put is undone otherwise)."""
+    disk: asked under its lock; the cluster: the put is undone otherwise); ``pages`` name the
+    pages the views are of."""
 
     def contains(self, key: bytes) -> bool: ...
 
     def write_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]],
-                   still_wanted: Callable[[bytes], bool] | None = None) -> list[bool]: ...
+                   still_wanted: Callable[[bytes], bool] | None = None,
+                   pages: Sequence[int] = ()) -> list[bool]: ...
 
 
 class Spiller:
@@ -83,7 +85,7 @@ class Spiller:
                 done = self.tier.write_many(
                     [(k, self.pool.page_views(p)) for k, p in zip(keys, pages.tolist(),
                                                                  strict=True)],
-                    functools.partial(_wanted, self.cache, epoch))
+                    functools.partial(_wanted, self.cache, epoch), pages.tolist())
                 self.spilled += sum(done)
                 self.failed += len(done) - sum(done)
             finally:
