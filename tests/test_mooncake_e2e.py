@@ -99,12 +99,12 @@ def master(cluster: tuple[Netns, Master]) -> Master:
 
 
 def node(cluster: tuple[Netns, Master], workdir: Path, *extra: str,
-         **settings: object) -> DaemonProc:
+         env: dict[str, str] | None = None, **settings: object) -> DaemonProc:
     ns, m = cluster
     workdir.mkdir(exist_ok=True)
     cfg = workdir / "hicached.toml"
     cfg.write_text(mooncake_toml(m.address, segment_size="64MiB", **settings))
-    d = start_daemon(workdir, "--config", str(cfg), *extra, prefix=ns.prefix)
+    d = start_daemon(workdir, "--config", str(cfg), *extra, prefix=ns.prefix, env=env)
     wait_tier(d, "up")
     return d
 
@@ -389,6 +389,39 @@ def test_a_key_removed_while_the_tier_is_down_does_not_come_back(
         m.resume()
         wa.close()
         wb.close()
+
+
+@pytest.mark.parametrize("seam", ["remote.borrowed", "remote.put"])
+@pytest.mark.parametrize("how", ["remove", "clear"])
+def test_a_removal_during_a_put_does_not_leave_the_key_in_the_cluster(
+        cluster: tuple[Netns, Master], master: Master, tmp_path: Path, how: str,
+        seam: str) -> None:
+    """A's writer has borrowed a key's page (before its put, or after it but before it
+    records it: a 1 s pause there) when the key is removed (RemoveKeys or ClearPool): the put
+    is skipped or undone, and B does not find the key for good."""
+    a = node(cluster, tmp_path / "a", env={"HICACHE_SEAM_DELAYS": f"{seam}=1000000"})
+    b = node(cluster, tmp_path / "b")
+    sp = spec(f"racing-{how}-{seam.split('.')[1]}")
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        wa.store([b"R"])
+        time.sleep(0.4)  # the put ran; the writer sits in the pause before it checks
+        if how == "remove":
+            assert wa.client.remove_keys(sp.name, [b"R"]) == 1
+        else:
+            wa.client.clear_pool(sp.name)
+        deadline = time.monotonic() + 10
+        while wb.client.lookup(sp.name, [b"R"]).hits:  # there for a moment, then undone
+            assert time.monotonic() < deadline, "the removed key stayed in the cluster"
+            time.sleep(0.05)
+        time.sleep(1.5)
+        assert wb.client.lookup(sp.name, [b"R"]).hits == 0, "the removed key came back"
+        assert wa.client.lookup(sp.name, [b"R"]).hits == 0
+    finally:
+        wa.close()
+        wb.close()
+        a.stop(signal.SIGTERM)
+        b.stop(signal.SIGTERM)
 
 
 @pytest.mark.tier(write_policy="evict", queue_size="8KiB")

@@ -30,6 +30,7 @@ POINTS = {
     "store.taken": "a Store: pages taken for its keys, the copy not begun",
     "spill.written": "a spiller: a page written below, the write not yet committed",
     "promote.read": "a promotion: a page read from below into host memory, not yet ready",
+    "remote.borrowed": "the cluster writer: pages borrowed, the put not begun",
     "remote.put": "the cluster writer: a batch put, not yet recorded as put",
 }
 

@@ -169,6 +169,7 @@ class RemoteTier:
         the pool is never unmapped under it). A key for which ``still_wanted`` says no (it
         was removed after its page was lent) is not put, or, if that happened during the put,
         removed from the store again at once."""
+        seams.reached("remote.borrowed")
         wanted = still_wanted or (lambda k: True)
         todo = [i for i, k in enumerate(keys) if wanted(k)]
         ok = [False] * len(keys)
