@@ -153,11 +153,33 @@ def test_a_hold_is_not_taken_for_a_key_being_written(pool: HostPool) -> None:
 
 def test_hold_table_books() -> None:
     t = HoldTable()
-    assert t.add(A, b"x", 3, 5.0) and not t.add(A, b"x", 3, 7.0)
-    assert t.get(A, b"x") is not None and t.get(A, b"x").until == 7.0  # type: ignore[union-attr]
+    early, late = t.deadline(A, 5.0), t.deadline(A, 7.0)
+    assert t.add(A, b"x", 3, early) and not t.add(A, b"x", 3, late)  # refreshed: later
+    h = t.get(A, b"x")
+    assert h is not None and h.until == 7.0 and t.version(A) == 1
     assert t.expire(6.0) == [] and len(t.expire(7.0)) == 1 and t.total == 0
-    t.add(B, b"y", 4, 1.0)
+    moved = t.deadline(B, 1.0)
+    t.add(B, b"y", 4, moved)
+    moved.until = 3.0  # a Lookup of the same keys moved it on
+    assert t.expire(2.0) == [] and t.total == 1
     assert [h.page for h in t.end(B)] == [4] and t.ended(B) and t.total == 0
+
+
+def test_asking_the_same_keys_again_refreshes_all_holds(pool: HostPool) -> None:
+    clock = Clock()
+    cache = PoolCache(pool, policy=HoldPolicy(max_held_fraction=1.0), clock=clock)
+    store(cache, K[:6])
+    assert cache.lookup_held(K[:6], Holder(A, 2.0))[2] == 6
+    for _ in range(3):  # the fast way: nothing changed since
+        clock.now += 1.5
+        assert cache.lookup_held(K[:6], Holder(A, 2.0))[2] == 6
+    assert cache.expire_holds() == 0 and cache.holds.total == 6
+    cache.remove(K[:1])  # a change: the next Lookup takes the long way
+    clock.now += 1.5
+    assert cache.lookup_held(K[:6], Holder(A, 2.0))[:1] == (0,)
+    assert cache.lookup_held(K[1:6], Holder(A, 2.0))[2] == 5
+    clock.now += 2.5
+    assert cache.expire_holds() == 6 and cache.holds.total == 0  # k00's old hold too
 
 
 class HoldsMachine(RuleBasedStateMachine):

@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from hicached.cache.holds import Hold, HoldPolicy, HoldTable
+from hicached.cache.holds import Deadline, Hold, HoldPolicy, HoldTable
 from hicached.cache.index_types import CacheStats
 from hicached.core.allocator import PageAllocator
 from hicached.core.pool import HostPool
 
 
-@dataclass(frozen=True)
-class Holder:
+class Holder(NamedTuple):
     """Who a Lookup holds its hit for: a session (its owner number) and for how long."""
 
     owner: int
@@ -49,6 +48,10 @@ class HeldKeys:
     _lookup: Callable[..., tuple[int, bytes, int]]
     _read_more: Callable[[int, bytes], None]
     _read_less: Callable[[int], None]
+    _removal_seq: int
+    _last_holds: dict[int, tuple[int, int, int, list[bytes], int, Deadline]]
+    """Per owner, its last Lookup's holding: (leading keys in host memory, its holds'
+    version, the removal sequence then, those keys, how many it held, their deadline)."""
 
     def lookup_held(self, keys: Sequence[bytes], holder: Holder,
                     below: Callable[[list[bytes]], list[int]] | None = None
@@ -68,23 +71,31 @@ class HeldKeys:
 
     def _hold_locked(self, owner: int, keys: Sequence[bytes], tiers: bytearray,
                      until: float) -> int:
-        """Hold the leading keys whose tier byte is 1 (host memory), up to the owner's quota;
-        returns how many leading keys the owner holds now."""
+        """Hold the leading keys whose tier byte is 1 (host memory), up to the owner's quota,
+        until ``until`` (the latest Lookup of a key sets its hold's deadline); returns how
+        many leading keys the owner holds now. The owner's Lookup of the very keys it held
+        last, with nothing changed since, refreshes them in one step."""
         holds = self.holds
         if holds.ended(owner):
             return 0
+        lead = len(tiers) - len(tiers.lstrip(b"\x01"))
+        last = self._last_holds.get(owner)
+        if (last is not None and last[0] == lead and last[1] == holds.version(owner)
+                and last[2] == self._removal_seq and last[3] == keys[:lead]):
+            last[5].until = until  # every hold it took points at this deadline
+            return last[4]
         limit = self.policy.limit(self.pool.page_num)
+        deadline = holds.deadline(owner, until)
         new: dict[bytes, int] = {}
         held = 0
-        for k, t in zip(keys, tiers, strict=True):
-            if t != 1:
-                break
+        for k in keys[:lead]:
             h = holds.get(owner, k)
             if h is not None and h.page != self._ready[k]:  # removed and stored again
                 self._unhold(holds.drop(owner, [k]))  # since: hold the page it names now
                 h = None
             if h is not None:
-                holds.add(owner, k, h.page, until)  # held already: the deadline moves on
+                h.deadline = deadline
+                deadline.keys.append(k)
             elif k not in new:
                 if holds.count(owner) + len(new) >= limit:
                     break
@@ -94,9 +105,11 @@ class HeldKeys:
             self._alloc.acquire(np.fromiter(new.values(), np.int64, len(new)), write=False,
                                 unique=False)
             for k, page in new.items():
-                holds.add(owner, k, page, until)
+                holds.add(owner, k, page, deadline)
                 self._read_more(page, k)
             self.stats.holds_taken += len(new)
+        self._last_holds[owner] = (lead, holds.version(owner), self._removal_seq,
+                                   list(keys[:lead]), held, deadline)
         return held
 
     def release_holds(self, owner: int, keys: Sequence[bytes] | None = None) -> int:
@@ -110,6 +123,7 @@ class HeldKeys:
     def end_holds(self, owner: int) -> int:
         """The owner's session ended: its holds end, and it gets no new ones."""
         with self._lock:
+            self._last_holds.pop(owner, None)
             gone = self.holds.end(owner)
             self._unhold(gone)
             self.stats.holds_ended += len(gone)

@@ -15,13 +15,14 @@ this table (no lock here).
 Primitives:
 
 - ``HoldPolicy(max_hold_ms, max_held_fraction)``: the daemon's limits (validated).
-- ``Hold``: a held page and its deadline.
-- ``HoldTable``: ``get(owner, key)``, ``count(owner)``, ``add(owner, key, page, until)``
-  (False for a refresh of a hold already there), ``take(owner, keys)`` (the holds a load
-  consumes), ``drop(owner, keys)`` (``ReleaseHolds``; no keys: all), ``end(owner)`` (the session
-  ended: every hold, and no new ones for it), ``expire(now)`` (holds past their deadline),
-  ``total``. Expiry costs O(log n) per hold (a heap; refreshed holds leave stale entries that
-  are skipped when they come due).
+- ``Hold``: a held page and its ``Deadline`` (shared by the holds one Lookup took).
+- ``HoldTable``: ``get(owner, key)``, ``count(owner)``, ``deadline(owner, until)`` (a new
+  one), ``add(owner, key, page, deadline)`` (False for a refresh of a hold already there),
+  ``take(owner, keys)`` (the holds a load consumes), ``drop(owner, keys)`` (``ReleaseHolds``;
+  no keys: all), ``end(owner)`` (the session ended: every hold, and no new ones for it),
+  ``expire(now)`` (holds past their deadline), ``version(owner)`` (bumped when its set of
+  holds changes), ``total``. Deadlines sit in a heap (a moved one is put back when it comes
+  due): a Lookup that asks the same keys again refreshes all its holds in O(1).
 """
 
 from __future__ import annotations
@@ -61,18 +62,35 @@ class HoldPolicy:
         return max(int(page_num * self.max_held_fraction), 1)
 
 
+class Deadline:
+    """When the holds one Lookup took (or refreshed) end; shared by them, so a Lookup that
+    asks the same keys again moves them all on at once."""
+
+    __slots__ = ("keys", "owner", "until")
+
+    def __init__(self, owner: int, until: float) -> None:
+        self.owner, self.until = owner, until
+        self.keys: list[bytes] = []
+        """Keys given this deadline (a key may have moved on to a later one since)."""
+
+
 @dataclass
 class Hold:
     page: int
-    until: float
+    deadline: Deadline
+
+    @property
+    def until(self) -> float:
+        return self.deadline.until
 
 
 class HoldTable:
     def __init__(self) -> None:
         self._by_owner: dict[int, dict[bytes, Hold]] = {}
         self._ended: set[int] = set()
-        self._due: list[tuple[float, int, int, bytes]] = []
+        self._due: list[tuple[float, int, Deadline]] = []
         self._seq = itertools.count()
+        self._version: dict[int, int] = {}
         self.total = 0
         """Holds in the table now."""
 
@@ -84,21 +102,35 @@ class HoldTable:
         held = self._by_owner.get(owner)
         return len(held) if held else 0
 
-    def add(self, owner: int, key: bytes, page: int, until: float) -> bool:
-        """Hold ``page`` for ``key`` until ``until``: True for a new hold, False when the
-        owner held it already (its deadline moves to the later of the two). An ended owner
-        gets none (the caller checks ``ended`` first)."""
+    def version(self, owner: int) -> int:
+        """Bumped whenever the owner's set of holds changes (not when a deadline moves)."""
+        return self._version.get(owner, 0)
+
+    def _changed(self, owner: int) -> None:
+        self._version[owner] = self._version.get(owner, 0) + 1
+
+    def deadline(self, owner: int, until: float) -> Deadline:
+        """A new deadline for the holds a Lookup takes or refreshes."""
+        d = Deadline(owner, until)
+        heapq.heappush(self._due, (until, next(self._seq), d))
+        return d
+
+    def add(self, owner: int, key: bytes, page: int, deadline: Deadline) -> bool:
+        """Hold ``page`` for ``key`` until ``deadline``: True for a new hold, False when the
+        owner held it already (it then keeps the later of its deadline and this one). An
+        ended owner gets none (the caller checks ``ended`` first)."""
         assert owner not in self._ended, "a hold for a session that ended"
         held = self._by_owner.setdefault(owner, {})
         h = held.get(key)
         if h is not None:
-            if until > h.until:
-                h.until = until
-                heapq.heappush(self._due, (until, next(self._seq), owner, key))
+            if deadline is not h.deadline and deadline.until >= h.deadline.until:
+                h.deadline = deadline
+                deadline.keys.append(key)
             return False
-        held[key] = Hold(page, until)
+        held[key] = Hold(page, deadline)
+        deadline.keys.append(key)
         self.total += 1
-        heapq.heappush(self._due, (until, next(self._seq), owner, key))
+        self._changed(owner)
         return True
 
     def ended(self, owner: int) -> bool:
@@ -111,6 +143,8 @@ class HoldTable:
             return {}
         out = {k: held.pop(k) for k in dict.fromkeys(keys) if k in held}
         self.total -= len(out)
+        if out:
+            self._changed(owner)
         if not held:
             del self._by_owner[owner]
         return out
@@ -120,6 +154,7 @@ class HoldTable:
         if keys is None:
             held = self._by_owner.pop(owner, {})
             self.total -= len(held)
+            self._changed(owner)
             return list(held.values())
         return list(self.take(owner, keys).values())
 
@@ -133,10 +168,14 @@ class HoldTable:
         out: list[Hold] = []
         due = self._due
         while due and due[0][0] <= now:
-            _, _, owner, key = heapq.heappop(due)
-            h = self.get(owner, key)
-            if h is not None and h.until <= now:
-                out.append(self.take(owner, [key])[key])
+            _, _, d = heapq.heappop(due)
+            if d.until > now:  # moved on since: due later
+                heapq.heappush(due, (d.until, next(self._seq), d))
+                continue
+            held = self._by_owner.get(d.owner)
+            mine = [k for k in d.keys if held and (h := held.get(k)) is not None
+                    and h.deadline is d]
+            out += self.take(d.owner, mine).values()
         return out
 
     def next_due(self) -> float | None:

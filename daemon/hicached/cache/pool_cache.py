@@ -65,6 +65,7 @@ class PoolCache(HeldKeys, Lending):
         self.policy = policy or HoldPolicy()
         """Limits on holds (``max_held_fraction`` of this pool's pages per session)."""
         self.holds = HoldTable()
+        self._last_holds = {}
         self._clock = clock
         self.events = events or EventLog()
         self.stats = CacheStats()
