@@ -58,7 +58,7 @@ class HeldKeys:
                     ) -> tuple[int, bytes, int]:
         """``lookup``, and in the same step the leading keys host memory has are held for
         ``holder`` (up to its quota): (hit prefix, tier bytes, keys held). Keys it holds
-        already have their deadline moved on. Keys below host memory are held once promoted
+        already take this Lookup's deadline. Keys below host memory are held once promoted
         (``hold_promoted``)."""
         return self._lookup(keys, below, True, holder)
 

@@ -71,7 +71,7 @@ class Deadline:
     def __init__(self, owner: int, until: float) -> None:
         self.owner, self.until = owner, until
         self.keys: list[bytes] = []
-        """Keys given this deadline (a key may have moved on to a later one since)."""
+        """Keys given this deadline (a key may have been given a later Lookup's since)."""
 
 
 @dataclass
