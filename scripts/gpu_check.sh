@@ -126,6 +126,10 @@ print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "stub
 
 env_report() {
     nvidia-smi 2>&1 | head -20 || echo "no nvidia-smi"
+    # SGLang JIT-compiles its page-hash binding (C++ and OpenSSL's libcrypto) on first use
+    echo "c++: $(command -v g++ || command -v c++ || echo none);" \
+        "openssl headers: $([ -f /usr/include/openssl/sha.h ] && echo yes || echo no);" \
+        "ninja: $(command -v ninja || echo none)"
     python3 - <<'PY'
 import importlib, platform
 print("python", platform.python_version(), platform.machine())

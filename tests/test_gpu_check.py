@@ -120,8 +120,19 @@ PROBES = {
 }
 
 
+WARM = ("from tests.sglang_harness import install_stand_ins\n"
+        "install_stand_ins()\n"
+        "from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module\n"
+        "_load_native_hash_module()\n")
+"""SGLang JIT-compiles its page-hash binding on first use: done once before the probes, so
+that what they check is the packages, not a compiler race (the GPU host compiles its own:
+the GPU check's environment part reports the compiler and OpenSSL headers)."""
+
+
 @pytest.fixture(scope="module")
 def image_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    subprocess.run([sys.executable, "-c", WARM], cwd=REPO, check=True, capture_output=True,
+                   timeout=600)
     tmp = tmp_path_factory.mktemp("gpu-image")
     pythonpath = os.pathsep.join(
         [str(REPO / "tests" / "gpu_image"), *filter(None, [os.environ.get("PYTHONPATH")])])

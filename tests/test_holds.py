@@ -224,8 +224,8 @@ class HoldsMachine(RuleBasedStateMachine):
             assert held == 0
             return
         until = self.clock.now + seconds
-        for k in keys[:held]:
-            self.held[owner][k] = max(self.held[owner].get(k, 0), until)
+        for k in keys[:held]:  # the latest Lookup of a key sets its hold's deadline
+            self.held[owner][k] = until
             self.removed[owner].discard(k)
         assert len(self.held[owner]) == self.cache.holds.count(owner)
 
