@@ -31,10 +31,30 @@ class DaemonProc:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP, and wait until every thread of the daemon is stopped (a signal takes
+        effect when the process is next scheduled: a call may still be answered before)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        while not all(_state(t) in ("T", "t") for t in tasks.iterdir()):
+            assert time.monotonic() < deadline, "the daemon did not stop"
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
+
+
+def _state(task: Path) -> str:
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:  # the thread ended
+        return "T"
 
 
 def wait_serving(target: str, timeout: float = 30.0) -> None:

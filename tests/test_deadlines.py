@@ -48,7 +48,7 @@ class Stopped:
         self.d = d
 
     def __enter__(self) -> Stopped:
-        self.d.proc.send_signal(signal.SIGSTOP)
+        self.d.pause()
         return self
 
     def __exit__(self, *exc: object) -> None:

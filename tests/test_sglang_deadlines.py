@@ -69,7 +69,7 @@ def test_lookups_against_a_stopped_daemon_keep_their_deadline(daemon: DaemonProc
         assert cache.offload_and_evict(tokens) == 32
         cache.hit_and_load(tokens_of(50, 8), rid="warm")  # SGLang's lazy imports, done
         generation = cache.linker.link.generation
-        daemon.proc.send_signal(signal.SIGSTOP)
+        daemon.pause()
         times = []
         try:
             for i in range(12):
@@ -106,7 +106,7 @@ def test_a_load_in_flight_when_the_daemon_stops(daemon: DaemonProc) -> None:
             # the daemon sits in the seam (300 ms) with the pages held: stop it there
             import threading
 
-            threading.Timer(0.1, daemon.proc.send_signal, (signal.SIGSTOP,)).start()
+            threading.Timer(0.1, daemon.pause).start()
             return original(index, batch)
 
         cache.linker._load_batch = stop_during  # type: ignore[method-assign]
