@@ -26,7 +26,8 @@ def test_keys_are_1_to_64_bytes() -> None:
         with pytest.raises(HiCacheError) as exc:
             check_keys([b"ok", bad], "keys")
         assert exc.value.reason == "KEY_INVALID"
-        assert exc.value.metadata == {"field": "keys", "position": "1", "length": str(length)}
+        assert exc.value.metadata == {"field": "keys", "position": "1", "length": str(length),
+                                      "count": "1"}
     with pytest.raises(HiCacheError) as exc:
         check_keys(["text"])  # type: ignore[list-item]
     assert exc.value.reason == "KEY_INVALID"
@@ -39,6 +40,29 @@ def test_duplicates_are_named_where_a_batch_must_be_unique() -> None:
     assert exc.value.reason == "DUPLICATE_KEY"
     assert exc.value.metadata["position"] == "2" and exc.value.metadata["first_position"] == "0"
     assert [v.reason for v in exc.value.violations] == ["DUPLICATE_KEY", "KEY_INVALID"]
+
+
+def test_bad_keys_are_reported_once_per_kind_with_a_count_and_the_first_position() -> None:
+    """A million empty keys make one violation, not a million (the error stays small)."""
+    batch = [b"ok"] * 3 + [b""] * 1_000_000 + [b"x" * 65, 7, b"ok"]
+    with pytest.raises(HiCacheError) as exc:
+        check_keys(batch, unique=True)  # type: ignore[arg-type]
+    got = {(v.reason, v.description.split(" key(s)")[0]): dict(v.metadata)
+           for v in exc.value.violations}
+    assert len(exc.value.violations) == 3
+    assert got[("DUPLICATE_KEY", "3")]["position"] == 1  # b"ok" again at 1, 2 and the end
+    assert got[("KEY_INVALID", "1000001")]["position"] == 3  # empty and 65 bytes: one kind
+    assert got[("KEY_INVALID", "1")]["type"] == "int"
+    assert exc.value.reason == "DUPLICATE_KEY"  # the first position's fault is raised
+    assert len(str(exc.value)) < 400
+
+
+def test_a_batch_over_the_limit_is_refused_before_any_key_is_checked() -> None:
+    with pytest.raises(HiCacheError) as exc:
+        check_keys([b""] * 11, limit=10)
+    assert exc.value.reason == "TOO_MANY_KEYS"
+    assert exc.value.metadata == {"field": "keys", "count": "11", "max": "10"}
+    assert check_keys([b"a"] * 10, limit=10) == [b"a"] * 10
 
 
 def test_chain_of_two_pages_by_hand() -> None:

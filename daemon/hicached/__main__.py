@@ -44,6 +44,11 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--copy-spin-us": ("copy_spin_us", "microseconds copy threads spin after a job (0 = none)"),
     "--fast-path-spin-us": ("fast_path_spin_us", "most microseconds a fast-path connection "
                                                  "polls for the next request (200; 0 = none)"),
+    "--fast-path-body-timeout-s": ("fast_path_body_timeout_s", "seconds a fast-path frame's "
+                                                               "body may take to arrive (5)"),
+    "--fast-path-inflight-bytes": ("fast_path_inflight_bytes", "bytes of fast-path frames "
+                                                               "read at once (256MiB)"),
+    "--max-keys-per-call": ("max_keys_per_call", "keys one call may name (65536)"),
     "--grpc-threads": ("grpc_threads", "concurrent RPCs (16)"),
     "--max-data-rpcs": ("max_data_rpcs", "data calls at once before OVERLOADED "
                                          "(grpc-threads - 4)"),
@@ -61,9 +66,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--log-level": ("log_level", "DEBUG, INFO, WARNING, ..."),
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
 }
-_FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds", "max_held_fraction"}
+_FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds", "max_held_fraction",
+           "fast_path_body_timeout_s"}
 _INTS = {"copy_threads", "copy_spin_us", "fast_path_spin_us", "grpc_threads", "max_watchers",
-         "max_data_rpcs", "max_pending_rpcs", "max_hold_ms"}
+         "max_data_rpcs", "max_pending_rpcs", "max_hold_ms", "max_keys_per_call"}
 _LISTS = {"listen", "health_listen"}
 _BOOLS = {"hugepages", "insecure_tcp", "accept_shm_paths", "fast_path"}
 

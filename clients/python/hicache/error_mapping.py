@@ -6,7 +6,8 @@ Primitives:
   missing: map new classes here explicitly, never by inheritance).
 - ``to_rpc_status(exc)``: ``google.rpc.Status`` with ``ErrorInfo`` (domain ``hicache.v1``,
   reason, metadata), ``BadRequest`` field violations and, when the metadata carries
-  ``retry_after_ms``, a ``RetryInfo``, ready for ``rpc_status.to_status``.
+  ``retry_after_ms``, a ``RetryInfo``, ready for ``rpc_status.to_status``; bounded in size
+  (``MAX_VIOLATIONS``, ``MAX_METADATA``, ``MAX_TEXT``) whatever the error carries.
 - ``abort_status(exc)``: the ``grpc.Status`` a servicer aborts with.
 - ``from_rpc_error(err)``: the client side: a ``grpc.RpcError`` back into the domain class for
   its reason, carrying metadata, violations, the gRPC code and whether the daemon itself
@@ -46,6 +47,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.BufferNotShareable: C.INVALID_ARGUMENT,
     e.KeyInvalid: C.INVALID_ARGUMENT,
     e.DuplicateKey: C.INVALID_ARGUMENT,
+    e.TooManyKeys: C.INVALID_ARGUMENT,
     e.StateConflict: C.FAILED_PRECONDITION,
     e.PageNotAllocated: C.FAILED_PRECONDITION,
     e.DoubleFree: C.FAILED_PRECONDITION,
@@ -98,19 +100,40 @@ def grpc_code(exc: e.HiCacheError) -> grpc.StatusCode:
     return GRPC_CODES[type(exc)]
 
 
+MAX_VIOLATIONS = 32
+"""Field violations one status carries (the rest are counted in its last one)."""
+MAX_TEXT = 1024
+"""Characters of a message, description, metadata value or field name a status carries."""
+MAX_METADATA = 32
+"""Metadata entries one status carries."""
+
+
+def _cut(text: str, limit: int = MAX_TEXT) -> str:
+    return text if len(text) <= limit else text[:limit - 15] + "... (truncated)"
+
+
 def to_rpc_status(exc: e.HiCacheError) -> status_pb2.Status:
+    """The status of ``exc``, bounded whatever the request (at most ``MAX_VIOLATIONS`` field
+    violations, ``MAX_METADATA`` entries and ``MAX_TEXT`` characters per text: under 64 KiB
+    serialized)."""
     code = grpc_code(exc)
-    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN, metadata=exc.metadata)
+    meta = {_cut(k, 128): _cut(v) for k, v in sorted(exc.metadata.items())[:MAX_METADATA]}
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN, metadata=meta)
     details = [any_pb2.Any()]
     details[0].Pack(info)
     violations = list(exc.violations)
     if not violations and isinstance(exc, e.InvalidRequest):
         field = exc.metadata.get("field") or _SPEC_FIELDS.get(exc.reason, "request")
         violations = [e.Violation(field, exc.reason, exc.message)]
+    if len(violations) > MAX_VIOLATIONS:
+        rest = len(violations) - MAX_VIOLATIONS + 1
+        violations = [*violations[:MAX_VIOLATIONS - 1], e.Violation(
+            "request", exc.reason, f"{rest} more violation(s) not listed")]
     if violations:
         bad = error_details_pb2.BadRequest()
         for v in violations:
-            bad.field_violations.add(field=v.field, description=v.description, reason=v.reason)
+            bad.field_violations.add(field=_cut(v.field, 128), description=_cut(v.description),
+                                     reason=v.reason)
         details.append(any_pb2.Any())
         details[-1].Pack(bad)
     retry_ms = exc.metadata.get("retry_after_ms", "")
@@ -119,7 +142,8 @@ def to_rpc_status(exc: e.HiCacheError) -> status_pb2.Status:
         retry.retry_delay.FromMilliseconds(int(retry_ms))
         details.append(any_pb2.Any())
         details[-1].Pack(retry)
-    return status_pb2.Status(code=code.value[0], message=str(exc), details=details)
+    return status_pb2.Status(code=code.value[0], message=_cut(str(exc), 4 * MAX_TEXT),
+                             details=details)
 
 
 def abort_status(exc: e.HiCacheError) -> grpc.Status:

@@ -28,7 +28,8 @@ Hierarchy::
     │   ├── IpcHandleInvalid               IPC_HANDLE_INVALID
     │   ├── BufferNotShareable             BUFFER_NOT_SHAREABLE
     │   ├── KeyInvalid                     KEY_INVALID
-    │   └── DuplicateKey                   DUPLICATE_KEY
+    │   ├── DuplicateKey                   DUPLICATE_KEY
+    │   └── TooManyKeys                    TOO_MANY_KEYS
     ├── StateConflict                  the request is well-formed but the state forbids it
     │   ├── PageNotAllocated               PAGE_NOT_ALLOCATED
     │   ├── DoubleFree                     DOUBLE_FREE
@@ -85,10 +86,6 @@ class Violation:
     metadata: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
 
-def _stringify(metadata: Mapping[str, object]) -> dict[str, str]:
-    return {str(k): str(v) for k, v in metadata.items()}
-
-
 class HiCacheError(Exception):
     """Base of every domain error. Subclasses fix ``reason``."""
 
@@ -99,16 +96,11 @@ class HiCacheError(Exception):
     """Client side: the daemon answered with this reason (an ErrorInfo of our domain), as
     opposed to a transport failure such as an unreachable socket."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        metadata: Mapping[str, object] | None = None,
-        violations: Iterable[Violation] = (),
-    ) -> None:
+    def __init__(self, message: str, *, metadata: Mapping[str, object] | None = None,
+                 violations: Iterable[Violation] = ()) -> None:
         super().__init__(message)
         self.message = message
-        self.metadata: dict[str, str] = _stringify(metadata or {})
+        self.metadata: dict[str, str] = {str(k): str(v) for k, v in (metadata or {}).items()}
         self.violations: tuple[Violation, ...] = tuple(violations)
 
     def __str__(self) -> str:
@@ -194,6 +186,12 @@ class DuplicateKey(InvalidRequest):
     """The same key twice in one Store or LoadKeys batch."""
 
     reason = "DUPLICATE_KEY"
+
+
+class TooManyKeys(InvalidRequest):
+    """More keys in one call than the daemon's ``max_keys_per_call`` (metadata count, max)."""
+
+    reason = "TOO_MANY_KEYS"
 
 
 class StateConflict(HiCacheError):

@@ -32,7 +32,9 @@ and that many int64.
 - Heartbeat: session; reply: ``HEARTBEAT_REPLY`` (lease, time left, ms). A control call: the
   data path's bound does not apply, as over gRPC.
 
-Primitives: ``FrameSocket`` (reads whole frames; ``FrameTooLarge``), ``recv_exact``, the
+Primitives: ``FrameSocket`` (reads whole frames into a buffer that grows with what arrived;
+``FrameTooLarge``, ``FrameTooSlow``, ``FrameNotAdmitted``; a ``Budget`` for its bytes),
+``recv_exact``, the
 ``Method`` codes and their gRPC names (``METHOD_NAMES``), ``FLAG_LAYER_EVENTS``, the structs
 above, ``Reader`` (decodes a body; ``INDICES_MALFORMED`` naming field ``frame`` when it is
 short or has bytes left), and the ``put_*`` encoders (``put_keys`` raises ``ValueError`` for a
@@ -46,12 +48,13 @@ import socket
 import struct
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from hicache.errors import IndicesMalformed
 from hicache.indices import IndexArray
+from hicache.keys import raise_too_many
 from hicache.polling import AdaptivePoll
 
 MAGIC = b"HCFP"
@@ -134,8 +137,11 @@ class Reader:
         begin, end = LAYERS.unpack(self._take(LAYERS.size))
         return begin, end
 
-    def keys(self) -> list[bytes]:
+    def keys(self, limit: int | None = None) -> list[bytes]:
+        """The keys; ``TOO_MANY_KEYS`` before any is built when there are more than ``limit``."""
         n, width = _KEYS.unpack(self._take(_KEYS.size))
+        if limit is not None and n > limit:
+            raise_too_many(n, limit)
         if width:
             block = bytes(self._take(n * width))
             return [block[i:i + width] for i in range(0, n * width, width)]
@@ -149,7 +155,8 @@ class Reader:
 
     def pages(self) -> IndexArray:
         (n,) = _U32.unpack(self._take(4))
-        return np.frombuffer(self._take(n * 8), dtype="<i8")
+        arr = np.frombuffer(self._take(n * 8), dtype="<i8")
+        return arr if arr.flags.aligned else arr.copy()  # C code reads them as int64
 
     def rest(self) -> bytes:
         return bytes(self._take(len(self._buf) - self._pos))
@@ -175,50 +182,127 @@ class FrameTooLarge(ValueError):
         self.fields = fields
 
 
+class FrameTooSlow(TimeoutError):
+    """A frame's body did not arrive within the reader's ``body_timeout`` (``got`` bytes of
+    ``need`` had; ``fields``: the header's, None when it did not come whole)."""
+
+    def __init__(self, got: int, need: int, fields: tuple[Any, ...] | None) -> None:
+        super().__init__(f"{got} of a frame's {need} bytes arrived in time")
+        self.got, self.need, self.fields = got, need, fields
+
+
+class FrameNotAdmitted(FrameTooSlow):
+    """The reader's byte budget did not have room for the rest of a frame in time."""
+
+
+class Budget(Protocol):
+    """Room for the bytes of frames being read (``hicached.server.admission.ByteBudget``)."""
+
+    def take(self, n: int, deadline: float) -> bool: ...
+
+    def give(self, n: int) -> None: ...
+
+
+_FIRST_BUFFER = 16 << 10
+"""A connection's buffer between frames: a frame that fits arrives with one ``recv``."""
+
+
 class FrameSocket:
     """Reads whole frames off a stream socket with as few ``recv`` calls as the kernel allows:
     a frame that arrived in one piece costs one call (each call is a point where a busy
-    process hands its interpreter lock to another thread)."""
+    process hands its interpreter lock to another thread). A frame's buffer grows with what
+    arrives (doubling), never with what its header announces."""
 
-    __slots__ = ("_buf", "_sock", "_view", "poll")
+    __slots__ = ("_body_timeout", "_budget", "_buf", "_sock", "_taken", "_view", "poll")
 
-    def __init__(self, sock: Any, spin_us: int = 0) -> None:
+    def __init__(self, sock: Any, spin_us: int = 0, body_timeout: float | None = None,
+                 budget: Budget | None = None) -> None:
         """``spin_us``: the largest window ``read`` polls for the first bytes before it
-        sleeps in the kernel (``polling.AdaptivePoll``; 0: it sleeps at once)."""
+        sleeps in the kernel (``polling.AdaptivePoll``; 0: it sleeps at once).
+        ``body_timeout``: seconds the rest of a frame may take once its first bytes came
+        (``FrameTooSlow``; None: no bound). ``budget``: where a buffer grown past the first
+        16 KiB takes its bytes from (``FrameNotAdmitted`` when they do not fit in time)."""
         self._sock = sock
-        self._buf = bytearray(1 << 16)
+        self._buf = bytearray(_FIRST_BUFFER)
         self._view = memoryview(self._buf)
+        self._body_timeout, self._budget, self._taken = body_timeout, budget, 0
         self.poll = AdaptivePoll(spin_us)
 
     def read(self, header: struct.Struct, limit: int = 1 << 62
              ) -> tuple[tuple[Any, ...], bytes]:
         """(the header's fields, the body); ``EOFError`` when the peer closes first,
-        ``FrameTooLarge`` (the header's fields in ``fields``) for a body over ``limit``. The
-        body length is the header's first field; one request or reply is in flight per
-        connection, so nothing beyond the frame is ever read."""
-        if len(self._buf) > 1 << 20:  # the last frame was large: give the memory back
-            self._buf = bytearray(1 << 16)
-            self._view = memoryview(self._buf)
+        ``FrameTooLarge`` (the header's fields in ``fields``) for a body over ``limit``,
+        ``FrameTooSlow`` / ``FrameNotAdmitted`` as above. The body length is the header's first
+        field; one request or reply is in flight per connection, so nothing beyond the frame
+        is ever read."""
         poll, t0 = self.poll, time.monotonic_ns()
         caught = poll.wait(self._sock.fileno())
         got = self._recv(0)  # the first bytes: at once when polled, else after a sleep
         poll.learn(time.monotonic_ns() - t0, caught)
-        need, sized = header.size, False
-        while True:
-            if not sized and got >= header.size:
-                fields = header.unpack_from(self._buf)
-                if fields[0] > limit:
-                    raise FrameTooLarge(fields)
-                need, sized = header.size + fields[0], True
-                if need > len(self._buf):  # a large frame: room for all of it
-                    self._buf = self._buf[:got] + bytearray(need - got)
-                    self._view = memoryview(self._buf)
-            if sized and got >= need:
-                break
-            got += self._recv(got)
+        need, sized, fields = header.size, False, None
+        deadline = None
+        try:
+            while True:
+                if not sized and got >= header.size:
+                    fields = header.unpack_from(self._buf)
+                    if fields[0] > limit:
+                        raise FrameTooLarge(fields)
+                    need, sized = header.size + fields[0], True
+                if sized and got >= need:
+                    break
+                if deadline is None:  # the frame came in pieces: from now on, bounded
+                    deadline = (None if self._body_timeout is None
+                                else time.monotonic() + self._body_timeout)
+                    if deadline is not None:
+                        self._sock.settimeout(self._body_timeout)
+                if got == len(self._buf):
+                    self._grow(min(max(2 * got, got + _FIRST_BUFFER), need), got, need,
+                               deadline, fields)
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                            raise FrameTooSlow(got, need, fields)
+                    self._sock.settimeout(left)
+                try:
+                    got += self._recv(got)
+                except TimeoutError:
+                    raise FrameTooSlow(got, need, fields) from None
+        finally:
+            if deadline is not None:
+                self._sock.settimeout(None)
         if got > need:
             raise EOFError(f"{got - need} byte(s) after a frame: the peer is out of step")
-        return header.unpack_from(self._buf), bytes(self._view[header.size:need])
+        out = header.unpack_from(self._buf), bytes(self._view[header.size:need])
+        if len(self._buf) > _FIRST_BUFFER:  # a large frame: its buffer and budget go back
+            self._release()
+        return out
+
+    def _grow(self, size: int, got: int, need: int, deadline: float | None,
+              fields: tuple[Any, ...] | None) -> None:
+        """A buffer of ``size`` bytes holding what came. The budget pays for the new buffer
+        whole while the old one is still alive (the peak of a grow), then gets the old one's
+        share back."""
+        until = time.monotonic() + 3600 if deadline is None else deadline
+        if self._budget is not None and not self._budget.take(size, until):
+            raise FrameNotAdmitted(got, need, fields)
+        grown = bytearray(size)
+        grown[:got] = self._view[:got]
+        self._view.release()
+        self._buf, self._view = grown, memoryview(grown)
+        if self._budget is not None:
+            self._budget.give(self._taken)
+            self._taken = size
+
+    def _release(self) -> None:
+        self._buf = bytearray(_FIRST_BUFFER)
+        self._view = memoryview(self._buf)
+        if self._taken and self._budget is not None:
+            self._budget.give(self._taken)
+        self._taken = 0
+
+    def close(self) -> None:
+        """Give back what the last frame took of the budget (the connection is done)."""
+        self._release()
 
     def _recv(self, at: int) -> int:
         n: int = self._sock.recv_into(self._view[at:], len(self._buf) - at)

@@ -7,9 +7,11 @@ digest followed by this page's token ids.
 Primitives:
 
 - ``MAX_KEY_BYTES``: 64.
-- ``check_keys(keys, field, unique)``: the keys as ``bytes``; ``KEY_INVALID`` for one that is
-  empty, too long or not bytes, ``DUPLICATE_KEY`` (when ``unique``) for one given twice, each
-  naming the position.
+- ``check_keys(keys, field, unique, limit)``: the keys as ``bytes``; ``TOO_MANY_KEYS`` for more
+  than ``limit``, ``KEY_INVALID`` for keys that are empty, too long or not bytes,
+  ``DUPLICATE_KEY`` (when ``unique``) for keys given twice: one violation per kind, with the
+  count and the first position. ``raise_too_many(count, limit)``: that first refusal alone
+  (the fast path's decoder uses it before it builds the keys).
 - ``encode_keys(keys)``: keys as a worker may give them (bytes, or hex strings as SGLang's
   ``hash_value``) as bytes for the wire; ``KEY_INVALID`` for a string that is not hex.
 - ``sglang_page_hashes(token_ids, page_size, prior_hash)``: SGLang's ``get_hash_str(token_ids,
@@ -29,17 +31,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hicache.errors import DuplicateKey, KeyInvalid, Violation, raise_violations
+from hicache.errors import DuplicateKey, KeyInvalid, TooManyKeys, Violation, raise_violations
 
 MAX_KEY_BYTES = 64
 _WIDE_TAG = b"\xff"
 _U32_MAX = (1 << 32) - 1
 
 
-def check_keys(keys: Sequence[object], field: str = "keys", unique: bool = False
-               ) -> list[bytes]:
-    """Every key 1..MAX_KEY_BYTES bytes (and, with ``unique``, none twice). A valid batch costs
-    a few C-level passes; only a bad one is walked key by key to name what is wrong."""
+def check_keys(keys: Sequence[object], field: str = "keys", unique: bool = False,
+               limit: int | None = None) -> list[bytes]:
+    """Every key 1..MAX_KEY_BYTES bytes (and, with ``unique``, none twice); at most ``limit``
+    of them (``TOO_MANY_KEYS``, checked first). A valid batch costs a few C-level passes; only
+    a bad one is walked key by key, and each kind of fault is reported once, with its count and
+    first position, so that the error stays small whatever the batch."""
+    if limit is not None and len(keys) > limit:
+        raise_too_many(len(keys), limit, field)
     batch = list(keys)
     if all(type(k) is bytes for k in batch):
         fast: list[bytes] = batch  # type: ignore[assignment]
@@ -50,30 +56,59 @@ def check_keys(keys: Sequence[object], field: str = "keys", unique: bool = False
     return _check_each(batch, field, unique)
 
 
+def raise_too_many(count: int, limit: int, field: str = "keys") -> None:
+    """``TOO_MANY_KEYS`` for a call naming ``count`` keys where the daemon takes ``limit``."""
+    raise TooManyKeys(f"{field} has {count} keys; the daemon takes at most {limit} per call "
+                      f"(max_keys_per_call): split the batch",
+                      metadata={"field": field, "count": count, "max": limit})
+
+
+class _Fault:
+    """One kind of bad key: how many, and the first (position and what to say of it)."""
+
+    __slots__ = ("count", "first", "meta")
+
+    def __init__(self) -> None:
+        self.count, self.first = 0, -1
+        self.meta: dict[str, object] = {}
+
+    def add(self, pos: int, **meta: object) -> None:
+        if not self.count:
+            self.first, self.meta = pos, meta
+        self.count += 1
+
+
 def _check_each(keys: Sequence[object], field: str, unique: bool) -> list[bytes]:
     out: list[bytes] = []
-    violations: list[Violation] = []
+    not_bytes, bad_length, repeated = _Fault(), _Fault(), _Fault()
     first_at: dict[bytes, int] = {}
     for pos, key in enumerate(keys):
         if not isinstance(key, bytes | bytearray | memoryview):
-            violations.append(Violation(
-                field, KeyInvalid.reason, f"{field}[{pos}] is {type(key).__name__}, not bytes",
-                {"field": field, "position": pos}))
+            not_bytes.add(pos, type=type(key).__name__)
             continue
         k = bytes(key)
         if not 1 <= len(k) <= MAX_KEY_BYTES:
-            violations.append(Violation(
-                field, KeyInvalid.reason,
-                f"{field}[{pos}] is {len(k)} bytes; a key is 1..{MAX_KEY_BYTES} bytes",
-                {"field": field, "position": pos, "length": len(k)}))
+            bad_length.add(pos, length=len(k))
         elif unique:
             seen = first_at.setdefault(k, pos)
             if seen != pos:
-                violations.append(Violation(
-                    field, DuplicateKey.reason,
-                    f"{field}[{pos}] repeats {field}[{seen}]: one batch names each page once",
-                    {"field": field, "position": pos, "first_position": seen}))
+                repeated.add(pos, first_position=seen)
         out.append(k)
+    violations: list[Violation] = []
+    for fault, reason, what in (
+            (not_bytes, KeyInvalid.reason, "not bytes (first: {type})"),
+            (bad_length, KeyInvalid.reason,
+             f"not 1..{MAX_KEY_BYTES} bytes long (first: {{length}} bytes)"),
+            (repeated, DuplicateKey.reason,
+             "repeated: one batch names each page once (first repeats {field}"
+             "[{first_position}])")):
+        if fault.count:
+            said = what.format(field=field, **fault.meta)
+            violations.append(Violation(
+                field, reason, f"{fault.count} key(s) of {field} {said}; first at "
+                f"{field}[{fault.first}]",
+                {"field": field, "position": fault.first, "count": fault.count, **fault.meta}))
+    violations.sort(key=lambda v: int(v.metadata["position"]))  # type: ignore[call-overload]
     raise_violations(violations)
     return out
 

@@ -32,6 +32,8 @@ POINTS = {
     "promote.read": "a promotion: a page read from below into host memory, not yet ready",
     "remote.borrowed": "the cluster writer: pages borrowed, the put not begun",
     "remote.put": "the cluster writer: a batch put, not yet recorded as put",
+    "lookup.chunk": "a long Lookup: a chunk of its keys checked, the pool's lock let go before "
+                    "the next",
 }
 
 _hooks: dict[str, Callable[[], None]] = {}

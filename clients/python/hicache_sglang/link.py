@@ -100,6 +100,8 @@ class _State:
     last_error: str = ""
     late_since: float | None = None
     """When calls began to miss their deadlines (None: the link is not late)."""
+    max_keys: int = 0
+    """Keys the daemon takes per call (GetInfo's ``max_keys_per_call``; 0: not said)."""
 
 
 class DaemonLink:
@@ -139,6 +141,11 @@ class DaemonLink:
     @property
     def late(self) -> bool:
         return self._state.late_since is not None
+
+    @property
+    def max_keys(self) -> int:
+        """Keys the daemon takes per call (0: it did not say)."""
+        return self._state.max_keys
 
     @property
     def usable(self) -> bool:
@@ -201,7 +208,7 @@ class DaemonLink:
                                    spin_us=cfg.poll_us)
             self._state.client = client
         try:
-            client.get_info()
+            self._state.max_keys = client.get_info().max_keys_per_call
             self._create_pool(client)
             session = client.open_session(
                 self.spec.name, self.worker_id, self.handover.buffers, lease_ms=cfg.lease_ms,

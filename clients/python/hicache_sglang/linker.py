@@ -191,6 +191,8 @@ class HicachedLinker(UnifiedCacheLinker):
             return []
         self.stats["lookups"] += 1
         keys = list(kv.keys)
+        if link.max_keys and len(keys) > link.max_keys:
+            keys = keys[:link.max_keys]  # a hit prefix of the first pages is one all the same
         hold_ms = self.config.lookup_hold_ms
         try:
             if hold_ms:

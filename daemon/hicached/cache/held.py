@@ -88,9 +88,13 @@ class HeldKeys:
         deadline = holds.deadline(owner, until)
         new: dict[bytes, int] = {}
         held = 0
+        ready = self._ready
         for k in keys[:lead]:
+            page = ready.get(k)
+            if page is None:  # gone since a long Lookup's earlier chunk saw it
+                break
             h = holds.get(owner, k)
-            if h is not None and h.page != self._ready[k]:  # removed and stored again
+            if h is not None and h.page != page:  # removed and stored again
                 self._unhold(holds.drop(owner, [k]))  # since: hold the page it names now
                 h = None
             if h is not None:
@@ -99,7 +103,7 @@ class HeldKeys:
             elif k not in new:
                 if holds.count(owner) + len(new) >= limit:
                     break
-                new[k] = self._ready[k]
+                new[k] = page
             held += 1
         if new:
             self._alloc.acquire(np.fromiter(new.values(), np.int64, len(new)), write=False,

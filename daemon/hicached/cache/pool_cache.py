@@ -10,7 +10,8 @@ Primitives:
 - ``PoolCache(pool, events, policy, clock)``: over a ``HostPool``, sharing its allocator with
   the raw pages; ``policy``: the limits on holds (``holds.HoldPolicy``).
 - ``lookup(keys, below)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3 cluster
-  (``below``, asked outside the lock), 0 absent); no touch. The holds a Lookup takes for a
+  (``below``, asked outside the lock), 0 absent); no touch; ``LOOKUP_CHUNK`` keys per turn
+  of the lock. The holds a Lookup takes for a
   session (``lookup_held`` and the rest) are ``held.HeldKeys``'s, which this class inherits.
 - ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
   (status 2, touched in the LRU); new keys get a page each, held for writing, evicting least
@@ -23,7 +24,8 @@ Primitives:
   keys evictable again, most recently used.
 - ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once from
   every tier, writes below in flight included (``lending``); a page a copy or a hold still
-  has is freed when that ends (REMOVED events).
+  has is freed when that ends (REMOVED events); these and eviction are ``removal.Removal``'s,
+  inherited.
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
 - ``stats``: counters for metrics; ``key_count``.
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
@@ -46,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hicache import seams
 from hicache.errors import KeyNotFound
 from hicached.cache.events import EventKind, EventLog
 from hicached.cache.held import HeldKeys, Holder
@@ -54,10 +57,15 @@ from hicached.cache.index_types import NO_SPACE, PRESENT, STORED, CacheStats, Lo
 from hicached.cache.key_slots import KeySlots
 from hicached.cache.lending import Lending
 from hicached.cache.lru import LRU
+from hicached.cache.removal import Removal
 from hicached.core.pool import HostPool
 
+LOOKUP_CHUNK = 2048
+"""Keys a Lookup checks per turn of the pool's lock (about 0.2 ms): a long batch lets the
+other calls on the pool go in between."""
 
-class PoolCache(HeldKeys, Lending):
+
+class PoolCache(HeldKeys, Lending, Removal):
     def __init__(self, pool: HostPool, events: EventLog | None = None,
                  policy: HoldPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -145,13 +153,20 @@ class PoolCache(HeldKeys, Lending):
         in the same step (``held.HeldKeys``): (hit prefix, tiers, keys held)."""
         lower = self.lower
         held = 0
-        with self._lock:
-            tiers = bytearray(1 if k in self._ready else
-                              lower.tier if lower is not None and lower.contains(k) else 0
-                              for k in keys)
-            if holder is not None:
-                held = self._hold_locked(holder.owner, keys, tiers,
-                                         self._clock() + holder.seconds)
+        tiers = bytearray()
+        for at in range(0, max(len(keys), 1), LOOKUP_CHUNK):
+            # a long batch takes the lock a chunk at a time: other calls go in between
+            if at:
+                seams.reached("lookup.chunk")
+            with self._lock:
+                tiers += bytearray(1 if k in self._ready else
+                                   lower.tier if lower is not None and lower.contains(k)
+                                   else 0 for k in keys[at:at + LOOKUP_CHUNK])
+                if holder is not None and at + LOOKUP_CHUNK >= len(keys):
+                    # what an earlier chunk saw may have left since: holds stop at a key
+                    # host memory no longer has (``_hold_locked``)
+                    held = self._hold_locked(holder.owner, keys, tiers,
+                                             self._clock() + holder.seconds)
         if below is not None and 0 in tiers:
             absent = [i for i, t in enumerate(tiers) if not t]
             for i, t in zip(absent, below([keys[i] for i in absent]), strict=True):
@@ -325,74 +340,3 @@ class PoolCache(HeldKeys, Lending):
             if 0 < short <= len(self._lru) and num_tokens % self.pool.page_size == 0:
                 self._evict(short)
             return self._alloc.alloc(num_tokens, owner)
-
-    # -- removal ---------------------------------------------------------------------------
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop ``keys`` (ready or being written) from every tier of this node; returns how
-        many were there."""
-        return len(self.remove_keys(keys))
-
-    def remove_keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        """``remove``, returning the keys that were there."""
-        with self._lock:
-            unique, lower = list(dict.fromkeys(keys)), self.lower
-            self._record_removal(unique)  # before any tier hears of it
-            below = [k for k in unique if lower.contains(k)] if lower is not None else []
-            gone = self._forget([k for k in unique
-                                 if k in self._ready or k in self._writing])
-            if lower is not None and below:
-                lower.remove(below)
-                here = set(gone)
-                gone += [k for k in below if k not in here]
-            self.stats.removed += len(gone)
-            self.events.append(EventKind.REMOVED, gone)
-        return gone
-
-    def clear(self) -> int:
-        """Drop every key; returns how many (each frees its page now, or once the copy that
-        holds it ends)."""
-        with self._lock:
-            self._record_removal(None)  # before any tier hears of it
-            gone = self._forget([*self._ready, *self._writing])
-            if self.lower is not None:
-                self.lower.clear()
-            self.stats.removed += len(gone)
-            self.events.append(EventKind.REMOVED, gone)
-        return len(gone)
-
-    # -- internals (lock held) -------------------------------------------------------------
-
-    def _forget(self, keys: list[bytes]) -> list[bytes]:
-        pages = []
-        for k in keys:
-            page = self._ready.pop(k, None)
-            if page is None:
-                self._writing.pop(k, None)  # finish_store frees its page
-                continue
-            self._lru.discard(k)
-            del self._page_key[page]
-            pages.append(page)
-        self._drop_pages(np.asarray(pages, dtype=np.int64))
-        return keys
-
-    def _evict(self, n: int) -> None:
-        keys = self._lru.pop_oldest(n)
-        kept = self.kept_below or (self.lower.contains if self.lower is not None else None)
-        if kept is not None:  # being written below counts as below: it lands there
-            below = sum(k in self._spilling or kept(k) for k in keys)
-            self.stats.evicted_to_lower += below
-            self.stats.spill_dropped += len(keys) - below
-        pages = np.asarray([self._ready.pop(k) for k in keys], dtype=np.int64)
-        for page in pages.tolist():
-            del self._page_key[page]
-        self._drop_pages(pages)
-        self.stats.evicted += len(keys)
-        self.events.append(EventKind.EVICTED, keys)
-
-    def _drop_pages(self, pages: np.ndarray) -> None:
-        if pages.size:
-            self.slots.clear(pages)
-            if self.pool.canary is not None:
-                self.pool.canary.forget(pages)
-            self._alloc.release_pages(pages)

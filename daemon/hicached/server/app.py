@@ -38,7 +38,7 @@ from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.cuda.pinner import DriverPinner
-from hicached.server.admission import DataGate
+from hicached.server.admission import ByteBudget, DataGate
 from hicached.server.config import ServerConfig
 from hicached.server.daemon import Daemon
 from hicached.server.fast_path import FastPathServer
@@ -112,7 +112,8 @@ class HiCacheServer:
         self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir, config.accept_shm_paths),
                              TransferEngine(config.copy_threads, config.copy_spin_us),
                              metrics, cuda=cuda, cuda_driver=config.cuda_driver,
-                             max_watchers=config.max_watchers, access=config.access)
+                             max_watchers=config.max_watchers, access=config.access,
+                             max_keys_per_call=config.max_keys_per_call)
         self.health = health.HealthServicer()
         self._locks: list[PidLock] = []
         self._stopped = threading.Event()
@@ -131,6 +132,7 @@ class HiCacheServer:
         self.data_pool = ThreadPoolExecutor(config.max_data_rpcs + DATA_SPARE_THREADS,
                                             thread_name_prefix="data")
         self.admission = DataGate(config.max_data_rpcs)
+        self.frame_budget = ByteBudget(config.fast_path_inflight_bytes)
         """The data path's gate (its ``in_flight`` and ``limit``), over gRPC and the fast
         path together."""
         self.fast_paths: list[FastPathServer] = []
@@ -194,7 +196,9 @@ class HiCacheServer:
                                               mode=self.config.socket_mode,
                                               gid=self._socket_gid(),
                                               max_frame_bytes=self.config.max_message_bytes,
-                                              spin_us=self.config.fast_path_spin_us)
+                                              spin_us=self.config.fast_path_spin_us,
+                                              body_timeout=self.config.fast_path_body_timeout_s,
+                                              budget=self.frame_budget)
                         fast.start()
                         self.fast_paths.append(fast)
                         self.daemon.fast_paths.append(fast.path)

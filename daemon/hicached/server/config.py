@@ -85,6 +85,16 @@ class ServerConfig:
     back to back and falls to 0 when they do not, so an idle or slow connection never
     polls; at most a quarter of the CPUs poll at once. 0: never poll (measured in
     bench_fastpath.py)."""
+    fast_path_body_timeout_s: float = 5.0
+    """The longest a fast-path frame's body may take to arrive once its header has: a
+    connection slower than that is closed (a stalled or hostile sender holds no memory)."""
+    fast_path_inflight_bytes: int = 256 << 20
+    """Bytes of fast-path frames being read, over every connection; a frame that would take
+    more waits (up to ``fast_path_body_timeout_s``) for others to finish, then is refused with
+    ``OVERLOADED``. A frame's buffer grows with what has arrived, never with what its header
+    announces."""
+    max_keys_per_call: int = 65_536
+    """Keys one Lookup, Store, LoadKeys or RemoveKeys may name; more: ``TOO_MANY_KEYS``."""
     metrics_listen: str = "127.0.0.1:9464"
     """HOST:PORT of the Prometheus endpoint; empty disables it; port 0 picks a free one."""
     memory_budget_bytes: int = 0
@@ -188,6 +198,14 @@ class ServerConfig:
         if not 0 <= self.fast_path_spin_us <= 100_000:
             raise SpecInvalid("fast_path_spin_us is within 0 .. 100000",
                               metadata={"fast_path_spin_us": self.fast_path_spin_us})
+        if not 0 < self.fast_path_body_timeout_s <= 3600:
+            raise SpecInvalid("fast_path_body_timeout_s is within (0, 3600]", metadata={
+                "fast_path_body_timeout_s": self.fast_path_body_timeout_s})
+        if self.fast_path_inflight_bytes < 1 << 20 or self.max_keys_per_call < 1:
+            raise SpecInvalid("fast_path_inflight_bytes is at least 1 MiB and "
+                              "max_keys_per_call at least 1", metadata={
+                                  "fast_path_inflight_bytes": self.fast_path_inflight_bytes,
+                                  "max_keys_per_call": self.max_keys_per_call})
         if not 0 <= self.copy_spin_us <= 100_000:
             raise SpecInvalid("copy_spin_us is within 0 .. 100000",
                               metadata={"copy_spin_us": self.copy_spin_us})
@@ -231,7 +249,8 @@ class ServerConfig:
         return max(available_bytes() - self.reserve_bytes, 0) // 2
 
 
-_SIZE_FIELDS = {"memory_budget_bytes", "reserve_bytes", "max_message_bytes"}
+_SIZE_FIELDS = {"memory_budget_bytes", "reserve_bytes", "max_message_bytes",
+                "fast_path_inflight_bytes"}
 _ALIASES = {"memory_budget": "memory_budget_bytes", "reserve": "reserve_bytes"}
 
 

@@ -112,6 +112,8 @@ class Daemon:
     """The fast path's sockets (``<socket>.fast``), beside the Unix API sockets."""
     watchers: int = 0
     """WatchEvents streams open now."""
+    max_keys_per_call: int = 65_536
+    """Keys one Lookup, Store, LoadKeys or RemoveKeys may name (``TOO_MANY_KEYS``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def identify(self, token: str) -> Grant | None:
@@ -290,7 +292,7 @@ class Daemon:
     def lookup(self, pool: str, keys: list[bytes], session_id: str = "", hold_ms: int = 0
                ) -> tuple[int, bytes, int]:
         """Lookup, holding the hit for ``session_id`` when it and ``hold_ms`` are given."""
-        keys = check_keys(keys)
+        keys = check_keys(keys, limit=self.max_keys_per_call)
         stack = self.pools.stack(pool)
         if not session_id or hold_ms <= 0:
             return stack.lookup(keys)
@@ -301,8 +303,12 @@ class Daemon:
     def release_holds(self, session_id: str, keys: list[bytes] | None) -> int:
         """End the session's holds of ``keys`` (none: all of them); returns how many."""
         s = self.sessions.get(session_id)
-        keys = check_keys(keys) if keys else None
+        keys = check_keys(keys, limit=self.max_keys_per_call) if keys else None
         return self.pools.cache(s.pool_name).release_holds(s.owner, keys)
+
+    def remove_keys(self, pool: str, keys: list[bytes]) -> int:
+        """RemoveKeys: ``keys`` leave every tier of ``pool``; returns how many were there."""
+        return self.pools.stack(pool).remove(check_keys(keys, limit=self.max_keys_per_call))
 
     def expire_holds(self) -> None:
         for _, cache in self.pools.entries():
@@ -318,7 +324,7 @@ class Daemon:
     def store(self, session_id: str, keys: list[bytes], device: IndexArray,
               layers: tuple[int, int], pages: bool = False
               ) -> tuple[StoreTicket, TransferResult | None]:
-        keys = check_keys(keys, "keys", unique=True)
+        keys = check_keys(keys, "keys", unique=True, limit=self.max_keys_per_call)
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
             assert buffers is not None, "a session in use keeps its mappings"
@@ -344,7 +350,7 @@ class Daemon:
     def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray,
                   layers: tuple[int, int], layer_events: bool, pages: bool = False,
                   deadline_ns: int = 0) -> TransferResult:
-        keys = check_keys(keys, "keys")
+        keys = check_keys(keys, "keys", limit=self.max_keys_per_call)
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
             runner = s.attachment.runner

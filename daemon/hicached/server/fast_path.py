@@ -47,11 +47,18 @@ from google.rpc import status_pb2
 
 from hicache import fast_wire as w
 from hicache.error_mapping import grpc_code, to_rpc_status
-from hicache.errors import HiCacheError, ResourceExhausted, SessionNotFound, SpecInvalid
+from hicache.errors import (
+    HiCacheError,
+    Overloaded,
+    ResourceExhausted,
+    SessionNotFound,
+    SpecInvalid,
+)
 from hicache.polling import PollCounts, sum_counts
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
-from hicached.server.admission import DataGate
+from hicached.core.log_limit import LimitedLog
+from hicached.server.admission import RETRY_AFTER_MS, ByteBudget, DataGate
 from hicached.server.daemon import Daemon
 from hicached.server.identity import Peer, check_access, read_groups
 from hicached.server.locks import listen_beside, remove_if_there
@@ -69,13 +76,19 @@ _Handler = Callable[[w.Reader, int, Peer], bytes]
 
 class FastPathServer:
     def __init__(self, daemon: Daemon, gate: DataGate, path: str, *, mode: int = 0o600,
-                 gid: int = -1, max_frame_bytes: int = 64 << 20, spin_us: int = 0) -> None:
+                 gid: int = -1, max_frame_bytes: int = 64 << 20, spin_us: int = 0,
+                 body_timeout: float = 5.0, budget: ByteBudget | None = None) -> None:
         """``path``: the socket (beside the API socket, whose lock guards it); ``mode`` and
         ``gid`` as the API socket's; ``max_frame_bytes``: the largest request body;
         ``spin_us``: the longest a connection's thread polls for the next request after a
         reply before it sleeps (``fast_path_spin_us``; the window adapts per connection:
-        ``hicache.polling``)."""
+        ``hicache.polling``); ``body_timeout``: the longest a frame may take to arrive once
+        it began (``fast_path_body_timeout_s``); ``budget``: the bytes of frames being read
+        (``fast_path_inflight_bytes``, shared by the daemon's fast path sockets)."""
         self.daemon, self.gate, self.path, self.spin_us = daemon, gate, path, spin_us
+        self.body_timeout = body_timeout
+        self.budget = budget if budget is not None else ByteBudget(256 << 20)
+        self._log = LimitedLog(log)
         self._mode, self._gid, self.max_frame_bytes = mode, gid, max_frame_bytes
         self._sock: socket.socket | None = None
         self._conns: dict[socket.socket, w.FrameSocket | None] = {}
@@ -179,20 +192,15 @@ class FastPathServer:
             if magic != w.MAGIC or version != w.VERSION:
                 return  # the client reads our version and speaks gRPC instead
             conn.settimeout(None)
-            frames = w.FrameSocket(conn, self.spin_us)
+            frames = w.FrameSocket(conn, self.spin_us, self.body_timeout, self.budget)
             with self._lock:
                 self._conns[conn] = frames
             while not self._closing:
                 try:
                     (_, rid, method, flags, _), body = frames.read(w.REQUEST,
                                                                    self.max_frame_bytes)
-                except w.FrameTooLarge as big:
-                    length, rid = big.fields[0], big.fields[1]
-                    conn.sendall(_error(rid, ResourceExhausted(
-                        f"a fast path frame of {length} bytes exceeds the daemon's "
-                        f"{self.max_frame_bytes}", metadata={
-                            "field": "frame", "length": length,
-                            "limit": self.max_frame_bytes})))
+                except (w.FrameTooLarge, w.FrameTooSlow) as bad:
+                    self._refuse(conn, bad, peer)
                     return  # the body is not read: the stream cannot go on
                 conn.sendall(self._call(rid, method, flags, body, peer))
         except (EOFError, OSError, struct.error):
@@ -203,7 +211,42 @@ class FastPathServer:
                 if frames_gone is not None:
                     self._closed_polls = sum_counts(self._closed_polls,
                                                     frames_gone.poll.counts())
+                    frames_gone.close()
             conn.close()
+
+    def _refuse(self, conn: socket.socket, bad: Exception, peer: Peer) -> None:
+        """A frame the daemon will not read to its end: counted, logged (rate-limited),
+        answered where the header came whole, and the connection closed."""
+        m = self.daemon.metrics
+        if isinstance(bad, w.FrameTooLarge):
+            length, rid = bad.fields[0], bad.fields[1]
+            m.fast_dropped.labels("too_large").inc()
+            exc: HiCacheError = ResourceExhausted(
+                f"a fast path frame of {length} bytes exceeds the daemon's "
+                f"{self.max_frame_bytes}", metadata={
+                    "field": "frame", "length": length, "limit": self.max_frame_bytes})
+        elif isinstance(bad, w.FrameNotAdmitted):
+            m.fast_dropped.labels("overloaded").inc()
+            rid = bad.fields[1] if bad.fields else -1
+            exc = Overloaded(
+                f"{self.budget.in_use} bytes of fast path frames are being read, the "
+                f"daemon's fast_path_inflight_bytes; retry in {RETRY_AFTER_MS} ms",
+                metadata={"in_use": self.budget.in_use, "limit": self.budget.limit,
+                          "retry_after_ms": RETRY_AFTER_MS})
+        else:
+            assert isinstance(bad, w.FrameTooSlow)
+            m.fast_dropped.labels("body_timeout").inc()
+            self._log.warning("fast path: pid %d uid %d sent %d of a frame's %d bytes in %.1f "
+                              "s: connection closed", peer.pid, peer.uid, bad.got, bad.need,
+                              self.body_timeout, key="body_timeout")
+            return  # a peer this slow is not waiting for an answer
+        self._log.warning("fast path: pid %d uid %d refused: %s", peer.pid, peer.uid, exc,
+                          key=exc.reason)
+        m.rejected.labels(exc.reason).inc()
+        if rid < 0:
+            return  # the header did not say which request: nothing to answer to
+        conn.settimeout(1.0)
+        conn.sendall(_error(rid, exc))
 
     # -- one call ----------------------------------------------------------------------------
 
@@ -220,7 +263,7 @@ class FastPathServer:
         except Exception as exc:
             m = d.metrics
             if isinstance(exc, HiCacheError):
-                log.info("%s rejected: %s", name, exc)
+                self._log.info("%s rejected: %s", name, exc, key=exc.reason)
                 m.rejected.labels(exc.reason).inc()
                 code = str(grpc_code(exc).name)
                 reply = _error(rid, exc)
@@ -272,7 +315,7 @@ class FastPathServer:
         check_access(d.access, pool, peer)
 
     def _lookup(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        pool, capability, keys = r.string(), r.string(), r.keys()
+        pool, capability, keys = r.string(), r.string(), r.keys(self.daemon.max_keys_per_call)
         hold_ms = r.i64() if flags & w.FLAG_HOLD else 0
         r.end()
         self._authorize(pool, capability, peer)
@@ -283,12 +326,13 @@ class FastPathServer:
         return reply + _U32.pack(held) if flags & w.FLAG_HOLD else reply
 
     def _release_holds(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        session, keys = r.string(), r.keys()
+        session, keys = r.string(), r.keys(self.daemon.max_keys_per_call)
         r.end()
         return _U32.pack(self.daemon.release_holds(session, keys))
 
     def _store(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        session, layers, keys, device = r.string(), r.layers(), r.keys(), r.pages()
+        session, layers = r.string(), r.layers()
+        keys, device = r.keys(self.daemon.max_keys_per_call), r.pages()
         r.end()
         ticket, res = self.daemon.store(session, keys, device, layers, pages=True)
         st = ticket.status
@@ -297,7 +341,8 @@ class FastPathServer:
                 + _U32.pack(len(st)) + bytes(st))
 
     def _load_keys(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        session, layers, keys, device = r.string(), r.layers(), r.keys(), r.pages()
+        session, layers = r.string(), r.layers()
+        keys, device = r.keys(self.daemon.max_keys_per_call), r.pages()
         deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
         r.end()
         return _transfer_reply(self.daemon.load_keys(

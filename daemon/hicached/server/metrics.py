@@ -247,6 +247,13 @@ class Metrics:
             ["method"], registry=registry)
         for method in ("Store", "LoadKeys", "Lookup", "Backup", "Load", "Heartbeat"):
             self.fast_requests.labels(method)
+        self.fast_dropped = Counter(
+            "hicache_fast_path_dropped_connections", "Fast-path connections the daemon closed "
+            "in the middle of a frame: its body too slow to arrive (body_timeout), no room in "
+            "fast_path_inflight_bytes in time (overloaded), larger than the limit (too_large).",
+            ["reason"], registry=registry)
+        for reason in ("body_timeout", "overloaded", "too_large"):
+            self.fast_dropped.labels(reason)
         self._per_op: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         info = Gauge("hicache_build_info", "Build of the daemon.", list(build),
                      registry=registry)

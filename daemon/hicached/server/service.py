@@ -24,7 +24,6 @@ from hicache import fast_wire
 from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
 from hicache.errors import PoolNotFound, SpecInvalid
 from hicache.indices import indices_to_bytes, to_index_array
-from hicache.keys import check_keys
 from hicache.layer_groups import check_layer_events
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -135,7 +134,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             remote_tier=("" if d.pools.remote is None else "up" if d.pools.remote.up
                          else f"down: {d.pools.remote.why}"),
             fast_path=d.fast_paths[0] if d.fast_paths else "",
-            fast_path_version=fast_wire.VERSION if d.fast_paths else 0)
+            fast_path_version=fast_wire.VERSION if d.fast_paths else 0,
+            max_keys_per_call=d.max_keys_per_call)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         return pb.PingResponse()
@@ -291,8 +291,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
 
     def RemoveKeys(self, request: pb.RemoveKeysRequest, context: grpc.ServicerContext
                    ) -> pb.RemoveKeysResponse:
-        keys = check_keys(request.keys)
-        return pb.RemoveKeysResponse(removed=self.daemon.pools.stack(request.pool).remove(keys))
+        return pb.RemoveKeysResponse(removed=self.daemon.remove_keys(request.pool,
+                                                                     list(request.keys)))
 
     def ClearPool(self, request: pb.ClearPoolRequest, context: grpc.ServicerContext
                   ) -> pb.ClearPoolResponse:

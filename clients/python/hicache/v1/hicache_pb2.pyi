@@ -232,7 +232,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices", "remote_tier", "fast_path", "fast_path_version")
+    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices", "remote_tier", "fast_path", "fast_path_version", "max_keys_per_call")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class GetInfoResponse(_message.Message):
     REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     memory_budget_bytes: int
@@ -263,7 +264,8 @@ class GetInfoResponse(_message.Message):
     remote_tier: str
     fast_path: str
     fast_path_version: int
-    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ..., remote_tier: _Optional[str] = ..., fast_path: _Optional[str] = ..., fast_path_version: _Optional[int] = ...) -> None: ...
+    max_keys_per_call: int
+    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ..., remote_tier: _Optional[str] = ..., fast_path: _Optional[str] = ..., fast_path_version: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ...) -> None: ...
 
 class CudaDevice(_message.Message):
     __slots__ = ("uuid", "ordinal", "name", "total_bytes")
