@@ -12,6 +12,7 @@ Primitives:
   ``DUPLICATE_KEY`` (when ``unique``) for keys given twice: one violation per kind, with the
   count and the first position. ``raise_too_many(count, limit)``: that first refusal alone
   (the fast path's decoder uses it before it builds the keys).
+- ``SameWidthKeys(keys, width)``: a batch known to be bytes of one width (decoded so).
 - ``encode_keys(keys)``: keys as a worker may give them (bytes, or hex strings as SGLang's
   ``hash_value``) as bytes for the wire; ``KEY_INVALID`` for a string that is not hex.
 - ``sglang_page_hashes(token_ids, page_size, prior_hash)``: SGLang's ``get_hash_str(token_ids,
@@ -38,6 +39,17 @@ _WIDE_TAG = b"\xff"
 _U32_MAX = (1 << 32) - 1
 
 
+class SameWidthKeys(list[bytes]):
+    """Keys known to be bytes of one ``width`` (the fast path's framing decodes them so):
+    ``check_keys`` need not look at each."""
+
+    __slots__ = ("width",)
+
+    def __init__(self, keys: Sequence[bytes], width: int) -> None:
+        super().__init__(keys)
+        self.width = width
+
+
 def check_keys(keys: Sequence[object], field: str = "keys", unique: bool = False,
                limit: int | None = None) -> list[bytes]:
     """Every key 1..MAX_KEY_BYTES bytes (and, with ``unique``, none twice); at most ``limit``
@@ -46,11 +58,15 @@ def check_keys(keys: Sequence[object], field: str = "keys", unique: bool = False
     first position, so that the error stays small whatever the batch."""
     if limit is not None and len(keys) > limit:
         raise_too_many(len(keys), limit, field)
+    if type(keys) is SameWidthKeys and 1 <= keys.width <= MAX_KEY_BYTES and not unique:
+        return keys
     batch = list(keys)
-    if all(type(k) is bytes for k in batch):
+    if not batch:
+        return []
+    if set(map(type, batch)) == {bytes}:
         fast: list[bytes] = batch  # type: ignore[assignment]
-        lengths = list(map(len, fast))
-        if (not fast or (min(lengths) >= 1 and max(lengths) <= MAX_KEY_BYTES)) and (
+        lengths = set(map(len, fast))
+        if (min(lengths) >= 1 and max(lengths) <= MAX_KEY_BYTES) and (
                 not unique or len(set(fast)) == len(fast)):
             return fast
     return _check_each(batch, field, unique)

@@ -158,10 +158,15 @@ class PoolCache(HeldKeys, Lending, Removal):
             # a long batch takes the lock a chunk at a time: other calls go in between
             if at:
                 seams.reached("lookup.chunk")
+                time.sleep(0)  # and the interpreter: a waiting call's thread runs now
             with self._lock:
-                tiers += bytearray(1 if k in self._ready else
-                                   lower.tier if lower is not None and lower.contains(k)
-                                   else 0 for k in keys[at:at + LOOKUP_CHUNK])
+                chunk = keys[at:at + LOOKUP_CHUNK]
+                found = bytearray(map(self._ready.__contains__, chunk))
+                if lower is not None and found.count(0):
+                    for i in (i for i, f in enumerate(found) if not f):
+                        if lower.contains(chunk[i]):
+                            found[i] = lower.tier
+                tiers += found
                 if holder is not None and at + LOOKUP_CHUNK >= len(keys):
                     # what an earlier chunk saw may have left since: holds stop at a key
                     # host memory no longer has (``_hold_locked``)
