@@ -111,7 +111,8 @@ def test_the_index_survives_a_restart_and_a_torn_record_does_not(tmp_path: Path)
 def test_a_page_written_without_its_record_is_not_found(tmp_path: Path) -> None:
     t = DiskTier(str(tmp_path / "disk"), "p", DOC, PAGE, 4)
     t.open()
-    t._pwrite_page(0, views(page(7)))  # killed after the page, before the record
+    assert t._pages is not None
+    t._pages.write(0, views(page(7)))  # killed after the page, before the record
     t.close()
     again = DiskTier(str(tmp_path / "disk"), "p", DOC, PAGE, 4)
     assert again.open() == "reattached" and again.keys == 0
@@ -123,14 +124,15 @@ def test_a_slot_being_read_is_not_reused(tmp_path: Path,
     t.open()
     t.write(b"old", views(page(1)))
     reading, release = threading.Event(), threading.Event()
-    real = t._pread_page
+    assert t._pages is not None
+    real = t._pages.read
 
     def slow(slot: int, buffers: list[memoryview]) -> int:
         reading.set()
         release.wait(10)
         return real(slot, buffers)
 
-    monkeypatch.setattr(t, "_pread_page", slow)
+    monkeypatch.setattr(t._pages, "read", slow)
     got, result = zeroed(), []
     reader = threading.Thread(target=lambda: result.append(t.read_into(b"old", views(got))))
     reader.start()

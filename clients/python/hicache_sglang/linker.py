@@ -190,9 +190,7 @@ class HicachedLinker(UnifiedCacheLinker):
             self.stats["lookups_skipped"] += 1
             return []
         self.stats["lookups"] += 1
-        keys = list(kv.keys)
-        if link.max_keys and len(keys) > link.max_keys:
-            keys = keys[:link.max_keys]  # a hit prefix of the first pages is one all the same
+        keys = list(kv.keys)[:link.max_keys or None]  # past the daemon's limit: a prefix
         hold_ms = self.config.lookup_hold_ms
         try:
             if hold_ms:

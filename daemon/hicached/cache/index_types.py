@@ -43,9 +43,13 @@ class LowerTier(Protocol):
 
     def contains(self, key: bytes) -> bool: ...
 
-    def remove(self, keys: Sequence[bytes]) -> int: ...
+    def forget(self, keys: Sequence[bytes] | None) -> list[int]:
+        """Drop ``keys`` (None: all) from the tier's index at once, no I/O (the pool cache's
+        lock is held); the slots they had, for ``erase``."""
 
-    def clear(self) -> int: ...
+    def erase(self, slots: Sequence[int]) -> None:
+        """The I/O of a ``forget`` (outside the pool cache's lock): the slots' records gone
+        for good, the slots free again."""
 
 
 @dataclass

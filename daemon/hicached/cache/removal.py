@@ -55,27 +55,34 @@ class Removal:
         with self._lock:
             unique, lower = list(dict.fromkeys(keys)), self.lower
             self._record_removal(unique)  # before any tier hears of it
-            below = [k for k in unique if lower.contains(k)] if lower is not None else []
             gone = self._forget([k for k in unique
                                  if k in self._ready or k in self._writing])
-            if lower is not None and below:
-                lower.remove(below)
+            slots: list[int] = []
+            if lower is not None:
+                below = [k for k in unique if lower.contains(k)]
+                slots = lower.forget(below)  # gone below at once, its I/O after the lock
                 here = set(gone)
                 gone += [k for k in below if k not in here]
             self.stats.removed += len(gone)
             self.events.append(EventKind.REMOVED, gone)
+        if lower is not None:
+            lower.erase(slots)
         return gone
 
     def clear(self) -> int:
         """Drop every key; returns how many (each frees its page now, or once the copy that
-        holds it ends)."""
+        holds it ends). The tier below forgets its keys in the same step; its files are
+        rewritten after the pool's lock is let go (a clear of a million keys on disk does not
+        stop the pool's other calls)."""
         with self._lock:
             self._record_removal(None)  # before any tier hears of it
             gone = self._forget([*self._ready, *self._writing])
-            if self.lower is not None:
-                self.lower.clear()
+            lower = self.lower
+            slots = lower.forget(None) if lower is not None else []
             self.stats.removed += len(gone)
             self.events.append(EventKind.REMOVED, gone)
+        if lower is not None:
+            lower.erase(slots)
         return len(gone)
 
     # -- internals (lock held) -------------------------------------------------------------

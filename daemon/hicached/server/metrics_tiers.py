@@ -1,7 +1,7 @@
 """Metrics of the tiers below host memory, read at scrape time.
 
 Primitives: ``tier_families(entries, stacks, store)``: keys and bytes per tier and pool
-(``hicache_tier_*``); the disk tier's traffic and drops (``hicache_disk_*``); the cluster
+(``hicache_tier_*``, ``hicache_tier_failing``); the disk tier's traffic and drops (``hicache_disk_*``); the cluster
 tier's state and traffic (``hicache_remote_*``: up, down transitions, pages and bytes put and
 got, failures, misses, timeouts, removals; per pool, pages waiting and dropped).
 """
@@ -53,7 +53,14 @@ def tier_families(entries: list[tuple[HostPool, PoolCache]],
                               ("write_errors", st.write_errors),
                               ("evicted_pages", st.evicted)):
             c[metric].add_metric([name], value)
-    yield from (keys, size, *c.values())
+    failing = GaugeMetricFamily(
+        "hicache_tier_failing", "1 while a tier below host memory fails its writes (a full "
+        "disk, an unreachable cluster store; its writer backs off and retries) or could not "
+        "be opened; 0 while it works.", labels=["pool", "tier"])
+    for name, stack in stacks:
+        for tier_name, bad in stack.failing().items():
+            failing.add_metric([name, tier_name], 1 if bad else 0)
+    yield from (keys, size, *c.values(), failing)
     if store is not None:
         yield from _remote_families(stacks, store)
 

@@ -31,6 +31,11 @@ class DiskTierConfig:
     process crash is still safe; checksums catch what a power loss tears)."""
     io_threads: int = 2
     """Pages a pool moves to or from disk at once (a spill batch, a LoadKeys promotion)."""
+    preallocate: bool = True
+    """Reserve the files' blocks when the tier opens (``posix_fallocate``): a filesystem
+    without the space refuses the tier at start (the pool serves without it, logged, and
+    ``hicache_tier_failing`` says so) instead of failing spills later. False: sparse files
+    (a full disk then fails spills, backed off)."""
     spill_ahead_bytes: int = 1 << 30
     """How much of each pool's least recently used keys is kept written ahead of eviction: the
     bound of the spill queue. Evicting a key not yet written drops it (counted)."""

@@ -1,8 +1,6 @@
 """A pool's disk tier: keyed pages below host memory, checksummed, LRU within a capacity.
 
-Pages are written from and read into the pool's own memory (``HostPool.page_views``), run by
-run, each run hashed while it is in cache; with O_DIRECT straight from and into those views
-when they are 4 KiB-aligned (typical geometries), else through an aligned bounce buffer. A
+Pages are written from and read into the pool's own memory (``disk_io``). A
 key is visible only once its page and then its record are written (the page first made
 durable with ``fsync = "batch"``); a read whose checksum fails drops the key and counts it,
 and is never served. The index survives restarts: ``open()`` rebuilds it
@@ -15,7 +13,11 @@ Primitives:
   -> "created" | "reattached" | "cold: <why>"; ``contains(key)``; ``write(key, buffers)`` ->
   stored (or already there); ``read_into(key, buffers)`` -> exact bytes landed;
   ``read_many`` / ``write_many`` (several pages, ``io_threads`` at once);
-  ``remove(keys)``; ``clear()``; ``close()``; ``remove_files()``; ``stats``; ``keys``.
+  ``remove(keys)``; ``clear()``: ``forget(keys)`` (the index, at once, no I/O) then
+  ``erase(slots)`` (their records, outside every lock); ``close()``; ``remove_files()``;
+  ``stats``; ``keys``. The page I/O is ``disk_io.PageFile``'s; ``open`` reserves the files'
+  blocks (``preallocate``), so a full filesystem refuses the tier at once
+  (``DiskTierUnavailable``) instead of failing every spill.
 
 Thread-safe: one lock guards the index; I/O runs outside it. A slot being read is never
 reused until the read ends.
@@ -24,9 +26,7 @@ reused until the read ends.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -35,13 +35,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import xxhash
-
 from hicache import seams
+from hicached.core.log_limit import LimitedLog
 from hicached.tiers import disk_format as fmt
+from hicached.tiers.disk_io import PageFile, reserve
 
 log = logging.getLogger(__name__)
+_limited = LimitedLog(log)
+
+
+class DiskTierUnavailable(OSError):
+    """The tier's files cannot be had (no space for them, no such directory, no access):
+    the pool runs without its disk tier."""
 
 
 @dataclass
@@ -57,30 +62,21 @@ class DiskStats:
     """Pages written whose key was removed meanwhile: their record never written."""
 
 
-def _aligned(buffers: Sequence[memoryview]) -> bool:
-    """Whether O_DIRECT can use these buffers as they are: 4 KiB-aligned starts and sizes,
-    few enough for one system call."""
-    if len(buffers) > 1024:
-        return False
-    return all(len(b) % fmt.ALIGN == 0 and
-               np.frombuffer(b, dtype=np.uint8).ctypes.data % fmt.ALIGN == 0
-               for b in buffers)
-
-
 class DiskTier:
     tier = 2
 
     def __init__(self, directory: str, name: str, doc: dict[str, Any], page_bytes: int,
                  capacity_pages: int, *, o_direct: bool = False, fsync: str = "batch",
                  observe: Callable[[str, float], None] = lambda op, seconds: None,
-                 io_threads: int = 2) -> None:
+                 io_threads: int = 2, preallocate: bool = True) -> None:
         """``io_threads``: pages of one ``read_many`` / ``write_many`` moved at once (reads,
-        writes and checksums release the GIL)."""
+        writes and checksums release the GIL); ``preallocate``: reserve the files' blocks at
+        ``open`` (``DiskTierUnavailable`` there when the filesystem lacks the space)."""
         self.directory, self.name = directory, name
         self.page_bytes = page_bytes
         self.slot_bytes = fmt.slot_bytes(page_bytes)
         self.capacity = capacity_pages
-        self.o_direct, self.fsync = o_direct, fsync
+        self.o_direct, self.fsync, self.preallocate = o_direct, fsync, preallocate
         self.doc = {**doc, "page_bytes": page_bytes, "slots": capacity_pages}
         self.stats = DiskStats()
         self._observe = observe
@@ -94,7 +90,11 @@ class DiskTier:
         self._writing: set[bytes] = set()
         self._seq = 0
         self._data_fd = self._index_fd = -1
-        self._bounces: queue.LifoQueue[np.ndarray] = queue.LifoQueue()
+        self._pages: PageFile | None = None
+        self.last_error = ""
+        """The latest write error (``Spiller`` backs off on it)."""
+        self._erasing: set[int] = set()
+        """Slots of removed keys whose records are being erased (not reusable yet)."""
         self._io = ThreadPoolExecutor(max(io_threads, 1), thread_name_prefix=f"disk-{name}")
         self.pages_path = os.path.join(directory, f"{name}.pages")
         self.index_path = os.path.join(directory, f"{name}.index")
@@ -117,9 +117,37 @@ class DiskTier:
             self._lru.clear()
             self._free = list(range(self.capacity - 1, -1, -1))
         flags = os.O_RDWR | os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if self.o_direct else 0)
-        self._data_fd = os.open(self.pages_path, flags)
-        self._index_fd = os.open(self.index_path, os.O_RDWR | os.O_CLOEXEC)
+        self._data_fd = os.open(self.pages_path, flags | os.O_NOFOLLOW)
+        self._index_fd = os.open(self.index_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        self._pages = PageFile(self._data_fd, self.page_bytes, self.slot_bytes, self.o_direct)
+        if self.preallocate:
+            self._reserve(created=outcome != "reattached")
         return outcome
+
+    def _reserve(self, created: bool) -> None:
+        """Every block of both files allocated now: a full filesystem refuses the tier here,
+        once, instead of failing every spill. Files it just created are removed then; saved
+        ones are kept for a start with more room."""
+        need = self.capacity * self.slot_bytes
+        try:
+            sparse = not reserve(self._index_fd, fmt.HEADER_BYTES
+                                 + self.capacity * fmt.RECORD_BYTES)
+            sparse = not reserve(self._data_fd, need) or sparse
+        except OSError as exc:
+            st = os.statvfs(self.directory)
+            free = st.f_bavail * st.f_frsize
+            if created:
+                self.remove_files()
+            else:
+                self._close_fds()
+            raise DiskTierUnavailable(
+                exc.errno, f"disk tier of pool {self.name}: {self.pages_path} needs {need} "
+                f"bytes, the filesystem has {free} free ({exc.strerror}); give "
+                "[tier.disk] less capacity or more space") from exc
+        if sparse:
+            log.warning("disk tier of pool %s: the filesystem of %s cannot reserve space; the "
+                        "files stay sparse (a full disk then fails spills, backed off)",
+                        self.name, self.directory)
 
     def _scan(self) -> str:
         try:
@@ -171,6 +199,11 @@ class DiskTier:
 
     # -- queries ---------------------------------------------------------------------------
 
+    @property
+    def errors(self) -> int:
+        """Writes that failed with an I/O error, in all."""
+        return self.stats.write_errors
+
     def contains(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index
@@ -200,7 +233,8 @@ class DiskTier:
             self._writing.add(key)
         t0 = time.perf_counter()
         try:
-            digest = self._pwrite_page(slot, buffers)
+            assert self._pages is not None, "open() first"
+            digest = self._pages.write(slot, buffers)
             if self.fsync == "batch":
                 os.fdatasync(self._data_fd)
             seams.reached("spill.written")
@@ -222,7 +256,9 @@ class DiskTier:
                 self._writing.discard(key)
                 self._free.append(slot)
                 self.stats.write_errors += 1
-            log.warning("disk tier of pool %s: writing a page failed: %s", self.name, exc)
+                self.last_error = f"writing a page: {exc}"
+            _limited.warning("disk tier of pool %s: writing a page failed: %s", self.name, exc,
+                             key=f"write {self.name} {exc.errno}")
             return False
         self._observe("write", time.perf_counter() - t0)
         return True
@@ -239,43 +275,6 @@ class DiskTier:
                 return self._free.pop() if self._free else None
         return None
 
-    def _pwrite_page(self, slot: int, buffers: Sequence[memoryview]) -> int:
-        """Write the page run by run, hashing each run while it is in cache; its digest."""
-        off = slot * self.slot_bytes
-        h = xxhash.xxh3_64()
-        if not self.o_direct:
-            for b in buffers:
-                h.update(b)
-                if os.pwrite(self._data_fd, b, off) != len(b):
-                    raise OSError(f"short write at {off}")
-                off += len(b)
-            return int(h.intdigest())
-        if _aligned(buffers):  # straight from the pool's memory, no bounce
-            for b in buffers:
-                h.update(b)
-            if os.pwritev(self._data_fd, buffers, off) != self.page_bytes:
-                raise OSError("short O_DIRECT write")
-            return int(h.intdigest())
-        bounce = self._bounce()
-        try:
-            pos = 0
-            for b in buffers:
-                view = np.frombuffer(b, dtype=np.uint8)
-                bounce[pos:pos + view.size] = view
-                h.update(bounce[pos:pos + view.size].data)
-                pos += view.size
-            if os.pwrite(self._data_fd, bounce.data, off) != self.slot_bytes:
-                raise OSError("short O_DIRECT write")
-        finally:
-            self._bounces.put(bounce)
-        return int(h.intdigest())
-
-    def _bounce(self) -> np.ndarray:
-        try:
-            return self._bounces.get_nowait()
-        except queue.Empty:
-            return np.frombuffer(mmap.mmap(-1, self.slot_bytes), dtype=np.uint8)
-
     # -- read ------------------------------------------------------------------------------
 
     def read_into(self, key: bytes, buffers: Sequence[memoryview]) -> bool:
@@ -291,7 +290,8 @@ class DiskTier:
         t0 = time.perf_counter()
         ok, why = False, ""
         try:
-            ok = self._pread_page(slot, buffers) == digest
+            assert self._pages is not None, "open() first"
+            ok = self._pages.read(slot, buffers) == digest
             why = "" if ok else "checksum mismatch"
         except OSError as exc:
             why = str(exc)
@@ -310,41 +310,10 @@ class DiskTier:
                 self.stats.checksum_failures += why == "checksum mismatch"
                 self._forget(key)
         if not ok:
-            log.warning("disk tier of pool %s: page of a key dropped (%s)", self.name, why)
+            _limited.warning("disk tier of pool %s: page of a key dropped (%s)", self.name, why,
+                             key=f"read {self.name} {why}")
         self._observe("read", time.perf_counter() - t0)
         return ok
-
-    def _pread_page(self, slot: int, buffers: Sequence[memoryview]) -> int:
-        """Read the page into ``buffers`` run by run, hashing each run while it is in cache;
-        the digest of what landed."""
-        off = slot * self.slot_bytes
-        h = xxhash.xxh3_64()
-        if not self.o_direct:
-            for b in buffers:
-                if os.preadv(self._data_fd, [b], off) != len(b):
-                    raise OSError(f"short read at {off}")
-                h.update(b)
-                off += len(b)
-            return int(h.intdigest())
-        if _aligned(buffers):  # straight into the pool's memory, no bounce
-            if os.preadv(self._data_fd, buffers, off) != self.page_bytes:
-                raise OSError("short O_DIRECT read")
-            for b in buffers:
-                h.update(b)
-            return int(h.intdigest())
-        bounce = self._bounce()
-        try:
-            if os.preadv(self._data_fd, [bounce.data], off) != self.slot_bytes:
-                raise OSError("short O_DIRECT read")
-            pos = 0
-            for b in buffers:
-                view = np.frombuffer(b, dtype=np.uint8)
-                view[:] = bounce[pos:pos + view.size]
-                h.update(b)
-                pos += view.size
-        finally:
-            self._bounces.put(bounce)
-        return int(h.intdigest())
 
     # -- batches ---------------------------------------------------------------------------
 
@@ -365,21 +334,52 @@ class DiskTier:
     # -- removal ---------------------------------------------------------------------------
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        with self._lock:
-            gone = [k for k in keys if k in self._index]
-            for k in gone:
-                self._forget(k)
-        return len(gone)
+        slots = self.forget(keys)
+        self.erase(slots)
+        return len(slots)
 
     def clear(self) -> int:
+        slots = self.forget(None)
+        self.erase(slots)
+        return len(slots)
+
+    def forget(self, keys: Sequence[bytes] | None) -> list[int]:
+        """Drop ``keys`` (None: all) from the index at once, no I/O (a caller may hold its
+        own lock): they are gone for every later call. Their slots wait for ``erase``."""
         with self._lock:
-            gone = list(self._index)
+            gone = list(self._index) if keys is None else [k for k in keys if k in self._index]
+            slots = [self._index.pop(k) for k in gone]
             for k in gone:
-                self._forget(k)
-        return len(gone)
+                self._lru.pop(k, None)
+            for slot in slots:
+                self._digest.pop(slot, None)
+            self._erasing.update(slots)
+        return slots
+
+    def erase(self, slots: Sequence[int]) -> None:
+        """Erase the records of forgotten slots (a restart does not find them), then free the
+        slots (later, for one being read). Outside every lock; a run of neighbouring records
+        goes in one write."""
+        order = sorted(slots)
+        start = 0
+        for end in range(1, len(order) + 1):  # each run of consecutive slots
+            if end < len(order) and order[end] == order[end - 1] + 1 and end - start < 8192:
+                continue
+            try:
+                os.pwrite(self._index_fd, bytes(fmt.RECORD_BYTES * (end - start)),
+                          fmt.HEADER_BYTES + order[start] * fmt.RECORD_BYTES)
+            except OSError as exc:  # the page's checksum still guards a stale record
+                _limited.warning("disk tier of pool %s: clearing records failed: %s",
+                                 self.name, exc, key=f"erase {self.name}")
+            start = end
+        with self._lock:
+            for slot in order:
+                self._erasing.discard(slot)
+                (self._deferred.add if self._reading.get(slot) else self._free.append)(slot)
 
     def _forget(self, key: bytes) -> None:
-        """Drop a key (lock held): its record first, then its slot (later, if being read)."""
+        """Drop one key now, its record erased at once (lock held: a key evicted for room, or
+        whose page failed its read)."""
         slot = self._index.pop(key)
         self._lru.pop(key, None)
         self._digest.pop(slot, None)
@@ -387,7 +387,8 @@ class DiskTier:
             os.pwrite(self._index_fd, bytes(fmt.RECORD_BYTES),
                       fmt.HEADER_BYTES + slot * fmt.RECORD_BYTES)
         except OSError as exc:  # the page's checksum still guards a stale record
-            log.warning("disk tier of pool %s: clearing a record failed: %s", self.name, exc)
+            _limited.warning("disk tier of pool %s: clearing a record failed: %s", self.name,
+                             exc, key=f"erase {self.name}")
         if self._reading.get(slot):
             self._deferred.add(slot)
         else:

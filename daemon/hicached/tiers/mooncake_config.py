@@ -62,6 +62,10 @@ class MooncakeTierConfig:
     are not put (counted as dropped); Store never blocks on the tier."""
     batch_pages: int = 64
     """Pages per put call."""
+    put_retry_seconds: float = 30.0
+    """How long a key the store did not take (write policy ``through``) is tried again, backed
+    off, before it is dropped: keep it above Mooncake's ``client_ttl`` (10 s by default: a
+    dead node's segment is still placed on until then)."""
 
     def __post_init__(self) -> None:
         for name in ("master", "local_hostname"):
@@ -88,6 +92,9 @@ class MooncakeTierConfig:
                               metadata={"replicas": self.replicas})
         if self.floor_bytes_per_second <= 0:
             raise SpecInvalid("tier.mooncake.floor_bytes_per_second must be positive")
+        if not 0 <= self.put_retry_seconds <= 3600:
+            raise SpecInvalid("tier.mooncake.put_retry_seconds is in [0, 3600]",
+                              metadata={"put_retry_seconds": self.put_retry_seconds})
         if not (0 < self.timeout_seconds <= 60 and 0 < self.retry_seconds <= 600):
             raise SpecInvalid("tier.mooncake.timeout_seconds is in (0, 60], retry_seconds "
                               "in (0, 600]", metadata={"timeout_seconds": self.timeout_seconds})

@@ -22,10 +22,7 @@ Primitives:
   put, leaves a tombstone: the key is never found, and is removed again after the put or
   when the tier is back: ``retry_removals``); ``revive(keys)`` (stored again); ``clear()``;
   ``close()`` (unregisters the memory).
-- ``RemoteWriter(cache, tier, max_keys, batch)``: the ``through`` policy: ``offer(keys)``
-  after a Store; a thread puts them in batches with their pages held for reading, trying a
-  failed key again (``PUT_ATTEMPTS`` in all); a key evicted before its turn, beyond
-  ``max_keys`` waiting, or failed every time is not put (``dropped``).
+- ``remote_writer.RemoteWriter``: the ``through`` policy (its own module).
 - ``promote_remote(cache, tier, keys)``: LoadKeys' way up: keys host memory lacks are got
   from the store into fresh host pages in one batch call; returns how many landed. A get that
   outlives the timeout keeps its pages held (the keys stay "being written") until it really
@@ -34,12 +31,11 @@ Primitives:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import threading
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -55,10 +51,6 @@ from hicached.tiers.mooncake import MooncakeStore, Runs
 log = logging.getLogger(__name__)
 
 REMOTE_TIER = 3
-IDLE_WAIT_SECONDS = 1.0
-PUT_ATTEMPTS = 3
-"""Tries per key before the writer drops it (a put can land on a node that just died)."""
-RETRY_DELAY_SECONDS = 0.2
 OBJECT_FORMAT = 2
 """An object is the page's runs, then the xxh3-64 digest of those bytes (8 bytes, little
 endian); format 1 (no digest) lives in another namespace and is never read."""
@@ -94,6 +86,9 @@ class RemoteTier:
         digest from its slot, a get brings the object's into it (a page is never put and got
         at once: gets land in fresh pages)."""
         self.checksum_failures = 0
+        self.errors = 0
+        """Pages a put did not store (what a ``Spiller`` backs off on)."""
+        self.last_error = ""
         store.register(pool.address, pool.nbytes)
         store.register(self._digests.ctypes.data, self._digests.nbytes)
         store.on_up.append(self.retry_removals)
@@ -199,6 +194,12 @@ class RemoteTier:
                              if done and k not in removed])
         if removed:  # removed while the put ran: it must not stay in the store
             self._remove_from_store(removed)
+        refused = got.count(False)
+        if refused:
+            self.errors += refused
+            self.last_error = (f"the cluster store took {len(got) - refused} of {len(got)} "
+                               "page(s)" + ("" if self.store.up else
+                                            f" (down: {self.store.why})"))
         return ok
 
     def get_pages(self, keys: Sequence[bytes], pages: np.ndarray,
@@ -285,81 +286,8 @@ class RemoteTier:
         return self.store.remove_prefix(self.prefix)
 
 
-class RemoteWriter:
-    def __init__(self, cache: PoolCache, tier: RemoteTier, max_keys: int,
-                 batch: int = 16) -> None:
-        self.cache, self.tier = cache, tier
-        self.max_keys, self.batch = max_keys, batch
-        self.put = 0
-        self.failed = 0
-        """Puts that failed (a key is tried ``PUT_ATTEMPTS`` times before it is dropped)."""
-        self.dropped = 0
-        self._queue: deque[tuple[bytes, int]] = deque()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"remote-put-{cache.pool.spec.name}")
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def offer(self, keys: Sequence[bytes], attempt: int = 0) -> None:
-        with self._lock:
-            room = max(self.max_keys - len(self._queue), 0)
-            take = [k for k in keys if not self.tier.written(k)]
-            self._queue.extend((k, attempt) for k in take[:room])
-            self.dropped += max(len(take) - room, 0)
-        self._wake.set()
-
-    @property
-    def waiting(self) -> int:
-        with self._lock:
-            return len(self._queue)
-
-    def _take(self) -> list[tuple[bytes, int]]:
-        with self._lock:
-            n = min(self.batch, len(self._queue))
-            return [self._queue.popleft() for _ in range(n)]
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            items = self._take()
-            if not items:
-                self._wake.wait(IDLE_WAIT_SECONDS)
-                self._wake.clear()
-                continue
-            attempts = dict(items)
-            try:
-                held, pages, epoch = self.cache.borrow(list(attempts))
-            except Exception:  # the pool closed under us
-                log.debug("remote writer of %s stopped", self.cache.pool.spec.name,
-                          exc_info=True)
-                return
-            self.dropped += len(attempts) - len(held)  # evicted or removed before their turn
-            try:
-                ok = self.tier.put_pages(held, pages, functools.partial(
-                    _wanted, self.cache, epoch)) if held else []
-            finally:
-                self.cache.give_back(pages, epoch)
-            self.put += sum(ok)
-            failed = [k for k, done in zip(held, ok, strict=True) if not done]
-            self.failed += len(failed)
-            again = [k for k in failed if attempts[k] + 1 < PUT_ATTEMPTS]
-            self.dropped += len(failed) - len(again)
-            if again:  # a peer that just died is still placed on until the master drops it
-                self._stop.wait(RETRY_DELAY_SECONDS)
-                for k in again:
-                    self.offer([k], attempts[k] + 1)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(30)
-
-
-def _wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
+def wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
+    """A key lent at ``epoch`` may still be put: not removed since."""
     return not cache.removed_since(key, epoch)
 
 

@@ -13,8 +13,8 @@ blocking a store. A key removed while its page is being written below is not com
 Primitives:
 
 - ``Spiller(pool, cache, tier, window, batch)``: over any ``SpillTarget`` (the disk, or the
-  cluster store); ``start()``, ``nudge()`` (new keys were stored), ``close()``;
-  ``spilled`` / ``failed`` counts.
+  cluster store), a ``writer.TierWriter`` (backed off while the tier fails); ``start()``,
+  ``nudge()`` (new keys were stored), ``close()``; ``spilled`` / ``failed`` counts.
 - ``promote(pool, cache, tier, keys)``: the way back up: keys only the tier holds are read
   into fresh host pages (checksums checked) and become ready there; returns how many. A read
   that fails drops that key below and promotes none of the batch.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -32,17 +31,22 @@ from hicache import seams
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.tiers.disk import DiskTier
+from hicached.tiers.writer import IDLE, STOP, WROTE, Failed, Outcome, TierWriter
 
 log = logging.getLogger(__name__)
-
-IDLE_WAIT_SECONDS = 1.0
 
 
 class SpillTarget(Protocol):
     """A tier a ``Spiller`` writes to: the disk, or the cluster store (``evict`` policy).
     ``write_many`` keeps a key only if ``still_wanted(key)`` holds when it commits it (the
     disk: asked under its lock; the cluster: the put is undone otherwise); ``pages`` name the
-    pages the views are of."""
+    pages the views are of. ``errors`` counts the writes that failed with an error of the
+    tier (not a refusal), ``last_error`` says the latest."""
+
+    last_error: str
+
+    @property
+    def errors(self) -> int: ...
 
     def contains(self, key: bytes) -> bool: ...
 
@@ -51,51 +55,39 @@ class SpillTarget(Protocol):
                    pages: Sequence[int] = ()) -> list[bool]: ...
 
 
-class Spiller:
+class Spiller(TierWriter):
     def __init__(self, pool: HostPool, cache: PoolCache, tier: SpillTarget, window: int,
-                 batch: int = 16) -> None:
+                 batch: int = 16, tier_name: str = "disk") -> None:
+        super().__init__(pool.spec.name, tier_name)
         self.pool, self.cache, self.tier = pool, cache, tier
         self.window, self.batch = window, batch
         self.spilled = 0
         self.failed = 0
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"spill-{pool.spec.name}",
-                                        daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def nudge(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                keys, pages, epoch = self.cache.spill_candidates(self.batch, self.window,
-                                                                 self.tier.contains)
-            except Exception:  # the pool closed under us
-                log.debug("spill of pool %s stopped", self.pool.spec.name, exc_info=True)
-                return
-            if not keys:
-                self._wake.wait(IDLE_WAIT_SECONDS)
-                self._wake.clear()
-                continue
-            try:
-                done = self.tier.write_many(
-                    [(k, self.pool.page_views(p)) for k, p in zip(keys, pages.tolist(),
-                                                                 strict=True)],
-                    functools.partial(_wanted, self.cache, epoch), pages.tolist())
-                self.spilled += sum(done)
-                self.failed += len(done) - sum(done)
-            finally:
-                self.cache.finish_spill(keys, pages, epoch)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(30)
+    def _batch(self) -> Outcome | Failed:
+        try:
+            keys, pages, epoch = self.cache.spill_candidates(self.batch, self.window,
+                                                             self.tier.contains)
+        except Exception:  # the pool closed under us
+            log.debug("spill of pool %s stopped", self.pool.spec.name, exc_info=True)
+            return STOP
+        if not keys:
+            return IDLE
+        errors = self.tier.errors
+        try:
+            done = self.tier.write_many(
+                [(k, self.pool.page_views(p)) for k, p in zip(keys, pages.tolist(),
+                                                             strict=True)],
+                functools.partial(_wanted, self.cache, epoch), pages.tolist())
+        finally:
+            self.cache.finish_spill(keys, pages, epoch)
+        self.spilled += sum(done)
+        self.failed += len(done) - sum(done)
+        if any(done):
+            return WROTE
+        if self.tier.errors > errors:
+            return Failed(self.tier.last_error or "every write of a batch failed")
+        return IDLE  # no room below for now (every slot being read), or keys removed
 
 
 def _wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:

@@ -16,7 +16,8 @@ Primitives:
   ``hold_for_load(keys, on_promoted, owner)`` -> host pages held for reading (the owner's held
   keys never refused; a promotion in flight waited for); ``promote(keys)``;
   ``remove(keys)`` -> keys that were in some tier; ``clear()`` -> keys dropped from this node.
-- ``disk``, ``spiller``, ``remote``, ``writer``, ``remote_spiller``: the parts, for metrics.
+- ``disk``, ``spiller``, ``remote``, ``writer``, ``remote_spiller``: the parts, for metrics;
+  ``failing()``: per tier, whether its writes fail now (``hicache_tier_failing``).
 - ``build_stack(pool, cache, disk_config, budget, observe_disk, store)``: what the config
   gives a pool.
 """
@@ -34,11 +35,13 @@ from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
 from hicached.tiers.config import DiskTierConfig
-from hicached.tiers.disk import DiskTier
+from hicached.tiers.disk import DiskTier, DiskTierUnavailable
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.prefetch import Prefetcher
-from hicached.tiers.remote import RemoteTier, RemoteWriter, promote_remote
+from hicached.tiers.remote import RemoteTier, promote_remote
+from hicached.tiers.remote_writer import PUT_RETRY_SECONDS, RemoteWriter
 from hicached.tiers.spill import Spiller, promote
+from hicached.tiers.writer import TierWriter
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +52,24 @@ LANDING_WAIT_SECONDS = 2.0
 class TierStack:
     def __init__(self, pool: HostPool, cache: PoolCache, disk: DiskTier | None = None,
                  spill_window: int = 1, remote: RemoteTier | None = None,
-                 policy: str = "through", queue_pages: int = 1024, batch: int = 16) -> None:
+                 policy: str = "through", queue_pages: int = 1024, batch: int = 16,
+                 put_retry_seconds: float = PUT_RETRY_SECONDS, disk_unavailable: str = ""
+                 ) -> None:
         """``spill_window``: pages kept written to disk ahead of eviction; ``policy``:
-        ``through`` (the writer puts every stored key) or ``evict`` (a spiller puts the
-        oldest ``queue_pages`` ahead of eviction); ``queue_pages`` bounds either."""
+        ``through`` (the writer puts every stored key, trying one the store refused for
+        ``put_retry_seconds``) or ``evict`` (a spiller puts the oldest ``queue_pages`` ahead
+        of eviction); ``queue_pages`` bounds either. ``disk_unavailable``: why the disk tier
+        the config gives the pool could not be opened ("" if it could or there is none)."""
         self.pool, self.cache = pool, cache
         self.disk, self.remote = disk, remote
+        self.disk_unavailable = disk_unavailable
         self.spiller = Spiller(pool, cache, disk, spill_window) if disk is not None else None
         self.writer: RemoteWriter | None = None
         self.remote_spiller: Spiller | None = None
         if remote is not None and policy == "through":
-            self.writer = RemoteWriter(cache, remote, queue_pages, batch)
+            self.writer = RemoteWriter(cache, remote, queue_pages, batch, put_retry_seconds)
         elif remote is not None:
-            self.remote_spiller = Spiller(pool, cache, remote, queue_pages, batch)
+            self.remote_spiller = Spiller(pool, cache, remote, queue_pages, batch, "remote")
         self.prefetcher: Prefetcher | None = None
         if disk is not None or remote is not None:
             self.prefetcher = Prefetcher(self.promote, cache.hold_promoted, pool.spec.name)
@@ -74,6 +82,18 @@ class TierStack:
         for t in (self.spiller, self.writer, self.remote_spiller):
             if t is not None:
                 t.start()
+
+    def failing(self) -> dict[str, bool]:
+        """Per tier below host memory the pool has (``disk``, ``remote``): whether its writes
+        fail now (a disk tier that could not be opened counts as failing)."""
+        out: dict[str, bool] = {}
+        if self.disk is not None or self.disk_unavailable:
+            out["disk"] = bool(self.disk_unavailable) or bool(
+                self.spiller is not None and self.spiller.failing)
+        writer: TierWriter | None = self.writer or self.remote_spiller
+        if writer is not None:
+            out["remote"] = writer.failing
+        return out
 
     def _stored(self, keys: list[bytes]) -> None:
         for s in (self.spiller, self.remote_spiller):
@@ -190,7 +210,7 @@ def build_stack(pool: HostPool, cache: PoolCache, disk: DiskTierConfig | None,
     """The tiers the daemon's config gives a pool: its share of the disk (its saved index,
     or a cold one) and its part of the cluster store. Not started."""
     spec = pool.spec
-    tier, window = None, 1
+    tier, window, unavailable = None, 1, ""
     if disk is not None and pool.nbytes:
         pages = disk.share(pool.nbytes, budget_bytes, spec.page_bytes)
         if pages < 1:
@@ -199,11 +219,17 @@ def build_stack(pool: HostPool, cache: PoolCache, disk: DiskTierConfig | None,
         else:
             tier = DiskTier(disk.path, spec.name, {"spec": spec_to_dict(spec)},
                             spec.page_bytes, pages, o_direct=disk.o_direct, fsync=disk.fsync,
-                            observe=observe_disk, io_threads=disk.io_threads)
-            outcome = tier.open()
-            log.info("pool %s: disk tier %s, %d pages (%d keys)", spec.name, outcome, pages,
-                     tier.keys)
-            window = max(disk.spill_ahead_bytes // spec.page_bytes, 1)
+                            observe=observe_disk, io_threads=disk.io_threads,
+                            preallocate=disk.preallocate)
+            try:
+                outcome = tier.open()
+            except DiskTierUnavailable as exc:
+                log.error("pool %s serves without its disk tier: %s", spec.name, exc.strerror)
+                unavailable, tier = str(exc.strerror), None
+            else:
+                log.info("pool %s: disk tier %s, %d pages (%d keys)", spec.name, outcome,
+                         pages, tier.keys)
+                window = max(disk.spill_ahead_bytes // spec.page_bytes, 1)
     remote = None
     if store is not None and pool.nbytes:
         c = store.config
@@ -213,4 +239,6 @@ def build_stack(pool: HostPool, cache: PoolCache, disk: DiskTierConfig | None,
     queue = max(store.config.queue_bytes // spec.page_bytes, 1) if store is not None else 1
     return TierStack(pool, cache, tier, window, remote,
                      store.config.write_policy if store is not None else "through", queue,
-                     store.config.batch_pages if store is not None else 16)
+                     store.config.batch_pages if store is not None else 16,
+                     store.config.put_retry_seconds if store is not None
+                     else PUT_RETRY_SECONDS, unavailable)
