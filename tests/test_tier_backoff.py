@@ -280,7 +280,7 @@ def test_a_disk_tier_that_cannot_be_reserved_is_refused_at_start(tmp_path: Path,
             assert c.lookup(SPEC.name, [b"x"]).hits == 1
             s.close()
         log = d.log()
-        assert re.search(r"pool full serves without its disk tier: .*needs \d+ bytes, the "
+        assert re.search(r"pool full serves without its disk tier: .*need \d+ bytes, the "
                          r"filesystem has \d+ free", log), log
         assert _metric(d, "hicache_tier_failing", f'pool="{SPEC.name}",tier="disk"') == 1
         assert not list((tmpfs / "disk").glob("full.*"))  # nothing half-reserved left behind

@@ -31,7 +31,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--socket-mode": ("socket_mode", "API socket permissions: 0600 or 0660 (group workers)"),
     "--socket-group": ("socket_group", "group of the API socket (default: the daemon's)"),
     "--shm-dir": ("shm_dir", "the only directory workers may hand buffers from (/dev/shm)"),
-    "--state-dir": ("state_dir", "pools as files that outlive the daemon (/dev/shm/hicached; "
+    "--state-dir": ("state_dir", "pools as files that outlive the daemon (/dev/shm/hicached-UID; "
                                  "'' = none)"),
     "--metrics-listen": ("metrics_listen", "HOST:PORT of the Prometheus endpoint "
                                            "(127.0.0.1:9464; empty disables)"),
@@ -146,13 +146,14 @@ def _setup_logging(config: ServerConfig) -> None:
 
 
 def serve(config: ServerConfig) -> int:
+    from hicached.core.trusted_paths import UntrustedPath
     from hicached.server.app import create_server
     from hicached.server.locks import AlreadyServing
 
     _setup_logging(config)
     try:
         server, _bound = create_server(config, wait_ready=False)  # pools build meanwhile
-    except AlreadyServing as exc:
+    except (AlreadyServing, UntrustedPath) as exc:
         logging.getLogger("hicached").error("%s", exc)
         return 2
     def drain() -> None:

@@ -74,6 +74,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.ShmPathRejected: C.PERMISSION_DENIED,
     e.FdRejected: C.PERMISSION_DENIED,
     e.PeerNotAllowed: C.PERMISSION_DENIED,
+    e.DaemonUntrusted: C.PERMISSION_DENIED,
     e.Unauthenticated: C.UNAUTHENTICATED,
     e.DeadlinePassed: C.DEADLINE_EXCEEDED,
     e.Unavailable: C.UNAVAILABLE,

@@ -55,7 +55,8 @@ Hierarchy::
     ├── PermissionDenied               the caller may not use that resource
     │   ├── ShmPathRejected                SHM_PATH_REJECTED
     │   ├── FdRejected                     FD_REJECTED
-    │   └── PeerNotAllowed                 PEER_NOT_ALLOWED
+    │   ├── PeerNotAllowed                 PEER_NOT_ALLOWED
+    │   └── DaemonUntrusted                DAEMON_UNTRUSTED (client side)
     ├── Unauthenticated                UNAUTHENTICATED: a TCP caller without the daemon's token
     ├── DeadlinePassed                 DEADLINE_PASSED: too late to copy (DEADLINE_EXCEEDED)
     ├── Unavailable                    try again later / elsewhere
@@ -69,9 +70,9 @@ Hierarchy::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from dataclasses import field as _field
 from typing import Any
 
 
@@ -83,7 +84,7 @@ class Violation:
     field: str
     reason: str
     description: str
-    metadata: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    metadata: Mapping[str, object] = _field(default_factory=dict)
 
 
 class HiCacheError(Exception):
@@ -104,10 +105,8 @@ class HiCacheError(Exception):
         self.violations: tuple[Violation, ...] = tuple(violations)
 
     def __str__(self) -> str:
-        if not self.metadata:
-            return f"{self.reason}: {self.message}"
         meta = ", ".join(f"{k}={v}" for k, v in sorted(self.metadata.items()))
-        return f"{self.reason}: {self.message} ({meta})"
+        return f"{self.reason}: {self.message}" + (f" ({meta})" if meta else "")
 
 
 class InvalidRequest(HiCacheError):
@@ -322,6 +321,13 @@ class PeerNotAllowed(PermissionDenied):
     reason = "PEER_NOT_ALLOWED"
 
 
+class DaemonUntrusted(PermissionDenied):
+    """Client side: what listens on the daemon's socket runs as a user the client does not
+    trust (not its own, root or ``HICACHE_DAEMON_UID``): nothing was sent to it."""
+
+    reason = "DAEMON_UNTRUSTED"
+
+
 class Unauthenticated(HiCacheError):
     """A TCP caller without the bearer token the daemon asks for (or with another)."""
 
@@ -366,15 +372,9 @@ class CudaFailure(DeviceFailure):
     reason = "CUDA_ERROR"
 
 
-def all_error_classes() -> list[type[HiCacheError]]:
+def all_error_classes(root: type[HiCacheError] = HiCacheError) -> list[type[HiCacheError]]:
     """Every concrete and abstract domain error class, for exhaustiveness checks."""
-    seen: list[type[HiCacheError]] = []
-    stack: list[type[HiCacheError]] = [HiCacheError]
-    while stack:
-        cls = stack.pop()
-        seen.append(cls)
-        stack.extend(cls.__subclasses__())
-    return seen
+    return [root, *(c for sub in root.__subclasses__() for c in all_error_classes(sub))]
 
 
 _BY_REASON: dict[str, type[HiCacheError]] = {}

@@ -5,7 +5,8 @@ Primitives:
 - ``default_socket_path()``: ``$XDG_RUNTIME_DIR/hicached/hicached.sock``, or
   ``/tmp/hicached-<uid>/hicached.sock`` when there is no runtime directory.
 - ``default_target()``: the same as a gRPC target (``unix:...``).
-- ``DEFAULT_STATE_DIR``: where a daemon keeps pools that outlive it (``/dev/shm/hicached``);
+- ``DEFAULT_STATE_DIR``: where a daemon keeps pools that outlive it
+  (``/dev/shm/hicached-<uid>``: one per user, so no other user's directory is ever taken);
   ``STATE_SUFFIXES``: the files of one saved pool there (``<pool>.meta``, ``.data``, and a
   ``.meta.new`` a killed daemon may leave mid-creation).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-DEFAULT_STATE_DIR = "/dev/shm/hicached"
+DEFAULT_STATE_DIR = f"/dev/shm/hicached-{os.getuid()}"
 STATE_SUFFIXES = (".meta", ".data", ".meta.new")
 
 

@@ -45,7 +45,7 @@ from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client.data_calls import DataCalls
-from hicache_client.identity import request_token
+from hicache_client.identity import request_token, trusted_uids
 from hicache_client.results import (
     CacheEvent,
     PoolInfo,
@@ -65,7 +65,8 @@ class HiCacheClient(DataCalls):
                  reconnect_seconds: float = 10.0, max_message_bytes: int = 64 << 20,
                  tls_ca: bytes | None = None, tls_cert: bytes | None = None,
                  tls_key: bytes | None = None, auth_token: str | None = None,
-                 fast_path: bool = True, spin_us: int = DEFAULT_MAX_US) -> None:
+                 fast_path: bool = True, spin_us: int = DEFAULT_MAX_US,
+                 daemon_uid: int | None = None) -> None:
         """``tls_*`` (PEM bytes) and ``auth_token`` are for TCP daemons: the CA that signed
         the daemon's certificate, this client's certificate and key (mutual TLS), the bearer
         token of the daemon's ``auth_token_file``. Unix sockets need none of them.
@@ -73,7 +74,10 @@ class HiCacheClient(DataCalls):
         fast path (``data_path`` says which is used). ``spin_us``: the longest a fast-path call
         polls for its reply before its thread sleeps; the window adapts per connection
         (``hicache.polling``: calls whose replies take longer than this sleep at once), the
-        poll releases the interpreter lock. 0: never poll."""
+        poll releases the interpreter lock. 0: never poll. ``daemon_uid``: the user the daemon
+        runs as, when neither this process's nor root (default: ``$HICACHE_DAEMON_UID``): a
+        local daemon running as anyone else gets no fds and no data (``DAEMON_UNTRUSTED``)."""
+        self._trusted = trusted_uids(daemon_uid)
         self.target = target or default_target()
         self.timeout = timeout
         self.reconnect_seconds = reconnect_seconds
@@ -262,7 +266,7 @@ class HiCacheClient(DataCalls):
         it (SCM_RIGHTS); "" over TCP or when the daemon has none (pools without access rules
         and sessions without memfd buffers do not need it). A refusal of the fds (too many)
         raises ``FD_REJECTED``."""
-        return request_token(self.target, fds)
+        return request_token(self.target, fds, self._trusted)
 
     def heartbeat(self, session_id: str, *, timeout: float | None = None) -> pb.Session:
         """Extend the lease; the session as the daemon sees it (``loads_in_flight`` too)."""

@@ -50,6 +50,7 @@ class DataCalls:
     timeout: float
     reconnect_seconds: float
     _stub: Any
+    _trusted: frozenset[int]
 
     def _init_data_calls(self, fast_path: bool, spin_us: int) -> None:
         self._want_fast = fast_path and self.target.startswith("unix:")
@@ -111,7 +112,7 @@ class DataCalls:
         # the socket beside ours (the daemon may see its sockets at another path), else its
         mine = self.target[len("unix:"):].removeprefix("//") + ".fast"
         path = mine if os.path.exists(mine) else info.fast_path
-        self._fast = fp.FastPath(path, self.timeout, self._spin_us)
+        self._fast = fp.FastPath(path, self.timeout, self._spin_us, self._trusted)
         log.info("data calls to %s over the fast path %s", self.target, path)
         return self._fast
 

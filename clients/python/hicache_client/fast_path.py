@@ -26,15 +26,16 @@ import socket
 import struct
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import grpc
 import numpy as np
 
 from hicache import fast_wire as w
 from hicache.error_mapping import from_status, from_status_bytes
-from hicache.errors import HiCacheError
+from hicache.errors import DaemonUntrusted, HiCacheError
 from hicache.indices import IndexArray, to_index_array
+from hicache_client.identity import check_daemon, trusted_uids
 from hicache_client.results import LookupResult, StoreResult, TransferStats
 
 U32 = struct.Struct("<I")
@@ -69,9 +70,12 @@ class _Conn:
 
 
 class FastPath:
-    def __init__(self, path: str, timeout: float, spin_us: int = 0) -> None:
-        """``spin_us``: how long a call polls for its reply before sleeping in the kernel."""
+    def __init__(self, path: str, timeout: float, spin_us: int = 0,
+                 trusted: Collection[int] | None = None) -> None:
+        """``spin_us``: how long a call polls for its reply before sleeping in the kernel;
+        ``trusted``: the uids the daemon may run as (``identity.trusted_uids``)."""
         self.path = path
+        self.trusted = trusted_uids() if trusted is None else trusted
         self.timeout = timeout
         self.spin_us = spin_us
         self._local = threading.local()
@@ -91,11 +95,15 @@ class FastPath:
         try:
             s.settimeout(timeout)
             s.connect(self.path)
+            check_daemon(s, self.path, self.trusted)  # before a byte of KV goes to it
             s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, 0))
             magic, version, _, _ = w.HELLO.unpack(w.recv_exact(s, w.HELLO.size))
         except TimeoutError:
             s.close()
             raise deadline_exceeded("opening the connection") from None
+        except DaemonUntrusted:
+            s.close()
+            raise
         except (OSError, EOFError, struct.error) as exc:
             s.close()
             raise FastPathLost(f"cannot open the fast path at {self.path}: {exc}") from None

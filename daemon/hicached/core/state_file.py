@@ -13,7 +13,8 @@ The header: magic ``HICACHE\\0``, a format version, the length and crc32 of a JS
 (the pool spec, page count, data size, table layout) and, apart from it, a 64-bit generation
 (one aligned store, bumped at every attach). A pool re-attaches only when magic, version,
 crc and the whole JSON equal what this daemon computes for the spec; otherwise it starts cold
-and says why (``Outcome``).
+and says why (``Outcome``). Files that are not the daemon's own (another owner, writable by
+others, a symlink) are never re-attached nor read: ``cold_untrusted``.
 
 Primitives:
 
@@ -53,6 +54,7 @@ from hicache.specs import (
     PoolKind,
     PoolSpec,
 )
+from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir, untrusted_file
 
 log = logging.getLogger(__name__)
 
@@ -120,15 +122,35 @@ class Outcome(enum.Enum):
     """Files of another spec or geometry: replaced."""
     COLD_CORRUPT = "cold_corrupt"
     """A torn or damaged header, or a data file of the wrong size: replaced."""
+    COLD_UNTRUSTED = "cold_untrusted"
+    """Files not the daemon's own (another owner, writable by others, a symlink): never
+    re-attached, replaced."""
+
+
+def untrusted_state(state_dir: str, name: str) -> str:
+    """Why a saved pool's files are not the daemon's own ("" when they are, or are absent)."""
+    for suffix in (".meta", ".data"):
+        try:
+            st = os.lstat(os.path.join(state_dir, name + suffix))
+        except FileNotFoundError:
+            continue
+        why = untrusted_file(st)
+        if why:
+            return f"untrusted: {name}{suffix} is {why}"
+    return ""
 
 
 def read_header(meta_path: str) -> tuple[dict[str, Any] | None, str]:
-    """(the header's JSON, '') or (None, why it cannot be used)."""
+    """(the header's JSON, '') or (None, why it cannot be used); a file that is not the
+    daemon's own is not read."""
     try:
-        with open(meta_path, "rb") as f:
-            head = f.read(HEADER_BYTES)
+        fd = open_own(meta_path, os.O_RDONLY)
+    except UntrustedPath as exc:
+        return None, f"untrusted: {exc.why}"
     except OSError as exc:
         return None, f"unreadable: {exc.strerror}"
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(HEADER_BYTES)
     if len(head) < HEADER_BYTES:
         return None, "corrupt: short header"
     magic, version, length, crc, _gen = _FIXED.unpack_from(head)
@@ -193,7 +215,7 @@ class StateFiles:
     def open(self) -> Outcome:
         """Map the meta file: the saved one when it matches, else a fresh one (the old files
         of that name are removed first, so no byte of another geometry is ever served)."""
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        own_dir(self.state_dir)
         outcome, why = self._match()
         if outcome is not Outcome.REATTACHED:
             if outcome is not Outcome.CREATED:
@@ -201,7 +223,7 @@ class StateFiles:
                             self.spec.name, why)
             self.remove()
             self._create()
-        fd = os.open(self.meta_path, os.O_RDWR | os.O_CLOEXEC)
+        fd = open_own(self.meta_path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, self._offsets[""], flags=mmap.MAP_SHARED)
         finally:
@@ -212,7 +234,10 @@ class StateFiles:
         return outcome
 
     def _match(self) -> tuple[Outcome, str]:
-        if not os.path.exists(self.meta_path):
+        untrusted = untrusted_state(self.state_dir, self.spec.name)
+        if untrusted:
+            return Outcome.COLD_UNTRUSTED, untrusted
+        if not os.path.lexists(self.meta_path):
             return Outcome.CREATED, ""
         doc, why = read_header(self.meta_path)
         if doc is None:
@@ -236,7 +261,11 @@ class StateFiles:
         _FIXED.pack_into(head, 0, MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), 0)
         head[_JSON_OFFSET:_JSON_OFFSET + len(body)] = body
         tmp = self.meta_path + ".new"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.unlink(tmp)  # a killed daemon's, or planted: never written through
+        except FileNotFoundError:
+            pass
+        fd = open_own(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.ftruncate(fd, self._offsets[""])  # tables start zeroed: everything free
             os.pwrite(fd, bytes(head), 0)

@@ -32,11 +32,13 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 import hicache
 from hicache.cuda_driver import driver_problem, load_driver
 from hicache.errors import SpecInvalid
+from hicache.paths import default_socket_path
 from hicache.polling import sum_counts
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
+from hicached.core.trusted_paths import own_dir, socket_dir
 from hicached.cuda.pinner import DriverPinner
 from hicached.server.admission import ByteBudget, DataGate
 from hicached.server.config import ServerConfig
@@ -159,6 +161,7 @@ class HiCacheServer:
     def start(self) -> list[str]:
         bound: list[str] = []
         try:
+            self._trust_dirs()  # before any lock, socket or pool file is opened there
             # probes answer from the start: alive at once, ready once the API serves
             self.health.set("", health_pb2.HealthCheckResponse.SERVING)
             self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -230,6 +233,21 @@ class HiCacheServer:
     def wait_ready(self, timeout: float | None = None) -> bool:
         """True once the declared pools are built and readiness is SERVING."""
         return self._ready.wait(timeout)
+
+    def _trust_dirs(self) -> None:
+        """The directories the daemon's files go in, created or verified (``UntrustedPath``:
+        the daemon does not start): the state directory and the default socket directory are
+        its own; a configured socket's directory must be one no one else can write in."""
+        group, gid = self.config.socket_mode == 0o660, self._socket_gid()
+        if self.config.state_dir:
+            own_dir(self.config.state_dir)
+        for target in (*self.config.listen, *self.config.health_listen):
+            if target.startswith("unix:"):
+                path = os.path.abspath(unix_path(target))
+                if path == default_socket_path():
+                    own_dir(os.path.dirname(path), group, gid)
+                else:
+                    socket_dir(os.path.dirname(path), group, gid)
 
     def _socket_gid(self) -> int:
         """The configured socket group's gid; -1 = leave the daemon's own."""

@@ -14,7 +14,7 @@ interceptors, a fast call gets here, in the same order and with the same outcome
   method named as in gRPC), and ``hicache_fast_path_requests_total{method}`` besides;
 - access rules: a Lookup on a pool a rule covers needs a capability of a session on the pool
   or a peer the rules list, and the peer is the connection's own, as the kernel reports it
-  (SO_PEERCRED at accept); session calls are covered by the capability they carry;
+  (SO_PEERCRED and SO_PEERGROUPS at accept); session calls are covered by the capability they carry;
 - the data path's bound (``admission.DataGate``, shared with gRPC: ``max_data_rpcs`` over both
   paths), then the drain gate (``DRAINING`` for everything but Lookup once shutdown began).
 
@@ -60,7 +60,7 @@ from hicached.copy.engine import Op, TransferResult
 from hicached.core.log_limit import LimitedLog
 from hicached.server.admission import RETRY_AFTER_MS, ByteBudget, DataGate
 from hicached.server.daemon import Daemon
-from hicached.server.identity import Peer, check_access, read_groups
+from hicached.server.identity import Peer, check_access, peer_of
 from hicached.server.locks import listen_beside, remove_if_there
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,6 @@ MAX_CONNECTIONS = 1024
 HELLO_TIMEOUT_SECONDS = 2.0
 """A connection that has not said hello by then is closed."""
 _U32 = struct.Struct("<I")
-_PEERCRED = struct.Struct("3i")
 _Handler = Callable[[w.Reader, int, Peer], bytes]
 
 
@@ -166,8 +165,7 @@ class FastPathServer:
                 conn.close()
                 return
             try:
-                pid, uid, gid = _PEERCRED.unpack(conn.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                peer = peer_of(conn)  # who connected, as the kernel recorded it then
             except OSError:
                 conn.close()
                 continue
@@ -176,13 +174,12 @@ class FastPathServer:
                 if not full:
                     self._conns[conn] = None
             if full:
-                log.warning("fast path: %d connections open, refusing pid %d", MAX_CONNECTIONS,
-                            pid)
+                self._log.warning("fast path: %d connections open, refusing pid %d",
+                                  MAX_CONNECTIONS, peer.pid, key="full")
                 conn.close()  # the client falls back to gRPC
                 continue
-            peer = Peer(pid, uid, gid, read_groups(pid))
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name=f"fast-{pid}").start()
+                             name=f"fast-{peer.pid}").start()
 
     def _serve(self, conn: socket.socket, peer: Peer) -> None:
         try:

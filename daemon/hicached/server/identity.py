@@ -6,7 +6,9 @@ config decide which peers may use which pools.
 
 Primitives:
 
-- ``Peer``: pid, uid, gid, supplementary groups; ``read_groups(pid)``.
+- ``Peer``: pid, uid, gid, supplementary groups; ``peer_of(sock)``: a connected Unix
+  socket's peer as the kernel recorded it at connect time (``SO_PEERCRED`` and
+  ``SO_PEERGROUPS``: no ``/proc`` race, and right in a pod where the worker's pid is 0 here).
 - ``Grant``: the peer and the fds of one identity request; ``close()`` closes the fds.
 - ``AccessRule`` (config): pools matching a glob may be used only by the listed uids / gids.
 - ``check_access(rules, pool, peer)``: ``PEER_NOT_ALLOWED`` when a rule covers the pool and the
@@ -15,8 +17,11 @@ Primitives:
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
+import socket
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -78,12 +83,23 @@ def check_access(rules: tuple[AccessRule, ...], pool: str, peer: Peer | None) ->
                              metadata={"pool": pool, "uid": peer.uid})
 
 
-def read_groups(pid: int) -> tuple[int, ...]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return tuple(int(g) for g in line.split()[1:])
-    except OSError:
-        pass
-    return ()
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+"""Linux's supplementary groups of a Unix socket's peer, as they were when it connected."""
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    """The peer of a connected Unix socket (``OSError`` when the kernel will not say)."""
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                     _PEERCRED.size))
+    for room in (64, 65536):  # NGROUPS_MAX is 65536
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * room)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                continue  # more groups than room: ask again with room for all
+            if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+                break  # a kernel before 4.13: no supplementary groups known
+            raise
+        return Peer(pid, uid, gid, struct.unpack(f"{len(raw) // 4}I", raw))
+    return Peer(pid, uid, gid)

@@ -3,10 +3,11 @@
 gRPC in Python carries neither peer credentials nor file descriptors over Unix sockets, so the
 daemon serves a tiny channel at ``<api socket>.id``. A worker connects and sends one JSON line
 ``{"fds": n}`` with ``n`` fds attached (SCM_RIGHTS; 0 when it only identifies itself). The
-daemon reads the kernel's SO_PEERCRED of the connection (pid, uid, gid; supplementary groups
-from ``/proc/<pid>/status``) and answers one JSON line, ``{"token": ..., "uid": ...}`` or
-``{"error": ...}``. The token names a ``Grant`` (that peer, those fds); ``OpenSession`` redeems
-it once (``peer_token``) within ``TOKEN_TTL_SECONDS``. Only the process that connected learns it.
+daemon reads the kernel's SO_PEERCRED of the connection (pid, uid, gid) and SO_PEERGROUPS
+(its supplementary groups), both as they were when it connected, and answers one JSON line,
+``{"token": ..., "uid": ...}`` or ``{"error": ...}``. The token names a ``Grant`` (that peer,
+those fds); ``OpenSession`` redeems it once (``peer_token``) within ``TOKEN_TTL_SECONDS``.
+Only the process that connected learns it.
 
 One thread serves every connection with non-blocking sockets, so idle or slow connections cost
 an fd and nothing else: each gets ``REQUEST_TIMEOUT_SECONDS`` to send its line, at most
@@ -33,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from hicached.server.identity import Grant, Peer, close_all, read_groups
+from hicached.server.identity import Grant, Peer, close_all, peer_of
 from hicached.server.locks import listen_beside, remove_if_there
 
 log = logging.getLogger(__name__)
@@ -117,15 +118,12 @@ class IdentityChannel:
                 sock.close()  # a flood of idle connections: drop, never hold without bound
                 continue
             try:
-                raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                      struct.calcsize("3i"))
+                peer = peer_of(sock)
             except OSError:
                 sock.close()
                 continue
-            pid, uid, gid = struct.unpack("3i", raw)
             sock.setblocking(False)
-            conns[sock] = _Conn(sock, Peer(pid, uid, gid, read_groups(pid)),
-                                time.monotonic() + REQUEST_TIMEOUT_SECONDS)
+            conns[sock] = _Conn(sock, peer, time.monotonic() + REQUEST_TIMEOUT_SECONDS)
             sel.register(sock, selectors.EVENT_READ)
 
     @staticmethod
@@ -197,6 +195,10 @@ class IdentityChannel:
         return grant
 
     def close(self) -> None:
+        """Stop serving, close what it holds; a second call does nothing (its wake-up fds
+        are closed: writing to one again could hit a file opened since)."""
+        if self._closing:
+            return
         self._closing = True
         os.write(self._wake_w, b"x")
         if self._thread is not None:

@@ -4,8 +4,9 @@ Primitives:
 
 - ``AlreadyServing``: another daemon holds the lock (its pid in the message).
 - ``unix_path(target)``: the file of a ``unix:`` target.
-- ``SocketLock(socket_path)``: ``<socket>.lock`` flock'ed for the daemon's life; a socket a
-  killed daemon left is replaced; ``release()`` removes both.
+- ``SocketLock(socket_path)``: ``<socket>.lock`` flock'ed for the daemon's life (opened
+  without following a symlink, refused when not the daemon's own file: ``UntrustedPath``); a
+  socket a killed daemon left is replaced; ``release()`` removes both.
 - ``state_lock(state_dir)``: the state directory's ``.lock``.
 - ``listen_beside(path, mode, gid, backlog)``: a listening Unix socket beside an API socket
   (``<socket>.id``, ``<socket>.fast``), whose lock guards it: one a killed daemon left is
@@ -20,6 +21,8 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+
+from hicached.core.trusted_paths import open_own
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +44,7 @@ class PidLock:
 
     def __init__(self, lock_path: str, busy: Callable[[str], str]) -> None:
         self.lock_path = lock_path
-        os.makedirs(os.path.dirname(lock_path) or ".", mode=0o700, exist_ok=True)
-        self.fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = open_own(lock_path, os.O_RDWR | os.O_CREAT)  # never through a symlink
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

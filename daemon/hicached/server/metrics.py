@@ -260,7 +260,8 @@ class Metrics:
         info.labels(**build).set(1)
         self.pool_attach = Counter(
             "hicache_pool_attach", "Pools opened, by how their saved state was found: "
-            "created, reattached, cold_version, cold_mismatch, cold_corrupt.",
+            "created, reattached, cold_version, cold_mismatch, cold_corrupt, cold_untrusted (files "
+            "not the daemon's own: never re-attached).",
             ["pool", "outcome"], registry=registry)
         self.recovered_keys = Counter("hicache_pool_recovered_keys",
                                       "Keys found again in re-attached pools.", ["pool"],

@@ -1,9 +1,10 @@
 """Metrics of the tiers below host memory, read at scrape time.
 
 Primitives: ``tier_families(entries, stacks, store)``: keys and bytes per tier and pool
-(``hicache_tier_*``, ``hicache_tier_failing``); the disk tier's traffic and drops (``hicache_disk_*``); the cluster
-tier's state and traffic (``hicache_remote_*``: up, down transitions, pages and bytes put and
-got, failures, misses, timeouts, removals; per pool, pages waiting and dropped).
+(``hicache_tier_*``) and whether a tier fails (``hicache_tier_failing``); the disk tier's
+traffic and drops (``hicache_disk_*``); the cluster tier's state and traffic
+(``hicache_remote_*``: up, down transitions, pages and bytes put and got, failures, misses,
+timeouts, removals; per pool, pages waiting and dropped).
 """
 
 from __future__ import annotations

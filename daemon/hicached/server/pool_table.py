@@ -165,6 +165,7 @@ class PoolTable:
                 log.warning("saved state of pool %s is unusable (%s): removed", name, why)
                 remove_state(self.options.state_dir, name)
                 self._on_drop(name, Outcome.COLD_VERSION.value if why.startswith("version")
+                              else Outcome.COLD_UNTRUSTED.value if why.startswith("untrusted")
                               else Outcome.COLD_CORRUPT.value)
                 continue
             try:

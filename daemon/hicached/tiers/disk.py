@@ -25,6 +25,7 @@ reused until the read ends.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -37,16 +38,12 @@ from typing import Any
 
 from hicache import seams
 from hicached.core.log_limit import LimitedLog
+from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir, untrusted_file
 from hicached.tiers import disk_format as fmt
-from hicached.tiers.disk_io import PageFile, reserve
+from hicached.tiers.disk_io import DiskTierUnavailable, PageFile, reserve
 
 log = logging.getLogger(__name__)
 _limited = LimitedLog(log)
-
-
-class DiskTierUnavailable(OSError):
-    """The tier's files cannot be had (no space for them, no such directory, no access):
-    the pool runs without its disk tier."""
 
 
 @dataclass
@@ -102,54 +99,58 @@ class DiskTier:
     # -- files -----------------------------------------------------------------------------
 
     def open(self) -> str:
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        outcome = self._scan()
-        if outcome != "reattached":
-            if outcome != "created":
-                log.warning("disk tier of pool %s starts cold: %s", self.name, outcome)
-            self.remove_files()
-            with open(self.index_path, "wb") as f:
-                f.write(fmt.header_bytes(self.doc))
-                f.truncate(fmt.HEADER_BYTES + self.capacity * fmt.RECORD_BYTES)
-            with open(self.pages_path, "wb") as f:
-                f.truncate(self.capacity * self.slot_bytes)
-            self._index.clear()
-            self._lru.clear()
-            self._free = list(range(self.capacity - 1, -1, -1))
-        flags = os.O_RDWR | os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if self.o_direct else 0)
-        self._data_fd = os.open(self.pages_path, flags | os.O_NOFOLLOW)
-        self._index_fd = os.open(self.index_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        """Its files re-attached or created (in a directory only the daemon's user may use,
+        never through a symlink, never another user's files: ``DiskTierUnavailable``)."""
+        try:
+            own_dir(self.directory)
+            outcome = self._scan()
+            if outcome != "reattached":
+                if outcome != "created":
+                    log.warning("disk tier of pool %s starts cold: %s", self.name, outcome)
+                self.remove_files()
+                fd = open_own(self.index_path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                os.ftruncate(fd, fmt.HEADER_BYTES + self.capacity * fmt.RECORD_BYTES)
+                os.pwrite(fd, fmt.header_bytes(self.doc), 0)
+                os.close(fd)
+                os.close(open_own(self.pages_path, os.O_RDWR | os.O_CREAT | os.O_EXCL))
+                os.truncate(self.pages_path, self.capacity * self.slot_bytes)
+                self._index.clear()
+                self._lru.clear()
+                self._free = list(range(self.capacity - 1, -1, -1))
+            direct = getattr(os, "O_DIRECT", 0) if self.o_direct else 0
+            self._data_fd = open_own(self.pages_path, os.O_RDWR | direct)
+            self._index_fd = open_own(self.index_path, os.O_RDWR)
+        except UntrustedPath as exc:
+            self._close_fds()
+            raise DiskTierUnavailable(errno.EACCES, f"disk tier of pool {self.name}: {exc}"
+                                      ) from exc
         self._pages = PageFile(self._data_fd, self.page_bytes, self.slot_bytes, self.o_direct)
         if self.preallocate:
             self._reserve(created=outcome != "reattached")
         return outcome
 
     def _reserve(self, created: bool) -> None:
-        """Every block of both files allocated now: a full filesystem refuses the tier here,
-        once, instead of failing every spill. Files it just created are removed then; saved
-        ones are kept for a start with more room."""
-        need = self.capacity * self.slot_bytes
+        """Every block of both files allocated now (``disk_io.reserve``): files it just
+        created are removed when there is no room; saved ones are kept for a start with more."""
         try:
-            sparse = not reserve(self._index_fd, fmt.HEADER_BYTES
-                                 + self.capacity * fmt.RECORD_BYTES)
-            sparse = not reserve(self._data_fd, need) or sparse
-        except OSError as exc:
-            st = os.statvfs(self.directory)
-            free = st.f_bavail * st.f_frsize
+            reserve(self._index_fd, fmt.HEADER_BYTES + self.capacity * fmt.RECORD_BYTES,
+                    self.directory, self.name)
+            reserve(self._data_fd, self.capacity * self.slot_bytes, self.directory, self.name)
+        except DiskTierUnavailable:
             if created:
                 self.remove_files()
             else:
                 self._close_fds()
-            raise DiskTierUnavailable(
-                exc.errno, f"disk tier of pool {self.name}: {self.pages_path} needs {need} "
-                f"bytes, the filesystem has {free} free ({exc.strerror}); give "
-                "[tier.disk] less capacity or more space") from exc
-        if sparse:
-            log.warning("disk tier of pool %s: the filesystem of %s cannot reserve space; the "
-                        "files stay sparse (a full disk then fails spills, backed off)",
-                        self.name, self.directory)
+            raise
 
     def _scan(self) -> str:
+        for path in (self.index_path, self.pages_path):
+            try:
+                why = untrusted_file(os.lstat(path))
+            except FileNotFoundError:
+                continue
+            if why:
+                return f"cold: {os.path.basename(path)} is {why}"
         try:
             with open(self.index_path, "rb") as f:
                 doc, why = fmt.parse_header(f.read(fmt.HEADER_BYTES))

@@ -7,13 +7,15 @@ buffer (anonymous mappings, kept for reuse).
 
 Primitives: ``PageFile(fd, page_bytes, slot_bytes, o_direct)``: ``write(slot, buffers)`` /
 ``read(slot, buffers)`` -> the digest of the bytes written or landed (``OSError`` on a short
-or failed call); ``reserve(nbytes)``: the file's blocks allocated now (``posix_fallocate``), so
-a full filesystem shows when the tier opens, not at every spill.
+or failed call); ``reserve(fd, nbytes, directory, name)``: a file's blocks allocated now
+(``posix_fallocate``), so a full filesystem shows when the tier opens
+(``DiskTierUnavailable``), not at every spill.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import queue
@@ -23,6 +25,8 @@ import numpy as np
 import xxhash
 
 from hicached.tiers import disk_format as fmt
+
+log = logging.getLogger(__name__)
 
 NOT_SUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
 """``posix_fallocate`` errors of a filesystem that cannot reserve (the file stays sparse)."""
@@ -114,13 +118,25 @@ class PageFile:
         return int(h.intdigest())
 
 
-def reserve(fd: int, nbytes: int) -> bool:
-    """Allocate the file's ``nbytes`` now; False where the filesystem cannot (left sparse).
-    ``OSError`` (ENOSPC, ...) when it can but the space is not there."""
+class DiskTierUnavailable(OSError):
+    """The tier's files cannot be had (no space for them, a directory or file that is not the
+    daemon's own): the pool runs without its disk tier."""
+
+
+def reserve(fd: int, nbytes: int, directory: str, name: str) -> None:
+    """Allocate the file's ``nbytes`` now; ``DiskTierUnavailable`` (the bytes needed and free)
+    when the filesystem lacks them. A filesystem that cannot reserve leaves it sparse, logged
+    once."""
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         if exc.errno in NOT_SUPPORTED:
-            return False
-        raise
-    return True
+            log.warning("disk tier of pool %s: the filesystem of %s cannot reserve space; its "
+                        "files stay sparse (a full disk then fails spills, backed off)", name,
+                        directory)
+            return
+        st = os.statvfs(directory)
+        raise DiskTierUnavailable(
+            exc.errno, f"disk tier of pool {name}: its files in {directory} need {nbytes} "
+            f"bytes, the filesystem has {st.f_bavail * st.f_frsize} free ({exc.strerror}); "
+            "give [tier.disk] less capacity or more space") from exc

@@ -35,7 +35,8 @@ from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
 from hicached.tiers.config import DiskTierConfig
-from hicached.tiers.disk import DiskTier, DiskTierUnavailable
+from hicached.tiers.disk import DiskTier
+from hicached.tiers.disk_io import DiskTierUnavailable
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.prefetch import Prefetcher
 from hicached.tiers.remote import RemoteTier, promote_remote
