@@ -196,7 +196,7 @@ def test_saved_state_files_of_another_user_are_never_reattached(tmp_path: Path,
                     time.sleep(0.05)
                 assert c.get_pool(SPEC.name).attach_outcome == "cold_untrusted"
             else:
-                assert [p.name for p in c.list_pools()] == []
+                assert [p.spec.name for p in c.list_pools()] == []
                 c.create_pool(SPEC)
             assert c.lookup(SPEC.name, [b"mine"]).hits == 0  # never served
             with urllib.request.urlopen(f"http://127.0.0.1:{info.metrics_port}/metrics") as r:

@@ -12,9 +12,9 @@ Primitives:
   to do (the daemon refuses to start with it).
 - ``own_dir(path, group=False, gid=-1)``: a directory only the daemon uses (its default socket
   directory, its state directory, its disk tier's): created if missing (0700, or 0750 and
-  group ``gid`` with ``group``: the socket group may reach a socket in it), then verified: a directory, not a
-  symlink, owned by the daemon's uid, no access for others and none but read and search for
-  the group (and that only with ``group``).
+  group ``gid`` with ``group``: the socket group may reach a socket in it), then verified: a
+  directory, not a symlink, owned by the daemon's uid, no access for others and none but
+  read and search for the group (and that only with ``group``).
 - ``socket_dir(path, group=False, gid=-1)``: the directory of a configured socket: created as
   ``own_dir`` when missing; an existing one must be a directory, not a symlink, owned by the
   daemon's uid or root, and writable by no one else unless sticky (as ``/tmp``: others cannot
