@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.indices import PageIds
 from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, WorkerBuffers
 from hicached.copy.cpu import execute
 from hicached.copy.engine import TransferEngine
@@ -139,7 +140,7 @@ def _layout_rows(layout: Layout, page_size: int, batch_pages: int, reps: int,
             return fn(pool, dev, h_idx, d_idx)
 
         def run_ids(fn: Callable[..., object] = fn) -> object:
-            return fn(pool, dev, hp_ids, dp_ids, pages=True)
+            return fn(pool, dev, PageIds(hp_ids), PageIds(dp_ids))
 
         t_eng, t_base = paired(run, base, reps)
         t_ids, t_base_ids = paired(run_ids, base, reps)

@@ -466,3 +466,36 @@ def test_back_to_back_calls_are_polled_for_both_ways(tmp_path: Path, spin_us: in
         _poll.set_busy_check(busy_check)
         _poll.set_max_pollers(pollers)
         server.drain_and_stop(1.0)
+
+
+def test_a_refusal_added_to_the_envelope_shows_on_both_front_ends(
+        served: tuple[HiCacheServer, str, str]) -> None:
+    """One check, added once, where every call goes through: gRPC and the fast path refuse
+    alike (reason, metadata, code, counted the same), and nothing was written twice."""
+    from hicache.errors import PoolClosed
+    from hicached.server.envelope import Call
+
+    server, target, _ = served
+    seen: list[tuple[str, str]] = []
+
+    def closed_for_maintenance(call: Call, request: object) -> None:
+        seen.append((call.method, call.front))
+        if call.method == "Lookup" and getattr(request, "pool", "") == "fp":
+            raise PoolClosed("pool fp is closed for maintenance", metadata={"pool": "fp"})
+
+    server.envelope.add_check(closed_for_maintenance)
+    outcomes = []
+    with HiCacheClient(target) as fast, HiCacheClient(target, fast_path=False) as slow:
+        for c in (fast, slow):
+            with pytest.raises(HiCacheError) as exc:
+                c.lookup("fp", [b"k"])
+            outcomes.append((exc.value.reason, exc.value.metadata, exc.value.grpc_code,
+                             exc.value.from_daemon))
+        assert fast.data_path == "fast" and slow.data_path == "grpc"
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][:2] == ("POOL_CLOSED", {"pool": "fp"}) and outcomes[0][3]
+    assert ("Lookup", "fast") in seen and ("Lookup", "grpc") in seen
+    assert server.registry.get_sample_value(
+        "hicache_rpc_requests_total", {"method": "Lookup", "code": "FAILED_PRECONDITION"}) == 2
+    assert server.registry.get_sample_value(
+        "hicache_rejected_requests_total", {"reason": "POOL_CLOSED"}) == 2

@@ -22,42 +22,58 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from hicache.errors import HiCacheError, Overloaded
+from hicache.error_mapping import from_status_bytes
+from hicache.errors import HiCacheError
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig
-from hicached.server.interceptors import AdmissionInterceptor, ExecutorInterceptor
+from hicached.server.envelope import Call, Refused
+from hicached.server.interceptors import ExecutorInterceptor
 
 SPEC = PoolSpec("busy", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 16, 8, 128), 16,
                 Layout.LAYER_FIRST, size_tokens=64 * 16 * 10)
 BATCH = 64 * 16  # tokens: 64 pages, 64 MiB per backup
 
 
-def test_admission_refuses_past_the_limit_and_lets_control_through() -> None:
-    gate = AdmissionInterceptor(1, {"Backup"})
+def test_admission_refuses_past_the_limit_and_lets_control_through(tmp_path: Path) -> None:
+    """The envelope's gate, as both front ends meet it: a data call past the limit is refused
+    at once, a control call is never gated, the slot comes back."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    server, _ = create_server(ServerConfig(
+        listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), state_dir="",
+        metrics_listen="", memory_budget_bytes=64 << 20, reserve_bytes=0, max_data_rpcs=1))
+    env = server.envelope
     entered, release = threading.Event(), threading.Event()
 
-    def slow(request: object, context: object) -> str:
+    def slow(request: object) -> str:
         entered.set()
         release.wait(10)
         return "done"
 
-    backup = gate.wrap("Backup", slow)
-    heartbeat = gate.wrap("Heartbeat", lambda r, c: "beat")
-    first = threading.Thread(target=backup, args=(None, None))
-    first.start()
-    assert entered.wait(10)
-    with pytest.raises(Overloaded) as exc:
-        backup(None, None)
-    assert exc.value.metadata == {"in_flight": "1", "limit": "1", "retry_after_ms": "10"}
-    assert heartbeat(None, None) == "beat"  # control is never gated
-    release.set()
-    first.join(10)
-    assert gate.in_flight == 0
-    assert backup(None, None) == "done"  # the slot came back
+    def backup() -> object:
+        return env.run(Call("Backup", "fast"), lambda: None, slow)
+
+    try:
+        first = threading.Thread(target=backup)
+        first.start()
+        assert entered.wait(10)
+        with pytest.raises(Refused) as exc:
+            backup()
+        refused = from_status_bytes(exc.value.status.SerializeToString())
+        assert refused.reason == "OVERLOADED"
+        assert refused.metadata == {"in_flight": "1", "limit": "1", "retry_after_ms": "10"}
+        assert env.run(Call("Heartbeat", "grpc"), lambda: None, lambda r: "beat") == "beat"
+        release.set()
+        first.join(10)
+        assert env.gate.in_flight == 0
+        assert backup() == "done"  # the slot came back
+    finally:
+        release.set()
+        server.drain_and_stop(1.0)
 
 
 def test_data_calls_get_their_own_executor() -> None:

@@ -21,6 +21,7 @@ import torch
 
 from hicache import seams
 from hicache.errors import PageNotAllocated
+from hicache.indices import PageIds
 from hicached.cache.pool_cache import PoolCache
 from hicached.copy.engine import Op, TransferEngine
 from hicached.core.pool import HostPool
@@ -53,9 +54,10 @@ def run_raw(engine: TransferEngine, op: Op, pool: HostPool, dev: WorkerBuffers,
 
     def go() -> None:
         try:
-            args = ((host // PS)[::PS], (device // PS)[::PS]) if page_ids else (host, device)
+            args = ((PageIds((host // PS)[::PS]), PageIds((device // PS)[::PS])) if page_ids
+                    else (host, device))
             call = engine.backup if op is Op.BACKUP else engine.load
-            call(pool, dev, *args, pages=page_ids)
+            call(pool, dev, *args)
         except BaseException as exc:
             errors.append(exc)
 

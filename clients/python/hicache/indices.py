@@ -3,6 +3,8 @@
 Primitives:
 
 - ``IndexArray``: a 1-D int64 numpy array.
+- ``PageIds(ids)``: a batch that names whole pages by number (the fast path's form), as
+  opposed to token indices: a type, so that no flag changes what an index argument means.
 - ``to_index_array(obj, field)``: an ``IndexArray`` from a tensor / array / sequence /
   little-endian int64 bytes (zero-copy where possible), or ``INDICES_MALFORMED`` naming
   ``field``.
@@ -15,7 +17,7 @@ torch is never imported here: a tensor can only be passed when the caller has to
 from __future__ import annotations
 
 import sys
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +25,12 @@ import numpy.typing as npt
 from hicache.errors import IndicesMalformed, Violation
 
 IndexArray = npt.NDArray[np.int64]
+
+
+class PageIds(NamedTuple):
+    """Page numbers (int64), one per page: ``ids``."""
+
+    ids: IndexArray
 
 _INT_TENSOR_DTYPES: frozenset[Any] = frozenset()
 

@@ -4,10 +4,11 @@ Primitives:
 
 - ``TransferEngine(threads)``: ``backup(...)`` and ``load(...)`` of raw pages by host indices,
   over all layers or a layer range, for every kind, layout and pool group; returns a
-  ``TransferResult``; ``pages=True``: the batch names page ids (the fast path's form,
-  validated by ``page_batch``). ``check_keyed`` / ``transfer_pages`` validate and copy keyed
-  pages the cache holds. CPU buffers are copied by the CPU runner (``cpu.execute``); GPU buffers
-  through the session's ``PlanRunner``.
+  ``TransferResult``; host and device batches given as ``hicache.indices.PageIds`` name page
+  ids (the fast path's form, validated by ``page_batch``), anything else token indices.
+  ``check_keyed`` / ``transfer_pages`` validate and copy keyed pages the cache holds. CPU
+  buffers are copied by the CPU runner (``cpu.execute``); GPU buffers through the session's
+  ``PlanRunner``.
 - ``PlanRunner``: runs the copy plans elsewhere (``hicached.cuda.runner.CudaRunner``), either
   to completion or, for loads that signal per-layer events, asynchronously with a completion
   callback.
@@ -29,9 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from hicache import seams
+from hicache.indices import PageIds
 from hicached.copy.cpu import execute
 from hicached.copy.native import KERNEL
 from hicached.copy.page_batch import scan, validate_keyed_pages, validate_page_transfer
@@ -95,36 +95,34 @@ class TransferEngine:
 
     def backup(self, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
                device_indices: object, layer_begin: int = 0, layer_end: int = 0,
-               runner: PlanRunner | None = None, *, pages: bool = False) -> TransferResult:
+               runner: PlanRunner | None = None) -> TransferResult:
         """Copy device pages into host pages (all layers unless a range is given). Always
-        complete when it returns: an acknowledged backup is in the pool. ``pages``: the
-        indices are page ids (int64 arrays), not token indices."""
+        complete when it returns: an acknowledged backup is in the pool. Both batches
+        ``PageIds``, or both token indices."""
         return self._transfer(Op.BACKUP, pool, buffers, host_indices, device_indices,
-                              layer_begin, layer_end, runner, True, None, pages)
+                              layer_begin, layer_end, runner, True, None)
 
     def load(self, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
              device_indices: object, layer_begin: int = 0, layer_end: int = 0,
              runner: PlanRunner | None = None, wait: bool = True,
-             on_complete: Callable[[], None] | None = None, *, pages: bool = False
-             ) -> TransferResult:
+             on_complete: Callable[[], None] | None = None) -> TransferResult:
         """Copy host pages into device pages (all layers unless a range is given). With a
         runner and ``wait=False`` it may return ``pending``; ``on_complete`` then runs once the
-        bytes landed (and never for a result that is not pending). ``pages`` as ``backup``."""
+        bytes landed (and never for a result that is not pending). Batches as ``backup``."""
         return self._transfer(Op.LOAD, pool, buffers, host_indices, device_indices,
-                              layer_begin, layer_end, runner, wait, on_complete, pages)
+                              layer_begin, layer_end, runner, wait, on_complete)
 
     def check_keyed(self, op: Op, pool: HostPool, buffers: WorkerBuffers, keys: int,
-                    device_indices: object, layer_begin: int = 0, layer_end: int = 0,
-                    pages: bool = False) -> tuple[IndexArray, range]:
+                    device_indices: object, layer_begin: int = 0, layer_end: int = 0
+                    ) -> tuple[IndexArray, range]:
         """Validate the worker side of a Store (``BACKUP``) or LoadKeys (``LOAD``) of ``keys``
         keys before the cache commits to anything; returns (device pages, layers).
-        ``pages``: ``device_indices`` are page ids (an int64 array)."""
+        ``device_indices``: token indices, or ``PageIds``."""
         pool._check_open()
         device_tokens = buffers.check_against(pool.spec)
-        if pages:
-            assert isinstance(device_indices, np.ndarray)
+        if isinstance(device_indices, PageIds):
             return validate_keyed_pages(
-                keys=keys, device_pages=device_indices,
+                keys=keys, device_pages=device_indices.ids,
                 device_page_num=device_tokens // pool.page_size,
                 layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
                 writes_host=op is Op.BACKUP)
@@ -152,15 +150,16 @@ class TransferEngine:
     def _transfer(self, op: Op, pool: HostPool, buffers: WorkerBuffers, host_indices: object,
                   device_indices: object, layer_begin: int, layer_end: int,
                   runner: PlanRunner | None, wait: bool,
-                  on_complete: Callable[[], None] | None, pages: bool) -> TransferResult:
+                  on_complete: Callable[[], None] | None) -> TransferResult:
         t0 = time.perf_counter()
         pool._check_open()
         device_tokens = buffers.check_against(pool.spec)
-        if pages:
-            assert isinstance(host_indices, np.ndarray)
-            assert isinstance(device_indices, np.ndarray)
+        if isinstance(host_indices, PageIds) or isinstance(device_indices, PageIds):
+            assert isinstance(host_indices, PageIds) and isinstance(device_indices, PageIds), \
+                "page ids on one side, token indices on the other"
             batch = validate_page_transfer(
-                host_pages=host_indices, device_pages=device_indices, allocator=pool.allocator,
+                host_pages=host_indices.ids, device_pages=device_indices.ids,
+                allocator=pool.allocator,
                 device_page_num=device_tokens // pool.page_size,
                 layer_num=pool.spec.max_layers, layer_begin=layer_begin, layer_end=layer_end,
                 writes_host=op is Op.BACKUP)

@@ -43,6 +43,7 @@ from hicached.cuda.pinner import DriverPinner
 from hicached.server.admission import ByteBudget, DataGate
 from hicached.server.config import ServerConfig
 from hicached.server.daemon import Daemon
+from hicached.server.envelope import Envelope
 from hicached.server.fast_path import FastPathServer
 from hicached.server.identity_channel import IdentityChannel
 from hicached.server.interceptors import server_interceptors
@@ -50,7 +51,7 @@ from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
 from hicached.server.metrics import Metrics, MetricsEndpoint, ScrapeState, serve
 from hicached.server.pool_build import PoolBuild
 from hicached.server.pool_table import PoolTable
-from hicached.server.service import CREATES_WORK, DATA_METHODS, HostCacheServicer
+from hicached.server.service import HostCacheServicer
 from hicached.server.sessions import SessionManager
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.transport.cuda_ipc import CudaIpcTransport
@@ -139,9 +140,9 @@ class HiCacheServer:
         path together."""
         self.fast_paths: list[FastPathServer] = []
         """The fast path beside each Unix API socket (``fast_path``)."""
-        interceptors = server_interceptors(self.daemon, CREATES_WORK, DATA_METHODS,
-                                           self.admission, _read_token(config),
-                                           self.data_pool)
+        self.envelope = Envelope(self.daemon, self.admission, _read_token(config))
+        """What every call goes through, on gRPC and on the fast path."""
+        interceptors = server_interceptors(self.envelope, self.data_pool)
         self.grpc = grpc.server(
             ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="rpc"), options=opts,
             interceptors=interceptors,
@@ -194,8 +195,7 @@ class HiCacheServer:
                     channel.start()
                     self.daemon.identities.append(channel)
                     if self.config.fast_path:
-                        fast = FastPathServer(self.daemon, self.admission,
-                                              unix_path(target) + ".fast",
+                        fast = FastPathServer(self.envelope, unix_path(target) + ".fast",
                                               mode=self.config.socket_mode,
                                               gid=self._socket_gid(),
                                               max_frame_bytes=self.config.max_message_bytes,

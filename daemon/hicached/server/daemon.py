@@ -18,7 +18,7 @@ Primitives:
 - ``lookup(pool, keys, session_id, hold_ms)`` -> (hit prefix, tiers, held): with a session of
   the pool and ``hold_ms``, the hit is held for it (``cache.holds``); ``release_holds``;
   ``expire_holds()`` (the session reaper's tick).
-- ``store(session_id, keys, device)`` / ``load_keys(...)``: the keyed flows (``pages=True``:
+- ``store(session_id, keys, device)`` / ``load_keys(...)``: the keyed flows (``PageIds``:
   device page ids, as the fast path sends them, not token indices): the whole batch is
   validated first, then the cache commits (pages found, read-held, taken or evicted; the
   session's holds consumed), the copy engine moves the bytes, and the cache finishes (keys
@@ -46,7 +46,7 @@ from hicache.errors import (
     TooManyWatchers,
     TransportUnavailable,
 )
-from hicache.indices import IndexArray
+from hicache.indices import IndexArray, PageIds
 from hicache.keys import check_keys
 from hicached.cache.held import Holder
 from hicached.cache.index_types import StoreTicket
@@ -238,11 +238,11 @@ class Daemon:
             self.metrics.transfer(s.pool_name, op, r.bytes, r.pages, done - t0)
         return r
 
-    def transfer(self, op: Op, session_id: str, host: IndexArray, device: IndexArray,
-                 layers: tuple[int, int], layer_events: bool, pages: bool = False,
+    def transfer(self, op: Op, session_id: str, host: IndexArray | PageIds,
+                 device: IndexArray | PageIds, layers: tuple[int, int], layer_events: bool,
                  deadline_ns: int = 0) -> TransferResult:
-        """One backup or load; with ``layer_events`` a load returns once enqueued. ``pages``:
-        ``host`` and ``device`` are page ids (the fast path), not token indices. A load whose
+        """One backup or load; with ``layer_events`` a load returns once enqueued. ``host``
+        and ``device``: token indices, or ``PageIds`` (the fast path). A load whose
         copy would begin after ``deadline_ns`` (Unix ns) is refused: ``DEADLINE_PASSED``."""
         if op is Op.BACKUP and layer_events:
             raise SpecInvalid("backups always complete before the reply; "
@@ -253,14 +253,13 @@ class Daemon:
             runner = s.attachment.runner
             assert buffers is not None, "a session in use keeps its mappings"
             if op is Op.BACKUP:
-                r = self.engine.backup(s.pool, buffers, host, device, *layers, runner=runner,
-                                       pages=pages)
+                r = self.engine.backup(s.pool, buffers, host, device, *layers, runner=runner)
                 self.metrics.transfer(s.pool_name, op.value, r.bytes, r.pages, r.seconds)
                 return r
             self._check_layer_events(layer_events, runner)
             return self._held_load(s, op.value, lambda landed: self.engine.load(
                 s.pool, buffers, host, device, *layers, runner=runner,
-                wait=not layer_events, on_complete=landed, pages=pages),
+                wait=not layer_events, on_complete=landed),
                 deadline_ns=deadline_ns)
 
     def alloc(self, pool_name: str, num_tokens: int, session_id: str = "") -> IndexArray:
@@ -321,15 +320,14 @@ class Daemon:
                               f"{pool}", metadata={"field": "session_id", "pool": s.pool_name})
         return s
 
-    def store(self, session_id: str, keys: list[bytes], device: IndexArray,
-              layers: tuple[int, int], pages: bool = False
-              ) -> tuple[StoreTicket, TransferResult | None]:
+    def store(self, session_id: str, keys: list[bytes], device: IndexArray | PageIds,
+              layers: tuple[int, int]) -> tuple[StoreTicket, TransferResult | None]:
         keys = check_keys(keys, "keys", unique=True, limit=self.max_keys_per_call)
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
             assert buffers is not None, "a session in use keeps its mappings"
             device_pages, all_layers = self.engine.check_keyed(
-                Op.BACKUP, s.pool, buffers, len(keys), device, *layers, pages=pages)
+                Op.BACKUP, s.pool, buffers, len(keys), device, *layers)
             cache = self.pools.cache(s.pool_name)
             ticket = cache.begin_store(keys)
             result, ok = None, False
@@ -347,9 +345,9 @@ class Daemon:
                                   result.seconds)
         return ticket, result
 
-    def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray,
-                  layers: tuple[int, int], layer_events: bool, pages: bool = False,
-                  deadline_ns: int = 0) -> TransferResult:
+    def load_keys(self, session_id: str, keys: list[bytes], device: IndexArray | PageIds,
+                  layers: tuple[int, int], layer_events: bool, deadline_ns: int = 0
+                  ) -> TransferResult:
         keys = check_keys(keys, "keys", limit=self.max_keys_per_call)
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
@@ -357,7 +355,7 @@ class Daemon:
             assert buffers is not None, "a session in use keeps its mappings"
             self._check_layer_events(layer_events, runner)
             device_pages, load_layers = self.engine.check_keyed(
-                Op.LOAD, s.pool, buffers, len(keys), device, *layers, pages=pages)
+                Op.LOAD, s.pool, buffers, len(keys), device, *layers)
             cache = self.pools.cache(s.pool_name)
             # keys on disk or in the cluster are read back first; KEY_NOT_FOUND: nothing
             # held, nothing moves

@@ -7,16 +7,12 @@ frame, runs the same flow as the gRPC handler and writes the reply: no per-call 
 gRPC's call objects, contexts, metadata or executors. What every gRPC call gets from the
 interceptors, a fast call gets here, in the same order and with the same outcome:
 
-- the same domain errors, sent as the ``google.rpc.Status`` gRPC would carry (ErrorInfo,
-  BadRequest, RetryInfo); anything else logged with its traceback, INTERNAL to the caller;
-- the same metrics (``hicache_rpc_requests_total{method, code}``,
-  ``hicache_rpc_duration_seconds{method}``, ``hicache_rejected_requests_total{reason}``; the
-  method named as in gRPC), and ``hicache_fast_path_requests_total{method}`` besides;
-- access rules: a Lookup on a pool a rule covers needs a capability of a session on the pool
-  or a peer the rules list, and the peer is the connection's own, as the kernel reports it
-  (SO_PEERCRED and SO_PEERGROUPS at accept); session calls are covered by the capability they carry;
-- the data path's bound (``admission.DataGate``, shared with gRPC: ``max_data_rpcs`` over both
-  paths), then the drain gate (``DRAINING`` for everything but Lookup once shutdown began).
+every call goes through the same ``envelope.Envelope`` as a gRPC call (error mapping, metrics,
+access rules, admission, the drain gate, in the same order and with the same outcome: a
+refusal is sent as the very ``google.rpc.Status`` gRPC would carry); the connection's peer is
+the kernel's (SO_PEERCRED and SO_PEERGROUPS at accept), so a Lookup on a pool a rule covers is
+allowed for a listed peer without a token; session calls are covered by the capability they
+carry.
 
 Heartbeat and ReleaseHolds are served here too (an idle worker's only call: over gRPC it costs
 the daemon about a millisecond of CPU each time; a request the scheduler cancels), as control
@@ -28,7 +24,11 @@ back to back skip the wake-up of a sleeping CPU; ``hicache_fast_path_polls_total
 ``hicache_fast_path_poll_seconds_total`` say what that caught and cost (and how often the node
 was too busy to poll).
 
-Primitives: ``FastPathServer(daemon, gate, path, ...)``: ``start()``, ``close()`` (no new
+A frame's buffer grows with what arrives, taking from the daemon-wide
+``fast_path_inflight_bytes``; its body must arrive within ``fast_path_body_timeout_s``, or the
+connection is closed (``hicache_fast_path_dropped_connections_total{reason}``).
+
+Primitives: ``FastPathServer(envelope, path, ...)``: ``start()``, ``close()`` (no new
 connections; open ones are shut, their calls in flight finish first), ``connections``,
 ``poll_stats()``.
 """
@@ -41,26 +41,26 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
-import grpc
 from google.rpc import status_pb2
 
 from hicache import fast_wire as w
-from hicache.error_mapping import grpc_code, to_rpc_status
+from hicache.error_mapping import to_rpc_status
 from hicache.errors import (
     HiCacheError,
     Overloaded,
     ResourceExhausted,
-    SessionNotFound,
     SpecInvalid,
 )
+from hicache.indices import PageIds
 from hicache.polling import PollCounts, sum_counts
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
 from hicached.core.log_limit import LimitedLog
-from hicached.server.admission import RETRY_AFTER_MS, ByteBudget, DataGate
-from hicached.server.daemon import Daemon
-from hicached.server.identity import Peer, check_access, peer_of
+from hicached.server.admission import RETRY_AFTER_MS, ByteBudget
+from hicached.server.envelope import Call, Envelope, Refused
+from hicached.server.identity import Peer, peer_of
 from hicached.server.locks import listen_beside, remove_if_there
 
 log = logging.getLogger(__name__)
@@ -74,17 +74,19 @@ _Handler = Callable[[w.Reader, int, Peer], bytes]
 
 
 class FastPathServer:
-    def __init__(self, daemon: Daemon, gate: DataGate, path: str, *, mode: int = 0o600,
-                 gid: int = -1, max_frame_bytes: int = 64 << 20, spin_us: int = 0,
-                 body_timeout: float = 5.0, budget: ByteBudget | None = None) -> None:
-        """``path``: the socket (beside the API socket, whose lock guards it); ``mode`` and
-        ``gid`` as the API socket's; ``max_frame_bytes``: the largest request body;
-        ``spin_us``: the longest a connection's thread polls for the next request after a
-        reply before it sleeps (``fast_path_spin_us``; the window adapts per connection:
-        ``hicache.polling``); ``body_timeout``: the longest a frame may take to arrive once
-        it began (``fast_path_body_timeout_s``); ``budget``: the bytes of frames being read
+    def __init__(self, envelope: Envelope, path: str, *, mode: int = 0o600, gid: int = -1,
+                 max_frame_bytes: int = 64 << 20, spin_us: int = 0, body_timeout: float = 5.0,
+                 budget: ByteBudget | None = None) -> None:
+        """``envelope``: what every call goes through (shared with gRPC); ``path``: the socket
+        (beside the API socket, whose lock guards it); ``mode`` and ``gid`` as the API
+        socket's; ``max_frame_bytes``: the largest request body; ``spin_us``: the longest a
+        connection's thread polls for the next request after a reply before it sleeps
+        (``fast_path_spin_us``; the window adapts per connection: ``hicache.polling``);
+        ``body_timeout``: the longest a frame may take to arrive once it began
+        (``fast_path_body_timeout_s``); ``budget``: the bytes of frames being read
         (``fast_path_inflight_bytes``, shared by the daemon's fast path sockets)."""
-        self.daemon, self.gate, self.path, self.spin_us = daemon, gate, path, spin_us
+        self.envelope, self.daemon = envelope, envelope.daemon
+        self.path, self.spin_us = path, spin_us
         self.body_timeout = body_timeout
         self.budget = budget if budget is not None else ByteBudget(256 << 20)
         self._log = LimitedLog(log)
@@ -95,21 +97,17 @@ class FastPathServer:
         self._lock = threading.Lock()
         self._closing = False
         self._accepting: threading.Thread | None = None
-        m = daemon.metrics
-        # (gRPC name, creates work (refused while draining), a data call (bounded), handler)
-        self._handlers: dict[int, tuple[str, bool, bool, _Handler]] = {
-            w.Method.LOOKUP: ("Lookup", False, True, self._lookup),
-            w.Method.STORE: ("Store", True, True, self._store),
-            w.Method.LOAD_KEYS: ("LoadKeys", True, True, self._load_keys),
-            w.Method.BACKUP: ("Backup", True, True, self._backup),
-            w.Method.LOAD: ("Load", True, True, self._load),
-            w.Method.HEARTBEAT: ("Heartbeat", False, False, self._heartbeat),
-            w.Method.RELEASE_HOLDS: ("ReleaseHolds", False, False, self._release_holds),
+        # the gRPC name of each method, how its body decodes, what runs it
+        self._handlers: dict[int, tuple[str, _Decode, _Handle]] = {
+            w.Method.LOOKUP: ("Lookup", self._decode_lookup, self._lookup),
+            w.Method.STORE: ("Store", self._decode_keyed, self._store),
+            w.Method.LOAD_KEYS: ("LoadKeys", self._decode_keyed, self._load_keys),
+            w.Method.BACKUP: ("Backup", _decode_raw, self._backup),
+            w.Method.LOAD: ("Load", _decode_raw, self._load),
+            w.Method.HEARTBEAT: ("Heartbeat", _decode_session, self._heartbeat),
+            w.Method.RELEASE_HOLDS: ("ReleaseHolds", self._decode_release,
+                                     self._release_holds),
         }
-        # labelled children resolved once: a label lookup costs a few microseconds per call
-        self._ok = {name: (m.requests.labels(name, "OK"), m.rpc_seconds.labels(name),
-                           m.fast_requests.labels(name))
-                    for name, _, _, _ in self._handlers.values()}
 
     @property
     def connections(self) -> int:
@@ -243,143 +241,135 @@ class FastPathServer:
         if rid < 0:
             return  # the header did not say which request: nothing to answer to
         conn.settimeout(1.0)
-        conn.sendall(_error(rid, exc))
+        conn.sendall(_error(rid, to_rpc_status(exc)))
 
     # -- one call ----------------------------------------------------------------------------
 
     def _call(self, rid: int, method: int, flags: int, body: bytes, peer: Peer) -> bytes:
         entry = self._handlers.get(method)
         if entry is None:
-            return _error(rid, SpecInvalid(f"the fast path has no method {method}",
-                                           metadata={"field": "method", "method": method}))
-        name, creates_work, data, handler = entry
-        t0 = time.perf_counter()
-        d = self.daemon
+            return _error(rid, to_rpc_status(SpecInvalid(
+                f"the fast path has no method {method}",
+                metadata={"field": "method", "method": method})))
+        name, decode, handle = entry
         try:
-            out = self._admitted(handler, w.Reader(body), flags, peer, creates_work, data)
-        except Exception as exc:
-            m = d.metrics
-            if isinstance(exc, HiCacheError):
-                self._log.info("%s rejected: %s", name, exc, key=exc.reason)
-                m.rejected.labels(exc.reason).inc()
-                code = str(grpc_code(exc).name)
-                reply = _error(rid, exc)
-            else:
-                log.error("%s failed", name, exc_info=exc)
-                code = "INTERNAL"
-                reply = _internal(rid, name)
-            m.requests.labels(name, code).inc()
-            m.rpc_seconds.labels(name).observe(time.perf_counter() - t0)
-            m.fast_requests.labels(name).inc()
-            return reply
-        ok, seconds, fast = self._ok[name]
-        ok.inc()
-        seconds.observe(time.perf_counter() - t0)
-        fast.inc()
+            out: bytes = self.envelope.run(Call(name, "fast", peer=peer),
+                                    lambda: decode(w.Reader(body), flags), handle)
+        except Refused as refused:
+            return _error(rid, refused.status)
         return w.REPLY.pack(len(out), rid, w.OK) + out
 
-    def _admitted(self, handler: _Handler, r: w.Reader, flags: int, peer: Peer,
-                  creates_work: bool, data: bool) -> bytes:
-        if not data:  # a control call: never bounded with the data path
-            return self._gated(handler, r, flags, peer, creates_work)
-        self.gate.enter()
-        try:
-            return self._gated(handler, r, flags, peer, creates_work)
-        finally:
-            self.gate.leave()
+    # -- the methods: a body decoded (as the gRPC request's fields), then run ---------------
 
-    def _gated(self, handler: _Handler, r: w.Reader, flags: int, peer: Peer,
-               creates_work: bool) -> bytes:
-        """The drain gate's in-flight accounting (and DRAINING for work) around a call."""
-        self.daemon.enter(creates_work)
-        try:
-            return handler(r, flags, peer)
-        finally:
-            self.daemon.leave()
-
-    def _authorize(self, pool: str, capability: str, peer: Peer) -> None:
-        """``PEER_NOT_ALLOWED`` where a rule covers ``pool``, unless ``capability`` is a
-        session of the pool or the connection's peer is listed."""
-        d = self.daemon
-        if not d.access:
-            return
-        if capability:
-            try:
-                if d.sessions.get(capability).pool_name == pool:
-                    return
-            except SessionNotFound:
-                pass
-        check_access(d.access, pool, peer)
-
-    def _lookup(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        pool, capability, keys = r.string(), r.string(), r.keys(self.daemon.max_keys_per_call)
+    def _decode_lookup(self, r: w.Reader, flags: int) -> _Lookup:
+        pool, capability = r.string(), r.string()
+        keys = r.keys(self.daemon.max_keys_per_call)
         hold_ms = r.i64() if flags & w.FLAG_HOLD else 0
         r.end()
-        self._authorize(pool, capability, peer)
-        hit_prefix, tiers, held = self.daemon.lookup(pool, keys, capability if hold_ms else "",
-                                                     hold_ms)
+        return _Lookup(pool, capability, keys, hold_ms, bool(flags & w.FLAG_HOLD))
+
+    def _lookup(self, q: _Lookup) -> bytes:
+        hit_prefix, tiers, held = self.daemon.lookup(q.pool, q.keys,
+                                                     q.session_id if q.hold_ms else "",
+                                                     q.hold_ms)
         reply = (w.LOOKUP_REPLY.pack(hit_prefix, len(tiers) - tiers.count(0), len(tiers))
                  + bytes(tiers))
-        return reply + _U32.pack(held) if flags & w.FLAG_HOLD else reply
+        return reply + _U32.pack(held) if q.hold else reply
 
-    def _release_holds(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
+    def _decode_release(self, r: w.Reader, flags: int) -> tuple[str, list[bytes]]:
         session, keys = r.string(), r.keys(self.daemon.max_keys_per_call)
         r.end()
-        return _U32.pack(self.daemon.release_holds(session, keys))
+        return session, keys
 
-    def _store(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
+    def _release_holds(self, q: tuple[str, list[bytes]]) -> bytes:
+        return _U32.pack(self.daemon.release_holds(*q))
+
+    def _decode_keyed(self, r: w.Reader, flags: int) -> _Keyed:
         session, layers = r.string(), r.layers()
-        keys, device = r.keys(self.daemon.max_keys_per_call), r.pages()
+        keys, device = r.keys(self.daemon.max_keys_per_call), PageIds(r.pages())
+        deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
         r.end()
-        ticket, res = self.daemon.store(session, keys, device, layers, pages=True)
+        return _Keyed(session, layers, keys, device, bool(flags & w.FLAG_LAYER_EVENTS),
+                      deadline)
+
+    def _store(self, q: _Keyed) -> bytes:
+        ticket, res = self.daemon.store(q.session_id, q.keys, q.device, q.layers)
         st = ticket.status
         return (w.STORE_REPLY.pack(st.count(STORED), st.count(PRESENT), st.count(NO_SPACE),
                                    res.bytes if res else 0, res.seconds if res else 0.0)
                 + _U32.pack(len(st)) + bytes(st))
 
-    def _load_keys(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        session, layers = r.string(), r.layers()
-        keys, device = r.keys(self.daemon.max_keys_per_call), r.pages()
-        deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
-        r.end()
+    def _load_keys(self, q: _Keyed) -> bytes:
         return _transfer_reply(self.daemon.load_keys(
-            session, keys, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True,
-            deadline_ns=deadline))
+            q.session_id, q.keys, q.device, q.layers, q.layer_events,
+            deadline_ns=q.deadline_ns))
 
-    def _heartbeat(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        session = r.string()
-        r.end()
+    def _heartbeat(self, session: str) -> bytes:
         s = self.daemon.sessions.heartbeat(session)
         return w.HEARTBEAT_REPLY.pack(int(s.lease_seconds * 1000),
                                       int(s.expires_in(time.monotonic()) * 1000))
 
-    def _backup(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        return self._raw(Op.BACKUP, r, flags)
+    def _backup(self, q: _Raw) -> bytes:
+        return self._raw(Op.BACKUP, q)
 
-    def _load(self, r: w.Reader, flags: int, peer: Peer) -> bytes:
-        return self._raw(Op.LOAD, r, flags)
+    def _load(self, q: _Raw) -> bytes:
+        return self._raw(Op.LOAD, q)
 
-    def _raw(self, op: Op, r: w.Reader, flags: int) -> bytes:
-        session, layers, host, device = r.string(), r.layers(), r.pages(), r.pages()
-        deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
-        r.end()
+    def _raw(self, op: Op, q: _Raw) -> bytes:
         return _transfer_reply(self.daemon.transfer(
-            op, session, host, device, layers, bool(flags & w.FLAG_LAYER_EVENTS), pages=True,
-            deadline_ns=deadline))
+            op, q.session_id, q.host, q.device, q.layers, q.layer_events,
+            deadline_ns=q.deadline_ns))
+
+
+class _Lookup(NamedTuple):
+    pool: str
+    session_id: str
+    """The credential: a session capability of the pool, or "" (``pool_of`` reads it)."""
+    keys: list[bytes]
+    hold_ms: int
+    hold: bool
+
+
+class _Keyed(NamedTuple):
+    session_id: str
+    layers: tuple[int, int]
+    keys: list[bytes]
+    device: PageIds
+    layer_events: bool
+    deadline_ns: int
+
+
+class _Raw(NamedTuple):
+    session_id: str
+    layers: tuple[int, int]
+    host: PageIds
+    device: PageIds
+    layer_events: bool
+    deadline_ns: int
+
+
+_Decode = Callable[[w.Reader, int], Any]
+_Handle = Callable[[Any], bytes]
+
+
+def _decode_raw(r: w.Reader, flags: int) -> _Raw:
+    session, layers = r.string(), r.layers()
+    host, device = PageIds(r.pages()), PageIds(r.pages())
+    deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
+    r.end()
+    return _Raw(session, layers, host, device, bool(flags & w.FLAG_LAYER_EVENTS), deadline)
+
+
+def _decode_session(r: w.Reader, flags: int) -> str:
+    session = r.string()
+    r.end()
+    return session
 
 
 def _transfer_reply(res: TransferResult) -> bytes:
     return w.TRANSFER_REPLY.pack(res.bytes, res.pages, res.seconds, res.pending)
 
 
-def _error(rid: int, exc: HiCacheError) -> bytes:
-    status: bytes = to_rpc_status(exc).SerializeToString()
-    return w.REPLY.pack(len(status), rid, w.ERROR) + status
-
-
-def _internal(rid: int, method: str) -> bytes:
-    """What gRPC's error mapping answers for an unexpected failure: INTERNAL, no details."""
-    data: bytes = status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0],
-                                    message=f"{method} failed; see the daemon log"
-                                    ).SerializeToString()
+def _error(rid: int, status: status_pb2.Status) -> bytes:
+    data: bytes = status.SerializeToString()
     return w.REPLY.pack(len(data), rid, w.ERROR) + data

@@ -3,10 +3,8 @@
 Primitives:
 
 - ``HostCacheServicer(daemon, drain)``: one method per RPC and nothing else; domain errors,
-  metrics and the drain gate are the interceptors' (``interceptors``), the flows the daemon's
-  (``daemon``).
-- ``CREATES_WORK``: the methods refused while the daemon drains; ``DATA_METHODS``: the data
-  path, bounded apart from control calls.
+  metrics, access rules, admission and the drain gate are the envelope's (``envelope``, through
+  ``interceptors``), the flows the daemon's (``daemon``).
 - ``pool_message(pool, cache, sessions)`` / ``session_message(session)`` /
   ``transfer_response(result)``: state and results as wire messages.
 """
@@ -40,12 +38,6 @@ from hicached.server.sessions import Session
 from hicached.tiers.stack import TierStack
 
 log = logging.getLogger(__name__)
-
-CREATES_WORK = frozenset({"CreatePool", "DeletePool", "OpenSession", "Alloc", "Backup", "Load",
-                          "Store", "LoadKeys"})
-DATA_METHODS = frozenset({"Backup", "Load", "Store", "LoadKeys", "Lookup"})
-"""The data path: bounded by ``max_data_rpcs``; everything else is control."""
-"""Refused with DRAINING while the daemon shuts down; every other method still answers."""
 
 WATCH_POLL_SECONDS = 0.5
 """How often an idle event stream checks that its client, its pool and the daemon are there."""
