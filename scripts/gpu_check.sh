@@ -143,7 +143,7 @@ except Exception as exc:
 for name in ("numpy", "grpc", "google.protobuf", "grpc_status", "grpc_health.v1.health",
              "grpc_reflection.v1alpha.reflection", "prometheus_client", "xxhash", "pytest",
              "hypothesis", "transformers", "sglang", "hicache", "hicache_client",
-             "hicached.server.daemon", "hicache_sglang"):
+             "hicached.service.daemon", "hicache_sglang"):
     try:
         mod = importlib.import_module(name)
         print(f"  {name:38} {getattr(mod, '__version__', '')} {getattr(mod, '__file__', '')}")

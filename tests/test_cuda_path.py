@@ -416,7 +416,7 @@ def test_nothing_touches_cuda_at_import_time() -> None:
 
 def test_lease_expiry_closes_the_mappings_but_not_under_a_running_copy(
         driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport) -> None:
-    from hicached.server.sessions import SessionManager
+    from hicached.service.sessions import SessionManager
 
     now = [0.0]
     sessions = SessionManager(2.0, clock=lambda: now[0])

@@ -30,7 +30,7 @@ from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicache_client.fast_path import FastPath
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig
-from hicached.server.identity import AccessRule
+from hicached.service.identity import AccessRule
 
 GEOMETRIES = {
     "mha-bf16": KVGeometry(PoolKind.MHA, DType.BFLOAT16, 3, head_num=2, head_dim=8),
@@ -473,7 +473,7 @@ def test_a_refusal_added_to_the_envelope_shows_on_both_front_ends(
     """One check, added once, where every call goes through: gRPC and the fast path refuse
     alike (reason, metadata, code, counted the same), and nothing was written twice."""
     from hicache.errors import PoolClosed
-    from hicached.server.envelope import Call
+    from hicached.frontends.envelope import Call
 
     server, target, _ = served
     seen: list[tuple[str, str]] = []

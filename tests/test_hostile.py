@@ -36,7 +36,7 @@ from hicached.cache.holds import HoldPolicy
 from hicached.cache.pool_cache import LOOKUP_CHUNK, PoolCache
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig
-from hicached.server.identity import Peer
+from hicached.service.identity import Peer
 from tests.daemon_proc import start_daemon
 from tests.helpers import make_pool, mha, spec
 

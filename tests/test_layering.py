@@ -53,6 +53,15 @@ def test_the_core_loads_no_grpc_no_protobuf_no_cuda_driver() -> None:
     assert not forbidden & set(loaded)
 
 
+def test_the_application_loads_no_grpc_and_no_front_end() -> None:
+    loaded = loaded_after("import hicached.service.daemon, hicached.service.pool_table")
+    assert "hicached.service.daemon" in loaded
+    forbidden = {"grpc", "google.protobuf", "hicache.v1", "hicached.frontends",
+                 "hicached.server"}
+    below = tuple(f + "." for f in forbidden)
+    assert [n for n in loaded if n in forbidden or n.startswith(below)] == []
+
+
 @pytest.mark.parametrize("tree", ["daemon/hicached", "clients/python"])
 def test_no_module_is_over_the_size_rule(tree: str) -> None:
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())

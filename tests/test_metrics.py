@@ -140,7 +140,7 @@ def test_a_load_with_layer_events_is_timed_to_completion() -> None:
     from types import SimpleNamespace
 
     from hicached.copy.engine import Op, TransferResult
-    from hicached.server.daemon import Daemon
+    from hicached.service.daemon import Daemon
 
     reg = CollectorRegistry()
     m = Metrics(reg, ScrapeState(lambda: [], lambda: 0, lambda: 0, lambda: 0),

@@ -28,10 +28,10 @@ from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicached.frontends.envelope import Call, Refused
+from hicached.frontends.interceptors import ExecutorInterceptor
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig
-from hicached.server.envelope import Call, Refused
-from hicached.server.interceptors import ExecutorInterceptor
 
 SPEC = PoolSpec("busy", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 16, 8, 128), 16,
                 Layout.LAYER_FIRST, size_tokens=64 * 16 * 10)

@@ -41,7 +41,7 @@ from hicache_client.fast_path import FastPath
 from hicache_client.identity import request_token, trusted_uids
 from hicached.server.app import create_server
 from hicached.server.config import ServerConfig
-from hicached.server.identity import AccessRule
+from hicached.service.identity import AccessRule
 from tests.daemon_proc import REPO, start_daemon
 
 NOBODY = 65534

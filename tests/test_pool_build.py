@@ -18,9 +18,9 @@ import torch
 from hicache.errors import HiCacheError, HostMemoryInsufficient, PinFailed
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.server import pool_table
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig
+from hicached.service import pool_table
 
 SPEC = PoolSpec("slow", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 64), 16,
                 size_tokens=16 * 64)

@@ -20,7 +20,7 @@ from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.worker_buffers import WorkerBuffers
-from hicached.server.pool_table import PoolTable
+from hicached.service.pool_table import PoolTable
 
 SPEC = PoolSpec("life", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 16, 8, 128), 16,
                 Layout.LAYER_FIRST, size_tokens=64 * 16)

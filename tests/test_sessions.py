@@ -4,7 +4,7 @@ import pytest
 
 from hicache.errors import SessionNotFound
 from hicached.core.worker_buffers import WorkerBuffers
-from hicached.server.sessions import SessionManager
+from hicached.service.sessions import SessionManager
 from hicached.transport.base import Attachment
 from tests.helpers import make_pool, mha, spec
 

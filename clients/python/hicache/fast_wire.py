@@ -196,7 +196,7 @@ class FrameNotAdmitted(FrameTooSlow):
 
 
 class Budget(Protocol):
-    """Room for the bytes of frames being read (``hicached.server.admission.ByteBudget``)."""
+    """Room for the bytes of frames being read (``hicached.service.admission.ByteBudget``)."""
 
     def take(self, n: int, deadline: float) -> bool: ...
 

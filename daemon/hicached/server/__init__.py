@@ -1,11 +1,10 @@
-"""The daemon process: gRPC service, its interceptors, sessions, pools, metrics, lifecycle.
+"""The daemon process: its wiring, configuration, locks and metrics.
 
 - ``config``: ``ServerConfig`` (typed, validated) and TOML-shaped loading.
-- ``pool_table``: named pools under one memory budget.
-- ``sessions``: worker sessions with leases, reaped when workers go quiet.
-- ``metrics``: Prometheus metrics on an injected registry, occupancy at scrape time.
-- ``daemon``: the state one process serves and the flows of its RPCs (no gRPC).
-- ``interceptors``: error mapping, metrics and the drain gate as ``grpc.ServerInterceptor``s.
-- ``service``: the ``hicache.v1.HostCache`` handlers: decode, call, encode.
-- ``app``: listeners, health, reflection, metrics endpoint, graceful drain.
+- ``locks``: the flock'ed socket and state-directory locks.
+- ``metrics`` / ``metrics_tiers``: Prometheus metrics on an injected registry, occupancy and
+  the tiers at scrape time.
+- ``app``: ``HiCacheServer``: the application (``hicached.service``) and its front ends
+  (``hicached.frontends``) put together: listeners, health, reflection, the metrics
+  endpoint, graceful drain.
 """

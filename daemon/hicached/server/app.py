@@ -40,19 +40,19 @@ from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.trusted_paths import own_dir, socket_dir
 from hicached.cuda.pinner import DriverPinner
-from hicached.server.admission import ByteBudget, DataGate
+from hicached.frontends.envelope import Envelope
+from hicached.frontends.fast_path import FastPathServer
+from hicached.frontends.grpc_service import HostCacheServicer
+from hicached.frontends.identity_channel import IdentityChannel
+from hicached.frontends.interceptors import server_interceptors
 from hicached.server.config import ServerConfig
-from hicached.server.daemon import Daemon
-from hicached.server.envelope import Envelope
-from hicached.server.fast_path import FastPathServer
-from hicached.server.identity_channel import IdentityChannel
-from hicached.server.interceptors import server_interceptors
 from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
 from hicached.server.metrics import Metrics, MetricsEndpoint, ScrapeState, serve
-from hicached.server.pool_build import PoolBuild
-from hicached.server.pool_table import PoolTable
-from hicached.server.service import HostCacheServicer
-from hicached.server.sessions import SessionManager
+from hicached.service.admission import ByteBudget, DataGate
+from hicached.service.daemon import Daemon
+from hicached.service.pool_build import PoolBuild
+from hicached.service.pool_table import PoolTable
+from hicached.service.sessions import SessionManager
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
@@ -85,21 +85,21 @@ class HiCacheServer:
             log.info("CUDA IPC on: %s", ", ".join(f"{d.ordinal}={d.uuid} ({d.name})"
                                                    for d in driver.devices))
         cuda = CudaIpcTransport(driver) if driver is not None else None
-        remote = (MooncakeStore(config.mooncake, observe=lambda op, s: self.daemon.metrics
+        remote = (MooncakeStore(config.mooncake, observe=lambda op, s: self.metrics
                                 .remote_seconds.labels(op).observe(s))
                   if config.mooncake is not None else None)
         # pools are page-locked for DMA exactly where the CUDA driver has a device
         pools = PoolTable(config.effective_budget(), options, sessions.count,
                           pinner=DriverPinner(driver) if driver is not None else None,
-                          on_attach=lambda pool, rec: self.daemon.metrics.pool_attached(
+                          on_attach=lambda pool, rec: self.metrics.pool_attached(
                               pool, rec),
-                          on_drop=lambda name, outcome: self.daemon.metrics.pool_attach.labels(
+                          on_drop=lambda name, outcome: self.metrics.pool_attach.labels(
                               name, outcome).inc(),
                           disk=config.disk,
-                          observe_disk=lambda op, s: self.daemon.metrics.disk_seconds.labels(
+                          observe_disk=lambda op, s: self.metrics.disk_seconds.labels(
                               op).observe(s),
                           remote=remote, hold_policy=config.hold_policy())
-        metrics = Metrics(self.registry, ScrapeState(
+        self.metrics = metrics = Metrics(self.registry, ScrapeState(
             pools=pools.entries, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,
             attached_bytes=lambda: sessions.attached_bytes,
@@ -138,9 +138,11 @@ class HiCacheServer:
         self.frame_budget = ByteBudget(config.fast_path_inflight_bytes)
         """The data path's gate (its ``in_flight`` and ``limit``), over gRPC and the fast
         path together."""
+        self.identity_channels: list[IdentityChannel] = []
+        """The identity socket beside each Unix API socket."""
         self.fast_paths: list[FastPathServer] = []
         """The fast path beside each Unix API socket (``fast_path``)."""
-        self.envelope = Envelope(self.daemon, self.admission, _read_token(config))
+        self.envelope = Envelope(self.daemon, self.admission, metrics, _read_token(config))
         """What every call goes through, on gRPC and on the fast path."""
         interceptors = server_interceptors(self.envelope, self.data_pool)
         self.grpc = grpc.server(
@@ -183,7 +185,7 @@ class HiCacheServer:
             for target in self.config.listen:
                 bound.append(self._listen(target))
             if self.config.metrics_listen:
-                self._metrics_server, self.metrics_port = serve(self.daemon.metrics,
+                self._metrics_server, self.metrics_port = serve(self.metrics,
                                                                 self.config.metrics_listen)
                 self.daemon.metrics_port = self.metrics_port
             self.grpc.start()
@@ -193,6 +195,7 @@ class HiCacheServer:
                     channel = IdentityChannel(unix_path(target) + ".id",
                                               self.config.socket_mode, self._socket_gid())
                     channel.start()
+                    self.identity_channels.append(channel)
                     self.daemon.identities.append(channel)
                     if self.config.fast_path:
                         fast = FastPathServer(self.envelope, unix_path(target) + ".fast",
@@ -311,7 +314,7 @@ class HiCacheServer:
         self.health_grpc.stop(grace=None)
         for fast in self.fast_paths:
             fast.close()
-        for channel in self.daemon.identities:
+        for channel in self.identity_channels:
             channel.close()
         self.daemon.sessions.close_all()
         if self.daemon.cuda is not None:

@@ -30,7 +30,7 @@ from hicache.specs import (
 )
 from hicached.cache.holds import HoldPolicy
 from hicached.core.system import available_bytes
-from hicached.server.identity import AccessRule
+from hicached.service.identity import AccessRule
 from hicached.tiers.config import DiskTierConfig
 from hicached.tiers.mooncake_config import MooncakeTierConfig
 

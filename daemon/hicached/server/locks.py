@@ -8,10 +8,6 @@ Primitives:
   without following a symlink, refused when not the daemon's own file: ``UntrustedPath``); a
   socket a killed daemon left is replaced; ``release()`` removes both.
 - ``state_lock(state_dir)``: the state directory's ``.lock``.
-- ``listen_beside(path, mode, gid, backlog)``: a listening Unix socket beside an API socket
-  (``<socket>.id``, ``<socket>.fast``), whose lock guards it: one a killed daemon left is
-  replaced; the API socket's mode and group.
-- ``remove_if_there(path)``: what every one of them does with its file at the end.
 """
 
 from __future__ import annotations
@@ -19,10 +15,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import socket
 from collections.abc import Callable
 
 from hicached.core.trusted_paths import open_own
+from hicached.frontends.sockets import remove_if_there
 
 log = logging.getLogger(__name__)
 
@@ -82,23 +78,3 @@ def state_lock(state_dir: str) -> PidLock:
     return PidLock(os.path.join(state_dir, ".lock"), lambda holder: (
         f"another hicached (pid {holder}) uses the state directory {state_dir}; give each "
         "daemon its own --state-dir"))
-
-
-def listen_beside(path: str, mode: int, gid: int, backlog: int) -> socket.socket:
-    if os.path.exists(path):  # left by a killed daemon (the API socket's lock is ours)
-        os.unlink(path)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(path)
-    if gid >= 0:
-        os.chown(path, -1, gid)
-    os.chmod(path, mode)
-    s.listen(backlog)
-    return s
-
-
-def remove_if_there(path: str) -> None:
-    """Unlink ``path``; already gone is fine."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

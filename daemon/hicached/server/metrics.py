@@ -291,6 +291,9 @@ class Metrics:
         self.recovered_keys.labels(name).inc(recovered.get("keys", 0))
         self.recovery_dropped.labels(name).inc(recovered.get("damaged", 0))
 
+    def promoted(self, pool: str, n: int) -> None:
+        self.promotions.labels(pool).inc(n)
+
     def transfer(self, pool: str, op: str, nbytes: int, pages: int, seconds: float) -> None:
         children = self._per_op.get((pool, op))
         if children is None:  # a label lookup costs microseconds: resolve them once

@@ -42,7 +42,7 @@ from hicached.cache.pool_cache import PoolCache
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.state_file import Outcome, remove_state, saved_specs
-from hicached.server.pool_build import PoolBuild
+from hicached.service.pool_build import PoolBuild
 from hicached.tiers.config import DiskTierConfig
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack, build_stack

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hicache import seams
 from hicache.buffers import DeviceBufferSpec
@@ -52,16 +53,24 @@ from hicached.cache.held import Holder
 from hicached.cache.index_types import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
-from hicached.server.identity import AccessRule, Grant
-from hicached.server.identity_channel import IdentityChannel
-from hicached.server.metrics import Metrics
-from hicached.server.pool_table import PoolTable
-from hicached.server.sessions import Session, SessionManager
+from hicached.service.identity import AccessRule, Grant, Redeemer
+from hicached.service.pool_table import PoolTable
+from hicached.service.sessions import Session, SessionManager
 from hicached.transport.base import Attachment
 from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
 
 log = logging.getLogger(__name__)
+
+
+class FlowMetrics(Protocol):
+    """What the flows count (``hicached.server.metrics.Metrics`` is one)."""
+
+    def transfer(self, pool: str, op: str, nbytes: int, pages: int, seconds: float) -> None:
+        """One copy: its bytes and pages, how long it took."""
+
+    def promoted(self, pool: str, n: int) -> None:
+        """``n`` keys were read up into host memory from a tier below for a LoadKeys."""
 
 
 MAX_DEADLINE_AHEAD_NS = 24 * 3600 * 10**9
@@ -90,7 +99,7 @@ class Daemon:
     """Attaches shared-memory buffers."""
     engine: TransferEngine
     """Runs backups and loads."""
-    metrics: Metrics
+    metrics: FlowMetrics
     """Counters and the scrape-time collector."""
     cuda: CudaIpcTransport | None = None
     """The CUDA IPC transport; None on hosts without a usable CUDA driver."""
@@ -106,7 +115,7 @@ class Daemon:
     """WatchEvents streams served at once (each holds an RPC thread)."""
     access: tuple[AccessRule, ...] = ()
     """Who may open sessions on which pools."""
-    identities: list[IdentityChannel] = field(default_factory=list)
+    identities: list[Redeemer] = field(default_factory=list)
     """The identity sockets beside the Unix API sockets (tokens for OpenSession)."""
     fast_paths: list[str] = field(default_factory=list)
     """The fast path's sockets (``<socket>.fast``), beside the Unix API sockets."""
@@ -360,7 +369,7 @@ class Daemon:
             # keys on disk or in the cluster are read back first; KEY_NOT_FOUND: nothing
             # held, nothing moves
             held = self.pools.stack(s.pool_name).hold_for_load(
-                keys, self.metrics.promotions.labels(s.pool_name).inc, owner=s.owner)
+                keys, functools.partial(self.metrics.promoted, s.pool_name), owner=s.owner)
             seams.reached("load_keys.resolved")
             return self._held_load(s, "load_keys", lambda landed: self.engine.transfer_pages(
                 Op.LOAD, s.pool, buffers, held, device_pages, load_layers, runner,

@@ -31,10 +31,10 @@ from hicached.copy.engine import Op, TransferResult
 from hicached.core.pool import HostPool
 from hicached.core.system import available_bytes
 from hicached.cuda.runner import CudaRunner
-from hicached.server.daemon import Daemon
-from hicached.server.identity import check_access
-from hicached.server.pool_build import FAILED, PoolBuild
-from hicached.server.sessions import Session
+from hicached.service.daemon import Daemon
+from hicached.service.identity import check_access
+from hicached.service.pool_build import FAILED, PoolBuild
+from hicached.service.sessions import Session
 from hicached.tiers.stack import TierStack
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,8 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from hicached.server.identity import Grant, Peer, close_all, peer_of
-from hicached.server.locks import listen_beside, remove_if_there
+from hicached.frontends.sockets import listen_beside, remove_if_there
+from hicached.service.identity import Grant, Peer, close_all, peer_of
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,8 @@ Primitives:
   socket's peer as the kernel recorded it at connect time (``SO_PEERCRED`` and
   ``SO_PEERGROUPS``: no ``/proc`` race, and right in a pod where the worker's pid is 0 here).
 - ``Grant``: the peer and the fds of one identity request; ``close()`` closes the fds.
+- ``Redeemer``: where a token is turned back into its ``Grant`` (the identity socket, a front
+  end: ``hicached.frontends.identity_channel``).
 - ``AccessRule`` (config): pools matching a glob may be used only by the listed uids / gids.
 - ``check_access(rules, pool, peer)``: ``PEER_NOT_ALLOWED`` when a rule covers the pool and the
   peer is unknown or not listed.
@@ -24,6 +26,7 @@ import socket
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from hicache.errors import PeerNotAllowed
 
@@ -47,6 +50,11 @@ class Grant:
 
     def close(self) -> None:
         close_all(self.fds)
+
+
+class Redeemer(Protocol):
+    def redeem(self, token: str) -> Grant | None:
+        """The grant ``token`` names, once (None: unknown, used or stale)."""
 
 
 def close_all(fds: Iterable[int]) -> None:

@@ -27,9 +27,9 @@ Server streams (``stream``) get 1-3 and 6-8: they are neither bounded nor draine
 themselves when the daemon drains).
 
 Primitives: ``MethodSpec`` and ``METHODS`` (per method: creates work, a data call, where its
-request names its pool), ``CREATES_WORK``, ``DATA_METHODS``; ``Call``; ``Refused`` (``status``,
-``code``); ``Envelope(daemon, gate, auth_token)``: ``run``, ``stream``, ``add_check``,
-``status_of(exc, method)``.
+request names its pool), ``CREATES_WORK``, ``DATA_METHODS``; ``Call``; ``Refused``
+(``status``, ``code``); ``CallMetrics``; ``Envelope(daemon, gate, metrics, auth_token)``:
+``run``, ``stream``, ``add_check``, ``status_of(exc, method)``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.rpc import status_pb2
@@ -49,9 +49,9 @@ from hicache.error_mapping import grpc_code, to_rpc_status
 from hicache.errors import HiCacheError, SessionNotFound, Unauthenticated
 from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
 from hicached.core.log_limit import LimitedLog
-from hicached.server.admission import DataGate
-from hicached.server.daemon import Daemon
-from hicached.server.identity import Peer, check_access
+from hicached.service.admission import DataGate
+from hicached.service.daemon import Daemon
+from hicached.service.identity import Peer, check_access
 
 log = logging.getLogger(__name__)
 
@@ -132,18 +132,34 @@ class Refused(Exception):
 Check = Callable[[Call, Any], None]
 
 
+class CallMetrics(Protocol):
+    """The counters of calls (``hicached.server.metrics.Metrics`` has them): labelled
+    Prometheus families."""
+
+    requests: Any
+    """``hicache_rpc_requests_total{method, code}``."""
+    rpc_seconds: Any
+    """``hicache_rpc_duration_seconds{method}``."""
+    rejected: Any
+    """``hicache_rejected_requests_total{reason}``."""
+    fast_requests: Any
+    """``hicache_fast_path_requests_total{method}``."""
+    fast_dropped: Any
+    """``hicache_fast_path_dropped_connections_total{reason}``."""
+
+
 class Envelope:
-    def __init__(self, daemon: Daemon, gate: DataGate, auth_token: str = "") -> None:
-        """``gate``: the data path's bound; ``auth_token``: what TCP callers must send as
-        ``authorization: Bearer <token>`` ("" = no listener asks)."""
-        self.daemon, self.gate = daemon, gate
+    def __init__(self, daemon: Daemon, gate: DataGate, metrics: CallMetrics,
+                 auth_token: str = "") -> None:
+        """``gate``: the data path's bound; ``metrics``: where calls are counted;
+        ``auth_token``: what TCP callers must send as ``authorization: Bearer <token>``
+        ("" = no listener asks)."""
+        self.daemon, self.gate, self.metrics = daemon, gate, metrics
         self._expected = f"Bearer {auth_token}".encode() if auth_token else b""
         self._checks: list[Check] = []
         self._covered: dict[str, bool] = {}
         self._log = LimitedLog(log)
-        m = daemon.metrics
         self._ok: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-        self._metrics = m
 
     def add_check(self, check: Check) -> None:
         """Run ``check(call, request)`` on every call, after authorization: a domain error it
@@ -254,14 +270,14 @@ class Envelope:
         status, code = self.status_of(exc, call.method)
         if isinstance(exc, HiCacheError):
             self._log.info("%s rejected: %s", call.method, exc, key=exc.reason)
-            self._metrics.rejected.labels(exc.reason).inc()
+            self.metrics.rejected.labels(exc.reason).inc()
         else:
             log.error("%s failed", call.method, exc_info=exc)
         self._count(call, str(code.name), t0)
         return Refused(status, code)
 
     def _count(self, call: Call, code: str, t0: float) -> None:
-        m = self._metrics
+        m = self.metrics
         m.requests.labels(call.method, code).inc()
         m.rpc_seconds.labels(call.method).observe(time.perf_counter() - t0)
         if call.front == "fast":
@@ -273,7 +289,7 @@ class Envelope:
         key = (call.method, call.front)
         got = self._ok.get(key)
         if got is None:
-            m = self._metrics
+            m = self.metrics
             got = self._ok[key] = (m.requests.labels(call.method, "OK"),
                                    m.rpc_seconds.labels(call.method),
                                    m.fast_requests.labels(call.method)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from hicache.errors import BufferFault, SessionNotFound
 from hicache.identity import is_public_id, public_session_id
 from hicached.core.pool import HostPool
-from hicached.server.identity import Peer
+from hicached.service.identity import Peer
 from hicached.transport.base import Attachment
 
 log = logging.getLogger(__name__)

@@ -58,10 +58,10 @@ from hicache.polling import PollCounts, sum_counts
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
 from hicached.core.log_limit import LimitedLog
-from hicached.server.admission import RETRY_AFTER_MS, ByteBudget
-from hicached.server.envelope import Call, Envelope, Refused
-from hicached.server.identity import Peer, peer_of
-from hicached.server.locks import listen_beside, remove_if_there
+from hicached.frontends.envelope import Call, Envelope, Refused
+from hicached.frontends.sockets import listen_beside, remove_if_there
+from hicached.service.admission import RETRY_AFTER_MS, ByteBudget
+from hicached.service.identity import Peer, peer_of
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class FastPathServer:
     def _refuse(self, conn: socket.socket, bad: Exception, peer: Peer) -> None:
         """A frame the daemon will not read to its end: counted, logged (rate-limited),
         answered where the header came whole, and the connection closed."""
-        m = self.daemon.metrics
+        m = self.envelope.metrics
         if isinstance(bad, w.FrameTooLarge):
             length, rid = bad.fields[0], bad.fields[1]
             m.fast_dropped.labels("too_large").inc()

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from grpc_status import rpc_status
 
-from hicached.server.envelope import DATA_METHODS, Call, Envelope, Refused
+from hicached.frontends.envelope import DATA_METHODS, Call, Envelope, Refused
 
 SERVICE_PREFIX = "/hicache.v1.HostCache/"
 

@@ -1,0 +1,13 @@
+"""The application: what the daemon does for its callers, whichever front end they used.
+
+No gRPC, no wire format: the front ends (``hicached.frontends``) decode calls and run them
+here.
+
+- ``daemon``: ``Daemon``, the state one process serves and the flows of its calls.
+- ``sessions``: worker sessions with leases, reaped when workers go quiet.
+- ``pool_table`` / ``pool_build``: named pools under one memory budget, built in the
+  background.
+- ``admission``: the data path's bound and the fast path's frame budget.
+- ``identity``: who a caller is (``Peer``), what it handed over (``Grant``), who may use which
+  pool (``AccessRule``).
+"""
