@@ -13,8 +13,8 @@ Primitives:
 - ``own_dir(path, group=False, gid=-1)``: a directory only the daemon uses (its default socket
   directory, its state directory, its disk tier's): created if missing (0700, or 0750 and
   group ``gid`` with ``group``: the socket group may reach a socket in it), then verified: a
-  directory, not a symlink, owned by the daemon's uid, no access for others and none but
-  read and search for the group (and that only with ``group``).
+  directory, not a symlink, owned by the daemon's uid, writable by no one else; read or
+  search access for others (or the group, without ``group``) is taken away, logged.
 - ``socket_dir(path, group=False, gid=-1)``: the directory of a configured socket: created as
   ``own_dir`` when missing; an existing one must be a directory, not a symlink, owned by the
   daemon's uid or root, and writable by no one else unless sticky (as ``/tmp``: others cannot
@@ -27,8 +27,11 @@ Primitives:
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+
+log = logging.getLogger(__name__)
 
 
 class UntrustedPath(PermissionError):
@@ -78,10 +81,16 @@ def own_dir(path: str, group: bool = False, gid: int = -1) -> None:
                             "remove it (another user may have planted it) or choose "
                             "another path")
     allowed = 0o750 if group else 0o700
-    extra = stat.S_IMODE(st.st_mode) & ~allowed & 0o777
-    if extra:
-        raise UntrustedPath(path, f"has mode {stat.S_IMODE(st.st_mode):04o}: others may "
-                            f"{_what(extra)} it", f"chmod {allowed:04o} {path}")
+    mode = stat.S_IMODE(st.st_mode)
+    extra = mode & ~allowed & 0o777
+    if extra & 0o022:  # others could have put files in it: nothing there can be trusted
+        raise UntrustedPath(path, f"has mode {mode:04o}: others may {_what(extra)} it",
+                            f"chmod {allowed:04o} {path}, or remove it and let the daemon "
+                            "create it")
+    if extra:  # the daemon's own, only readable: closed to others now
+        os.chmod(path, mode & ~extra)
+        log.warning("%s had mode %04o: others may %s it; now %04o", path, mode, _what(extra),
+                    mode & ~extra)
 
 
 def socket_dir(path: str, group: bool = False, gid: int = -1) -> None:
