@@ -365,3 +365,52 @@ def test_many_connections_announcing_60MiB_stay_within_the_budget(tmp_path: Path
             sk.close()
         d.stop()
 
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") \
+        + payload
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def _stalled_grpc_call(path: str, announced: int, sent: int) -> socket.socket:
+    """A raw HTTP/2 connection to the gRPC socket that starts a Lookup whose message announces
+    ``announced`` bytes, sends ``sent`` of them and stalls."""
+    sk = socket.socket(socket.AF_UNIX)
+    sk.settimeout(10)
+    sk.connect(path)
+    headers = b"".join(_hpack_literal(n, v) for n, v in (
+        (b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"localhost"),
+        (b":path", b"/hicache.v1.HostCache/Lookup"), (b"content-type", b"application/grpc"),
+        (b"te", b"trailers")))
+    body = b"\x00" + announced.to_bytes(4, "big") + b"\x0a" * sent
+    sk.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b"")
+               + _h2_frame(1, 4, 1, headers) + _h2_frame(0, 0, 1, body))
+    return sk
+
+
+def test_stalled_grpc_calls_hold_no_memory_beyond_what_arrived(tmp_path: Path) -> None:
+    """The hostile case of the fast path's test on the gRPC socket: 256 calls each announcing
+    a 60 MiB message and sending 16 KiB of it. gRPC buffers what arrives (HTTP/2 flow
+    control), never what a message announces; other workers are served meanwhile."""
+    d = start_daemon(tmp_path)
+    conns: list[socket.socket] = []
+    try:
+        with HiCacheClient(d.target, fast_path=False) as c:
+            c.create_pool(SPEC)
+            c.lookup(SPEC.name, [b"warm"])
+            time.sleep(0.2)
+            before = _rss(d.proc.pid)
+            for _ in range(256):
+                conns.append(_stalled_grpc_call(d.socket, 60 << 20, 16 << 10))
+            time.sleep(1.0)
+            grew = _rss(d.proc.pid) - before
+            assert c.lookup(SPEC.name, [b"warm"]).hits == 0  # still served
+        assert grew < 64 << 20, f"RSS grew by {grew >> 20} MiB"
+    finally:
+        for sk in conns:
+            sk.close()
+        d.stop()
