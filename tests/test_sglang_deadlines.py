@@ -135,8 +135,10 @@ def test_a_load_in_flight_when_the_daemon_stops(daemon: DaemonProc) -> None:
 
 
 def test_offload_returns_at_once_while_the_store_is_slow(tmp_path: Path) -> None:
+    """The Store takes 1 s in the daemon (half the linker's ``rpc_timeout_s``, so that it
+    completes): the scheduler's thread does not wait for it, and it lands."""
     d = start_daemon(tmp_path, "--no-shm-paths",
-                     env={"HICACHE_SEAM_DELAYS": "store.taken=2000000"})
+                     env={"HICACHE_SEAM_DELAYS": "store.taken=1000000"})
     cache = cache_for(d)
     try:
         tokens = tokens_of(900, 32)
