@@ -138,8 +138,8 @@ def test_write_through_retries_a_refused_key_until_its_age_and_drops_it_after(
         writer.offer([b"a", b"b"])
         assert _wait(lambda: writer.failing and store.tries >= 3)
         store.down = False  # back within put_retry_seconds: nothing lost
-        assert _wait(lambda: sorted(store.got) == [b"a", b"b"])
-        assert writer.dropped == 0 and not writer.failing
+        assert _wait(lambda: sorted(store.got) == [b"a", b"b"] and not writer.failing)
+        assert writer.dropped == 0
         store.down = True
         _store(cache, [b"c"])
         writer.offer([b"c"])

@@ -133,5 +133,6 @@ class TierWriter:
         if self.failing:
             log.warning("%s tier of pool %s works again after %d failed batch(es)",
                         self.tier_name, self.pool_name, self.failures)
-        self.failing, self.failures = False, 0
-        self.backoff.reset()
+        self.backoff.reset()  # before ``failing`` clears: whoever sees it clear sees this
+        self.failures = 0
+        self.failing = False
