@@ -376,7 +376,7 @@ class DiskTier:
         with self._lock:
             for slot in order:
                 self._erasing.discard(slot)
-                (self._deferred.add if self._reading.get(slot) else self._free.append)(slot)
+                self._free_slot(slot)
 
     def _forget(self, key: bytes) -> None:
         """Drop one key now, its record erased at once (lock held: a key evicted for room, or
@@ -390,6 +390,10 @@ class DiskTier:
         except OSError as exc:  # the page's checksum still guards a stale record
             _limited.warning("disk tier of pool %s: clearing a record failed: %s", self.name,
                              exc, key=f"erase {self.name}")
+        self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """A slot no key names any more is free again, or once its reads end (lock held)."""
         if self._reading.get(slot):
             self._deferred.add(slot)
         else:
