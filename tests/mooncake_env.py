@@ -93,8 +93,11 @@ class Netns:
 
 
 class Master:
-    def __init__(self, netns: Netns, workdir: Path) -> None:
+    def __init__(self, netns: Netns, workdir: Path, client_ttl: int | None = None) -> None:
+        """``client_ttl``: seconds the master keeps a silent node's segment (None: Mooncake's
+        own default, 10 s, as an operator runs it)."""
         self.netns, self.workdir = netns, workdir
+        self.client_ttl = client_ttl
         self.port = random.randrange(20000, 40000)
         self.metrics_port = self.port + 1
         self.proc: subprocess.Popen[bytes] | None = None
@@ -108,8 +111,7 @@ class Master:
         self.proc = self.netns.popen(
             [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
              "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-             # a killed node's segment is dropped 2 s after its last heartbeat
-             "--client_ttl=2"],
+             *([] if self.client_ttl is None else [f"--client_ttl={self.client_ttl}"])],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 20

@@ -4,7 +4,7 @@ Primitives: ``tier_families(entries, stacks, store)``: keys and bytes per tier a
 (``hicache_tier_*``) and whether a tier fails (``hicache_tier_failing``); the disk tier's
 traffic and drops (``hicache_disk_*``); the cluster tier's state and traffic
 (``hicache_remote_*``: up, down transitions, pages and bytes put and got, failures, misses,
-timeouts, removals; per pool, pages waiting and dropped).
+timeouts, removals, replica fallbacks; per pool, pages waiting and dropped).
 """
 
 from __future__ import annotations
@@ -84,8 +84,15 @@ def _remote_families(stacks: list[tuple[str, TierStack]],
                                           "store, or its holder unreachable)."),
             ("timeouts", st.timeouts, "Calls to the cluster store that did not answer in "
                                       "timeout_seconds."),
-            ("removed_keys", st.removed, "Keys removed from the cluster store.")):
+            ("removed_keys", st.removed, "Keys removed from the cluster store."),
+            ("replica_fallback_pages", store.replicas.served, "Pages read from another "
+             "replica after the one Mooncake chose could not be read (a dead node's copy)."),
+            ("replica_read_failures", store.replicas.failed_reads, "Direct reads of a "
+             "replica's endpoint that failed (the endpoint is then avoided for a while).")):
         yield CounterMetricFamily(f"hicache_remote_{name}", doc, value=value)
+    yield GaugeMetricFamily("hicache_remote_avoided_endpoints", "Endpoints (nodes' transfer "
+                            "engines) whose replicas gets avoid now, after a failed read.",
+                            value=len(store.replicas.avoided()))
     waiting = GaugeMetricFamily("hicache_remote_pending_pages", "Stored keys of a pool "
                                 "waiting to be put (write policy through).", labels=["pool"])
     dropped = CounterMetricFamily("hicache_remote_dropped_pages", "Stored keys never put: "

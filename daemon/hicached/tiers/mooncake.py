@@ -9,7 +9,8 @@ the network (Lookup and LoadKeys go on serving host and disk). A background thre
 the master every ``retry_seconds`` (connecting first, if it never connected): a master gone
 is noticed without traffic, and once it answers again the tier is up by itself. Pool memory
 is registered once per pool, and again after a reconnect; pages move between it and the
-store with no copy of ours.
+store with no copy of ours, through a transfer engine of the daemon's (given to the store at
+set-up), which also reads a replica directly when the one Mooncake chose cannot be read.
 
 Primitives:
 
@@ -20,7 +21,9 @@ Primitives:
 - ``put(keys, runs)`` -> one bool per key (stored, or already there); returns once Mooncake
   no longer reads the runs, however long that takes (it runs on background threads).
 - ``get(keys, runs)`` -> (one bool per key: its exact size landed in its runs; the call, if it
-  outlived the timeout: it may still write into the runs until it completes).
+  outlived the timeout: it may still write into the runs until it completes). A key whose
+  chosen replica cannot be read is read from another within the same deadline
+  (``mooncake_replicas.ReplicaReader``, ``replicas``).
 - ``remove(keys)`` -> per key removed / absent / not known; ``remove_prefix(prefix)`` -> a
   count; ``on_up``: tasks run each time the tier comes up (removals it missed).
 - ``stats``: counters for metrics.
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicached.tiers.mooncake_config import MooncakeTierConfig
+from hicached.tiers.mooncake_replicas import ReplicaReader
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +76,13 @@ class RemoteStats:
     timeouts: int = 0
 
 
-def _load_wheel() -> tuple[Any, Any]:
-    """The store class and its ReplicateConfig (the wheel is imported only when used)."""
+def _load_wheel() -> tuple[Any, Any, Any]:
+    """The store class, its ReplicateConfig and the transfer engine's class (the wheel is
+    imported only when used)."""
+    from mooncake.engine import TransferEngine
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-    return MooncakeDistributedStore, ReplicateConfig
+    return MooncakeDistributedStore, ReplicateConfig, TransferEngine
 
 
 class MooncakeStore:
@@ -89,10 +95,13 @@ class MooncakeStore:
         self.on_up: list[Callable[[], object]] = []
         """Called (on the watch thread) each time the tier comes up."""
         self._observe = observe
-        self._store_class, replicate = _load_wheel()
+        self._store_class, replicate, self._engine_class = _load_wheel()
         self._replicate = replicate()
         self._replicate.replica_num = config.replicas
         self._store: Any = None
+        self._engine: Any = None
+        self.replicas = ReplicaReader()
+        """Reads a key from another replica when Mooncake's choice fails."""
         self._up = False
         self._why = "not connected yet"
         self._registered: dict[int, int] = {}
@@ -173,10 +182,18 @@ class MooncakeStore:
     def _connect(self) -> None:
         c = self.config
         store = self._store_class()
+        engine = self._engine if self._engine is not None else self._engine_class()
         t0 = time.perf_counter()
         try:
+            if self._engine is None:  # once per process: it owns this node's endpoint
+                rc = engine.initialize(c.local_hostname, c.metadata_server, c.protocol,
+                                       c.rdma_devices)
+                if rc != 0:
+                    raise RuntimeError(f"the transfer engine's initialize returned {rc}")
+                self._engine = engine
             rc = store.setup(c.local_hostname, c.metadata_server, c.segment_bytes,
-                             c.local_buffer_bytes, c.protocol, c.rdma_devices, c.master)
+                             c.local_buffer_bytes, c.protocol, c.rdma_devices, c.master,
+                             engine.get_engine())
         except Exception as exc:  # a bad address raises rather than returning a code
             rc, why = -1, f"setup raised {exc}"
         else:
@@ -298,13 +315,19 @@ class MooncakeStore:
         if not keys:
             return [], None
         sizes = [sum(n for _, n in r) for r in runs]
+        limit = self.config.timeout_seconds + sum(sizes) / self.config.floor_bytes_per_second
+        # the fallback stops with a tenth of the call's time left: a get it prolonged past
+        # the limit would take the tier down for every key
+        deadline = time.monotonic() + 0.9 * limit
 
         def fn(s: Any) -> list[int]:
             if all(len(r) == 1 for r in runs):
-                return list(s.batch_get_into(list(keys), [r[0][0] for r in runs], sizes))
-            return list(s.batch_get_into_multi_buffers(
-                list(keys), [[a for a, _ in r] for r in runs],
-                [[n for _, n in r] for r in runs]))
+                got = list(s.batch_get_into(list(keys), [r[0][0] for r in runs], sizes))
+            else:
+                got = list(s.batch_get_into_multi_buffers(
+                    list(keys), [[a for a, _ in r] for r in runs],
+                    [[n for _, n in r] for r in runs]))
+            return self.replicas.retry(s, self._engine, keys, runs, sizes, got, deadline)
 
         got, late = self._submit("get", fn, nbytes=sum(sizes))
         ok = ([g == size for g, size in zip(got, sizes, strict=True)] if got is not None
