@@ -48,7 +48,7 @@ def _settle(w: Worker, d: DaemonProc, ns: Netns, seconds: float) -> None:
 
 
 def test_a_node_killed_and_restarted_costs_no_hit_and_no_put(
-        cluster: tuple[Netns, Master], master: Master, tmp_path: Path) -> None:
+        cluster: tuple[Netns, Master], master: Master, tmp_path: Path) -> None:  # noqa: F811
     ns, m = cluster
     assert m.client_ttl is None, "this test is about Mooncake's default client_ttl"
     a = node(cluster, tmp_path / "a", replicas=2)

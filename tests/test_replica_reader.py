@@ -60,7 +60,8 @@ def buffers(n: int) -> tuple[list[ctypes.Array[ctypes.c_char]], list[list[tuple[
 
 
 def make(keys: list[str], placement: dict[str, list[str]]) -> Cluster:
-    memory, replicas = {}, {}
+    memory: dict[tuple[str, int], bytes] = {}
+    replicas: dict[str, list[SimpleNamespace]] = {}
     for i, k in enumerate(keys):
         replicas[k] = []
         for e in placement[k]:
@@ -93,7 +94,7 @@ def test_a_key_the_chosen_copy_failed_is_read_from_the_next() -> None:
 def test_only_failed_keys_are_retried_and_never_a_missing_one() -> None:
     keys = ["here", "gone", "master"]
     c = make(keys, {"here": ["b:2"], "gone": ["b:2"], "master": ["b:2"]})
-    bufs, runs = buffers(3)
+    _, runs = buffers(3)
     r = ReplicaReader()
     assert r.retry(c, c, keys, runs, [SIZE] * 3, [SIZE, OBJECT_NOT_FOUND, -900],
                    deadline=float("inf")) == [SIZE, OBJECT_NOT_FOUND, -900]

@@ -132,7 +132,7 @@ class ReplicaReader:
                 lengths.append(n)
                 offset += n
         try:
-            rc = engine.batch_transfer_sync_read(endpoint, mine, theirs, lengths)
+            rc = int(engine.batch_transfer_sync_read(endpoint, mine, theirs, lengths))
         except Exception:  # the binding raising is the endpoint failing, to the caller
             log.debug("a read from %s raised", endpoint, exc_info=True)
             rc = -1
