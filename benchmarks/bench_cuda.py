@@ -42,7 +42,7 @@ from hicache_client.cuda import CudaDeviceBuffers, LayerEvents, ReadyEvent
 from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, TransferEngine
 from hicached.bench import start_daemon
 from hicached.core.pool import MemoryOptions
-from hicached.core.worker_buffers import RawBuffer, WorkerBuffers
+from hicached.core.worker_buffers import Device, RawBuffer, WorkerBuffers
 from hicached.cuda.segments import plan_segments
 
 PCIE_GBPS = 55.0
@@ -106,10 +106,10 @@ def plan_only(reps: int, page_size: int, layouts: Sequence[Layout],
         device_pages = 4 * BATCH_PAGES
         rows = device_pages * page_size + page_size
         layer_bytes = rows * GEOMETRY.head_num * GEOMETRY.head_dim * 2
-        where = torch.device("cuda", 0)
+        where = Device("cuda", 0)
         bufs = {"kv": {role: [RawBuffer((1 << 40) + (2 * i + r) * layer_bytes,
                                         (rows, GEOMETRY.head_num, GEOMETRY.head_dim),
-                                        torch.bfloat16, (), where)
+                                        DType.BFLOAT16, (), where)
                               for i in range(GEOMETRY.layer_num)]
                        for r, role in enumerate((Role.K, Role.V))}}
         device = WorkerBuffers(bufs, "cuda")  # addresses only: nothing is dereferenced

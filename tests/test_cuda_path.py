@@ -149,7 +149,7 @@ def test_attach_opens_each_allocation_once_and_release_closes_it(
         assert a.buffers is not None and a.buffers.location == "cuda"
         assert a.buffers.check_against(s) == 32 + 4  # SGLang's padding page included
         k0 = a.buffers.buffers["kv"][Role.K][0]
-        assert k0.device == torch.device("cuda", 0)
+        assert (k0.device.type, k0.device.index) == ("cuda", 0)
         a.release()
         a.release()  # idempotent
         assert fake.stat("open_handles") == before + 2  # b still uses them

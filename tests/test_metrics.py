@@ -21,7 +21,7 @@ def test_state_metrics_are_read_at_scrape_time() -> None:
     Metrics(reg, ScrapeState(pools=lambda: [(pool, cache)], sessions_open=lambda: state["open"],
                              sessions_reaped=lambda: state["reaped"],
                              attached_bytes=lambda: state["attached"]),
-            build={"version": "9.9", "torch": "x", "cuda_available": "false", "python": "3"})
+            build={"version": "9.9", "numpy": "x", "cuda_available": "false", "python": "3"})
 
     def v(name: str, **labels: str) -> float | None:
         got: float | None = reg.get_sample_value(name, labels)
@@ -57,7 +57,7 @@ def test_state_metrics_are_read_at_scrape_time() -> None:
         assert v("hicache_sessions_attached_bytes") == 4096
         state["open"] = 0
         assert v("hicache_sessions_open") == 0
-        assert v("hicache_build_info", version="9.9", torch="x", cuda_available="false",
+        assert v("hicache_build_info", version="9.9", numpy="x", cuda_available="false",
                  python="3") == 1
         uptime = v("hicache_uptime_seconds")
         assert uptime is not None and uptime >= 0

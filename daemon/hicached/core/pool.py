@@ -4,8 +4,10 @@ Primitives:
 
 - ``MemoryOptions``: how pool memory is mapped (backing, huge pages, prefault threads,
   reserve).
-- ``ComponentStorage``: one component's bytes inside the region, with its SGLang-shaped typed
-  tensor view (``tensor``), its addressing and the absolute base address of each layer.
+- ``ComponentStorage``: one component's bytes inside the region (``raw``), its SGLang host
+  shape, its addressing and the absolute base address of each layer; ``tensor``, the typed
+  torch view in that shape, is made on first use (tests, in-process callers: the daemon never
+  asks, and never loads torch).
 - ``HostPool``: ``alloc`` / ``free`` whole pages, ``buffer(member, role)``, ``page_segments`` /
   ``page_views`` (where one page's bytes lie, for tiers below host memory), ``fingerprints``
   (the kv-canary hash of host pages), occupancy figures, ``begin_copy`` / ``end_copy`` (copies
@@ -24,9 +26,10 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from hicache.errors import PoolClosed, SpecInvalid
 from hicache.specs import Component, KVGeometry, Layout, PoolSpec, Role
@@ -36,6 +39,9 @@ from hicached.core.host_layout import HostAddressing, host_shape
 from hicached.core.memory import Backing, HostMemory, Pinner
 from hicached.core.state_file import Outcome, StateFiles, TableSpec
 from hicached.core.system import check_budget
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +80,21 @@ class ComponentStorage:
     offset: int
     nbytes: int
     addressing: HostAddressing
-    tensor: torch.Tensor
-    """Typed view in SGLang's host shape for this component and layout."""
+    raw: np.ndarray
+    """The component's bytes (uint8) in the pool's mapping."""
+    shape: tuple[int, ...]
+    """SGLang's host shape for this component and layout."""
     layer_bases: np.ndarray
     """Absolute address of each layer's first row (int64, indexed by layer)."""
     layer_limits: np.ndarray
     """One past the last byte each layer's rows may reach: the component's end (int64)."""
+
+    @cached_property
+    def tensor(self) -> torch.Tensor:
+        """Typed torch view in ``shape`` (imports torch on first use)."""
+        import torch
+
+        return torch.from_numpy(self.raw).view(self.comp.dtype.torch_dtype).reshape(self.shape)
 
     def clip(self, layers: range) -> range:
         """The part of ``layers`` this component has (side pools may have fewer layers)."""
@@ -153,14 +168,14 @@ class HostPool:
             for name, geometry, comp, off, nbytes in layout:
                 shape = host_shape(comp, spec.layout, geometry.layer_num, self.size_tokens,
                                    spec.page_size)
-                view = torch.from_numpy(raw[off:off + nbytes]).view(comp.dtype.torch_dtype)
                 addressing = HostAddressing.of(comp, spec.layout, geometry.layer_num,
                                                self.size_tokens, spec.page_size)
                 base = self.memory.address + off
                 layer_ids = np.arange(geometry.layer_num, dtype=np.int64)
                 self.components.append(ComponentStorage(
                     member=name, comp=comp, layer_num=geometry.layer_num, offset=off,
-                    nbytes=nbytes, addressing=addressing, tensor=view.reshape(shape),
+                    nbytes=nbytes, addressing=addressing, raw=raw[off:off + nbytes],
+                    shape=tuple(shape),
                     layer_bases=base + layer_ids * addressing.layer_stride,
                     layer_limits=np.full(geometry.layer_num, base + nbytes, np.int64)))
         self.canary: CanaryTable | None = None
@@ -176,7 +191,10 @@ class HostPool:
     # -- pages -----------------------------------------------------------------------------
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
-        """Page-aligned token indices of ``num_tokens // page_size`` fresh pages."""
+        """Page-aligned token indices of ``num_tokens // page_size`` fresh pages, as a torch
+        tensor (in-process callers; the daemon allocates through its cache)."""
+        import torch
+
         self._check_open()
         return torch.from_numpy(self.allocator.alloc(num_tokens))
 

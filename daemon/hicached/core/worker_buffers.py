@@ -8,10 +8,12 @@ Primitives:
 - ``WorkerBuffers(buffers, location)``: ``buffers[member][role]`` is the list of per-layer
   tensors (or ``RawBuffer``s), all on ``location`` (``cpu`` for shared-memory files and
   in-process tensors, ``cuda`` for IPC-mapped GPU memory).
-- ``RawBuffer``: memory mapped from another process (a CUDA IPC allocation), described like a
-  tensor (address, shape, dtype, strides, device) for the geometry checks and copy plans.
-- ``WorkerBuffers.allocate(spec, device_tokens)``: zeroed CPU buffers of the right geometry
-  (tests, benchmarks, in-process use).
+- ``RawBuffer``: memory mapped from another process (a shared-memory file or memfd, a CUDA IPC
+  allocation), described like a tensor (address, shape, dtype, strides, device) for the
+  geometry checks and copy plans: what the daemon attaches, with no torch.
+- ``BufferLike``: what a buffer must answer (a ``RawBuffer`` or a torch tensor).
+- ``WorkerBuffers.allocate(spec, device_tokens)``: zeroed CPU torch tensors of the right
+  geometry (tests, benchmarks, in-process use; imports torch, which the daemon never calls).
 - ``extents(member, role)``: each layer's start and end address, for the copy planner.
 - ``check_against(spec)``: ``GEOMETRY_MISMATCH`` listing every wrong member, role, layer, shape,
   dtype or non-contiguous buffer; returns the usable device capacity in tokens.
@@ -21,23 +23,63 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
 from hicache.buffers import contiguous_strides, device_shape, layer_shapes
-from hicache.errors import GeometryMismatch, Violation, raise_violations
-from hicache.specs import PoolSpec, Role
+from hicache.errors import GeometryMismatch, SpecInvalid, Violation, raise_violations
+from hicache.specs import DType, PoolSpec, Role
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a ``RawBuffer`` lives, as ``torch.device`` names it (``cpu``; ``cuda``, 0)."""
+
+    type: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+CPU = Device("cpu")
+
+
+class BufferLike(Protocol):
+    shape: Any
+    dtype: Any
+    device: Any
+
+    def data_ptr(self) -> int: ...
+    def numel(self) -> int: ...
+    def element_size(self) -> int: ...
+    def dim(self) -> int: ...
+    def is_contiguous(self) -> bool: ...
+
+
+def dtype_of(t: BufferLike) -> DType | None:
+    """The buffer's dtype as the pool names it, None for one no pool has (a torch tensor's is
+    looked up: torch is loaded already when one was given)."""
+    if isinstance(t.dtype, DType):
+        return t.dtype
+    try:
+        return DType.from_torch(t.dtype)
+    except SpecInvalid:
+        return None
 
 
 class RawBuffer:
-    """A buffer at a raw address in another device's memory, shaped like a tensor."""
+    """A buffer at a raw address (a mapping of a worker's memory), shaped like a tensor."""
 
-    def __init__(self, address: int, shape: Sequence[int], dtype: torch.dtype,
-                 strides: Sequence[int], device: torch.device) -> None:
+    def __init__(self, address: int, shape: Sequence[int], dtype: DType,
+                 strides: Sequence[int], device: Device = CPU) -> None:
         self.address = address
-        self.shape = torch.Size(shape)
+        self.shape = tuple(shape)
         self.dtype = dtype
         self.strides = tuple(strides) if strides else contiguous_strides(self.shape)
         self.device = device
@@ -61,7 +103,7 @@ class RawBuffer:
             if d > 1)
 
 
-Buffer = torch.Tensor | RawBuffer
+Buffer = BufferLike
 
 
 class WorkerBuffers:
@@ -81,17 +123,19 @@ class WorkerBuffers:
                  factory: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
                  ) -> WorkerBuffers:
         """Buffers for ``device_tokens`` tokens (+ one padding page, as SGLang allocates)."""
+        import torch
+
         make = factory or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
-        out: dict[str, dict[Role, list[torch.Tensor]]] = {}
+        out: dict[str, dict[Role, list[Buffer]]] = {}
         for name, geometry, comp, shape in layer_shapes(spec, device_tokens):
             out.setdefault(name, {})[comp.role] = [make(shape, comp.dtype.torch_dtype)
                                                    for _ in range(geometry.layer_num)]
         return cls(out)
 
     def layers(self, member: str, role: Role) -> list[torch.Tensor]:
-        """The per-layer tensors of CPU buffers (not for mapped GPU buffers)."""
+        """The per-layer tensors of buffers made as torch tensors (not for mapped ones)."""
         out = self.buffers[member][role]
-        assert all(isinstance(t, torch.Tensor) for t in out), "raw buffers are not tensors"
+        assert not any(isinstance(t, RawBuffer) for t in out), "raw buffers are not tensors"
         return out  # type: ignore[return-value]
 
     def all_tensors(self) -> list[torch.Tensor]:
@@ -154,9 +198,11 @@ class WorkerBuffers:
                 for i, t in enumerate(layers):
                     want = device_shape(comp, t.shape[0] if t.dim() else 0)
                     lp = f"{path}[{i}]"
-                    if t.dtype != comp.dtype.torch_dtype:
-                        bad(lp, f"dtype {t.dtype}, pool has {comp.dtype.torch_dtype}",
-                            expected=comp.dtype.torch_dtype, got=t.dtype)
+                    dtype = dtype_of(t)
+                    if dtype is not comp.dtype:
+                        got = dtype.value if dtype is not None else str(t.dtype)
+                        bad(lp, f"dtype {got}, pool has {comp.dtype.value}",
+                            expected=comp.dtype.value, got=got)
                     elif tuple(t.shape) != want or t.shape[0] != rows0:
                         bad(lp, f"shape {tuple(t.shape)}, expected (rows={rows0}, "
                                 f"{', '.join(map(str, comp.unit_shape))})",

@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import torch
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -109,7 +109,7 @@ class HiCacheServer:
             tiers=pools.stacks, remote=remote,
             fast_connections=lambda: sum(f.connections for f in self.fast_paths),
             fast_polls=lambda: sum_counts(*(f.poll_stats() for f in self.fast_paths)),
-        ), build={"version": hicache.__version__, "torch": torch.__version__,
+        ), build={"version": hicache.__version__, "numpy": np.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
         self.daemon = Daemon(pools, sessions, ShmTransport(config.shm_dir, config.accept_shm_paths),

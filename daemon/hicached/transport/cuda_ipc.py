@@ -26,12 +26,10 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-import torch
-
 from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import IPC_HANDLE_SIZE, CudaCallFailed, CudaDriver, normalize_uuid
 from hicache.errors import DeviceNotFound, IpcHandleInvalid, SpecInvalid
-from hicached.core.worker_buffers import RawBuffer, WorkerBuffers
+from hicached.core.worker_buffers import Device, RawBuffer, WorkerBuffers
 from hicached.cuda.runner import Completer, CudaRunner
 from hicached.transport.base import Attachment, assemble, check_extent, check_strides
 
@@ -189,9 +187,9 @@ class CudaIpcTransport:
                 if ready:
                     events.append(ready)
                 streams.extend([drv.stream_create(), drv.stream_create()])
-            where = torch.device("cuda", ordinal)
+            where = Device("cuda", ordinal)
             attached = assemble(buffers, lambda i, b: RawBuffer(
-                opened[b.ipc_handle][0] + b.offset, b.shape, b.dtype.torch_dtype, b.strides,
+                opened[b.ipc_handle][0] + b.offset, b.shape, b.dtype, b.strides,
                 where), location="cuda")
         except BaseException:
             close()

@@ -14,24 +14,24 @@ Two ways to hand shared memory over:
 Primitives:
 
 - ``ShmTransport(shm_dir, accept_paths)``: ``attach(buffers, fds)`` maps every file or fd once
-  (MAP_SHARED | MAP_POPULATE). Any failure is ``SHM_PATH_REJECTED`` / ``FD_REJECTED`` naming
-  the buffer and why, and nothing stays mapped.
+  (MAP_SHARED | MAP_POPULATE); the buffers are ``RawBuffer``s at their place in the mapping.
+  Any failure is ``SHM_PATH_REJECTED`` / ``FD_REJECTED`` naming the buffer and why, and
+  nothing stays mapped.
 - ``check_memfd(fd, need)``: the seal and size checks of one fd; returns its size.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
-import math
 import mmap
 import os
 import stat
 from collections.abc import Sequence
 
-import torch
-
 from hicache.buffers import DeviceBufferSpec, unmap_all
 from hicache.errors import FdRejected, ShmPathRejected
+from hicached.core.worker_buffers import RawBuffer
 from hicached.transport.base import Attachment, assemble, check_extent, check_strides
 
 
@@ -133,8 +133,9 @@ class ShmTransport:
             for where, n in need.items():
                 maps[where] = (self._open(where, n)[0] if isinstance(where, str)
                                else self._map_fd(fds[where], n, where))
-            attached = assemble(buffers, lambda i, b: self._tensor(
-                maps[b.fd_index if b.transport == "memfd" else b.path], b, i))
+            bases = {where: _address(m) for where, m in maps.items()}
+            attached = assemble(buffers, lambda i, b: self._buffer(
+                bases[b.fd_index if b.transport == "memfd" else b.path], b, i))
         except BaseException:
             unmap_all(maps.values())
             raise
@@ -149,11 +150,18 @@ class ShmTransport:
             raise _reject_fd(index, f"cannot map: {exc.strerror}") from None
 
     @staticmethod
-    def _tensor(m: mmap.mmap, b: DeviceBufferSpec, i: int) -> torch.Tensor:
-        count = math.prod(b.shape)
-        raw = torch.frombuffer(m, dtype=torch.uint8, count=b.nbytes, offset=b.offset)
-        typed = raw[: count * b.dtype.itemsize].view(b.dtype.torch_dtype)
-        if b.strides:
-            check_strides(b, i)
-            return typed.as_strided(b.shape, b.strides)
-        return typed.view(b.shape)
+    def _buffer(base: int, b: DeviceBufferSpec, i: int) -> RawBuffer:
+        """Buffer ``i`` in a mapping at ``base``: raw memory the attachment keeps mapped until
+        its ``release``, which the session defers past every copy using it."""
+        check_strides(b, i)
+        return RawBuffer(base + b.offset, b.shape, b.dtype, b.strides)
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where a mapping starts (the ctypes view is dropped at once: it would pin the mapping
+    against ``close``)."""
+    view = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
