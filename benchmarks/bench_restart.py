@@ -9,18 +9,25 @@ For each pool size, in one run, with a real daemon process on a state directory 
 3. the daemon is SIGKILLed and started again on the same socket and state directory; timed from
    the new process's spawn to the first LoadKeys of a stored key that lands exact in zeroed
    rows (``restart_to_first_hit_s``);
-4. beside it, the same daemon started with no pool at all (``empty_start_s``: Python, imports,
-   sockets), so the part the pool adds is ``restart_to_first_hit_s - empty_start_s``.
+4. beside it, the same daemon started with no pool at all (``empty_start_s``: exec to
+   SERVING: Python, imports, sockets), so the part the pool adds is
+   ``restart_to_first_hit_s - empty_start_s``.
 
-Target: the re-attach part independent of the pool's size and well under 1 s.
+The floor beside them: ``python3 -c "import grpc"`` (an interpreter and the one library no
+gRPC server can go without). With ``--before TREE`` every figure is measured for the daemon of
+that source tree too (another checkout: its ``daemon`` and ``clients/python`` put first on the
+daemon's path), in the same run, sizes alternating between the two.
 
-Run: ``python benchmarks/bench_restart.py [--sizes-gib 1,4,16] [--json FILE]``.
+Target: restart -> first exact hit under 1 s at every size.
+
+Run: ``python benchmarks/bench_restart.py [--sizes-gib 1,4,16] [--before TREE] [--json FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -41,13 +48,33 @@ PAGE = 64  # 8 MiB pages
 KEYS = 8
 
 
+TREE: Path | None = None
+"""The source tree whose daemon runs (None: the installed one)."""
+
+
+def daemon_env() -> dict[str, str] | None:
+    if TREE is None:
+        return None
+    path = [str(TREE / "daemon"), str(TREE / "clients" / "python")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
+def floor_seconds(runs: int = 5) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import grpc"], check=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def spawn(work: Path, state: Path, budget_gib: int) -> tuple[subprocess.Popen[bytes], str]:
     sock = work / "bench.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
          "--shm-dir", "/dev/shm", "--state-dir", str(state), "--metrics-listen", "",
          "--memory-budget", f"{budget_gib}GiB", "--reserve", "0", "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=daemon_env())
     return proc, f"unix:{sock}"
 
 
@@ -128,21 +155,34 @@ def one_size(gib: int, root: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global TREE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-gib", default="1,4,16")
+    ap.add_argument("--before", type=Path, help="another source tree, measured beside")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    trees: list[tuple[str, Path | None]] = [("this tree", None)]
+    if args.before is not None:
+        trees.insert(0, (f"before ({args.before})", args.before.resolve()))
     root = Path(tempfile.mkdtemp(prefix="hicache-bench-restart-"))
-    rows = [one_size(int(g), root) for g in args.sizes_gib.split(",")]
-    shutil.rmtree(root, ignore_errors=True)
-    print(f"{'pool':>6} {'cold create+prefault':>21} {'restart->first hit':>19} "
-          f"{'empty daemon start':>19} {'re-attach part':>15}")
+    rows = []
+    try:
+        for g in args.sizes_gib.split(","):
+            for label, tree in trees:
+                TREE = tree
+                rows.append({"daemon": label, **one_size(int(g), root)})
+        floor = floor_seconds()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"floor: python3 -c 'import grpc' {floor:.3f}s (median of 5)")
+    print(f"{'daemon':<12} {'pool':>6} {'cold create+prefault':>21} {'restart->first hit':>19} "
+          f"{'exec->SERVING':>14} {'re-attach part':>15}")
     for r in rows:
-        print(f"{r['pool_gib']:>4}Gi {r['cold_create_s']:>20.3f}s "
-              f"{r['restart_to_first_hit_s']:>18.3f}s {r['empty_start_s']:>18.3f}s "
+        print(f"{r['daemon'][:12]:<12} {r['pool_gib']:>4}Gi {r['cold_create_s']:>20.3f}s "
+              f"{r['restart_to_first_hit_s']:>18.3f}s {r['empty_start_s']:>13.3f}s "
               f"{r['reattach_part_s']:>14.3f}s")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps({"floor_s": floor, "rows": rows}, indent=2))
     return 0
 
 

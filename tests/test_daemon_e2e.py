@@ -171,6 +171,12 @@ def test_create_pool_is_idempotent_and_conflicts_are_already_exists(
         client.create_pool(other)
     assert exc.value.reason == "POOL_SPEC_CONFLICT"
     assert exc.value.grpc_code == grpc.StatusCode.ALREADY_EXISTS  # type: ignore[attr-defined]
+    assert "/tokens=4096" in exc.value.metadata["requested"]
+    by_bytes = PoolSpec(SPEC.name, SPEC.geometry, 32, SPEC.layout, size_bytes=1 << 20)
+    with pytest.raises(HiCacheError) as exc:
+        client.create_pool(by_bytes)
+    assert exc.value.metadata["requested"].endswith("/bytes=1048576"), exc.value.metadata
+    assert "page=32" in exc.value.message and "DeletePool" in exc.value.message
 
 
 def test_unknown_session_and_pool(client: HiCacheClient) -> None:

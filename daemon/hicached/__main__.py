@@ -176,8 +176,11 @@ def serve(config: ServerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hicached", description="Host-memory KV cache daemon.")
-    sub = ap.add_subparsers(dest="command")
+    ap = argparse.ArgumentParser(
+        prog="hicached", description="Host-memory KV cache daemon.",
+        epilog="'hicached' with no command, or with flags only, is 'hicached serve'; "
+               "'hicached serve --help' lists its flags. The control CLI is 'hicachectl'.")
+    sub = ap.add_subparsers(dest="command", title="commands", metavar="{serve}")
     sp = sub.add_parser("serve", help="run the daemon (the default command)")
     sp.add_argument("--config", help="TOML config file")
     for flag, (setting, text) in _FLAGS.items():
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--no-fast-path", action="store_true",
                     help="serve the data calls over gRPC only (no <socket>.fast)")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["serve", *argv]
     args = ap.parse_args(argv)
     try:

@@ -46,7 +46,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """hicachectl's arguments: one subcommand per verb."""
     ap = argparse.ArgumentParser(prog="hicachectl", description="Inspect a hicached daemon.")
     ap.add_argument("--target", help="daemon address (default: the local socket)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
@@ -73,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                                       "transfers, stop")
     gp.add_argument("--grace", type=float, default=0.0,
                     help="seconds in-flight transfers may take (default: the daemon's)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.command == "drop-state":
         return drop_state(args.state_dir, args.names, args.json)
     client = HiCacheClient(args.target, reconnect_seconds=2.0, timeout=10.0)
@@ -178,7 +183,8 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                                            always_print_fields_with_no_presence=True)))
             return 0
         print(_table(["field", "value"], [
-            ("version", info.version), ("serving", info.serving),
+            ("version", info.version), ("target", client.target),
+            ("serving", info.serving),
             ("transports", ", ".join(info.transports)),
             ("budget", _size(info.memory_budget_bytes)),
             ("used", _size(info.memory_used_bytes)),

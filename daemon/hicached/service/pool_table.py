@@ -228,7 +228,8 @@ class PoolTable:
                                                      or self._builds.get(spec.name))
         if existing is not None and existing.spec != spec:
             raise PoolSpecConflict(
-                f"pool {spec.name} exists with a different spec",
+                f"pool {spec.name} exists with a different spec ({_summary(existing.spec)}; "
+                f"asked: {_summary(spec)}): use that spec, another name, or DeletePool first",
                 metadata={"pool": spec.name, "existing": _summary(existing.spec),
                           "requested": _summary(spec)},
             )
@@ -325,4 +326,5 @@ class PoolTable:
 def _summary(spec: PoolSpec) -> str:
     g = spec.geometry
     return (f"{g.kind.value}/{g.dtype.value}/{spec.layout.value}/page={spec.page_size}/"
-            f"layers={g.layer_num}/tokens={spec.size_tokens or spec.size_bytes}")
+            f"layers={g.layer_num}/" + (f"tokens={spec.size_tokens}" if spec.size_tokens
+                                          else f"bytes={spec.size_bytes}"))

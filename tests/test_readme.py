@@ -1,0 +1,75 @@
+"""README.md works as written: its worker example runs unchanged against a daemon started with
+no flags but where it keeps its files (its default socket found through ``XDG_RUNTIME_DIR``,
+as the example's ``HiCacheClient()`` finds it), quickly and in little memory, and prints the
+refusal it shows; ``hicached --help`` lists the commands; the hicachectl list is complete."""
+
+from __future__ import annotations
+
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.daemon_proc import REPO, start_daemon
+
+
+def worker_example() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## A worker"):]
+    start = section.index("```python") + len("```python")
+    return section[start:section.index("```", start)]
+
+
+def test_the_worker_example_runs_unchanged(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    (runtime / "hicached").mkdir(parents=True, mode=0o700)
+    runtime.chmod(0o700)
+    d = start_daemon(tmp_path, socket=str(runtime / "hicached" / "hicached.sock"))
+    try:
+        script = tmp_path / "example.py"
+        script.write_text(worker_example())
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path,
+                           env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime),
+                                "HOME": str(tmp_path)})
+        took = time.monotonic() - t0
+        rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.startswith("INDICES_NOT_PAGE_ALIGNED"), r.stdout
+        print(f"README example: {took:.2f} s, max RSS {rss_mib:.0f} MiB (was {before / 1024:.0f})")
+        assert took < 5, f"the README example took {took:.1f} s"
+        assert rss_mib < 1024, f"the README example used {rss_mib:.0f} MiB"
+        # its pages went back: the pool holds no raw pages afterwards, and a second run works
+        r2 = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path,
+                            env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime),
+                                 "HOME": str(tmp_path)})
+        assert r2.returncode == 0, r2.stderr
+        from hicache_client import HiCacheClient
+
+        with HiCacheClient(d.target) as c:
+            assert c.get_pool("readme-llama-8b-tp0").raw_pages == 0
+    finally:
+        d.stop(signal.SIGTERM)
+
+
+def test_hicached_help_lists_its_commands() -> None:
+    r = subprocess.run([sys.executable, "-m", "hicached", "--help"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0 and "serve" in r.stdout and "hicachectl" in r.stdout, r.stdout
+
+
+def test_the_readme_and_operations_name_every_hicachectl_command() -> None:
+    from hicache_client.cli import parser
+
+    verbs = set(parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    readme = (REPO / "README.md").read_text()
+    ops = (REPO / "docs" / "operations.md").read_text()
+    table = set(re.findall(r"^\| `([a-z-]+)", ops[ops.index("| verb |"):], re.M))
+    assert verbs - table == set(), "docs/operations.md misses"
+    assert {v for v in verbs if f"`{v}`" not in readme} == set(), "README.md misses"
