@@ -1,6 +1,73 @@
 #!/usr/bin/env bash
 # Installs what hicached needs on a fresh machine; sourced by test.sh and serve.sh.
-# Usage: setup_hicached [--test]   (--test adds the test extras and a Prometheus server)
+#
+# Usage: setup_hicached [--test]
+#   (no flag)  the daemon: the package and its pure-Python dependencies (no torch)
+#   --test     also the test extras, torch (CPU build, only where none is present), SGLang's
+#              code (--no-deps), Prometheus, Mooncake's wheel and the Debian packages they need
+#
+# Where it installs: a virtual environment of the project's own, .venv/ in the checkout
+# (created with python3 if missing, then activated for the rest of the calling script), unless
+# HICACHED_USE_ACTIVE_PYTHON=1: then into whatever python3 is active (a GPU host's environment
+# with its CUDA torch, a container's system Python). It says what it installs before doing it.
+# apt-get runs only as root, only for what is missing.
+
+_hicached_say() { printf 'setup: %s\n' "$*" >&2; }
+
+_hicached_python_ok() {
+    "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
+}
+
+_hicached_apt() {
+    [ $# -gt 0 ] || return 0
+    if [ "$(id -u)" != 0 ]; then
+        _hicached_say "missing, and not root to install them: $* (install them, or run as root)"
+        return 0
+    fi
+    _hicached_say "apt-get install (root): $*"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@"
+}
+
+_hicached_env() {
+    local py="${HICACHED_PYTHON:-python3}"
+    if ! _hicached_python_ok "$py"; then
+        _hicached_say "hicached needs Python >= 3.11; '$py' is $("$py" --version 2>&1 || echo missing)" \
+            "(set HICACHED_PYTHON to another interpreter)"
+        return 1
+    fi
+    if [ "${HICACHED_USE_ACTIVE_PYTHON:-0}" = 1 ]; then
+        _hicached_say "installing into the active Python: $(command -v "$py")"
+        return 0
+    fi
+    if [ ! -x .venv/bin/python3 ]; then
+        if ! "$py" -c 'import ensurepip, venv' 2>/dev/null; then
+            _hicached_apt "python3-venv"
+        fi
+        _hicached_say "creating the project's virtual environment: $PWD/.venv ($("$py" --version))"
+        "$py" -m venv .venv
+    fi
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+    _hicached_say "installing into $PWD/.venv (HICACHED_USE_ACTIVE_PYTHON=1: the active Python)"
+}
+
+_hicached_torch() {
+    # worker-side parts (hicache_client's buffers, the SGLang linker, the tests) need torch;
+    # one already there (a GPU host's CUDA build) is never replaced
+    if python3 -c 'import torch' 2>/dev/null; then
+        _hicached_say "torch $(python3 -c 'import torch; print(torch.__version__)') is present: kept"
+        return 0
+    fi
+    _hicached_say "pip install torch==2.13.0+cpu (the CPU build: a bare 'torch' can pull a multi-GB CUDA build)"
+    if ! python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu"; then
+        _hicached_say "no CPU build of torch 2.13.0 on the configured index; point pip at one that" \
+            "has it, e.g. PIP_EXTRA_INDEX_URL=<your PyTorch CPU wheel index>, or install a torch" \
+            "yourself and rerun"
+        return 1
+    fi
+}
+
 setup_hicached() {
     local extras="" missing=()
     command -v cc >/dev/null 2>&1 || missing+=(gcc)  # the native copy kernel is C
@@ -20,19 +87,21 @@ setup_hicached() {
             ldconfig -p | grep -q "${lib%%:*}" || missing+=("${lib##*:}")
         done
     fi
-    if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ]; then
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            "${missing[@]}"
+    _hicached_apt ${missing[@]+"${missing[@]}"}
+    _hicached_env || return 1
+    if [ "${1:-}" = "--test" ]; then
+        _hicached_torch || return 1
     fi
-    # the CPU build of torch, pinned: a bare "torch" could pull a multi-GB CUDA build. Where the
-    # configured index lacks it, point pip at one that has it (PIP_EXTRA_INDEX_URL).
-    python3 -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu"
+    local what="numpy, grpcio, protobuf, prometheus-client, xxhash"
+    [ -z "$extras" ] || what="$what; the extras of pyproject.toml: test tools, SGLang's cache-path imports, Mooncake's wheel"
+    _hicached_say "pip install -e .${extras} (hicached, hicache, hicache_client, hicache_sglang:" \
+        "$what)"
     python3 -m pip install -q --disable-pip-version-check -e ".${extras}"
     if [ "${1:-}" = "--test" ]; then
         # SGLang's own code is what the linker's integration tests run against; its own
         # dependencies are the GPU serving stack, so the package comes without them and the
         # [sglang] extra brings what its cache modules import
+        _hicached_say "pip install --no-deps sglang==0.5.23 (its code only)"
         python3 -m pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23"
     fi
 }
