@@ -67,7 +67,7 @@ def test_hicached_help_lists_its_commands() -> None:
 def test_the_readme_and_operations_name_every_hicachectl_command() -> None:
     from hicache_client.cli import parser
 
-    verbs = set(parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    verbs = set(parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr, arg-type]
     readme = (REPO / "README.md").read_text()
     ops = (REPO / "docs" / "operations.md").read_text()
     table = set(re.findall(r"^\| `([a-z-]+)", ops[ops.index("| verb |"):], re.M))

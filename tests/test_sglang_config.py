@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from hicache.paths import default_target
 from hicache.errors import SpecInvalid
+from hicache.paths import default_target
 from hicache.specs import DType, KVGeometry, PoolKind
 from hicache_sglang.config import LinkerConfig
 from hicache_sglang.namespace import Shard, pool_name

@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -106,24 +107,28 @@ def _worker(target: str, spec: PoolSpec, shm_dir: str, worker: int, batch_pages:
 
 def _baseline(spec: PoolSpec, batch_pages: int, seconds: float) -> float:
     """GB/s of the in-process engine moving the same batches (same geometry, random pages)."""
-    ps = spec.page_size
     pool = HostPool(spec, MemoryOptions(reserve_bytes=0))
-    try:
-        dev = WorkerBuffers.allocate(spec, batch_pages * ps * 2)
-        host = pool.alloc(batch_pages * ps)
-        rng = np.random.default_rng(batch_pages)
-        dp = torch.from_numpy(rng.permutation(2 * batch_pages)[:batch_pages])
-        d = (dp[:, None] * ps + torch.arange(ps)).reshape(-1)
-        engine = TransferEngine()
-        engine.backup(pool, dev, host, d)
-        times: list[float] = []
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline or len(times) < 3:
-            times.append(engine.backup(pool, dev, host, d).seconds)
-            times.append(engine.load(pool, dev, host, d).seconds)
-        return batch_pages * spec.page_bytes / statistics.median(times) / 1e9
+    try:  # the engine (and the views of the pool it plans with) is gone before the close
+        return _baseline_on(pool, spec, batch_pages, seconds)
     finally:
         pool.close()
+
+
+def _baseline_on(pool: HostPool, spec: PoolSpec, batch_pages: int, seconds: float) -> float:
+    ps = spec.page_size
+    dev = WorkerBuffers.allocate(spec, batch_pages * ps * 2)
+    host = pool.alloc(batch_pages * ps)
+    rng = np.random.default_rng(batch_pages)
+    dp = torch.from_numpy(rng.permutation(2 * batch_pages)[:batch_pages])
+    d = (dp[:, None] * ps + torch.arange(ps)).reshape(-1)
+    engine = TransferEngine()
+    engine.backup(pool, dev, host, d)
+    times: list[float] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline or len(times) < 3:
+        times.append(engine.backup(pool, dev, host, d).seconds)
+        times.append(engine.load(pool, dev, host, d).seconds)
+    return batch_pages * spec.page_bytes / statistics.median(times) / 1e9
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -154,15 +159,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batch_pages.split(",")]
     spec = PoolSpec(f"bench-{args.preset}", geometry, args.page_size, Layout(args.layout),
                     size_tokens=max(batches) * args.page_size * args.workers + args.page_size)
-    work = tempfile.mkdtemp(prefix="hicache-bench-")
-    shm_dir = args.shm_dir or tempfile.mkdtemp(prefix="hicache-bench-", dir="/dev/shm")
+    made: list[str] = []  # every directory made here goes, on any exit (Ctrl-C included)
     proc = None
-    target = args.target
-    if target is None:
-        proc, target = start_daemon(work, shm_dir, args.memory_budget)
-    client = HiCacheClient(target)
+    client = None
+    procs: list[Any] = []
     rows = []
     try:
+        work = tempfile.mkdtemp(prefix="hicache-bench-")
+        made.append(work)
+        shm_dir = args.shm_dir
+        if not shm_dir:
+            shm_dir = tempfile.mkdtemp(prefix="hicache-bench-", dir="/dev/shm")
+            made.append(shm_dir)
+        target = args.target
+        if target is None:
+            proc, target = start_daemon(work, shm_dir, args.memory_budget)
+        client = HiCacheClient(target)
         client.create_pool(spec)
         ctx = mp.get_context("spawn")
         for i, bp in enumerate(batches):
@@ -199,10 +211,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sys.stderr.write("\n")
         client.delete_pool(spec.name)
     finally:
-        client.close()
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+        if client is not None:
+            client.close()
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
     return {"preset": args.preset, "layout": args.layout, "page_size": args.page_size,
             "page_bytes": spec.page_bytes, "read_ratio": args.read_ratio, "rows": rows}
 
