@@ -41,7 +41,7 @@ def test_promtool(args: list[str]) -> None:
 
 
 def test_manifests_parse() -> None:
-    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "inference-pod.yaml").read_text()))
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "sidecar-pod.yaml").read_text()))
     pod = docs[0]
     names = [c["name"] for c in pod["spec"]["containers"]]
     assert names == ["hicached", "sglang"]

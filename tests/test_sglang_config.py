@@ -129,7 +129,7 @@ def test_readme_command_line_is_what_sglang_accepts() -> None:
 
 
 def test_kubernetes_pod_runs_sglang_with_the_linker_against_the_sidecar() -> None:
-    pod = next(yaml.safe_load_all((REPO / "deploy/kubernetes/inference-pod.yaml").read_text()))
+    pod = next(yaml.safe_load_all((REPO / "deploy/kubernetes/sidecar-pod.yaml").read_text()))
     sidecar, sglang = pod["spec"]["containers"]
     extra = _sglang_config_from_argv(sglang["args"])
     sock = extra["target"].removeprefix("unix:")
