@@ -114,7 +114,7 @@ def test_the_inference_pod_reaches_the_node_daemon() -> None:
         for m in sorted(c["volumeMounts"], key=lambda m: -len(m["mountPath"])):
             if path.startswith(m["mountPath"] + "/"):
                 host = vols[m["name"]]["hostPath"]["path"]
-                return host + path[len(m["mountPath"]):].rsplit("/", 1)[0]
+                return str(host + path[len(m["mountPath"]):].rsplit("/", 1)[0])
         raise AssertionError(f"{path} is on no hostPath of {c['name']}")
 
     assert node_dir(spec, daemon, listen) == node_dir(pod["spec"], sglang, listen)
