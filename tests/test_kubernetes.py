@@ -28,7 +28,7 @@ def docs(path: Path) -> list[dict[str, Any]]:
 def arg(container: dict[str, Any], flag: str) -> str:
     got = [a.split("=", 1)[1] for a in container.get("args", []) if a.startswith(flag + "=")]
     assert len(got) == 1, f"{container['name']}: {flag} {got}"
-    return got[0]
+    return str(got[0])
 
 
 def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
