@@ -92,3 +92,15 @@ def test_the_daemon_serves_fake_cuda_workers_without_torch(daemon: DaemonProc) -
         assert r["mismatches"] == 0 and r["verified_buffers"] > 0, r
     assert torch_mapped(daemon.proc.pid) == []
     assert "ImportError" not in daemon.log() and "Traceback" not in daemon.log()
+
+
+def test_installing_the_daemon_brings_no_torch() -> None:
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = [d.split("=")[0].split(">")[0].split("<")[0].strip().lower()
+            for d in project["dependencies"]]
+    assert "torch" not in deps and "numpy" in deps
+    assert any(d.startswith("torch") for d in project["optional-dependencies"]["worker"])
+    containerfile = (REPO / "deploy" / "Containerfile").read_text()
+    assert "torch==" not in containerfile
