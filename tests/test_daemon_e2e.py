@@ -258,7 +258,10 @@ def test_hicachectl_admin_verbs(daemon: DaemonProc, client: HiCacheClient) -> No
     spec = PoolSpec("ctl-admin", SPEC.geometry, 16, size_tokens=256)
     client.create_pool(spec)
     with ShmDeviceBuffers.create(spec, 64, daemon.shm_dir) as bufs:
-        s = client.open_session(spec.name, "ctl", bufs.descriptors, heartbeat=False)
+        # a lease longer than the daemon's 1 s: several hicachectl processes start before
+        # close-session names it, and nothing heartbeats
+        s = client.open_session(spec.name, "ctl", bufs.descriptors, heartbeat=False,
+                                lease_ms=60_000)
         refused = run_ctl(daemon.target, "delete-pool", spec.name, expect=1)
         assert "POOL_IN_USE" in refused
         assert [x.public_id for x in client.list_sessions(spec.name)] == [s.public_id]

