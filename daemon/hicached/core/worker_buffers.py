@@ -11,7 +11,7 @@ Primitives:
 - ``RawBuffer``: memory mapped from another process (a shared-memory file or memfd, a CUDA IPC
   allocation), described like a tensor (address, shape, dtype, strides, device) for the
   geometry checks and copy plans: what the daemon attaches, with no torch.
-- ``BufferLike``: what a buffer must answer (a ``RawBuffer`` or a torch tensor).
+- ``Buffer``: what a buffer must answer (a ``RawBuffer`` or a torch tensor).
 - ``WorkerBuffers.allocate(spec, device_tokens)``: zeroed CPU torch tensors of the right
   geometry (tests, benchmarks, in-process use; imports torch, which the daemon never calls).
 - ``extents(member, role)``: each layer's start and end address, for the copy planner.
@@ -50,7 +50,7 @@ class Device:
 CPU = Device("cpu")
 
 
-class BufferLike(Protocol):
+class Buffer(Protocol):
     shape: Any
     dtype: Any
     device: Any
@@ -62,7 +62,7 @@ class BufferLike(Protocol):
     def is_contiguous(self) -> bool: ...
 
 
-def dtype_of(t: BufferLike) -> DType | None:
+def dtype_of(t: Buffer) -> DType | None:
     """The buffer's dtype as the pool names it, None for one no pool has (a torch tensor's is
     looked up: torch is loaded already when one was given)."""
     if isinstance(t.dtype, DType):
@@ -101,9 +101,6 @@ class RawBuffer:
             st == want for d, st, want in zip(self.shape, self.strides,
                                               contiguous_strides(self.shape), strict=True)
             if d > 1)
-
-
-Buffer = BufferLike
 
 
 class WorkerBuffers:

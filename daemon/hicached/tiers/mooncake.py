@@ -43,23 +43,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicached.tiers.mooncake_config import MooncakeTierConfig
-from hicached.tiers.mooncake_replicas import ReplicaReader
+from hicached.tiers.mooncake_replicas import OBJECT_NOT_FOUND, ReplicaReader, Runs, master_failed
 
 log = logging.getLogger(__name__)
 
-RPC_FAIL = -900
-"""Mooncake's error code for a master it cannot reach; -901 and the other codes of the
--900s are the master's RPC failing too (a timeout, a broken connection)."""
-OBJECT_NOT_FOUND = -704
 PROBE_KEY = "hicache-probe"
 """Probed with a fresh suffix each time: Mooncake's client answers a key it was just asked
 about from a cache of its own, without the master."""
 
 
 def _master_failed(codes: Sequence[int]) -> bool:
-    return any(-1000 < c <= RPC_FAIL for c in codes)
+    return any(master_failed(c) for c in codes)
 
-Runs = Sequence[tuple[int, int]]
 
 
 @dataclass
@@ -250,7 +245,7 @@ class MooncakeStore:
                 self._observe(op, time.perf_counter() - t0)
 
         call = self._pool.submit(run)
-        limit = self.config.timeout_seconds + nbytes / self.config.floor_bytes_per_second
+        limit = self._limit(nbytes)
         try:
             got = call.result(limit)
         except cf.TimeoutError:
@@ -264,6 +259,10 @@ class MooncakeStore:
             self._set(False, f"{op}: master {self.config.master} unreachable (error "
                              f"{min(got)})")
         return got, None
+
+    def _limit(self, nbytes: int) -> float:
+        """How long a call moving ``nbytes`` may take before it counts as stalled."""
+        return self.config.timeout_seconds + nbytes / self.config.floor_bytes_per_second
 
     def _call(self, op: str, fn: Callable[[Any], list[int]], probe: bool = False
               ) -> list[int] | None:
@@ -315,7 +314,7 @@ class MooncakeStore:
         if not keys:
             return [], None
         sizes = [sum(n for _, n in r) for r in runs]
-        limit = self.config.timeout_seconds + sum(sizes) / self.config.floor_bytes_per_second
+        limit = self._limit(sum(sizes))
         # the fallback stops with a tenth of the call's time left: a get it prolonged past
         # the limit would take the tier down for every key
         deadline = time.monotonic() + 0.9 * limit

@@ -21,6 +21,8 @@ Primitives:
   failed), ``avoided()`` (endpoints avoided now).
 - ``memory_replicas(descriptors, size)``: the (endpoint, address) of each complete in-memory
   replica of an object of ``size`` bytes.
+- Mooncake's codes the cluster tier acts on: ``RPC_FAIL`` / ``master_failed(code)``,
+  ``OBJECT_NOT_FOUND``; ``Runs``, a page's (address, length) pieces.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from hicached.core.log_limit import LimitedLog
 log = logging.getLogger(__name__)
 _limited = LimitedLog(log, 30.0)
 
+RPC_FAIL = -900
+"""Mooncake's error code for a master it cannot reach; -901 and the other codes of the
+-900s are the master's RPC failing too (a timeout, a broken connection)."""
 OBJECT_NOT_FOUND = -704
 FORGET_SECONDS = 30.0
 """How long an endpoint that failed a read is avoided: about three of Mooncake's default
@@ -55,10 +60,15 @@ def memory_replicas(descriptors: Sequence[Any], size: int) -> list[tuple[str, in
     return out
 
 
+def master_failed(code: int) -> bool:
+    """One of the -900s: the master's RPC failed, not the object or a replica."""
+    return -1000 < code <= RPC_FAIL
+
+
 def _retryable(code: int, size: int) -> bool:
     """A key a get did not bring back for a reason another replica may not share: anything
-    but success, "not in the store", or the master itself failing (the -900s)."""
-    return code != size and code != OBJECT_NOT_FOUND and not -1000 < code <= -900
+    but success, "not in the store", or the master itself failing."""
+    return code != size and code != OBJECT_NOT_FOUND and not master_failed(code)
 
 
 class ReplicaReader:

@@ -46,7 +46,8 @@ from hicache.specs import PoolSpec
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
-from hicached.tiers.mooncake import MooncakeStore, Runs
+from hicached.tiers.mooncake import MooncakeStore
+from hicached.tiers.mooncake_replicas import Runs
 
 log = logging.getLogger(__name__)
 
