@@ -39,7 +39,7 @@ TTL = 10.0
 """Mooncake's default ``client_ttl``: the master's of this module sets none."""
 
 
-def _settle(w: Worker, d: DaemonProc, ns: Netns, seconds: float) -> None:
+def _settle(w: Worker, seconds: float) -> None:
     """Until ``w``'s pool has nothing left to put (every key put or dropped)."""
     deadline = time.monotonic() + seconds
     while w.client.get_pool(w.spec.name).remote_pending:
@@ -99,8 +99,8 @@ def test_a_node_killed_and_restarted_costs_no_hit_and_no_put(
         assert not failed, f"loads of keys with a live replica failed: {failed}"
         assert loads >= 10 and time.monotonic() - killed > TTL
         # every key stored during the outage reaches the cluster: none dropped
-        _settle(wa2, a2, ns, 40)
-        _settle(wb, b, ns, 40)
+        _settle(wa2, 40)
+        _settle(wb, 40)
         assert metric_pool(ns, a2, "hicache_remote_dropped_pages_total", sp.name) == 0
         assert metric_pool(ns, b, "hicache_remote_dropped_pages_total", sp.name) == 0
         assert wb.client.lookup(sp.name, during_a).tiers == b"\x03" * len(during_a)
