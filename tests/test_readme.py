@@ -34,13 +34,12 @@ def test_the_worker_example_runs_unchanged(tmp_path: Path) -> None:
     try:
         script = tmp_path / "example.py"
         script.write_text(worker_example())
+        env = {"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime), "HOME": str(tmp_path)}
         t0 = time.monotonic()
         # the script runs as it is; then its interpreter reports its own peak (VmHWM: this
         # process image's, where ru_maxrss would carry over the forking test process's)
         p = subprocess.run([sys.executable, "-c", PEAK, str(script)], capture_output=True,
-                           text=True, timeout=60, cwd=tmp_path,
-                           env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime),
-                                "HOME": str(tmp_path)})
+                           text=True, timeout=60, cwd=tmp_path, env=env)
         took = time.monotonic() - t0
         out, err = p.stdout, p.stderr
         assert p.returncode == 0, out + err
@@ -51,9 +50,7 @@ def test_the_worker_example_runs_unchanged(tmp_path: Path) -> None:
         assert rss_mib < 1024, f"the README example used {rss_mib:.0f} MiB"
         # its pages went back: the pool holds no raw pages afterwards, and a second run works
         r2 = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=60, cwd=tmp_path,
-                            env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime),
-                                 "HOME": str(tmp_path)})
+                            timeout=60, cwd=tmp_path, env=env)
         assert r2.returncode == 0, r2.stderr
         from hicache_client import HiCacheClient
 
