@@ -79,6 +79,7 @@ def test_batches_under_eviction_pressure(tmp_path: Path, holds: bool) -> None:
     assert stores > 1000, "the other workers did not keep the pool under pressure"
     if holds:
         assert aborted == 0, f"{aborted} of {REQUESTS} requests were aborted with holds on"
-        # hits are what the storers' pressure leaves: 49-200 exact loads of 1,000 requests
-        # measured (49 on a CI machine busy with the whole suite)
-        assert exact > 20, "too few hits to tell anything"
+        # hits are what the storers' pressure leaves: 18-200 exact loads of 1,000 requests
+        # measured (18 and 49 on a clean clone running the whole suite); what this test
+        # checks is the abort count above, these only show that loads happened
+        assert exact > 10, "too few hits to tell anything"
