@@ -139,7 +139,7 @@ def test_a_slot_being_read_is_not_reused(tmp_path: Path,
     assert reading.wait(10)
     assert not t.write(b"new", views(page(2)))  # the only slot is being read: no room
     assert t.contains(b"old")  # and its key is not evicted from under the read
-    t.remove([b"old"])  # removed mid-read: the slot waits for the read to end
+    t.erase(t.forget([b"old"]))  # removed mid-read: the slot waits for the read to end
     assert not t.write(b"new", views(page(2)))
     release.set()
     reader.join(10)

@@ -48,6 +48,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.KeyInvalid: C.INVALID_ARGUMENT,
     e.DuplicateKey: C.INVALID_ARGUMENT,
     e.TooManyKeys: C.INVALID_ARGUMENT,
+    e.TokenIdsInvalid: C.INVALID_ARGUMENT,
     e.StateConflict: C.FAILED_PRECONDITION,
     e.PageNotAllocated: C.FAILED_PRECONDITION,
     e.DoubleFree: C.FAILED_PRECONDITION,

@@ -29,7 +29,8 @@ Hierarchy::
     │   ├── BufferNotShareable             BUFFER_NOT_SHAREABLE
     │   ├── KeyInvalid                     KEY_INVALID
     │   ├── DuplicateKey                   DUPLICATE_KEY
-    │   └── TooManyKeys                    TOO_MANY_KEYS
+    │   ├── TooManyKeys                    TOO_MANY_KEYS
+    │   └── TokenIdsInvalid                TOKEN_IDS_INVALID
     ├── StateConflict                  the request is well-formed but the state forbids it
     │   ├── PageNotAllocated               PAGE_NOT_ALLOCATED
     │   ├── DoubleFree                     DOUBLE_FREE
@@ -191,6 +192,13 @@ class TooManyKeys(InvalidRequest):
     """More keys in one call than the daemon's ``max_keys_per_call`` (metadata count, max)."""
 
     reason = "TOO_MANY_KEYS"
+
+
+class TokenIdsInvalid(InvalidRequest):
+    """A Store's ``token_ids`` that are not ``page_size`` per key, or not token ids (metadata:
+    count and expected, or the first bad position)."""
+
+    reason = "TOKEN_IDS_INVALID"
 
 
 class StateConflict(HiCacheError):

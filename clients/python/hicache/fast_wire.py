@@ -29,6 +29,8 @@ and that many int64.
 - Backup / Load: session, i32 layer begin and end, host pages, device pages; reply:
   ``TRANSFER_REPLY`` (bytes moved, pages, seconds, pending).
 - LoadKeys and Load with ``FLAG_DEADLINE``: an i64 deadline (Unix ns) follows the body.
+- Store with ``FLAG_CHAIN``: the keys' chain follows the body: the parent key (u8 length and
+  its bytes) and the token ids (a u32 count and that many int64).
 - Heartbeat: session; reply: ``HEARTBEAT_REPLY`` (lease, time left, ms). A control call: the
   data path's bound does not apply, as over gRPC.
 
@@ -72,6 +74,10 @@ FLAG_HOLD = 2
 """Lookup: hold the hit for the session named as the credential (``hold_ms`` follows)."""
 FLAG_DEADLINE = 4
 """LoadKeys / Load: the caller's deadline follows (i64 Unix ns): no copy begins after it."""
+FLAG_CHAIN = 8
+"""Store: the parent key and the token ids follow (what routers see of the pages)."""
+KNOWN_FLAGS = FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN
+"""What this framing's daemon understands (``GetInfo.fast_path_flags``)."""
 
 LAYERS = struct.Struct("<ii")
 STORE_REPLY = struct.Struct("<IIIQd")
@@ -157,6 +163,11 @@ class Reader:
         (n,) = _U32.unpack(self._take(4))
         arr = np.frombuffer(self._take(n * 8), dtype="<i8")
         return arr if arr.flags.aligned else arr.copy()  # C code reads them as int64
+
+    def short_bytes(self) -> bytes:
+        """A u8 length and that many bytes (a parent key)."""
+        (n,) = _U8.unpack(self._take(1))
+        return bytes(self._take(n))
 
     def rest(self) -> bytes:
         return bytes(self._take(len(self._buf) - self._pos))
@@ -346,6 +357,15 @@ def put_u32(out: list[bytes], value: int) -> None:
 def put_pages(out: list[bytes], pages: IndexArray) -> None:
     arr = np.ascontiguousarray(pages, dtype="<i8")
     out += (_U32.pack(arr.size), arr.tobytes())
+
+
+def put_chain(out: list[bytes], parent_key: bytes, token_ids: IndexArray) -> None:
+    """The trailer of a Store sent with ``FLAG_CHAIN`` (``ValueError`` for a parent key of
+    256 bytes or more: such a Store goes over gRPC, which names it)."""
+    if len(parent_key) > 255:
+        raise ValueError("a parent key of 256 bytes or more does not fit the fast path")
+    out += (_U8.pack(len(parent_key)), parent_key)
+    put_pages(out, token_ids)
 
 
 def put_layers(out: list[bytes], begin: int, end: int) -> None:

@@ -13,6 +13,9 @@ Primitives:
   count and the first position. ``raise_too_many(count, limit)``: that first refusal alone
   (the fast path's decoder uses it before it builds the keys).
 - ``SameWidthKeys(keys, width)``: a batch known to be bytes of one width (decoded so).
+- ``check_chain(count, page_size, token_ids, parent_key)``: a Store's chain (``token_ids``:
+  ``page_size`` per key, non-negative, else ``TOKEN_IDS_INVALID``; ``parent_key``: "" or a
+  key, else ``KEY_INVALID`` naming ``parent_key``), as (int64 tokens or None, parent).
 - ``encode_keys(keys)``: keys as a worker may give them (bytes, or hex strings as SGLang's
   ``hash_value``) as bytes for the wire; ``KEY_INVALID`` for a string that is not hex.
 - ``sglang_page_hashes(token_ids, page_size, prior_hash)``: SGLang's ``get_hash_str(token_ids,
@@ -32,7 +35,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hicache.errors import DuplicateKey, KeyInvalid, TooManyKeys, Violation, raise_violations
+from hicache.errors import (
+    DuplicateKey,
+    KeyInvalid,
+    TokenIdsInvalid,
+    TooManyKeys,
+    Violation,
+    raise_violations,
+)
 
 MAX_KEY_BYTES = 64
 _WIDE_TAG = b"\xff"
@@ -127,6 +137,35 @@ def _check_each(keys: Sequence[object], field: str, unique: bool) -> list[bytes]
     violations.sort(key=lambda v: int(v.metadata["position"]))  # type: ignore[call-overload]
     raise_violations(violations)
     return out
+
+
+def check_chain(count: int, page_size: int, token_ids: Sequence[int] | np.ndarray | None,
+                parent_key: bytes = b"") -> tuple[np.ndarray | None, bytes]:
+    """What a Store says of its keys' chain, checked: the tokens (None when none were given)
+    and the parent key. Nothing else of the Store depends on them, but a bad one refuses the
+    Store whole, before any page is taken."""
+    if len(parent_key) > MAX_KEY_BYTES:
+        raise KeyInvalid(f"parent_key is {len(parent_key)} bytes; a key is at most "
+                         f"{MAX_KEY_BYTES}", metadata={"field": "parent_key",
+                                                       "length": len(parent_key)})
+    if token_ids is None or len(token_ids) == 0:
+        return None, bytes(parent_key)
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise TokenIdsInvalid("token_ids must be a flat sequence of integers",
+                              metadata={"field": "token_ids", "dtype": str(tokens.dtype)})
+    expected = count * page_size
+    if tokens.size != expected:
+        raise TokenIdsInvalid(
+            f"token_ids has {tokens.size} ids for {count} key(s) of {page_size} tokens: "
+            f"{expected} expected (or none)",
+            metadata={"field": "token_ids", "count": tokens.size, "expected": expected})
+    tokens = tokens.astype(np.int64, copy=False)
+    if tokens.size and int(tokens.min()) < 0:
+        first = int(np.argmax(tokens < 0))
+        raise TokenIdsInvalid(f"token_ids[{first}] is negative: token ids are >= 0",
+                              metadata={"field": "token_ids", "position": first})
+    return tokens, bytes(parent_key)
 
 
 def encode_keys(keys: Sequence[bytes | str], field: str = "keys") -> list[bytes]:

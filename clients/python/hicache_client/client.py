@@ -312,13 +312,16 @@ class HiCacheClient(DataCalls):
                        pool=pool)
         return int(r.keys_removed)
 
-    def watch_events(self, pool: str, after_seq: int = 0) -> EventStream:
-        """The pool's STORED / REMOVED / EVICTED events after ``after_seq``, as they happen."""
+    def watch_events(self, pool: str, after_seq: int = 0, *, all_tiers: bool = False
+                     ) -> EventStream:
+        """The pool's STORED / REMOVED / EVICTED events after ``after_seq``, as they happen:
+        of host memory, or with ``all_tiers`` of every tier (each event names its tier)."""
         metadata = self._credentials(pool)
         if not metadata and self.target.startswith("unix:"):
             metadata = [(PEER_TOKEN_HEADER, self.peer_token())]  # in case a rule covers it
         return EventStream(self._stub.WatchEvents(
-            pb.WatchEventsRequest(pool=pool, after_seq=after_seq), metadata=metadata))
+            pb.WatchEventsRequest(pool=pool, after_seq=after_seq, all_tiers=all_tiers),
+            metadata=metadata))
 
 
 class EventStream:

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from hicache import fast_wire as w
 from hicache.error_mapping import from_rpc_error
@@ -56,6 +57,7 @@ class DataCalls:
         self._want_fast = fast_path and self.target.startswith("unix:")
         self._spin_us = spin_us
         self._fast: fp.FastPath | None = None
+        self._fast_flags = 0
         self._fast_asked_at = -FAST_RETRY_SECONDS
         self._page_sizes: dict[str, int] = {}
         self._async: ThreadPoolExecutor | None = None
@@ -109,6 +111,8 @@ class DataCalls:
             return None
         if not info.fast_path or info.fast_path_version != w.VERSION:
             return None
+        # a daemon that does not say understands the flags the framing had before FLAG_CHAIN
+        self._fast_flags = info.fast_path_flags or w.KNOWN_FLAGS & ~w.FLAG_CHAIN
         # the socket beside ours (the daemon may see its sockets at another path), else its
         mine = self.target[len("unix:"):].removeprefix("//") + ".fast"
         path = mine if os.path.exists(mine) else info.fast_path
@@ -123,8 +127,8 @@ class DataCalls:
         ``timeout`` (the call's; the client's when None)."""
         start = time.monotonic()
         fast = self._fast_path(timeout)
-        if fast is None:
-            return None
+        if fast is None or flags & ~self._fast_flags:
+            return None  # (a flag this daemon's fast path does not know: gRPC)
         try:
             parts = build()
         except ValueError:
@@ -241,33 +245,44 @@ class DataCalls:
             session_id=session_id, keys=enc), retry=True, timeout=_left(start, timeout))
         return int(r.released)
 
-    def _store_request(self, session_id: str, keys: Sequence[bytes],
-                       device_indices: object) -> pb.StoreRequest:
+    def _store_request(self, session_id: str, keys: Sequence[bytes], device_indices: object,
+                       chain: tuple[bytes, np.ndarray] | None) -> pb.StoreRequest:
+        parent, tokens = chain or (b"", None)
         return pb.StoreRequest(session_id=session_id, keys=keys,
-                               device_indices=indices_to_bytes(device_indices))
+                               device_indices=indices_to_bytes(device_indices),
+                               token_ids=tokens.tolist() if tokens is not None else (),
+                               parent_key=parent)
 
-    def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object
-              ) -> StoreResult:
+    def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
+              *, token_ids: Sequence[int] | np.ndarray | None = None,
+              parent_key: bytes | str = b"") -> StoreResult:
         enc = encode_keys(keys)
+        chain = _chain(token_ids, parent_key)
         dp = self._pages(session_id, device_indices)
         if dp is not None:
-            got = self._fast_call(w.Method.STORE, lambda: fp.keyed_body(session_id, enc, dp))
+            got = self._fast_call(
+                w.Method.STORE, lambda: fp.keyed_body(session_id, enc, dp, chain=chain),
+                w.FLAG_CHAIN if chain is not None else 0)
             if got is not None:
                 return fp.decode_store(got)
         return StoreResult.from_proto(self._call(
-            self._stub.Store, self._store_request(session_id, enc, device_indices),
+            self._stub.Store, self._store_request(session_id, enc, device_indices, chain),
             retry=True))
 
     def store_async(self, session_id: str, keys: Sequence[bytes | str],
-                    device_indices: object) -> Future[StoreResult]:
+                    device_indices: object, *,
+                    token_ids: Sequence[int] | np.ndarray | None = None,
+                    parent_key: bytes | str = b"") -> Future[StoreResult]:
         """``store`` without blocking the caller: a future of its result (or domain error)."""
         if self._fast_path() is not None and self._pages(session_id, device_indices) is not None:
             if self._async is None:
                 self._async = ThreadPoolExecutor(4, thread_name_prefix="hicache-store")
-            return self._async.submit(self.store, session_id, keys, device_indices)
+            return self._async.submit(self.store, session_id, keys, device_indices,
+                                      token_ids=token_ids, parent_key=parent_key)
         out: Future[StoreResult] = Future()
         call = self._stub.Store.future(
-            self._store_request(session_id, encode_keys(keys), device_indices),
+            self._store_request(session_id, encode_keys(keys), device_indices,
+                                _chain(token_ids, parent_key)),
             timeout=self.timeout)
 
         def done(f: Any) -> None:
@@ -317,3 +332,13 @@ def _flags(layer_events: bool, deadline_ns: int) -> int:
 
 def _completion(layer_events: bool) -> Any:
     return pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
+
+
+def _chain(token_ids: Sequence[int] | np.ndarray | None, parent_key: bytes | str
+           ) -> tuple[bytes, np.ndarray] | None:
+    """What a Store says of its keys' chain (the daemon checks it): None when nothing."""
+    if (token_ids is None or len(token_ids) == 0) and not parent_key:
+        return None
+    parent = encode_keys([parent_key], "parent_key")[0] if parent_key else b""
+    tokens = np.asarray(token_ids if token_ids is not None else (), dtype=np.int64).ravel()
+    return parent, tokens

@@ -219,14 +219,17 @@ def decode_transfer(data: bytes) -> TransferStats:
 
 
 def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
-               layers: tuple[int, int] = (0, 0), deadline_ns: int = 0) -> list[bytes]:
+               layers: tuple[int, int] = (0, 0), deadline_ns: int = 0,
+               chain: tuple[bytes, IndexArray] | None = None) -> list[bytes]:
     """The body of a Store or LoadKeys (``ValueError`` for a key the framing cannot carry);
-    a LoadKeys' deadline (send ``FLAG_DEADLINE``) last."""
+    a Store's chain (send ``FLAG_CHAIN``), then a LoadKeys' deadline (``FLAG_DEADLINE``)."""
     parts: list[bytes] = []
     w.put_string(parts, session_id)
     w.put_layers(parts, *layers)
     w.put_keys(parts, keys)
     w.put_pages(parts, device)
+    if chain is not None:
+        w.put_chain(parts, *chain)
     if deadline_ns:
         w.put_i64(parts, deadline_ns)
     return parts

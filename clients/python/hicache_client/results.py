@@ -127,8 +127,18 @@ class CacheEvent:
     """``STORED``, ``REMOVED`` or ``EVICTED``."""
     keys: tuple[bytes, ...]
     pool: str
+    tier: int = 1
+    """1 host memory, 2 disk, 3 cluster store (Lookup's tier bytes)."""
+    medium: str = "CPU_PINNED"
+    """The tier as SGLang's ``StorageMedium`` names it: CPU_PINNED, DISK, EXTERNAL."""
+    parent_key: bytes = b""
+    """STORED: the key before ``keys[0]`` in its chain (b"" when none is known)."""
+    token_ids: tuple[int, ...] = ()
+    """STORED: the pages' tokens, ``block_size`` per key, when the writer gave them."""
+    block_size: int = 0
 
     @classmethod
     def from_proto(cls, e: pb.CacheEvent) -> CacheEvent:
         kind = pb.CacheEventKind.Name(e.kind).removeprefix("CACHE_EVENT_KIND_")
-        return cls(e.seq, kind, tuple(e.keys), e.pool)
+        return cls(e.seq, kind, tuple(e.keys), e.pool, e.tier or 1, e.medium or "CPU_PINNED",
+                   bytes(e.parent_key), tuple(e.token_ids), e.block_size)

@@ -18,6 +18,7 @@ from hicache.v1 import hicache_pb2 as pb
 from hicache_client.results import LookupResult, StoreResult, TransferStats
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from hicache_client.client import HiCacheClient
@@ -75,16 +76,23 @@ class WorkerSession:
         """Raw pages this session owns: freed when it closes or its lease runs out."""
         return self.client.alloc(self.pool, num_tokens, session_id=self.session_id)
 
-    def store(self, keys: Sequence[bytes | str], device_indices: object) -> StoreResult:
+    def store(self, keys: Sequence[bytes | str], device_indices: object, *,
+              token_ids: Sequence[int] | np.ndarray | None = None,
+              parent_key: bytes | str = b"") -> StoreResult:
         """Copy one device page per key into the cache (all layers). Keys already there, or
-        being written by another request, are not written again."""
-        return self.client.store(self.session_id, keys, device_indices)
+        being written by another request, are not written again. The keys are one chain in
+        order; ``token_ids`` (``page_size`` per key) and ``parent_key`` (the key before the
+        first) are what routers are told of them (KV events, ``watch_events``)."""
+        return self.client.store(self.session_id, keys, device_indices, token_ids=token_ids,
+                                 parent_key=parent_key)
 
-    def store_async(self, keys: Sequence[bytes | str], device_indices: object
-                    ) -> Future[StoreResult]:
+    def store_async(self, keys: Sequence[bytes | str], device_indices: object, *,
+                    token_ids: Sequence[int] | np.ndarray | None = None,
+                    parent_key: bytes | str = b"") -> Future[StoreResult]:
         """``store`` without waiting (an inference scheduler must not block on it); the
         future raises the call's domain error. Not retried when the daemon is away."""
-        return self.client.store_async(self.session_id, keys, device_indices)
+        return self.client.store_async(self.session_id, keys, device_indices,
+                                       token_ids=token_ids, parent_key=parent_key)
 
     def lookup(self, keys: Sequence[bytes | str], hold_ms: int = 0, *,
                timeout: float | None = None) -> LookupResult:

@@ -1,16 +1,25 @@
-"""The event log of a pool's cache: what was stored, removed and evicted, in order.
+"""The event log of a pool's cache: what each tier of the node stored, removed and evicted, in
+order.
 
-Cache-aware routers (SGLang's router, Dynamo) follow it to know which node holds which prefix.
+Cache-aware routers (SGLang's router, Dynamo) follow it to know which node holds which prefix:
+over ``WatchEvents`` and, in the engines' own format, over the daemon's KV event stream
+(``hicached.frontends.kv_events``).
 
 Primitives:
 
-- ``EventKind``: ``STORED``, ``REMOVED``, ``EVICTED``.
-- ``CacheEvent``: ``seq`` (1, 2, ... per pool), ``kind``, ``keys``.
-- ``EventLog(max_keys)``: ``append(kind, keys)`` (split into events of at most
-  ``MAX_EVENT_KEYS`` keys), ``after(seq)`` (the retained events after ``seq``), ``wait(seq,
-  timeout)`` (the same, blocking until there is one), ``last_seq``. It keeps the newest events
-  holding at most ``max_keys`` keys in all; a reader that fell further behind sees the gap as a
-  jump in ``seq`` and resyncs with Lookup.
+- ``EventKind``: ``STORED``, ``REMOVED``, ``EVICTED``; ``HOST``, ``DISK``, ``CLUSTER``: the
+  tier an event is about (Lookup's tier bytes), ``MEDIUM``: each tier's name in SGLang's
+  ``StorageMedium`` (host memory is ``CPU_PINNED`` whether or not the host pins it).
+- ``CacheEvent``: ``seq`` (1, 2, ... per pool), ``kind``, ``keys``, ``tier``; a STORED event's
+  keys are one chain (``chains``): ``parent`` (the key before the first, "" when unknown) and
+  ``token_ids`` (``page_size`` per key, when known).
+- ``EventLog(max_keys, chains, listener)``: ``append(kind, keys, tier, chain)`` (STORED keys
+  cut into chain runs, every event at most ``MAX_EVENT_KEYS`` keys; ``listener(event)`` is called
+  for each, in order, under the log's lock: it must not block), ``after(seq)`` (the retained
+  events after ``seq``), ``wait(seq, timeout)`` (the same, blocking until there is one),
+  ``last_seq``, ``chains`` (the pool's ``ChainTable``). It keeps the newest events holding
+  at most ``max_keys`` keys in all; a reader that fell further behind sees the gap as a jump
+  in ``seq`` and resyncs with Lookup.
 """
 
 from __future__ import annotations
@@ -19,11 +28,18 @@ import enum
 import itertools
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from hicached.cache.chains import ChainTable, Run
 
 MAX_EVENT_KEYS = 4096
 """Keys per event: a ClearPool of millions of keys becomes many events, each a small message."""
+
+HOST, DISK, CLUSTER = 1, 2, 3
+MEDIUM = {HOST: "CPU_PINNED", DISK: "DISK", CLUSTER: "EXTERNAL"}
 
 
 class EventKind(enum.Enum):
@@ -37,12 +53,21 @@ class CacheEvent:
     seq: int
     kind: EventKind
     keys: tuple[bytes, ...]
+    tier: int = HOST
+    parent: bytes = b""
+    """STORED: the key before ``keys[0]`` in its chain ("" when none is known)."""
+    token_ids: np.ndarray | None = None
+    """STORED: the pages' tokens (``page_size`` per key), when the writer gave them."""
 
 
 class EventLog:
-    def __init__(self, max_keys: int = 1 << 18) -> None:
+    def __init__(self, max_keys: int = 1 << 18, chains: ChainTable | None = None,
+                 listener: Callable[[CacheEvent], None] | None = None) -> None:
         assert max_keys >= MAX_EVENT_KEYS
         self.max_keys = max_keys
+        self.chains = chains or ChainTable(0, 1)
+        self.listener = listener
+        """Called with every event as it is appended (the KV event publisher's queue)."""
         self._events: deque[CacheEvent] = deque()
         self._keys = 0
         self._seq = 0
@@ -53,15 +78,29 @@ class EventLog:
         with self._cond:
             return self._seq
 
-    def append(self, kind: EventKind, keys: Sequence[bytes]) -> None:
+    def append(self, kind: EventKind, keys: Sequence[bytes], tier: int = HOST,
+               chain: bool = True) -> None:
+        """``chain``: STORED keys the chain table does not know are one chain in this order
+        (a Store's); False: each stands alone (a spill's or a promotion's)."""
         if not keys:
             return
+        runs = (self.chains.runs(keys, chain) if kind is EventKind.STORED
+                else [Run(list(keys), b"")])
+        page = self.chains.page_size
         with self._cond:
-            for i in range(0, len(keys), MAX_EVENT_KEYS):
-                self._seq += 1
-                chunk = tuple(keys[i:i + MAX_EVENT_KEYS])
-                self._events.append(CacheEvent(self._seq, kind, chunk))
-                self._keys += len(chunk)
+            for run in runs:
+                run_keys, parent, tokens = run.keys, run.parent, run.token_ids()
+                for i in range(0, len(run_keys), MAX_EVENT_KEYS):
+                    self._seq += 1
+                    chunk = tuple(run_keys[i:i + MAX_EVENT_KEYS])
+                    event = CacheEvent(
+                        self._seq, kind, chunk, tier, run_keys[i - 1] if i else parent,
+                        tokens[i * page:(i + len(chunk)) * page] if tokens is not None
+                        else None)
+                    self._events.append(event)
+                    self._keys += len(chunk)
+                    if self.listener is not None:
+                        self.listener(event)
             while self._keys > self.max_keys:
                 self._keys -= len(self._events.popleft().keys)
             self._cond.notify_all()

@@ -27,7 +27,8 @@ Primitives:
   has is freed when that ends (REMOVED events); these and eviction are ``removal.Removal``'s,
   inherited.
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
-- ``stats``: counters for metrics; ``key_count``.
+- ``stats``: counters for metrics; ``key_count``; ``snapshot()``: the ready keys (what a
+  KV event resync announces).
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
   only it holds, ``remove`` / ``clear`` reach it, eviction counts whether each evicted key was
   below already; ``on_stored(keys)`` is the cue of its writers. What the tiers below borrow
@@ -137,6 +138,10 @@ class PoolCache(HeldKeys, Lending, Removal):
     def key_count(self) -> int:
         """Ready keys (read without the lock: one dict length, for metrics too)."""
         return len(self._ready)
+
+    def snapshot(self) -> list[bytes]:
+        with self._lock:
+            return list(self._ready)  # in the order they became ready: chains stay together
 
     def lookup(self, keys: Sequence[bytes],
                below: Callable[[list[bytes]], list[int]] | None = None,
@@ -251,7 +256,7 @@ class PoolCache(HeldKeys, Lending, Removal):
             self.slots.ready(stored_pages, stored)  # their bytes are complete: a restart keeps them
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
-            self.events.append(EventKind.STORED, stored)
+            self.events.append(EventKind.STORED, stored, chain=ticket.chain)
             self._landed.notify_all()
         if stored:
             self.on_stored(stored)

@@ -57,14 +57,14 @@ class Removal:
             self._record_removal(unique)  # before any tier hears of it
             gone = self._forget([k for k in unique
                                  if k in self._ready or k in self._writing])
+            self.events.append(EventKind.REMOVED, gone)  # the tier below says its own
             slots: list[int] = []
             if lower is not None:
                 below = [k for k in unique if lower.contains(k)]
                 slots = lower.forget(below)  # gone below at once, its I/O after the lock
                 here = set(gone)
-                gone += [k for k in below if k not in here]
+                gone = gone + [k for k in below if k not in here]
             self.stats.removed += len(gone)
-            self.events.append(EventKind.REMOVED, gone)
         if lower is not None:
             lower.erase(slots)
         return gone

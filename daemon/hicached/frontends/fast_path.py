@@ -53,7 +53,7 @@ from hicache.errors import (
     ResourceExhausted,
     SpecInvalid,
 )
-from hicache.indices import PageIds
+from hicache.indices import IndexArray, PageIds
 from hicache.polling import PollCounts, sum_counts
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
@@ -287,13 +287,15 @@ class FastPathServer:
     def _decode_keyed(self, r: w.Reader, flags: int) -> _Keyed:
         session, layers = r.string(), r.layers()
         keys, device = r.keys(self.daemon.max_keys_per_call), PageIds(r.pages())
+        parent, tokens = (r.short_bytes(), r.pages()) if flags & w.FLAG_CHAIN else (b"", None)
         deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
         r.end()
         return _Keyed(session, layers, keys, device, bool(flags & w.FLAG_LAYER_EVENTS),
-                      deadline)
+                      deadline, parent, tokens)
 
     def _store(self, q: _Keyed) -> bytes:
-        ticket, res = self.daemon.store(q.session_id, q.keys, q.device, q.layers)
+        ticket, res = self.daemon.store(q.session_id, q.keys, q.device, q.layers, q.tokens,
+                                        q.parent)
         st = ticket.status
         return (w.STORE_REPLY.pack(st.count(STORED), st.count(PRESENT), st.count(NO_SPACE),
                                    res.bytes if res else 0, res.seconds if res else 0.0)
@@ -337,6 +339,8 @@ class _Keyed(NamedTuple):
     device: PageIds
     layer_events: bool
     deadline_ns: int
+    parent: bytes
+    tokens: IndexArray | None
 
 
 class _Raw(NamedTuple):

@@ -25,6 +25,7 @@ from hicache.indices import indices_to_bytes, to_index_array
 from hicache.layer_groups import check_layer_events
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicached.cache.events import HOST, MEDIUM
 from hicached.cache.index_types import KEY_INDEX_BYTES, NO_SPACE, PRESENT, STORED
 from hicached.cache.pool_cache import PoolCache
 from hicached.copy.engine import Op, TransferResult
@@ -127,6 +128,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                          else f"down: {d.pools.remote.why}"),
             fast_path=d.fast_paths[0] if d.fast_paths else "",
             fast_path_version=fast_wire.VERSION if d.fast_paths else 0,
+            fast_path_flags=fast_wire.KNOWN_FLAGS if d.fast_paths else 0,
             max_keys_per_call=d.max_keys_per_call)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
@@ -264,7 +266,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         ticket, r = self.daemon.store(
             request.session_id, list(request.keys),
             to_index_array(request.device_indices, "device_indices"),
-            (int(request.layer_begin), int(request.layer_end)))
+            (int(request.layer_begin), int(request.layer_end)),
+            request.token_ids, request.parent_key)
         st = ticket.status
         return pb.StoreResponse(stored=st.count(STORED), already_present=st.count(PRESENT),
                                 no_space=st.count(NO_SPACE), status=bytes(st),
@@ -302,10 +305,15 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         with d.watch_slot():
             while context.is_active() and not d.draining.is_set():
                 for ev in cache.events.wait(seq, WATCH_POLL_SECONDS):
-                    yield pb.CacheEvent(seq=ev.seq, kind=ev.kind.value,  # type: ignore[arg-type]
-                                        keys=list(ev.keys),
-                                        pool=request.pool)
                     seq = ev.seq
+                    if ev.tier != HOST and not request.all_tiers:
+                        continue
+                    yield pb.CacheEvent(
+                        seq=ev.seq, kind=ev.kind.value,  # type: ignore[arg-type]
+                        keys=list(ev.keys), pool=request.pool, tier=ev.tier,
+                        medium=MEDIUM[ev.tier], parent_key=ev.parent,
+                        token_ids=ev.token_ids.tolist() if ev.token_ids is not None else (),
+                        block_size=cache.pool.page_size)
                 if d.pools.cache(request.pool) is not cache:  # deleted and made again
                     raise PoolNotFound(f"pool {request.pool} was deleted",
                                        metadata={"pool": request.pool})

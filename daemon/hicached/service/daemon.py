@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from hicache import seams
 from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import driver_problem
@@ -48,7 +50,7 @@ from hicache.errors import (
     TransportUnavailable,
 )
 from hicache.indices import IndexArray, PageIds
-from hicache.keys import check_keys
+from hicache.keys import check_chain, check_keys
 from hicached.cache.held import Holder
 from hicached.cache.index_types import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
@@ -330,14 +332,19 @@ class Daemon:
         return s
 
     def store(self, session_id: str, keys: list[bytes], device: IndexArray | PageIds,
-              layers: tuple[int, int]) -> tuple[StoreTicket, TransferResult | None]:
+              layers: tuple[int, int], token_ids: Sequence[int] | np.ndarray | None = None,
+              parent_key: bytes = b"") -> tuple[StoreTicket, TransferResult | None]:
+        """``token_ids`` (``page_size`` per key) and ``parent_key`` say what chain the keys
+        are (``hicache.keys.check_chain``): what the pool's events publish of them."""
         keys = check_keys(keys, "keys", unique=True, limit=self.max_keys_per_call)
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
             assert buffers is not None, "a session in use keeps its mappings"
             device_pages, all_layers = self.engine.check_keyed(
                 Op.BACKUP, s.pool, buffers, len(keys), device, *layers)
+            tokens, parent = check_chain(len(keys), s.pool.page_size, token_ids, parent_key)
             cache = self.pools.cache(s.pool_name)
+            cache.events.chains.note(keys, parent, tokens)
             ticket = cache.begin_store(keys)
             result, ok = None, False
             try:

@@ -1,11 +1,11 @@
 """A pool's disk tier: keyed pages below host memory, checksummed, LRU within a capacity.
 
-Pages are written from and read into the pool's own memory (``disk_io``). A
-key is visible only once its page and then its record are written (the page first made
-durable with ``fsync = "batch"``); a read whose checksum fails drops the key and counts it,
-and is never served. The index survives restarts: ``open()`` rebuilds it
-from the records whose crc holds (least recently stored first), or starts cold (files
-replaced, the reason logged) when the header names another format, pool or geometry.
+Pages are written from and read into the pool's own memory (``disk_io``). A key is visible
+only once its page and then its record are written (the page first made durable with
+``fsync = "batch"``); a read whose checksum fails drops the key and counts it, and is never
+served. The index survives restarts: ``open()`` rebuilds it from the records whose crc holds
+(least recently stored first), or starts cold (files replaced, the reason logged) when the
+header names another format, pool or geometry.
 
 Primitives:
 
@@ -13,11 +13,13 @@ Primitives:
   -> "created" | "reattached" | "cold: <why>"; ``contains(key)``; ``write(key, buffers)`` ->
   stored (or already there); ``read_into(key, buffers)`` -> exact bytes landed;
   ``read_many`` / ``write_many`` (several pages, ``io_threads`` at once);
-  ``remove(keys)``; ``clear()``: ``forget(keys)`` (the index, at once, no I/O) then
+  ``forget(keys)`` (the index, at once, no I/O) then
   ``erase(slots)`` (their records, outside every lock); ``close()``; ``remove_files()``;
-  ``stats``; ``keys``. The page I/O is ``disk_io.PageFile``'s; ``open`` reserves the files'
-  blocks (``preallocate``), so a full filesystem refuses the tier at once
-  (``DiskTierUnavailable``) instead of failing every spill.
+  ``stats``; ``keys``; ``snapshot()`` (every key). The page I/O is ``disk_io.PageFile``'s;
+  ``open`` reserves the files' blocks (``preallocate``), so a full filesystem refuses the tier
+  at once (``DiskTierUnavailable``) instead of failing every spill. ``events``: the pool's
+  log, told (under the index's lock) of each key committed, dropped for room or a bad read
+  (EVICTED) and removed.
 
 Thread-safe: one lock guards the index; I/O runs outside it. A slot being read is never
 reused until the read ends.
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache import seams
+from hicached.cache.events import DISK, EventKind, EventLog
 from hicached.core.log_limit import LimitedLog
 from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir, untrusted_file
 from hicached.tiers import disk_format as fmt
@@ -92,6 +95,7 @@ class DiskTier:
         """The latest write error (``Spiller`` backs off on it)."""
         self._erasing: set[int] = set()
         """Slots of removed keys whose records are being erased (not reusable yet)."""
+        self.events = EventLog()
         self._io = ThreadPoolExecutor(max(io_threads, 1), thread_name_prefix=f"disk-{name}")
         self.pages_path = os.path.join(directory, f"{name}.pages")
         self.index_path = os.path.join(directory, f"{name}.index")
@@ -201,8 +205,7 @@ class DiskTier:
     # -- queries ---------------------------------------------------------------------------
 
     @property
-    def errors(self) -> int:
-        """Writes that failed with an I/O error, in all."""
+    def errors(self) -> int:  # writes that failed with an I/O error, in all
         return self.stats.write_errors
 
     def contains(self, key: bytes) -> bool:
@@ -213,6 +216,10 @@ class DiskTier:
     def keys(self) -> int:
         with self._lock:
             return len(self._index)
+
+    def snapshot(self) -> list[bytes]:
+        with self._lock:
+            return list(self._lru)
 
     # -- write -----------------------------------------------------------------------------
 
@@ -250,6 +257,7 @@ class DiskTier:
                           fmt.HEADER_BYTES + slot * fmt.RECORD_BYTES)  # after the page
                 self._index[key], self._digest[slot] = slot, digest
                 self._lru[key] = None
+                self.events.append(EventKind.STORED, [key], DISK, chain=False)
                 self.stats.writes += 1
                 self.stats.write_bytes += self.page_bytes
         except OSError as exc:
@@ -334,16 +342,6 @@ class DiskTier:
 
     # -- removal ---------------------------------------------------------------------------
 
-    def remove(self, keys: Sequence[bytes]) -> int:
-        slots = self.forget(keys)
-        self.erase(slots)
-        return len(slots)
-
-    def clear(self) -> int:
-        slots = self.forget(None)
-        self.erase(slots)
-        return len(slots)
-
     def forget(self, keys: Sequence[bytes] | None) -> list[int]:
         """Drop ``keys`` (None: all) from the index at once, no I/O (a caller may hold its
         own lock): they are gone for every later call. Their slots wait for ``erase``."""
@@ -355,6 +353,7 @@ class DiskTier:
             for slot in slots:
                 self._digest.pop(slot, None)
             self._erasing.update(slots)
+            self.events.append(EventKind.REMOVED, gone, DISK)
         return slots
 
     def erase(self, slots: Sequence[int]) -> None:
@@ -384,6 +383,7 @@ class DiskTier:
         slot = self._index.pop(key)
         self._lru.pop(key, None)
         self._digest.pop(slot, None)
+        self.events.append(EventKind.EVICTED, [key], DISK)
         try:
             os.pwrite(self._index_fd, bytes(fmt.RECORD_BYTES),
                       fmt.HEADER_BYTES + slot * fmt.RECORD_BYTES)

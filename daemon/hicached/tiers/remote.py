@@ -21,7 +21,10 @@ Primitives:
   ``remove(keys)`` -> those dropped (a removal the store did not confirm, or that raced a
   put, leaves a tombstone: the key is never found, and is removed again after the put or
   when the tier is back: ``retry_removals``); ``revive(keys)`` (stored again); ``clear()``;
-  ``close()`` (unregisters the memory).
+  ``close()`` (unregisters the memory); ``snapshot()``: the keys this daemon put or got and
+  still remembers. ``events``: the pool's event log, told of every key this daemon put
+  (STORED) and removed from the store (REMOVED: by RemoveKeys, ClearPool, a failed
+  checksum); what other nodes put or the store evicts is theirs to tell, or unknown.
 - ``remote_writer.RemoteWriter``: the ``through`` policy (its own module).
 - ``promote_remote(cache, tier, keys)``: LoadKeys' way up: keys host memory lacks are got
   from the store into fresh host pages in one batch call; returns how many landed. A get that
@@ -43,6 +46,7 @@ import xxhash
 
 from hicache import seams
 from hicache.specs import PoolSpec
+from hicached.cache.events import CLUSTER, EventKind, EventLog
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
@@ -90,6 +94,7 @@ class RemoteTier:
         self.errors = 0
         """Pages a put did not store (what a ``Spiller`` backs off on)."""
         self.last_error = ""
+        self.events = EventLog()
         store.register(pool.address, pool.nbytes)
         store.register(self._digests.ctypes.data, self._digests.nbytes)
         store.on_up.append(self.retry_removals)
@@ -124,6 +129,10 @@ class RemoteTier:
             return key in self._written
 
     contains = written
+
+    def snapshot(self) -> list[bytes]:
+        with self._lock:
+            return list(self._written)
 
     def _remember_keys(self, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -191,8 +200,9 @@ class RemoteTier:
                        if k in self._tombstones or (done and not wanted(k))]
         for i, done in zip(todo, got, strict=True):
             ok[i] = done and keys[i] not in removed
-        self._remember_keys([k for k, done in zip(keys_now, got, strict=True)
-                             if done and k not in removed])
+        put = [k for k, done in zip(keys_now, got, strict=True) if done and k not in removed]
+        self._remember_keys(put)
+        self.events.append(EventKind.STORED, put, CLUSTER, chain=False)
         if removed:  # removed while the put ran: it must not stay in the store
             self._remove_from_store(removed)
         refused = got.count(False)
@@ -244,7 +254,7 @@ class RemoteTier:
         log.error("pool %s: %d page(s) got from the cluster store failed their checksum; not "
                   "served, removed from the store (first key %s)", self.pool.spec.name,
                   len(bad), bad[0].hex())
-        self._remove_from_store(bad)
+        self.events.append(EventKind.REMOVED, self._remove_from_store(bad), CLUSTER)
         gone = set(bad)
         return [done and k not in gone for k, done in zip(keys, ok, strict=True)]
 
@@ -253,12 +263,15 @@ class RemoteTier:
         is down, or a put of the key is in flight) the key is a tombstone here: never found,
         never promoted, removed again once a put ends or the tier comes back up."""
         with self._lock:
+            known = [k for k in keys if k in self._written]
             for k in keys:
                 self._written.pop(k, None)
                 self._tombstones[k] = None
             while len(self._tombstones) > self._remember:
                 self._tombstones.popitem(last=False)
-        return self._remove_from_store(keys)
+        dropped = self._remove_from_store(keys)
+        self.events.append(EventKind.REMOVED, list(dict.fromkeys(known + dropped)), CLUSTER)
+        return dropped
 
     def _remove_from_store(self, keys: Sequence[bytes]) -> list[bytes]:
         got = self.store.remove([self.name(k) for k in keys])
@@ -282,9 +295,12 @@ class RemoteTier:
 
     def clear(self) -> int:
         with self._lock:
+            known = list(self._written)
             self._written.clear()
             self._tombstones.clear()
-        return self.store.remove_prefix(self.prefix)
+        n = self.store.remove_prefix(self.prefix)
+        self.events.append(EventKind.REMOVED, known, CLUSTER)
+        return n
 
 
 def wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
@@ -304,6 +320,7 @@ def promote_remote(cache: PoolCache, tier: RemoteTier, keys: Sequence[bytes]) ->
     if not all(tier.exists(missing)):  # the load fails whole: evict nothing for it
         return 0
     ticket = cache.begin_store(missing)  # present or being written elsewhere: left alone
+    ticket.chain = False
     if not ticket.pages.size:
         return 0
     ok = tier.get_pages([ticket.keys[i] for i in ticket.positions.tolist()], ticket.pages,

@@ -100,6 +100,7 @@ def promote(pool: HostPool, cache: PoolCache, tier: DiskTier, keys: Sequence[byt
     if not below:
         return 0
     ticket = cache.begin_store(below)  # present or in flight elsewhere: left alone
+    ticket.chain = False
     ok = False
     try:
         ok = all(tier.read_many([

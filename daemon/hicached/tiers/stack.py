@@ -15,7 +15,10 @@ Primitives:
   what host memory has at once, what is below it once a ``Prefetcher`` promoted it);
   ``hold_for_load(keys, on_promoted, owner)`` -> host pages held for reading (the owner's held
   keys never refused; a promotion in flight waited for); ``promote(keys)``;
-  ``remove(keys)`` -> keys that were in some tier; ``clear()`` -> keys dropped from this node.
+  ``remove(keys)`` -> keys that were in some tier; ``clear()`` -> keys dropped from this node;
+  ``contents()``: the keys each tier holds (host memory, the disk, what this daemon put to
+  the cluster), for a KV event resync. Every tier tells the pool's event log what it gains
+  and loses.
 - ``disk``, ``spiller``, ``remote``, ``writer``, ``remote_spiller``: the parts, for metrics;
   ``failing()``: per tier, whether its writes fail now (``hicache_tier_failing``).
 - ``build_stack(pool, cache, disk_config, budget, observe_disk, store)``: what the config
@@ -30,6 +33,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicache.errors import KeyNotFound
+from hicached.cache.events import CLUSTER, DISK, HOST
 from hicached.cache.held import Holder
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
@@ -63,6 +67,9 @@ class TierStack:
         the config gives the pool could not be opened ("" if it could or there is none)."""
         self.pool, self.cache = pool, cache
         self.disk, self.remote = disk, remote
+        for tier in (disk, remote):
+            if tier is not None:
+                tier.events = cache.events
         self.disk_unavailable = disk_unavailable
         self.spiller = Spiller(pool, cache, disk, spill_window) if disk is not None else None
         self.writer: RemoteWriter | None = None
@@ -94,6 +101,15 @@ class TierStack:
         writer: TierWriter | None = self.writer or self.remote_spiller
         if writer is not None:
             out["remote"] = writer.failing
+        return out
+
+    def contents(self) -> dict[int, list[bytes]]:
+        """Per tier (``HOST``, ``DISK``, ``CLUSTER``), the keys it holds now."""
+        out = {HOST: self.cache.snapshot()}
+        if self.disk is not None:
+            out[DISK] = self.disk.snapshot()
+        if self.remote is not None:
+            out[CLUSTER] = self.remote.snapshot()
         return out
 
     def _stored(self, keys: list[bytes]) -> None:

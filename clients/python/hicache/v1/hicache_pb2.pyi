@@ -232,7 +232,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices", "remote_tier", "fast_path", "fast_path_version", "max_keys_per_call")
+    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices", "remote_tier", "fast_path", "fast_path_version", "max_keys_per_call", "fast_path_flags")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,7 @@ class GetInfoResponse(_message.Message):
     FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FLAGS_FIELD_NUMBER: _ClassVar[int]
     version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     memory_budget_bytes: int
@@ -265,7 +266,8 @@ class GetInfoResponse(_message.Message):
     fast_path: str
     fast_path_version: int
     max_keys_per_call: int
-    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ..., remote_tier: _Optional[str] = ..., fast_path: _Optional[str] = ..., fast_path_version: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ...) -> None: ...
+    fast_path_flags: int
+    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ..., remote_tier: _Optional[str] = ..., fast_path: _Optional[str] = ..., fast_path_version: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., fast_path_flags: _Optional[int] = ...) -> None: ...
 
 class CudaDevice(_message.Message):
     __slots__ = ("uuid", "ordinal", "name", "total_bytes")
@@ -550,18 +552,22 @@ class ReleaseHoldsResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end")
+    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end", "token_ids", "parent_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     device_indices: bytes
     layer_begin: int
     layer_end: int
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parent_key: bytes
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "already_present", "status", "no_space", "bytes_moved", "duration_seconds")
@@ -626,24 +632,36 @@ class ClearPoolResponse(_message.Message):
     def __init__(self, pages_freed: _Optional[int] = ..., keys_removed: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("pool", "after_seq")
+    __slots__ = ("pool", "after_seq", "all_tiers")
     POOL_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ALL_TIERS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     after_seq: int
-    def __init__(self, pool: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    all_tiers: bool
+    def __init__(self, pool: _Optional[str] = ..., after_seq: _Optional[int] = ..., all_tiers: _Optional[bool] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
-    __slots__ = ("seq", "kind", "keys", "pool")
+    __slots__ = ("seq", "kind", "keys", "pool", "tier", "medium", "parent_key", "token_ids", "block_size")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     kind: CacheEventKind
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pool: str
-    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[CacheEventKind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool: _Optional[str] = ...) -> None: ...
+    tier: int
+    medium: str
+    parent_key: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[CacheEventKind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool: _Optional[str] = ..., tier: _Optional[int] = ..., medium: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
