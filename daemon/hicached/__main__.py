@@ -123,6 +123,12 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         tiers = dict(merged.get("tier", {}))
         tiers["disk"] = {**tiers.get("disk", {}), **disk}
         merged["tier"] = tiers
+    kv_events = {k: v for k, v in (("endpoint", getattr(args, "kv_events_endpoint", None)),
+                                   ("replay_endpoint",
+                                    getattr(args, "kv_events_replay_endpoint", None)))
+                 if v is not None}
+    if kv_events:  # over [kv_events] of the file
+        merged["kv_events"] = {**merged.get("kv_events", {}), **kv_events}
     mooncake = {k: v for k, v in (("master", getattr(args, "mooncake_master", None)),
                                   ("local_hostname", getattr(args, "mooncake_hostname", None)))
                 if v}
@@ -196,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Mooncake master, host:port ([tier.mooncake] master)")
     sp.add_argument("--mooncake-hostname", help="this node's address for Mooncake transfers "
                     "([tier.mooncake] local_hostname)")
+    sp.add_argument("--kv-events-endpoint",
+                    help="publish KV events (SGLang's ZMQ format) on this PUB endpoint: "
+                         "ipc:///path or a loopback tcp://127.0.0.1:PORT ([kv_events] "
+                         "endpoint; off by default)")
+    sp.add_argument("--kv-events-replay-endpoint",
+                    help="answer replay requests on this ROUTER endpoint ([kv_events] "
+                         "replay_endpoint)")
     sp.add_argument("--no-shm-paths", action="store_true",
                     help="refuse shm buffers named by path: CPU workers hand over sealed memfds")
     sp.add_argument("--no-fast-path", action="store_true",

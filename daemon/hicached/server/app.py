@@ -45,6 +45,7 @@ from hicached.frontends.fast_path import FastPathServer
 from hicached.frontends.grpc_service import HostCacheServicer
 from hicached.frontends.identity_channel import IdentityChannel
 from hicached.frontends.interceptors import server_interceptors
+from hicached.frontends.kv_events import KvEventPublisher, seq_file
 from hicached.server.config import ServerConfig
 from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
 from hicached.server.metrics import Metrics, MetricsEndpoint, ScrapeState, serve
@@ -88,6 +89,10 @@ class HiCacheServer:
         remote = (MooncakeStore(config.mooncake, observe=lambda op, s: self.metrics
                                 .remote_seconds.labels(op).observe(s))
                   if config.mooncake is not None else None)
+        self.kv_events = (KvEventPublisher(config.kv_events, seq_file(config.state_dir),
+                                           config.socket_mode)
+                          if config.kv_events.enabled else None)
+        """The KV event stream (``[kv_events]``), if one is configured."""
         # pools are page-locked for DMA exactly where the CUDA driver has a device
         pools = PoolTable(config.effective_budget(), options, sessions.count,
                           pinner=DriverPinner(driver) if driver is not None else None,
@@ -98,7 +103,8 @@ class HiCacheServer:
                           disk=config.disk,
                           observe_disk=lambda op, s: self.metrics.disk_seconds.labels(
                               op).observe(s),
-                          remote=remote, hold_policy=config.hold_policy())
+                          remote=remote, hold_policy=config.hold_policy(),
+                          chain_bytes=config.kv_events.chain_bytes, listener=self.kv_events)
         self.metrics = metrics = Metrics(self.registry, ScrapeState(
             pools=pools.entries, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,
@@ -109,6 +115,7 @@ class HiCacheServer:
             tiers=pools.stacks, remote=remote,
             fast_connections=lambda: sum(f.connections for f in self.fast_paths),
             fast_polls=lambda: sum_counts(*(f.poll_stats() for f in self.fast_paths)),
+            kv_events=self.kv_events.stats if self.kv_events is not None else None,
         ), build={"version": hicache.__version__, "numpy": np.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
@@ -174,6 +181,8 @@ class HiCacheServer:
                 self.health_grpc.start()
             if self.config.state_dir:  # before any pool touches its files
                 self._locks.append(state_lock(self.config.state_dir))
+            if self.kv_events is not None:  # before any pool: its first event opens it
+                self.kv_events.start()
             if self.daemon.pools.remote is not None:  # connects in the background
                 self.daemon.pools.remote.start()
             # declared pools build in the background (a budget error still stops the start);
@@ -320,6 +329,8 @@ class HiCacheServer:
         if self.daemon.cuda is not None:
             self.daemon.cuda.close()  # GPU copies still running finish, then sessions release
         self.daemon.pools.close_all()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.daemon.pools.remote is not None:
             self.daemon.pools.remote.close()
         if self._metrics_server is not None:

@@ -30,6 +30,7 @@ from hicache.specs import (
 )
 from hicached.cache.holds import HoldPolicy
 from hicached.core.system import available_bytes
+from hicached.frontends.kv_event_config import KvEventsConfig
 from hicached.service.identity import AccessRule
 from hicached.tiers.config import DiskTierConfig
 from hicached.tiers.mooncake_config import MooncakeTierConfig
@@ -160,6 +161,9 @@ class ServerConfig:
     mooncake: MooncakeTierConfig | None = None
     """``[tier.mooncake]``: the cluster tier, a Mooncake Store shared by the nodes (None:
     none)."""
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    """``[kv_events]``: the KV event stream routers follow (off unless ``endpoint`` is
+    set)."""
     log_format: str = "text"
     """``text`` or ``json`` (one object per line)."""
     log_level: str = "INFO"
@@ -312,6 +316,12 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
             kwargs["disk"] = DiskTierConfig.from_mapping(disk, parse_size) if disk else None
             kwargs["mooncake"] = (MooncakeTierConfig.from_mapping(mooncake, parse_size)
                                   if mooncake else None)
+            continue
+        if key == "kv_events":
+            table = dict(value)  # type: ignore[call-overload]
+            if "chain_bytes" in table:
+                table["chain_bytes"] = parse_size(table["chain_bytes"])
+            kwargs["kv_events"] = KvEventsConfig.from_mapping(table)
             continue
         if key not in known:
             raise SpecInvalid(f"unknown setting {key!r}", metadata={"setting": key})

@@ -36,6 +36,7 @@ from hicache.errors import all_error_classes
 from hicache.polling import PollCounts
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
+from hicached.frontends.kv_events import KvEventStats
 from hicached.server.metrics_tiers import tier_families
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack
@@ -71,6 +72,29 @@ class ScrapeState:
     fast_polls: Callable[[], PollCounts] = lambda: (0, 0, 0, 0)
     """The fast path's waits for a next request: (polled, caught by the poll, ns polling, not
     polled because the node's CPUs were all wanted)."""
+    kv_events: Callable[[], KvEventStats] | None = None
+    """The KV event stream's counts, if it is on."""
+
+
+def _kv_event_families(st: KvEventStats) -> Iterator[Metric]:
+    for name, help_text, value in (
+            ("published", "KV events published (BlockStored, BlockRemoved, AllBlocksCleared).",
+             st.published),
+            ("dropped", "Cache events dropped because the publisher's queue was full (a "
+                        "snapshot of every pool followed).", st.dropped),
+            ("messages", "Messages (batches) sent on the KV event socket.", st.messages),
+            ("resyncs", "Snapshots published after drops.", st.resyncs),
+            ("replays", "Replay requests answered.", st.replays),
+            ("bad_replays", "Replay requests that were not SGLang's (ignored).",
+             st.bad_replays)):
+        yield CounterMetricFamily(f"hicache_kv_events_{name}", help_text, value=value)
+    for name, help_text, value in (
+            ("queued", "Cache events waiting to be published.", st.queued),
+            ("subscribers", "Connections on the KV event PUB socket.", st.subscribers),
+            ("replay_subscribers", "Connections on the KV event replay socket.",
+             st.replay_subscribers),
+            ("last_seq", "Sequence number of the last KV event message.", st.last_seq)):
+        yield GaugeMetricFamily(f"hicache_kv_events_{name}", help_text, value=value)
 
 
 class _StateCollector(Collector):
@@ -125,6 +149,8 @@ class _StateCollector(Collector):
             building.add_metric([pool_name, build_state], progress)
         yield building
         yield from tier_families(entries, self._state.tiers(), self._state.remote)
+        if self._state.kv_events is not None:
+            yield from _kv_event_families(self._state.kv_events())
         yield GaugeMetricFamily("hicache_cache_watchers", "WatchEvents streams open.",
                                 value=self._state.watchers())
         yield GaugeMetricFamily("hicache_fast_path_connections",

@@ -18,6 +18,9 @@ Primitives:
   saved pool the config does not declare; ``delete`` removes the files, ``close_all`` keeps
   them. ``on_attach(pool, recovered)`` reports how each pool was found, ``on_drop(name,
   outcome)`` a saved pool that could not be re-attached (its files are removed).
+- ``PoolListener``: told when a pool's tiers serve (``attached(name, stack)``) and when a
+  pool is deleted, before its tiers close (``deleting(name, stack)``): the KV event
+  publisher. Every pool's event log keeps ``chain_bytes`` of its keys' chains.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
+from typing import Protocol
 
 from hicache.errors import (
     HiCacheError,
@@ -36,6 +40,8 @@ from hicache.errors import (
 )
 from hicache.specs import PoolSpec
 from hicached.cache import key_slots
+from hicached.cache.chains import ChainTable
+from hicached.cache.events import EventLog
 from hicached.cache.holds import HoldPolicy
 from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
@@ -48,6 +54,12 @@ from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack, build_stack
 
 log = logging.getLogger(__name__)
+
+
+class PoolListener(Protocol):
+    def attached(self, name: str, stack: TierStack) -> None: ...
+
+    def deleting(self, name: str, stack: TierStack) -> None: ...
 
 
 def charge(spec: PoolSpec) -> int:
@@ -65,7 +77,8 @@ class PoolTable:
                  disk: DiskTierConfig | None = None,
                  observe_disk: Callable[[str, float], None] = lambda op, s: None,
                  remote: MooncakeStore | None = None,
-                 hold_policy: HoldPolicy | None = None) -> None:
+                 hold_policy: HoldPolicy | None = None, chain_bytes: int = 0,
+                 listener: PoolListener | None = None) -> None:
         """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts);
         ``hold_policy``: the limits on every pool's holds;
         ``disk`` gives every pool a disk tier below it (its share of the capacity),
@@ -79,6 +92,8 @@ class PoolTable:
         self._observe_disk = observe_disk
         self.remote = remote
         self.hold_policy = hold_policy or HoldPolicy()
+        self.chain_bytes = chain_bytes
+        self.listener = listener
         self._stacks: dict[str, TierStack] = {}
         self._recovered: dict[str, PoolCache] = {}
         self._sessions_of = sessions_of
@@ -111,7 +126,7 @@ class PoolTable:
         pool = HostPool(spec, self.options, pinner=self.pinner, on_progress=on_progress,
                         extra_tables=[key_slots.table_spec(pages)])
         try:
-            cache = PoolCache(pool, policy=self.hold_policy)
+            cache = self._new_cache(pool)
             recovered = cache.recover() if pool.outcome is Outcome.REATTACHED else {}
         except BaseException:
             pool.close(0)
@@ -125,12 +140,18 @@ class PoolTable:
             raise
         with self._lock:
             self._stacks[spec.name] = stack
+        if self.listener is not None:
+            self.listener.attached(spec.name, stack)
         if recovered:
             log.info("pool %s re-attached (generation %d): %d keys, %d raw pages kept, %d "
                      "damaged slots dropped", spec.name, pool.state.generation if pool.state
                      else 0, recovered["keys"], recovered["raw_pages"], recovered["damaged"])
         self._on_attach(pool, recovered)
         return pool, cache
+
+    def _new_cache(self, pool: HostPool) -> PoolCache:
+        chains = ChainTable(self.chain_bytes, pool.page_size)
+        return PoolCache(pool, EventLog(chains=chains), policy=self.hold_policy)
 
     def _close_tiers(self, name: str, remove: bool = False) -> None:
         with self._lock:
@@ -213,8 +234,7 @@ class PoolTable:
                 keep = None
             else:
                 self._pools[build.spec.name] = pool
-                self._caches[build.spec.name] = cache or PoolCache(
-                    pool, policy=self.hold_policy)
+                self._caches[build.spec.name] = cache or self._new_cache(pool)
                 del self._builds[build.spec.name]
                 keep = pool
         if pool is not None and keep is None:
@@ -301,6 +321,9 @@ class PoolTable:
             with self._lock:
                 self._pools.pop(name, None)
                 self._caches.pop(name, None)
+                stack = self._stacks.get(name)
+        if self.listener is not None and stack is not None:
+            self.listener.deleting(name, stack)
         self._close_tiers(name, remove=True)
         pool.close(wait_seconds, remove_state=True)
 

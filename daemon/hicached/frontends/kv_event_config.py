@@ -1,0 +1,139 @@
+"""``[kv_events]``: where and how the daemon publishes its KV events, typed and validated.
+
+The settings are SGLang's ``KVEventsConfig``'s where they mean the same (``endpoint``,
+``replay_endpoint``, ``topic``, ``buffer_steps``, ``hwm``, ``max_queue_size``, ``format``), so
+an operator who wired a router to an engine wires it to the daemon the same way.
+
+Primitives: ``KvEventsConfig`` (frozen; ``from_mapping`` reads the TOML table; ``enabled``),
+``check_endpoint(endpoint, field, allow_remote)``: an endpoint the publisher may bind, else
+``SPEC_INVALID`` naming it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from hicache.errors import SpecInvalid
+
+FORMATS = ("default", "dynamo")
+_LOOPBACK_NAMES = ("localhost",)
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    endpoint: str = ""
+    """The PUB socket the daemon binds: ``ipc:///path`` (a directory only the daemon's user
+    may write in) or a loopback ``tcp://127.0.0.1:PORT`` / ``tcp://[::1]:PORT``; "" = off
+    (the default). Any other address only with ``allow_remote``."""
+    replay_endpoint: str = ""
+    """The ROUTER socket answering replay requests (SGLang's protocol: the start sequence as
+    8 big-endian bytes; the buffered batches, then an empty frame with sequence -1); "" =
+    none. The same rules as ``endpoint``."""
+    topic: str = ""
+    """The first part of every message's topic frame; the pool's name follows it (one pool:
+    subscribe to ``topic + pool``). Events of the whole daemon (``AllBlocksCleared`` at a
+    start or a resync) carry ``topic`` alone."""
+    buffer_steps: int = 10_000
+    """Batches kept for replay; a replay from an older sequence gets a snapshot instead."""
+    hwm: int = 100_000
+    """ZeroMQ's high-water mark of each socket: past it a slow subscriber misses messages
+    (it sees the gap in the sequence and asks the replay socket)."""
+    max_queue_size: int = 100_000
+    """Events waiting to be published; past it new ones are dropped (counted) and, once the
+    queue drains, a snapshot replaces what was lost. The data path never waits."""
+    format: str = "default"
+    """``default`` (SGLang's) or ``dynamo``: the two differ only for pages of LoRA adapters
+    or salted requests, whose namespace the daemon is not told; its events are the same."""
+    allow_remote: bool = False
+    """Bind an endpoint that is not loopback (``tcp://*:5557``, an interface's address):
+    every peer that reaches it learns which prefixes the node caches."""
+    chain_bytes: int = 32 << 20
+    """Per pool, the memory kept of the chains of recently stored keys (parent, tokens), so
+    that a key's spill, put or promotion is published with them again."""
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value:
+                check_endpoint(value, f"kv_events.{name}", self.allow_remote)
+        if self.replay_endpoint and not self.endpoint:
+            raise SpecInvalid("kv_events.replay_endpoint needs kv_events.endpoint")
+        if self.replay_endpoint and self.replay_endpoint == self.endpoint:
+            raise SpecInvalid("kv_events.replay_endpoint and endpoint must differ",
+                              metadata={"endpoint": self.endpoint})
+        if self.format not in FORMATS:
+            raise SpecInvalid(f"kv_events.format is one of {FORMATS}",
+                              metadata={"format": self.format})
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if not 1 <= getattr(self, name) <= 10_000_000:
+                raise SpecInvalid(f"kv_events.{name} is within 1 .. 10000000",
+                                  metadata={name: getattr(self, name)})
+        if not 0 <= self.chain_bytes <= 1 << 40:
+            raise SpecInvalid("kv_events.chain_bytes must be >= 0",
+                              metadata={"chain_bytes": self.chain_bytes})
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, object]) -> KvEventsConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SpecInvalid(f"unknown kv_events settings {unknown}",
+                              metadata={"setting": unknown[0]})
+        kinds = {f.name: f.type for f in fields(cls)}
+        try:
+            kwargs = {k: (v if kinds[k] == "str" and isinstance(v, str)
+                          else _BOOL[str(v).lower()] if kinds[k] == "bool"
+                          else int(str(v)) if kinds[k] == "int" and not isinstance(v, bool)
+                          else _refuse(k, v))
+                      for k, v in d.items()}
+        except (KeyError, ValueError, TypeError):
+            raise SpecInvalid("kv_events settings have the wrong type",
+                              metadata={"settings": ",".join(sorted(d))}) from None
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def check_endpoint(endpoint: str, field: str, allow_remote: bool) -> None:
+    """``ipc://`` with an absolute path, or ``tcp://HOST:PORT`` on loopback (any host with
+    ``allow_remote``); ``SPEC_INVALID`` naming ``field`` otherwise."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not os.path.isabs(path) or len(path.encode()) > 100:
+            raise SpecInvalid(f"{field}: an ipc:// endpoint is an absolute path of at most 100 "
+                              "bytes", metadata={"field": field, "endpoint": endpoint})
+        return
+    if not endpoint.startswith("tcp://"):
+        raise SpecInvalid(f"{field} is ipc:///path or tcp://HOST:PORT", metadata={
+            "field": field, "endpoint": endpoint})
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isdigit() or not 0 < int(port) <= 65535 or not host:
+        raise SpecInvalid(f"{field}: {endpoint!r} has no port (tcp://HOST:PORT)",
+                          metadata={"field": field, "endpoint": endpoint})
+    if allow_remote or _loopback(host.strip("[]")):
+        return
+    raise SpecInvalid(
+        f"{field}: {endpoint} is not a loopback address; every peer that reaches it learns "
+        "which prefixes this node caches: set kv_events.allow_remote to bind it",
+        metadata={"field": field, "endpoint": endpoint})
+
+
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _refuse(key: str, value: object) -> object:
+    raise TypeError(f"{key}: {value!r}")
+
+
+def _loopback(host: str) -> bool:
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,130 @@
+"""The daemon's cache events in the format SGLang's and vLLM's routers read.
+
+SGLang 0.5.23 (``sglang/srt/disaggregation/kv_events.py``) publishes, on a ZeroMQ PUB socket,
+three frames per message: a topic, an 8-byte big-endian sequence number and a msgpack
+``KVEventBatch``: an array ``[ts, events, attn_dp_rank]`` whose events are maps tagged with
+their class (``{"type": "BlockStored", ...}``, fields at their default left out). The structs
+here have the same names, fields, order and options, so SGLang's own decoder reads them; they
+are declared here because the daemon does not import SGLang.
+
+A page's block hash is SGLang's ``hash_str_to_int64`` of its key's hex (the first 8 bytes of
+the key, big-endian, as a signed int64): the engine and the daemon report one block for one
+page. The blocks of one ``BlockStored`` are a chain, the first one's parent in
+``parent_block_hash``.
+
+Primitives:
+
+- ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, ``KVEventBatch``: the structs.
+- ``block_hash(key)``: SGLang's block hash of a page key.
+- ``engine_events(events, block_size)``: a pool's ``CacheEvent``s as engine events, in order,
+  consecutive ones merged as SGLang merges its own (a chain continued, removals of one medium).
+- ``contents_events(contents, block_size, chains)``: a pool's contents (per tier, its keys)
+  as ``BlockStored`` events, cut into the chains the pool knows (a snapshot).
+- ``Encoder``: ``batch(events)`` -> the msgpack payload of one batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+
+from hicached.cache.chains import ChainTable
+from hicached.cache.events import MEDIUM, CacheEvent, EventKind
+
+_SIGN = 1 << 63
+_WRAP = 1 << 64
+
+
+class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """SGLang's ``KVCacheEvent``: a map tagged ``type`` = the class name."""
+
+
+class BlockStored(_KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class BlockRemoved(_KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AllBlocksCleared(_KVCacheEvent):
+    pass
+
+
+EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[EngineEvent]
+    attn_dp_rank: int | None = None
+
+
+def block_hash(key: bytes) -> int:
+    """SGLang's ``hash_str_to_int64(key.hex())``."""
+    value = int.from_bytes(key[:8], "big")
+    return value - _WRAP if value >= _SIGN else value
+
+
+def _stored(keys: Sequence[bytes], parent: bytes, tokens: list[int], block_size: int,
+            medium: str) -> BlockStored:
+    return BlockStored(block_hashes=[block_hash(k) for k in keys],
+                       parent_block_hash=block_hash(parent) if parent else None,
+                       token_ids=tokens, block_size=block_size, lora_id=None, medium=medium)
+
+
+def engine_events(events: Iterable[CacheEvent], block_size: int) -> list[EngineEvent]:
+    out: list[EngineEvent] = []
+    for e in events:
+        medium = MEDIUM[e.tier]
+        last = out[-1] if out else None
+        if e.kind is EventKind.STORED:
+            tokens = e.token_ids.tolist() if e.token_ids is not None else []
+            if (isinstance(last, BlockStored) and last.medium == medium and e.parent
+                    and last.block_hashes[-1] == block_hash(e.parent)
+                    and bool(last.token_ids) == bool(tokens)):
+                last.block_hashes.extend(block_hash(k) for k in e.keys)
+                last.token_ids.extend(tokens)
+            else:
+                out.append(_stored(e.keys, e.parent, tokens, block_size, medium))
+        elif isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.extend(block_hash(k) for k in e.keys)
+        else:
+            out.append(BlockRemoved(block_hashes=[block_hash(k) for k in e.keys],
+                                    medium=medium))
+    return out
+
+
+def contents_events(contents: Mapping[int, Sequence[bytes]], block_size: int,
+                    chains: ChainTable) -> list[BlockStored]:
+    """What a pool holds, per tier, as ``BlockStored`` events (keys the chain table does not
+    know stand alone: a snapshot claims no chain it was not told of)."""
+    out: list[BlockStored] = []
+    for tier, keys in sorted(contents.items()):
+        for run in chains.runs(keys, chain=False):
+            tokens = run.token_ids()
+            out.append(_stored(run.keys, run.parent,
+                               tokens.tolist() if tokens is not None else [], block_size,
+                               MEDIUM[tier]))
+    return out
+
+
+class Encoder:
+    """One msgpack encoder (not thread-safe: the publisher's thread owns it)."""
+
+    def __init__(self) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+
+    def batch(self, events: list[EngineEvent]) -> bytes:
+        return self._enc.encode(KVEventBatch(ts=time.time(), events=events))
