@@ -141,9 +141,9 @@ try:
 except Exception as exc:
     print("torch FAILED", exc)
 for name in ("numpy", "grpc", "google.protobuf", "grpc_status", "grpc_health.v1.health",
-             "grpc_reflection.v1alpha.reflection", "prometheus_client", "xxhash", "pytest",
-             "hypothesis", "transformers", "sglang", "hicache", "hicache_client",
-             "hicached.service.daemon", "hicache_sglang"):
+             "grpc_reflection.v1alpha.reflection", "prometheus_client", "xxhash", "zmq",
+             "msgspec", "pytest", "hypothesis", "transformers", "sglang", "hicache",
+             "hicache_client", "hicached.service.daemon", "hicache_sglang"):
     try:
         mod = importlib.import_module(name)
         print(f"  {name:38} {getattr(mod, '__version__', '')} {getattr(mod, '__file__', '')}")

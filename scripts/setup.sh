@@ -92,7 +92,7 @@ setup_hicached() {
     if [ "${1:-}" = "--test" ]; then
         _hicached_torch || return 1
     fi
-    local what="numpy, grpcio, protobuf, prometheus-client, xxhash"
+    local what="numpy, grpcio, protobuf, prometheus-client, xxhash, pyzmq, msgspec"
     [ -z "$extras" ] || what="$what; the extras of pyproject.toml: test tools, SGLang's cache-path imports, Mooncake's wheel"
     _hicached_say "pip install -e .${extras} (hicached, hicache, hicache_client, hicache_sglang:" \
         "$what)"

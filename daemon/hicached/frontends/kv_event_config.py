@@ -6,7 +6,9 @@ an operator who wired a router to an engine wires it to the daemon the same way.
 
 Primitives: ``KvEventsConfig`` (frozen; ``from_mapping`` reads the TOML table; ``enabled``),
 ``check_endpoint(endpoint, field, allow_remote)``: an endpoint the publisher may bind, else
-``SPEC_INVALID`` naming it.
+``SPEC_INVALID`` naming it; ``seq_file(state_dir)``: where the stream's last sequence is kept;
+``KvEventStats``: what the publisher reports to metrics. Nothing here imports ZeroMQ: a daemon
+without ``[kv_events]`` never loads it.
 """
 
 from __future__ import annotations
@@ -137,3 +139,28 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+@dataclass(frozen=True)
+class KvEventStats:
+    published: int
+    """Engine events sent (BlockStored, BlockRemoved, AllBlocksCleared)."""
+    dropped: int
+    """Cache events dropped because the queue was full (a snapshot followed)."""
+    messages: int
+    resyncs: int
+    replays: int
+    """Replay requests answered."""
+    bad_replays: int
+    """Replay requests that were not SGLang's three frames with an 8-byte start."""
+    queued: int
+    subscribers: int
+    """Connections on the PUB socket now."""
+    replay_subscribers: int
+    """Connections on the replay socket now."""
+    last_seq: int
+
+def seq_file(state_dir: str) -> str:
+    """Where the stream's last sequence is kept ("" without a state directory)."""
+    return os.path.join(state_dir, "kv-events.seq") if state_dir else ""
+

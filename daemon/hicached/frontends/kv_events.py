@@ -25,7 +25,7 @@ Primitives:
   ``AllBlocksCleared``), ``attached(name, stack)`` / ``deleting(name, stack)`` (a
   ``PoolListener``: the pool's events followed, its contents published; on deletion its
   contents published as removed), ``offer(pool, event)``, ``close()``, ``stats()``
-  (``KvEventStats``), ``endpoint`` / ``replay_endpoint`` (as bound).
+  (``kv_event_config.KvEventStats``), ``endpoint`` / ``replay_endpoint`` (as bound).
 - ``END_SEQ``: the replay's end marker.
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import struct
 import threading
 import time
 from collections import deque
@@ -41,12 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from hicached.cache.events import CacheEvent
 from hicached.core.log_limit import LimitedLog
 from hicached.core.trusted_paths import UntrustedPath, open_own, socket_dir
-from hicached.frontends.kv_event_config import KvEventsConfig
+from hicached.frontends.kv_event_config import KvEventsConfig, KvEventStats
 from hicached.frontends.kv_event_format import (
     AllBlocksCleared,
     BlockRemoved,
@@ -68,26 +68,7 @@ DRAIN_ITEMS = 4096
 REPLAYS_PER_TURN = 8
 SNAPSHOT_REUSE_SECONDS = 1.0
 IDLE_POLL_MS = 200
-
-
-@dataclass(frozen=True)
-class KvEventStats:
-    published: int
-    """Engine events sent (BlockStored, BlockRemoved, AllBlocksCleared)."""
-    dropped: int
-    """Cache events dropped because the queue was full (a snapshot followed)."""
-    messages: int
-    resyncs: int
-    replays: int
-    """Replay requests answered."""
-    bad_replays: int
-    """Replay requests that were not SGLang's three frames with an 8-byte start."""
-    queued: int
-    subscribers: int
-    """Connections on the PUB socket now."""
-    replay_subscribers: int
-    """Connections on the replay socket now."""
-    last_seq: int
+_MONITOR_EVENT = struct.Struct("=H")
 
 
 @dataclass
@@ -369,18 +350,13 @@ class KvEventPublisher:
     def _watch(self, mon: zmq.Socket[bytes], name: str) -> None:
         """Connections accepted and gone on a socket: the subscriber gauges."""
         while True:
-            try:
-                msg = recv_monitor_message(mon, zmq.NOBLOCK)
+            try:  # ZeroMQ's monitor message: u16 event, u32 value; then the endpoint
+                frames = mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            event = int(msg["event"])
+            (event,) = _MONITOR_EVENT.unpack_from(frames[0])
             step = 1 if event == zmq.EVENT_ACCEPTED else -1 if event == zmq.EVENT_DISCONNECTED \
                 else 0
             with self._lock:
                 self._counts[name] = max(self._counts[name] + step, 0)
-
-
-def seq_file(state_dir: str) -> str:
-    """Where the stream's last sequence is kept ("" without a state directory)."""
-    return os.path.join(state_dir, "kv-events.seq") if state_dir else ""
 

@@ -22,6 +22,7 @@ import os
 import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -45,7 +46,7 @@ from hicached.frontends.fast_path import FastPathServer
 from hicached.frontends.grpc_service import HostCacheServicer
 from hicached.frontends.identity_channel import IdentityChannel
 from hicached.frontends.interceptors import server_interceptors
-from hicached.frontends.kv_events import KvEventPublisher, seq_file
+from hicached.frontends.kv_event_config import seq_file
 from hicached.server.config import ServerConfig
 from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
 from hicached.server.metrics import Metrics, MetricsEndpoint, ScrapeState, serve
@@ -57,6 +58,9 @@ from hicached.service.sessions import SessionManager
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
+
+if TYPE_CHECKING:
+    from hicached.frontends.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +93,14 @@ class HiCacheServer:
         remote = (MooncakeStore(config.mooncake, observe=lambda op, s: self.metrics
                                 .remote_seconds.labels(op).observe(s))
                   if config.mooncake is not None else None)
-        self.kv_events = (KvEventPublisher(config.kv_events, seq_file(config.state_dir),
-                                           config.socket_mode)
-                          if config.kv_events.enabled else None)
-        """The KV event stream (``[kv_events]``), if one is configured."""
+        self.kv_events: KvEventPublisher | None = None
+        """The KV event stream (``[kv_events]``), if one is configured (ZeroMQ is loaded
+        only then)."""
+        if config.kv_events.enabled:
+            from hicached.frontends.kv_events import KvEventPublisher
+
+            self.kv_events = KvEventPublisher(config.kv_events, seq_file(config.state_dir),
+                                              config.socket_mode)
         # pools are page-locked for DMA exactly where the CUDA driver has a device
         pools = PoolTable(config.effective_budget(), options, sessions.count,
                           pinner=DriverPinner(driver) if driver is not None else None,
