@@ -1,0 +1,272 @@
+"""The daemon's KV event stream through real daemon and worker processes, decoded with SGLang's
+own ``KVEventBatch`` decoder (``tests.kv_event_follower``): every change of what a tier holds
+is told with its medium and SGLang's block hash; a subscriber that joins late, misses
+messages or outlives a daemon restart catches up through the replay socket.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+from hicache import DType, HiCacheError, KVGeometry, Layout, PoolKind, PoolSpec
+from hicache.keys import sglang_page_keys
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from tests.daemon_proc import DaemonProc, start_daemon
+from tests.kv_event_follower import Follower
+
+PS = 4
+SPEC = PoolSpec("kv-a", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 8), PS,
+                Layout.PAGE_FIRST, size_tokens=8 * PS)  # 8 pages
+OTHER = PoolSpec("kv-b", SPEC.geometry, PS, Layout.PAGE_FIRST, size_tokens=8 * PS)
+
+
+def sglang_hash(key: bytes) -> int:
+    return int(hash_str_to_int64(key.hex()))
+
+
+def chain(seed: int, pages: int) -> tuple[list[bytes], np.ndarray]:
+    """Keys of ``pages`` pages of tokens, as SGLang names them, and the tokens."""
+    tokens = np.random.default_rng(seed).integers(0, 32_000, pages * PS)
+    return sglang_page_keys(tokens, PS), tokens
+
+
+def kv_args(tmp: Path, *extra: str, config: str = "") -> tuple[str, ...]:
+    args = ["--kv-events-endpoint", f"ipc://{tmp}/kv.sock",
+            "--kv-events-replay-endpoint", f"ipc://{tmp}/kv-replay.sock", *extra]
+    if config:
+        (tmp / "kv.toml").write_text(config)
+        args += ["--config", str(tmp / "kv.toml")]
+    return tuple(args)
+
+
+class Worker:
+    def __init__(self, d: DaemonProc, spec: PoolSpec = SPEC) -> None:
+        self.client = HiCacheClient(d.target)
+        self.client.create_pool(spec)
+        self.bufs = ShmDeviceBuffers.create(spec, device_tokens=16 * PS, sealed=True)
+        self.session = self.client.open_session(spec.name, "w", self.bufs.descriptors,
+                                                fds=self.bufs.fds)
+
+    def store(self, keys: list[bytes], tokens: np.ndarray | None = None,
+              parent: bytes = b"") -> int:
+        r = self.session.store(keys, torch.arange(0, len(keys) * PS), token_ids=tokens,
+                               parent_key=parent)
+        return r.stored
+
+    def load(self, keys: list[bytes]) -> None:
+        self.session.load_keys(keys, torch.arange(0, len(keys) * PS))
+
+    def close(self) -> None:
+        self.session.close()
+        self.bufs.close()
+        self.client.close()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path, *kv_args(tmp_path))
+    yield d
+    d.stop()
+
+
+def metrics(d: DaemonProc) -> str:
+    port = re.findall(r"metrics port (\d+)", d.log())[-1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def follow(tmp: Path, subscribe: bytes = b"") -> Follower:
+    f = Follower(f"ipc://{tmp}/kv.sock", f"ipc://{tmp}/kv-replay.sock", subscribe)
+    time.sleep(0.2)  # the subscription reaches the daemon
+    f.sync()
+    return f
+
+
+def test_a_store_is_one_chain_with_sglangs_block_hashes_parent_and_tokens(
+        daemon: DaemonProc, tmp_path: Path) -> None:
+    f = follow(tmp_path)
+    w = Worker(daemon)
+    try:
+        keys, tokens = chain(1, 5)
+        assert w.store(keys[:2]) == 2  # the first two pages, no tokens given
+        assert w.store(keys[2:], tokens[2 * PS:], parent=keys[1]) == 3  # the rest, with them
+        f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 5)
+    finally:
+        w.close()
+    first, rest = f.stored(SPEC.name, "CPU_PINNED")
+    assert first.block_hashes == [sglang_hash(k) for k in keys[:2]]
+    assert first.parent_block_hash is None and first.token_ids == [] and first.block_size == PS
+    assert rest.block_hashes == [sglang_hash(k) for k in keys[2:]]
+    assert rest.parent_block_hash == sglang_hash(keys[1])
+    assert rest.token_ids == tokens[2 * PS:].tolist()
+    assert f.gaps == 0
+
+
+def test_eviction_removal_and_clear_leave_the_stream_equal_to_the_pool(
+        daemon: DaemonProc, tmp_path: Path) -> None:
+    f = follow(tmp_path)
+    w = Worker(daemon)
+    try:
+        a, _ = chain(2, 6)
+        b, _ = chain(3, 4)
+        w.store(a)
+        w.store(b)  # 10 pages into 8: the two oldest are evicted
+        f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 8)
+        assert f.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in a[2:] + b}
+        evicted = [h for e in f.removed(SPEC.name, "CPU_PINNED") for h in e.block_hashes]
+        assert evicted == [sglang_hash(k) for k in a[:2]]
+        assert w.client.remove_keys(SPEC.name, b[:2]) == 2
+        f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 6)
+        assert w.client.clear_pool(SPEC.name) == 6
+        f.until(lambda: not f.held(SPEC.name, "CPU_PINNED"))
+        assert w.client.lookup(SPEC.name, a + b).hit_prefix == 0
+    finally:
+        w.close()
+
+
+def test_a_refused_store_changes_nothing_and_says_nothing(daemon: DaemonProc,
+                                                          tmp_path: Path) -> None:
+    f = follow(tmp_path)
+    w = Worker(daemon)
+    try:
+        keys, tokens = chain(4, 2)
+        with pytest.raises(HiCacheError) as exc:  # one page's tokens for two keys
+            w.store(keys, tokens[:PS])
+        assert exc.value.reason == "TOKEN_IDS_INVALID"
+        assert exc.value.metadata == {"field": "token_ids", "count": str(PS),
+                                      "expected": str(2 * PS)}
+        with pytest.raises(HiCacheError) as exc:
+            w.store(keys, -tokens)
+        assert exc.value.reason == "TOKEN_IDS_INVALID"
+        with pytest.raises(HiCacheError) as exc:
+            w.store(keys, tokens, parent=b"x" * 65)
+        assert exc.value.reason == "KEY_INVALID" and exc.value.metadata["field"] == "parent_key"
+        assert w.client.lookup(SPEC.name, keys).hits == 0
+        w.store(keys[:1])  # and the stream goes on
+        f.until(lambda: bool(f.stored()))
+        assert [e.block_hashes for e in f.stored()] == [[sglang_hash(keys[0])]]
+    finally:
+        w.close()
+
+
+def test_pools_are_told_apart_by_topic_and_a_subscriber_may_follow_one(
+        daemon: DaemonProc, tmp_path: Path) -> None:
+    every, only_b = follow(tmp_path), follow(tmp_path, OTHER.name.encode())
+    wa, wb = Worker(daemon, SPEC), Worker(daemon, OTHER)
+    try:
+        keys, _ = chain(5, 2)
+        wa.store(keys)
+        wb.store(keys)  # the same pages in another pool: another topic
+        every.until(lambda: len(every.held(OTHER.name, "CPU_PINNED")) == 2)
+        assert every.held(SPEC.name, "CPU_PINNED") == every.held(OTHER.name, "CPU_PINNED")
+        only_b.until(lambda: len(only_b.held(OTHER.name, "CPU_PINNED")) == 2)
+        assert {p for (p, m), held in only_b.blocks.items() if held} == {OTHER.name}
+        assert only_b.gaps >= 1  # kv-a's messages are numbered too: a filter sees gaps
+    finally:
+        wa.close()
+        wb.close()
+
+
+def test_a_late_subscriber_replays_the_buffer_then_follows_live(daemon: DaemonProc,
+                                                                tmp_path: Path) -> None:
+    w = Worker(daemon)
+    try:
+        keys, _ = chain(6, 4)
+        for k in keys:
+            w.store([k])
+        late = Follower(f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/kv-replay.sock")
+        time.sleep(0.2)
+        late.sync()  # from sequence 0: the start's AllBlocksCleared, then the four stores
+        assert late.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in keys}
+        assert late.seqs == [] and late.replays == 1  # nothing live yet: all replayed
+        more, _ = chain(7, 1)
+        w.store(more)
+        late.until(lambda: sglang_hash(more[0]) in late.held(SPEC.name, "CPU_PINNED"))
+        assert late.gaps == 0
+    finally:
+        w.close()
+
+
+def test_a_gap_older_than_the_buffer_is_answered_with_a_snapshot(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, *kv_args(tmp_path, config="[kv_events]\nbuffer_steps = 2\n"))
+    w = Worker(d)
+    try:
+        keys, _ = chain(8, 6)
+        w.store(keys[:3])
+        for k in keys[3:]:
+            w.store([k])
+        w.client.remove_keys(SPEC.name, keys[:1])
+        f = Follower(f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/kv-replay.sock")
+        time.sleep(0.2)
+        assert f.sync() >= 2  # the daemon's AllBlocksCleared and the pool's contents
+        assert f.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in keys[1:]}
+        assert any(e.__class__.__name__ == "AllBlocksCleared" for _, _, e in f.events)
+        # the snapshot keeps what the pool knows of chains: keys[1], keys[2] follow keys[0]
+        stored = {tuple(e.block_hashes): e.parent_block_hash for e in f.stored()}
+        assert stored[(sglang_hash(keys[1]), sglang_hash(keys[2]))] == sglang_hash(keys[0])
+        w.store(keys[:1])
+        f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 6)
+        assert f.gaps == 0
+    finally:
+        w.close()
+        d.stop()
+
+
+def test_a_daemon_restart_is_a_gap_whose_replay_restates_what_is_held(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, *kv_args(tmp_path))
+    f = follow(tmp_path)
+    w = Worker(d)
+    keys, _ = chain(9, 3)
+    w.store(keys)
+    f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 3)
+    before = f.last
+    w.session.stop_heartbeat()
+    d.stop(signal.SIGKILL)
+    f.blocks[(SPEC.name, "CPU_PINNED")].add(12345)  # what the old daemon never removed
+    d = start_daemon(tmp_path, *kv_args(tmp_path), socket=d.socket)
+    try:
+        with HiCacheClient(d.target) as c:
+            c.create_pool(SPEC)  # re-attached: its keys survived
+            assert c.lookup(SPEC.name, keys).hit_prefix == 3
+            time.sleep(0.5)
+            f.sync()
+        assert f.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in keys}
+        assert min(s for _, s, _ in f.events if s > before) > before  # never a repeat
+    finally:
+        d.stop()
+
+
+def test_a_hostile_replay_request_is_ignored_and_the_stream_goes_on(daemon: DaemonProc,
+                                                                     tmp_path: Path) -> None:
+    bad = zmq.Context.instance().socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    bad.connect(f"ipc://{tmp_path}/kv-replay.sock")
+    bad.send_multipart([b"", b"\x00" * 3])  # not 8 bytes
+    bad.send_multipart([b"", b"\x00" * 8, b"extra"])  # four frames
+    bad.send_multipart([b"", b"\x00" * 4096])  # past the socket's message limit: cut off
+    f = follow(tmp_path)
+    w = Worker(daemon)
+    try:
+        keys, _ = chain(10, 1)
+        w.store(keys)
+        f.until(lambda: bool(f.held(SPEC.name, "CPU_PINNED")))
+        assert not bad.poll(200)  # no answer to any of them
+        text = metrics(daemon)
+        assert re.search(r"^hicache_kv_events_bad_replays_total 2\.0$", text, re.M)
+        assert re.search(r"^hicache_kv_events_replays_total [1-9]", text, re.M)
+        assert re.search(r"^hicache_kv_events_subscribers [1-9]", text, re.M)
+        assert re.search(r"^hicache_kv_events_dropped_total 0\.0$", text, re.M)
+    finally:
+        w.close()
+        bad.close()
