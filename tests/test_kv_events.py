@@ -270,3 +270,57 @@ def test_a_hostile_replay_request_is_ignored_and_the_stream_goes_on(daemon: Daem
     finally:
         w.close()
         bad.close()
+
+
+def test_spill_eviction_promotion_and_removal_below_host_memory(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, *kv_args(tmp_path, "--disk-path", str(tmp_path / "disk"),
+                                        "--disk-capacity", "64GiB"))
+    f = follow(tmp_path)
+    w = Worker(d)
+    try:
+        a, tokens = chain(11, 6)
+        b, _ = chain(12, 4)
+        w.store(a, tokens)
+        f.until(lambda: len(f.held(SPEC.name, "DISK")) == 6)  # spilled ahead of eviction
+        w.store(b)  # the two oldest leave host memory: the disk keeps them
+        f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 8)
+        assert f.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in a[2:] + b}
+        assert {sglang_hash(k) for k in a} <= f.held(SPEC.name, "DISK")
+        w.load(a[:2])  # promoted: stored in host memory again, with what the Store said
+        f.until(lambda: sglang_hash(a[0]) in f.held(SPEC.name, "CPU_PINNED"))
+        again = [e for e in f.stored(SPEC.name, "CPU_PINNED")
+                 if sglang_hash(a[0]) in e.block_hashes][-1]
+        assert again.block_hashes[:2] == [sglang_hash(k) for k in a[:2]]
+        assert again.token_ids[:2 * PS] == tokens[:2 * PS].tolist()
+        assert w.client.remove_keys(SPEC.name, a[:1]) == 1
+        f.until(lambda: sglang_hash(a[0]) not in f.held(SPEC.name, "DISK"))
+        assert sglang_hash(a[0]) not in f.held(SPEC.name, "CPU_PINNED")
+        tiers = w.client.lookup(SPEC.name, a + b).tiers
+        host, disk = f.held(SPEC.name, "CPU_PINNED"), f.held(SPEC.name, "DISK")
+        for k, t in zip(a + b, tiers, strict=True):  # the stream says what Lookup says
+            assert (sglang_hash(k) in host) == (t == 1), k
+            assert t != 2 or sglang_hash(k) in disk, k
+            assert t != 0 or sglang_hash(k) not in disk, k
+    finally:
+        w.close()
+        d.stop()
+
+
+def test_watch_events_carries_tier_medium_parent_and_tokens(daemon: DaemonProc) -> None:
+    w = Worker(daemon)
+    try:
+        keys, tokens = chain(13, 2)
+        w.store(keys, tokens, parent=b"p" * 32)
+        w.client.remove_keys(SPEC.name, keys[1:])
+        stream = w.client.watch_events(SPEC.name, all_tiers=True)
+        events = iter(stream)
+        got = [next(events), next(events)]
+        stream.cancel()
+    finally:
+        w.close()
+    stored, removed = got
+    assert (stored.kind, stored.keys, stored.tier, stored.medium) == (
+        "STORED", tuple(keys), 1, "CPU_PINNED")
+    assert stored.parent_key == b"p" * 32 and stored.token_ids == tuple(tokens.tolist())
+    assert stored.block_size == PS
+    assert (removed.kind, removed.keys, removed.medium) == ("REMOVED", (keys[1],), "CPU_PINNED")
