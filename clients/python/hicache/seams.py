@@ -34,6 +34,7 @@ POINTS = {
     "remote.put": "the cluster writer: a batch put, not yet recorded as put",
     "lookup.chunk": "a long Lookup: a chunk of its keys checked, the pool's lock let go before "
                     "the next",
+    "kv_events.turn": "the KV event publisher: awake, its queue not yet published",
 }
 
 _hooks: dict[str, Callable[[], None]] = {}

@@ -43,6 +43,7 @@ from typing import Any
 
 import zmq
 
+from hicache import seams
 from hicached.cache.events import CacheEvent
 from hicached.core.log_limit import LimitedLog
 from hicached.core.trusted_paths import UntrustedPath, open_own, socket_dir
@@ -239,6 +240,7 @@ class KvEventPublisher:
                 time.sleep(0.1)
 
     def _drain(self) -> None:
+        seams.reached("kv_events.turn")
         group: list[CacheEvent] = []
         pool = ""
         for _ in range(min(len(self._queue), DRAIN_ITEMS)):

@@ -1,0 +1,197 @@
+"""The KV event publisher in-process: SGLang's own event code against ours for the same pages,
+the bounded queue under a stalled publisher (a seam holds its thread), the chain table's
+budget, and the endpoints it refuses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from sglang.srt.disaggregation.kv_events import KVEventBatch, StorageMedium
+from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+from hicache import seams
+from hicache.errors import HiCacheError
+from hicache.keys import sglang_page_hashes, sglang_page_keys
+from hicached.cache.chains import ENTRY_OVERHEAD_BYTES, ChainTable
+from hicached.cache.events import EventKind, EventLog
+from hicached.cache.pool_cache import PoolCache
+from hicached.core.pool import HostPool
+from hicached.core.trusted_paths import UntrustedPath
+from hicached.frontends.kv_event_config import KvEventsConfig
+from hicached.frontends.kv_event_format import Encoder, block_hash, engine_events
+from hicached.frontends.kv_events import KvEventPublisher
+from hicached.tiers.stack import TierStack
+from tests.helpers import make_pool, mha, spec
+from tests.kv_event_follower import Follower
+from tests.sglang_harness import install_stand_ins
+
+PS = 4
+
+
+@given(st.binary(min_size=1, max_size=64))
+def test_a_block_hash_is_sglangs_hash_str_to_int64_of_the_key(key: bytes) -> None:
+    assert block_hash(key) == hash_str_to_int64(key.hex())
+
+
+def _node(parent: Any, tokens: list[int]) -> Any:
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+    node = TreeNode()
+    node.parent, node.key = parent, RadixKey(array("q", tokens))
+    prior = parent.hash_value[-1] if parent.hash_value else None
+    node.hash_value = sglang_page_hashes(tokens, PS, prior)
+    return node
+
+
+def test_a_stores_and_a_removals_events_are_sglangs_own_for_the_same_pages() -> None:
+    """SGLang's recorder reports two radix nodes of one prefix being stored in host memory,
+    then the second one removed; the daemon's event log sees the same pages stored by two
+    Stores (the second naming its parent and both their tokens) and removed: the same
+    messages, byte for byte, but for their timestamps."""
+    install_stand_ins()  # what SGLang's radix cache imports but never uses here
+    from sglang.srt.mem_cache.events import KVCacheEventRecorder
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+    tokens = np.random.default_rng(0).integers(0, 150_000, 5 * PS).tolist()
+    root = TreeNode()
+    root.key, root.hash_value = RadixKey(array("q")), []
+    first = _node(root, tokens[:2 * PS])
+    second = _node(first, tokens[2 * PS:])
+    recorder = KVCacheEventRecorder(enabled=True, page_size=PS)
+    recorder.record_store(first, medium=StorageMedium.CPU)
+    recorder.record_store(second, medium=StorageMedium.CPU)
+    recorder.record_remove(second, medium=StorageMedium.CPU)
+    theirs = recorder.take()
+
+    keys = sglang_page_keys(tokens, PS)
+    log = EventLog(chains=ChainTable(1 << 20, PS))
+    log.chains.note(keys[:2], b"", np.asarray(tokens[:2 * PS]))
+    log.append(EventKind.STORED, keys[:2])
+    log.chains.note(keys[2:], keys[1], np.asarray(tokens[2 * PS:]))
+    log.append(EventKind.STORED, keys[2:])
+    log.append(EventKind.REMOVED, keys[2:])
+    ours = msgspec.msgpack.Decoder(type=KVEventBatch).decode(
+        Encoder().batch(engine_events(log.after(0), PS))).events
+    assert msgspec.to_builtins(ours) == msgspec.to_builtins(theirs)
+    assert len(ours) == 2 and ours[0].block_hashes == [hash_str_to_int64(h) for h in
+                                                         first.hash_value + second.hash_value]
+
+
+def test_the_chain_table_keeps_its_budget_and_the_batch_just_noted() -> None:
+    table = ChainTable(10 * (ENTRY_OVERHEAD_BYTES + 64), PS)
+    keys = [bytes([i]) * 32 for i in range(40)]
+    for i in range(0, 40, 4):
+        table.note(keys[i:i + 4], keys[i - 1] if i else b"")
+        assert table.bytes_used <= table.max_bytes
+    assert table.entries == 10 and table.parent_of(keys[39]) == keys[38]
+    assert table.parent_of(keys[0]) == b""  # forgotten
+    runs = table.runs([keys[0], keys[37], keys[38], keys[39]], chain=False)
+    assert [(r.keys, r.parent) for r in runs] == [([keys[0]], b""),
+                                                  ([keys[37], keys[38], keys[39]], keys[36])]
+    tiny = ChainTable(0, PS)  # no budget: the batch itself still stays, for its own events
+    tiny.note(keys[:3], b"p", np.arange(3 * PS))
+    (run,) = tiny.runs(keys[:3])
+    assert run.parent == b"p" and run.token_ids().tolist() == list(range(3 * PS))
+    tiny.note(keys[3:4])
+    assert tiny.entries == 1
+
+
+@pytest.fixture
+def pool() -> Iterator[HostPool]:
+    p = make_pool(spec(mha(), page_size=PS, size_tokens=64 * PS))
+    yield p
+    p.close()
+
+
+def _store(cache: PoolCache, keys: list[bytes]) -> None:
+    ticket = cache.begin_store(keys)
+    cache.finish_store(ticket, True)
+
+
+def test_a_full_queue_drops_and_a_snapshot_makes_the_subscriber_whole(
+        pool: HostPool, tmp_path: Path) -> None:
+    """The publisher's thread is held while twenty Stores happen against a queue of four:
+    sixteen events are dropped and counted, nothing waits; once let go, the thread publishes
+    what it had and then a snapshot, after which the subscriber holds exactly the pool."""
+    cache = PoolCache(pool, EventLog(chains=ChainTable(1 << 20, PS)))
+    stack = TierStack(pool, cache)
+    stack.start()
+    pub = KvEventPublisher(KvEventsConfig(endpoint=f"ipc://{tmp_path}/kv.sock",
+                                          replay_endpoint=f"ipc://{tmp_path}/r.sock",
+                                          max_queue_size=4))
+    pub.start()
+    f = Follower(pub.endpoint, pub.replay_endpoint)
+    try:
+        time.sleep(0.2)
+        pub.attached("p", stack)
+        f.until(lambda: f.last >= 0 or bool(f.sync()))
+        keys = [os.urandom(32) for _ in range(20)]
+        with seams.Pause("kv_events.turn") as held:
+            assert held.wait_reached(5)
+            t0 = time.perf_counter()
+            for k in keys:
+                _store(cache, [k])
+            assert time.perf_counter() - t0 < 1.0  # never waited for the stalled thread
+            assert pub.stats().dropped == 16 and pub.stats().queued == 4
+        f.until(lambda: f.held("p", "CPU_PINNED") == {block_hash(k) for k in keys})
+        st = pub.stats()
+        assert st.resyncs == 1 and st.dropped == 16
+        names = [type(e).__name__ for _, _, e in f.events]
+        assert names.count("AllBlocksCleared") == 2  # the start's and the snapshot's
+        assert f.gaps == 0
+    finally:
+        f.close()
+        pub.close()
+        stack.close()
+
+
+def test_endpoints_are_loopback_or_ipc_unless_allowed() -> None:
+    ok = [("tcp://127.0.0.1:5557", False), ("tcp://[::1]:5557", False),
+          ("tcp://localhost:1", False), ("ipc:///run/hicached/kv.sock", False),
+          ("tcp://*:5557", True), ("tcp://0.0.0.0:5557", True)]
+    for endpoint, remote in ok:
+        assert KvEventsConfig(endpoint=endpoint, allow_remote=remote).enabled
+    bad = [{"endpoint": "tcp://*:5557"}, {"endpoint": "tcp://0.0.0.0:5557"},
+           {"endpoint": "tcp://10.1.2.3:5557"}, {"endpoint": "inproc://kv"},
+           {"endpoint": "ipc://relative.sock"}, {"endpoint": "tcp://127.0.0.1"},
+           {"replay_endpoint": "tcp://127.0.0.1:1"},
+           {"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": "tcp://127.0.0.1:1"},
+           {"endpoint": "tcp://127.0.0.1:1", "format": "vllm"},
+           {"endpoint": "tcp://127.0.0.1:1", "buffer_steps": 0}]
+    for kwargs in bad:
+        with pytest.raises(HiCacheError) as exc:
+            KvEventsConfig(**kwargs)  # type: ignore[arg-type]
+        assert exc.value.reason == "SPEC_INVALID", kwargs
+    for table in ({"endpoint": "tcp://127.0.0.1:1", "hwm": "many"}, {"nope": 1},
+                  {"endpoint": "tcp://127.0.0.1:1", "allow_remote": "perhaps"}):
+        with pytest.raises(HiCacheError) as exc:
+            KvEventsConfig.from_mapping(table)
+        assert exc.value.reason == "SPEC_INVALID", table
+
+
+def test_a_file_planted_where_the_socket_goes_refuses_the_start(tmp_path: Path) -> None:
+    planted = tmp_path / "kv.sock"
+    planted.write_text("not ours to remove")
+    pub = KvEventPublisher(KvEventsConfig(endpoint=f"ipc://{planted}"))
+    with pytest.raises(UntrustedPath):
+        pub.start()
+    pub.close()
+    assert planted.read_text() == "not ours to remove"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone may write there (and it is not sticky)
+    pub = KvEventPublisher(KvEventsConfig(endpoint=f"ipc://{shared}/kv.sock"))
+    with pytest.raises(UntrustedPath):
+        pub.start()
+    pub.close()
