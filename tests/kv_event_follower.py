@@ -2,9 +2,9 @@
 engine's: a SUB socket, the sequence checked for gaps, the replay socket asked for what was
 missed; every payload decoded with SGLang 0.5.23's own ``KVEventBatch`` decoder, never ours.
 
-``Follower(endpoint, replay_endpoint, subscribe, topic)`` keeps what the stream says each pool holds, per
-medium (``blocks[(pool, medium)]``: block hashes), the events in the order applied, and counts
-the gaps it saw and the replays it asked for.
+``Follower(endpoint, replay_endpoint, subscribe, topic)`` keeps what the stream says each pool
+holds, per medium (``blocks[(pool, medium)]``: block hashes), the events in the order applied,
+and counts the gaps it saw and the replays it asked for.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Follower:
             self.seqs.append(seq)
             if seq <= self.last:
                 continue  # replayed already
-            if self.last >= 0 and seq > self.last + 1 or self.last < 0 and seq > 0:
+            if seq > self.last + 1:  # (a first message after 0: joined late)
                 self.gaps += 1
                 self.sync()
                 if seq <= self.last:
