@@ -31,7 +31,7 @@ class Follower:
                  topic: bytes = b"") -> None:
         """``subscribe``: the SUB socket's filter (a pool's topic, or b"": everything);
         ``topic``: the daemon's ``[kv_events] topic`` (the part before each pool's name)."""
-        self.ctx = zmq.Context.instance()  # one for all (a collected context would wait
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()  # one for all (a collected context would wait
         # for sockets forever)
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, subscribe)

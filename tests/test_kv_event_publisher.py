@@ -102,7 +102,8 @@ def test_the_chain_table_keeps_its_budget_and_the_batch_just_noted() -> None:
     tiny = ChainTable(0, PS)  # no budget: the batch itself still stays, for its own events
     tiny.note(keys[:3], b"p", np.arange(3 * PS))
     (run,) = tiny.runs(keys[:3])
-    assert run.parent == b"p" and run.token_ids().tolist() == list(range(3 * PS))
+    tokens = run.token_ids()
+    assert run.parent == b"p" and tokens is not None and tokens.tolist() == list(range(3 * PS))
     tiny.note(keys[3:4])
     assert tiny.entries == 1
 

@@ -249,7 +249,7 @@ def test_a_daemon_restart_is_a_gap_whose_replay_restates_what_is_held(tmp_path: 
 
 def test_a_hostile_replay_request_is_ignored_and_the_stream_goes_on(daemon: DaemonProc,
                                                                      tmp_path: Path) -> None:
-    bad = zmq.Context.instance().socket(zmq.DEALER)
+    bad: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     bad.setsockopt(zmq.LINGER, 0)
     bad.connect(f"ipc://{tmp_path}/kv-replay.sock")
     bad.send_multipart([b"", b"\x00" * 3])  # not 8 bytes
