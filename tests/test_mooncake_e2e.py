@@ -530,3 +530,47 @@ def test_a_corrupt_object_is_never_served(cluster: tuple[Netns, Master],
         assert wb.client.lookup(sp.name, [b"bad-key"]).tiers == b"\x00", "still in the store"
     finally:
         wb.close()
+
+
+def test_kv_events_tell_puts_and_removals_in_the_cluster(cluster: tuple[Netns, Master],
+                                                         master: Master, tmp_path: Path) -> None:
+    """Node A's KV event stream (decoded with SGLang's own decoder) tells every page it put
+    as EXTERNAL and every removal it made there; node B, promoting them, tells its own host
+    memory (its stream, not A's, is where they became local)."""
+    from tests.kv_event_follower import Follower
+    from tests.test_kv_events import sglang_hash
+
+    streams = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        streams[name] = (f"--kv-events-endpoint=ipc://{tmp_path}/{name}/kv.sock",
+                         f"--kv-events-replay-endpoint=ipc://{tmp_path}/{name}/r.sock")
+    a = node(cluster, tmp_path / "a", *streams["a"])
+    b = node(cluster, tmp_path / "b", *streams["b"])
+    fa = Follower(f"ipc://{tmp_path}/a/kv.sock", f"ipc://{tmp_path}/a/r.sock")
+    fb = Follower(f"ipc://{tmp_path}/b/kv.sock", f"ipc://{tmp_path}/b/r.sock")
+    sp = spec("events")
+    wa, wb = Worker(a, sp), Worker(b, sp)
+    try:
+        keys = keys_of("events", 6)
+        want = wa.store(keys)
+        wait_puts(wa, 6)
+        hashes = {sglang_hash(k) for k in keys}
+        fa.until(lambda: fa.held(sp.name, "EXTERNAL") == hashes)
+        assert fa.held(sp.name, "CPU_PINNED") == hashes
+        assert wb.load_exact(keys, want)  # B promotes from the cluster
+        fb.until(lambda: fb.held(sp.name, "CPU_PINNED") == hashes)
+        assert not fb.held(sp.name, "EXTERNAL")  # B put none of them
+        assert wa.client.remove_keys(sp.name, keys[:2]) == 2
+        fa.until(lambda: fa.held(sp.name, "EXTERNAL") == hashes - {sglang_hash(k)
+                                                                  for k in keys[:2]})
+        wa.client.clear_pool(sp.name)
+        fa.until(lambda: not fa.held(sp.name, "EXTERNAL") and not fa.held(sp.name,
+                                                                          "CPU_PINNED"))
+    finally:
+        for w in (wa, wb):
+            w.close()
+        for f in (fa, fb):
+            f.close()
+        for d in (a, b):
+            d.stop(signal.SIGTERM)
