@@ -31,8 +31,8 @@ class Follower:
                  topic: bytes = b"") -> None:
         """``subscribe``: the SUB socket's filter (a pool's topic, or b"": everything);
         ``topic``: the daemon's ``[kv_events] topic`` (the part before each pool's name)."""
-        self.ctx: zmq.Context[Any] = zmq.Context.instance()  # one for all (a collected context would wait
-        # for sockets forever)
+        # one context for all: a collected context would wait for its sockets forever
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, subscribe)
         self.sub.setsockopt(zmq.LINGER, 0)

@@ -148,7 +148,8 @@ class SGLangCache:
                  tp_group: Any = None, extra: dict[str, Any] | None = None,
                  page_size: int = PAGE, size: int = SIZE, layers: int = LAYERS,
                  heads: int = 2, head_dim: int = 8, v_head_dim: int | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", kv_events: bool = False) -> None:
+        """``kv_events``: SGLang's own cache records its KV events (``cache.take_events()``)."""
         install_stand_ins()
         from sglang.srt import runtime_context as rc
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -198,7 +199,7 @@ class SGLangCache:
         params = CacheInitParams(disable=False, req_to_token_pool=req_pool,
                                  token_to_kv_pool_allocator=self.allocator,
                                  page_size=page_size,
-                                 tp_cache_group=tp_group)
+                                 tp_cache_group=tp_group, enable_kv_cache_events=kv_events)
         self.counters: list[Any] = []
         self.device = device
         forward = torch.cuda.current_stream() if device == "cuda" else None
