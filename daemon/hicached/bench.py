@@ -138,14 +138,15 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
-def start_daemon(workdir: str, shm_dir: str, budget: str, metrics_listen: str = ""
-                 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A daemon process on a socket in ``workdir``, serving once this returns."""
+def start_daemon(workdir: str, shm_dir: str, budget: str, metrics_listen: str = "",
+                 *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A daemon process on a socket in ``workdir``, serving once this returns; ``extra``:
+    more flags."""
     sock = os.path.join(workdir, "bench.sock")
     proc = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--listen",
                              f"unix:{sock}", "--shm-dir", shm_dir, "--metrics-listen",
                              metrics_listen, "--memory-budget", budget, "--reserve", "0",
-                             "--state-dir", "", "--log-level", "WARNING"],
+                             "--state-dir", "", "--log-level", "WARNING", *extra],
                             stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     c = HiCacheClient(f"unix:{sock}", reconnect_seconds=30)

@@ -1,0 +1,198 @@
+"""KV events benchmark: what publishing the stream costs the data path, and what it sustains.
+
+Two real daemon processes side by side, identical but for ``--kv-events-endpoint``: "off"
+(no stream: the daemon as it was) and "on" (the stream on an ``ipc://`` socket, one
+subscriber reading as fast as it can). This process is the worker of both (one session each,
+shm buffers, the fast path); every Store names fresh keys in a full pool, so each one also
+evicts (two events per Store: a STORED and an EVICTED). Alternating blocks of ``BLOCK``
+calls, medians:
+
+1. 1-page Store latency, off vs on (target: on within 5 % of off).
+2. 64-page Store throughput in pages/s, off vs on (target: within 5 %).
+3. A slow subscriber (sleeps 1 ms per message, a receive high-water mark of 1000) on "on"
+   while this process stores 1-page batches for ``--seconds``: the Store latency beside "off"
+   measured in the same alternation, the events published per second, the events the daemon
+   dropped (its queue full: ``hicache_kv_events_dropped_total``) and the messages the
+   subscriber missed (ZeroMQ dropped them at its high-water mark: the gaps it saw).
+
+Run: ``python benchmarks/bench_kv_events.py [--quick] [--seconds S] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+import torch
+
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicached.bench import start_daemon
+
+GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=4, head_num=2, head_dim=64)
+PS = 16
+POOL_PAGES = 1024
+SPEC = PoolSpec("kvbench", GEOMETRY, PS, size_tokens=PS * POOL_PAGES)
+BLOCK = 200
+
+SUBSCRIBER = """
+import sys, time, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.SUB); s.setsockopt(zmq.RCVHWM, 1000)
+s.setsockopt(zmq.SUBSCRIBE, b""); s.connect(sys.argv[1]); delay = float(sys.argv[2])
+n = gaps = 0; last = -1; stop = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < stop:
+    if not s.poll(100): continue
+    _, seq, _ = s.recv_multipart(); seq = int.from_bytes(seq, "big")
+    gaps += last >= 0 and seq > last + 1; last = seq; n += 1
+    if delay: time.sleep(delay)
+print(n, gaps, flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        m = re.search(rf"^{name} (\S+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+class Side:
+    def __init__(self, target: str, name: str) -> None:
+        self.client = HiCacheClient(target)
+        self.client.create_pool(SPEC)
+        self.bufs = ShmDeviceBuffers.create(SPEC, 64 * PS, prefix=f"kvbench-{name}")
+        for t in self.bufs.all_tensors():
+            t.view(torch.uint8).random_()
+        self.session = self.client.open_session(SPEC.name, name, self.bufs.descriptors)
+        assert self.client.data_path == "fast"
+        self.n = 0
+
+    def store(self, pages: int) -> float:
+        keys = [b"%s-%09d" % (self.session.session_id.encode()[-8:], self.n + i)
+                for i in range(pages)]
+        self.n += pages
+        t0 = time.perf_counter()
+        self.session.store(keys, torch.arange(pages * PS))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.session.close()
+        self.bufs.close()
+        self.client.close()
+
+
+def alternate(sides: dict[str, Side], pages: int, reps: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(reps):
+        for name, side in sides.items():
+            out[name] += [side.store(pages) for _ in range(BLOCK)]
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = {k: tempfile.mkdtemp(prefix=f"hicache-bench-kv-{k}-") for k in ("off", "on")}
+    port = free_port()
+    endpoint = f"ipc://{work['on']}/kv.sock"
+    procs = {"off": start_daemon(work["off"], "/dev/shm", "1GiB"),
+             "on": start_daemon(work["on"], "/dev/shm", "1GiB", f"127.0.0.1:{port}",
+                                "--kv-events-endpoint", endpoint)}
+    sub: subprocess.Popen[bytes] | None = None
+    try:
+        sides = {k: Side(target, k) for k, (_, target) in procs.items()}
+        reps = 3 if args.quick else 10
+        res: dict[str, Any] = {}
+        fast = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, "0", "3600"],
+                                stdout=subprocess.PIPE)
+        time.sleep(0.5)
+        for name, side in sides.items():  # fill both pools: every later Store evicts
+            for _ in range(POOL_PAGES // 64 + 1):
+                side.store(64)
+        one = alternate(sides, 1, reps)
+        res["store_1_page_us"] = {k: 1e6 * statistics.median(v) for k, v in one.items()}
+        many = alternate(sides, 64, max(reps // 2, 2))
+        res["store_64_pages_per_s"] = {k: 64 / statistics.median(v) for k, v in many.items()}
+        fast.terminate()
+        fast.wait(10)
+        seconds = 3.0 if args.quick else args.seconds
+        sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, "0.001",
+                                str(seconds + 2)], stdout=subprocess.PIPE)
+        time.sleep(0.5)
+        published0 = scrape(port, "hicache_kv_events_published_total")
+        dropped0 = scrape(port, "hicache_kv_events_dropped_total")
+        t0 = time.monotonic()
+        slow: dict[str, list[float]] = {k: [] for k in sides}
+        while time.monotonic() - t0 < seconds:
+            for name, side in sides.items():
+                slow[name] += [side.store(1) for _ in range(BLOCK)]
+        elapsed = time.monotonic() - t0
+        time.sleep(0.5)
+        published = scrape(port, "hicache_kv_events_published_total") - published0
+        received, gaps = (int(x) for x in sub.communicate(timeout=seconds + 30)[0].split())
+        res["slow_subscriber"] = {
+            "store_1_page_us": {k: 1e6 * statistics.median(v) for k, v in slow.items()},
+            "events_per_s": published / elapsed,
+            "dropped_in_daemon": scrape(port, "hicache_kv_events_dropped_total") - dropped0,
+            "messages_received": received, "gaps_seen": gaps}
+        for side in sides.values():
+            side.close()
+        return res
+    finally:
+        if sub is not None and sub.poll() is None:
+            sub.kill()
+        for proc, _ in procs.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        for d in work.values():
+            for f in os.listdir(d):
+                os.unlink(os.path.join(d, f))
+            os.rmdir(d)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    r = run(args)
+    s1, s64 = r["store_1_page_us"], r["store_64_pages_per_s"]
+    print(f"Store over the fast path, full pool (each Store evicts), medians of alternating "
+          f"blocks of {BLOCK}:")
+    print(f"  1 page:   off {s1['off']:7.1f} us  on {s1['on']:7.1f} us  "
+          f"(on/off x{s1['on'] / s1['off']:.3f})")
+    print(f"  64 pages: off {s64['off']:9.0f} pages/s  on {s64['on']:9.0f} pages/s  "
+          f"(on/off x{s64['on'] / s64['off']:.3f})")
+    slow = r["slow_subscriber"]
+    ss = slow["store_1_page_us"]
+    print(f"A subscriber sleeping 1 ms per message on 'on', 1-page Stores as fast as they go:")
+    print(f"  1 page:   off {ss['off']:7.1f} us  on {ss['on']:7.1f} us  "
+          f"(on/off x{ss['on'] / ss['off']:.3f})")
+    print(f"  {slow['events_per_s']:.0f} events/s published; {slow['dropped_in_daemon']:.0f} "
+          f"dropped in the daemon (queue full); the subscriber read "
+          f"{slow['messages_received']} messages and saw {slow['gaps_seen']} gap(s) "
+          f"(missed at its high-water mark, to be replayed)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
