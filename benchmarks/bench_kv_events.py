@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fast = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, "0", "3600"],
                                 stdout=subprocess.PIPE)
         time.sleep(0.5)
-        for name, side in sides.items():  # fill both pools: every later Store evicts
+        for side in sides.values():  # fill both pools: every later Store evicts
             for _ in range(POOL_PAGES // 64 + 1):
                 side.store(64)
         one = alternate(sides, 1, reps)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(on/off x{s64['on'] / s64['off']:.3f})")
     slow = r["slow_subscriber"]
     ss = slow["store_1_page_us"]
-    print(f"A subscriber sleeping 1 ms per message on 'on', 1-page Stores as fast as they go:")
+    print("A subscriber sleeping 1 ms per message on 'on', 1-page Stores as fast as they go:")
     print(f"  1 page:   off {ss['off']:7.1f} us  on {ss['on']:7.1f} us  "
           f"(on/off x{ss['on'] / ss['off']:.3f})")
     print(f"  {slow['events_per_s']:.0f} events/s published; {slow['dropped_in_daemon']:.0f} "

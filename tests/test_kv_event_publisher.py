@@ -89,13 +89,18 @@ def test_a_stores_and_a_removals_events_are_sglangs_own_for_the_same_pages() -> 
 
 
 def test_the_chain_table_keeps_its_budget_and_the_batch_just_noted() -> None:
-    table = ChainTable(10 * (ENTRY_OVERHEAD_BYTES + 64), PS)
+    batch = 4 * (ENTRY_OVERHEAD_BYTES + 32) + 32  # four keys and a parent
+    table = ChainTable(2 * batch, PS)
     keys = [bytes([i]) * 32 for i in range(40)]
     for i in range(0, 40, 4):
         table.note(keys[i:i + 4], keys[i - 1] if i else b"")
         assert table.bytes_used <= table.max_bytes
-    assert table.entries == 10 and table.parent_of(keys[39]) == keys[38]
-    assert table.parent_of(keys[0]) == b""  # forgotten
+    assert table.entries == 8 and table.parent_of(keys[39]) == keys[38]
+    assert table.parent_of(keys[32]) == keys[31]  # the parent its Store named
+    assert table.parent_of(keys[0]) == b"" and table.parent_of(keys[31]) == b""  # forgotten
+    table.note([keys[37]], b"elsewhere")  # noted again: the newer Store's word counts
+    assert table.parent_of(keys[37]) == b"elsewhere"
+    table.note([keys[37]], keys[36])
     runs = table.runs([keys[0], keys[37], keys[38], keys[39]], chain=False)
     assert [(r.keys, r.parent) for r in runs] == [([keys[0]], b""),
                                                   ([keys[37], keys[38], keys[39]], keys[36])]
