@@ -1,13 +1,8 @@
 """Domain errors of hicached: what failed, with a stable reason code and metadata.
 
-Nothing here knows about gRPC; the service layer maps these classes to status codes in one table.
-Every error carries:
-
-- ``reason``: a stable, upper-snake-case code that is part of the public API (docs/api.md
-  lists them);
-- ``metadata``: ``dict[str, str]`` with the offending values (sizes, positions, suggestions);
-- ``violations``: every problem found in the request, each naming the request field at fault.
-  Validation collects all of them before raising; the raised class is the first violation's.
+No gRPC here: one table elsewhere maps these classes to status codes. Every error carries a
+``reason`` (a stable code, part of the API: docs/api.md lists them), ``metadata`` (the
+offending values) and ``violations`` (each problem found, naming its field; the first raises).
 
 Hierarchy::
 
@@ -195,8 +190,7 @@ class TooManyKeys(InvalidRequest):
 
 
 class TokenIdsInvalid(InvalidRequest):
-    """A Store's ``token_ids`` that are not ``page_size`` per key, or not token ids (metadata:
-    count and expected, or the first bad position)."""
+    """A Store's ``token_ids`` that are not ``page_size`` per key, or hold a negative id."""
 
     reason = "TOKEN_IDS_INVALID"
 

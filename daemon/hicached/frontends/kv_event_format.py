@@ -4,8 +4,10 @@ SGLang 0.5.23 (``sglang/srt/disaggregation/kv_events.py``) publishes, on a ZeroM
 three frames per message: a topic, an 8-byte big-endian sequence number and a msgpack
 ``KVEventBatch``: an array ``[ts, events, attn_dp_rank]`` whose events are maps tagged with
 their class (``{"type": "BlockStored", ...}``, fields at their default left out). The structs
-here have the same names, fields, order and options, so SGLang's own decoder reads them; they
-are declared here because the daemon does not import SGLang.
+here have the same names, fields and options, so SGLang's own decoder reads them, and vLLM
+0.33's (``vllm.distributed.kv_events``, the same tagged maps in an array ``[ts, events,
+data_parallel_rank]``) too: ``medium`` and ``lora_name``, which vLLM requires, are always
+sent. They are declared here because the daemon imports neither engine.
 
 A page's block hash is SGLang's ``hash_str_to_int64`` of its key's hex (the first 8 bytes of
 the key, big-endian, as a signed int64): the engine and the daemon report one block for one
@@ -47,15 +49,15 @@ class BlockStored(_KVCacheEvent):
     token_ids: list[int]
     block_size: int
     lora_id: int | None
-    medium: str | None = None
+    medium: str | None  # always sent (SGLang's default is None, vLLM requires the key)
+    lora_name: str | None  # always sent, nil: vLLM 0.33's BlockStored requires the key
     cache_salt: str | None = None
     session_id: str | None = None
-    lora_name: str | None = None
 
 
 class BlockRemoved(_KVCacheEvent):
     block_hashes: list[int]
-    medium: str | None = None
+    medium: str | None
 
 
 class AllBlocksCleared(_KVCacheEvent):
@@ -81,7 +83,8 @@ def _stored(keys: Sequence[bytes], parent: bytes, tokens: list[int], block_size:
             medium: str) -> BlockStored:
     return BlockStored(block_hashes=[block_hash(k) for k in keys],
                        parent_block_hash=block_hash(parent) if parent else None,
-                       token_ids=tokens, block_size=block_size, lora_id=None, medium=medium)
+                       token_ids=tokens, block_size=block_size, lora_id=None, medium=medium,
+                       lora_name=None)
 
 
 def engine_events(events: Iterable[CacheEvent], block_size: int) -> list[EngineEvent]:
