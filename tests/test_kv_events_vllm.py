@@ -1,0 +1,97 @@
+"""The daemon's KV event stream read with vLLM 0.33's own decoder: ``vllm.distributed.
+kv_events.KVEventBatch``, imported in a process of its own with ``VLLM_TARGET_DEVICE=cpu``
+from the directory the test set-up installs vLLM's code into (``.vllm-0.33.0``, never the
+environment: SGLang changes its paths when it finds vLLM installed). Every message a real
+daemon sent for stores with tokens, an eviction, a removal and a clear decodes there to the
+same events SGLang's decoder reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from sglang.srt.disaggregation.kv_events import KVEventBatch
+
+from tests.daemon_proc import REPO, start_daemon
+from tests.kv_event_follower import END
+from tests.test_kv_events import PS, SPEC, Worker, chain, kv_args
+
+VLLM = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / ".vllm-0.33.0"))
+if not (VLLM / ".complete").exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"vLLM's code is not in {VLLM}: scripts/setup.sh --test puts it there")
+    pytest.skip(f"vLLM's code is not in {VLLM} (scripts/setup.sh --test)", allow_module_level=True)
+
+DECODE = """
+import json, sys
+import msgspec
+from vllm.distributed.kv_events import KVEventBatch
+decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+out = []
+for line in sys.stdin:
+    batch = decoder.decode(bytes.fromhex(line.strip()))
+    out.append([[type(e).__name__, msgspec.to_builtins(e)] for e in batch.events])
+print(json.dumps(out))
+"""
+
+
+def everything(replay_endpoint: str) -> list[bytes]:
+    """Every message the daemon sent, as the replay socket gives them (from sequence 0)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(replay_endpoint)
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        out = []
+        while True:
+            assert sock.poll(5000)
+            _, _, seq, payload = sock.recv_multipart()
+            if seq == END:
+                return out
+            out.append(payload)
+    finally:
+        sock.close()
+
+
+def test_vllms_decoder_reads_what_sglangs_reads(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, *kv_args(tmp_path))
+    w = Worker(d)
+    try:
+        a, tokens = chain(21, 6)
+        b, _ = chain(22, 4)
+        w.store(a[:3], tokens[:3 * PS])
+        w.store(a[3:], tokens[3 * PS:], parent=a[2])
+        w.store(b)  # evicts two
+        w.client.remove_keys(SPEC.name, b[:1])
+        w.client.clear_pool(SPEC.name)
+        time.sleep(0.5)
+        payloads = everything(f"ipc://{tmp_path}/kv-replay.sock")
+    finally:
+        w.close()
+        d.stop()
+    got = subprocess.run(
+        [sys.executable, "-c", DECODE], input="\n".join(p.hex() for p in payloads),
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(VLLM), "VLLM_TARGET_DEVICE": "cpu"})
+    assert got.returncode == 0, got.stderr[-3000:]
+    theirs = json.loads(got.stdout)
+    sglang = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ours = [[[type(e).__name__, msgspec.to_builtins(e)] for e in sglang.decode(p).events]
+            for p in payloads]
+    assert len(theirs) == len(ours) >= 4
+    kinds = [name for batch in theirs for name, _ in batch]
+    assert {"AllBlocksCleared", "BlockStored", "BlockRemoved"} <= set(kinds)
+    for vb, sb in zip(theirs, ours, strict=True):
+        for (vname, vev), (sname, sev) in zip(vb, sb, strict=True):
+            assert vname == sname
+            for field in ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                          "medium"):
+                assert vev.get(field) == sev.get(field), (vname, field)
