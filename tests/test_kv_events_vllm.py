@@ -50,7 +50,7 @@ def everything(replay_endpoint: str) -> list[bytes]:
     sock.connect(replay_endpoint)
     try:
         sock.send_multipart([b"", (0).to_bytes(8, "big")])
-        out = []
+        out: list[bytes] = []
         while True:
             assert sock.poll(5000)
             _, _, seq, payload = sock.recv_multipart()
