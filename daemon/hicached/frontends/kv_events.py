@@ -129,7 +129,8 @@ class KvEventPublisher:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.config.hwm)
         sock.setsockopt(zmq.RCVHWM, 64)
-        sock.setsockopt(zmq.MAXMSGSIZE, 64)  # a subscription or a replay request is tiny
+        # what a peer may send: a subscription (a topic prefix), a replay request (8 bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4096 if kind == zmq.PUB else 64)
         if endpoint.startswith("ipc://"):
             self._clear_ipc(endpoint[len("ipc://"):])
         sock.bind(endpoint)
