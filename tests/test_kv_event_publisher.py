@@ -201,3 +201,18 @@ def test_a_file_planted_where_the_socket_goes_refuses_the_start(tmp_path: Path) 
     with pytest.raises(UntrustedPath):
         pub.start()
     pub.close()
+
+
+def test_the_kv_events_table_and_flags_make_the_config() -> None:
+    from hicached.__main__ import main as hicached_main
+    from hicached.server.config import config_from_mapping
+
+    c = config_from_mapping({"kv_events": {"endpoint": "ipc:///run/h/kv.sock", "topic": "h.",
+                                           "chain_bytes": "1MiB", "buffer_steps": 5}})
+    assert c.kv_events.enabled and c.kv_events.chain_bytes == 1 << 20
+    assert c.kv_events.buffer_steps == 5 and c.kv_events.topic == "h."
+    assert not config_from_mapping({}).kv_events.enabled  # off by default
+    with pytest.raises(HiCacheError):
+        config_from_mapping({"kv_events": {"endpoint": "tcp://*:5557"}})
+    # a refused endpoint stops the daemon before it starts, with a clear line
+    assert hicached_main(["serve", "--kv-events-endpoint", "tcp://0.0.0.0:5557"]) == 2
