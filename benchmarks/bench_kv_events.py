@@ -44,7 +44,7 @@ GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=4, head_num=2, hea
 PS = 16
 POOL_PAGES = 1024
 SPEC = PoolSpec("kvbench", GEOMETRY, PS, size_tokens=PS * POOL_PAGES)
-BLOCK = 200
+BLOCK = 50
 
 SUBSCRIBER = """
 import sys, time, zmq
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sub: subprocess.Popen[bytes] | None = None
     try:
         sides = {k: Side(target, k) for k, (_, target) in procs.items()}
-        reps = 3 if args.quick else 10
+        reps = 6 if args.quick else 40
         res: dict[str, Any] = {}
         fast = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, "0", "3600"],
                                 stdout=subprocess.PIPE)

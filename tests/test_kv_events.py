@@ -204,8 +204,10 @@ def test_a_gap_older_than_the_buffer_is_answered_with_a_snapshot(tmp_path: Path)
     try:
         keys, _ = chain(8, 6)
         w.store(keys[:3])
-        for k in keys[3:]:
+        for k in keys[3:]:  # a message each (events published together are one message)
+            time.sleep(0.05)
             w.store([k])
+        time.sleep(0.05)
         w.client.remove_keys(SPEC.name, keys[:1])
         f = Follower(f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/kv-replay.sock")
         time.sleep(0.2)

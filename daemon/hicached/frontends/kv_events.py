@@ -17,7 +17,8 @@ replay socket: from a sequence still buffered (``buffer_steps`` batches) it gets
 again, from an older one a snapshot (every message numbered with the last sequence sent),
 then the end marker (an empty topic, sequence -1, an empty payload), as SGLang's publisher
 answers. At most ``REPLAYS_PER_TURN`` requests are served between two turns of publishing
-and a snapshot is built at most once per ``SNAPSHOT_REUSE_SECONDS``.
+and a snapshot is built at most once per ``SNAPSHOT_REUSE_SECONDS``. Events are published
+``GATHER_MS`` after the first of them arrived, together.
 
 Primitives:
 
@@ -31,6 +32,7 @@ Primitives:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat
@@ -69,6 +71,9 @@ DRAIN_ITEMS = 4096
 REPLAYS_PER_TURN = 8
 SNAPSHOT_REUSE_SECONDS = 1.0
 IDLE_POLL_MS = 200
+GATHER_MS = 5
+"""How long the thread lets events gather once one arrived before it publishes them: events
+reach subscribers within a few milliseconds, and a burst of Stores costs one message."""
 _MONITOR_EVENT = struct.Struct("=H")
 
 
@@ -179,7 +184,7 @@ class KvEventPublisher:
     def attached(self, name: str, stack: TierStack) -> None:
         with self._lock:
             self._pools[name] = _Pool(stack, stack.pool.page_size)
-        stack.cache.events.listener = lambda event: self.offer(name, event)
+        stack.cache.events.listener = functools.partial(self.offer, name)
         self._put((name, _ATTACHED))
 
     def deleting(self, name: str, stack: TierStack) -> None:
@@ -228,6 +233,12 @@ class KvEventPublisher:
                 ready = dict(poller.poll(0 if self._queue else IDLE_POLL_MS))
                 if self._wake_fd in ready:
                     os.eventfd_read(self._wake_fd)
+                    del ready[self._wake_fd]
+                    if len(self._queue) < DRAIN_ITEMS:
+                        # a batch gathers: one message (and one turn of this thread in the
+                        # daemon's interpreter) per interval, not one per Store; the queue
+                        # stays non-empty meanwhile, so no Store writes the eventfd again
+                        ready.update(poller.poll(GATHER_MS))
                 self._drain()
                 if self._replay is not None and self._replay in ready:
                     self._serve_replays()
