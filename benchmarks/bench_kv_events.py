@@ -13,7 +13,10 @@ calls, medians:
    while this process stores 1-page batches for ``--seconds``: the Store latency beside "off"
    measured in the same alternation, the events published per second, the events the daemon
    dropped (its queue full: ``hicache_kv_events_dropped_total``) and the messages the
-   subscriber missed (ZeroMQ dropped them at its high-water mark: the gaps it saw).
+   subscriber missed (ZeroMQ dropped them at the high-water mark, ``hwm`` = ``HWM`` here: the
+   gaps it saw, which a router replays). Then the same with 64-page Stores (64 blocks stored
+   and 64 evicted per Store) and a subscriber sleeping 50 ms per message: the blocks per
+   second the stream carries while nothing waits for the subscriber.
 
 Run: ``python benchmarks/bench_kv_events.py [--quick] [--seconds S] [--json FILE]``.
 """
@@ -47,17 +50,21 @@ SPEC = PoolSpec("kvbench", GEOMETRY, PS, size_tokens=PS * POOL_PAGES)
 BLOCK = 50
 
 SUBSCRIBER = """
-import sys, time, zmq
-ctx = zmq.Context(); s = ctx.socket(zmq.SUB); s.setsockopt(zmq.RCVHWM, 1000)
+import sys, time, msgspec, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.SUB); s.setsockopt(zmq.RCVHWM, 16)
 s.setsockopt(zmq.SUBSCRIBE, b""); s.connect(sys.argv[1]); delay = float(sys.argv[2])
-n = gaps = 0; last = -1; stop = time.monotonic() + float(sys.argv[3])
+n = gaps = blocks = 0; last = -1; stop = time.monotonic() + float(sys.argv[3])
+decode = msgspec.msgpack.decode
 while time.monotonic() < stop:
     if not s.poll(100): continue
-    _, seq, _ = s.recv_multipart(); seq = int.from_bytes(seq, "big")
+    _, seq, payload = s.recv_multipart(); seq = int.from_bytes(seq, "big")
     gaps += last >= 0 and seq > last + 1; last = seq; n += 1
+    blocks += sum(len(e.get("block_hashes", ())) for e in decode(payload)[1])
     if delay: time.sleep(delay)
-print(n, gaps, flush=True)
+print(n, gaps, blocks, flush=True)
 """
+HWM = 64
+"""The "on" daemon's high-water mark: a subscriber 64 messages behind misses the next."""
 
 
 def free_port() -> int:
@@ -109,9 +116,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = {k: tempfile.mkdtemp(prefix=f"hicache-bench-kv-{k}-") for k in ("off", "on")}
     port = free_port()
     endpoint = f"ipc://{work['on']}/kv.sock"
+    with open(os.path.join(work["on"], "kv.toml"), "w") as toml:
+        toml.write(f"[kv_events]\nhwm = {HWM}\n")
     procs = {"off": start_daemon(work["off"], "/dev/shm", "1GiB"),
              "on": start_daemon(work["on"], "/dev/shm", "1GiB", f"127.0.0.1:{port}",
-                                "--kv-events-endpoint", endpoint)}
+                                "--kv-events-endpoint", endpoint, "--config",
+                                os.path.join(work["on"], "kv.toml"))}
     sub: subprocess.Popen[bytes] | None = None
     try:
         sides = {k: Side(target, k) for k, (_, target) in procs.items()}
@@ -130,25 +140,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fast.terminate()
         fast.wait(10)
         seconds = 3.0 if args.quick else args.seconds
-        sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, "0.001",
-                                str(seconds + 2)], stdout=subprocess.PIPE)
-        time.sleep(0.5)
-        published0 = scrape(port, "hicache_kv_events_published_total")
-        dropped0 = scrape(port, "hicache_kv_events_dropped_total")
-        t0 = time.monotonic()
-        slow: dict[str, list[float]] = {k: [] for k in sides}
-        while time.monotonic() - t0 < seconds:
-            for name, side in sides.items():
-                slow[name] += [side.store(1) for _ in range(BLOCK)]
-        elapsed = time.monotonic() - t0
-        time.sleep(0.5)
-        published = scrape(port, "hicache_kv_events_published_total") - published0
-        received, gaps = (int(x) for x in sub.communicate(timeout=seconds + 30)[0].split())
-        res["slow_subscriber"] = {
-            "store_1_page_us": {k: 1e6 * statistics.median(v) for k, v in slow.items()},
-            "events_per_s": published / elapsed,
-            "dropped_in_daemon": scrape(port, "hicache_kv_events_dropped_total") - dropped0,
-            "messages_received": received, "gaps_seen": gaps}
+        for pages, delay in ((1, 0.001), (64, 0.05)):
+            sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, str(delay),
+                                    str(seconds + 2)], stdout=subprocess.PIPE)
+            time.sleep(0.5)
+            published0 = scrape(port, "hicache_kv_events_published_total")
+            dropped0 = scrape(port, "hicache_kv_events_dropped_total")
+            t0 = time.monotonic()
+            slow: dict[str, list[float]] = {k: [] for k in sides}
+            while time.monotonic() - t0 < seconds:
+                for name, side in sides.items():
+                    slow[name] += [side.store(pages) for _ in range(BLOCK)]
+            elapsed = time.monotonic() - t0
+            time.sleep(0.5)
+            published = scrape(port, "hicache_kv_events_published_total") - published0
+            received, gaps, blocks = (int(x) for x in
+                                      sub.communicate(timeout=seconds + 30)[0].split())
+            res[f"slow_subscriber_{pages}"] = {
+                "store_us": {k: 1e6 * statistics.median(v) for k, v in slow.items()},
+                "stores_per_s_on": len(slow["on"]) / elapsed * 2,
+                "events_per_s": published / elapsed, "delay_s": delay,
+                "dropped_in_daemon": scrape(port, "hicache_kv_events_dropped_total")
+                - dropped0, "messages_received": received, "gaps_seen": gaps,
+                "blocks_received": blocks}
         for side in sides.values():
             side.close()
         return res
@@ -178,15 +192,18 @@ def main(argv: list[str] | None = None) -> int:
           f"(on/off x{s1['on'] / s1['off']:.3f})")
     print(f"  64 pages: off {s64['off']:9.0f} pages/s  on {s64['on']:9.0f} pages/s  "
           f"(on/off x{s64['on'] / s64['off']:.3f})")
-    slow = r["slow_subscriber"]
-    ss = slow["store_1_page_us"]
-    print("A subscriber sleeping 1 ms per message on 'on', 1-page Stores as fast as they go:")
-    print(f"  1 page:   off {ss['off']:7.1f} us  on {ss['on']:7.1f} us  "
-          f"(on/off x{ss['on'] / ss['off']:.3f})")
-    print(f"  {slow['events_per_s']:.0f} events/s published; {slow['dropped_in_daemon']:.0f} "
-          f"dropped in the daemon (queue full); the subscriber read "
-          f"{slow['messages_received']} messages and saw {slow['gaps_seen']} gap(s) "
-          f"(missed at its high-water mark, to be replayed)")
+    for pages in (1, 64):
+        slow = r[f"slow_subscriber_{pages}"]
+        ss = slow["store_us"]
+        print(f"A subscriber sleeping {slow['delay_s'] * 1000:.0f} ms per message on 'on' "
+              f"(hwm {HWM}), {pages}-page Stores as fast as they go:")
+        print(f"  Store: off {ss['off']:7.1f} us  on {ss['on']:7.1f} us  "
+              f"(on/off x{ss['on'] / ss['off']:.3f})")
+        print(f"  {slow['events_per_s']:.0f} events/s published; "
+              f"{slow['dropped_in_daemon']:.0f} dropped in the daemon (queue full); the "
+              f"subscriber read {slow['messages_received']} messages "
+              f"({slow['blocks_received']} blocks) and saw {slow['gaps_seen']} gap(s) "
+              f"(missed at the high-water mark: replayed by a router)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -29,7 +29,7 @@ from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.trusted_paths import UntrustedPath
 from hicached.frontends.kv_event_config import KvEventsConfig
-from hicached.frontends.kv_event_format import Encoder, block_hash, engine_events
+from hicached.frontends.kv_event_format import Encoder, block_hash, block_hashes, engine_events
 from hicached.frontends.kv_events import KvEventPublisher
 from hicached.tiers.stack import TierStack
 from tests.helpers import make_pool, mha, spec
@@ -39,9 +39,13 @@ from tests.sglang_harness import install_stand_ins
 PS = 4
 
 
-@given(st.binary(min_size=1, max_size=64))
-def test_a_block_hash_is_sglangs_hash_str_to_int64_of_the_key(key: bytes) -> None:
+@given(st.binary(min_size=1, max_size=64), st.integers(0, 70))
+def test_a_block_hash_is_sglangs_hash_str_to_int64_of_the_key(key: bytes, n: int) -> None:
     assert block_hash(key) == hash_str_to_int64(key.hex())
+    keys = [bytes([i % 256]) + key[1:] for i in range(n)]  # one width, or mixed
+    assert block_hashes(keys) == [hash_str_to_int64(k.hex()) for k in keys]
+    mixed = [*keys, b"x" * 9]
+    assert block_hashes(mixed) == [hash_str_to_int64(k.hex()) for k in mixed]
 
 
 def _node(parent: Any, tokens: list[int]) -> Any:
