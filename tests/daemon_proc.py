@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,12 @@ class DaemonProc:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> str:
+        """Its Prometheus page (the port it logged: started with metrics on port 0)."""
+        port = re.findall(r"metrics port (\d+)", self.log())[-1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
 
     def pause(self, timeout: float = 5.0) -> None:
         """SIGSTOP, and wait until every thread of the daemon is stopped (a signal takes

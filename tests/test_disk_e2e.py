@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,9 +78,7 @@ def wait_disk_keys(c: HiCacheClient, n: int) -> None:
 
 
 def metrics(d: DaemonProc) -> str:
-    port = re.findall(r"metrics port (\d+)", d.log())[-1]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return str(r.read().decode())
+    return d.metrics()
 
 
 def value(text: str, name: str) -> float:

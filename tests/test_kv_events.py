@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,12 +77,6 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
     d = start_daemon(tmp_path, *kv_args(tmp_path))
     yield d
     d.stop()
-
-
-def metrics(d: DaemonProc) -> str:
-    port = re.findall(r"metrics port (\d+)", d.log())[-1]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return str(r.read().decode())
 
 
 def follow(tmp: Path, subscribe: bytes = b"") -> Follower:
@@ -264,7 +257,7 @@ def test_a_hostile_replay_request_is_ignored_and_the_stream_goes_on(daemon: Daem
         w.store(keys)
         f.until(lambda: bool(f.held(SPEC.name, "CPU_PINNED")))
         assert not bad.poll(200)  # no answer to any of them
-        text = metrics(daemon)
+        text = daemon.metrics()
         assert re.search(r"^hicache_kv_events_bad_replays_total 2\.0$", text, re.M)
         assert re.search(r"^hicache_kv_events_replays_total [1-9]", text, re.M)
         assert re.search(r"^hicache_kv_events_subscribers [1-9]", text, re.M)

@@ -13,12 +13,11 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from hicache import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient
-from tests.daemon_proc import REPO, start_daemon
+from tests.daemon_proc import REPO, DaemonProc, start_daemon
 from tests.kv_event_follower import Follower
 from tests.reliability.churn_worker import KEY_SPACE, key
 from tests.reliability.figures import record
@@ -29,10 +28,8 @@ SPEC = PoolSpec("churn", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 8), 4,
 WORKERS, OPS = 3, 300
 
 
-def scrape(log: str, name: str) -> float:
-    port = re.findall(r"metrics port (\d+)", log)[-1]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        m = re.search(rf"^{name} (\S+)$", r.read().decode(), re.M)
+def scrape(d: DaemonProc, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", d.metrics(), re.M)
     assert m, name
     return float(m.group(1))
 
@@ -61,7 +58,7 @@ def test_a_subscriber_ends_equal_to_the_pool_through_drops_and_races(tmp_path: P
             stats = [json.loads(p.communicate()[0]) for p in procs]
             assert all(p.returncode == 0 for p in procs)
             deadline = time.monotonic() + 30
-            while scrape(d.log(), "hicache_kv_events_queued") > 0:
+            while scrape(d, "hicache_kv_events_queued") > 0:
                 assert time.monotonic() < deadline
                 f.poll(0.05)
             f.poll(1.0)
@@ -70,8 +67,8 @@ def test_a_subscriber_ends_equal_to_the_pool_through_drops_and_races(tmp_path: P
             tiers = c.lookup(SPEC.name, keys).tiers
         held = {sglang_hash(k) for k, t in zip(keys, tiers, strict=True) if t == 1}
         assert f.held(SPEC.name, "CPU_PINNED") == held
-        dropped = scrape(d.log(), "hicache_kv_events_dropped_total")
-        resyncs = scrape(d.log(), "hicache_kv_events_resyncs_total")
+        dropped = scrape(d, "hicache_kv_events_dropped_total")
+        resyncs = scrape(d, "hicache_kv_events_resyncs_total")
         assert dropped > 0 and resyncs > 0  # the race this test is for did happen
         record("kv_event_churn", workers=WORKERS, stores=sum(s["stores"] for s in stats),
                removes=sum(s["removes"] for s in stats), dropped=int(dropped),
