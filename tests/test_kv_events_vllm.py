@@ -67,11 +67,14 @@ def test_vllms_decoder_reads_what_sglangs_reads(tmp_path: Path) -> None:
     try:
         a, tokens = chain(21, 6)
         b, _ = chain(22, 4)
-        w.store(a[:3], tokens[:3 * PS])
-        w.store(a[3:], tokens[3 * PS:], parent=a[2])
-        w.store(b)  # evicts two
-        w.client.remove_keys(SPEC.name, b[:1])
-        w.client.clear_pool(SPEC.name)
+        steps = [lambda: w.store(a[:3], tokens[:3 * PS]),
+                 lambda: w.store(a[3:], tokens[3 * PS:], parent=a[2]),
+                 lambda: w.store(b),  # evicts two
+                 lambda: w.client.remove_keys(SPEC.name, b[:1]),
+                 lambda: w.client.clear_pool(SPEC.name)]
+        for step in steps:  # a message each (events of a few ms are published together)
+            step()
+            time.sleep(0.05)
         time.sleep(0.5)
         payloads = everything(f"ipc://{tmp_path}/kv-replay.sock")
     finally:
