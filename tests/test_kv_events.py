@@ -319,3 +319,26 @@ def test_watch_events_carries_tier_medium_parent_and_tokens(daemon: DaemonProc) 
     assert stored.parent_key == b"p" * 32 and stored.token_ids == tuple(tokens.tolist())
     assert stored.block_size == PS
     assert (removed.kind, removed.keys, removed.medium) == ("REMOVED", (keys[1],), "CPU_PINNED")
+
+
+def test_get_info_and_hicachectl_say_where_to_subscribe(daemon: DaemonProc, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    from hicache_client.cli import main as hicachectl
+
+    with HiCacheClient(daemon.target) as c:
+        info = c.get_info()
+    assert info.kv_events_endpoint == f"ipc://{tmp_path}/kv.sock"
+    assert info.kv_events_replay_endpoint == f"ipc://{tmp_path}/kv-replay.sock"
+    assert info.kv_events_topic == ""
+    capsys.readouterr()
+    assert hicachectl(["--target", daemon.target, "status"]) == 0
+    assert re.search(rf"kv events\s+ipc://{re.escape(str(tmp_path))}/kv.sock \(replay ipc://",
+                     capsys.readouterr().out)
+    (tmp_path / "off").mkdir()
+    off = start_daemon(tmp_path / "off")
+    try:
+        with HiCacheClient(off.target) as c:
+            assert c.get_info().kv_events_endpoint == ""  # off by default
+    finally:
+        off.stop()

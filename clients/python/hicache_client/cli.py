@@ -193,6 +193,10 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
             ("metrics port", info.metrics_port or "off"),
             ("cluster tier", info.remote_tier or "none"),
             ("fast path", info.fast_path or "off"),
+            ("kv events", (f"{info.kv_events_endpoint} (replay "
+                           f"{info.kv_events_replay_endpoint or 'none'}, topic "
+                           f"{info.kv_events_topic!r})") if info.kv_events_endpoint
+             else "off"),
             ("data calls over", client.data_path),
             *((f"gpu {d.ordinal}", f"{d.uuid} {d.name} {_size(d.total_bytes)}")
               for d in info.cuda_devices)]))

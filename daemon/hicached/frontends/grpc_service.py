@@ -129,6 +129,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             fast_path=d.fast_paths[0] if d.fast_paths else "",
             fast_path_version=fast_wire.VERSION if d.fast_paths else 0,
             fast_path_flags=fast_wire.KNOWN_FLAGS if d.fast_paths else 0,
+            kv_events_endpoint=d.kv_events[0], kv_events_replay_endpoint=d.kv_events[1],
+            kv_events_topic=d.kv_events[2],
             max_keys_per_call=d.max_keys_per_call)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:

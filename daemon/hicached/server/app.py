@@ -191,6 +191,9 @@ class HiCacheServer:
                 self._locks.append(state_lock(self.config.state_dir))
             if self.kv_events is not None:  # before any pool: its first event opens it
                 self.kv_events.start()
+                self.daemon.kv_events = (self.kv_events.endpoint,
+                                         self.kv_events.replay_endpoint,
+                                         self.config.kv_events.topic)
             if self.daemon.pools.remote is not None:  # connects in the background
                 self.daemon.pools.remote.start()
             # declared pools build in the background (a budget error still stops the start);

@@ -109,6 +109,8 @@ class Daemon:
     """The driver library the daemon was configured with ('' = the default)."""
     metrics_port: int = 0
     """The bound Prometheus port (0 = off)."""
+    kv_events: tuple[str, str, str] = ("", "", "")
+    """The KV event stream as bound: PUB endpoint, replay endpoint, topic ("" = off)."""
     draining: threading.Event = field(default_factory=threading.Event)
     """Set once shutdown began: new work is refused."""
     in_flight: int = 0

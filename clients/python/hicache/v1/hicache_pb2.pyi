@@ -232,7 +232,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices", "remote_tier", "fast_path", "fast_path_version", "max_keys_per_call", "fast_path_flags")
+    __slots__ = ("version", "transports", "memory_budget_bytes", "memory_used_bytes", "memory_available_bytes", "shm_dir", "cuda_available", "serving", "pools", "sessions", "metrics_port", "cuda_devices", "remote_tier", "fast_path", "fast_path_version", "max_keys_per_call", "fast_path_flags", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,9 @@ class GetInfoResponse(_message.Message):
     FAST_PATH_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     memory_budget_bytes: int
@@ -267,7 +270,10 @@ class GetInfoResponse(_message.Message):
     fast_path_version: int
     max_keys_per_call: int
     fast_path_flags: int
-    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ..., remote_tier: _Optional[str] = ..., fast_path: _Optional[str] = ..., fast_path_version: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., fast_path_flags: _Optional[int] = ...) -> None: ...
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    kv_events_topic: str
+    def __init__(self, version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., cuda_available: _Optional[bool] = ..., serving: _Optional[bool] = ..., pools: _Optional[int] = ..., sessions: _Optional[int] = ..., metrics_port: _Optional[int] = ..., cuda_devices: _Optional[_Iterable[_Union[CudaDevice, _Mapping]]] = ..., remote_tier: _Optional[str] = ..., fast_path: _Optional[str] = ..., fast_path_version: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., fast_path_flags: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ...) -> None: ...
 
 class CudaDevice(_message.Message):
     __slots__ = ("uuid", "ordinal", "name", "total_bytes")
