@@ -19,7 +19,10 @@ Primitives:
 - ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, ``KVEventBatch``: the structs.
 - ``block_hash(key)``: SGLang's block hash of a page key; ``block_hashes(keys)``: of many.
 - ``engine_events(events, block_size)``: a pool's ``CacheEvent``s as engine events, in order,
-  consecutive ones merged as SGLang merges its own (a chain continued, removals of one medium).
+  consecutive ones merged as SGLang merges its own (a chain continued, removals of one medium)
+  up to ``MAX_BLOCKS`` blocks an event.
+- ``messages(events)``: the events cut into messages of at most ``MESSAGE_EVENTS`` events and
+  ``MESSAGE_BLOCKS`` blocks (a ClearPool of a million keys is many small messages).
 - ``contents_events(contents, block_size, chains)``: a pool's contents (per tier, its keys)
   as ``BlockStored`` events, cut into the chains the pool knows (a snapshot).
 - ``Encoder``: ``batch(events)`` -> the msgpack payload of one batch.
@@ -36,6 +39,8 @@ import numpy as np
 from hicached.cache.chains import ChainTable
 from hicached.cache.events import MEDIUM, CacheEvent, EventKind
 
+MAX_BLOCKS = 4096
+"""Blocks one engine event names at most (consecutive events merge up to it)."""
 _SIGN = 1 << 63
 _WRAP = 1 << 64
 
@@ -106,13 +111,15 @@ def engine_events(events: Iterable[CacheEvent], block_size: int) -> list[EngineE
         if e.kind is EventKind.STORED:
             tokens = e.token_ids.tolist() if e.token_ids is not None else []
             if (isinstance(last, BlockStored) and last.medium == medium and e.parent
+                    and len(last.block_hashes) + len(e.keys) <= MAX_BLOCKS
                     and last.block_hashes[-1] == block_hash(e.parent)
                     and bool(last.token_ids) == bool(tokens)):
                 last.block_hashes.extend(block_hashes(e.keys))
                 last.token_ids.extend(tokens)
             else:
                 out.append(_stored(e.keys, e.parent, tokens, block_size, medium))
-        elif isinstance(last, BlockRemoved) and last.medium == medium:
+        elif (isinstance(last, BlockRemoved) and last.medium == medium
+              and len(last.block_hashes) + len(e.keys) <= MAX_BLOCKS):
             last.block_hashes.extend(block_hashes(e.keys))
         else:
             out.append(BlockRemoved(block_hashes=block_hashes(e.keys), medium=medium))
@@ -130,6 +137,24 @@ def contents_events(contents: Mapping[int, Sequence[bytes]], block_size: int,
             out.append(_stored(run.keys, run.parent,
                                tokens.tolist() if tokens is not None else [], block_size,
                                MEDIUM[tier]))
+    return out
+
+
+MESSAGE_EVENTS = 256
+MESSAGE_BLOCKS = 16_384
+"""A message's bounds: about 150 KiB of block hashes at most."""
+
+
+def messages(events: list[EngineEvent]) -> list[list[EngineEvent]]:
+    out: list[list[EngineEvent]] = []
+    blocks = MESSAGE_BLOCKS
+    for e in events:
+        n = len(e.block_hashes) if isinstance(e, BlockStored | BlockRemoved) else 0
+        if not out or len(out[-1]) >= MESSAGE_EVENTS or blocks + n > MESSAGE_BLOCKS:
+            out.append([])
+            blocks = 0
+        out[-1].append(e)
+        blocks += n
     return out
 
 

@@ -57,6 +57,7 @@ from hicached.frontends.kv_event_format import (
     EngineEvent,
     contents_events,
     engine_events,
+    messages,
 )
 from hicached.tiers.stack import TierStack
 
@@ -64,8 +65,9 @@ log = logging.getLogger(__name__)
 _limited = LimitedLog(log)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-BATCH_EVENTS = 256
-"""Engine events per message at most (a ClearPool of a million keys is many messages)."""
+BUFFER_MAX_BYTES = 64 << 20
+"""The replay buffer's bound in bytes, beside ``buffer_steps`` messages (a replay from before
+what it keeps gets a snapshot)."""
 DRAIN_ITEMS = 4096
 """Queued items one turn of the thread publishes before it looks at the replay socket."""
 REPLAYS_PER_TURN = 8
@@ -97,7 +99,8 @@ class KvEventPublisher:
         self._prefix = config.topic.encode()
         self._pools: dict[str, _Pool] = {}
         self._queue: deque[_Item] = deque()
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=config.buffer_steps)
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque()
+        self._buffer_bytes = 0
         self._encoder = Encoder()
         self._ctx = zmq.Context()
         self._pub: zmq.Socket[bytes] | None = None
@@ -288,8 +291,7 @@ class KvEventPublisher:
     def _send(self, pool: str, events: list[EngineEvent]) -> None:
         assert self._pub is not None
         topic = self._topic(pool)
-        for i in range(0, len(events), BATCH_EVENTS):
-            chunk = events[i:i + BATCH_EVENTS]
+        for chunk in messages(events):
             payload = self._encoder.batch(chunk)
             seq = self._next_seq
             self._next_seq += 1
@@ -297,6 +299,10 @@ class KvEventPublisher:
                 os.pwrite(self._seq_fd, seq.to_bytes(8, "big", signed=True), 0)
             self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, topic, payload))
+            self._buffer_bytes += len(payload)
+            while (len(self._buffer) > self.config.buffer_steps
+                   or self._buffer_bytes > BUFFER_MAX_BYTES):
+                self._buffer_bytes -= len(self._buffer.popleft()[2])
             with self._lock:
                 self._counts["published"] += len(chunk)
                 self._counts["messages"] += 1
@@ -354,9 +360,9 @@ class KvEventPublisher:
         now, last = time.monotonic(), self._next_seq - 1
         cached = self._snapshot
         if cached is None or now - cached[0] > SNAPSHOT_REUSE_SECONDS or cached[1] != last:
-            frames = [(self._topic(pool), self._encoder.batch(events[i:i + BATCH_EVENTS]))
+            frames = [(self._topic(pool), self._encoder.batch(chunk))
                       for pool, events in self._snapshot_events()
-                      for i in range(0, max(len(events), 1), BATCH_EVENTS)]
+                      for chunk in messages(events)]
             cached = self._snapshot = (now, last, frames)
         seq = max(last, 0).to_bytes(8, "big")
         return [(seq, topic, payload) for topic, payload in cached[2]]
