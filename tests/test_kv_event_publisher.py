@@ -226,20 +226,28 @@ def test_the_kv_events_table_and_flags_make_the_config() -> None:
 def test_a_clear_of_many_keys_is_many_bounded_messages() -> None:
     """A ClearPool of 100,000 keys and a Store of 10,000 become events of at most 4,096 blocks
     and messages of at most 16,384 blocks that still decode as one chain."""
-    from hicached.frontends.kv_event_format import MAX_BLOCKS, MESSAGE_BLOCKS, messages
+    from hicached.frontends.kv_event_format import (
+        MAX_BLOCKS,
+        MESSAGE_BLOCKS,
+        BlockRemoved,
+        BlockStored,
+        messages,
+    )
 
     log = EventLog(chains=ChainTable(1 << 30, PS))
     keys = [i.to_bytes(8, "big") + b"k" * 24 for i in range(100_000)]
     log.append(EventKind.STORED, keys[:10_000])
     log.append(EventKind.REMOVED, keys)
     events = engine_events(log.after(0), PS)
-    assert all(len(e.block_hashes) <= MAX_BLOCKS for e in events)
-    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    named = [e for e in events if isinstance(e, BlockStored | BlockRemoved)]
+    assert len(named) == len(events) and all(len(e.block_hashes) <= MAX_BLOCKS for e in named)
+    stored = [e for e in events if isinstance(e, BlockStored)]
     assert sum(len(e.block_hashes) for e in stored) == 10_000
     for prev, nxt in itertools.pairwise(stored):  # the chain goes on across events
         assert nxt.parent_block_hash == prev.block_hashes[-1]
     batches = messages(events)
-    assert all(sum(len(e.block_hashes) for e in b) <= MESSAGE_BLOCKS for b in batches)
+    assert all(sum(len(e.block_hashes) for e in b if isinstance(e, BlockStored | BlockRemoved))
+               <= MESSAGE_BLOCKS for b in batches)
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     removed = [h for b in batches for e in decoder.decode(Encoder().batch(b)).events
                if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
