@@ -17,6 +17,7 @@ import yaml
 from hicache.errors import HiCacheError
 from hicache.specs import CanarySpec, DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicached.frontends.kv_event_config import KvEventsConfig
 from hicached.server.app import create_server
 from hicached.server.config import ServerConfig
 from hicached.tiers.config import DiskTierConfig
@@ -71,7 +72,8 @@ def scraped_names(tmp_path: Path) -> Iterator[set[str]]:
     server, bound = create_server(ServerConfig(
         listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), metrics_listen="127.0.0.1:0",
         state_dir=str(tmp_path / "state"), disk=DiskTierConfig(str(tmp_path / "disk"), 1 << 30),
-        memory_budget_bytes=1 << 26, reserve_bytes=0, pools=(spec,)))
+        memory_budget_bytes=1 << 26, reserve_bytes=0, pools=(spec,),
+        kv_events=KvEventsConfig(endpoint=f"ipc://{tmp_path}/kv.sock")))
     try:
         with HiCacheClient(bound[0]) as c, ShmDeviceBuffers.create(spec, 16, str(shm)) as b:
             with c.open_session("d", "w", b.descriptors, heartbeat=False) as s:
