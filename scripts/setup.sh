@@ -121,8 +121,8 @@ _hicached_vllm() {
     _hicached_say "pip install --no-deps --target $HICACHED_VLLM_DIR vllm==0.33.0 and what" \
         "its kv_events module imports (vLLM's event decoder for the tests, apart from the" \
         "environment)"
-    rm -rf "$HICACHED_VLLM_DIR"
-    python3 -m pip install -q --disable-pip-version-check --no-deps --target "$HICACHED_VLLM_DIR" \
+    python3 -m pip install -q --disable-pip-version-check --no-deps --upgrade \
+        --target "$HICACHED_VLLM_DIR" \
         "vllm==0.33.0" "xgrammar==0.2.9" "cachetools==8.0.2" "cbor2==6.3.0" \
         "cloudpickle==3.1.3" "fastapi==0.165.0" "llguidance==1.9.1" "openai-harmony==0.0.8" \
         "opentelemetry-api==1.45.2" "py-cpuinfo==9.0.0" "uvloop==0.23.0" \
