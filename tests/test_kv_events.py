@@ -95,6 +95,10 @@ def test_a_store_is_one_chain_with_sglangs_block_hashes_parent_and_tokens(
         assert w.store(keys[:2]) == 2  # the first two pages, no tokens given
         assert w.store(keys[2:], tokens[2 * PS:], parent=keys[1]) == 3  # the rest, with them
         f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 5)
+        # both went over the fast path (the second with FLAG_CHAIN), none over gRPC
+        text = daemon.metrics()
+        assert re.search(r'^hicache_fast_path_requests_total\{method="Store"\} 2\.0$', text,
+                         re.M), text[-2000:]
     finally:
         w.close()
     first, rest = f.stored(SPEC.name, "CPU_PINNED")
@@ -342,3 +346,20 @@ def test_get_info_and_hicachectl_say_where_to_subscribe(daemon: DaemonProc, tmp_
             assert c.get_info().kv_events_endpoint == ""  # off by default
     finally:
         off.stop()
+
+
+def test_a_store_over_grpc_says_the_same_of_its_chain(daemon: DaemonProc,
+                                                      tmp_path: Path) -> None:
+    f = follow(tmp_path)
+    keys, tokens = chain(14, 2)
+    with HiCacheClient(daemon.target, fast_path=False) as c:
+        c.create_pool(SPEC)
+        with ShmDeviceBuffers.create(SPEC, device_tokens=2 * PS, sealed=True) as bufs:
+            with c.open_session(SPEC.name, "g", bufs.descriptors, fds=bufs.fds) as s:
+                s.store(keys, torch.arange(2 * PS), token_ids=tokens, parent_key=keys[0][::-1])
+                assert c.data_path == "grpc"
+    f.until(lambda: bool(f.stored()))
+    (ev,) = f.stored()
+    assert ev.block_hashes == [sglang_hash(k) for k in keys]
+    assert ev.parent_block_hash == sglang_hash(keys[0][::-1])
+    assert ev.token_ids == tokens.tolist()
