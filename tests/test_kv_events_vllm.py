@@ -74,7 +74,7 @@ def test_vllms_decoder_reads_what_sglangs_reads(tmp_path: Path) -> None:
                  lambda: w.client.clear_pool(SPEC.name)]
         for step in steps:  # a message each (events of a few ms are published together)
             step()
-            time.sleep(0.05)
+            time.sleep(0.1)
         time.sleep(0.5)
         payloads = everything(f"ipc://{tmp_path}/kv-replay.sock")
     finally:

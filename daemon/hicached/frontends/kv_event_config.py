@@ -49,6 +49,10 @@ class KvEventsConfig:
     format: str = "default"
     """``default`` (SGLang's) or ``dynamo``: the two differ only for pages of LoRA adapters
     or salted requests, whose namespace the daemon is not told; its events are the same."""
+    gather_ms: int = 20
+    """How long events gather once one arrived before they are published together: one
+    message (and one turn of the publisher in the daemon's interpreter) per interval while
+    Stores keep coming, not one per Store. Events reach subscribers this much later."""
     allow_remote: bool = False
     """Bind an endpoint that is not loopback (``tcp://*:5557``, an interface's address):
     every peer that reaches it learns which prefixes the node caches."""
@@ -73,6 +77,9 @@ class KvEventsConfig:
             if not 1 <= getattr(self, name) <= 10_000_000:
                 raise SpecInvalid(f"kv_events.{name} is within 1 .. 10000000",
                                   metadata={name: getattr(self, name)})
+        if not 0 <= self.gather_ms <= 1000:
+            raise SpecInvalid("kv_events.gather_ms is within 0 .. 1000",
+                              metadata={"gather_ms": self.gather_ms})
         if not 0 <= self.chain_bytes <= 1 << 40:
             raise SpecInvalid("kv_events.chain_bytes must be >= 0",
                               metadata={"chain_bytes": self.chain_bytes})

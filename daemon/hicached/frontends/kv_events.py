@@ -18,7 +18,7 @@ again, from an older one a snapshot (every message numbered with the last sequen
 then the end marker (an empty topic, sequence -1, an empty payload), as SGLang's publisher
 answers. At most ``REPLAYS_PER_TURN`` requests are served between two turns of publishing
 and a snapshot is built at most once per ``SNAPSHOT_REUSE_SECONDS``. Events are published
-``GATHER_MS`` after the first of them arrived, together.
+``gather_ms`` after the first of them arrived, together.
 
 Primitives:
 
@@ -73,9 +73,6 @@ DRAIN_ITEMS = 4096
 REPLAYS_PER_TURN = 8
 SNAPSHOT_REUSE_SECONDS = 1.0
 IDLE_POLL_MS = 200
-GATHER_MS = 5
-"""How long the thread lets events gather once one arrived before it publishes them: events
-reach subscribers within a few milliseconds, and a burst of Stores costs one message."""
 _MONITOR_EVENT = struct.Struct("=H")
 
 
@@ -86,8 +83,8 @@ class _Pool:
 
 
 _Item = tuple[str, Any]
-"""(pool, a ``CacheEvent``, or ``_ATTACHED``, or the events of a deletion)."""
-_ATTACHED = object()
+"""(pool, a ``CacheEvent``, or engine events: a start's ``AllBlocksCleared``, an attached
+pool's contents, a deleted pool's removals)."""
 
 
 class KvEventPublisher:
@@ -188,7 +185,9 @@ class KvEventPublisher:
         with self._lock:
             self._pools[name] = _Pool(stack, stack.pool.page_size)
         stack.cache.events.listener = functools.partial(self.offer, name)
-        self._put((name, _ATTACHED))
+        # its contents now, before it serves: what it holds when its events begin (a change
+        # between these two lines would be told twice, never lost)
+        self._put((name, self._contents(name)))
 
     def deleting(self, name: str, stack: TierStack) -> None:
         stack.cache.events.listener = None
@@ -237,11 +236,11 @@ class KvEventPublisher:
                 if self._wake_fd in ready:
                     os.eventfd_read(self._wake_fd)
                     del ready[self._wake_fd]
-                    if len(self._queue) < DRAIN_ITEMS:
+                    if self.config.gather_ms and len(self._queue) < DRAIN_ITEMS:
                         # a batch gathers: one message (and one turn of this thread in the
                         # daemon's interpreter) per interval, not one per Store; the queue
                         # stays non-empty meanwhile, so no Store writes the eventfd again
-                        ready.update(poller.poll(GATHER_MS))
+                        ready.update(poller.poll(self.config.gather_ms))
                 self._drain()
                 if self._replay is not None and self._replay in ready:
                     self._serve_replays()
@@ -267,9 +266,7 @@ class KvEventPublisher:
             group, pool = [], name
             if isinstance(item, CacheEvent):
                 group.append(item)
-            elif item is _ATTACHED:
-                self._send(name, self._contents(name))
-            else:  # the AllBlocksCleared of a start, or a deleted pool's removals
+            else:  # a start's AllBlocksCleared, a pool's contents or removals
                 self._send(name, item)
         self._flush(pool, group)
 
