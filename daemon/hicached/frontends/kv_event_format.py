@@ -145,7 +145,7 @@ MESSAGE_BLOCKS = 16_384
 """A message's bounds: about 150 KiB of block hashes at most."""
 
 
-def messages(events: list[EngineEvent]) -> list[list[EngineEvent]]:
+def messages(events: Sequence[EngineEvent]) -> list[list[EngineEvent]]:
     out: list[list[EngineEvent]] = []
     blocks = MESSAGE_BLOCKS
     for e in events:

@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -53,6 +53,7 @@ from hicached.frontends.kv_event_config import KvEventsConfig, KvEventStats
 from hicached.frontends.kv_event_format import (
     AllBlocksCleared,
     BlockRemoved,
+    BlockStored,
     Encoder,
     EngineEvent,
     contents_events,
@@ -76,12 +77,6 @@ IDLE_POLL_MS = 200
 _MONITOR_EVENT = struct.Struct("=H")
 
 
-@dataclass
-class _Pool:
-    stack: TierStack
-    block_size: int
-
-
 _Item = tuple[str, Any]
 """(pool, a ``CacheEvent``, or engine events: a start's ``AllBlocksCleared``, an attached
 pool's contents, a deleted pool's removals)."""
@@ -94,7 +89,7 @@ class KvEventPublisher:
         self.seq_path, self.socket_mode = seq_path, socket_mode
         self.endpoint = self.replay_endpoint = ""
         self._prefix = config.topic.encode()
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, TierStack] = {}
         self._queue: deque[_Item] = deque()
         self._buffer: deque[tuple[int, bytes, bytes]] = deque()
         self._buffer_bytes = 0
@@ -183,7 +178,7 @@ class KvEventPublisher:
 
     def attached(self, name: str, stack: TierStack) -> None:
         with self._lock:
-            self._pools[name] = _Pool(stack, stack.pool.page_size)
+            self._pools[name] = stack
         stack.cache.events.listener = functools.partial(self.offer, name)
         # its contents now, before it serves: what it holds when its events begin (a change
         # between these two lines would be told twice, never lost)
@@ -191,11 +186,10 @@ class KvEventPublisher:
 
     def deleting(self, name: str, stack: TierStack) -> None:
         stack.cache.events.listener = None
+        gone = [BlockRemoved(block_hashes=e.block_hashes, medium=e.medium)
+                for e in self._contents(name)]
         with self._lock:
             self._pools.pop(name, None)
-        gone = [BlockRemoved(block_hashes=e.block_hashes, medium=e.medium)
-                for e in contents_events(stack.contents(), stack.pool.page_size,
-                                         stack.cache.events.chains)]
         self._put((name, gone))
 
     def offer(self, pool: str, event: CacheEvent) -> None:
@@ -272,20 +266,21 @@ class KvEventPublisher:
 
     def _flush(self, pool: str, group: list[CacheEvent]) -> None:
         if group and pool in self._pools:
-            self._send(pool, engine_events(group, self._pools[pool].block_size))
+            self._send(pool, engine_events(group, self._pools[pool].pool.page_size))
 
-    def _contents(self, name: str) -> list[EngineEvent]:
+    def _contents(self, name: str) -> list[BlockStored]:
+        """What the pool's tiers hold now, as ``BlockStored`` events."""
         with self._lock:
-            p = self._pools.get(name)
-        if p is None:
+            stack = self._pools.get(name)
+        if stack is None:
             return []
-        return [*contents_events(p.stack.contents(), p.block_size,
-                                 p.stack.cache.events.chains)]
+        return contents_events(stack.contents(), stack.pool.page_size,
+                               stack.cache.events.chains)
 
     def _topic(self, pool: str) -> bytes:
         return self._prefix + pool.encode()
 
-    def _send(self, pool: str, events: list[EngineEvent]) -> None:
+    def _send(self, pool: str, events: Sequence[EngineEvent]) -> None:
         assert self._pub is not None
         topic = self._topic(pool)
         for chunk in messages(events):
@@ -304,7 +299,7 @@ class KvEventPublisher:
                 self._counts["published"] += len(chunk)
                 self._counts["messages"] += 1
 
-    def _snapshot_events(self) -> list[tuple[str, list[EngineEvent]]]:
+    def _snapshot_events(self) -> list[tuple[str, Sequence[EngineEvent]]]:
         with self._lock:
             names = list(self._pools)
         return [("", [AllBlocksCleared()]), *((n, self._contents(n)) for n in names)]

@@ -63,7 +63,7 @@ class DiskStats:
 
 
 class DiskTier:
-    tier = 2
+    tier = DISK
 
     def __init__(self, directory: str, name: str, doc: dict[str, Any], page_bytes: int,
                  capacity_pages: int, *, o_direct: bool = False, fsync: str = "batch",

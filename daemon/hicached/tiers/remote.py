@@ -55,7 +55,7 @@ from hicached.tiers.mooncake_replicas import Runs
 
 log = logging.getLogger(__name__)
 
-REMOTE_TIER = 3
+REMOTE_TIER = CLUSTER
 OBJECT_FORMAT = 2
 """An object is the page's runs, then the xxh3-64 digest of those bytes (8 bytes, little
 endian); format 1 (no digest) lives in another namespace and is never read."""
