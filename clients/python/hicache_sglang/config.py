@@ -9,7 +9,7 @@ Primitives:
 
 Deadlines are short on purpose: the scheduler calls ``lookup`` and ``offload`` on its own
 thread, and a sidecar that does not answer within them is skipped (no hits, loads declined,
-offloads dropped) while a background thread probes it (``hicache_sglang.link``).
+offloads dropped) while a background thread probes it (``hicache_client.link``).
 """
 
 from __future__ import annotations

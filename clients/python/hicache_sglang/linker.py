@@ -28,7 +28,7 @@ Failure semantics: nothing raises into the scheduler, and nothing on its thread 
 deadline: ``lookup`` at most ``lookup_timeout_s``, a load in flight at most ``rpc_timeout_s``.
 With the daemon down, restarting, refusing, paused or slow, ``lookup`` reports no hit, ``load``
 declines (SGLang recomputes), ``offload`` is dropped and counted, and the link recovers by
-itself (``hicache_sglang.link``: a daemon that was only late keeps its session). SGLang 0.5.23
+itself (``hicache_client.link``: a daemon that was only late keeps its session). SGLang 0.5.23
 judges a batch's load as one (``finish_layer_wise_loading``: every request of the batch is
 aborted when it is False), so the linker makes a batch's load unable to fail for one request:
 every key it loads is held for it. A load that timed out may still be copying: its device
@@ -58,9 +58,9 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from hicache.errors import HiCacheError, SpecInvalid, Unavailable
+from hicache_client.link import DaemonLink, Handover, is_late
 from hicache_sglang.config import LinkerConfig
 from hicache_sglang.device_pool import DevicePool
-from hicache_sglang.link import DaemonLink, Handover, is_late
 from hicache_sglang.namespace import Shard, pool_name
 from hicache_sglang.offloads import Offloads
 from hicache_sglang.quarantine import SlotQuarantine

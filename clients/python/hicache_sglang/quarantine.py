@@ -5,7 +5,7 @@ slots, but the daemon (paused, swapping) may still be copying into them: handed 
 request, those slots would receive stale KV. So before the failure is reported the linker
 *withholds* the slots' pages: SGLang's allocator frees them as usual, but they return to its
 free list only once the link is fenced (a heartbeat showed no load of the session still
-copying: ``hicache_sglang.link``). The daemon refuses any load whose copy would begin after
+copying: ``hicache_client.link``). The daemon refuses any load whose copy would begin after
 its deadline (``DEADLINE_PASSED``), so after the fence nothing more can land.
 
 The hook is the allocator's one place where freed pages return to its free list

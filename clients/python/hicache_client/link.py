@@ -1,10 +1,10 @@
 """One worker's link to the daemon: its pool and session, kept up from a background thread.
 
-The scheduler must never wait for, nor see an exception from, a daemon that is down,
-restarting, draining, paused or slow. ``DaemonLink`` keeps that promise for the linker: every
-decision the scheduler's thread needs is a read of local state, and everything that waits on
-the daemon (setting up, probing, stopping an old session's heartbeat) happens on the link's
-own thread.
+An inference server's scheduler must never wait for, nor see an exception from, a daemon that
+is down, restarting, draining, paused or slow. ``DaemonLink`` keeps that promise for the
+engine integrations (SGLang's linker, vLLM's offloading spec): every decision the scheduler's
+thread needs is a read of local state, and everything that waits on the daemon (setting up,
+probing, stopping an old session's heartbeat) happens on the link's own thread.
 
 States: *up* (``usable``), *late* (a call missed its deadline: the daemon is alive but not
 answering in time; the session is kept, calls are skipped (no hits, loads declined, offloads
@@ -23,12 +23,15 @@ buffers and events, every ``reconnect_interval_s``).
 
 Primitives:
 
+- ``LinkSettings``: what the link reads of an integration's config (target, deadlines, lease,
+  polling).
 - ``Handover``: what ``OpenSession`` sends (descriptors, layer-event and ready-event handles,
   memfds).
-- ``DaemonLink(config, spec, handover, worker_id, on_fenced)``: ``start()`` tries once at
-  once, then in the background; ``session`` (None while down), ``client``, ``usable`` (up and
-  not late), ``up``, ``generation`` (bumped per new session); ``report(exc)`` classifies a
-  failed call (True when it took the link down or made it late); ``close()``.
+- ``DaemonLink(config, spec, handover, worker_id, on_fenced, create_pool)``: ``start()``
+  tries once at once, then in the background; ``session`` (None while down), ``client``,
+  ``usable`` (up and not late), ``up``, ``generation`` (bumped per new session);
+  ``report(exc)`` classifies a failed call (True when it took the link down or made it late);
+  ``close()``.
 - ``is_link_failure(exc)`` / ``is_late(exc)``: the classification.
 """
 
@@ -40,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -56,9 +60,25 @@ from hicache.errors import (
 from hicache.specs import PoolSpec
 from hicache_client.client import HiCacheClient
 from hicache_client.session import WorkerSession
-from hicache_sglang.config import LinkerConfig
 
-log = logging.getLogger("hicache_sglang")
+log = logging.getLogger("hicache_client.link")
+
+
+class LinkSettings(Protocol):
+    """What the link reads of an integration's (frozen, validated) config."""
+
+    @property
+    def target(self) -> str: ...
+    @property
+    def rpc_timeout_s(self) -> float: ...
+    @property
+    def reconnect_interval_s(self) -> float: ...
+    @property
+    def down_after_s(self) -> float: ...
+    @property
+    def lease_ms(self) -> int: ...
+    @property
+    def poll_us(self) -> int: ...
 
 PROBE_SECONDS = 0.1
 """How often a late link probes the daemon (a heartbeat, at most a second each)."""
@@ -105,9 +125,13 @@ class _State:
 
 
 class DaemonLink:
-    def __init__(self, config: LinkerConfig, spec: PoolSpec, handover: Handover,
-                 worker_id: str, on_fenced: Callable[[], object] = lambda: None) -> None:
+    def __init__(self, config: LinkSettings, spec: PoolSpec, handover: Handover,
+                 worker_id: str, on_fenced: Callable[[], object] = lambda: None,
+                 create_pool: bool = True) -> None:
         self.config = config
+        self.create_pool = create_pool
+        """False: use the pool others create (``POOL_NOT_FOUND`` until then: the link stays
+        down and retries), checking that it has this spec but for its size."""
         self.spec = spec
         self.handover = handover
         self.worker_id = worker_id
@@ -160,7 +184,7 @@ class DaemonLink:
         """Try once now; keep trying in the background. True when the link is up."""
         ok = self._connect()
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="hicache-sglang-link")
+                                        name="hicache-link")
         self._thread.start()
         return ok
 
@@ -237,8 +261,10 @@ class DaemonLink:
         """Create the pool, or use the one there if it differs in size only: instances of a
         model whose device pools differ in size (memory fractions) still share one pool."""
         try:
+            if not self.create_pool:
+                raise PoolSpecConflict("use the pool as created")
             # a large pool may take minutes to build: wait a deadline's worth, then leave it
-            # to the background thread (POOL_NOT_READY) rather than hold SGLang's start
+            # to the background thread (POOL_NOT_READY) rather than hold the server's start
             client.create_pool(self.spec, wait_seconds=self.config.rpc_timeout_s)
         except PoolSpecConflict:
             there = client.get_pool(self.spec.name).spec
