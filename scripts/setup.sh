@@ -4,8 +4,9 @@
 # Usage: setup_hicached [--test]
 #   (no flag)  the daemon: the package and its pure-Python dependencies (no torch)
 #   --test     also the test extras, torch (CPU build, only where none is present), SGLang's
-#              code (--no-deps), vLLM's code (--no-deps, into .vllm-0.33.0/: its KV event
-#              decoder), Prometheus, Mooncake's wheel and the Debian packages they need
+#              code (--no-deps), vLLM's code (--no-deps, into .vllm-0.33.0/: its scheduler,
+#              offloading connector and KV event decoder), Prometheus, Mooncake's wheel and
+#              the Debian packages they need
 #
 # Where it installs: a virtual environment of the project's own, .venv/ in the checkout
 # (created with python3 if missing, then activated for the rest of the calling script), unless
@@ -111,20 +112,22 @@ setup_hicached() {
 HICACHED_VLLM_DIR="${HICACHED_VLLM_DIR:-$PWD/.vllm-0.33.0}"
 
 _hicached_vllm() {
-    # vLLM's own KV event decoder (vllm.distributed.kv_events) reads the daemon's stream in the
-    # tests. Its code and what that module imports go into a directory of their own, never
-    # into the environment: SGLang probes for an installed vLLM and would change its paths.
-    # The tests put it on PYTHONPATH of a subprocess, with VLLM_TARGET_DEVICE=cpu.
-    if [ -f "$HICACHED_VLLM_DIR/.complete" ]; then
+    # vLLM's own scheduler, offloading connector and KV event decoder run in the tests (the
+    # vLLM spec, the daemon's event stream). Its code and what those modules import go into a
+    # directory of their own, never into the environment: SGLang probes for an installed vLLM
+    # and would change its paths. The tests put it on PYTHONPATH of a subprocess, with
+    # VLLM_TARGET_DEVICE=cpu. The list is pyproject.toml's [vllm] extra (one place for the
+    # pins); the marker file keeps it, so a changed list installs again.
+    local pins
+    pins=$(python3 -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm"]))') || return 1
+    if [ "$(cat "$HICACHED_VLLM_DIR/.complete" 2>/dev/null)" = "$pins" ]; then
         return 0
     fi
-    _hicached_say "pip install --no-deps --target $HICACHED_VLLM_DIR vllm==0.33.0 and what" \
-        "its kv_events module imports (vLLM's event decoder for the tests, apart from the" \
+    _hicached_say "pip install --no-deps --target $HICACHED_VLLM_DIR $pins (vLLM's code and what" \
+        "its scheduler, offloading connector and kv_events modules import, apart from the" \
         "environment)"
+    # shellcheck disable=SC2086
     python3 -m pip install -q --disable-pip-version-check --no-deps --upgrade \
-        --target "$HICACHED_VLLM_DIR" \
-        "vllm==0.33.0" "xgrammar==0.2.9" "cachetools==8.0.2" "cbor2==6.3.0" \
-        "cloudpickle==3.1.3" "fastapi==0.165.0" "llguidance==1.9.1" "openai-harmony==0.0.8" \
-        "opentelemetry-api==1.45.2" "py-cpuinfo==9.0.0" "uvloop==0.23.0" \
-        && touch "$HICACHED_VLLM_DIR/.complete"
+        --target "$HICACHED_VLLM_DIR" $pins \
+        && echo "$pins" > "$HICACHED_VLLM_DIR/.complete"
 }

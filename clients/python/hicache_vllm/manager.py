@@ -1,0 +1,215 @@
+"""``HicachedOffloadingManager``: vLLM's scheduler-side offloading manager, backed by hicached.
+
+vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock``):
+
+- ``lookup(key)``: the daemon's answer for the block, read from local books
+  (``hicache_vllm.promises``): HIT only for a block every rank's pool holds *for this manager*
+  (a ``Lookup`` with ``hold_ms`` on the manager's own session per pool), MISS, or RETRY while
+  the request's keys are being asked on the lookup thread (``on_schedule_end`` sends them;
+  ``has_pending_work`` keeps the engine stepping until the answers are in).
+- ``prepare_load(keys)``: the blocks' spec for the workers (``HicachedLoadStoreSpec``); the
+  holds stay until ``complete_load`` and the request's end (``on_request_finished``) release
+  them: vLLM's "protected from eviction until complete_load".
+- ``prepare_store(keys)``: every block is offered (the daemon stores what it lacks and has room
+  for, and evicts by its own LRU: ``evicted_keys`` is empty); with the daemon down the store is
+  dropped (None, counted).
+- ``complete_store`` / ``take_events``: vLLM's ``BlockStored`` / ``BlockRemoved`` events for
+  what this engine stored and reset (the daemon's own stream tells every tier exactly).
+- ``reset_cache``: ``ClearPool`` of every rank's pool, off the scheduler's thread.
+
+Failure semantics: nothing raises into the scheduler and nothing on its thread waits. With the
+daemon down, restarting, refusing or slow, lookups are misses, stores are dropped (counted in
+``stats``), and the links reconnect by themselves (``hicache_client.link``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from hicache.errors import HiCacheError, Unavailable
+from hicache_client.link import DaemonLink, Handover
+from hicache_client.shm import ShmDeviceBuffers
+from hicache_vllm.blocks import HicachedLoadStoreSpec
+from hicache_vllm.config import SpecConfig
+from hicache_vllm.namespace import Plan
+from hicache_vllm.promises import Promises
+
+log = logging.getLogger("hicache_vllm")
+
+_STATS = ("stores_offered", "stores_dropped", "store_blocks", "loads", "load_blocks",
+          "lookups_down", "resets", "reset_failures")
+
+
+class HicachedOffloadingManager(OffloadingManager):
+    def __init__(self, config: SpecConfig, plan: Plan, enable_events: bool) -> None:
+        self.config = config
+        self.plan = plan
+        self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._events_lock = threading.Lock()
+        sealed = config.target.startswith("unix:")
+        self._buffers: list[ShmDeviceBuffers] = []
+        self.links: list[DaemonLink] = []
+        worker_id = config.worker_id or f"vllm-{socket.gethostname()}-{os.getpid()}-scheduler"
+        for rank in range(len(plan.pool_names)):
+            spec = plan.pool_spec(rank, config.pool_size_tokens, config.pool_size_bytes)
+            # a page of staging: the daemon opens sessions on buffers; this one holds only
+            buf = ShmDeviceBuffers.create(spec, spec.page_size, config.shm_dir,
+                                          prefix="hicache-vllm-scheduler", sealed=sealed)
+            self._buffers.append(buf)
+            self.links.append(DaemonLink(config, spec, Handover(buf.descriptors, fds=buf.fds),
+                                         worker_id, create_pool=False))
+        self.promises = Promises(config.lookup_hold_ms / 1000, self._lookup, self._release)
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-control")
+        for link in self.links:
+            link.start()
+        log.info("hicached offloading manager: pools %s (%d layers, %d tokens per page)",
+                 plan.pool_names, plan.layers, plan.page_tokens)
+
+    # -- the daemon, on the lookup thread ---------------------------------------------------
+
+    def _lookup(self, keys: list[bytes]) -> int:
+        """Hold ``keys`` in every pool; the leading run every pool holds."""
+        held = len(keys)
+        answers = []
+        for link in self.links:
+            client, session = link.client, link.session
+            if client is None or session is None or not link.usable:
+                raise Unavailable("hicached is not connected")
+            try:
+                r = client.lookup(session.pool, keys[:link.max_keys or None],
+                                  timeout=self.config.lookup_timeout_s,
+                                  session_id=session.session_id,
+                                  hold_ms=self.config.lookup_hold_ms)
+            except HiCacheError as exc:
+                link.report(exc)
+                raise
+            answers.append((link, r.held))
+            held = min(held, r.held)
+        for link, got in answers:  # ranks that hold more than all do: let the rest go
+            if got > held:
+                self._release_on(link, keys[held:got])
+        return held
+
+    def _release(self, keys: list[bytes]) -> None:
+        for link in self.links:
+            self._release_on(link, keys)
+
+    def _release_on(self, link: DaemonLink, keys: Sequence[bytes]) -> None:
+        session = link.session
+        if session is None or not keys:
+            return
+        try:
+            session.release_holds(list(keys), timeout=self.config.rpc_timeout_s)
+        except HiCacheError as exc:  # holds expire by themselves
+            log.debug("releasing %d hold(s) failed: %s", len(keys), exc)
+
+    # -- vLLM's OffloadingManager -----------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not all(link.usable for link in self.links):
+            self.stats["lookups_down"] += 1
+            return LookupResult.MISS
+        got = self.promises.answer(req_context.req_id, bytes(key))
+        if got is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if got else LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
+                     ) -> HicachedLoadStoreSpec:
+        ks = [bytes(k) for k in keys]
+        self.promises.loading(req_context.req_id, ks)
+        self.stats["loads"] += 1
+        self.stats["load_blocks"] += len(ks)
+        return HicachedLoadStoreSpec(ks)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.promises.loaded(req_context.req_id)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
+                      ) -> PrepareStoreOutput | None:
+        ks = [bytes(k) for k in keys]
+        self.stats["stores_offered"] += 1
+        if not all(link.usable for link in self.links):
+            self.stats["stores_dropped"] += 1
+            return None
+        return PrepareStoreOutput(keys_to_store=list(keys), store_spec=HicachedLoadStoreSpec(ks),
+                                  evicted_keys=[])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        if success:
+            self.promises.stored()
+            self.stats["store_blocks"] += len(keys)
+            self._event(list(keys), removed=False)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.promises.finished(req_context.req_id)
+
+    def on_schedule_end(self, context: Any) -> None:
+        self.promises.flush()
+
+    def has_pending_work(self) -> bool:
+        return self.promises.pending
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        with self._events_lock:
+            out, self._events = self._events, []
+        return out
+
+    def _event(self, keys: list[OffloadKey], removed: bool) -> None:
+        if self._events is not None and keys:
+            with self._events_lock:
+                self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU,
+                                                    removed=removed))
+
+    def reset_cache(self) -> None:
+        """Every rank's pool cleared (off this thread: the daemon may be slow or down)."""
+        self.promises.forget_all()
+        self.stats["resets"] += 1
+        self._control.submit(self._clear)
+
+    def _clear(self) -> None:
+        for link in self.links:
+            client, session = link.client, link.session
+            if client is None or session is None:
+                self.stats["reset_failures"] += 1
+                continue
+            try:
+                n = client.clear_pool(session.pool)
+                log.info("hicached pool %s cleared (%d keys)", session.pool, n)
+            except HiCacheError as exc:
+                self.stats["reset_failures"] += 1
+                link.report(exc)
+                log.warning("could not clear hicached pool %s: %s", session.pool, exc)
+
+    def shutdown(self) -> None:
+        self._control.shutdown(wait=True)
+        self.promises.close()
+        for link in self.links:
+            link.close()
+        for buf in self._buffers:
+            buf.close()
+        log.info("hicached offloading manager stats: %s %s", self.stats, self.promises.stats)

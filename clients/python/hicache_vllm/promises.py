@@ -1,0 +1,220 @@
+"""What the daemon promised the scheduler: batched, held lookups and the claims on their holds.
+
+vLLM asks one block at a time (``lookup(key)``) on its scheduler's thread; a round trip per
+block would cost that thread a millisecond per 16 blocks, and a wait on a slow daemon would
+stall it. So a key not yet answered is *asked*: the scheduler hears ``RETRY`` (vLLM keeps
+scanning the request's keys, then defers it a step), the keys asked by each request in a step
+go to the lookup thread as one ``Lookup`` per pool (every rank's pool: a block is a hit only
+when each holds it) that *holds* the hit for the manager's sessions, and the next step's
+``lookup`` reads the answer: a hit only for held blocks, so a HIT is a promise that
+``prepare_load`` can keep (vLLM cannot be told of a failed load).
+
+A held key may be claimed by several requests; the hold is released (``ReleaseHolds``, on the
+lookup thread) when no request claims it any more: the request finished and its loads
+completed. An answer older than half the hold is asked again (the daemon refreshes the hold),
+and so is a miss answered before this engine's latest store.
+
+Primitives:
+
+- ``Promises(config, lookup)``: ``lookup`` is ``(keys) -> held prefix length`` (called on the
+  lookup thread, may raise: every key a miss).
+- ``answer(req_id, key)``: True (held), False (miss) or None (asked: say RETRY).
+- ``flush()``: hand the keys asked this step to the lookup thread; ``pending``.
+- ``stored()``: this engine stored blocks (misses answered before are asked again).
+- ``loading(req_id, keys)`` / ``loaded(req_id, keys)``: a load in flight keeps its claims.
+- ``finished(req_id)``: the request's claims end (once its loads are done).
+- ``forget_all()``: every answer dropped, every hold released (a reset, a lost session).
+- ``close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("hicache_vllm")
+
+MAX_REQUESTS = 65536
+"""Requests whose answers are kept (beyond it the oldest unloaded ones are forgotten)."""
+
+
+@dataclass
+class _Request:
+    asked: list[bytes] = field(default_factory=list)
+    """Keys to ask in the next batch."""
+    sent: set[bytes] = field(default_factory=set)
+    """Keys asked and not answered yet (never asked twice at once)."""
+    answers: dict[bytes, bool] = field(default_factory=dict)
+    at: float = 0.0
+    generation: int = 0
+    """The store generation its answers were asked in (a miss then may be a hit now)."""
+    claims: set[bytes] = field(default_factory=set)
+    loads: int = 0
+    finished: bool = False
+
+
+class Promises:
+    def __init__(self, hold_s: float, lookup: Callable[[list[bytes]], int],
+                 release: Callable[[list[bytes]], object]) -> None:
+        self.fresh_s = hold_s / 2
+        self._lookup = lookup
+        self._release = release
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._claimed: dict[bytes, int] = {}
+        """key -> requests claiming its hold."""
+        self._asked: set[str] = set()
+        self._inflight = 0
+        self.generation = 0
+        """Bumped by ``stored``: misses answered before it are asked again."""
+        self._queue: queue.Queue[tuple[str, list[bytes]] | list[bytes] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="hicache-lookups")
+        self._thread.start()
+        self.stats = {"lookups": 0, "lookup_failures": 0, "held_blocks": 0, "miss_blocks": 0}
+
+    # -- the scheduler's thread (never waits) ----------------------------------------------
+
+    def answer(self, req_id: str, key: bytes) -> bool | None:
+        with self._lock:
+            r = self._requests.get(req_id)
+            if r is None:
+                r = self._requests[req_id] = _Request()
+                self._trim()
+            got = r.answers.get(key)
+            if got is not None and (r.loads or (
+                    time.monotonic() - r.at < self.fresh_s
+                    and (got or r.generation == self.generation))):
+                return got
+            if got is not None:  # stale: ask again (the Lookup refreshes the holds)
+                r.answers.clear()
+            if key not in r.sent and key not in r.asked:
+                r.asked.append(key)
+            self._asked.add(req_id)
+            return None
+
+    def flush(self) -> None:
+        with self._lock:
+            batches = []
+            for req_id in self._asked:
+                r = self._requests.get(req_id)
+                if r is not None and r.asked:
+                    batches.append((req_id, r.asked))
+                    r.sent.update(r.asked)
+                    r.asked = []
+            self._asked.clear()
+            self._inflight += len(batches)
+        for b in batches:
+            self._queue.put(b)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._inflight or self._asked)
+
+    def stored(self) -> None:
+        """This engine stored blocks: a miss answered before may be a hit now."""
+        self.generation += 1
+
+    def loading(self, req_id: str, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            r = self._requests.setdefault(req_id, _Request())
+            r.loads += 1
+
+    def loaded(self, req_id: str) -> None:
+        with self._lock:
+            r = self._requests.get(req_id)
+            if r is None:
+                return
+            r.loads = max(r.loads - 1, 0)
+            if r.finished and not r.loads:
+                self._end(req_id)
+
+    def finished(self, req_id: str) -> None:
+        with self._lock:
+            r = self._requests.get(req_id)
+            if r is None:
+                return
+            r.finished = True
+            if not r.loads:
+                self._end(req_id)
+
+    def forget_all(self) -> None:
+        with self._lock:
+            keys = list(self._claimed)
+            self._claimed.clear()
+            for r in self._requests.values():
+                r.answers.clear()
+                r.claims.clear()
+        if keys:
+            self._queue.put(keys)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    # -- books (under the lock) ------------------------------------------------------------
+
+    def _end(self, req_id: str) -> None:
+        r = self._requests.pop(req_id)
+        free = []
+        for k in r.claims:
+            n = self._claimed.get(k, 0) - 1
+            if n <= 0:
+                self._claimed.pop(k, None)
+                free.append(k)
+            else:
+                self._claimed[k] = n
+        if free:
+            self._queue.put(free)
+
+    def _trim(self) -> None:
+        if len(self._requests) <= MAX_REQUESTS:
+            return
+        for req_id, r in list(self._requests.items())[:len(self._requests) - MAX_REQUESTS]:
+            if not r.loads:
+                self._end(req_id)
+
+    # -- the lookup thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, list):
+                try:
+                    self._release(item)
+                except Exception as exc:  # they expire by themselves
+                    log.debug("releasing %d hold(s) failed: %s", len(item), exc)
+                continue
+            req_id, keys = item
+            generation = self.generation
+            try:
+                held = self._lookup(keys)
+                self.stats["lookups"] += 1
+            except Exception as exc:
+                self.stats["lookup_failures"] += 1
+                log.debug("lookup for %s failed: %s", req_id, exc)
+                held = 0
+            self.stats["held_blocks"] += held
+            self.stats["miss_blocks"] += len(keys) - held
+            with self._lock:
+                self._inflight -= 1
+                r = self._requests.get(req_id)
+                if r is None or r.finished:
+                    unclaimed = [k for k in keys[:held] if k not in self._claimed]
+                    if unclaimed:
+                        self._queue.put(unclaimed)
+                    continue
+                r.at = time.monotonic()
+                r.generation = generation
+                r.sent.difference_update(keys)
+                for i, k in enumerate(keys):
+                    hit = i < held
+                    r.answers[k] = hit
+                    if hit and k not in r.claims:
+                        r.claims.add(k)
+                        self._claimed[k] = self._claimed.get(k, 0) + 1

@@ -1,0 +1,52 @@
+"""``HicachedOffloadingSpec``: hicached as vLLM's KV offloading backend.
+
+vLLM 0.33 loads it by module path::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "HicachedOffloadingSpec",
+                                    "spec_module_path": "hicache_vllm.spec"}}'
+
+and asks it for a manager on the scheduler's side (``hicache_vllm.manager``) and a worker on
+each rank (``hicache_vllm.worker``). The extra config's other keys are ``SpecConfig``'s
+(``hicache_vllm.config``), checked when vLLM builds the spec: an unknown key or a bad value
+stops vLLM's start with ``SPEC_INVALID`` naming it. The pools are named in
+``hicache_vllm.namespace``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+
+from hicache_vllm.config import SpecConfig
+from hicache_vllm.manager import HicachedOffloadingManager
+from hicache_vllm.namespace import Plan
+from hicache_vllm.worker import HicachedOffloadingWorker
+
+
+class HicachedOffloadingSpec(OffloadingSpec):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.spec_config = SpecConfig.from_extra(self.extra_config)
+        self.plan = Plan.from_config(config, self.spec_config)
+        self.replicated_layout = self.plan.replicated  # rank 0 alone stores MLA blocks
+        self._manager: HicachedOffloadingManager | None = None
+        self._worker: HicachedOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = HicachedOffloadingManager(
+                self.spec_config, self.plan, self.kv_events_config.enable_kv_cache_events)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = HicachedOffloadingWorker(self.spec_config, self.plan,
+                                                    int(self.config.parallel.rank), kv_caches)
+        return self._worker

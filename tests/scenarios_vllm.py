@@ -1,0 +1,166 @@
+"""Scenarios run by ``tests/vllm_harness.py`` in a vLLM subprocess; each returns what it saw."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.vllm_harness import Engine
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 997 + 1 for i in range(n)]
+
+
+def store_reset_reload(model: str, target: str, blocks: int = 5, extra_tokens: int = 9,
+                       **kw: Any) -> dict[str, Any]:
+    """A prompt stored; the prefix cache reset and the KV zeroed; the same prefix loaded back."""
+    e = Engine(model, target, **kw)
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + 1)
+    e.add("a", prompt)
+    e.run()
+    first = e.results.get("a")
+    stored = e.worker_stats()
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+    e.add("b", prompt[:blocks * bs] + _prompt(extra_tokens, seed=2))
+    e.run()
+    out = {"first": first, "second": e.results.get("b"), "loaded": e.loaded_tokens["b"],
+           "stored": stored, "worker": e.worker_stats(), "manager": e.manager_stats()}
+    e.close()
+    return out
+
+
+def store_only(model: str, target: str, blocks: int = 4, seed: int = 3, **kw: Any
+               ) -> dict[str, Any]:
+    """One engine stores a prompt and goes away (its session ends; the pages stay)."""
+    e = Engine(model, target, **kw)
+    prompt = _prompt(blocks * e.block_size + 1, seed)
+    e.add("a", prompt)
+    e.run()
+    out = {"first": e.results.get("a"), "worker": e.worker_stats()}
+    e.close()
+    return out
+
+
+def reload_only(model: str, target: str, blocks: int = 4, seed: int = 3, shared: int = -1,
+                **kw: Any) -> dict[str, Any]:
+    """A fresh engine (its KV all zeros) asks for a prompt whose first ``shared`` blocks
+    (all when -1) another engine stored: they load back, the rest is computed."""
+    e = Engine(model, target, **kw)
+    bs = e.block_size
+    shared = blocks if shared < 0 else shared
+    prompt = _prompt(blocks * bs + 1, seed)[:shared * bs] + _prompt(blocks * bs, seed + 50)
+    e.add("b", prompt[:blocks * bs + 1])
+    e.run()
+    out = {"second": e.results.get("b"), "loaded": e.loaded_tokens["b"],
+           "worker": e.worker_stats(), "manager": e.manager_stats()}
+    e.close()
+    return out
+
+
+def preemption(model: str, target: str, **kw: Any) -> dict[str, Any]:
+    """Too few engine blocks for the requests' decodes: vLLM preempts (its store jobs flushed)
+    and resumes them; every prompt token's KV is exact in the end, whatever was loaded."""
+    e = Engine(model, target, num_blocks=14, **kw)
+    bs = e.block_size
+    prompts = {f"r{i}": _prompt(4 * bs + 1, 20 + i) for i in range(3)}
+    for rid, p in prompts.items():
+        e.add(rid, p, max_tokens=3 * bs)
+    preempted = 0
+    end = time.monotonic() + 60
+    while e.scheduler.has_unfinished_requests() and time.monotonic() < end:
+        out = e.step()
+        preempted += len(getattr(out, "preempted_req_ids", None) or ())
+    e.run()
+    out = {"preempted": preempted, "checks": e.results,
+           "worker": e.worker_stats(), "manager": e.manager_stats()}
+    e.close()
+    return out
+
+
+def daemon_restart(model: str, target: str, sync_dir: str, blocks: int = 4, **kw: Any
+                   ) -> dict[str, Any]:
+    """Store; the daemon is SIGKILLed (by the test): a request is a miss, nothing raises, its
+    store is dropped; the daemon restarts on its state: the link comes back by itself and the
+    first prompt's blocks load back exact."""
+    sync = Path(sync_dir)
+    e = Engine(model, target, **kw)
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + 1, 9)
+    e.add("a", prompt)
+    e.run()
+    out: dict[str, Any] = {"first": e.results.get("a"), "stored": e.worker_stats()}
+    (sync / "stored").touch()
+    _wait_file(sync / "killed")
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+    e.add("b", prompt[:blocks * bs] + _prompt(5, 10))
+    e.run(until_idle=30)
+    out.update(down_loaded=e.loaded_tokens["b"], down=e.results.get("b"),
+               down_manager=e.manager_stats(), down_worker=e.worker_stats())
+    (sync / "missed").touch()
+    _wait_file(sync / "restarted")
+    end = time.monotonic() + 20
+    while not e.links_up() and time.monotonic() < end:
+        time.sleep(0.05)
+    out["reconnected_in_s"] = round(20 - (end - time.monotonic()), 2)
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+    e.add("c", prompt[:blocks * bs] + _prompt(7, 11))
+    e.run(until_idle=30)
+    out.update(up_loaded=e.loaded_tokens["c"], up=e.results.get("c"),
+               manager=e.manager_stats(), worker=e.worker_stats())
+    e.close()
+    return out
+
+
+def _wait_file(path: Path, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} never came")
+        time.sleep(0.02)
+
+
+def held_hit_survives_eviction(model: str, target: str, blocks: int = 4, **kw: Any
+                               ) -> dict[str, Any]:
+    """A hit is a promise: once ``lookup`` said HIT, another writer filling the pool past
+    its size (every page not held evicted) cannot take the blocks before vLLM loads them.
+    (The pool is 16 pages: a session holds at most a quarter of it, the 4 blocks.)"""
+    import numpy as np
+
+    from hicache_client import HiCacheClient
+    from hicache_client.shm import ShmDeviceBuffers
+
+    e = Engine(model, target, extra={"pool_size_tokens": 16 * 16}, **kw)
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + 1, 31)
+    e.add("a", prompt)
+    e.run()
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+    e.add("b", prompt[:blocks * bs] + _prompt(3, 32))
+    promises = e.scheduler_side.manager.promises
+    e.step()  # the lookup is asked (vLLM hears RETRY) ...
+    end = time.monotonic() + 10
+    while not any(r.answers for r in promises._requests.values()):  # ... and answered,
+        assert time.monotonic() < end  # while the scheduler does not step: the hook
+        time.sleep(0.001)
+    pool = e.worker.connector_worker.worker.pool
+    filled = 0
+    with HiCacheClient(target) as c, \
+            ShmDeviceBuffers.create(pool, bs, sealed=True) as buf:
+        s = c.open_session(pool.name, "filler", buf.descriptors, fds=buf.fds)
+        for i in range(32):  # twice the pool: all but the held pages go
+            r = s.store([f"filler-{i}".encode()], np.arange(bs, dtype=np.int64))
+            filled += r.stored
+        s.close()
+
+    e.run()
+    out = {"filled": filled, "loaded": e.loaded_tokens["b"], "second": e.results.get("b"),
+           "manager": e.manager_stats(), "worker": e.worker_stats()}
+    e.close()
+    return out

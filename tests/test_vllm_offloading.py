@@ -1,0 +1,197 @@
+"""hicached as vLLM 0.33's KV offloading backend, end to end on CPU: vLLM's own ``Scheduler``
+and ``OffloadingConnector`` (both roles) load ``hicache_vllm.spec`` by module path and drive it
+against a real ``hicached serve``; the engines run in processes of their own with vLLM's code
+from ``.vllm-0.33.0`` (``tests/vllm_harness.py``, ``tests/scenarios_vllm.py``).
+
+Every load is checked into KV zeroed first, against rows derived from each token's whole
+prefix: a page in the wrong block, a stale page or a partial copy fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache_client import HiCacheClient
+from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests.vllm_harness import model_dir
+
+VLLM = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / ".vllm-0.33.0"))
+if not (VLLM / ".complete").exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"vLLM's code is not in {VLLM}: scripts/setup.sh --test puts it there")
+    pytest.skip(f"vLLM's code is not in {VLLM} (scripts/setup.sh --test)", allow_module_level=True)
+
+BS = 16
+CLEAN = {"bad": [], "n_bad": 0}
+
+
+def vllm_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=f"{VLLM}:{REPO}", VLLM_TARGET_DEVICE="cpu",
+                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+
+
+def engine(scenario: str, **args: Any) -> subprocess.Popen[str]:
+    """A vLLM engine process running ``tests.scenarios_vllm.<scenario>(**args)``."""
+    return subprocess.Popen([sys.executable, "-m", "tests.vllm_harness", scenario,
+                             json.dumps(args)], cwd=REPO, env=vllm_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def result(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"engine failed ({proc.returncode}):\n{err[-6000:]}"
+    got: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    got["stderr"] = err
+    return got
+
+
+def run(scenario: str, **args: Any) -> dict[str, Any]:
+    return result(engine(scenario, **args))
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Any:
+    d = start_daemon(tmp_path)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> str:
+    return str(model_dir(tmp_path))
+
+
+def vllm_pools(target: str) -> dict[str, int]:
+    with HiCacheClient(target) as c:
+        return {p.spec.name: p.keys for p in c.list_pools() if p.spec.name.startswith("vllm-")}
+
+
+def test_a_prompt_stored_comes_back_exact_after_a_prefix_cache_reset(daemon: DaemonProc,
+                                                                      model: str) -> None:
+    got = run("store_reset_reload", model=model, target=daemon.target, blocks=5)
+    assert got["first"] == CLEAN
+    assert got["stored"]["store_pages"] == 5
+    assert got["loaded"] == 5 * BS  # every block of the prefix came from the daemon
+    assert got["second"] == CLEAN  # into KV zeroed first
+    assert got["worker"]["load_pages"] == 5 and got["worker"]["load_failures"] == 0
+    assert got["manager"]["held_blocks"] >= 5  # the hit was held before vLLM loaded it
+    assert "Traceback" not in got["stderr"]
+    assert list(vllm_pools(daemon.target).values()) == [5]
+
+
+def test_a_second_engine_process_hits_what_the_first_stored(daemon: DaemonProc,
+                                                           model: str) -> None:
+    first = run("store_only", model=model, target=daemon.target, blocks=4)
+    assert first["first"] == CLEAN and first["worker"]["store_pages"] == 4
+    second = run("reload_only", model=model, target=daemon.target, blocks=4)
+    assert second["loaded"] == 4 * BS
+    assert second["second"] == CLEAN
+
+
+def test_a_partial_prefix_loads_what_is_shared_and_computes_the_rest(daemon: DaemonProc,
+                                                                     model: str) -> None:
+    run("store_only", model=model, target=daemon.target, blocks=5)
+    got = run("reload_only", model=model, target=daemon.target, blocks=5, shared=3)
+    assert got["loaded"] == 3 * BS
+    assert got["second"] == CLEAN
+    assert got["worker"]["load_pages"] == 3
+
+
+def test_preemption_flushes_stores_and_every_request_ends_exact(daemon: DaemonProc,
+                                                                model: str) -> None:
+    got = run("preemption", model=model, target=daemon.target)
+    assert got["preempted"] >= 1
+    assert got["checks"] == {f"r{i}": CLEAN for i in range(3)}
+    assert got["worker"]["store_pages"] >= 8 and got["worker"]["load_failures"] == 0
+
+
+def test_a_killed_daemon_means_misses_then_hits_again_after_its_restart(
+        tmp_path: Path, model: str) -> None:
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    d = start_daemon(tmp_path)
+    proc = engine("daemon_restart", model=model, target=d.target, sync_dir=str(sync))
+    try:
+        _wait(sync / "stored", proc)
+        d.stop(signal.SIGKILL)
+        (sync / "killed").touch()
+        _wait(sync / "missed", proc)
+        d = start_daemon(tmp_path)  # the same state directory: the pool comes back
+        (sync / "restarted").touch()
+        got = result(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        d.stop()
+    assert got["first"] == CLEAN
+    assert got["down_loaded"] == 0  # a miss: no hit is promised by a daemon that is not there
+    assert got["down"] == CLEAN  # computed, nothing raised into the scheduler
+    assert got["down_manager"]["lookups_down"] + got["down_manager"]["lookup_failures"] > 0
+    assert got["down_manager"]["stores_dropped"] >= 1  # dropped and counted, never raised
+    assert got["up_loaded"] == 4 * BS  # the restarted daemon's pool, reached again by itself
+    assert got["up"] == CLEAN
+    assert got["reconnected_in_s"] < 10
+
+
+def _wait(path: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"engine ended early:\n{proc.communicate()[1][-6000:]}"
+        assert time.monotonic() < end, f"{path.name} never came"
+        time.sleep(0.05)
+
+
+def test_a_hit_is_held_through_another_writer_filling_the_pool(daemon: DaemonProc,
+                                                                model: str) -> None:
+    got = run("held_hit_survives_eviction", model=model, target=daemon.target)
+    assert got["filled"] >= 16  # the filler's pages went in, evicting all that was not held
+    assert got["loaded"] == 4 * BS
+    assert got["second"] == CLEAN
+    assert got["worker"]["load_failures"] == 0
+
+
+def test_sglang_and_vllm_on_one_daemon_at_once_each_exact(tmp_path: Path, model: str) -> None:
+    """The same model served by SGLang's linker and vLLM's spec: two pools (their pages are
+    laid out differently), each engine exact, at the same time."""
+    from tests.helpers import require_module
+
+    require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
+    import torch
+
+    from tests.sglang_harness import LAYERS, SGLangCache, tokens_of
+
+    d = start_daemon(tmp_path, "--no-shm-paths")
+    try:
+        proc = engine("store_reset_reload", model=model, target=d.target, blocks=5)
+        cache = SGLangCache(d.target, d.shm_dir, model=model)
+        try:
+            for start in range(0, 600, 200):
+                tokens = tokens_of(start, 64)
+                assert cache.offload_and_evict(tokens) == len(tokens)
+                cache.zero_kv()
+                hit, failed, slots = cache.hit_and_load(tokens)
+                assert (hit, failed) == (len(tokens), []) and slots is not None
+                for role in cache.roles:
+                    for layer in range(LAYERS):
+                        assert torch.equal(cache.layer_rows(role, layer, slots),
+                                           cache.expected(tokens, role, layer))
+        finally:
+            cache.close()
+        got = result(proc)
+        with HiCacheClient(d.target) as c:
+            names = [p.spec.name for p in c.list_pools()]
+    finally:
+        d.stop(signal.SIGKILL)
+    assert got["loaded"] == 5 * BS and got["second"] == CLEAN
+    assert len(names) == 2 and sorted(n.split("-")[0] for n in names) == ["sgl", "vllm"]
