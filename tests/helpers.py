@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -120,3 +121,10 @@ def require_module(name: str, package: str) -> str:
             pytest.fail(f"{name} is missing under CI: scripts/test.sh installs {package}")
         pytest.skip(f"{name} not installed (pip install {package})")
     return str(spec.submodule_search_locations[0])
+
+
+def free_port() -> int:
+    """A loopback TCP port free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

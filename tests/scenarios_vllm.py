@@ -164,3 +164,36 @@ def held_hit_survives_eviction(model: str, target: str, blocks: int = 4, **kw: A
            "manager": e.manager_stats(), "worker": e.worker_stats()}
     e.close()
     return out
+
+
+def tp_roundtrip(model: str, target: str, rank: int, port: int, mla: bool = False,
+                 blocks: int = 4, drop_last_of: str = "", **kw: Any) -> dict[str, Any]:
+    """Two ranks (one process each, gloo): a prompt stored by every rank (MHA: each its own
+    pool; MLA: rank 0 alone, one pool), the prefix cache reset and every rank's KV zeroed, the
+    same prefix loaded back into each rank, exact. ``drop_last_of``: the prompt's last block
+    is removed from that pool first (a block is a hit only where every rank's pool has it)."""
+    e = Engine(model, target, tp=2, rank=rank, port=port, mla=mla, **kw)
+    if rank != 0:
+        e.follow()
+        out = {"results": e.results, "worker": e.worker_stats()}
+        e.close()
+        return out
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + 1, 41)
+    e.add("a", prompt)
+    e.run()
+    removed = 0
+    if drop_last_of:
+        from hicache_client import HiCacheClient
+
+        with HiCacheClient(target) as c:
+            removed = c.remove_keys(drop_last_of, [e.offload_keys(prompt)[blocks - 1]])
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+    e.add("b", prompt[:blocks * bs] + _prompt(6, 42))
+    e.run()
+    out = {"results": e.results, "loaded": e.loaded_tokens["b"], "worker": e.worker_stats(),
+           "removed": removed,
+           "manager": e.manager_stats(), "pools": e.scheduler_side.manager.plan.pool_names}
+    e.close()
+    return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -18,17 +17,11 @@ from hicache.errors import HiCacheError
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from tests.daemon_proc import start_daemon
-from tests.helpers import require_binary
+from tests.helpers import free_port, require_binary
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SPEC = PoolSpec("prom", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 32), 8,
                 Layout.PAGE_FIRST, size_tokens=512)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def query(port: int, expr: str) -> list[dict[str, object]]:

@@ -195,3 +195,36 @@ def test_sglang_and_vllm_on_one_daemon_at_once_each_exact(tmp_path: Path, model:
         d.stop(signal.SIGKILL)
     assert got["loaded"] == 5 * BS and got["second"] == CLEAN
     assert len(names) == 2 and sorted(n.split("-")[0] for n in names) == ["sgl", "vllm"]
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_tensor_parallel_ranks_store_and_load_their_pages(daemon: DaemonProc, tmp_path: Path,
+                                                          mla: bool) -> None:
+    """Two ranks in two processes (gloo): MHA pages differ per rank (a pool each, a block a
+    hit only when both hold it); MLA pages are the same on every rank (one pool, rank 0
+    writes, both read)."""
+    from tests.helpers import free_port
+    from tests.vllm_harness import mla_model_dir
+
+    m = str(mla_model_dir(tmp_path) if mla else model_dir(tmp_path))
+    port = free_port()
+    procs = [engine("tp_roundtrip", model=m, target=daemon.target, rank=r, port=port, mla=mla)
+             for r in range(2)]
+    r0, r1 = (result(p) for p in procs)
+    assert r0["loaded"] == 4 * BS
+    assert r0["results"] == {"a": CLEAN, "b": CLEAN} == r1["results"]
+    pools = vllm_pools(daemon.target)
+    if not mla:  # rank 1's pool loses the last block: both ranks load three
+        rank1 = sorted(pools)[1]
+        procs = [engine("tp_roundtrip", model=m, target=daemon.target, rank=r, port=free_port(),
+                        drop_last_of=rank1) for r in range(2)]
+        d0, d1 = (result(p) for p in procs)
+        assert d0["removed"] == 1 and d0["loaded"] == 3 * BS
+        assert d0["results"] == {"a": CLEAN, "b": CLEAN} == d1["results"]
+    if mla:
+        assert list(pools.values()) == [4] and r0["pools"][0].endswith("-rankall")
+        assert r0["worker"]["store_pages"] == 4 and r1["worker"]["store_pages"] == 0
+    else:
+        assert sorted(pools) == sorted(r0["pools"]) and list(pools.values()) == [4, 4]
+        assert r0["worker"]["store_pages"] == 4 == r1["worker"]["store_pages"]
+    assert r0["worker"]["load_pages"] == 4 == r1["worker"]["load_pages"]

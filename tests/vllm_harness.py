@@ -38,21 +38,48 @@ def model_dir(root: Path, **over: Any) -> Path:
     return d
 
 
+DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
+            "vocab_size": 1000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "torch_dtype": "float32", "kv_lora_rank": 16, "q_lora_rank": None,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+            "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "moe_layer_freq": 1, "first_k_dense_replace": 2, "routed_scaling_factor": 1.0,
+            "n_group": 1, "topk_group": 1, "topk_method": "greedy", "rope_theta": 10000}
+MLA_WIDTH = 24  # kv_lora_rank + qk_rope_head_dim
+
+
+def mla_model_dir(root: Path) -> Path:
+    d = root / "tiny-deepseek"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(DEEPSEEK))
+    return d
+
+
 class Engine:
-    """One engine: the scheduler and one worker-side connector (rank 0 of 1)."""
+    """One engine: the scheduler (rank 0) and one worker-side connector per rank. With
+    ``tp`` 2 each rank is a process of its own, joined by a gloo group on loopback: rank 0
+    schedules and sends each step's plan (vLLM's connector metadata, what to compute) to the
+    others; every rank runs its connector and writes its own KV (MHA: its heads, so its rows
+    differ per rank; MLA: the same rows on every rank); rank 0 gathers their outputs with
+    vLLM's ``KVOutputAggregator``, as its executor does."""
 
     def __init__(self, model: str, target: str, *, block_size: int = 16, num_blocks: int = 64,
-                 extra: dict[str, Any] | None = None, events: bool = False) -> None:
+                 extra: dict[str, Any] | None = None, events: bool = False, tp: int = 1,
+                 rank: int = 0, port: int = 0, mla: bool = False) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
             KVEventsConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
         )
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -62,54 +89,118 @@ class Engine:
             KVCacheConfig,
             KVCacheGroupSpec,
             KVCacheTensor,
+            MLAAttentionSpec,
         )
         from vllm.v1.structured_output import StructuredOutputManager
 
+        self.tp, self.rank, self.mla = tp, rank, mla
+        if tp > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=tp)
         extra = {"spec_name": "HicachedOffloadingSpec", "spec_module_path": "hicache_vllm.spec",
                  "target": target, **(extra or {})}
         mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32",
                          max_model_len=2048, seed=0)
+        parallel = ParallelConfig(tensor_parallel_size=tp, rank=rank,
+                                  distributed_executor_backend="mp" if tp > 1 else None)
         self.config = VllmConfig(
-            model_config=mc,
+            model_config=mc, parallel_config=parallel,
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
                                              max_model_len=2048, is_encoder_decoder=False,
                                              enable_chunked_prefill=True),
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
-                                                kv_role="kv_both",
+                                                kv_role="kv_both", engine_id="engine-0",
                                                 kv_connector_extra_config=extra),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null")
             if events else None,
             device_config=DeviceConfig("cpu"))
         self.block_size = block_size
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16,
-                                 dtype=torch.float32)
+        if mla:
+            spec: Any = MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
+                                         head_size=MLA_WIDTH, dtype=torch.float32)
+            self.row_shape: tuple[int, ...] = (MLA_WIDTH,)
+            shape: tuple[int, ...] = (num_blocks, block_size, MLA_WIDTH)
+        else:
+            heads = 2 // tp
+            spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=16,
+                                     dtype=torch.float32)
+            self.row_shape = (2, heads, 16)
+            shape = (num_blocks, 2, block_size, heads, 16)
         page = spec.page_size_bytes
         self.kv_config = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * len(self.layers),
                                             layers=list(self.layers),
                                             layer_stride=page * num_blocks, block_stride=page)],
-            kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)])
+            kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
+            kv_tp_replicas=tp if mla else 1)
+        self.config.cache_config.num_gpu_blocks = num_blocks
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(block_size, sha256)
-        self.config.cache_config.num_gpu_blocks = num_blocks
         # as vLLM starts: the workers register their KV caches, then the scheduler is built
-        backing = torch.zeros(len(self.layers), num_blocks, 2, block_size, 2, 16)
+        backing = torch.zeros(len(self.layers), *shape)
         self.kv = {n: backing[i] for i, n in enumerate(self.layers)}  # layer-outermost
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER,
                                                           self.kv_config)
         self.worker.register_kv_caches(self.kv)
-        self.scheduler = Scheduler(self.config, self.kv_config,
-                                   StructuredOutputManager(self.config), block_size=block_size,
-                                   log_stats=True)
+        self._barrier()
+        self.scheduler: Any = None
+        if rank == 0:
+            self.scheduler = Scheduler(self.config, self.kv_config,
+                                       StructuredOutputManager(self.config),
+                                       block_size=block_size, log_stats=True)
+            self.aggregator = KVOutputAggregator.from_connector(self.worker, tp)
         self.tokens: dict[str, list[int]] = {}
         self.loaded_tokens: dict[str, int] = {}
-        self.written: dict[str, set[int]] = {}
         self._blocks: dict[str, list[int]] = {}
         self.results: dict[str, dict[str, Any]] = {}
         """Each finished request's check, made as it finished."""
+
+    # -- the ranks ------------------------------------------------------------------------
+
+    def _bcast(self, obj: Any) -> Any:
+        if self.tp == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.tp == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.tp if self.rank == 0 else []
+        dist.gather_object(obj, out if self.rank == 0 else None, dst=0)
+        return out
+
+    def _barrier(self) -> None:
+        if self.tp > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def follow(self) -> None:
+        """Ranks other than 0: do what rank 0's plans say until it says stop."""
+        while True:
+            plan = self._bcast(None)
+            if plan == "stop":
+                return
+            if plan == "zero":
+                self.zero()
+                continue
+            mro = self._work(plan)
+            if plan["done"] is None:
+                self._gather(mro)
+
+    def stop_followers(self) -> None:
+        self._bcast("stop")
 
     # -- requests and steps ---------------------------------------------------------------
 
@@ -120,57 +211,93 @@ class Engine:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(req_id, list(tokens), sp, None, block_hasher=self.hasher)
         self.tokens[req_id] = list(tokens)
-        self.written[req_id] = set()
         self.scheduler.add_request(req)
 
-    def step(self) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    def offload_keys(self, tokens: list[int]) -> list[bytes]:
+        """vLLM's ``OffloadKey`` of each whole block of ``tokens`` (group 0)."""
+        from vllm import SamplingParams
+        from vllm.v1.kv_offload.base import make_offload_key
+        from vllm.v1.request import Request
 
+        req = Request("keys", list(tokens), SamplingParams(max_tokens=1), None,
+                      block_hasher=self.hasher)
+        return [bytes(make_offload_key(h, 0)) for h in req.block_hashes]
+
+    def step(self) -> Any:
+        """Rank 0: one engine step over every rank."""
         out = self.scheduler.schedule()
-        meta = out.kv_connector_metadata
-        w = self.worker
-        w.bind_connector_metadata(meta)
-        w.handle_preemptions(meta)
-        w.start_load_kv(None)
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         for r in out.scheduled_new_reqs:
             self.loaded_tokens.setdefault(r.req_id, r.num_computed_tokens)
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             starts[rid] = cached.num_computed_tokens[i]
-        sampled: dict[str, list[int]] = {}
+        work = []
         for rid, n in out.num_scheduled_tokens.items():
-            self._forward(rid, starts[rid], n)
-            req = self.scheduler.requests[rid]
-            if starts[rid] + n >= req.num_tokens:  # the prompt (or the last token) is in
+            blocks = list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+            last = starts[rid] + n >= self.scheduler.requests[rid].num_tokens
+            work.append((rid, starts[rid], n, blocks, self.tokens[rid], last))
+        plan = {"meta": out.kv_connector_metadata, "work": work,
+                "finished": out.finished_req_ids, "done": None}
+        mro = self._work(self._bcast(plan))
+        final = self.aggregator.aggregate(self._gather(mro)) if self.tp > 1 else mro
+        self.scheduler.update_from_output(out, final)
+        done = [r for r in self.tokens if r not in self.scheduler.requests
+                and r not in self.results]
+        if done:  # finished: blocks freed, none reused before the next step: check them now
+            self._bcast({"meta": None, "work": [], "finished": set(), "done": done})
+            self._check_done(done)
+        return out
+
+    def _work(self, plan: dict[str, Any]) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        if plan["done"] is not None:
+            self._check_done(plan["done"])
+            return None
+        w = self.worker
+        meta = plan["meta"]
+        w.bind_connector_metadata(meta)
+        w.handle_preemptions(meta)
+        w.start_load_kv(None)
+        sampled: dict[str, list[int]] = {}
+        for rid, start, n, blocks, tokens, last in plan["work"]:
+            self.tokens[rid] = tokens
+            self._blocks[rid] = blocks
+            self._forward(rid, start, n)
+            if last:  # the prompt (or the last token) is in: one token sampled
                 sampled[rid] = [7]
         w.wait_for_save()
-        sending, recving = w.get_finished(out.finished_req_ids)
+        sending, recving = w.get_finished(plan["finished"])
         wmeta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
-        ids = list(out.num_scheduled_tokens)
-        mro = ModelRunnerOutput(
+        ids = [item[0] for item in plan["work"]]
+        return ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[sampled.get(r, []) for r in ids],
             kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
                                                   finished_recving=recving or None,
                                                   kv_connector_worker_meta=wmeta))
-        self.scheduler.update_from_output(out, mro)
-        for rid in list(self.tokens):
-            if rid not in self.scheduler.requests and rid not in self.results:
-                # finished: its blocks are freed, but none is reused before the next step
-                self.results[rid] = self.check_finished(rid)
-        return out
+
+    def _check_done(self, done: list[str]) -> None:
+        for rid in done:
+            self.results[rid] = self.check_finished(rid)
+
+    def _salt(self, layer: int) -> int:
+        return layer if self.mla else layer + 1000 * self.rank  # MLA: the same on every rank
 
     def _forward(self, rid: str, start: int, n: int) -> None:
-        blocks = list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
-        self._blocks[rid] = blocks
+        blocks = self._blocks[rid]
         toks = self.tokens[rid] + [7] * 4096
         for pos in range(start, start + n):
             b, off = blocks[pos // self.block_size], pos % self.block_size
             for li, name in enumerate(self.layers):
-                self.kv[name][b, :, off] = expected_rows(toks[:pos + 1], li)
-            self.written[rid].add(pos)
+                self._rows(name, b, off).copy_(
+                    expected_rows(toks[:pos + 1], self._salt(li), self.row_shape))
+
+    def _rows(self, layer: str, block: int, off: int) -> torch.Tensor:
+        t = self.kv[layer]
+        return t[block, off] if self.mla else t[block, :, off]
 
     def run(self, until_idle: float = 10.0) -> None:
         """Step until every request is done and no transfer is in flight."""
@@ -198,7 +325,8 @@ class Engine:
         for pos in range(len(toks) - 1):
             b, off = blocks[pos // self.block_size], pos % self.block_size
             for li, name in enumerate(self.layers):
-                if not torch.equal(self.kv[name][b, :, off], expected_rows(toks[:pos + 1], li)):
+                want = expected_rows(toks[:pos + 1], self._salt(li), self.row_shape)
+                if not torch.equal(self._rows(name, b, off), want):
                     bad.append(pos)
                     break
         return {"bad": bad[:20], "n_bad": len(bad)}
@@ -219,12 +347,17 @@ class Engine:
         return dict(self.worker.connector_worker.worker.stats)
 
     def zero(self) -> None:
+        """Every rank's KV zeroed (rank 0 tells the others)."""
+        if self.rank == 0 and self.tp > 1:
+            self._bcast("zero")
         for t in self.kv.values():
             t.zero_()
 
     def close(self) -> None:
+        if self.rank == 0 and self.tp > 1:
+            self.stop_followers()
         self.worker.shutdown()
-        if self.scheduler.connector is not None:
+        if self.scheduler is not None and self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
 
 
@@ -232,13 +365,16 @@ def _has_jobs(conn: Any) -> bool:
     return bool(conn.connector_scheduler._jobs)
 
 
-def expected_rows(prefix: list[int], layer: int) -> torch.Tensor:
-    """K and V rows of the last token of ``prefix`` at ``layer``: shape (2, 2, 16)."""
+def expected_rows(prefix: list[int], salt: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The rows of the last token of ``prefix`` (``salt``: layer and rank) of ``shape``."""
     h = 1469598103
     for t in prefix:
         h = (h * 1099511 + t + 1) % 2147483629
-    base = torch.arange(64, dtype=torch.int64) + (h % 100003) * 64 + layer * 7919
-    return (base % 65521).to(torch.float32).view(2, 2, 16)
+    n = 1
+    for d in shape:
+        n *= d
+    base = torch.arange(n, dtype=torch.int64) + (h % 100003) * 64 + salt * 7919
+    return (base % 65521).to(torch.float32).view(shape)
 
 
 if __name__ == "__main__":
