@@ -46,7 +46,12 @@ def engine(scenario: str, **args: Any) -> subprocess.Popen[str]:
 
 
 def result(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"engine still running after {timeout} s:\n{err[-8000:]}") from None
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"engine failed ({proc.returncode}):\n{err[-6000:]}"
     got: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
@@ -56,6 +61,18 @@ def result(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
 
 def run(scenario: str, **args: Any) -> dict[str, Any]:
     return result(engine(scenario, **args))
+
+
+def results(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    """Every rank's result; a rank that failed or hung ends its peers too (they would wait on
+    it for gloo's own timeout)."""
+    try:
+        return [result(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 @pytest.fixture
@@ -210,15 +227,16 @@ def test_tensor_parallel_ranks_store_and_load_their_pages(daemon: DaemonProc, tm
     port = free_port()
     procs = [engine("tp_roundtrip", model=m, target=daemon.target, rank=r, port=port, mla=mla)
              for r in range(2)]
-    r0, r1 = (result(p) for p in procs)
+    r0, r1 = results(procs)
     assert r0["loaded"] == 4 * BS
     assert r0["results"] == {"a": CLEAN, "b": CLEAN} == r1["results"]
     pools = vllm_pools(daemon.target)
     if not mla:  # rank 1's pool loses the last block: both ranks load three
         rank1 = sorted(pools)[1]
-        procs = [engine("tp_roundtrip", model=m, target=daemon.target, rank=r, port=free_port(),
+        port = free_port()  # one rendezvous for both ranks
+        procs = [engine("tp_roundtrip", model=m, target=daemon.target, rank=r, port=port,
                         drop_last_of=rank1) for r in range(2)]
-        d0, d1 = (result(p) for p in procs)
+        d0, d1 = results(procs)
         assert d0["removed"] == 1 and d0["loaded"] == 3 * BS
         assert d0["results"] == {"a": CLEAN, "b": CLEAN} == d1["results"]
     if mla:

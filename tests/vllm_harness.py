@@ -378,10 +378,22 @@ def expected_rows(prefix: list[int], salt: int, shape: tuple[int, ...]) -> torch
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import traceback
+
     from tests import scenarios_vllm
 
+    # a scenario stuck (a rank waiting on a peer that failed, a thread that never ends) shows
+    # every thread's stack and ends before the test's own timeout, instead of hanging it
+    faulthandler.dump_traceback_later(float(os.environ.get("HICACHED_ENGINE_TIMEOUT_S", "200")),
+                                      exit=True)
     name, args = sys.argv[1], json.loads(sys.argv[2])
-    result = getattr(scenarios_vllm, name)(**args)
+    try:
+        result = getattr(scenarios_vllm, name)(**args)
+    except BaseException:  # the client's threads must not keep a failed engine alive
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
     os._exit(0)
