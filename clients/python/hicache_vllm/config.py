@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ from hicache.polling import DEFAULT_MAX_US
 VLLM_KEYS = frozenset({
     "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
     "self_describing_kv_events", "offload_prompt_only", "sync_load_budget_bytes"})
+
+_PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,31}\Z")
 
 
 def _check(ok: bool, name: str, value: object, want: str) -> None:
@@ -106,8 +109,8 @@ class SpecConfig:
                self.pool_size_bytes, "unset when pool_size_tokens is set")
         for name in ("pool_prefix", "namespace", "shm_dir", "worker_id"):
             _check(isinstance(getattr(self, name), str), name, getattr(self, name), "a string")
-        _check(bool(self.pool_prefix) and self.pool_prefix.replace("-", "").isalnum(),
-               "pool_prefix", self.pool_prefix, "letters, digits and '-'")
+        _check(bool(_PREFIX.match(self.pool_prefix)), "pool_prefix", self.pool_prefix,
+               "1-32 ASCII letters, digits and '-', a letter or digit first")
 
     @classmethod
     def from_extra(cls, extra: Any) -> SpecConfig:
@@ -119,11 +122,12 @@ class SpecConfig:
                               metadata={"value": repr(extra)[:200]})
         ours = {k: v for k, v in extra.items() if k not in VLLM_KEYS}
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in set(ours) - known)
-        if unknown:
-            raise SpecInvalid(f"kv_connector_extra_config: unknown fields {unknown[:16]}; "
-                              f"known: {sorted(known | VLLM_KEYS)}",
-                              metadata={"unknown": ",".join(unknown[:16])[:400]})
+        unknown = sorted(str(k)[:64] for k in set(ours) - known)
+        if unknown:  # bounded: the first few names, each cut short
+            names = ",".join(unknown[:8])[:400]
+            raise SpecInvalid(f"kv_connector_extra_config: unknown fields {names} "
+                              f"({len(unknown)} in all); known: {sorted(known | VLLM_KEYS)}",
+                              metadata={"unknown": names, "count": len(unknown)})
         if extra.get("canonical_layout"):
             raise SpecInvalid("kv_connector_extra_config.canonical_layout is not supported: "
                               "hicached keeps each rank's own pages",

@@ -87,7 +87,7 @@ class Plan:
         ident = "\x00".join([
             FORMAT_TAG, config.model.name, config.model.dtype, str(config.kv_cache_layout),
             spec_config.namespace, str(layers), str(per_block // layers), str(block_tokens),
-            str(bpc), str(par.world_size), str(par.data_parallel_index)])
+            str(bpc), str(par.world_size)])  # not the DP rank: DP engines share
         return cls(model=config.model.name, ident=ident, layers=layers,
                    layer_block_bytes=per_block // layers, block_tokens=block_tokens,
                    blocks_per_chunk=bpc, world_size=int(par.world_size),
