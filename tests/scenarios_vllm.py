@@ -197,3 +197,31 @@ def tp_roundtrip(model: str, target: str, rank: int, port: int, mla: bool = Fals
            "manager": e.manager_stats(), "pools": e.scheduler_side.manager.plan.pool_names}
     e.close()
     return out
+
+
+def parse_serve(argv: list[str], model: str) -> dict[str, Any]:
+    """A ``vllm serve ...`` command line read by vLLM's own argument parser, as its CLI reads
+    it, and the connector settings it leads to (``EngineArgs.from_cli_args``; the model
+    replaced by ``model``, a local directory: no hub here)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert argv[:2] == ["vllm", "serve"], argv[:2]
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(argv[1:])
+    named = args.model_tag or args.model
+    args.model_tag = args.model = model
+    kv = EngineArgs.from_cli_args(args).kv_transfer_config
+    assert kv is not None
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from hicache_vllm.config import SpecConfig
+
+    spec_cls = OffloadingSpecFactory.get_spec_cls(kv.kv_connector_extra_config)
+    SpecConfig.from_extra(kv.kv_connector_extra_config)  # our part of it is valid
+    return {"model": named, "spec": f"{spec_cls.__module__}.{spec_cls.__name__}",
+            "kv_connector": kv.kv_connector,
+            "kv_role": kv.kv_role, "extra": kv.kv_connector_extra_config,
+            "block_size": args.block_size, "prefix_caching": args.enable_prefix_caching}

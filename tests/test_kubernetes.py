@@ -38,7 +38,8 @@ def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
 
 def test_there_are_a_daemonset_a_pod_for_it_and_a_sidecar_pod() -> None:
     assert [p.name for p in MANIFESTS] == ["hicached-daemonset.yaml", "inference-pod.yaml",
-                                           "sidecar-pod.yaml"]
+                                           "sidecar-pod.yaml", "vllm-pod.yaml",
+                                           "vllm-sidecar-pod.yaml"]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -84,18 +85,45 @@ def test_no_container_is_given_gpus_by_an_environment_variable_alone() -> None:
                 assert "nvidia.com/gpu" not in c.get("resources", {}).get("limits", {})
 
 
-def test_the_sidecar_and_sglang_share_one_gpu_claim() -> None:
-    pod = docs(KUBE / "sidecar-pod.yaml")[0]
+def vllm_extra(container: dict[str, Any]) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` of a vLLM container's ``--kv-transfer-config``
+    (tests/test_vllm_offloading.py reads the same line with vLLM's own parser)."""
+    import json
+
+    assert container["command"] == ["vllm", "serve"]
+    kv = json.loads(arg(container, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "OffloadingConnector" and kv["kv_role"] == "kv_both"
+    extra: dict[str, Any] = kv["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"]) == ("HicachedOffloadingSpec",
+                                                               "hicache_vllm.spec")
+    return extra
+
+
+@pytest.mark.parametrize("name", ["sidecar-pod.yaml", "vllm-sidecar-pod.yaml"])
+def test_the_sidecar_and_the_engine_share_one_gpu_claim_and_the_socket(name: str) -> None:
+    pod = docs(KUBE / name)[0]
+    sidecar, engine = pod["spec"]["containers"]
+    listen = arg(sidecar, "--listen")
+    if engine["name"] == "vllm":
+        assert vllm_extra(engine)["target"] == listen
+    else:
+        from tests.test_sglang_config import _sglang_config_from_argv
+
+        assert _sglang_config_from_argv(engine["args"])["target"] == listen
+    api = {m["name"] for m in sidecar["volumeMounts"] if listen.startswith(
+        "unix:" + m["mountPath"] + "/")}
+    assert api and api <= {m["name"] for m in engine["volumeMounts"]}
     claims = {c["name"] for c in pod["spec"]["resourceClaims"]}
     for c in pod["spec"]["containers"]:
         assert {x["name"] for x in c["resources"]["claims"]} == claims, c["name"]
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
-    templates = {d["metadata"]["name"] for d in docs(KUBE / "sidecar-pod.yaml")
+    templates = {d["metadata"]["name"] for d in docs(KUBE / name)
                  if d["kind"] == "ResourceClaimTemplate"}
     assert {c["resourceClaimTemplateName"] for c in pod["spec"]["resourceClaims"]} <= templates
 
 
-def test_the_inference_pod_reaches_the_node_daemon() -> None:
+@pytest.mark.parametrize("name", ["inference-pod.yaml", "vllm-pod.yaml"])
+def test_the_inference_pod_reaches_the_node_daemon(name: str) -> None:
     from tests.test_sglang_config import _sglang_config_from_argv
 
     ds = docs(KUBE / "hicached-daemonset.yaml")[1]
@@ -103,9 +131,12 @@ def test_the_inference_pod_reaches_the_node_daemon() -> None:
     daemon = spec["containers"][0]
     listen = arg(daemon, "--listen").removeprefix("unix:")
     assert arg(daemon, "--socket-mode") == "0660" and "--no-shm-paths" in daemon["args"]
-    pod = docs(KUBE / "inference-pod.yaml")[0]
-    sglang = pod["spec"]["containers"][0]
-    extra = _sglang_config_from_argv(sglang["args"])
+    pod = docs(KUBE / name)[0]
+    engine = pod["spec"]["containers"][0]
+    if engine["name"] == "vllm":
+        extra = vllm_extra(engine)
+    else:
+        extra = _sglang_config_from_argv(engine["args"])
     assert extra["target"] == f"unix:{listen}"
 
     def node_dir(s: dict[str, Any], c: dict[str, Any], path: str) -> str:
@@ -117,14 +148,14 @@ def test_the_inference_pod_reaches_the_node_daemon() -> None:
                 return str(host + path[len(m["mountPath"]):].rsplit("/", 1)[0])
         raise AssertionError(f"{path} is on no hostPath of {c['name']}")
 
-    assert node_dir(spec, daemon, listen) == node_dir(pod["spec"], sglang, listen)
+    assert node_dir(spec, daemon, listen) == node_dir(pod["spec"], engine, listen)
     # the pod may connect: the daemon's group, its uid told to the client, one IPC namespace
     assert spec["securityContext"]["runAsGroup"] in pod["spec"]["securityContext"][
         "supplementalGroups"]
-    env = {e["name"]: e["value"] for e in sglang["env"]}
+    env = {e["name"]: e["value"] for e in engine["env"]}
     assert env["HICACHE_DAEMON_UID"] == str(spec["securityContext"]["runAsUser"])
     assert spec["hostIPC"] and pod["spec"]["hostIPC"]
-    assert sglang["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] >= 1
     # the node directories are the daemon's before it starts (it refuses ones it does not own)
     init = " ".join(spec["initContainers"][0]["args"])
     assert "chown 10001:10001" in init and "chmod 0750 /node/run/api" in init

@@ -246,3 +246,34 @@ def test_tensor_parallel_ranks_store_and_load_their_pages(daemon: DaemonProc, tm
         assert sorted(pools) == sorted(r0["pools"]) and list(pools.values()) == [4, 4]
         assert r0["worker"]["store_pages"] == 4 == r1["worker"]["store_pages"]
     assert r0["worker"]["load_pages"] == 4 == r1["worker"]["load_pages"]
+
+
+def readme_vllm_serve() -> list[str]:
+    """The ``vllm serve`` command of README.md's "Use with vLLM", as a shell splits it."""
+    import re
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def pod_vllm_serve(name: str) -> list[str]:
+    from tests.test_kubernetes import KUBE, docs
+
+    pod = docs(KUBE / name)[0]
+    (c,) = [c for c in pod["spec"]["containers"] if c["name"] == "vllm"]
+    return [*c["command"], *c["args"]]
+
+
+@pytest.mark.parametrize("source", ["README.md", "vllm-pod.yaml", "vllm-sidecar-pod.yaml"])
+def test_the_documented_vllm_serve_lines_parse_with_vllms_own_parser(tmp_path: Path,
+                                                                     source: str) -> None:
+    argv = readme_vllm_serve() if source == "README.md" else pod_vllm_serve(source)
+    got = run("parse_serve", argv=argv, model=str(model_dir(tmp_path)))
+    assert got["kv_connector"] == "OffloadingConnector" and got["kv_role"] == "kv_both"
+    assert got["spec"] == "hicache_vllm.spec.HicachedOffloadingSpec"  # as vLLM's factory finds it
+    assert got["block_size"] == 16 and got["model"].startswith("meta-llama/")
+    if source != "README.md":
+        assert got["extra"]["target"] == "unix:/run/hicached/api/hicached.sock"
