@@ -20,6 +20,10 @@ def store_reset_reload(model: str, target: str, blocks: int = 5, extra_tokens: i
     bs = e.block_size
     prompt = _prompt(blocks * bs + 1)
     e.add("a", prompt)
+    # nothing cached: told MISS at once (its first key looked up now), scheduled in this step
+    scheduled = [r.req_id for r in e.step().scheduled_new_reqs]
+    asked = e.manager_stats()
+    at_once = scheduled == ["a"] and asked["lookups"] == 1 and not asked["lookups_down"]
     e.run()
     first = e.results.get("a")
     stored = e.worker_stats()
@@ -28,7 +32,8 @@ def store_reset_reload(model: str, target: str, blocks: int = 5, extra_tokens: i
     e.add("b", prompt[:blocks * bs] + _prompt(extra_tokens, seed=2))
     e.run()
     out = {"first": first, "second": e.results.get("b"), "loaded": e.loaded_tokens["b"],
-           "stored": stored, "worker": e.worker_stats(), "manager": e.manager_stats()}
+           "stored": stored, "worker": e.worker_stats(), "manager": e.manager_stats(),
+           "miss_scheduled_at_once": at_once}
     e.close()
     return out
 

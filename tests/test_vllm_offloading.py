@@ -96,6 +96,7 @@ def test_a_prompt_stored_comes_back_exact_after_a_prefix_cache_reset(daemon: Dae
                                                                       model: str) -> None:
     got = run("store_reset_reload", model=model, target=daemon.target, blocks=5)
     assert got["first"] == CLEAN
+    assert got["miss_scheduled_at_once"]  # a miss costs the request no step
     assert got["stored"]["store_pages"] == 5
     assert got["loaded"] == 5 * BS  # every block of the prefix came from the daemon
     assert got["second"] == CLEAN  # into KV zeroed first

@@ -67,7 +67,9 @@ class Engine:
 
     def __init__(self, model: str, target: str, *, block_size: int = 16, num_blocks: int = 64,
                  extra: dict[str, Any] | None = None, events: bool = False, tp: int = 1,
-                 rank: int = 0, port: int = 0, mla: bool = False) -> None:
+                 rank: int = 0, port: int = 0, mla: bool = False, layers: int = 2,
+                 heads: int = 2, head_size: int = 16, dtype: torch.dtype = torch.float32
+                 ) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -118,18 +120,18 @@ class Engine:
             if events else None,
             device_config=DeviceConfig("cpu"))
         self.block_size = block_size
-        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         if mla:
             spec: Any = MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
-                                         head_size=MLA_WIDTH, dtype=torch.float32)
+                                         head_size=MLA_WIDTH, dtype=dtype)
             self.row_shape: tuple[int, ...] = (MLA_WIDTH,)
             shape: tuple[int, ...] = (num_blocks, block_size, MLA_WIDTH)
         else:
-            heads = 2 // tp
-            spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=16,
-                                     dtype=torch.float32)
-            self.row_shape = (2, heads, 16)
-            shape = (num_blocks, 2, block_size, heads, 16)
+            heads //= tp
+            spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads,
+                                     head_size=head_size, dtype=dtype)
+            self.row_shape = (2, heads, head_size)
+            shape = (num_blocks, 2, block_size, heads, head_size)
         page = spec.page_size_bytes
         self.kv_config = KVCacheConfig(
             num_blocks=num_blocks,
@@ -142,7 +144,7 @@ class Engine:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(block_size, sha256)
         # as vLLM starts: the workers register their KV caches, then the scheduler is built
-        backing = torch.zeros(len(self.layers), *shape)
+        backing = torch.zeros(len(self.layers), *shape, dtype=dtype)
         self.kv = {n: backing[i] for i, n in enumerate(self.layers)}  # layer-outermost
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER,
                                                           self.kv_config)

@@ -4,9 +4,9 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
 
 - ``lookup(key)``: the daemon's answer for the block, read from local books
   (``hicache_vllm.promises``): HIT only for a block every rank's pool holds *for this manager*
-  (a ``Lookup`` with ``hold_ms`` on the manager's own session per pool), MISS, or RETRY while
-  the request's keys are being asked on the lookup thread (``on_schedule_end`` sends them;
-  ``has_pending_work`` keeps the engine stepping until the answers are in).
+  (a ``Lookup`` with ``hold_ms`` on the manager's own session per pool), MISS, or RETRY until
+  the step's end (``on_schedule_end``) has asked the daemon for the request's keys, in one
+  ``Lookup`` per pool.
 - ``prepare_load(keys)``: the blocks' spec for the workers (``HicachedLoadStoreSpec``); the
   holds stay until ``complete_load`` and the request's end (``on_request_finished``) release
   them: vLLM's "protected from eviction until complete_load".
@@ -17,9 +17,11 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
   what this engine stored and reset (the daemon's own stream tells every tier exactly).
 - ``reset_cache``: ``ClearPool`` of every rank's pool, off the scheduler's thread.
 
-Failure semantics: nothing raises into the scheduler and nothing on its thread waits. With the
-daemon down, restarting, refusing or slow, lookups are misses, stores are dropped (counted in
-``stats``), and the links reconnect by themselves (``hicache_client.link``).
+Failure semantics: nothing raises into the scheduler, and its thread waits on the daemon only
+in ``on_schedule_end``'s lookups, each at most ``lookup_timeout_s``; one that misses it makes
+the link late, and a late or down link is not called (misses at once) until it answers again.
+With the daemon down, restarting, refusing or slow, lookups are misses, stores are dropped
+(counted in ``stats``), and the links reconnect by themselves (``hicache_client.link``).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class HicachedOffloadingManager(OffloadingManager):
         log.info("hicached offloading manager: pools %s (%d layers, %d tokens per page)",
                  plan.pool_names, plan.layers, plan.page_tokens)
 
-    # -- the daemon, on the lookup thread ---------------------------------------------------
+    # -- the daemon (lookups at the step's end, releases on a thread) ---------------------
 
     def _lookup(self, keys: list[bytes]) -> int:
         """Hold ``keys`` in every pool; the leading run every pool holds."""

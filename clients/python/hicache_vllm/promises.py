@@ -1,27 +1,32 @@
 """What the daemon promised the scheduler: batched, held lookups and the claims on their holds.
 
 vLLM asks one block at a time (``lookup(key)``) on its scheduler's thread; a round trip per
-block would cost that thread a millisecond per 16 blocks, and a wait on a slow daemon would
-stall it. So a key not yet answered is *asked*: the scheduler hears ``RETRY`` (vLLM keeps
-scanning the request's keys, then defers it a step), the keys asked by each request in a step
-go to the lookup thread as one ``Lookup`` per pool (every rank's pool: a block is a hit only
-when each holds it) that *holds* the hit for the manager's sessions, and the next step's
-``lookup`` reads the answer: a hit only for held blocks, so a HIT is a promise that
-``prepare_load`` can keep (vLLM cannot be told of a failed load).
+block would cost that thread a millisecond per 16 blocks. So a request's first key is looked up
+at once (most requests find nothing: MISS, and they are scheduled in this step), and after a
+hit its other keys are *asked*: the scheduler hears ``RETRY`` (vLLM keeps scanning the
+request's keys, then defers it a step), and at the end of the step (``flush``, from vLLM's
+``on_schedule_end``) the keys each request asked go as one ``Lookup`` per pool (every rank's
+pool: a block is a hit only when each holds it) that *holds* the hit for the manager's
+sessions; the next step's ``lookup`` reads the answer: a hit only for held blocks, so a HIT
+is a promise that ``prepare_load`` can keep (vLLM cannot be told of a failed load). Lookups
+run on the scheduler's thread, each bounded by the link's deadline (a daemon that misses it is
+skipped until it answers again): a thread of their own would wait for the interpreter lock
+behind a scheduler that steps without pause, for milliseconds, where the call itself takes
+tens of microseconds.
 
-A held key may be claimed by several requests; the hold is released (``ReleaseHolds``, on the
-lookup thread) when no request claims it any more: the request finished and its loads
-completed. An answer older than half the hold is asked again (the daemon refreshes the hold),
-and so is a miss answered before this engine's latest store.
+A held key may be claimed by several requests; the hold is released (``ReleaseHolds``, on a
+thread of its own: nothing waits for it) when no request claims it any more: the request
+finished and its loads completed. An answer older than half the hold is asked again (the
+daemon refreshes the hold), and so is a miss answered before this engine's latest store.
 
 Primitives:
 
-- ``Promises(config, lookup)``: ``lookup`` is ``(keys) -> held prefix length`` (called on the
-  lookup thread, may raise: every key a miss).
+- ``Promises(hold_s, lookup, release)``: ``lookup`` is ``(keys) -> held prefix length`` (may
+  raise: every key a miss); ``release(keys)`` lets holds go.
 - ``answer(req_id, key)``: True (held), False (miss) or None (asked: say RETRY).
-- ``flush()``: hand the keys asked this step to the lookup thread; ``pending``.
+- ``flush()``: look up the keys asked this step; ``pending``: keys asked and not looked up.
 - ``stored()``: this engine stored blocks (misses answered before are asked again).
-- ``loading(req_id, keys)`` / ``loaded(req_id, keys)``: a load in flight keeps its claims.
+- ``loading(req_id, keys)`` / ``loaded(req_id)``: a load in flight keeps its claims.
 - ``finished(req_id)``: the request's claims end (once its loads are done).
 - ``forget_all()``: every answer dropped, every hold released (a reset, a lost session).
 - ``close()``.
@@ -46,8 +51,6 @@ MAX_REQUESTS = 65536
 class _Request:
     asked: list[bytes] = field(default_factory=list)
     """Keys to ask in the next batch."""
-    sent: set[bytes] = field(default_factory=set)
-    """Keys asked and not answered yet (never asked twice at once)."""
     answers: dict[bytes, bool] = field(default_factory=dict)
     at: float = 0.0
     generation: int = 0
@@ -68,11 +71,10 @@ class Promises:
         self._claimed: dict[bytes, int] = {}
         """key -> requests claiming its hold."""
         self._asked: set[str] = set()
-        self._inflight = 0
         self.generation = 0
         """Bumped by ``stored``: misses answered before it are asked again."""
-        self._queue: queue.Queue[tuple[str, list[bytes]] | list[bytes] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="hicache-lookups")
+        self._queue: queue.Queue[list[bytes] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="hicache-releases")
         self._thread.start()
         self.stats = {"lookups": 0, "lookup_failures": 0, "held_blocks": 0, "miss_blocks": 0}
 
@@ -91,28 +93,33 @@ class Promises:
                 return got
             if got is not None:  # stale: ask again (the Lookup refreshes the holds)
                 r.answers.clear()
-            if key not in r.sent and key not in r.asked:
-                r.asked.append(key)
-            self._asked.add(req_id)
-            return None
+            probe = not r.answers and not r.asked
+            if not probe:
+                if key not in r.asked:
+                    r.asked.append(key)
+                self._asked.add(req_id)
+                return None
+        # the first key of a request: asked now, so a request with nothing cached (most) is
+        # told MISS at once instead of waiting a step; the rest of a hit is batched
+        self._answer(req_id, [key])
+        with self._lock:
+            r = self._requests.get(req_id)
+            return bool(r is not None and r.answers.get(key))
 
     def flush(self) -> None:
+        """Look up what each request asked this step (on the caller's thread)."""
         with self._lock:
-            batches = []
-            for req_id in self._asked:
-                r = self._requests.get(req_id)
-                if r is not None and r.asked:
-                    batches.append((req_id, r.asked))
-                    r.sent.update(r.asked)
-                    r.asked = []
+            batches = [(req_id, self._requests[req_id].asked) for req_id in self._asked
+                       if req_id in self._requests and self._requests[req_id].asked]
+            for req_id, _ in batches:
+                self._requests[req_id].asked = []
             self._asked.clear()
-            self._inflight += len(batches)
-        for b in batches:
-            self._queue.put(b)
+        for req_id, keys in batches:
+            self._answer(req_id, keys)
 
     @property
     def pending(self) -> bool:
-        return bool(self._inflight or self._asked)
+        return bool(self._asked)
 
     def stored(self) -> None:
         """This engine stored blocks: a miss answered before may be a hit now."""
@@ -177,44 +184,41 @@ class Promises:
             if not r.loads:
                 self._end(req_id)
 
-    # -- the lookup thread -----------------------------------------------------------------
+    # -- lookups and releases -------------------------------------------------------------
+
+    def _answer(self, req_id: str, keys: list[bytes]) -> None:
+        generation = self.generation
+        try:
+            held = self._lookup(keys)
+            self.stats["lookups"] += 1
+        except Exception as exc:
+            self.stats["lookup_failures"] += 1
+            log.debug("lookup for %s failed: %s", req_id, exc)
+            held = 0
+        self.stats["held_blocks"] += held
+        self.stats["miss_blocks"] += len(keys) - held
+        with self._lock:
+            r = self._requests.get(req_id)
+            if r is None or r.finished:
+                unclaimed = [k for k in keys[:held] if k not in self._claimed]
+                if unclaimed:
+                    self._queue.put(unclaimed)
+                return
+            r.at = time.monotonic()
+            r.generation = generation
+            for i, k in enumerate(keys):
+                hit = i < held
+                r.answers[k] = hit
+                if hit and k not in r.claims:
+                    r.claims.add(k)
+                    self._claimed[k] = self._claimed.get(k, 0) + 1
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            if isinstance(item, list):
-                try:
-                    self._release(item)
-                except Exception as exc:  # they expire by themselves
-                    log.debug("releasing %d hold(s) failed: %s", len(item), exc)
-                continue
-            req_id, keys = item
-            generation = self.generation
             try:
-                held = self._lookup(keys)
-                self.stats["lookups"] += 1
-            except Exception as exc:
-                self.stats["lookup_failures"] += 1
-                log.debug("lookup for %s failed: %s", req_id, exc)
-                held = 0
-            self.stats["held_blocks"] += held
-            self.stats["miss_blocks"] += len(keys) - held
-            with self._lock:
-                self._inflight -= 1
-                r = self._requests.get(req_id)
-                if r is None or r.finished:
-                    unclaimed = [k for k in keys[:held] if k not in self._claimed]
-                    if unclaimed:
-                        self._queue.put(unclaimed)
-                    continue
-                r.at = time.monotonic()
-                r.generation = generation
-                r.sent.difference_update(keys)
-                for i, k in enumerate(keys):
-                    hit = i < held
-                    r.answers[k] = hit
-                    if hit and k not in r.claims:
-                        r.claims.add(k)
-                        self._claimed[k] = self._claimed.get(k, 0) + 1
+                self._release(item)
+            except Exception as exc:  # they expire by themselves
+                log.debug("releasing %d hold(s) failed: %s", len(item), exc)

@@ -174,6 +174,12 @@ class HicachedOffloadingWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         with self._cv:
             out, self._finished = self._finished, []
+            busy = bool(self._open)
+        if busy:
+            # the engine's thread calls this every step and may step without pause (requests
+            # only waiting for loads): a yield lets the transfer threads take the interpreter
+            # lock now, where they would wait up to its switch interval (5 ms) each time
+            time.sleep(0)
         return out
 
     def wait(self, job_ids: set[int]) -> None:
