@@ -122,6 +122,53 @@ def daemon_restart(model: str, target: str, sync_dir: str, blocks: int = 4, **kw
     return out
 
 
+def stopped_daemon(model: str, target: str, sync_dir: str, blocks: int = 4, **kw: Any
+                   ) -> dict[str, Any]:
+    """Store; the daemon is SIGSTOPped (by the test): no scheduler step waits on it past the
+    lookup deadline (steps timed), a request with the stored prefix is computed (misses,
+    nothing raised); SIGCONT: the link is fenced and up again by itself, the prefix hits."""
+    sync = Path(sync_dir)
+    e = Engine(model, target, **kw)
+    steps: list[float] = []
+    untimed = e.step
+
+    def timed() -> Any:
+        t0 = time.perf_counter()
+        got = untimed()
+        steps.append(time.perf_counter() - t0)
+        return got
+
+    e.step = timed  # type: ignore[method-assign]
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + 1, 13)
+    e.add("a", prompt)
+    e.run()
+    out: dict[str, Any] = {"first": e.results.get("a"), "steps_up": max(steps)}
+    (sync / "stored").touch()
+    _wait_file(sync / "stopped")
+    steps.clear()
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+    e.add("b", prompt[:blocks * bs] + _prompt(5, 14))
+    e.run(until_idle=30)
+    out.update(stopped_loaded=e.loaded_tokens["b"], stopped=e.results.get("b"),
+               longest_step_s=max(steps), stopped_steps=len(steps),
+               stopped_manager=e.manager_stats())
+    (sync / "missed").touch()
+    _wait_file(sync / "continued")
+    end = time.monotonic() + 30
+    while not e.links_up() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+    e.add("c", prompt[:blocks * bs] + _prompt(7, 15))
+    e.run(until_idle=30)
+    out.update(up_loaded=e.loaded_tokens["c"], up=e.results.get("c"),
+               worker=e.worker_stats())
+    e.close()
+    return out
+
+
 def _wait_file(path: Path, timeout: float = 60.0) -> None:
     end = time.monotonic() + timeout
     while not path.exists():

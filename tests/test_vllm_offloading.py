@@ -160,6 +160,39 @@ def test_a_killed_daemon_means_misses_then_hits_again_after_its_restart(
     assert got["reconnected_in_s"] < 10
 
 
+def test_a_stopped_daemon_never_holds_the_scheduler_past_the_lookup_deadline(
+        tmp_path: Path, model: str) -> None:
+    """SIGSTOP: the daemon accepts connections and answers nothing. The scheduler's thread
+    waits on it only in lookups, each bounded by ``lookup_timeout_s``; after the first misses
+    it the link is late and skipped; the request is computed."""
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    d = start_daemon(tmp_path)
+    deadline = 0.3
+    proc = engine("stopped_daemon", model=model, target=d.target, sync_dir=str(sync),
+                  extra={"lookup_timeout_s": deadline})
+    try:
+        _wait(sync / "stored", proc)
+        d.proc.send_signal(signal.SIGSTOP)
+        (sync / "stopped").touch()
+        _wait(sync / "missed", proc)
+        d.proc.send_signal(signal.SIGCONT)
+        (sync / "continued").touch()
+        got = result(proc)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+        d.stop()
+    assert got["first"] == CLEAN
+    assert got["stopped_loaded"] == 0 and got["stopped"] == CLEAN  # computed, nothing raised
+    assert got["stopped_manager"]["lookup_failures"] + got["stopped_manager"]["lookups_down"] >= 1
+    # the one lookup that met the stopped daemon waited its deadline, no step waited longer
+    # (the margin: the stand-in forward and vLLM's own step on a loaded machine)
+    assert got["longest_step_s"] < deadline + 0.5, got["longest_step_s"]
+    assert got["up_loaded"] == 4 * BS and got["up"] == CLEAN  # back by itself, hits again
+
+
 def _wait(path: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:
     import time
 
