@@ -11,10 +11,9 @@ Primitives:
 - ``SpecConfig``: frozen, one docstring per field, validated in ``__post_init__``.
 - ``SpecConfig.from_extra(extra)``: build it from the extra config (vLLM's keys left out).
 
-Deadlines are short on purpose: nothing of the spec waits on the scheduler's thread (lookups
-run on a thread of their own, the scheduler is told ``RETRY`` meanwhile), and a daemon that
-does not answer within them is skipped (misses, stores dropped) while it is probed
-(``hicache_client.link``).
+Deadlines are short on purpose: the scheduler's thread waits on the daemon only in lookups,
+each at most ``lookup_timeout_s``, and a daemon that does not answer within them is skipped
+(misses, stores dropped) while it is probed (``hicache_client.link``).
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ class SpecConfig:
     """The daemon's gRPC address, ``unix:/path/to/hicached.sock`` or ``host:port``; default:
     where every client looks (``hicache.paths.default_target()``)."""
     lookup_timeout_s: float = 0.5
-    """Deadline of one batched ``Lookup`` (the manager's lookup thread): past it the blocks
-    asked are misses."""
+    """Deadline of a ``Lookup`` (on vLLM's scheduler thread): past it the blocks asked are
+    misses and the link is late (not called until the daemon answers again)."""
     rpc_timeout_s: float = 5.0
     """Deadline of a ``LoadKeys`` or ``Store`` (the worker's transfer threads) and of set-up
     calls."""
