@@ -14,15 +14,20 @@
 #                  page sizes 1/16/64, the enqueue rate of a random 64-page batch
 #   5 sglang       pytest -m cuda tests/test_sglang_gpu.py: the linker on SGLang's CUDA KV
 #                  tensors with layer events, offload under set_sync_debug_mode("error")
-#   6 extra        whatever time is left: bench_cuda.py over every layout
+#   6 vllm         pytest -m cuda tests/test_vllm_gpu.py: the vLLM spec's worker on vLLM's
+#                  canonical CUDA KV tensors, a store behind a kernel still writing, a load
+#                  back exact (vLLM's offloading interfaces from .vllm-gpu: carry it with .whl;
+#                  the dry run makes it, scripts/gpu/vllm_subset.py)
+#   7 extra        whatever time is left: bench_cuda.py over every layout
 #
-# Everything lands in OUTDIR (default /tmp/hicache-gpu-check), at most 8 files: summary.txt
+# Everything lands in OUTDIR (default /tmp/hicache-gpu-check), at most 9 files: summary.txt
 # (printed at the end), env.txt, native.txt, cuda-tests.txt, bench-short.txt, bench-short.json,
-# sglang.txt, extra.txt. Exit status 0 when every part passed.
+# sglang.txt, vllm.txt, extra.txt. Exit status 0 when every part passed.
 #
 # --dry-run (no GPU): the same steps where they can run without one: wheels fetched if absent
 # and installed into a scratch target with Python 3.12 (if present), the native modules built
-# with it, the GPU tests collected, bench_cuda.py's control plane; then the budget.
+# with it, vLLM's offloading interfaces copied into .vllm-gpu, the GPU tests collected,
+# bench_cuda.py's control plane; then the budget.
 # --budget: print the time budget and exit.
 # Usage: bash scripts/gpu_check.sh [--dry-run | --budget] [OUTDIR]
 set -uo pipefail
@@ -38,9 +43,9 @@ out="${1:-/tmp/hicache-gpu-check}"
 # seconds per part, each a ceiling; part 6 (extra) gets at least its share and at most what the
 # others left of TOTAL
 TOTAL=465
-declare -A BUDGET=([wheels]=40 [env]=20 [native]=40 [cuda-tests]=150 [bench-short]=90
-                   [sglang]=90)
-PARTS=(wheels env native cuda-tests bench-short sglang extra)
+declare -A BUDGET=([wheels]=40 [env]=20 [native]=40 [cuda-tests]=130 [bench-short]=80
+                   [sglang]=90 [vllm]=45)
+PARTS=(wheels env native cuda-tests bench-short sglang vllm extra)
 fixed=0
 for p in "${!BUDGET[@]}"; do fixed=$((fixed + BUDGET[$p])); done
 BUDGET[extra]=$((TOTAL - fixed))
@@ -53,7 +58,8 @@ print_budget() {
 if [ "$mode" = budget ]; then print_budget; exit 0; fi
 
 mkdir -p "$out"
-rm -f "$out"/{summary,env,native,cuda-tests,bench-short,sglang,extra}.txt "$out/bench-short.json"
+rm -f "$out"/{summary,env,native,cuda-tests,bench-short,sglang,vllm,extra}.txt \
+    "$out/bench-short.json"
 summary="$out/summary.txt"
 start=$SECONDS
 status=0
@@ -169,6 +175,11 @@ if [ "$mode" = run ]; then
     part bench-short bench-short.txt python3 benchmarks/bench_cuda.py --short \
         --json "$out/bench-short.json"
     part sglang sglang.txt python3 -m pytest "${pytest_args[@]}" tests/test_sglang_gpu.py
+    # vLLM's modules on the path of this part alone (SGLang changes its paths when it sees one)
+    part vllm vllm.txt bash -c 'test -f .vllm-gpu/vllm/v1/kv_offload/base.py \
+        || { echo "no .vllm-gpu (scripts/gpu/vllm_subset.py; carry it)"; exit 1; }
+        PYTHONPATH="$repo/.vllm-gpu:$PYTHONPATH" exec python3 -m pytest "$@"' vllm \
+        "${pytest_args[@]}" tests/test_vllm_gpu.py
     part extra extra.txt python3 benchmarks/bench_cuda.py --reps 5
 else
     part wheels env.txt bash -c install_wheels
@@ -184,6 +195,10 @@ else
         --quick --json "$out/bench-short.json"
     part sglang sglang.txt python3 -m pytest "${pytest_args[@]}" --collect-only \
         tests/test_sglang_gpu.py
+    part vllm vllm.txt bash -c 'python3 scripts/gpu/vllm_subset.py \
+        && PYTHONPATH="$repo/.vllm-gpu:$repo/clients/python" python3 -c "import hicache_vllm.worker" \
+        && PYTHONPATH="$repo/.vllm-gpu" exec python3 -m pytest "$@"' vllm \
+        "${pytest_args[@]}" --collect-only tests/test_vllm_gpu.py
     echo "extra: on a GPU, bench_cuda.py over every layout with what time is left" \
         | tee "$out/extra.txt"
 fi

@@ -1,0 +1,108 @@
+"""The vLLM spec's worker on a real GPU: vLLM's canonical KV tensors (CUDA) exported to the
+daemon over CUDA IPC, ``submit_store`` right behind a kernel still writing the blocks on the
+engine's stream (the ready event must hold the daemon's copy back), ``submit_load`` into other
+blocks zeroed first, exact bytes.
+
+Skipped without a CUDA device or vLLM's offloading interfaces (the CPU tests in
+test_vllm_offloading.py drive the same worker through vLLM's scheduler on staging memfds). Run
+by scripts/gpu_check.sh, with the vLLM modules it needs from ``.vllm-gpu``
+(scripts/gpu/vllm_subset.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.daemon_proc import DaemonProc, start_daemon
+from tests.helpers import require_module
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+LAYERS, BLOCKS, BLOCK_TOKENS, N = 4, 64, 16, 16
+PAGE = 2 * BLOCK_TOKENS * 8 * 128 * 2  # K and V, 16 tokens, 8 heads x 128, bf16: 64 KiB
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path, "--memory-budget", "2GiB")
+    yield d
+    d.stop(signal.SIGKILL)
+
+
+def offloading_config() -> SimpleNamespace:
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    return SimpleNamespace(
+        groups=[SimpleNamespace(layer_names=names, tokens_per_block=BLOCK_TOKENS)],
+        cache=SimpleNamespace(blocks_per_chunk=1), worker_kv_bytes_per_block=PAGE * LAYERS,
+        replicated_layout=False, model=SimpleNamespace(name="gpu-check/llama", dtype="bfloat16"),
+        kv_cache_layout="NHD",
+        parallel=SimpleNamespace(pp_size=1, pcp_size=1, dcp_size=1, world_size=1,
+                                 data_parallel_index=0))
+
+
+def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -> None:
+    require_module("vllm", "vLLM's offloading interfaces (scripts/gpu/vllm_subset.py)")
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from hicache_vllm.blocks import HicachedLoadStoreSpec
+    from hicache_vllm.config import SpecConfig
+    from hicache_vllm.namespace import Plan
+    from hicache_vllm.worker import HicachedOffloadingWorker
+
+    config = SpecConfig(target=daemon.target)
+    plan = Plan.from_config(offloading_config(), config)
+    layers = [torch.zeros(BLOCKS, PAGE, dtype=torch.int8, device="cuda") for _ in range(LAYERS)]
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE) for t in layers],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE)
+                          for i in range(LAYERS)]])
+    worker = HicachedOffloadingWorker(config, plan, 0, kv)
+    try:
+        end = time.monotonic() + 60
+        while not worker.link.usable:
+            assert time.monotonic() < end, "the worker's link never came up"
+            time.sleep(0.05)
+        assert worker.on_cuda
+        keys = [os.urandom(32) for _ in range(N)]
+        src, dst = list(range(N)), list(range(32, 32 + N))
+        engine = torch.cuda.Stream()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(200_000_000)  # the engine's stream busy: the blocks written late
+            for t in layers:
+                t[src] = torch.randint(-128, 128, (N, PAGE), dtype=torch.int8, device="cuda")
+            worker.submit_store(1, GPULoadStoreSpec(src, [N], [0]), HicachedLoadStoreSpec(keys))
+        worker.wait({1})
+        engine.synchronize()
+        want = [t[src].clone() for t in layers]
+        assert all(w.count_nonzero() > 0 for w in want)
+        assert worker.stats["store_pages"] == N, worker.stats
+        for t in layers:
+            t.zero_()
+        torch.cuda.synchronize()
+        worker.submit_load(2, HicachedLoadStoreSpec(keys), GPULoadStoreSpec(dst, [N], [0]))
+        worker.wait({2})
+        done = {r.job_id: r.success for r in worker.get_finished()}
+        assert done == {1: True, 2: True}
+        assert worker.stats["load_pages"] == N and worker.stats["load_failures"] == 0
+        torch.cuda.synchronize()
+        for t, w in zip(layers, want, strict=True):
+            assert torch.equal(t[dst], w)  # the stored bytes, not the zeros the kernel preceded
+            assert t[src].count_nonzero() == 0  # nothing landed anywhere else
+    finally:
+        worker.shutdown()
