@@ -277,3 +277,57 @@ def parse_serve(argv: list[str], model: str) -> dict[str, Any]:
             "kv_connector": kv.kv_connector,
             "kv_role": kv.kv_role, "extra": kv.kv_connector_extra_config,
             "block_size": args.block_size, "prefix_caching": args.enable_prefix_caching}
+
+
+def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dict[str, Any]:
+    """The manager's ``_lookup`` over two ranks' pools whose daemon answers each ``Lookup``
+    only after ``slow`` seconds: one deadline for both (the second is cut short and fails),
+    and the hold the first took is let go on the control thread, not on the caller's."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from hicache.errors import DeadlinePassed
+    from hicache_vllm.config import SpecConfig
+    from hicache_vllm.manager import HicachedOffloadingManager
+
+    released: list[tuple[int, int, str]] = []
+
+    class SlowLink:
+        usable, max_keys = True, 0
+
+        def __init__(self, i: int) -> None:
+            self.client = SimpleNamespace(lookup=self._lookup)
+            self.session = SimpleNamespace(pool=f"p{i}", session_id=f"s{i}",
+                                           release_holds=self._release)
+            self.i = i
+            self.reported: list[str] = []
+
+        def _lookup(self, pool: str, keys: list[bytes], timeout: float, **kw: Any) -> Any:
+            time.sleep(min(slow, timeout))
+            if timeout < slow:
+                raise DeadlinePassed("too late")
+            return SimpleNamespace(held=len(keys))
+
+        def _release(self, keys: list[bytes], timeout: float) -> None:
+            released.append((self.i, len(keys), threading.current_thread().name))
+
+        def report(self, exc: BaseException) -> bool:
+            self.reported.append(type(exc).__name__)
+            return True
+
+    m = HicachedOffloadingManager.__new__(HicachedOffloadingManager)
+    m.config = SpecConfig(target="unix:/nowhere", lookup_timeout_s=timeout)
+    links = [SlowLink(0), SlowLink(1)]
+    m.links = links  # type: ignore[assignment]
+    m._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-control")
+    t0 = time.perf_counter()
+    try:
+        m._lookup([bytes([i]) * 32 for i in range(4)])
+        failed = ""
+    except Exception as exc:
+        failed = type(exc).__name__
+    took = time.perf_counter() - t0
+    m._control.shutdown(wait=True)
+    return {"took_s": took, "failed": failed, "released": released,
+            "reported": [link.reported for link in links]}

@@ -311,3 +311,13 @@ def test_the_documented_vllm_serve_lines_parse_with_vllms_own_parser(tmp_path: P
     assert got["block_size"] == 16 and got["model"].startswith("meta-llama/")
     if source != "README.md":
         assert got["extra"]["target"] == "unix:/run/hicached/api/hicached.sock"
+
+
+def test_one_lookup_deadline_covers_every_ranks_pool() -> None:
+    got = run("lookup_deadline_across_pools", timeout=0.3, slow=0.2)
+    assert got["failed"] == "DeadlinePassed"  # the second pool's Lookup had 0.1 s left
+    assert got["took_s"] < 0.3 + 0.1, got["took_s"]  # not 0.2 + 0.2, nor 2 x the deadline
+    assert got["reported"] == [[], ["DeadlinePassed"]]
+    # the first pool's hold of the 4 keys let go, off the caller's thread
+    assert [(i, n) for i, n, _ in got["released"]] == [(0, 4)]
+    assert got["released"][0][2].startswith("hicache-vllm-control")

@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -88,27 +89,41 @@ class HicachedOffloadingManager(OffloadingManager):
     # -- the daemon (lookups at the step's end, releases on a thread) ---------------------
 
     def _lookup(self, keys: list[bytes]) -> int:
-        """Hold ``keys`` in every pool; the leading run every pool holds."""
-        held = len(keys)
-        answers = []
-        for link in self.links:
-            client, session = link.client, link.session
-            if client is None or session is None or not link.usable:
-                raise Unavailable("hicached is not connected")
-            try:
-                r = client.lookup(session.pool, keys[:link.max_keys or None],
-                                  timeout=self.config.lookup_timeout_s,
-                                  session_id=session.session_id,
-                                  hold_ms=self.config.lookup_hold_ms)
-            except HiCacheError as exc:
-                link.report(exc)
-                raise
-            answers.append((link, r.held))
-            held = min(held, r.held)
-        for link, got in answers:  # ranks that hold more than all do: let the rest go
-            if got > held:
-                self._release_on(link, keys[held:got])
+        """Hold ``keys`` in every pool; the leading run every pool holds. One deadline for
+        all of them (``lookup_timeout_s``): the scheduler's thread waits no longer with many
+        ranks' pools than with one. Holds beyond what every pool holds, or taken before a
+        later pool failed, are let go on the control thread (this one never waits for it)."""
+        answers: list[tuple[DaemonLink, int]] = []
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        try:
+            for link in self.links:
+                client, session = link.client, link.session
+                if client is None or session is None or not link.usable:
+                    raise Unavailable("hicached is not connected")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"lookup_timeout_s ({self.config.lookup_timeout_s} s) "
+                                       "spent before every pool was asked")
+                try:
+                    r = client.lookup(session.pool, keys[:link.max_keys or None],
+                                      timeout=left, session_id=session.session_id,
+                                      hold_ms=self.config.lookup_hold_ms)
+                except HiCacheError as exc:
+                    link.report(exc)
+                    raise
+                answers.append((link, r.held))
+        except Exception:
+            self._let_go(answers, keys, 0)
+            raise
+        held = min((got for _, got in answers), default=0)
+        self._let_go(answers, keys, held)
         return held
+
+    def _let_go(self, answers: list[tuple[DaemonLink, int]], keys: list[bytes],
+                held: int) -> None:
+        for link, got in answers:
+            if got > held:
+                self._control.submit(self._release_on, link, keys[held:got])
 
     def _release(self, keys: list[bytes]) -> None:
         for link in self.links:
