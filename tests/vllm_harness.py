@@ -68,8 +68,7 @@ class Engine:
     def __init__(self, model: str, target: str, *, block_size: int = 16, num_blocks: int = 64,
                  extra: dict[str, Any] | None = None, events: bool = False, tp: int = 1,
                  rank: int = 0, port: int = 0, mla: bool = False, layers: int = 2,
-                 heads: int = 2, head_size: int = 16, dtype: torch.dtype = torch.float32
-                 ) -> None:
+                 heads: int = 2, head_size: int = 16, dtype: torch.dtype = torch.float32) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
