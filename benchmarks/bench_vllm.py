@@ -178,6 +178,8 @@ def run_geometry(name: str, target: str, model: str, reps: int) -> dict[str, Any
     def via_spec() -> None:
         b.n += 1
         ctx = ReqContext(f"s{b.n}")
+        for i, k in enumerate(keys):  # as vLLM's connector records them before its lookups
+            ctx.set_offload_key_position(k, (i + 1) * b.bs)
         while True:
             answers = [manager.lookup(k, ctx) for k in keys]
             if any(a.name == "RETRY" for a in answers):

@@ -102,6 +102,9 @@ def test_a_prompt_stored_comes_back_exact_after_a_prefix_cache_reset(daemon: Dae
     assert got["second"] == CLEAN  # into KV zeroed first
     assert got["worker"]["load_pages"] == 5 and got["worker"]["load_failures"] == 0
     assert got["manager"]["held_blocks"] >= 5  # the hit was held before vLLM loaded it
+    # the hit answered in the step that scanned it (the request's keys in one Lookup): no
+    # RETRY, no step lost
+    assert got["manager"]["deferred"] == 0 and got["manager"]["lookups"] == 2
     assert "Traceback" not in got["stderr"]
     assert list(vllm_pools(daemon.target).values()) == [5]
 

@@ -147,7 +147,8 @@ class HicachedOffloadingManager(OffloadingManager):
         if not all(link.usable for link in self.links):
             self.stats["lookups_down"] += 1
             return LookupResult.MISS
-        got = self.promises.answer(req_context.req_id, bytes(key))
+        got = self.promises.answer(req_context.req_id, bytes(key),
+                                   lambda: _following(req_context, key))
         if got is None:
             return LookupResult.RETRY
         return LookupResult.HIT if got else LookupResult.MISS
@@ -230,3 +231,17 @@ class HicachedOffloadingManager(OffloadingManager):
         for buf in self._buffers:
             buf.close()
         log.info("hicached offloading manager stats: %s %s", self.stats, self.promises.stats)
+
+
+MAX_PROBE_KEYS = 16384
+"""The most keys a request's first lookup asks at once (the rest, if any, a step later)."""
+
+
+def _following(req_context: ReqContext, key: OffloadKey) -> list[bytes]:
+    """The request's keys from ``key`` on, in prefix order: vLLM's connector records each key
+    of the request with its end token (``set_offload_key_position``) before it looks any up."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    if not isinstance(positions, dict) or (at := positions.get(key)) is None:
+        return [bytes(key)]
+    later = sorted((p, k) for k, p in positions.items() if p >= at)
+    return [bytes(k) for _, k in later[:MAX_PROBE_KEYS]]

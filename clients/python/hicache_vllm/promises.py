@@ -2,13 +2,14 @@
 
 vLLM asks one block at a time (``lookup(key)``) on its scheduler's thread; a round trip per
 block would cost that thread a millisecond per 16 blocks. So a request's first key is looked up
-at once (most requests find nothing: MISS, and they are scheduled in this step), and after a
-hit its other keys are *asked*: the scheduler hears ``RETRY`` (vLLM keeps scanning the
-request's keys, then defers it a step), and at the end of the step (``flush``, from vLLM's
-``on_schedule_end``) the keys each request asked go as one ``Lookup`` per pool (every rank's
-pool: a block is a hit only when each holds it) that *holds* the hit for the manager's
-sessions; the next step's ``lookup`` reads the answer: a hit only for held blocks, so a HIT
-is a promise that ``prepare_load`` can keep (vLLM cannot be told of a failed load). Lookups
+at once together with every key vLLM recorded after it for the request (its prefix order), in
+one ``Lookup`` per pool (every rank's pool: a block is a hit only when each holds it) that
+*holds* the hit for the manager's sessions, and the rest of the scan reads the answers: a hit
+only for held blocks, so a HIT is a promise that ``prepare_load`` can keep (vLLM cannot be
+told of a failed load), and a request is answered, hit or miss, in the step it is scanned.
+A key not among those answered is *asked*: the scheduler hears ``RETRY`` (vLLM keeps
+scanning the request's keys, then defers it a step), and at the end of the step (``flush``,
+from vLLM's ``on_schedule_end``) the keys each request asked go as one ``Lookup`` per pool. Lookups
 run on the scheduler's thread, each bounded by the link's deadline (a daemon that misses it is
 skipped until it answers again): a thread of their own would wait for the interpreter lock
 behind a scheduler that steps without pause, for milliseconds, where the call itself takes
@@ -23,7 +24,7 @@ Primitives:
 
 - ``Promises(hold_s, lookup, release)``: ``lookup`` is ``(keys) -> held prefix length`` (may
   raise: every key a miss); ``release(keys)`` lets holds go.
-- ``answer(req_id, key)``: True (held), False (miss) or None (asked: say RETRY).
+- ``answer(req_id, key, following)``: True (held), False (miss) or None (asked: say RETRY).
 - ``flush()``: look up the keys asked this step; ``pending``: keys asked and not looked up.
 - ``stored()``: this engine stored blocks (misses answered before are asked again).
 - ``loading(req_id, keys)`` / ``loaded(req_id)``: a load in flight keeps its claims.
@@ -76,11 +77,15 @@ class Promises:
         self._queue: queue.Queue[list[bytes] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="hicache-releases")
         self._thread.start()
-        self.stats = {"lookups": 0, "lookup_failures": 0, "held_blocks": 0, "miss_blocks": 0}
+        self.stats = {"lookups": 0, "lookup_failures": 0, "held_blocks": 0, "miss_blocks": 0,
+                      "deferred": 0}
 
     # -- the scheduler's thread (never waits) ----------------------------------------------
 
-    def answer(self, req_id: str, key: bytes) -> bool | None:
+    def answer(self, req_id: str, key: bytes,
+               following: Callable[[], list[bytes]] | None = None) -> bool | None:
+        """``following``: the request's keys from ``key`` on, in prefix order, where the
+        caller knows them (all looked up with ``key``, in one ``Lookup``)."""
         with self._lock:
             r = self._requests.get(req_id)
             if r is None:
@@ -98,10 +103,13 @@ class Promises:
                 if key not in r.asked:
                     r.asked.append(key)
                 self._asked.add(req_id)
+                self.stats["deferred"] += 1
                 return None
-        # the first key of a request: asked now, so a request with nothing cached (most) is
-        # told MISS at once instead of waiting a step; the rest of a hit is batched
-        self._answer(req_id, [key])
+        # the first key of a request: asked now, with every key after it that vLLM recorded
+        # for the request, so a miss and a hit alike are answered in this step; keys not
+        # among them are batched at the step's end
+        keys = following() if following is not None else []
+        self._answer(req_id, keys if keys[:1] == [key] else [key])
         with self._lock:
             r = self._requests.get(req_id)
             return bool(r is not None and r.answers.get(key))
