@@ -4,9 +4,9 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
 
 - ``lookup(key)``: the daemon's answer for the block, read from local books
   (``hicache_vllm.promises``): HIT only for a block every rank's pool holds *for this manager*
-  (a ``Lookup`` with ``hold_ms`` on the manager's own session per pool), MISS, or RETRY until
-  the step's end (``on_schedule_end``) has asked the daemon for the request's keys, in one
-  ``Lookup`` per pool.
+  (a ``Lookup`` with ``hold_ms`` on the manager's own session per pool, of the request's keys
+  from the first one asked on, which vLLM records before it looks any up), MISS, or RETRY for
+  a key outside that answer until the step's end (``on_schedule_end``) has asked for it.
 - ``prepare_load(keys)``: the blocks' spec for the workers (``HicachedLoadStoreSpec``); the
   holds stay until ``complete_load`` and the request's end (``on_request_finished``) release
   them: vLLM's "protected from eviction until complete_load".
