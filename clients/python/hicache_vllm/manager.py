@@ -18,8 +18,9 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
 - ``reset_cache``: ``ClearPool`` of every rank's pool, off the scheduler's thread.
 
 Failure semantics: nothing raises into the scheduler, and its thread waits on the daemon only
-in ``on_schedule_end``'s lookups, each at most ``lookup_timeout_s``; one that misses it makes
-the link late, and a late or down link is not called (misses at once) until it answers again.
+in lookups (a request's first ``lookup``, ``on_schedule_end``), each at most
+``lookup_timeout_s`` over every pool; one that misses it makes the link late, and a late or
+down link is not called (misses at once) until it answers again.
 With the daemon down, restarting, refusing or slow, lookups are misses, stores are dropped
 (counted in ``stats``), and the links reconnect by themselves (``hicache_client.link``).
 """
@@ -86,7 +87,7 @@ class HicachedOffloadingManager(OffloadingManager):
         log.info("hicached offloading manager: pools %s (%d layers, %d tokens per page)",
                  plan.pool_names, plan.layers, plan.page_tokens)
 
-    # -- the daemon (lookups at the step's end, releases on a thread) ---------------------
+    # -- the daemon (lookups on the caller's thread, releases on threads of their own) ---
 
     def _lookup(self, keys: list[bytes]) -> int:
         """Hold ``keys`` in every pool; the leading run every pool holds. One deadline for

@@ -9,11 +9,11 @@ only for held blocks, so a HIT is a promise that ``prepare_load`` can keep (vLLM
 told of a failed load), and a request is answered, hit or miss, in the step it is scanned.
 A key not among those answered is *asked*: the scheduler hears ``RETRY`` (vLLM keeps
 scanning the request's keys, then defers it a step), and at the end of the step (``flush``,
-from vLLM's ``on_schedule_end``) the keys each request asked go as one ``Lookup`` per pool. Lookups
-run on the scheduler's thread, each bounded by the link's deadline (a daemon that misses it is
-skipped until it answers again): a thread of their own would wait for the interpreter lock
-behind a scheduler that steps without pause, for milliseconds, where the call itself takes
-tens of microseconds.
+from vLLM's ``on_schedule_end``) the keys each request asked go as one ``Lookup`` per pool.
+Lookups run on the scheduler's thread, each bounded by the link's deadline (a daemon that
+misses it is skipped until it answers again): a thread of their own would wait for the
+interpreter lock behind a scheduler that steps without pause, for milliseconds, where the call
+itself takes tens of microseconds.
 
 A held key may be claimed by several requests; the hold is released (``ReleaseHolds``, on a
 thread of its own: nothing waits for it) when no request claims it any more: the request
@@ -80,7 +80,7 @@ class Promises:
         self.stats = {"lookups": 0, "lookup_failures": 0, "held_blocks": 0, "miss_blocks": 0,
                       "deferred": 0}
 
-    # -- the scheduler's thread (never waits) ----------------------------------------------
+    # -- the scheduler's thread (waits only in lookups, each within its deadline) ----------
 
     def answer(self, req_id: str, key: bytes,
                following: Callable[[], list[bytes]] | None = None) -> bool | None:
