@@ -306,6 +306,25 @@ class SGLangCache:
             torch.cuda.current_stream().synchronize()
         return hits, [r.rid for r in failed], slots
 
+    def match(self, tokens: array[int], rid: str = "r") -> int:
+        """One scheduler loop's match of a request for ``tokens`` + one new token that is not
+        admitted (it waits for memory): the external hit tokens SGLang was told."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        key = array("q", [*tokens, 7])
+        req = Req(rid, "", key, SamplingParams())
+        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(key), req=req))
+        return int(match.host_hit_length)
+
+    def flush(self) -> None:
+        """SGLang's ``/flush_cache`` (``Scheduler.flush_cache``): the tree is reset (and
+        with it the linker), the device pool's slots all freed."""
+        self.cache.reset()
+        self.allocator.clear()
+
     def hit_and_load(self, tokens: array[int], rid: str = "r") -> tuple[int, list[Any],
                                                                    torch.Tensor | None]:
         """Admit a request for ``tokens`` + one new token: returns (external hit tokens, the

@@ -203,6 +203,59 @@ def test_a_batch_whose_keys_vanish_after_lookup(daemon: DaemonProc, holds: bool)
         cache.close()
 
 
+def test_a_flush_leaves_other_instances_pages(daemon: DaemonProc) -> None:
+    """SGLang's ``/flush_cache`` on one instance resets its linker: its own answers and holds
+    go, the shared pool's pages stay, for it and for every other instance of the model."""
+    first = SGLangCache(daemon.target, daemon.shm_dir)
+    second = SGLangCache(daemon.target, daemon.shm_dir)
+    try:
+        assert first.linker.spec.name == second.linker.spec.name
+        tokens, other = tokens_of(21000, 16), tokens_of(23000, 12)
+        assert first.offload_and_evict(tokens) == 16
+        assert second.match(other, rid="waiting") == 0  # an answer the flush forgets
+        assert second.match(tokens, rid="held") == 16  # held for `second`, never loaded
+        second.flush()
+        assert second.linker.stats["resets"] == 1
+        with HiCacheClient(daemon.target) as c:
+            pool = c.get_pool(first.linker.spec.name)
+            assert pool.keys == 4, "a flush emptied the shared pool"
+        session = second.linker.link.session
+        assert session is not None
+        assert session.release_holds() == 0, "the flush kept its holds"
+        for cache in (second, first):
+            cache.zero_kv()
+            hit, failed, slots = cache.hit_and_load(tokens, rid="after-flush")
+            assert (hit, failed) == (16, [])
+            assert_exact(cache, tokens, slots)
+    finally:
+        second.close()
+        first.close()
+
+
+def test_a_waiting_request_asks_the_daemon_once_per_hold(daemon: DaemonProc) -> None:
+    """SGLang matches a request it cannot admit again on every scheduler loop: the linker
+    answers from the lookup it made while that answer's hold stands, asks again once it may
+    have lapsed, and the admitted request loads exactly what it was promised."""
+    cache = SGLangCache(daemon.target, daemon.shm_dir, extra={"lookup_hold_ms": 1000})
+    try:
+        tokens, missing = tokens_of(25000, 16), tokens_of(27000, 8)
+        cache.offload_and_evict(tokens)
+        for _ in range(50):
+            assert cache.match(tokens, rid="waits") == 16
+            assert cache.match(missing, rid="misses") == 0
+        assert (cache.linker.stats["lookups"], cache.linker.stats["lookups_reused"]) == (2, 98)
+        time.sleep(0.85)  # past PROMISE_MARGIN of the hold: the answer may have lapsed
+        assert cache.match(tokens, rid="waits") == 16
+        assert cache.linker.stats["lookups"] == 3
+        cache.zero_kv()
+        hit, failed, slots = cache.hit_and_load(tokens, rid="waits")
+        assert (hit, failed) == (16, [])
+        assert_exact(cache, tokens, slots)
+        assert cache.linker.stats["lookups"] == 3  # admitted on the answer it had
+    finally:
+        cache.close()
+
+
 @pytest.mark.parametrize("kind", ["mla", "mha"])
 def test_two_tp_ranks(daemon: DaemonProc, tmp_path: Path, kind: str) -> None:
     init = tmp_path / "dist-init"

@@ -11,7 +11,10 @@ What each call becomes:
 
 - ``lookup``: one ``Lookup`` with a short deadline that holds the hit for this worker's
   session (``lookup_hold_ms``): the hit is a promise, its pages cannot be evicted before the
-  load. Every prefix of the promised hit is restorable.
+  load. Every prefix of the promised hit is restorable. SGLang matches a request it cannot
+  admit yet again on every scheduler loop: the same request asking for the same keys gets the
+  answer it already has (``lookups_reused``) while that answer is fresh (``PROMISE_MARGIN`` of
+  the hold), so a waiting request costs one ``Lookup`` per hold, not one per loop.
 - ``load`` queues what its lookup promised (a request whose promise is gone, or older than
   the hold, is declined: SGLang recomputes it); ``cancel_queued_load`` releases its holds
   (off the scheduler's thread). ``start_layer_wise_loading`` starts one ``LoadKeys`` for the
@@ -21,8 +24,10 @@ What each call becomes:
 - ``offload``: a ``Store`` that never waits for the GPU on the scheduler's thread
   (``hicache_sglang.offloads``); results are handed back in submission order, as SGLang
   commits them.
-- ``reset``: quiesce, then ``ClearPool`` (the writer rank); ``close``: quiesce, end the
-  session (the keys stay cached).
+- ``reset`` (SGLang's ``/flush_cache``): quiesce, forget every answer and let go of every hold
+  of this worker's session. The pool's pages stay: other instances share them and may be
+  hitting them; emptying a shared pool is an operator's act (``hicachectl clear-pool``).
+  ``close``: quiesce, end the session (the keys stay cached).
 
 Failure semantics: nothing raises into the scheduler, and nothing on its thread waits past a
 deadline: ``lookup`` at most ``lookup_timeout_s``, a load in flight at most ``rpc_timeout_s``.
@@ -47,6 +52,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,13 +73,25 @@ from hicache_sglang.quarantine import SlotQuarantine
 
 log = logging.getLogger("hicache_sglang")
 
-_STATS = ("lookups", "lookup_hit_pages", "lookup_held_pages", "lookup_failures",
-          "lookups_skipped", "loads", "load_pages", "load_failures", "loads_declined",
-          "loads_cancelled", "load_slots_withheld", "offloads", "offload_pages",
-          "offloads_dropped", "offload_failures", "offload_no_space")
-MAX_PROMISES = 4096  # lookups remembered until their load (oldest forgotten first)
+_STATS = ("lookups", "lookups_reused", "lookup_hit_pages", "lookup_held_pages",
+          "lookup_failures", "lookups_skipped", "resets", "reset_failures", "loads",
+          "load_pages", "load_failures", "loads_declined", "loads_cancelled",
+          "load_slots_withheld", "offloads", "offload_pages", "offloads_dropped",
+          "offload_failures", "offload_no_space")
+MAX_ANSWERS = 4096  # lookups remembered until their load (oldest forgotten first)
 PROMISE_MARGIN = 0.8
-"""A promise older than this share of ``lookup_hold_ms`` is not trusted: the load declines."""
+"""An answer older than this share of ``lookup_hold_ms`` is not trusted: a load of its hit
+declines, and the request's next match asks the daemon again."""
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What the daemon answered a request's ``lookup``: its keys, the pages held for it (the
+    leading ``hit`` keys) and when."""
+
+    keys: tuple[Any, ...]
+    hit: int
+    at: float
 
 
 def _kv(transfers: list[PoolTransfer]) -> PoolTransfer | None:
@@ -159,9 +177,9 @@ class HicachedLinker(UnifiedCacheLinker):
         self.link = DaemonLink(cfg, self.spec, handover, worker_id,
                                on_fenced=self.quarantine.release)
         self._pending: dict[str, tuple[list[str], torch.Tensor]] = {}
-        self._promises: collections.OrderedDict[str, tuple[tuple[Any, ...], float]] = \
-            collections.OrderedDict()
-        """rid -> (the keys its lookup holds, when): what ``load`` may count on."""
+        self._answers: collections.OrderedDict[str, _Answer] = collections.OrderedDict()
+        """rid -> its last lookup's answer: what ``load`` may count on, and what the request's
+        next match is told while it is fresh."""
         self._loads: queue.Queue[tuple[int, list[tuple[list[str], torch.Tensor]]] | None] = \
             queue.Queue()
         self._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-control")
@@ -189,56 +207,66 @@ class HicachedLinker(UnifiedCacheLinker):
         if client is None or session is None or not link.usable:
             self.stats["lookups_skipped"] += 1
             return []
+        keys = tuple(kv.keys)[:link.max_keys or None]  # past the daemon's limit: a prefix
+        known = self._answers.get(rid)
+        if known is not None and known.keys == keys and self._fresh(known):
+            self.stats["lookups_reused"] += 1  # a request SGLang could not admit yet
+            return list(range(1, known.hit + 1))
         self.stats["lookups"] += 1
-        keys = list(kv.keys)[:link.max_keys or None]  # past the daemon's limit: a prefix
         hold_ms = self.config.lookup_hold_ms
         try:
             if hold_ms:
-                r = client.lookup(self.spec.name, keys, timeout=self.config.lookup_timeout_s,
+                r = client.lookup(self.spec.name, list(keys),
+                                  timeout=self.config.lookup_timeout_s,
                                   session_id=session.session_id, hold_ms=hold_ms)
                 hit = r.promised
             else:
-                hit = client.lookup(self.spec.name, keys,
+                hit = client.lookup(self.spec.name, list(keys),
                                     timeout=self.config.lookup_timeout_s).hit_prefix
         except HiCacheError as exc:
             self.stats["lookup_failures"] += 1
             link.report(exc)
             log.debug("lookup for %s failed: %s", rid, exc)
             return []
-        if hold_ms and hit:
-            self._promises[rid] = (tuple(keys[:hit]), time.monotonic())
-            self._promises.move_to_end(rid)
-            while len(self._promises) > MAX_PROMISES:
-                self._promises.popitem(last=False)
-            self.stats["lookup_held_pages"] += r.held
+        if hold_ms:
+            self._answers[rid] = _Answer(keys, hit, time.monotonic())
+            self._answers.move_to_end(rid)
+            while len(self._answers) > MAX_ANSWERS:
+                self._answers.popitem(last=False)
+            if hit:
+                self.stats["lookup_held_pages"] += r.held
         self.stats["lookup_hit_pages"] += hit
         return list(range(1, hit + 1))
+
+    def _fresh(self, answer: _Answer) -> bool:
+        """Whether ``answer``'s holds are sure to stand still (there are none without holds:
+        every match asks again)."""
+        window = self.config.lookup_hold_ms / 1000 * PROMISE_MARGIN
+        return time.monotonic() - answer.at < window
 
     # -- load ------------------------------------------------------------------------------
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = _kv(transfers)
-        promise = self._promises.pop(rid, None)
+        answer = self._answers.pop(rid, None)
         if (kv is None or not kv.keys or kv.device_indices is None or rid in self._pending
                 or len(kv.device_indices) != len(kv.keys) * self.page_size
-                or not self.link.usable or not self._kept(promise, kv.keys)):
+                or not self.link.usable or not self._kept(answer, kv.keys)):
             self.stats["loads_declined"] += 1
-            if promise is not None:
-                self._release(list(promise[0]))
+            if answer is not None and answer.hit:
+                self._release(list(answer.keys[:answer.hit]))
             return False
         self._pending[rid] = (list(kv.keys), kv.device_indices)
         return True
 
-    def _kept(self, promise: tuple[tuple[Any, ...], float] | None, keys: Sequence[Any]) -> bool:
+    def _kept(self, answer: _Answer | None, keys: Sequence[Any]) -> bool:
         """Whether the lookup's holds still cover ``keys`` (no holds: always)."""
-        hold_ms = self.config.lookup_hold_ms
-        if not hold_ms:
+        if not self.config.lookup_hold_ms:
             return True
-        if promise is None:
+        if answer is None:
             return False
-        held, at = promise
-        return (len(keys) <= len(held) and tuple(keys) == held[:len(keys)]
-                and time.monotonic() - at < hold_ms / 1000 * PROMISE_MARGIN)
+        return (len(keys) <= answer.hit and tuple(keys) == answer.keys[:len(keys)]
+                and self._fresh(answer))
 
     def cancel_queued_load(self, rid: str) -> bool:
         item = self._pending.pop(rid, None)
@@ -376,16 +404,21 @@ class HicachedLinker(UnifiedCacheLinker):
         self.layer_done_counter.reset()
 
     def reset(self) -> None:
+        """SGLang's ``/flush_cache``: this worker forgets what it was told and lets go of its
+        holds; the pool's pages stay for every instance that shares them."""
         self._quiesce()
-        client = self.link.client
-        if client is None or not self.shard.writer:
-            return
-        try:
-            removed = client.clear_pool(self.spec.name)
-            log.info("hicached pool %s cleared (%d keys)", self.spec.name, removed)
+        self._answers.clear()
+        self.stats["resets"] += 1
+        session = self.link.session
+        if session is None or not self.config.lookup_hold_ms or not self.link.usable:
+            return  # holds of a gone session are gone; a late link's expire by themselves
+        try:  # before any later lookup: a hold taken after the reset is not let go
+            session.release_holds(timeout=self.config.lookup_timeout_s)
         except HiCacheError as exc:
+            self.stats["reset_failures"] += 1
             self.link.report(exc)
-            log.warning("could not clear hicached pool %s: %s", self.spec.name, exc)
+            log.warning("letting go of hicached holds at reset failed (they expire by "
+                        "themselves): %s", exc)
 
     def close(self) -> None:
         self._quiesce()
