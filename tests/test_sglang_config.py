@@ -44,6 +44,9 @@ def test_config_defaults_and_overrides() -> None:
     ({"reconnect_interval_s": True}, "reconnect_interval_s"),
     ({"pool_size_tokens": -1}, "pool_size_tokens"),
     ({"pool_size_tokens": 64, "pool_size_bytes": 1 << 20}, "pool_size_bytes"),
+    ({"pool_size_ratio": 0}, "pool_size_ratio"),
+    ({"pool_size_ratio": float("nan")}, "pool_size_ratio"),
+    ({"pool_size_ratio": True}, "pool_size_ratio"),
     ({"max_inflight_offloads": 0}, "max_inflight_offloads"),
     ({"poll_us": -1}, "poll_us"),
     ({"poll_us": 100_001}, "poll_us"),
@@ -176,6 +179,11 @@ def test_device_pools_hicached_cannot_hold_are_refused_at_start() -> None:
     pool = DevicePool.from_kvcache(mha())
     assert (pool.geometry.kind, pool.geometry.head_num, pool.size) == (PoolKind.MHA, 2, 64)
     assert pool.pool_spec("p").size_tokens == 64
+    # the linker's default: pool_size_ratio (4) times the device pool, whole pages
+    assert pool.pool_spec("p", ratio=LinkerConfig().pool_size_ratio).size_tokens == 256
+    assert pool.pool_spec("p", ratio=0.3).size_tokens == 16  # 19.2 tokens: whole pages
+    assert pool.pool_spec("p", ratio=0.01).size_tokens == 4  # at least one page
+    assert pool.pool_spec("p", size_tokens=40, ratio=4).size_tokens == 40
     wide = MLATokenToKVPool(size=64, page_size=4, dtype=torch.float8_e4m3fn, kv_lora_rank=16,
                             qk_rope_head_dim=8, layer_num=2, device="cpu",
                             enable_memory_saver=False)

@@ -303,6 +303,6 @@ def test_instances_with_different_device_pool_sizes_share_one_pool(daemon: Daemo
         assert_exact(second, tokens, slots)
     finally:
         second.close()
-    # the pool keeps the size its creator gave it
+    # the pool keeps the size its creator gave it: pool_size_ratio (4) times its device pool
     with HiCacheClient(daemon.target) as c:
-        assert c.get_pool(first.linker.spec.name).size_tokens == 256
+        assert c.get_pool(first.linker.spec.name).size_tokens == 4 * 256

@@ -52,9 +52,17 @@ class LinkerConfig:
     cannot fail for a key evicted meanwhile. 0: no holds (a hit another worker's stores evict
     before the load aborts the batch)."""
     pool_size_tokens: int = 0
-    """Host pool size in tokens; 0 = SGLang's own device pool size (its ``size``)."""
+    """Host pool size in tokens; 0 = ``pool_size_ratio`` times SGLang's device pool."""
     pool_size_bytes: int = 0
     """Host pool size in bytes instead (rounded down to whole pages); 0 = unset."""
+    pool_size_ratio: float = 4.0
+    """Without ``pool_size_tokens`` / ``pool_size_bytes``: the host pool holds this many times
+    SGLang's device pool (its ``size``, whole pages), so it keeps what the device evicts (a
+    pool no larger than the device holds little the device does not), and a request as long
+    as the device pool can be held whole (a session holds at most the daemon's
+    ``max_held_fraction``, a quarter by default, of a pool). Where the daemon's memory budget
+    cannot give that much, the pool gets the part of what it has left that is this rank's
+    (``hicache_client.link``)."""
     pool_prefix: str = "sgl"
     """First part of the pool name; the rest is derived from model, format and geometry."""
     namespace: str = ""
@@ -91,6 +99,10 @@ class LinkerConfig:
         _check(isinstance(self.poll_us, int) and not isinstance(self.poll_us, bool)
                and 0 <= self.poll_us <= 100_000, "poll_us", self.poll_us,
                "microseconds in [0, 100000]")
+        _check(isinstance(self.pool_size_ratio, int | float)
+               and not isinstance(self.pool_size_ratio, bool)
+               and math.isfinite(self.pool_size_ratio) and 0 < self.pool_size_ratio <= 1024,
+               "pool_size_ratio", self.pool_size_ratio, "a number in (0, 1024]")
         _check(not (self.pool_size_tokens and self.pool_size_bytes), "pool_size_bytes",
                self.pool_size_bytes, "unset when pool_size_tokens is set")
         _check(self.max_inflight_offloads >= 1, "max_inflight_offloads",

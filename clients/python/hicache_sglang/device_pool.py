@@ -16,7 +16,8 @@ Primitives:
 - ``DevicePool.from_kvcache(kvcache)``: geometry, dtype, page size, size and tensors; anything
   else (HND / vectorized layouts, hybrid SWA / Mamba / DSA pools, layer-sharded pools) is
   refused with ``SpecInvalid`` saying what is unsupported.
-- ``DevicePool.pool_spec(name, size_tokens, size_bytes)``: the hicached ``PoolSpec``.
+- ``DevicePool.pool_spec(name, size_tokens, size_bytes, ratio)``: the hicached ``PoolSpec``
+  (by default ``ratio`` times the device pool, whole pages).
 - ``DevicePool.rehome_to_shm(spec, shm_dir, sealed)``: CPU workers: move the pool's tensors into
   shared memory (sealed memfds, or files under ``shm_dir``; contents copied, SGLang's lists
   rebound in place) so the daemon can map them; returns the ``ShmDeviceBuffers`` whose
@@ -116,10 +117,13 @@ class DevicePool:
                                                 f"expected size + page_size = {size + page_size}")
         return pool
 
-    def pool_spec(self, name: str, size_tokens: int = 0, size_bytes: int = 0) -> PoolSpec:
-        """The host pool for these buffers; by default as many tokens as the device holds."""
+    def pool_spec(self, name: str, size_tokens: int = 0, size_bytes: int = 0,
+                  ratio: float = 1.0) -> PoolSpec:
+        """The host pool for these buffers; by default ``ratio`` times the tokens the device
+        holds (whole pages, at least one)."""
         if not size_tokens and not size_bytes:
-            size_tokens = self.size // self.page_size * self.page_size
+            pages = max(int(ratio * self.size) // self.page_size, 1)
+            size_tokens = pages * self.page_size
         return PoolSpec(name=name, geometry=self.geometry, page_size=self.page_size,
                         layout=Layout.LAYER_FIRST, size_tokens=size_tokens,
                         size_bytes=size_bytes)

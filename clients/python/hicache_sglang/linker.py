@@ -145,7 +145,8 @@ class HicachedLinker(UnifiedCacheLinker):
                          revision=str(getattr(server_args, "revision", None) or ""),
                          namespace=cfg.namespace,
                          format_tag=getattr(kvcache, "storage_format_tag", None))
-        self.spec = dp.pool_spec(name, cfg.pool_size_tokens, cfg.pool_size_bytes)
+        self.spec = dp.pool_spec(name, cfg.pool_size_tokens, cfg.pool_size_bytes,
+                                 cfg.pool_size_ratio)
         self.stats = dict.fromkeys(_STATS, 0)
 
         self.on_cuda = dp.device.type == "cuda"
