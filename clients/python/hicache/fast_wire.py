@@ -28,7 +28,8 @@ and that many int64.
   ``STORE_REPLY`` then a u32 count and one status byte per key; of LoadKeys: ``TRANSFER_REPLY``.
 - Backup / Load: session, i32 layer begin and end, host pages, device pages; reply:
   ``TRANSFER_REPLY`` (bytes moved, pages, seconds, pending).
-- LoadKeys and Load with ``FLAG_DEADLINE``: an i64 deadline (Unix ns) follows the body.
+- Store, LoadKeys and Load with ``FLAG_DEADLINE``: an i64 deadline (Unix ns) follows the
+  body (and a Store's chain).
 - Store with ``FLAG_CHAIN``: the keys' chain follows the body: the parent key (u8 length and
   its bytes) and the token ids (a u32 count and that many int64).
 - Heartbeat: session; reply: ``HEARTBEAT_REPLY`` (lease, time left, ms). A control call: the

@@ -28,6 +28,7 @@ POINTS = {
     "raw.checked": "a raw Backup / Load: its pages validated, not yet held for the copy",
     "load_keys.resolved": "a LoadKeys: keys resolved and their pages held, the copy not begun",
     "store.taken": "a Store: pages taken for its keys, the copy not begun",
+    "store.copied": "a Store: its pages copied, not yet kept (ready) or dropped",
     "spill.written": "a spiller: a page written below, the write not yet committed",
     "promote.read": "a promotion: a page read from below into host memory, not yet ready",
     "remote.borrowed": "the cluster writer: pages borrowed, the put not begun",

@@ -204,8 +204,8 @@ class DataCalls:
         return TransferStats.from_proto(resp)
 
     def _deadline_ns(self, timeout: float | None) -> int:
-        """A load's deadline on this node's clock: no copy into the caller's memory begins
-        after the caller has given up on it (``DEADLINE_PASSED``)."""
+        """A copy's deadline on this node's clock: no copy into or out of the caller's
+        memory begins after the caller has given up on it (``DEADLINE_PASSED``)."""
         return time.time_ns() + int((timeout or self.timeout) * 1e9)
 
     # -- the cache ---------------------------------------------------------------------------
@@ -246,28 +246,37 @@ class DataCalls:
         return int(r.released)
 
     def _store_request(self, session_id: str, keys: Sequence[bytes], device_indices: object,
-                       chain: tuple[bytes, np.ndarray] | None) -> pb.StoreRequest:
+                       chain: tuple[bytes, np.ndarray] | None, deadline: int
+                       ) -> pb.StoreRequest:
         parent, tokens = chain or (b"", None)
         return pb.StoreRequest(session_id=session_id, keys=keys,
                                device_indices=indices_to_bytes(device_indices),
                                token_ids=tokens.tolist() if tokens is not None else (),
-                               parent_key=parent)
+                               parent_key=parent, deadline_unix_ns=deadline)
 
     def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
               *, token_ids: Sequence[int] | np.ndarray | None = None,
-              parent_key: bytes | str = b"") -> StoreResult:
+              parent_key: bytes | str = b"", timeout: float | None = None) -> StoreResult:
+        """The device pages of ``device_indices`` cached under ``keys``. Once ``timeout``
+        (the client's when None) has passed the caller may reuse those pages: the daemon
+        then begins no copy, and keeps nothing of a copy that ends later
+        (``DEADLINE_PASSED``)."""
         enc = encode_keys(keys)
         chain = _chain(token_ids, parent_key)
         dp = self._pages(session_id, device_indices)
+        deadline = self._deadline_ns(timeout)
+        start = time.monotonic()
         if dp is not None:
             got = self._fast_call(
-                w.Method.STORE, lambda: fp.keyed_body(session_id, enc, dp, chain=chain),
-                w.FLAG_CHAIN if chain is not None else 0)
+                w.Method.STORE,
+                lambda: fp.keyed_body(session_id, enc, dp, deadline_ns=deadline, chain=chain),
+                (w.FLAG_CHAIN if chain is not None else 0) | w.FLAG_DEADLINE, timeout)
             if got is not None:
                 return fp.decode_store(got)
         return StoreResult.from_proto(self._call(
-            self._stub.Store, self._store_request(session_id, enc, device_indices, chain),
-            retry=True))
+            self._stub.Store,
+            self._store_request(session_id, enc, device_indices, chain, deadline),
+            retry=True, timeout=_left(start, timeout)))
 
     def store_async(self, session_id: str, keys: Sequence[bytes | str],
                     device_indices: object, *,
@@ -282,7 +291,7 @@ class DataCalls:
         out: Future[StoreResult] = Future()
         call = self._stub.Store.future(
             self._store_request(session_id, encode_keys(keys), device_indices,
-                                _chain(token_ids, parent_key)),
+                                _chain(token_ids, parent_key), self._deadline_ns(None)),
             timeout=self.timeout)
 
         def done(f: Any) -> None:

@@ -222,7 +222,7 @@ def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
                layers: tuple[int, int] = (0, 0), deadline_ns: int = 0,
                chain: tuple[bytes, IndexArray] | None = None) -> list[bytes]:
     """The body of a Store or LoadKeys (``ValueError`` for a key the framing cannot carry);
-    a Store's chain (send ``FLAG_CHAIN``), then a LoadKeys' deadline (``FLAG_DEADLINE``)."""
+    a Store's chain (send ``FLAG_CHAIN``), then the call's deadline (``FLAG_DEADLINE``)."""
     parts: list[bytes] = []
     w.put_string(parts, session_id)
     w.put_layers(parts, *layers)

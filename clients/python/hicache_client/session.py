@@ -78,13 +78,15 @@ class WorkerSession:
 
     def store(self, keys: Sequence[bytes | str], device_indices: object, *,
               token_ids: Sequence[int] | np.ndarray | None = None,
-              parent_key: bytes | str = b"") -> StoreResult:
+              parent_key: bytes | str = b"", timeout: float | None = None) -> StoreResult:
         """Copy one device page per key into the cache (all layers). Keys already there, or
         being written by another request, are not written again. The keys are one chain in
         order; ``token_ids`` (``page_size`` per key) and ``parent_key`` (the key before the
-        first) are what routers are told of them (KV events, ``watch_events``)."""
+        first) are what routers are told of them (KV events, ``watch_events``). Once
+        ``timeout`` (the client's when None) has passed the pages may be reused: the daemon
+        keeps nothing of a copy it had not finished by then."""
         return self.client.store(self.session_id, keys, device_indices, token_ids=token_ids,
-                                 parent_key=parent_key)
+                                 parent_key=parent_key, timeout=timeout)
 
     def store_async(self, keys: Sequence[bytes | str], device_indices: object, *,
                     token_ids: Sequence[int] | np.ndarray | None = None,

@@ -295,7 +295,7 @@ class FastPathServer:
 
     def _store(self, q: _Keyed) -> bytes:
         ticket, res = self.daemon.store(q.session_id, q.keys, q.device, q.layers, q.tokens,
-                                        q.parent)
+                                        q.parent, q.deadline_ns)
         st = ticket.status
         return (w.STORE_REPLY.pack(st.count(STORED), st.count(PRESENT), st.count(NO_SPACE),
                                    res.bytes if res else 0, res.seconds if res else 0.0)

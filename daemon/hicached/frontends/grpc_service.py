@@ -269,7 +269,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             request.session_id, list(request.keys),
             to_index_array(request.device_indices, "device_indices"),
             (int(request.layer_begin), int(request.layer_end)),
-            request.token_ids, request.parent_key)
+            request.token_ids, request.parent_key, int(request.deadline_unix_ns))
         st = ticket.status
         return pb.StoreResponse(stored=st.count(STORED), already_present=st.count(PRESENT),
                                 no_space=st.count(NO_SPACE), status=bytes(st),

@@ -79,7 +79,8 @@ MAX_DEADLINE_AHEAD_NS = 24 * 3600 * 10**9
 """A deadline further ahead than this is not a deadline (a clock set wrong): ignored."""
 
 
-def check_deadline(deadline_ns: int) -> None:
+def check_deadline(deadline_ns: int, op: str = "load",
+                   outcome: str = "before its copy could begin; nothing was copied") -> None:
     """``DEADLINE_PASSED`` once ``deadline_ns`` (Unix ns; 0 = none) has passed."""
     if not deadline_ns:
         return
@@ -87,8 +88,8 @@ def check_deadline(deadline_ns: int) -> None:
     if now > deadline_ns:
         late_ms = (now - deadline_ns) // 10**6
         raise DeadlinePassed(
-            f"the load's deadline passed {late_ms} ms before its copy could begin; nothing "
-            "was copied", metadata={"deadline_unix_ns": deadline_ns, "late_ms": late_ms})
+            f"the {op}'s deadline passed {late_ms} ms {outcome}",
+            metadata={"deadline_unix_ns": deadline_ns, "late_ms": late_ms})
 
 
 @dataclass
@@ -335,9 +336,13 @@ class Daemon:
 
     def store(self, session_id: str, keys: list[bytes], device: IndexArray | PageIds,
               layers: tuple[int, int], token_ids: Sequence[int] | np.ndarray | None = None,
-              parent_key: bytes = b"") -> tuple[StoreTicket, TransferResult | None]:
+              parent_key: bytes = b"", deadline_ns: int = 0
+              ) -> tuple[StoreTicket, TransferResult | None]:
         """``token_ids`` (``page_size`` per key) and ``parent_key`` say what chain the keys
-        are (``hicache.keys.check_chain``): what the pool's events publish of them."""
+        are (``hicache.keys.check_chain``): what the pool's events publish of them. Past
+        ``deadline_ns`` (Unix ns, 0 = none) its caller has given up and may be reusing the
+        device pages it named: no copy begins then, and a copy that ends then keeps none of
+        its pages (``DEADLINE_PASSED`` either way)."""
         keys = check_keys(keys, "keys", unique=True, limit=self.max_keys_per_call)
         with self.sessions.transfer(session_id) as s:
             buffers = s.attachment.buffers
@@ -346,6 +351,7 @@ class Daemon:
                 Op.BACKUP, s.pool, buffers, len(keys), device, *layers)
             tokens, parent = check_chain(len(keys), s.pool.page_size, token_ids, parent_key)
             cache = self.pools.cache(s.pool_name)
+            check_deadline(deadline_ns, "store")
             cache.events.chains.note(keys, parent, tokens)
             ticket = cache.begin_store(keys)
             result, ok = None, False
@@ -355,6 +361,9 @@ class Daemon:
                     result = self.engine.transfer_pages(
                         Op.BACKUP, s.pool, buffers, ticket.pages, device_pages[ticket.positions],
                         all_layers, s.attachment.runner)
+                seams.reached("store.copied")
+                check_deadline(deadline_ns, "store",
+                               "while its pages were copied; none of them was kept")
                 ok = True
             finally:
                 cache.finish_store(ticket, ok)

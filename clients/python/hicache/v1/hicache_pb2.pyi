@@ -558,7 +558,7 @@ class ReleaseHoldsResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end", "token_ids", "parent_key")
+    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end", "token_ids", "parent_key", "deadline_unix_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -566,6 +566,7 @@ class StoreRequest(_message.Message):
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     device_indices: bytes
@@ -573,7 +574,8 @@ class StoreRequest(_message.Message):
     layer_end: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parent_key: bytes
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
+    deadline_unix_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., deadline_unix_ns: _Optional[int] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "already_present", "status", "no_space", "bytes_moved", "duration_seconds")
