@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -89,8 +91,9 @@ def preemption(model: str, target: str, **kw: Any) -> dict[str, Any]:
 def daemon_restart(model: str, target: str, sync_dir: str, blocks: int = 4, **kw: Any
                    ) -> dict[str, Any]:
     """Store; the daemon is SIGKILLed (by the test): a request is a miss, nothing raises, its
-    store is dropped; the daemon restarts on its state: the link comes back by itself and the
-    first prompt's blocks load back exact."""
+    store is dropped; the daemon restarts on its state: new requests are stored and hit again
+    (``after``: how soon), the links came back by themselves, and the first prompt's blocks
+    load back exact."""
     sync = Path(sync_dir)
     e = Engine(model, target, **kw)
     bs = e.block_size
@@ -108,6 +111,7 @@ def daemon_restart(model: str, target: str, sync_dir: str, blocks: int = 4, **kw
                down_manager=e.manager_stats(), down_worker=e.worker_stats())
     (sync / "missed").touch()
     _wait_file(sync / "restarted")
+    out["after"] = _stored_and_hit_after(e, 400)  # new requests, from the daemon serving on
     end = time.monotonic() + 20
     while not e.links_up() and time.monotonic() < end:
         time.sleep(0.05)
@@ -267,14 +271,18 @@ def parse_serve(argv: list[str], model: str) -> dict[str, Any]:
     args.model_tag = args.model = model
     kv = EngineArgs.from_cli_args(args).kv_transfer_config
     assert kv is not None
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     from hicache_vllm.config import SpecConfig
 
     spec_cls = OffloadingSpecFactory.get_spec_cls(kv.kv_connector_extra_config)
     SpecConfig.from_extra(kv.kv_connector_extra_config)  # our part of it is valid
+    conn_cls = KVConnectorFactory.get_connector_class(kv)  # as vLLM's factory finds it
     return {"model": named, "spec": f"{spec_cls.__module__}.{spec_cls.__name__}",
             "kv_connector": kv.kv_connector,
+            "connector_class": f"{conn_cls.__module__}.{conn_cls.__name__}",
+            "failure_policy": kv.kv_load_failure_policy,
             "kv_role": kv.kv_role, "extra": kv.kv_connector_extra_config,
             "block_size": args.block_size, "prefix_caching": args.enable_prefix_caching}
 
@@ -312,7 +320,7 @@ def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dic
         def _release(self, keys: list[bytes], timeout: float) -> None:
             released.append((self.i, len(keys), threading.current_thread().name))
 
-        def report(self, exc: BaseException) -> bool:
+        def report(self, exc: BaseException, session: Any = None) -> bool:
             self.reported.append(type(exc).__name__)
             return True
 
@@ -331,3 +339,176 @@ def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dic
     m._control.shutdown(wait=True)
     return {"took_s": took, "failed": failed, "released": released,
             "reported": [link.reported for link in links]}
+
+
+# -- a daemon that hangs or loses the keys between a hit and its load ----------------------
+
+CLEAN = {"bad": [], "n_bad": 0}
+
+
+def _on_first_load(e: Engine, hook: Any) -> None:
+    """``hook(round)`` runs once, on the worker's load thread, just before its first
+    ``LoadKeys``: after the lookup said HIT and vLLM scheduled the load (the hook point)."""
+    worker = e.worker.connector_worker.worker
+    original = worker._load_round
+    done: list[bool] = []
+
+    def hooked(r: Any) -> Any:
+        if not done:
+            done.append(True)
+            hook(r)
+        return original(r)
+
+    worker._load_round = hooked
+
+
+def _stored_and_hit_after(e: Engine, seed: int, tries: int = 40) -> dict[str, Any]:
+    """From now, new requests one after another (a prompt stored, then the same prefix asked
+    with the engine's own prefix cache reset and its KV zeroed) until one prompt's blocks come
+    back from the daemon exact: how long that took, and each try's (seconds, tokens loaded)."""
+    bs = e.block_size
+    start = time.monotonic()
+    seen: list[tuple[float, int]] = []
+    for i in range(tries):
+        prompt = _prompt(2 * bs + 1, seed + i)
+        e.add(f"new{seed}-{i}", prompt)
+        e.run(until_idle=30)
+        assert e.scheduler.reset_prefix_cache()
+        e.zero()
+        rid = f"hit{seed}-{i}"
+        e.add(rid, [*prompt[:2 * bs], 5])
+        e.run(until_idle=30)
+        seen.append((round(time.monotonic() - start, 3), e.loaded_tokens[rid]))
+        if e.loaded_tokens[rid] == 2 * bs and e.results[rid] == CLEAN:
+            return {"first_hit_s": seen[-1][0], "tries": seen}
+        time.sleep(0.05)
+    return {"first_hit_s": None, "tries": seen}
+
+
+def hang_between_hit_and_load(model: str, target: str, sync_dir: str, connector: str,
+                              daemon_pid: int, policy: str = "fail", blocks: int = 8,
+                              hang_s: float = 1.6, **kw: Any) -> dict[str, Any]:
+    """A prompt stored; the prefix cache reset and the KV zeroed; a request ``b`` with that
+    prefix is told HIT and its load scheduled, and just before the load's ``LoadKeys`` the
+    daemon is SIGSTOPped (by the test, told through ``loading``) for longer than the
+    session's lease and ``load_retry_s``; another request ``c`` (a new prompt) runs beside it.
+    The test resumes it (``continued``): new requests are stored and hit (``after``).
+
+    Then the engine idles and the daemon is stopped again (by the test, told through
+    ``idle``) for ``hang_s``, past the lease: this process resumes it (SIGCONT to
+    ``daemon_pid``) and at once sends a new request, the first call the daemon sees after it
+    answers again: it must be stored, and hit (``after_hang``)."""
+    sync = Path(sync_dir)
+    extra = {"load_retry_s": 1.0, "rpc_timeout_s": 1.0, "lookup_timeout_s": 0.3}
+    e = Engine(model, target, connector=connector, failure_policy=policy, extra=extra, **kw)
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + 1, 61)
+    e.add("a", prompt)
+    e.run()
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+
+    def stop(r: Any) -> None:
+        (sync / "loading").touch()
+        _wait_file(sync / "stopped")
+
+    _on_first_load(e, stop)
+    e.add("b", prompt[:blocks * bs] + _prompt(5, 62))
+    e.add("c", _prompt(3 * bs + 1, 63))
+    t0 = time.monotonic()
+    e.run(until_idle=60)
+    out: dict[str, Any] = {
+        "first": e.results.get("a"), "b": e.results.get("b"), "c": e.results.get("c"),
+        "b_loaded": e.loaded_tokens.get("b"), "finish": dict(e.finish_reasons),
+        "emitted": dict(e.emitted), "invalid_blocks": len(e.invalid_blocks),
+        "settled_s": round(time.monotonic() - t0, 2),
+        "settled_before_continue": not (sync / "continued").exists(),
+        "worker": e.worker_stats()}
+    (sync / "settled").touch()
+    _wait_file(sync / "continued")
+    out["after"] = _stored_and_hit_after(e, 300)
+    (sync / "idle").touch()
+    _wait_file(sync / "stopped-idle")
+    time.sleep(hang_s)
+    os.kill(daemon_pid, signal.SIGCONT)
+    out["after_hang"] = _stored_and_hit_after(e, 500)
+    out["manager"] = e.manager_stats()
+    out["worker_after"] = e.worker_stats()
+    e.close()
+    return out
+
+
+def keys_gone_before_load(model: str, target: str, connector: str, policy: str = "fail",
+                          sync_load: bool = False, blocks: int = 6, **kw: Any
+                          ) -> dict[str, Any]:
+    """Request ``b`` is told HIT; before its load the keys are removed from the pool (another
+    client's ``RemoveKeys``; the manager's holds keep the pages, not the keys, for another
+    session): ``LoadKeys`` answers KEY_NOT_FOUND, the load is given up at once. ``c`` (a new
+    prompt) is in the same batch. ``sync_load``: vLLM loads within the step that runs ``b``."""
+    from hicache_client import HiCacheClient
+
+    extra: dict[str, Any] = {"load_retry_s": 5.0}
+    if sync_load:
+        extra["sync_load_budget_bytes"] = 1 << 30
+    e = Engine(model, target, connector=connector, failure_policy=policy, extra=extra, **kw)
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + 1, 71)
+    e.add("a", prompt)
+    e.run()
+    assert e.scheduler.reset_prefix_cache()
+    e.zero()
+    pool = e.worker.connector_worker.worker.pool.name
+    removed: list[int] = []
+
+    def remove(r: Any) -> None:
+        with HiCacheClient(target) as c:
+            removed.append(c.remove_keys(pool, r.keys))
+
+    _on_first_load(e, remove)
+    e.add("b", prompt[:blocks * bs] + _prompt(5, 72))
+    e.add("c", _prompt(3 * bs + 1, 73))
+    t0 = time.monotonic()
+    raised = ""
+    try:
+        e.run(until_idle=30)
+    except Exception as exc:  # what vLLM's worker would raise out of its step
+        raised = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    out = {"removed": removed, "raised": raised, "took_s": round(time.monotonic() - t0, 2),
+           "b": e.results.get("b"), "c": e.results.get("c"),
+           "b_loaded": e.loaded_tokens.get("b"), "finish": dict(e.finish_reasons),
+           "emitted": dict(e.emitted), "invalid_blocks": len(e.invalid_blocks),
+           "worker": e.worker_stats()}
+    if not raised:
+        e.close()
+    return out
+
+
+def reset_keeps_shared_pages(model: str, target: str, blocks: int = 4, **kw: Any
+                             ) -> dict[str, Any]:
+    """This engine stores a prompt and holds a hit on another engine's prompt (``store_only``
+    with seed 3 ran first), then vLLM resets its connector (``reset_prefix_cache(
+    reset_connector=True)``): its own holds are let go, and neither engine's pages leave the
+    pool: both load back."""
+    e = Engine(model, target, connector="hicached", **kw)
+    bs = e.block_size
+    mine = _prompt(blocks * bs + 1, 81)
+    e.add("a", mine)
+    e.run()
+    theirs = e.offload_keys(_prompt(blocks * bs + 1, 3))
+    manager = e.scheduler_side.manager
+    # a request of this engine told HIT for the other's prompt, not loaded yet: held for it
+    assert manager.promises.answer("waiting", theirs[0], lambda: theirs)
+    held = len(manager.promises._claimed)
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    end = time.monotonic() + 10
+    while manager.stats["reset_holds_released"] < held and time.monotonic() < end:
+        time.sleep(0.01)
+    e.zero()
+    e.add("b", [*mine[:blocks * bs], 9])  # this engine's own pages, after its reset
+    e.add("t", [*_prompt(blocks * bs + 1, 3)[:blocks * bs], 9])  # the other engine's
+    e.run()
+    out = {"held": held, "manager": e.manager_stats(), "loaded": e.loaded_tokens["b"],
+           "b": e.results.get("b"), "theirs_loaded": e.loaded_tokens["t"],
+           "theirs": e.results.get("t")}
+    e.close()
+    return out

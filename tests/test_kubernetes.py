@@ -92,7 +92,9 @@ def vllm_extra(container: dict[str, Any]) -> dict[str, Any]:
 
     assert container["command"] == ["vllm", "serve"]
     kv = json.loads(arg(container, "--kv-transfer-config"))
-    assert kv["kv_connector"] == "OffloadingConnector" and kv["kv_role"] == "kv_both"
+    assert (kv["kv_connector"], kv["kv_connector_module_path"], kv["kv_role"],
+            kv["kv_load_failure_policy"]) == ("HicachedOffloadingConnector",
+                                              "hicache_vllm.connector", "kv_both", "recompute")
     extra: dict[str, Any] = kv["kv_connector_extra_config"]
     assert (extra["spec_name"], extra["spec_module_path"]) == ("HicachedOffloadingSpec",
                                                                "hicache_vllm.spec")

@@ -160,7 +160,10 @@ def test_a_killed_daemon_means_misses_then_hits_again_after_its_restart(
     assert got["down_manager"]["stores_dropped"] >= 1  # dropped and counted, never raised
     assert got["up_loaded"] == 4 * BS  # the restarted daemon's pool, reached again by itself
     assert got["up"] == CLEAN
-    assert got["reconnected_in_s"] < 10
+    # new requests are stored and hit within about a second of the daemon serving again
+    # (the links reconnect every reconnect_interval_s, 1 s)
+    after = got["after"]
+    assert after["first_hit_s"] is not None and after["first_hit_s"] < 1.5, after
 
 
 def test_a_stopped_daemon_never_holds_the_scheduler_past_the_lookup_deadline(
@@ -309,8 +312,11 @@ def test_the_documented_vllm_serve_lines_parse_with_vllms_own_parser(tmp_path: P
                                                                      source: str) -> None:
     argv = readme_vllm_serve() if source == "README.md" else pod_vllm_serve(source)
     got = run("parse_serve", argv=argv, model=str(model_dir(tmp_path)))
-    assert got["kv_connector"] == "OffloadingConnector" and got["kv_role"] == "kv_both"
+    assert got["kv_role"] == "kv_both"
     assert got["spec"] == "hicache_vllm.spec.HicachedOffloadingSpec"  # as vLLM's factory finds it
+    # the connector with vLLM's load-error path: a load given up is recomputed
+    assert got["connector_class"] == "hicache_vllm.connector.HicachedOffloadingConnector"
+    assert got["failure_policy"] == "recompute"
     assert got["block_size"] == 16 and got["model"].startswith("meta-llama/")
     if source != "README.md":
         assert got["extra"]["target"] == "unix:/run/hicached/api/hicached.sock"

@@ -11,6 +11,12 @@ The forward writes, for each token the scheduler computes, rows derived from the
 whole prefix up to that token (a rolling hash) and the layer: a block loaded from the daemon
 holds exactly those bytes only if the right pages came back into the right blocks. Tokens a
 load supplies are never written by the forward.
+
+The connector is vLLM's ``OffloadingConnector`` (``connector="plain"``) or
+``hicache_vllm.connector.HicachedOffloadingConnector`` (``"hicached"``, with vLLM's
+``kv_load_failure_policy``); a step reports what vLLM's model runner reports (its transfer
+results and ``get_block_ids_with_load_errors``), and a request vLLM finished with an error is
+recorded in ``finish_reasons``.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ class Engine:
     def __init__(self, model: str, target: str, *, block_size: int = 16, num_blocks: int = 64,
                  extra: dict[str, Any] | None = None, events: bool = False, tp: int = 1,
                  rank: int = 0, port: int = 0, mla: bool = False, layers: int = 2,
-                 heads: int = 2, head_size: int = 16, dtype: torch.dtype = torch.float32) -> None:
+                 heads: int = 2, head_size: int = 16, dtype: torch.dtype = torch.float32,
+                 connector: str = "plain", failure_policy: str = "fail") -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -112,9 +119,13 @@ class Engine:
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
                                              max_model_len=2048, is_encoder_decoder=False,
                                              enable_chunked_prefill=True),
-            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
-                                                kv_role="kv_both", engine_id="engine-0",
-                                                kv_connector_extra_config=extra),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector" if connector == "plain"
+                else "HicachedOffloadingConnector",
+                kv_connector_module_path=None if connector == "plain"
+                else "hicache_vllm.connector",
+                kv_role="kv_both", engine_id="engine-0", kv_connector_extra_config=extra,
+                kv_load_failure_policy=failure_policy),  # type: ignore[arg-type]
             kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null")
             if events else None,
             device_config=DeviceConfig("cpu"))
@@ -160,6 +171,12 @@ class Engine:
         self._blocks: dict[str, list[int]] = {}
         self.results: dict[str, dict[str, Any]] = {}
         """Each finished request's check, made as it finished."""
+        self.finish_reasons: dict[str, str] = {}
+        """How each finished request ended, as vLLM told its client ("length", "error")."""
+        self.emitted: dict[str, int] = {}
+        """Tokens vLLM gave each request's client."""
+        self.invalid_blocks: list[int] = []
+        """Every engine block a step reported as not loaded (``invalid_block_ids``)."""
 
     # -- the ranks ------------------------------------------------------------------------
 
@@ -242,7 +259,15 @@ class Engine:
                 "finished": out.finished_req_ids, "done": None}
         mro = self._work(self._bcast(plan))
         final = self.aggregator.aggregate(self._gather(mro)) if self.tp > 1 else mro
-        self.scheduler.update_from_output(out, final)
+        kvo = final.kv_connector_output
+        if kvo is not None:
+            self.invalid_blocks.extend(sorted(kvo.invalid_block_ids))
+        for outs in self.scheduler.update_from_output(out, final).values():
+            for o in outs.outputs:
+                self.emitted[o.request_id] = (self.emitted.get(o.request_id, 0)
+                                              + len(o.new_token_ids))
+                if o.finish_reason is not None:
+                    self.finish_reasons[o.request_id] = str(o.finish_reason)
         done = [r for r in self.tokens if r not in self.scheduler.requests
                 and r not in self.results]
         if done:  # finished: blocks freed, none reused before the next step: check them now
@@ -269,16 +294,20 @@ class Engine:
             if last:  # the prompt (or the last token) is in: one token sampled
                 sampled[rid] = [7]
         w.wait_for_save()
-        sending, recving = w.get_finished(plan["finished"])
+        # as vLLM's model runner does (kv_connector_model_runner_mixin)
+        transfers = w.get_transfer_results(plan["finished"])
+        invalid = w.get_block_ids_with_load_errors()
         wmeta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         ids = [item[0] for item in plan["work"]]
         return ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[sampled.get(r, []) for r in ids],
-            kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
-                                                  finished_recving=recving or None,
-                                                  kv_connector_worker_meta=wmeta))
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=transfers.finished_sending or None,
+                finished_recving=transfers.finished_recving or None,
+                failed_recving=transfers.failed_recving, invalid_block_ids=invalid,
+                kv_connector_worker_meta=wmeta))
 
     def _check_done(self, done: list[str]) -> None:
         for rid in done:
@@ -320,6 +349,8 @@ class Engine:
     def check_finished(self, rid: str) -> dict[str, Any]:
         """Compare every prompt token's rows (but the last) with what the forward would have
         written for that prefix, in the blocks the request had."""
+        if rid not in self._blocks:  # never scheduled (failed while its load was waited for)
+            return {"bad": [], "n_bad": 0, "ran": False}
         blocks = self._blocks[rid]
         toks = self.tokens[rid]
         bad = []

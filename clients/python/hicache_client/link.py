@@ -8,31 +8,32 @@ probing, stopping an old session's heartbeat) happens on the link's own thread.
 
 States: *up* (``usable``), *late* (a call missed its deadline: the daemon is alive but not
 answering in time; the session is kept, calls are skipped (no hits, loads declined, offloads
-dropped) while the link's thread probes it with heartbeats), *down* (no session: the thread
-sets everything up again, GetInfo, CreatePool with the same spec, OpenSession with the same
-buffers and events, every ``reconnect_interval_s``).
+dropped) while the link's thread probes it with heartbeats, one always in flight), *down* (no
+session: the thread sets everything up again, GetInfo, CreatePool with the same spec,
+OpenSession with the same buffers and events, every ``reconnect_interval_s``), *re-opening*
+(down because the daemon answered that the session or pool is gone: a lease that ran out while
+it hung, a restart; a new session is opened at once, and callers may wait for it).
 
 - A call's ``DEADLINE_EXCEEDED`` (or the daemon's ``DEADLINE_PASSED``) makes the link late,
   not down: a daemon paused for a moment comes back to the same session, its buffers mapped
   once. Calls that keep missing their deadlines for ``down_after_s`` take it down.
 - ``UNAVAILABLE``, ``SESSION_NOT_FOUND``, ``POOL_NOT_FOUND``, ``POOL_CLOSED``, a closed
-  channel and a heartbeat that finds the session gone take it down.
+  channel and a heartbeat that finds the session gone (seen within ``PROBE_SECONDS``) take it
+  down; the daemon's own "gone" answers re-open it. A failure of a session the link has
+  already replaced changes nothing (a call from before a re-open must not end the new one).
 - A late link is *fenced* before it is up again: a heartbeat must show no load of this session
   still copying (``loads_in_flight == 0``), then ``on_fenced`` runs (the linker gives back the
   device slots of loads that timed out) and the link is up.
 
-Primitives:
-
-- ``LinkSettings``: what the link reads of an integration's config (target, deadlines, lease,
-  polling).
-- ``Handover``: what ``OpenSession`` sends (descriptors, layer-event and ready-event handles,
-  memfds).
-- ``DaemonLink(config, spec, handover, worker_id, on_fenced, create_pool)``: ``start()``
-  tries once at once, then in the background; ``session`` (None while down), ``client``,
-  ``usable`` (up and not late), ``up``, ``generation`` (bumped per new session);
-  ``report(exc)`` classifies a failed call (True when it took the link down or made it late);
-  ``close()``.
-- ``is_link_failure(exc)`` / ``is_late(exc)``: the classification.
+Primitives: ``LinkSettings`` (what the link reads of an integration's config), ``Handover``
+(what ``OpenSession`` sends: descriptors, event handles, memfds), ``DaemonLink(config, spec,
+handover, worker_id, on_fenced, create_pool)``: ``start()`` tries once at once, then in the
+background; ``session`` (None while down), ``client``, ``usable`` (up and not late), ``up``,
+``generation`` (bumped per new session), ``reopening``; ``report(exc, session)`` classifies a
+failed call (True when it took the link down or made it late; ``session``: the one the call
+used); ``wait_usable(t, reopening_only)``: up to ``t`` seconds until usable (only while a
+re-open is under way, and once per re-open: one that stalls costs one caller ``t``);
+``close()``. ``is_link_failure`` / ``is_late`` / ``is_gone``: the classification.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class LinkSettings(Protocol):
     def poll_us(self) -> int: ...
 
 PROBE_SECONDS = 0.1
-"""How often a late link probes the daemon (a heartbeat, at most a second each)."""
+"""How often a late link probes the daemon (a heartbeat, at most a second each), and an up
+link looks at its session's heartbeats (a session the daemon says is gone is re-opened)."""
 
 
 def is_late(exc: BaseException) -> bool:
@@ -90,6 +92,12 @@ def is_late(exc: BaseException) -> bool:
         return True
     return (isinstance(exc, HiCacheError) and not exc.from_daemon
             and exc.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def is_gone(exc: BaseException) -> bool:
+    """The daemon answered that this link's session or pool is not there (any more): it is
+    alive, and a new session can be opened at once."""
+    return isinstance(exc, SessionNotFound | PoolNotFound | PoolClosed) and exc.from_daemon
 
 
 def is_link_failure(exc: BaseException) -> bool:
@@ -122,6 +130,10 @@ class _State:
     """When calls began to miss their deadlines (None: the link is not late)."""
     max_keys: int = 0
     """Keys the daemon takes per call (GetInfo's ``max_keys_per_call``; 0: not said)."""
+    reopening: bool = False
+    """Down because the daemon answered that the session is gone: a new one is on its way."""
+    reopen_stalled: bool = False
+    """A caller waited for this re-open in vain: others do not wait."""
 
 
 class DaemonLink:
@@ -141,6 +153,8 @@ class DaemonLink:
         self._retired: list[WorkerSession] = []
         """Sessions the link dropped; their heartbeats are stopped on the link's thread."""
         self._wake = threading.Event()
+        self._changed = threading.Condition(self._lock)
+        """Notified when the link comes up or a re-open ends (``wait_usable``)."""
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -150,7 +164,8 @@ class DaemonLink:
     def session(self) -> WorkerSession | None:
         s = self._state.session
         if s is not None and isinstance(s.heartbeat_error, SessionNotFound | PoolNotFound):
-            self.report(s.heartbeat_error)  # the daemon restarted under a quiet worker
+            # the daemon restarted under a quiet worker, or its lease ran out while it hung
+            self.report(s.heartbeat_error, session=s)
             return None
         return s
 
@@ -180,6 +195,32 @@ class DaemonLink:
     def generation(self) -> int:
         return self._state.generation
 
+    @property
+    def reopening(self) -> bool:
+        """Down, and a new session is being opened for a daemon that answered."""
+        return self._state.reopening
+
+    def wait_usable(self, timeout: float, reopening_only: bool = False) -> bool:
+        """Wait up to ``timeout`` seconds for the link to be usable; True when it is. With
+        ``reopening_only``, only while a re-open is under way, and not for one that a caller
+        already waited for in vain."""
+        end = time.monotonic() + timeout
+        if self.usable:  # (reads the heartbeat's verdict: not under the lock)
+            return True
+        with self._changed:
+            while not self._up_now():
+                state, left = self._state, end - time.monotonic()
+                if reopening_only and (not state.reopening or state.reopen_stalled):
+                    return False
+                if left <= 0 or self._closed.is_set():
+                    state.reopen_stalled |= reopening_only and timeout > 0 and left <= 0
+                    return False
+                self._changed.wait(left)
+        return self.usable
+
+    def _up_now(self) -> bool:  # ``usable`` without the heartbeat's verdict (under the lock)
+        return self._state.session is not None and self._state.late_since is None
+
     def start(self) -> bool:
         """Try once now; keep trying in the background. True when the link is up."""
         ok = self._connect()
@@ -188,12 +229,17 @@ class DaemonLink:
         self._thread.start()
         return ok
 
-    def report(self, exc: BaseException) -> bool:
+    def report(self, exc: BaseException, session: WorkerSession | None = None) -> bool:
         """A call failed with ``exc``: make the link late or take it down if that is what it
-        means; True when it did. Never waits."""
+        means; True when it did. ``session``: the session the call used; a failure of one the
+        link has already replaced changes nothing (False). Never waits."""
+        if session is not None and session is not self._state.session:
+            return False  # stale: the link has moved on (a call from before a re-open)
         if is_late(exc):
             with self._lock:
                 state = self._state
+                if state.session is None:
+                    return False  # down already: the reconnects go on as they are
                 now = time.monotonic()
                 first = state.late_since is None
                 if first:
@@ -208,17 +254,20 @@ class DaemonLink:
             return True
         if not is_link_failure(exc):
             return False
-        return self._down(f"{type(exc).__name__}: {exc}")
+        return self._down(f"{type(exc).__name__}: {exc}", reopen=is_gone(exc))
 
-    def _down(self, why: str) -> bool:
+    def _down(self, why: str, reopen: bool = False) -> bool:
         with self._lock:
             session, self._state.session = self._state.session, None
             self._state.late_since = None
             if session is not None:
                 self._retired.append(session)
+                if reopen:  # the daemon answered: a new session at once, callers may wait
+                    self._state.reopening = True
+                    self._state.reopen_stalled = False
         if session is not None:
-            log.warning("hicached link down (%s); reconnecting every %.1fs", why,
-                        self.config.reconnect_interval_s)
+            log.warning("hicached link down (%s); %s", why, "opening a new session" if reopen
+                        else f"reconnecting every {self.config.reconnect_interval_s:.1f}s")
         self._wake.set()
         return True
 
@@ -231,6 +280,7 @@ class DaemonLink:
             client = HiCacheClient(cfg.target, timeout=cfg.rpc_timeout_s, reconnect_seconds=0,
                                    spin_us=cfg.poll_us)
             self._state.client = client
+        session: WorkerSession | None = None
         try:
             self._state.max_keys = client.get_info().max_keys_per_call
             self._create_pool(client)
@@ -244,8 +294,11 @@ class DaemonLink:
                 log.warning("hicached at %s not usable for pool %s: %s", cfg.target,
                             self.spec.name, text)
             self._state.last_error = text
-            return False
-        with self._lock:
+        with self._changed:
+            self._state.reopening = False
+            self._changed.notify_all()  # (the waiters see the session once this is left)
+            if session is None:
+                return False
             if self._closed.is_set():
                 self._retired.append(session)
                 return False
@@ -285,7 +338,7 @@ class DaemonLink:
             s = client.heartbeat(session.session_id, timeout=min(self.config.rpc_timeout_s,
                                                                   1.0))
         except HiCacheError as exc:
-            self.report(exc)
+            self.report(exc, session=session)
             return
         if s.loads_in_flight:
             return  # a load that timed out may still be copying: not yet
@@ -293,24 +346,31 @@ class DaemonLink:
             self._on_fenced()
         except Exception:
             log.exception("hicached link: giving back the slots of timed-out loads failed")
-        with self._lock:
+        with self._changed:
             if self._state.session is session:
                 self._state.late_since = None
+            self._changed.notify_all()
         log.info("hicached answering again: link up (session %s kept)",
                  session.session_id[:8])
 
     def _run(self) -> None:
+        took = 0.0
         while not self._closed.is_set():
-            late = self._state.late_since is not None
-            self._wake.wait(PROBE_SECONDS if late else self.config.reconnect_interval_s)
+            up = self._state.session is not None
+            # a probe that waited out its deadline is followed at once: while the daemon
+            # hangs one is always in flight, and its answer is the first the daemon gives
+            self._wake.wait(max(PROBE_SECONDS - took, 0) if up
+                            else self.config.reconnect_interval_s)
             self._wake.clear()
-            self._stop_retired()
             if self._closed.is_set():
                 return
-            if self._state.session is None:
+            start, took = time.monotonic(), 0.0
+            if self.session is None:  # (an up session's heartbeat may say it is gone)
                 self._connect()
             elif self._state.late_since is not None:
                 self._probe()
+                took = time.monotonic() - start
+            self._stop_retired()  # after: a new session does not wait for an old heartbeat
 
     def _stop_retired(self) -> None:
         with self._lock:
@@ -322,6 +382,8 @@ class DaemonLink:
         """End the session (its keys stay cached) and the channel; idempotent."""
         self._closed.set()
         self._wake.set()
+        with self._changed:
+            self._changed.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._stop_retired()

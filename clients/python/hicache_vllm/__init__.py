@@ -2,6 +2,8 @@
 vLLM 0.33's ``OffloadingConnector`` backed by the hicached daemon.
 
 - ``hicache_vllm.spec``: the spec vLLM loads by module path.
+- ``hicache_vllm.connector``: ``HicachedOffloadingConnector``, vLLM's ``OffloadingConnector``
+  with its load-error path (a load given up is recomputed, not decoded on).
 - ``hicache_vllm.config``: ``SpecConfig``, the ``kv_connector_extra_config`` keys, checked.
 - ``hicache_vllm.namespace``: which pools an engine's blocks live in (``Plan``).
 - ``hicache_vllm.promises``: batched, held lookups (a HIT is a promise).

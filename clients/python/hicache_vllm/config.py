@@ -62,8 +62,12 @@ class SpecConfig:
     keeps the pages from eviction until vLLM's ``complete_load`` or the request's end releases
     them. A ``lookup`` answer older than half of it is asked again."""
     load_retry_s: float = 10.0
-    """How long a load that failed (the daemon restarting under it) is tried again before it
-    is given up (vLLM cannot be told: docs/api.md, "Use with vLLM")."""
+    """How long after its first try a load that fails (the daemon restarting or hung under
+    it) is tried again before it is given up; keys the daemon says are gone give it up at
+    once. Given up, its blocks are recomputed (or the request failed) with
+    ``hicache_vllm.connector``'s connector; with vLLM's own ``OffloadingConnector``, which
+    cannot be told, a load waits at least as long as its hold (``lookup_hold_ms``) and then
+    stops the engine (docs/api.md, "Use with vLLM")."""
     pool_size_tokens: int = 0
     """Host pool size in tokens; 0 = vLLM's own KV cache size (its GPU blocks)."""
     pool_size_bytes: int = 0

@@ -15,12 +15,18 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
   dropped (None, counted).
 - ``complete_store`` / ``take_events``: vLLM's ``BlockStored`` / ``BlockRemoved`` events for
   what this engine stored and reset (the daemon's own stream tells every tier exactly).
-- ``reset_cache``: ``ClearPool`` of every rank's pool, off the scheduler's thread.
+- ``reset_cache``: this engine's own state dropped: its answers, the lookups it queued and
+  the holds no load in flight claims (released off the scheduler's thread). The pools are
+  shared with every engine of the model: nothing in them is removed (emptying one is an
+  operator's act, ``hicachectl clear-pool``).
 
 Failure semantics: nothing raises into the scheduler, and its thread waits on the daemon only
 in lookups (a request's first ``lookup``, ``on_schedule_end``), each at most
 ``lookup_timeout_s`` over every pool; one that misses it makes the link late, and a late or
-down link is not called (misses at once) until it answers again.
+down link is not called (misses at once) until it answers again. A link whose session the
+daemon said is gone (its lease ran out while it hung, a restart) is re-opened at once, and a
+lookup waits for that within its deadline (once per re-open) and asks again, so the first
+request after the daemon is back is answered and its blocks are offered for storing.
 With the daemon down, restarting, refusing or slow, lookups are misses, stores are dropped
 (counted in ``stats``), and the links reconnect by themselves (``hicache_client.link``).
 """
@@ -48,7 +54,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hicache.errors import HiCacheError, Unavailable
-from hicache_client.link import DaemonLink, Handover
+from hicache_client.link import DaemonLink, Handover, is_gone
 from hicache_client.shm import ShmDeviceBuffers
 from hicache_vllm.blocks import HicachedLoadStoreSpec
 from hicache_vllm.config import SpecConfig
@@ -58,7 +64,7 @@ from hicache_vllm.promises import Promises
 log = logging.getLogger("hicache_vllm")
 
 _STATS = ("stores_offered", "stores_dropped", "store_blocks", "loads", "load_blocks",
-          "lookups_down", "resets", "reset_failures")
+          "lookups_down", "resets", "reset_failures", "reset_holds_released")
 
 
 class HicachedOffloadingManager(OffloadingManager):
@@ -98,27 +104,40 @@ class HicachedOffloadingManager(OffloadingManager):
         deadline = time.monotonic() + self.config.lookup_timeout_s
         try:
             for link in self.links:
-                client, session = link.client, link.session
-                if client is None or session is None or not link.usable:
-                    raise Unavailable("hicached is not connected")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"lookup_timeout_s ({self.config.lookup_timeout_s} s) "
-                                       "spent before every pool was asked")
-                try:
-                    r = client.lookup(session.pool, keys[:link.max_keys or None],
-                                      timeout=left, session_id=session.session_id,
-                                      hold_ms=self.config.lookup_hold_ms)
-                except HiCacheError as exc:
-                    link.report(exc)
-                    raise
-                answers.append((link, r.held))
+                answers.append((link, self._lookup_on(link, keys, deadline)))
         except Exception:
             self._let_go(answers, keys, 0)
             raise
         held = min((got for _, got in answers), default=0)
         self._let_go(answers, keys, held)
         return held
+
+    def _lookup_on(self, link: DaemonLink, keys: list[bytes], deadline: float) -> int:
+        """One pool's held prefix of ``keys``, by ``deadline``. A session the daemon says is
+        gone is re-opened by the link: this waits for it (within the deadline) and asks
+        again once, so the first lookup after a lapsed lease is answered."""
+        for attempt in (0, 1):
+            if not link.usable and not link.wait_usable(
+                    max(deadline - time.monotonic(), 0), reopening_only=True):
+                raise Unavailable("hicached is not connected")
+            client, session = link.client, link.session
+            if client is None or session is None:
+                raise Unavailable("hicached is not connected")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"lookup_timeout_s ({self.config.lookup_timeout_s} s) "
+                                   "spent before every pool was asked")
+            try:
+                r = client.lookup(session.pool, keys[:link.max_keys or None], timeout=left,
+                                  session_id=session.session_id,
+                                  hold_ms=self.config.lookup_hold_ms)
+            except HiCacheError as exc:
+                link.report(exc, session=session)
+                if attempt or not is_gone(exc):
+                    raise
+                continue
+            return int(r.held)
+        raise AssertionError("unreachable")
 
     def _let_go(self, answers: list[tuple[DaemonLink, int]], keys: list[bytes],
                 held: int) -> None:
@@ -144,8 +163,16 @@ class HicachedOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    def _ready(self) -> bool:
+        """Every link usable, or being re-opened (waited for, once per re-open, within the
+        lookup deadline)."""
+        end = time.monotonic() + self.config.lookup_timeout_s
+        return all(link.usable or link.wait_usable(
+            max(end - time.monotonic(), 0), reopening_only=True)
+                   for link in self.links)
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if not all(link.usable for link in self.links):
+        if not self._ready():
             self.stats["lookups_down"] += 1
             return LookupResult.MISS
         got = self.promises.answer(req_context.req_id, bytes(key),
@@ -169,7 +196,8 @@ class HicachedOffloadingManager(OffloadingManager):
                       ) -> PrepareStoreOutput | None:
         ks = [bytes(k) for k in keys]
         self.stats["stores_offered"] += 1
-        if not all(link.usable for link in self.links):
+        # a link being re-opened takes the store (the worker waits for its own link)
+        if not all(link.usable or link.reopening for link in self.links):
             self.stats["stores_dropped"] += 1
             return None
         return PrepareStoreOutput(keys_to_store=list(keys), store_spec=HicachedLoadStoreSpec(ks),
@@ -205,24 +233,27 @@ class HicachedOffloadingManager(OffloadingManager):
                                                     removed=removed))
 
     def reset_cache(self) -> None:
-        """Every rank's pool cleared (off this thread: the daemon may be slow or down)."""
-        self.promises.forget_all()
+        """This engine's state dropped: answers, queued lookups, and the holds no load in
+        flight claims (released off this thread: the daemon may be slow or down). The pools
+        are every engine's: nothing is removed from them (``hicachectl clear-pool`` does)."""
+        keys = self.promises.forget_all()
         self.stats["resets"] += 1
-        self._control.submit(self._clear)
+        if keys:
+            self._control.submit(self._reset_release, keys)
 
-    def _clear(self) -> None:
+    def _reset_release(self, keys: list[bytes]) -> None:
         for link in self.links:
-            client, session = link.client, link.session
-            if client is None or session is None:
-                self.stats["reset_failures"] += 1
+            session = link.session
+            if session is None:  # the daemon has ended them with the session
                 continue
             try:
-                n = client.clear_pool(session.pool)
-                log.info("hicached pool %s cleared (%d keys)", session.pool, n)
-            except HiCacheError as exc:
+                n = session.release_holds(keys, timeout=self.config.rpc_timeout_s)
+                self.stats["reset_holds_released"] += n
+            except HiCacheError as exc:  # holds expire by themselves
                 self.stats["reset_failures"] += 1
-                link.report(exc)
-                log.warning("could not clear hicached pool %s: %s", session.pool, exc)
+                link.report(exc, session=session)
+                log.warning("releasing this engine's holds in %s failed: %s", session.pool,
+                            exc)
 
     def shutdown(self) -> None:
         self._control.shutdown(wait=True)

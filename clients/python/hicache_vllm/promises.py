@@ -19,6 +19,10 @@ A held key may be claimed by several requests; the hold is released (``ReleaseHo
 thread of its own: nothing waits for it) when no request claims it any more: the request
 finished and its loads completed. An answer older than half the hold is asked again (the
 daemon refreshes the hold), and so is a miss answered before this engine's latest store.
+A request vLLM looks up again after one of its loads completed (that load was given up and
+vLLM recomputes, or the request was preempted) is asked afresh, never answered from before
+the load; past ``LOADS_PER_REQUEST`` loads its keys are misses (a load that keeps failing
+must not keep the request from computing).
 
 Primitives:
 
@@ -29,7 +33,8 @@ Primitives:
 - ``stored()``: this engine stored blocks (misses answered before are asked again).
 - ``loading(req_id, keys)`` / ``loaded(req_id)``: a load in flight keeps its claims.
 - ``finished(req_id)``: the request's claims end (once its loads are done).
-- ``forget_all()``: every answer dropped, every hold released (a reset, a lost session).
+- ``forget_all()``: every answer and every lookup asked dropped (a reset); returns the held
+  keys no load in flight claims (the caller releases them: the claims are gone).
 - ``close()``.
 """
 
@@ -47,6 +52,10 @@ log = logging.getLogger("hicache_vllm")
 MAX_REQUESTS = 65536
 """Requests whose answers are kept (beyond it the oldest unloaded ones are forgotten)."""
 
+LOADS_PER_REQUEST = 2
+"""Loads one request is offered; vLLM asks again only after a load failed (or the request
+was preempted): past this many, the request's keys are misses and it computes them."""
+
 
 @dataclass
 class _Request:
@@ -58,6 +67,8 @@ class _Request:
     """The store generation its answers were asked in (a miss then may be a hit now)."""
     claims: set[bytes] = field(default_factory=set)
     loads: int = 0
+    loaded: int = 0
+    """Loads of it that completed (any lookup after one is asked afresh)."""
     finished: bool = False
 
 
@@ -78,7 +89,7 @@ class Promises:
         self._thread = threading.Thread(target=self._run, daemon=True, name="hicache-releases")
         self._thread.start()
         self.stats = {"lookups": 0, "lookup_failures": 0, "held_blocks": 0, "miss_blocks": 0,
-                      "deferred": 0}
+                      "deferred": 0, "reload_misses": 0}
 
     # -- the scheduler's thread (waits only in lookups, each within its deadline) ----------
 
@@ -91,6 +102,9 @@ class Promises:
             if r is None:
                 r = self._requests[req_id] = _Request()
                 self._trim()
+            if r.loaded >= LOADS_PER_REQUEST and not r.loads:
+                self.stats["reload_misses"] += 1
+                return False
             got = r.answers.get(key)
             if got is not None and (r.loads or (
                     time.monotonic() - r.at < self.fresh_s
@@ -144,6 +158,8 @@ class Promises:
             if r is None:
                 return
             r.loads = max(r.loads - 1, 0)
+            r.loaded += 1
+            r.answers.clear()  # a lookup after this one asks the daemon again
             if r.finished and not r.loads:
                 self._end(req_id)
 
@@ -156,15 +172,21 @@ class Promises:
             if not r.loads:
                 self._end(req_id)
 
-    def forget_all(self) -> None:
+    def forget_all(self) -> list[bytes]:
         with self._lock:
-            keys = list(self._claimed)
-            self._claimed.clear()
+            self._asked.clear()
+            kept: dict[bytes, int] = {}
             for r in self._requests.values():
                 r.answers.clear()
-                r.claims.clear()
-        if keys:
-            self._queue.put(keys)
+                r.asked = []
+                if r.loads:  # a load in flight keeps its holds until it completes
+                    for k in r.claims:
+                        kept[k] = kept.get(k, 0) + 1
+                else:
+                    r.claims.clear()
+            free = [k for k in self._claimed if k not in kept]
+            self._claimed = kept
+        return free
 
     def close(self) -> None:
         self._queue.put(None)

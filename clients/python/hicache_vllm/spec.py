@@ -1,10 +1,16 @@
 """``HicachedOffloadingSpec``: hicached as vLLM's KV offloading backend.
 
-vLLM 0.33 loads it by module path::
+vLLM 0.33 loads it by module path, into ``hicache_vllm.connector``'s connector (vLLM's own
+``OffloadingConnector`` with its load-error path: a load that fails is recomputed)::
 
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "HicachedOffloadingConnector",
+      "kv_connector_module_path": "hicache_vllm.connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"spec_name": "HicachedOffloadingSpec",
                                     "spec_module_path": "hicache_vllm.spec"}}'
+
+or into vLLM's ``OffloadingConnector`` itself, which has no such path (a load given up then
+stops the engine: ``hicache_vllm.worker``).
 
 and asks it for a manager on the scheduler's side (``hicache_vllm.manager``) and a worker on
 each rank (``hicache_vllm.worker``). The extra config's other keys are ``SpecConfig``'s
@@ -38,6 +44,9 @@ class HicachedOffloadingSpec(OffloadingSpec):
         self.replicated_layout = self.plan.replicated  # rank 0 alone stores MLA blocks
         self._manager: HicachedOffloadingManager | None = None
         self._worker: HicachedOffloadingWorker | None = None
+        self.report_load_errors = False
+        """Set by ``HicachedOffloadingConnector`` before the worker is made: it tells vLLM of
+        the blocks of a load given up."""
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -48,5 +57,6 @@ class HicachedOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             self._worker = HicachedOffloadingWorker(self.spec_config, self.plan,
-                                                    int(self.config.parallel.rank), kv_caches)
+                                                    int(self.config.parallel.rank), kv_caches,
+                                                    self.report_load_errors)
         return self._worker

@@ -17,13 +17,24 @@ Where the bytes go:
   area of sealed memfds (``staging_blocks`` pages for stores, as many for loads): a store
   gathers the blocks into it and the daemon copies them into its pool; a load is the reverse.
 
-Failure semantics: vLLM 0.33 cannot be told that a job failed (its connector asserts
-success), so every job is reported done. A store that fails (daemon down, no space) is
-dropped and counted: a later lookup misses. A load only follows a lookup the daemon holds, so
-it fails only if the daemon dies or the keys are removed by someone during it: it is retried
-(the link reconnecting, the restarted daemon re-attaching its pool) for ``load_retry_s``; past
-that it is counted (``load_failures``) and logged as an error: those blocks hold what they held
-before, and the request's output is not to be trusted.
+Failure semantics: a job is always reported done (vLLM 0.33's offloading worker asserts that
+it succeeded). A store that fails (daemon down, no space) is dropped and counted: a later
+lookup misses. A load only follows a lookup the daemon holds, so it fails only if the daemon
+dies, hangs or restarts under it, or the keys are removed: it is tried again (the link
+re-opening a session the daemon dropped, reconnecting to a restarted daemon that re-attached
+its pool) until it is loaded, or given up: at once when the daemon answers that the keys are
+not there (or refuses the call for good), else once ``retry_window_s`` has passed since its
+first try. A load given up never passes for loaded (its blocks hold what they held before):
+
+- with ``report_load_errors`` (``hicache_vllm.connector.HicachedOffloadingConnector``, which
+  has vLLM's load-error path) its engine blocks are reported (``take_load_errors``, in the
+  step whose ``get_finished`` reports the job): vLLM recomputes them or fails that request
+  (its ``kv_load_failure_policy``); the window is ``load_retry_s``;
+- without (vLLM's own ``OffloadingConnector``, which cannot be told) the window is the longer
+  of ``load_retry_s`` and the hold (``lookup_hold_ms``), and then ``get_finished`` raises
+  ``LoadFailed``: the engine's step fails and vLLM stops, rather than decode on those blocks.
+
+Primitives: ``HicachedOffloadingWorker``, ``LoadFailed``, ``canonical_layers``.
 """
 
 from __future__ import annotations
@@ -46,9 +57,9 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from hicache.errors import HiCacheError, SpecInvalid, Unavailable
+from hicache.errors import Aborted, HiCacheError, Overloaded, SpecInvalid, Unavailable
 from hicache.specs import PoolSpec, Role
-from hicache_client.link import DaemonLink, Handover
+from hicache_client.link import DaemonLink, Handover, is_gone, is_late, is_link_failure
 from hicache_vllm.blocks import HicachedLoadStoreSpec, Job, JobRound
 from hicache_vllm.config import SpecConfig
 from hicache_vllm.namespace import Plan
@@ -56,7 +67,23 @@ from hicache_vllm.namespace import Plan
 log = logging.getLogger("hicache_vllm")
 
 _STATS = ("stores", "store_pages", "stores_dropped", "store_no_space", "loads", "load_pages",
-          "load_retries", "load_failures", "waits")
+          "load_retries", "load_failures", "load_error_blocks", "waits")
+
+RETRY_PAUSE_S = 0.25
+"""The longest a failed load waits for its link before it tries again."""
+
+
+class LoadFailed(RuntimeError):
+    """A load was given up and vLLM's connector cannot be told (vLLM's own
+    ``OffloadingConnector``): raised out of ``get_finished`` so that the engine stops instead
+    of decoding on blocks that hold something else. ``HicachedOffloadingConnector`` reports
+    such blocks to vLLM instead (recomputed, or the one request failed)."""
+
+
+def _retryable(exc: HiCacheError) -> bool:
+    """A load that failed this way may succeed if tried again: the link's trouble (late,
+    down, a session or pool the daemon lost), or a refusal of the moment."""
+    return is_late(exc) or is_link_failure(exc) or isinstance(exc, Overloaded | Aborted)
 
 
 def canonical_layers(kv_caches: CanonicalKVCaches, plan: Plan) -> list[torch.Tensor]:
@@ -83,10 +110,16 @@ def canonical_layers(kv_caches: CanonicalKVCaches, plan: Plan) -> list[torch.Ten
 
 class HicachedOffloadingWorker(OffloadingWorker):
     def __init__(self, config: SpecConfig, plan: Plan, rank: int,
-                 kv_caches: CanonicalKVCaches) -> None:
+                 kv_caches: CanonicalKVCaches, report_load_errors: bool = False) -> None:
         self.config = config
         self.plan = plan
         self.rank = rank
+        self.report_load_errors = report_load_errors
+        """The connector reports the blocks of loads given up to vLLM (``take_load_errors``);
+        else a load given up stops the engine (``LoadFailed``)."""
+        self.retry_window_s = (config.load_retry_s if report_load_errors else
+                               max(config.load_retry_s, config.lookup_hold_ms / 1000))
+        """How long after its first try a failed load is given up (the keys gone: at once)."""
         self.layers = canonical_layers(kv_caches, plan)
         num_blocks = int(self.layers[0].shape[0])
         self.on_cuda = self.layers[0].device.type == "cuda"
@@ -116,6 +149,10 @@ class HicachedOffloadingWorker(OffloadingWorker):
         self._stores: collections.deque[tuple[int, Job]] = collections.deque()
         self._loads: collections.deque[tuple[int, Job]] = collections.deque()
         self._finished: list[TransferResult] = []
+        self._failed: dict[int, tuple[list[int], str]] = {}
+        """Jobs given up, not yet reported: their engine blocks and why."""
+        self._load_errors: set[int] = set()
+        """Engine blocks of loads given up that ``get_finished`` has reported done."""
         self._open: set[int] = set()
         self._closed = False
         self._threads = [threading.Thread(target=self._run, args=(q, store), daemon=True,
@@ -175,11 +212,29 @@ class HicachedOffloadingWorker(OffloadingWorker):
         with self._cv:
             out, self._finished = self._finished, []
             busy = bool(self._open)
+            failed = [self._failed.pop(r.job_id) for r in out if r.job_id in self._failed]
+        if failed:
+            blocks = sorted({b for ids, _ in failed for b in ids})
+            if not self.report_load_errors:
+                raise LoadFailed(
+                    f"hicached: {len(failed)} load(s) of {len(blocks)} engine block(s) given "
+                    f"up ({failed[0][1]}); vLLM's OffloadingConnector cannot be told, and the "
+                    "blocks hold other KV: stopping rather than decoding on them (use "
+                    "hicache_vllm.connector.HicachedOffloadingConnector: vLLM recomputes)")
+            with self._cv:
+                self._load_errors.update(blocks)
         if busy:
             # the engine's thread calls this every step and may step without pause (requests
             # only waiting for loads): a yield lets the transfer threads take the interpreter
             # lock now, where they would wait up to its switch interval (5 ms) each time
             time.sleep(0)
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        """Engine blocks of loads given up, reported done by ``get_finished`` (this call or
+        an earlier one) and not yet taken: vLLM's ``get_block_ids_with_load_errors``."""
+        with self._cv:
+            out, self._load_errors = self._load_errors, set()
         return out
 
     def wait(self, job_ids: set[int]) -> None:
@@ -209,13 +264,21 @@ class HicachedOffloadingWorker(OffloadingWorker):
                 job_id, job = q.popleft()
             start = time.monotonic()
             moved = 0
+            failed: tuple[list[int], str] | None = None
             try:
-                moved = self._store(job) if store else self._load(job)
-            except Exception:  # never into vLLM's worker: counted, logged
+                if store:
+                    moved = self._store(job)
+                else:
+                    moved, failed = self._load(job)
+            except Exception as exc:  # never into vLLM's worker: counted, logged
                 self.stats["load_failures" if not store else "stores_dropped"] += 1
                 log.exception("hicached %s job %d failed", "store" if store else "load",
                               job_id)
+                if not store:  # nothing of it is known to be loaded
+                    failed = ([int(b) for b in job.block_ids], f"{type(exc).__name__}: {exc}")
             with self._cv:
+                if failed is not None:
+                    self._failed[job_id] = failed
                 self._open.discard(job_id)
                 self._finished.append(TransferResult(job_id, True, moved,
                                                      time.monotonic() - start))
@@ -231,8 +294,7 @@ class HicachedOffloadingWorker(OffloadingWorker):
         return (r.block_ids[:, None] * bt + np.arange(bt, dtype=np.int64)).ravel()
 
     def _store(self, job: Job) -> int:
-        session = self.link.session
-        if session is None or not self.link.usable or not job.whole:
+        if not job.whole or not self._link_for_store():
             self.stats["stores_dropped"] += 1
             return 0
         moved = 0
@@ -246,54 +308,87 @@ class HicachedOffloadingWorker(OffloadingWorker):
                 for canon, stage in zip(self.layers, self._stage, strict=True):
                     torch.index_select(canon, 0, ids, out=stage[:n])
                 tokens = self._tokens(0, len(r.keys))
-            try:
-                res = session.store(r.keys, tokens)
-            except HiCacheError as exc:
-                self.stats["stores_dropped"] += 1
-                self.link.report(exc)
-                log.debug("store of %d pages dropped: %s", len(r.keys), exc)
-                return moved
+            for attempt in (0, 1):
+                session = self.link.session if self._link_for_store() else None
+                if session is None:
+                    self.stats["stores_dropped"] += 1
+                    return moved
+                try:
+                    res = session.store(r.keys, tokens)
+                    break
+                except HiCacheError as exc:
+                    self.link.report(exc, session=session)
+                    if attempt or not is_gone(exc):  # (gone: stored again in a new session)
+                        self.stats["stores_dropped"] += 1
+                        log.debug("store of %d pages dropped: %s", len(r.keys), exc)
+                        return moved
             self.stats["stores"] += 1
             self.stats["store_pages"] += res.stored
             self.stats["store_no_space"] += res.no_space
             moved += res.stored * page_bytes
         return moved
 
-    def _load(self, job: Job) -> int:
+    def _link_for_store(self) -> bool:
+        """The link is usable, or becomes so: a session the daemon dropped is being
+        re-opened (waited for, up to ``rpc_timeout_s``, once per re-open)."""
+        return self.link.usable or self.link.wait_usable(self.config.rpc_timeout_s,
+                                                         reopening_only=True)
+
+    def _load(self, job: Job) -> tuple[int, tuple[list[int], str] | None]:
+        """Bytes moved, and the engine blocks not loaded (with why) if the load was given
+        up: the round that failed and every one after it (vLLM recomputes from the first
+        block that failed anyway)."""
         moved = 0
-        for r in job.rounds(len(job.keys) if self.on_cuda else self._slots):
-            self._load_round(r)
+        rounds = list(job.rounds(len(job.keys) if self.on_cuda else self._slots))
+        for i, r in enumerate(rounds):
+            why = self._load_round(r)
+            if why is not None:
+                blocks = [int(b) for later in rounds[i:] for b in later.block_ids]
+                self.stats["load_failures"] += 1
+                self.stats["load_error_blocks"] += len(blocks)
+                log.error("hicached load of %d pages given up (%s): %s", len(job.keys), why,
+                          "its blocks are reported to vLLM" if self.report_load_errors
+                          else "vLLM cannot be told; the engine is stopped")
+                return moved, (blocks, why)
             moved += len(r.block_ids) * self.plan.layer_block_bytes * self.plan.layers
         self.stats["loads"] += 1
         self.stats["load_pages"] += len(job.keys)
-        return moved
+        return moved, None
 
-    def _load_round(self, r: JobRound) -> None:
+    def _load_round(self, r: JobRound) -> str | None:
+        """Load one round, trying again while it may still succeed; None when loaded, else
+        why it was given up."""
         tokens = (self._device_tokens(r) if self.on_cuda
                   else self._tokens(self._slots, len(r.keys)))
-        give_up = time.monotonic() + self.config.load_retry_s
+        give_up = time.monotonic() + self.retry_window_s
         while True:
             session = self.link.session
-            try:
-                if session is None or not self.link.usable:
-                    raise Unavailable("hicached is not connected")
-                session.load_keys(r.keys, tokens, timeout=self.config.rpc_timeout_s)
-                break
-            except HiCacheError as exc:
-                if session is not None:
-                    self.link.report(exc)
-                if time.monotonic() >= give_up or self._closed:
-                    self.stats["load_failures"] += 1
-                    log.error("hicached load of %d pages failed for %.0fs (%s: %s): vLLM "
-                              "cannot be told; those blocks keep what they held",
-                              len(r.keys), self.config.load_retry_s, type(exc).__name__, exc)
-                    return
-                self.stats["load_retries"] += 1
-                time.sleep(min(self.config.reconnect_interval_s / 4, 0.25))
+            exc: HiCacheError
+            if session is None or not self.link.usable:  # (the link knows: not reported)
+                exc = Unavailable("hicached is not connected")
+            else:
+                try:
+                    session.load_keys(r.keys, tokens, timeout=self.config.rpc_timeout_s)
+                    break
+                except HiCacheError as failed:
+                    self.link.report(failed, session=session)
+                    exc = failed
+            if not _retryable(exc):  # the keys are not there, or never will load
+                return f"{type(exc).__name__}: {exc}"
+            left = give_up - time.monotonic()
+            if left <= 0 or self._closed:
+                return (f"not loaded within {self.retry_window_s:.1f}s; last "
+                        f"{type(exc).__name__}: {exc}")
+            self.stats["load_retries"] += 1
+            if self.link.usable:  # a refusal of the moment: a pause before the next try
+                time.sleep(min(0.01, left))
+            else:  # the link comes back (probed, re-opened, reconnected): try then
+                self.link.wait_usable(min(left, RETRY_PAUSE_S))
         if self.on_cuda:
-            return
+            return None
         base = self._slots * self.plan.blocks_per_chunk
         lo = base + int(r.rows[0])
         ids = torch.from_numpy(r.block_ids)
         for canon, stage in zip(self.layers, self._stage, strict=True):
             canon.index_copy_(0, ids, stage[lo:lo + len(r.block_ids)])
+        return None

@@ -1,0 +1,65 @@
+"""``HicachedOffloadingConnector``: vLLM's ``OffloadingConnector`` with its load-error path.
+
+vLLM 0.33's ``OffloadingConnector`` cannot be told that a load failed (its worker asserts each
+job's success, and it does not implement ``get_block_ids_with_load_errors``). vLLM's scheduler
+can: a connector that reports the engine blocks a load did not fill has them recomputed, or
+fails only the requests that needed them (``kv_load_failure_policy``: "recompute" or, vLLM's
+default, "fail"), for asynchronous and synchronous loads alike, the rest of the batch
+untouched. This connector is vLLM's own with that one method added: the spec's worker
+(``hicache_vllm.worker``) reports the job done and names its blocks here, in the step that
+reports the job. Loaded by module path::
+
+    --kv-transfer-config '{"kv_connector": "HicachedOffloadingConnector",
+      "kv_connector_module_path": "hicache_vllm.connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'
+
+``spec_name`` / ``spec_module_path`` default to ``HicachedOffloadingSpec`` /
+``hicache_vllm.spec``; another spec is refused (``SPEC_INVALID``).
+
+Primitives: ``HicachedOffloadingConnector``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+from hicache.errors import SpecInvalid
+from hicache_vllm.manager import HicachedOffloadingManager
+from hicache_vllm.spec import HicachedOffloadingSpec
+from hicache_vllm.worker import HicachedOffloadingWorker
+
+SPEC = {"spec_name": "HicachedOffloadingSpec", "spec_module_path": "hicache_vllm.spec"}
+
+
+class HicachedOffloadingConnector(OffloadingConnector):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        kv = vllm_config.kv_transfer_config
+        if kv.kv_connector_extra_config is None:
+            kv.kv_connector_extra_config = {}
+        for k, v in SPEC.items():
+            kv.kv_connector_extra_config.setdefault(k, v)
+        super().__init__(vllm_config, role, kv_cache_config)
+        spec = self.connector_worker.spec if self.connector_worker is not None else None
+        manager = (self.connector_scheduler.manager if self.connector_scheduler is not None
+                   else None)
+        if (spec is not None and not isinstance(spec, HicachedOffloadingSpec)) or (
+                manager is not None and not isinstance(manager, HicachedOffloadingManager)):
+            raise SpecInvalid("HicachedOffloadingConnector serves hicache_vllm.spec's "
+                              "HicachedOffloadingSpec only",
+                              metadata={"spec_name": str(kv.kv_connector_extra_config.get(
+                                  "spec_name"))[:64]})
+        if isinstance(spec, HicachedOffloadingSpec):
+            spec.report_load_errors = True  # before vLLM asks it for its worker
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Engine blocks of loads given up (reported done in this step or before): vLLM
+        recomputes them or fails the requests that needed them."""
+        cw = self.connector_worker
+        worker = cw.worker if cw is not None else None
+        if isinstance(worker, HicachedOffloadingWorker):
+            return worker.take_load_errors()
+        return set()
