@@ -244,7 +244,7 @@ def test_a_waiting_request_asks_the_daemon_once_per_hold(daemon: DaemonProc) -> 
             assert cache.match(tokens, rid="waits") == 16
             assert cache.match(missing, rid="misses") == 0
         assert (cache.linker.stats["lookups"], cache.linker.stats["lookups_reused"]) == (2, 98)
-        time.sleep(0.85)  # past PROMISE_MARGIN of the hold: the answer may have lapsed
+        time.sleep(0.85)  # past answers.PROMISE_MARGIN of the hold: it may have lapsed
         assert cache.match(tokens, rid="waits") == 16
         assert cache.linker.stats["lookups"] == 3
         cache.zero_kv()
@@ -306,3 +306,20 @@ def test_instances_with_different_device_pool_sizes_share_one_pool(daemon: Daemo
     # the pool keeps the size its creator gave it: pool_size_ratio (4) times its device pool
     with HiCacheClient(daemon.target) as c:
         assert c.get_pool(first.linker.spec.name).size_tokens == 4 * 256
+
+
+def test_a_default_pool_larger_than_the_budget_is_fitted_to_it(tmp_path: Path) -> None:
+    """``pool_size_ratio`` times the device pool is more than the daemon's whole budget: the
+    linker still comes up, with the pool the budget has room for, and serves hits."""
+    d = start_daemon(tmp_path, "--no-shm-paths", "--memory-budget", "4MiB")
+    cache = SGLangCache(d.target, d.shm_dir, extra={"pool_size_ratio": 1024})
+    try:
+        assert cache.linker.link.up, d.log()
+        asked = cache.linker.spec.size_tokens
+        with HiCacheClient(d.target) as c:
+            got = c.get_pool(cache.linker.spec.name).size_tokens
+            assert 0 < got < asked and c.get_info().memory_used_bytes <= 4 << 20
+        roundtrip(cache, tokens_of(13000, 16))
+    finally:
+        cache.close()
+        d.stop(signal.SIGKILL)

@@ -50,6 +50,8 @@ def test_defaults_and_vllms_own_keys_pass_over() -> None:
     ({"staging_blocks": 0}, "staging_blocks"),
     ({"pool_size_tokens": -1}, "pool_size_tokens"),
     ({"pool_size_tokens": 1024, "pool_size_bytes": 1 << 20}, "pool_size_bytes"),
+    ({"pool_size_ratio": 0}, "pool_size_ratio"),
+    ({"pool_size_ratio": "4"}, "pool_size_ratio"),
     ({"poll_us": 10**6}, "poll_us"),
     ({"pool_prefix": "-x"}, "pool_prefix"),
     ({"pool_prefix": "vllm/../x"}, "pool_prefix"),

@@ -27,8 +27,10 @@ it hung, a restart; a new session is opened at once, and callers may wait for it
 
 Primitives: ``LinkSettings`` (what the link reads of an integration's config), ``Handover``
 (what ``OpenSession`` sends: descriptors, event handles, memfds), ``DaemonLink(config, spec,
-handover, worker_id, on_fenced, create_pool)``: ``start()`` tries once at once, then in the
-background; ``session`` (None while down), ``client``, ``usable`` (up and not late), ``up``,
+handover, worker_id, on_fenced, create_pool, budget_share)``: ``start()`` tries once at once,
+then in the background (the pool as ``hicache_client.pool_setup`` creates, adopts or fits it);
+``spec`` (the pool as on the daemon), ``session`` (None while down), ``client``, ``usable`` (up
+and not late), ``up``,
 ``generation`` (bumped per new session), ``reopening``; ``report(exc, session)`` classifies a
 failed call (True when it took the link down or made it late; ``session``: the one the call
 used); ``wait_usable(t, reopening_only)``: up to ``t`` seconds until usable (only while a
@@ -38,7 +40,6 @@ re-open is under way, and once per re-open: one that stalls costs one caller ``t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -54,12 +55,12 @@ from hicache.errors import (
     HiCacheError,
     PoolClosed,
     PoolNotFound,
-    PoolSpecConflict,
     SessionNotFound,
     Unavailable,
 )
 from hicache.specs import PoolSpec
 from hicache_client.client import HiCacheClient
+from hicache_client.pool_setup import BudgetShare, ensure_pool
 from hicache_client.session import WorkerSession
 
 log = logging.getLogger("hicache_client.link")
@@ -139,12 +140,18 @@ class _State:
 class DaemonLink:
     def __init__(self, config: LinkSettings, spec: PoolSpec, handover: Handover,
                  worker_id: str, on_fenced: Callable[[], object] = lambda: None,
-                 create_pool: bool = True) -> None:
+                 create_pool: bool = True, budget_share: BudgetShare | None = None) -> None:
         self.config = config
         self.create_pool = create_pool
         """False: use the pool others create (``POOL_NOT_FOUND`` until then: the link stays
         down and retries), checking that it has this spec but for its size."""
+        self.budget_share = budget_share
+        """Set: the asked size is a default that gives way to the daemon's memory budget
+        (``hicache_client.pool_setup``)."""
+        self.asked = spec
+        """The pool asked for at each (re)connect."""
         self.spec = spec
+        """The pool as it is on the daemon (its size as created there)."""
         self.handover = handover
         self.worker_id = worker_id
         self._on_fenced = on_fenced
@@ -283,7 +290,8 @@ class DaemonLink:
         session: WorkerSession | None = None
         try:
             self._state.max_keys = client.get_info().max_keys_per_call
-            self._create_pool(client)
+            self.spec = ensure_pool(client, self.asked, create=self.create_pool,
+                                    wait_seconds=cfg.rpc_timeout_s, share=self.budget_share)
             session = client.open_session(
                 self.spec.name, self.worker_id, self.handover.buffers, lease_ms=cfg.lease_ms,
                 layer_events=self.handover.layer_events, ready_event=self.handover.ready_event,
@@ -309,24 +317,6 @@ class DaemonLink:
         log.info("hicached link up: pool %s, session %s (generation %d)", self.spec.name,
                  session.session_id[:8], self._state.generation)
         return True
-
-    def _create_pool(self, client: HiCacheClient) -> None:
-        """Create the pool, or use the one there if it differs in size only: instances of a
-        model whose device pools differ in size (memory fractions) still share one pool."""
-        try:
-            if not self.create_pool:
-                raise PoolSpecConflict("use the pool as created")
-            # a large pool may take minutes to build: wait a deadline's worth, then leave it
-            # to the background thread (POOL_NOT_READY) rather than hold the server's start
-            client.create_pool(self.spec, wait_seconds=self.config.rpc_timeout_s)
-        except PoolSpecConflict:
-            there = client.get_pool(self.spec.name).spec
-            sized = dataclasses.replace(self.spec, size_tokens=there.size_tokens,
-                                        size_bytes=there.size_bytes)
-            if there != sized:
-                raise
-            log.info("using pool %s as created (%d tokens) by another worker",
-                     self.spec.name, there.resolved_size_tokens())
 
     def _probe(self) -> None:
         """A late link: is the daemon answering again, and has every copy of this session's

@@ -11,10 +11,9 @@ What each call becomes:
 
 - ``lookup``: one ``Lookup`` with a short deadline that holds the hit for this worker's
   session (``lookup_hold_ms``): the hit is a promise, its pages cannot be evicted before the
-  load. Every prefix of the promised hit is restorable. SGLang matches a request it cannot
-  admit yet again on every scheduler loop: the same request asking for the same keys gets the
-  answer it already has (``lookups_reused``) while that answer is fresh (``PROMISE_MARGIN`` of
-  the hold), so a waiting request costs one ``Lookup`` per hold, not one per loop.
+  load. Every prefix of the promised hit is restorable. A request SGLang cannot admit yet is
+  matched on every scheduler loop: while its answer is fresh it is told it again
+  (``lookups_reused``, ``hicache_sglang.answers``): a ``Lookup`` per hold, not per loop.
 - ``load`` queues what its lookup promised (a request whose promise is gone, or older than
   the hold, is declined: SGLang recomputes it); ``cancel_queued_load`` releases its holds
   (off the scheduler's thread). ``start_layer_wise_loading`` starts one ``LoadKeys`` for the
@@ -43,16 +42,12 @@ flight (``hicache_sglang.quarantine``). Counters are in ``stats`` and logged at 
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
 import socket
 import threading
-import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,6 +60,8 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 
 from hicache.errors import HiCacheError, SpecInvalid, Unavailable
 from hicache_client.link import DaemonLink, Handover, is_late
+from hicache_client.pool_setup import BudgetShare
+from hicache_sglang.answers import Answers
 from hicache_sglang.config import LinkerConfig
 from hicache_sglang.device_pool import DevicePool
 from hicache_sglang.namespace import Shard, pool_name
@@ -78,22 +75,6 @@ _STATS = ("lookups", "lookups_reused", "lookup_hit_pages", "lookup_held_pages",
           "load_pages", "load_failures", "loads_declined", "loads_cancelled",
           "load_slots_withheld", "offloads", "offload_pages", "offloads_dropped",
           "offload_failures", "offload_no_space")
-MAX_ANSWERS = 4096  # lookups remembered until their load (oldest forgotten first)
-PROMISE_MARGIN = 0.8
-"""An answer older than this share of ``lookup_hold_ms`` is not trusted: a load of its hit
-declines, and the request's next match asks the daemon again."""
-
-
-@dataclass(frozen=True)
-class _Answer:
-    """What the daemon answered a request's ``lookup``: its keys, the pages held for it (the
-    leading ``hit`` keys) and when."""
-
-    keys: tuple[Any, ...]
-    hit: int
-    at: float
-
-
 def _kv(transfers: list[PoolTransfer]) -> PoolTransfer | None:
     return next((t for t in transfers if t.name == PoolName.KV), None)
 
@@ -175,12 +156,14 @@ class HicachedLinker(UnifiedCacheLinker):
         worker_id = cfg.worker_id or (f"sglang-{socket.gethostname()}-{os.getpid()}-"
                                       f"tp{self.shard.tp_rank}")
         self.quarantine = SlotQuarantine(params.token_to_kv_pool_allocator, self.page_size)
+        share = (None if cfg.pool_size_tokens or cfg.pool_size_bytes  # a size it set: as is
+                 else BudgetShare(1 if dp.is_mla else self.shard.tp_size))
         self.link = DaemonLink(cfg, self.spec, handover, worker_id,
-                               on_fenced=self.quarantine.release)
+                               on_fenced=self.quarantine.release, budget_share=share)
         self._pending: dict[str, tuple[list[str], torch.Tensor]] = {}
-        self._answers: collections.OrderedDict[str, _Answer] = collections.OrderedDict()
-        """rid -> its last lookup's answer: what ``load`` may count on, and what the request's
-        next match is told while it is fresh."""
+        self._answers = Answers(cfg.lookup_hold_ms)
+        """Each request's last lookup's answer: what ``load`` may count on, and what the
+        request's next match is told while it is fresh."""
         self._loads: queue.Queue[tuple[int, list[tuple[list[str], torch.Tensor]]] | None] = \
             queue.Queue()
         self._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-control")
@@ -209,8 +192,8 @@ class HicachedLinker(UnifiedCacheLinker):
             self.stats["lookups_skipped"] += 1
             return []
         keys = tuple(kv.keys)[:link.max_keys or None]  # past the daemon's limit: a prefix
-        known = self._answers.get(rid)
-        if known is not None and known.keys == keys and self._fresh(known):
+        known = self._answers.reuse(rid, keys)
+        if known is not None:
             self.stats["lookups_reused"] += 1  # a request SGLang could not admit yet
             return list(range(1, known.hit + 1))
         self.stats["lookups"] += 1
@@ -230,44 +213,27 @@ class HicachedLinker(UnifiedCacheLinker):
             log.debug("lookup for %s failed: %s", rid, exc)
             return []
         if hold_ms:
-            self._answers[rid] = _Answer(keys, hit, time.monotonic())
-            self._answers.move_to_end(rid)
-            while len(self._answers) > MAX_ANSWERS:
-                self._answers.popitem(last=False)
+            self._answers.record(rid, keys, hit)
             if hit:
                 self.stats["lookup_held_pages"] += r.held
         self.stats["lookup_hit_pages"] += hit
         return list(range(1, hit + 1))
 
-    def _fresh(self, answer: _Answer) -> bool:
-        """Whether ``answer``'s holds are sure to stand still (there are none without holds:
-        every match asks again)."""
-        window = self.config.lookup_hold_ms / 1000 * PROMISE_MARGIN
-        return time.monotonic() - answer.at < window
-
     # -- load ------------------------------------------------------------------------------
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = _kv(transfers)
-        answer = self._answers.pop(rid, None)
+        answer = self._answers.take(rid)
         if (kv is None or not kv.keys or kv.device_indices is None or rid in self._pending
                 or len(kv.device_indices) != len(kv.keys) * self.page_size
-                or not self.link.usable or not self._kept(answer, kv.keys)):
+                or not self.link.usable
+                or (self.config.lookup_hold_ms and not self._answers.covers(answer, kv.keys))):
             self.stats["loads_declined"] += 1
             if answer is not None and answer.hit:
                 self._release(list(answer.keys[:answer.hit]))
             return False
         self._pending[rid] = (list(kv.keys), kv.device_indices)
         return True
-
-    def _kept(self, answer: _Answer | None, keys: Sequence[Any]) -> bool:
-        """Whether the lookup's holds still cover ``keys`` (no holds: always)."""
-        if not self.config.lookup_hold_ms:
-            return True
-        if answer is None:
-            return False
-        return (len(keys) <= answer.hit and tuple(keys) == answer.keys[:len(keys)]
-                and self._fresh(answer))
 
     def cancel_queued_load(self, rid: str) -> bool:
         item = self._pending.pop(rid, None)

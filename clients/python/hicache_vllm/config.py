@@ -69,9 +69,15 @@ class SpecConfig:
     cannot be told, a load waits at least as long as its hold (``lookup_hold_ms``) and then
     stops the engine (docs/api.md, "Use with vLLM")."""
     pool_size_tokens: int = 0
-    """Host pool size in tokens; 0 = vLLM's own KV cache size (its GPU blocks)."""
+    """Host pool size in tokens; 0 = ``pool_size_ratio`` times vLLM's own KV cache."""
     pool_size_bytes: int = 0
     """Host pool size in bytes instead (rounded down to whole pages); 0 = unset."""
+    pool_size_ratio: float = 4.0
+    """Without ``pool_size_tokens`` / ``pool_size_bytes``: the host pool holds this many times
+    vLLM's KV cache (its blocks), so it keeps what vLLM evicts, and a request as long as the
+    KV cache can be held whole (a session holds at most the daemon's ``max_held_fraction``, a
+    quarter by default, of a pool). Where the daemon's memory budget cannot give that much,
+    the pool gets this rank's share of what it has left (``hicache_client.pool_setup``)."""
     pool_prefix: str = "vllm"
     """First part of the pool name; the rest is derived from model, format and geometry."""
     namespace: str = ""
@@ -108,6 +114,10 @@ class SpecConfig:
         _check(isinstance(self.poll_us, int) and not isinstance(self.poll_us, bool)
                and 0 <= self.poll_us <= 100_000, "poll_us", self.poll_us,
                "microseconds in [0, 100000]")
+        _check(isinstance(self.pool_size_ratio, int | float)
+               and not isinstance(self.pool_size_ratio, bool)
+               and math.isfinite(self.pool_size_ratio) and 0 < self.pool_size_ratio <= 1024,
+               "pool_size_ratio", self.pool_size_ratio, "a number in (0, 1024]")
         _check(not (self.pool_size_tokens and self.pool_size_bytes), "pool_size_bytes",
                self.pool_size_bytes, "unset when pool_size_tokens is set")
         for name in ("pool_prefix", "namespace", "shm_dir", "worker_id"):

@@ -60,6 +60,7 @@ from vllm.v1.kv_offload.base import (
 from hicache.errors import Aborted, HiCacheError, Overloaded, SpecInvalid, Unavailable
 from hicache.specs import PoolSpec, Role
 from hicache_client.link import DaemonLink, Handover, is_gone, is_late, is_link_failure
+from hicache_client.pool_setup import BudgetShare
 from hicache_vllm.blocks import HicachedLoadStoreSpec, Job, JobRound
 from hicache_vllm.config import SpecConfig
 from hicache_vllm.namespace import Plan
@@ -123,8 +124,9 @@ class HicachedOffloadingWorker(OffloadingWorker):
         self.layers = canonical_layers(kv_caches, plan)
         num_blocks = int(self.layers[0].shape[0])
         self.on_cuda = self.layers[0].device.type == "cuda"
-        size = config.pool_size_tokens or (0 if config.pool_size_bytes else
-                                           num_blocks * plan.block_tokens)
+        derived = not (config.pool_size_tokens or config.pool_size_bytes)
+        size = config.pool_size_tokens or (
+            int(config.pool_size_ratio * num_blocks * plan.block_tokens) if derived else 0)
         self.pool: PoolSpec = plan.pool_spec(rank, size, config.pool_size_bytes)
         self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
         self._ready: Any = None
@@ -144,7 +146,9 @@ class HicachedOffloadingWorker(OffloadingWorker):
                            for t in self._staging.layers("kv", Role.KV)]
             handover = Handover(self._staging.descriptors, fds=self._staging.fds)
         worker_id = config.worker_id or f"vllm-{socket.gethostname()}-{os.getpid()}-rank{rank}"
-        self.link = DaemonLink(config, self.pool, handover, worker_id)
+        self.link = DaemonLink(config, self.pool, handover, worker_id,
+                               budget_share=BudgetShare(len(plan.pool_names))
+                               if derived else None)
         self._cv = threading.Condition()
         self._stores: collections.deque[tuple[int, Job]] = collections.deque()
         self._loads: collections.deque[tuple[int, Job]] = collections.deque()

@@ -1,0 +1,76 @@
+"""An engine's pool on a real daemon (``hicache_client.pool_setup``): created as asked, adopted
+when another instance made it in another size, and, for a size the engine derived itself,
+fitted to this rank's share of what the daemon's memory budget has left; a size the user set
+is created as asked or refused, never shrunk."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hicache.errors import HostMemoryInsufficient, PoolSpecConflict
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_client import HiCacheClient
+from hicache_client.pool_setup import BudgetShare, ensure_pool
+from tests.daemon_proc import DaemonProc, start_daemon
+
+PS = 16
+GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=2, head_num=2, head_dim=64)
+BUDGET = 16 << 20
+
+
+def spec(name: str, pages: int) -> PoolSpec:
+    return PoolSpec(name, GEOMETRY, PS, size_tokens=pages * PS)  # 16 KiB pages
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path, "--memory-budget", str(BUDGET))
+    yield d
+    d.stop(signal.SIGKILL)
+
+
+def test_a_derived_size_gives_way_to_the_budget_each_rank_its_share(daemon: DaemonProc) -> None:
+    with HiCacheClient(daemon.target) as c:
+        per_page = 0
+        sizes: list[int] = []
+        for rank in range(2):
+            asked = spec(f"engine-tp{rank}of2", 4096)  # 64 MiB: four times the budget
+            got = ensure_pool(c, asked, create=True, wait_seconds=10, share=BudgetShare(2))
+            assert got.name == asked.name and got.page_size == PS
+            assert c.get_pool(asked.name).size_tokens == got.size_tokens
+            sizes.append(got.size_tokens // PS)
+            info = c.get_info()
+            per_page = per_page or info.memory_used_bytes // sizes[0]
+        # rank 0 took half of the budget; rank 1 half of what was left then
+        assert abs(sizes[0] - BUDGET // 2 // per_page) <= 1
+        assert abs(sizes[1] - (BUDGET - sizes[0] * per_page) // 2 // per_page) <= 1
+        assert c.get_info().memory_used_bytes <= BUDGET
+
+
+def test_a_size_the_user_set_is_never_shrunk(daemon: DaemonProc) -> None:
+    with HiCacheClient(daemon.target) as c:
+        asked = spec("explicit", 4096)
+        with pytest.raises(HostMemoryInsufficient):
+            ensure_pool(c, asked, create=True, wait_seconds=10, share=None)
+        assert [p.spec.name for p in c.list_pools()] == []  # refused: nothing made
+        small = spec("explicit", 64)
+        assert ensure_pool(c, small, create=True, wait_seconds=10, share=None) == small
+
+
+def test_a_pool_of_another_size_is_adopted_and_another_geometry_refused(
+        daemon: DaemonProc) -> None:
+    with HiCacheClient(daemon.target) as c:
+        c.create_pool(spec("shared", 64))
+        got = ensure_pool(c, spec("shared", 256), create=True, wait_seconds=10,
+                          share=BudgetShare(1))
+        assert got.size_tokens == 64 * PS  # the creator's size
+        other = dataclasses.replace(spec("shared", 64), geometry=dataclasses.replace(
+            GEOMETRY, head_num=4))
+        with pytest.raises(PoolSpecConflict):
+            ensure_pool(c, other, create=True, wait_seconds=10)
+        assert ensure_pool(c, spec("shared", 8), create=False, wait_seconds=10) == got
