@@ -21,9 +21,18 @@ NATIVE = [
 ]
 
 if __name__ == "__main__":
+    import atexit
+    import shutil
+    import tempfile
+
     from setuptools import Extension, setup
 
-    setup(ext_modules=[
+    # Intermediate files (build/, *.egg-info) go to a directory of this run's own, never into
+    # the checkout: installing leaves `git status` as it was.
+    scratch = tempfile.mkdtemp(prefix="hicached-build-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    setup(options={"build": {"build_base": scratch}, "egg_info": {"egg_base": scratch}},
+          ext_modules=[
         Extension(name, sources=sources, depends=depends, extra_compile_args=cflags,
                   extra_link_args=ldflags, optional=True)
         for name, sources, depends, cflags, ldflags in NATIVE

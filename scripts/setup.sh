@@ -74,7 +74,7 @@ setup_hicached() {
     local extras="" missing=()
     command -v cc >/dev/null 2>&1 || missing+=(gcc)  # the native copy kernel is C
     if [ "${1:-}" = "--test" ]; then
-        extras="[test,sglang,mooncake-cpu]"
+        extras="[test,sglang-cpu-test,mooncake-cpu]"
         # the observability tests run a real Prometheus server and promtool
         command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
             || missing+=(prometheus)
@@ -100,9 +100,9 @@ setup_hicached() {
         "$what)"
     python3 -m pip install -q --disable-pip-version-check -e ".${extras}"
     if [ "${1:-}" = "--test" ]; then
-        # SGLang's own code is what the linker's integration tests run against; its own
-        # dependencies are the GPU serving stack, so the package comes without them and the
-        # [sglang] extra brings what its cache modules import
+        # SGLang's own code is what the linker's and the real server's tests run against; its
+        # own dependencies are the GPU serving stack, so the package comes without them and
+        # the [sglang-cpu-test] extra brings what its cache modules and HTTP server import
         _hicached_say "pip install --no-deps sglang==0.5.23 (its code only)"
         python3 -m pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23"
         _hicached_vllm
@@ -116,10 +116,11 @@ _hicached_vllm() {
     # vLLM spec, the daemon's event stream). Its code and what those modules import go into a
     # directory of their own, never into the environment: SGLang probes for an installed vLLM
     # and would change its paths. The tests put it on PYTHONPATH of a subprocess, with
-    # VLLM_TARGET_DEVICE=cpu. The list is pyproject.toml's [vllm] extra (one place for the
-    # pins); the marker file keeps it, so a changed list installs again.
+    # VLLM_TARGET_DEVICE=cpu. The list is pyproject.toml's [vllm] extra (vLLM itself) and its
+    # [vllm-cpu-test] extra (one place for the pins); the marker file keeps it, so a changed
+    # list installs again.
     local pins
-    pins=$(python3 -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm"]))') || return 1
+    pins=$(python3 -c 'import tomllib; x = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print(" ".join(x["vllm"] + x["vllm-cpu-test"]))') || return 1
     if [ "$(cat "$HICACHED_VLLM_DIR/.complete" 2>/dev/null)" = "$pins" ]; then
         return 0
     fi
@@ -128,6 +129,17 @@ _hicached_vllm() {
         "environment)"
     # shellcheck disable=SC2086
     python3 -m pip install -q --disable-pip-version-check --no-deps --upgrade \
-        --target "$HICACHED_VLLM_DIR" $pins \
-        && echo "$pins" > "$HICACHED_VLLM_DIR/.complete"
+        --target "$HICACHED_VLLM_DIR" $pins || return 1
+    # pip --target --upgrade replaces a package's files but leaves the metadata of what it
+    # replaced: only the listed packages' own *.dist-info stay (nothing else is installed here)
+    python3 - "$HICACHED_VLLM_DIR" $pins <<'PY' || return 1
+import pathlib, re, shutil, sys
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+listed = {(norm(name), version) for name, _, version in (p.partition("==") for p in sys.argv[2:])}
+for d in pathlib.Path(sys.argv[1]).glob("*.dist-info"):
+    name, _, version = d.name[:-len(".dist-info")].rpartition("-")
+    if (norm(name), version) not in listed:
+        shutil.rmtree(d)
+PY
+    echo "$pins" > "$HICACHED_VLLM_DIR/.complete"
 }

@@ -94,6 +94,7 @@ norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
 for dist in metadata.distributions():
     if norm(dist.metadata["Name"]) in allowed:
         continue
+    print("dist:" + norm(dist.metadata["Name"]))
     for f in dist.files or ():
         if f.suffix in (".py", ".so", ".pyd"):
             print(os.path.realpath(str(dist.locate_file(f))))
@@ -103,7 +104,8 @@ copy inside setuptools, once something put its directory on sys.path) are not in
 
 
 def blocked_files(tmp_path: Path) -> Path:
-    """Every installed file of a distribution that is neither on the image nor carried."""
+    """Every installed file of a distribution that is neither on the image nor carried, and
+    each such distribution's name (``dist:<name>``)."""
     import json
 
     allowed = sorted(set(IMAGE) | set(WHEELS) | PROJECT)

@@ -2,9 +2,12 @@
 
 Put on ``PYTHONPATH`` by tests/test_gpu_check.py, so every process of a run (pytest, the
 daemon, workers) loads it: ``HICACHE_IMAGE_BLOCKED`` names a file listing, one per line, the
-real paths of installed files whose distribution is neither in the image nor carried; importing
-one raises ``ModuleNotFoundError`` as it would there. Each refused import is appended to
-``HICACHE_IMAGE_REFUSED`` (``module<TAB>path``): optional imports show up there too.
+real paths of installed files whose distribution is neither in the image nor carried, and
+(``dist:<name>``) those distributions; importing one raises ``ModuleNotFoundError`` as it would
+there, and availability probes (``importlib.util.find_spec``, ``importlib.metadata``'s
+``distribution`` / ``version``, as transformers' ``is_*_available`` use) find nothing, as
+there. Each refused import is appended to ``HICACHE_IMAGE_REFUSED`` (``module<TAB>path``):
+optional imports show up there too.
 """
 
 from __future__ import annotations
@@ -42,12 +45,45 @@ class ImageOnlyFinder:
         return spec
 
 
+def _hide(names: frozenset[str]) -> None:
+    """Probes find nothing blocked, as where it is not installed: ``importlib.util.find_spec``
+    answers None (the finder's refusal is for imports), ``importlib.metadata.distribution``
+    (and so ``version``) raises ``PackageNotFoundError``."""
+    import importlib.metadata as md
+    import importlib.util
+    import re
+
+    probe = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> ModuleSpec | None:
+        try:
+            return probe(name, package)
+        except ModuleNotFoundError as exc:
+            if "(not on the GPU image)" in str(exc):
+                return None
+            raise
+
+    importlib.util.find_spec = find_spec
+
+    found = md.distribution
+
+    def distribution(name: str) -> md.Distribution:
+        if re.sub(r"[-_.]+", "-", name).lower() in names:
+            raise md.PackageNotFoundError(name)
+        return found(name)
+
+    md.distribution = distribution  # type: ignore[assignment]
+
+
 def _install() -> None:
     listing = os.environ.get("HICACHE_IMAGE_BLOCKED")
     if not listing:
         return
     with open(listing) as f:
-        blocked = frozenset(line.rstrip("\n") for line in f if line.strip())
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    names = frozenset(ln[len("dist:"):] for ln in lines if ln.startswith("dist:"))
+    blocked = frozenset(ln for ln in lines if not ln.startswith("dist:"))
+    _hide(names)
     sys.meta_path.insert(0, ImageOnlyFinder(blocked, os.environ.get("HICACHE_IMAGE_REFUSED", "")))
 
 

@@ -1,0 +1,181 @@
+"""Installing hicached: what `pip install` leaves behind, and whether each extra resolves.
+
+- An install (``pip install .``, as the README tells SGLang and vLLM users) writes nothing into
+  the checkout: its intermediate files (``build/``, ``*.egg-info``) go to a directory of the
+  build's own (setup.py), and the native modules still come with it.
+- Every extra of pyproject.toml resolves with pip's resolver in a fresh virtual environment
+  (``pip install --dry-run --ignore-installed``): ``.[vllm]`` and ``.[sglang]`` bring the
+  engine at the version hicached is tested with, with everything that engine requires.
+- The lists the tests install beside an engine's code (``--no-deps``, scripts/setup.sh) hold
+  versions the engine's own requirements admit, so the tests run what a real install has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_proc import REPO
+
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+EXTRAS: dict[str, list[str]] = PROJECT["optional-dependencies"]
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _checkout(tmp_path: Path) -> Path:
+    """A copy of the checkout as a fresh clone has it (tracked and not-ignored files)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    src = tmp_path / "src"
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    return src
+
+
+def test_pip_install_leaves_the_checkout_as_it_was(tmp_path: Path) -> None:
+    src = _checkout(tmp_path)
+    before = _tree(src)
+    site = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                          "--no-build-isolation", "--no-index", "--target", str(site),
+                          str(src)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert _tree(src) == before, f"pip install wrote {sorted(_tree(src) - before)[:10]}"
+    native = [p.name for p in site.rglob("*.so")]
+    assert any(n.startswith("_copykernel") for n in native), native
+    assert any(n.startswith("_poll") for n in native), native
+    assert (site / "hicache_sglang" / "linker.py").is_file()
+    assert (site / "hicache_vllm" / "spec.py").is_file()
+
+
+def _requirement(line: str) -> tuple[str, str]:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    req = Requirement(line)
+    pins = [s.version for s in req.specifier if s.operator == "=="]
+    assert len(pins) == 1, f"{line}: an engine's test list pins one version"
+    return canonicalize_name(req.name), pins[0]
+
+
+def _engine_requirements(dist_info: Path) -> list[str]:
+    lines = (dist_info / "METADATA").read_text().splitlines()
+    return [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Requires-Dist:")]
+
+
+TORCH = {"torch", "torchvision", "torchaudio"}
+"""The tests run torch's CPU build (scripts/setup.sh); the engines pin their CUDA builds."""
+
+
+def _seen(path: list[str]) -> dict[str, str]:
+    """The version of each distribution an engine's process imports with ``path`` as its
+    ``sys.path``: the first one found, as the import system finds it."""
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    out: dict[str, str] = {}
+    for dist in metadata.distributions(path=path):
+        out.setdefault(canonicalize_name(dist.metadata["Name"]), dist.version)
+    return out
+
+
+def _excluded(seen: dict[str, str], dist_info: Path) -> list[str]:
+    """What an engine's process would import that the engine's own requirements (those that
+    apply on this platform) exclude."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    bad = []
+    for line in _engine_requirements(dist_info):
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(req.name)
+        if name in seen and name not in TORCH and not req.specifier.contains(
+                seen[name], prereleases=True):
+            bad.append(f"{name}=={seen[name]} (the engine requires {req})")
+    return bad
+
+
+def _dist_info(root: Path, name: str, version: str) -> Path:
+    found = root / f"{name}-{version}.dist-info"
+    if not found.is_dir():
+        if os.environ.get("CI"):
+            raise AssertionError(f"{found} is missing: scripts/setup.sh --test installs it")
+        pytest.skip(f"{found} is missing (scripts/setup.sh --test)")
+    return found
+
+
+def _site_packages() -> list[str]:
+    return [p for p in sys.path if p.endswith("site-packages")]
+
+
+def test_vllm_runs_in_the_tests_on_versions_it_admits() -> None:
+    """What the vLLM tests import beside vLLM's code (``.vllm-<version>/`` first, then the
+    environment) is what a real ``pip install vllm`` could have installed."""
+    (engine,) = EXTRAS["vllm"]
+    _, version = _requirement(engine)
+    root = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / f".vllm-{version}"))
+    seen = _seen([str(root), *_site_packages()])
+    assert _excluded(seen, _dist_info(root, "vllm", version)) == []
+    for name, pinned in map(_requirement, EXTRAS["vllm-cpu-test"]):
+        assert seen.get(name) == pinned, f"{name}: {seen.get(name)} in the tests, {pinned} listed"
+
+
+def test_sglang_runs_in_the_tests_on_versions_it_admits() -> None:
+    """Likewise for SGLang, whose code and test list live in the environment."""
+    (engine,) = EXTRAS["sglang"]
+    _, version = _requirement(engine)
+    site = _site_packages()
+    seen = _seen(site)
+    if "sglang" not in seen and not os.environ.get("CI"):
+        pytest.skip("sglang is not installed (scripts/setup.sh --test)")
+    found = [Path(p) / f"sglang-{version}.dist-info" for p in site]
+    (dist_info,) = [d for d in found if d.is_dir()]
+    assert _excluded(seen, dist_info) == []
+    for name, pinned in map(_requirement, EXTRAS["sglang-cpu-test"]):
+        assert seen.get(name) == pinned, f"{name}: {seen.get(name)} in the tests, {pinned} listed"
+
+
+def test_the_engines_are_the_versions_the_tests_run() -> None:
+    assert EXTRAS["sglang"] == ["sglang==0.5.23"]
+    assert EXTRAS["vllm"] == ["vllm==0.33.0"]
+    for engine in ("sglang", "vllm"):  # the engine itself never comes with a test list
+        assert engine not in dict(map(_requirement, EXTRAS[f"{engine}-cpu-test"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", sorted(EXTRAS))
+def test_every_extra_resolves_in_a_fresh_environment(tmp_path: Path, extra: str) -> None:
+    """pip's own resolver, in a new virtual environment, over the configured index: what a
+    user's ``pip install ".[extra]"`` resolves (a dry run: nothing is installed)."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    report = tmp_path / "report.json"
+    out = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q",
+                          "--dry-run", "--ignore-installed", "--report", str(report),
+                          f"{REPO}[{extra}]"], capture_output=True, text=True, timeout=1500,
+                         cwd=tmp_path)
+    assert out.returncode == 0, f".[{extra}] does not resolve:\n{out.stderr[-4000:]}"
+    from packaging.utils import canonicalize_name
+
+    chosen = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
+              for i in json.loads(report.read_text())["install"]}
+    for line in EXTRAS[extra]:
+        name, version = _requirement(line) if "==" in line else (line, "")
+        if version:
+            assert chosen.get(name) == version, (line, chosen.get(name))
