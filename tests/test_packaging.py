@@ -173,8 +173,8 @@ def test_every_extra_resolves_in_a_fresh_environment(tmp_path: Path, extra: str)
     assert out.returncode == 0, f".[{extra}] does not resolve:\n{out.stderr[-4000:]}"
     from packaging.utils import canonicalize_name
 
-    chosen = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
-              for i in json.loads(report.read_text())["install"]}
+    chosen: dict[str, str] = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
+                              for i in json.loads(report.read_text())["install"]}
     for line in EXTRAS[extra]:
         name, version = _requirement(line) if "==" in line else (line, "")
         if version:
