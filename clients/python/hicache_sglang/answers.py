@@ -1,0 +1,75 @@
+"""What the daemon answered each request's lookup: the linker's book of promises.
+
+SGLang asks ``lookup(rid, ...)`` when it matches a request, then ``load(rid, ...)`` once it
+admits it; between the two the daemon holds the hit's pages for the linker's session
+(``lookup_hold_ms``). SGLang matches a request it cannot admit yet again on every loop of its
+scheduler: while an answer is fresh, the same request asking for the same keys is told that
+answer again instead of asking the daemon (whose holds it would only renew).
+
+Primitives:
+
+- ``Answer(keys, hit, at)``: a lookup's keys, how many leading ones the daemon holds for this
+  session, and when.
+- ``Answers(hold_ms)``: ``reuse(rid, keys)`` (the fresh answer to the same question, or
+  None), ``record(rid, keys, hit)``, ``take(rid)`` (the answer a load counts on, forgotten),
+  ``covers(answer, keys)`` (its holds surely still cover ``keys``), ``clear()``. At most
+  ``MAX_ANSWERS`` are kept (the oldest forgotten first). Used on the scheduler's thread only.
+- ``PROMISE_MARGIN``: the share of the hold during which an answer is trusted.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_ANSWERS = 4096
+PROMISE_MARGIN = 0.8
+"""An answer older than this share of ``lookup_hold_ms`` is not trusted: a load of its hit
+declines, and the request's next match asks the daemon again."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    keys: tuple[Any, ...]
+    hit: int
+    """The leading keys the daemon holds for the linker's session."""
+    at: float
+    """``time.monotonic()`` of the lookup."""
+
+
+class Answers:
+    def __init__(self, hold_ms: int) -> None:
+        self.window = hold_ms / 1000 * PROMISE_MARGIN
+        """How long an answer is trusted (0 without holds: never, every match asks)."""
+        self._book: collections.OrderedDict[str, Answer] = collections.OrderedDict()
+
+    def fresh(self, answer: Answer) -> bool:
+        """Whether ``answer``'s holds are sure to stand still."""
+        return time.monotonic() - answer.at < self.window
+
+    def reuse(self, rid: str, keys: tuple[Any, ...]) -> Answer | None:
+        """The answer ``rid`` got for these very keys, while it is fresh."""
+        known = self._book.get(rid)
+        if known is not None and known.keys == keys and self.fresh(known):
+            return known
+        return None
+
+    def record(self, rid: str, keys: tuple[Any, ...], hit: int) -> None:
+        self._book[rid] = Answer(keys, hit, time.monotonic())
+        self._book.move_to_end(rid)
+        while len(self._book) > MAX_ANSWERS:
+            self._book.popitem(last=False)
+
+    def take(self, rid: str) -> Answer | None:
+        return self._book.pop(rid, None)
+
+    def covers(self, answer: Answer | None, keys: Sequence[Any]) -> bool:
+        """Whether ``answer``'s holds surely still cover ``keys`` (a prefix of its hit)."""
+        return (answer is not None and len(keys) <= answer.hit
+                and tuple(keys) == answer.keys[:len(keys)] and self.fresh(answer))
+
+    def clear(self) -> None:
+        self._book.clear()
