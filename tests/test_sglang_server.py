@@ -1,0 +1,236 @@
+"""Real SGLang 0.5.23 servers on CPU with the hicached linker, beside a real ``hicached serve``
+(tests/sglang_server_harness.py), with the README's linker config (only ``target``) and the
+daemon's default lease: what a user who follows the README gets.
+
+Two server instances share one daemon. Every hit is checked against the miss run of the same
+prompt (tokens and logprobs equal; a prompt whose first token differs gives others, so the
+check sees the prefix). Covered: a prompt SGLang's device cache evicted comes back from the
+daemon; a second instance hits the first's pages on its first request; a flush on one instance
+leaves every instance's hits; requests SGLang cannot admit yet cost at most two Lookups each;
+the daemon SIGSTOPped past its lease while serving (every request completes, none waits past
+the lookup deadline, hits return after SIGCONT) and SIGKILLed while serving (requests complete,
+hits return after a restart).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hicache.keys import sglang_page_keys
+from hicache_client import HiCacheClient
+from hicache_sglang.config import LinkerConfig
+from tests.daemon_proc import DaemonProc, start_daemon
+from tests.sglang_server_harness import (
+    PAGE_SIZE,
+    Generation,
+    SGLangServer,
+    metric,
+    missing_server_modules,
+    model_dir,
+)
+
+if missing := missing_server_modules():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"SGLang's HTTP server cannot start without {missing} "
+                           "(scripts/setup.sh --test installs them)")
+    pytest.skip(f"SGLang's HTTP server needs {missing}", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+DAEMON_FLAGS = ("--lease-seconds", "5")  # the daemon's default (tests/daemon_proc.py sets 1)
+LOOKUP_TIMEOUT_S = LinkerConfig().lookup_timeout_s
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]  # 0..2: special tokens of the config
+
+
+def matched(ids: list[int]) -> int:
+    """The prompt tokens SGLang can take from a cache: whole pages, one token short of all."""
+    return (len(ids) - 1) // PAGE_SIZE * PAGE_SIZE
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} after {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+@dataclass
+class Node:
+    """One daemon and two SGLang instances of the same model beside it."""
+
+    work: Path
+    daemon: DaemonProc
+    a: SGLangServer
+    b: SGLangServer
+
+    def count(self, name: str, **labels: str) -> float:
+        return metric(self.daemon.metrics(), name, **labels)
+
+    def lookups(self) -> float:
+        return self.count("hicache_rpc_requests_total", method="Lookup")
+
+    def wait_stored(self, ids: list[int]) -> None:
+        """Until the daemon holds every full page of ``ids`` (write-through is asynchronous):
+        its keys, SGLang's page hashes, are looked up through a Lookup of its own."""
+        keys = sglang_page_keys(ids, PAGE_SIZE)
+        with HiCacheClient(self.daemon.target) as c:
+            (pool,) = [p.spec.name for p in c.list_pools()]
+            wait_for(lambda: c.lookup(pool, keys).hit_prefix == len(keys),
+                     f"{len(keys)} pages not stored in the daemon")
+
+    def restart_daemon(self) -> None:
+        self.daemon = start_daemon(self.work, *DAEMON_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    work = tmp_path_factory.mktemp("sglang-node")
+    model = model_dir(tmp_path_factory.mktemp("sglang-model"))
+    daemon = start_daemon(work, *DAEMON_FLAGS)
+    a = SGLangServer(model, daemon.target, work / "a")
+    b = SGLangServer(model, daemon.target, work / "b")
+    n = Node(work, daemon, a, b)
+    try:
+        with ThreadPoolExecutor(2) as pool:  # both start at once: a minute, not two
+            for f in [pool.submit(a.start), pool.submit(b.start)]:
+                f.result()
+        yield n
+    finally:
+        for s in (a, b):
+            s.stop()
+        n.daemon.stop(signal.SIGKILL)
+
+
+def same(got: Generation, want: Generation, server: SGLangServer, what: str) -> None:
+    assert got.output_ids == want.output_ids, server.explain(f"{what}: tokens differ")
+    assert got.logprobs == want.logprobs, server.explain(f"{what}: logprobs differ")
+
+
+def test_a_prompt_the_device_evicted_comes_back_from_the_daemon(node: Node) -> None:
+    a = node.a
+    ids = prompt(2048, seed=11)
+    lookups, requests = node.lookups(), 0
+    miss = a.generate(ids)
+    requests += 1
+    assert miss.cached_tokens == 0, a.explain(str(miss.meta_info))
+    node.wait_stored(ids)
+    for seed in (21, 22, 23):  # 4.5K tokens through a 4K-token device pool: `ids` leaves it
+        a.generate(prompt(1500, seed), max_new_tokens=1)
+        requests += 1
+    hit = a.generate(ids)
+    requests += 1
+    assert hit.host_hits > 0, a.explain(f"no hit from the daemon: {hit.meta_info}")
+    assert hit.host_hits + hit.device_hits == matched(ids), a.explain(str(hit.meta_info))
+    same(hit, miss, a, "a hit from the daemon")
+    other = a.generate([ids[0] + 1, *ids[1:]])  # every page key differs: no hit anywhere
+    requests += 1
+    assert other.cached_tokens == 0, a.explain(str(other.meta_info))
+    assert other.logprobs != miss.logprobs, "the output does not depend on the prefix"
+    assert node.lookups() - lookups <= 2 * requests
+
+
+def test_a_second_instance_hits_the_first_ones_pages(node: Node) -> None:
+    ids = prompt(2048, seed=11)  # the first test's prompt, computed by `a` only
+    ref = node.a.generate(ids)  # (a hit or a miss there: the same output)
+    lookups = node.lookups()
+    first = node.b.generate(ids)
+    assert first.host_hits == matched(ids), node.b.explain(str(first.meta_info))
+    same(first, ref, node.b, "another instance's pages")
+    assert node.lookups() - lookups == 1
+
+
+def test_requests_sglang_cannot_admit_yet_cost_at_most_two_lookups(node: Node) -> None:
+    """Eight 1K-token prompts at once into a 4K-token device pool: some wait while others
+    run, and SGLang matches every waiting request again each time a running one leaves."""
+    prompts = [prompt(1000, seed) for seed in range(61, 69)]
+    lookups = node.lookups()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        done = list(pool.map(lambda i: node.b.generate(prompts[i], max_new_tokens=4 + 4 * i),
+                             range(len(prompts))))
+    assert [len(g.output_ids) for g in done] == [4 + 4 * i for i in range(len(prompts))]
+    per_request = (node.lookups() - lookups) / len(prompts)
+    assert per_request <= 2, f"{per_request:.1f} daemon Lookups per admitted request"
+
+
+def test_a_flush_on_one_instance_leaves_every_instances_hits(node: Node) -> None:
+    ids = prompt(1024, seed=31)
+    miss = node.a.generate(ids)
+    assert miss.cached_tokens == 0
+    node.wait_stored(ids)
+    node.a.flush()  # SGLang's /flush_cache: the linker's reset
+    for server in (node.b, node.a):
+        got = server.generate(ids)
+        assert got.host_hits == matched(ids), server.explain(f"after a/flush: {got.meta_info}")
+        same(got, miss, server, "a hit after the other instance's flush")
+
+
+def test_a_daemon_stopped_past_its_lease_while_serving(node: Node) -> None:
+    """SIGSTOP for longer than the session's lease: requests are computed (the hit one
+    included), each waits on the daemon at most once for the lookup deadline, the outputs
+    are exact; after SIGCONT the linker's session is opened again and hits come back."""
+    a, b = node.a, node.b
+    stored, fresh = prompt(1024, seed=41), prompt(1024, seed=42)
+    refs = [b.generate(stored), b.generate(fresh)]  # b computes both: the references
+    node.wait_stored(stored)
+    base = max(r.latency_s for r in refs)
+    node.daemon.pause()
+    t0 = time.monotonic()
+    try:
+        for ids, ref in zip((stored, fresh, stored), (*refs, refs[0]), strict=True):
+            got = a.generate(ids)
+            assert got.host_hits == 0
+            same(got, ref, a, "computed while the daemon is stopped")
+            assert got.latency_s < base + LOOKUP_TIMEOUT_S + 3.0, a.explain(
+                f"a request waited {got.latency_s:.2f} s on a stopped daemon (computing "
+                f"alone took {base:.2f} s)")
+            a.flush()
+        time.sleep(max(0.0, 7.0 - (time.monotonic() - t0)))  # past the 5 s lease
+    finally:
+        node.daemon.resume()
+    back = time.monotonic()
+    while True:
+        got = a.generate(stored)
+        if got.host_hits:
+            break
+        assert time.monotonic() - back < 15, a.explain("no hits since SIGCONT")
+        a.flush()
+    assert got.host_hits == matched(stored), a.explain(str(got.meta_info))
+    same(got, refs[0], a, "a hit after SIGCONT")
+
+
+def test_a_daemon_killed_while_serving(node: Node) -> None:
+    """SIGKILL while a request computes: it completes exactly, as does the next one (with no
+    daemon); a daemon restarted on the same state directory serves the pages again."""
+    a, b = node.a, node.b
+    kept, during, after = prompt(1024, seed=51), prompt(2048, seed=52), prompt(512, seed=53)
+    refs = [b.generate(ids) for ids in (kept, during, after)]
+    node.wait_stored(kept)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(a.generate, during)
+        time.sleep(0.3)  # admitted: its lookup was answered; it computes
+        node.daemon.stop(signal.SIGKILL)
+        same(running.result(), refs[1], a, "a request the daemon died under")
+    same(a.generate(after), refs[2], a, "a request with no daemon")
+    node.restart_daemon()
+    back = time.monotonic()
+    while True:
+        a.flush()
+        got = a.generate(kept)
+        if got.host_hits:
+            break
+        assert time.monotonic() - back < 15, a.explain("no hits since the restart")
+    assert got.host_hits == matched(kept), a.explain(str(got.meta_info))
+    same(got, refs[0], a, "a hit from the restarted daemon")
