@@ -167,8 +167,10 @@ def test_the_fast_paths_poll_window() -> None:
 
 def test_the_cluster_tier_answers_within_the_linkers_lookup_deadline() -> None:
     """A Lookup waits on a stalled master for timeout_seconds; past the linker's deadline
-    SGLang's link to the daemon would go down (DEADLINE_EXCEEDED is a link failure)."""
+    the engines' links to the daemon would go late (DEADLINE_EXCEEDED)."""
     from hicache_sglang.config import LinkerConfig
+    from hicache_vllm.config import SpecConfig
     from hicached.tiers.mooncake_config import MooncakeTierConfig
 
     assert MooncakeTierConfig("m:1", "h").timeout_seconds < LinkerConfig().lookup_timeout_s
+    assert MooncakeTierConfig("m:1", "h").timeout_seconds < SpecConfig().lookup_timeout_s

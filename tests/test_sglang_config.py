@@ -30,7 +30,7 @@ MLA = KVGeometry(PoolKind.MLA, DType.BFLOAT16, layer_num=61, kv_lora_rank=512,
 
 def test_config_defaults_and_overrides() -> None:
     cfg = LinkerConfig.from_extra(None)
-    assert cfg.target.startswith("unix:") and cfg.lookup_timeout_s == 0.5
+    assert cfg.target.startswith("unix:") and cfg.lookup_timeout_s == 0.2
     assert cfg.poll_us == 200
     cfg = LinkerConfig.from_extra({"target": "unix:/s", "rpc_timeout_s": 2, "namespace": "a",
                                    "poll_us": 0})

@@ -34,7 +34,7 @@ def test_defaults_and_vllms_own_keys_pass_over() -> None:
              "block_size": 64, "offload_prompt_only": True, "target": "unix:/run/h.sock"}
     c = SpecConfig.from_extra(extra)
     assert c.target == "unix:/run/h.sock"
-    assert (c.lookup_timeout_s, c.lookup_hold_ms, c.pool_prefix) == (0.5, 30000, "vllm")
+    assert (c.lookup_timeout_s, c.lookup_hold_ms, c.pool_prefix) == (0.2, 30000, "vllm")
     assert SpecConfig.from_extra(None).target  # the default address every client uses
     assert "spec_module_path" in VLLM_KEYS
 

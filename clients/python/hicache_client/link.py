@@ -1,10 +1,12 @@
 """One worker's link to the daemon: its pool and session, kept up from a background thread.
 
-An inference server's scheduler must never wait for, nor see an exception from, a daemon that
-is down, restarting, draining, paused or slow. ``DaemonLink`` keeps that promise for the
-engine integrations (SGLang's linker, vLLM's offloading spec): every decision the scheduler's
-thread needs is a read of local state, and everything that waits on the daemon (setting up,
-probing, stopping an old session's heartbeat) happens on the link's own thread.
+An inference server's scheduler must not wait past a deadline for, nor see an exception
+from, a daemon that is down, restarting, draining, paused or slow. ``DaemonLink`` keeps that
+promise for the engine integrations (SGLang's linker, vLLM's offloading spec): whether the
+daemon may be called is a read of local state (a late or down link is not called), the calls
+the scheduler's thread makes itself (lookups) carry their deadline, and everything else that
+waits on the daemon (setting up, probing, stopping an old session's heartbeat) happens on the
+link's own thread.
 
 States: *up* (``usable``), *late* (a call missed its deadline: the daemon is alive but not
 answering in time; the session is kept, calls are skipped (no hits, loads declined, offloads

@@ -35,8 +35,11 @@ class LinkerConfig:
     target: str = field(default_factory=default_target)
     """The daemon's gRPC address, ``unix:/path/to/hicached.sock`` or ``host:port``; default:
     where every client looks (``hicache.paths.default_target()``)."""
-    lookup_timeout_s: float = 0.5
-    """Deadline of one ``Lookup`` (scheduler thread): past it the lookup reports no hit."""
+    lookup_timeout_s: float = 0.2
+    """Deadline of one ``Lookup`` (scheduler thread): past it the lookup reports no hit and
+    the link is late (lookups skipped until the daemon answers again), so a hung daemon
+    holds a request's admission once, this long. 0.2 s: ten times a healthy daemon's p99.9
+    on a saturated 2-CPU host (benchmarks/bench_lookup_deadline.py, RESULTS.md)."""
     rpc_timeout_s: float = 5.0
     """Deadline of a ``LoadKeys`` or ``Store`` (linker threads) and of set-up calls."""
     reconnect_interval_s: float = 1.0

@@ -46,7 +46,7 @@ class SpecConfig:
     target: str = field(default_factory=default_target)
     """The daemon's gRPC address, ``unix:/path/to/hicached.sock`` or ``host:port``; default:
     where every client looks (``hicache.paths.default_target()``)."""
-    lookup_timeout_s: float = 0.5
+    lookup_timeout_s: float = 0.2
     """Deadline of a ``Lookup`` (on vLLM's scheduler thread): past it the blocks asked are
     misses and the link is late (not called until the daemon answers again)."""
     rpc_timeout_s: float = 5.0

@@ -48,10 +48,10 @@ class MooncakeTierConfig:
     memory, the oldest first (as the disk tier is filled)."""
     replicas: int = 1
     """Copies the store keeps of each key, on different segments."""
-    timeout_seconds: float = 0.3
+    timeout_seconds: float = 0.15
     """How long a call to the store may take before the tier is marked down and served
-    without: a Lookup waits at most this long (keep it under the SGLang linker's
-    ``lookup_timeout_s``, 0.5 s, or a stalled master takes the worker's link down with it);
+    without: a Lookup waits at most this long (keep it under the engines'
+    ``lookup_timeout_s``, 0.2 s, or a stalled master makes the worker's link late with it);
     a get or put waits this plus its bytes at ``floor_bytes_per_second``."""
     floor_bytes_per_second: int = 100_000_000
     """The slowest the store may move pages before a get or put counts as stalled."""
