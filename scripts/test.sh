@@ -12,4 +12,4 @@ lint-imports --no-cache  # the layer and import rules in pyproject.toml
 # the GPU check's steps without a GPU: its wheels fetched and installed for Python 3.12, the
 # native modules built with it, the GPU tests collected, its budget (docs/operations.md)
 bash scripts/gpu_check.sh --dry-run "${TMPDIR:-/tmp}/hicache-gpu-check-dry"
-python3 -m pytest -q -p no:cacheprovider "$@"
+python3 -m pytest -q -p no:cacheprovider --durations=25 "$@"
