@@ -200,12 +200,12 @@ class HicachedLinker(UnifiedCacheLinker):
         hold_ms = self.config.lookup_hold_ms
         try:
             if hold_ms:
-                r = client.lookup(self.spec.name, list(keys),
+                r = client.lookup(self.spec.name, keys,
                                   timeout=self.config.lookup_timeout_s,
                                   session_id=session.session_id, hold_ms=hold_ms)
                 hit = r.promised
             else:
-                hit = client.lookup(self.spec.name, list(keys),
+                hit = client.lookup(self.spec.name, keys,
                                     timeout=self.config.lookup_timeout_s).hit_prefix
         except HiCacheError as exc:
             self.stats["lookup_failures"] += 1
