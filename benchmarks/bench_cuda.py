@@ -153,10 +153,17 @@ def measure(client: HiCacheClient, layout: Layout, page_size: int, reps: int,
         layer_events=events.handles, ready_event=ready.handle)
     nbytes = BATCH_PAGES * spec.page_bytes
     host = client.alloc(spec.name, BATCH_PAGES * page_size)
+    # the layer-event loads read other host pages: such a load returns at enqueue, and the
+    # daemon holds its pages until its completion thread sees the copy done, so the next
+    # backup into the same pages could be refused (PAGE_BUSY) if it came first
+    host_events = client.alloc(spec.name, BATCH_PAGES * page_size)
     rng = np.random.default_rng(0)
     base_d2h, base_h2d, d2h, h2d = [], [], [], []
     enq, first, last = [], [], []
     try:
+        torch.cuda.synchronize()
+        ready.record()
+        session.backup(host_events, torch.arange(BATCH_PAGES * page_size))
         for _ in range(reps):
             pages = rng.permutation(device_pages)[:BATCH_PAGES]
             dev = torch.from_numpy((pages[:, None] * page_size
@@ -175,7 +182,7 @@ def measure(client: HiCacheClient, layout: Layout, page_size: int, reps: int,
             base_h2d += bh
             ready.record()
             t0 = time.perf_counter()
-            session.load(host, dev, layer_events=True)
+            session.load(host_events, dev, layer_events=True)
             enq.append(time.perf_counter() - t0)
             events.events[0].synchronize()
             first.append(time.perf_counter() - t0)
@@ -184,6 +191,7 @@ def measure(client: HiCacheClient, layout: Layout, page_size: int, reps: int,
     finally:
         session.close()
         client.free(spec.name, host)
+        client.free(spec.name, host_events)
         client.delete_pool(spec.name)
     rows: list[dict[str, Any]] = []
     for op, got, base in (("backup (D2H)", d2h, base_d2h), ("load (H2D)", h2d, base_h2d)):

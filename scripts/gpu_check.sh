@@ -43,8 +43,8 @@ out="${1:-/tmp/hicache-gpu-check}"
 # seconds per part, each a ceiling; part 6 (extra) gets at least its share and at most what the
 # others left of TOTAL
 TOTAL=465
-declare -A BUDGET=([wheels]=40 [env]=20 [native]=40 [cuda-tests]=130 [bench-short]=80
-                   [sglang]=90 [vllm]=45)
+declare -A BUDGET=([wheels]=40 [env]=20 [native]=40 [cuda-tests]=120 [bench-short]=80
+                   [sglang]=85 [vllm]=60)
 PARTS=(wheels env native cuda-tests bench-short sglang vllm extra)
 fixed=0
 for p in "${!BUDGET[@]}"; do fixed=$((fixed + BUDGET[$p])); done
@@ -137,7 +137,13 @@ env_report() {
         "openssl headers: $([ -f /usr/include/openssl/sha.h ] && echo yes || echo no);" \
         "ninja: $(command -v ninja || echo none)"
     python3 - <<'PY'
-import importlib, platform
+import importlib, os, platform, sys
+sys.path.insert(0, os.environ["repo"])
+try:  # what the SGLang tests install before importing it (IPython, sgl_kernel stand-ins)
+    from tests.sglang_harness import install_stand_ins
+    install_stand_ins()
+except Exception as exc:
+    print("sglang stand-ins FAILED", type(exc).__name__, exc)
 print("python", platform.python_version(), platform.machine())
 try:
     import torch
@@ -161,7 +167,8 @@ PY
 # parts that are shell functions run in a child bash, under timeout like the rest
 export -f install_wheels env_report
 export mode site py312 repo
-pytest_args=(-q -p no:cacheprovider -rs -m cuda)
+# a test still running after 40 s prints every thread's stack (a hang shows where it waits)
+pytest_args=(-q -p no:cacheprovider -rs -m cuda -o faulthandler_timeout=40)
 if [ "$mode" = dry ]; then  # where a registry is reachable: the set, before the clock starts
     bash scripts/gpu_wheels.sh .whl 2>&1 | grep -v '^WARNING: ' || status=1
     start=$SECONDS

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +18,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hicached.core.system import filesystem_of
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,6 +88,29 @@ def wait_serving(target: str, timeout: float = 30.0) -> None:
             time.sleep(0.1)
 
 
+_MADE_STATE_DIRS: set[Path] = set()
+
+
+def _remove_made_state_dirs() -> None:
+    for d in _MADE_STATE_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def state_dir_of(workdir: Path) -> Path:
+    """Where a daemon on ``workdir`` keeps its pools: ``workdir/state`` when ``workdir`` is on
+    a memory filesystem, else a directory of this run under /dev/shm (where the default
+    ``state_dir`` is: pools in files on a disk filesystem cannot be pinned on a GPU host),
+    removed when this process exits."""
+    if filesystem_of(str(workdir)) in ("tmpfs", "hugetlbfs"):
+        return workdir / "state"
+    digest = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:16]
+    state = Path("/dev/shm") / f"hicache-test-{os.getuid()}-{digest}"
+    if not _MADE_STATE_DIRS:
+        atexit.register(_remove_made_state_dirs)
+    _MADE_STATE_DIRS.add(state)
+    return state
+
+
 def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
                  wait: bool = True, prefix: Sequence[str] = (),
                  env: dict[str, str] | None = None) -> DaemonProc:
@@ -94,7 +122,7 @@ def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
     sock = socket or str(workdir / "hicached.sock")
     log_path = workdir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    state = workdir / "state"  # pools outlive a daemon here; the next one on workdir finds them
+    state = state_dir_of(workdir)  # pools outlive a daemon here; the next one finds them
     cmd = [*prefix, sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
            "--shm-dir", str(shm), "--state-dir", str(state), "--metrics-listen", "127.0.0.1:0",
            "--lease-seconds", "1",

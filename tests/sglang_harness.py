@@ -142,6 +142,24 @@ def expected_kv(tokens: Sequence[int], layer: int, role: str, width: tuple[int, 
     return torch.stack(rows)
 
 
+def tree_core_backend(device: str) -> str | None:
+    """SGLang's tree core for a cache on ``device``: its default (None), save on CUDA under a
+    torch other than the one SGLang pins. The Rust tree core SGLang ships is built against that
+    torch's ABI: on the GPU image's torch 2.11 it panics on a CUDA value tensor ("Unsupported
+    TypeMeta in ATen"), so there the Python tree core (SGLang's own, the same calls to the
+    linker) runs instead."""
+    if device != "cuda":
+        return None
+    from importlib.metadata import requires
+
+    pinned = [r.split("==")[1] for r in requires("sglang") or ()
+              if r.replace(" ", "").startswith("torch==")]
+    ours = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if pinned and ".".join(pinned[0].split(".")[:2]) == ours:
+        return None
+    return "python"
+
+
 class SGLangCache:
     def __init__(self, target: str, shm_dir: str, *, kind: str = "mha",
                  dtype: torch.dtype = torch.bfloat16, model: str = "org/tiny-model",
@@ -149,7 +167,8 @@ class SGLangCache:
                  page_size: int = PAGE, size: int = SIZE, layers: int = LAYERS,
                  heads: int = 2, head_dim: int = 8, v_head_dim: int | None = None,
                  device: str = "cpu", kv_events: bool = False) -> None:
-        """``kv_events``: SGLang's own cache records its KV events (``cache.take_events()``)."""
+        """``kv_events``: SGLang's own cache records its KV events (``cache.take_events()``).
+        The tree core is SGLang's default, save where ``tree_core_backend`` says otherwise."""
         install_stand_ins()
         from sglang.srt import runtime_context as rc
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -199,7 +218,8 @@ class SGLangCache:
         params = CacheInitParams(disable=False, req_to_token_pool=req_pool,
                                  token_to_kv_pool_allocator=self.allocator,
                                  page_size=page_size,
-                                 tp_cache_group=tp_group, enable_kv_cache_events=kv_events)
+                                 tp_cache_group=tp_group, enable_kv_cache_events=kv_events,
+                                 tree_core_backend=tree_core_backend(device))
         self.counters: list[Any] = []
         self.device = device
         forward = torch.cuda.current_stream() if device == "cuda" else None

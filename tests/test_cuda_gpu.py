@@ -117,3 +117,39 @@ def test_expandable_segments_are_refused_with_the_cause() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("BUFFER_NOT_SHAREABLE"), out.stdout
     assert "expandable_segments" in out.stdout
+
+
+def test_pool_files_on_a_disk_filesystem_are_refused_with_the_cause(tmp_path) -> None:
+    """The kernel page-locks no shared pages of a file on a disk filesystem (what the fake
+    driver mimics): a pool file there fails to pin naming the filesystem, and a daemon refuses
+    such a state_dir at start; the same pool on tmpfs pins."""
+    from hicache.cuda_driver import load_driver
+    from hicache.errors import PinFailed
+    from hicached.core.memory import Backing, HostMemory
+    from hicached.core.system import filesystem_of, lock_refusal
+    from hicached.cuda.pinner import DriverPinner
+
+    disk = next((d for d in (tmp_path, REPO) if lock_refusal(str(d)) is not None), None)
+    if disk is None:
+        pytest.skip("no disk filesystem here")
+    driver = load_driver()
+    assert driver is not None
+    work = disk / f".hicache-pin-{os.getpid()}"
+    work.mkdir(exist_ok=True)
+    try:
+        with pytest.raises(PinFailed) as exc:
+            HostMemory(8 << 20, backing=Backing.FILE, path=str(work / "pool"),
+                       pinner=DriverPinner(driver))
+        assert "CUDA_ERROR_INVALID_VALUE" in str(exc.value)
+        assert filesystem_of(str(work)) in str(exc.value)
+        out = subprocess.run([sys.executable, "-m", "hicached", "serve", "--listen",
+                              f"unix:{tmp_path / 'd.sock'}", "--state-dir", str(work / "state"),
+                              "--metrics-listen", "", "--reserve", "0"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "tmpfs" in out.stdout + out.stderr, out.stderr
+    finally:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+    m = HostMemory(8 << 20, backing=Backing.FILE, path=f"/dev/shm/hicache-pin-{os.getpid()}",
+                   pinner=DriverPinner(driver))
+    assert m.pinned_bytes == 8 << 20
+    m.close()

@@ -152,6 +152,7 @@ def _setup_logging(config: ServerConfig) -> None:
 
 
 def serve(config: ServerConfig) -> int:
+    from hicache.errors import PinFailed
     from hicached.core.trusted_paths import UntrustedPath
     from hicached.server.app import create_server
     from hicached.server.locks import AlreadyServing
@@ -159,7 +160,7 @@ def serve(config: ServerConfig) -> int:
     _setup_logging(config)
     try:
         server, _bound = create_server(config, wait_ready=False)  # pools build meanwhile
-    except (AlreadyServing, UntrustedPath) as exc:
+    except (AlreadyServing, UntrustedPath, PinFailed) as exc:
         logging.getLogger("hicached").error("%s", exc)
         return 2
     def drain() -> None:

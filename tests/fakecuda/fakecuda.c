@@ -15,6 +15,10 @@
  * sees the record the daemon made on its import once the daemon's stream has run it.
  * FAKECUDA_DEFER=1 defers from the start.
  *
+ * Host registration refuses what Linux refuses to pin long-term: a shared mapping of a file on
+ * a filesystem with writeback (ext4, xfs, overlay...); only tmpfs, hugetlbfs and ramfs files
+ * (memfds among them) and anonymous memory pin, as cuMemHostRegister finds on a real host.
+ *
  * Devices: FAKECUDA_DEVICES="uuid,uuid" (32 hex digits each) in this process's numbering, as
  * CUDA_VISIBLE_DEVICES would reorder them; default one device.
  */
@@ -27,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -337,9 +342,35 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 static long pin_limit = -1; /* bytes that may be registered, as RLIMIT_MEMLOCK would cap */
 void fakecuda_set_pin_limit(long bytes) { pthread_mutex_lock(&mu); pin_limit = bytes; pthread_mutex_unlock(&mu); }
 
+/* 1 when [p, p+n) lies in a shared mapping of a file whose filesystem the kernel would not
+ * let be pinned long-term (it tracks dirty pages for writeback). */
+static int unpinnable_file_mapping(uint64_t p) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return 0;
+    char line[4096];
+    int refused = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi, inode;
+        char perms[8], path[3072] = "";
+        if (sscanf(line, "%lx-%lx %7s %*s %*s %lu %3071[^\n]", &lo, &hi, perms, &inode,
+                   path) < 4 || p < lo || p >= hi) continue;
+        char *deleted = strstr(path, " (deleted)");
+        if (deleted) *deleted = 0;
+        struct statfs fs;
+        if (perms[3] == 's' && inode != 0 && path[0] == '/' && strncmp(path, "/memfd:", 7)
+                && statfs(path, &fs) == 0 && fs.f_type != 0x01021994 /* tmpfs */
+                && fs.f_type != 0x958458f6 /* hugetlbfs */ && fs.f_type != 0x858458f6)
+            refused = 1;
+        break;
+    }
+    fclose(f);
+    return refused;
+}
+
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
     (void)flags;
     if (current_dev() < 0) return INVALID_CONTEXT;
+    if (unpinnable_file_mapping((uint64_t)(uintptr_t)p)) return INVALID_VALUE;
     uint64_t b = (uint64_t)(uintptr_t)p;
     pthread_mutex_lock(&mu);
     if (pin_limit >= 0 && n_registered_bytes + (long)n > pin_limit) {

@@ -8,8 +8,9 @@ Primitives:
 - ``HostMemory``: one mapped region; ``address``, ``array()`` (a uint8 numpy view), ``close()``.
 - ``Pinner``: page-locks a region for fast DMA; injected by the caller (the daemon passes the
   CUDA driver's ``cuMemHostRegister`` where it has a GPU, ``hicached.cuda.pinner``). Pinning is
-  chunked, rolled back on failure (``PIN_FAILED``) and undone on close. Without a pinner
-  nothing attempts to pin.
+  chunked, rolled back on failure (``PIN_FAILED``, naming the cause: the locked-memory limit,
+  or a ``FILE`` backing on a disk filesystem, whose pages the kernel never page-locks) and
+  undone on close. Without a pinner nothing attempts to pin.
 - ``naive_first_touch(nbytes)``: the single-threaded first touch benchmarks compare against.
 
 Knows nothing of pools, RPC or drivers.
@@ -32,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from hicache.errors import PinFailed, SpecInvalid
-from hicached.core.system import default_threads
+from hicached.core.system import default_threads, lock_refusal
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +193,16 @@ class HostMemory:
             self._unpin()
             soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
             limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+            refusal = (lock_refusal(os.path.dirname(self.path))
+                       if self.backing is Backing.FILE and self.path else None)
+            cause = (f"{refusal}: put the pool's directory (state_dir) on one" if refusal
+                     else f"the locked-memory limit is {limit} bytes (raise LimitMEMLOCK / "
+                          f"ulimit -l, or grant IPC_LOCK)")
             raise PinFailed(f"page-locking {self.nbytes} bytes for DMA failed after {done}: "
-                            f"{exc}; the locked-memory limit is {limit} bytes (raise "
-                            f"LimitMEMLOCK / ulimit -l, or grant IPC_LOCK)",
+                            f"{exc}; {cause}",
                             metadata={"nbytes": self.nbytes, "pinned_before_failure": done,
-                                      "memlock_limit": limit, "error": str(exc)}) from None
+                                      "memlock_limit": limit, "error": str(exc),
+                                      **({"filesystem": refusal} if refusal else {})}) from None
         except BaseException:
             self._unpin()
             raise

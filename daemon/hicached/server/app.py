@@ -32,13 +32,14 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 
 import hicache
 from hicache.cuda_driver import driver_problem, load_driver
-from hicache.errors import SpecInvalid
+from hicache.errors import PinFailed, SpecInvalid
 from hicache.paths import default_socket_path
 from hicache.polling import sum_counts
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
+from hicached.core.system import lock_refusal
 from hicached.core.trusted_paths import own_dir, socket_dir
 from hicached.cuda.pinner import DriverPinner
 from hicached.frontends.envelope import Envelope
@@ -89,6 +90,14 @@ class HiCacheServer:
         else:
             log.info("CUDA IPC on: %s", ", ".join(f"{d.ordinal}={d.uuid} ({d.name})"
                                                    for d in driver.devices))
+        if driver is not None and config.state_dir:
+            refusal = lock_refusal(config.state_dir)
+            if refusal is not None:  # every pool would fail to pin: say so before any starts
+                raise PinFailed(f"state_dir {refusal}; this host has a GPU, so pools are "
+                                f"pinned: point state_dir at a tmpfs or hugetlbfs mount (the "
+                                f"default is /dev/shm/hicached-<uid>), or set it to \"\" "
+                                f"(pools in anonymous memory, lost when the daemon exits)",
+                                metadata={"state_dir": config.state_dir})
         cuda = CudaIpcTransport(driver) if driver is not None else None
         remote = (MooncakeStore(config.mooncake, observe=lambda op, s: self.metrics
                                 .remote_seconds.labels(op).observe(s))
