@@ -263,8 +263,16 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hicache-bench", description=__doc__.splitlines()[0]
-                                 if __doc__ else None)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:  # latency of a base revision beside this tree
+        from hicached.bench_compare import main as compare
+
+        return compare(argv[1:])
+    ap = argparse.ArgumentParser(prog="hicache-bench",
+                                 description=__doc__.splitlines()[0] if __doc__ else None,
+                                 epilog="'hicache-bench compare BASE' compares data-call "
+                                        "latency with a base revision ('hicache-bench compare "
+                                        "--help')")
     ap.add_argument("--target", help="connect to this daemon instead of starting one")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     ap.add_argument("--layout", choices=[x.value for x in Layout], default="page_first")
