@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repo", type=Path, default=REPO,
                     help="the git checkout (default: the one this hicached comes from)")
     ap.add_argument("--rounds", type=int, default=6, help="runs per path and tree")
-    ap.add_argument("--calls", type=int, default=50, help="timed calls per op in each run")
+    ap.add_argument("--calls", type=int, default=200, help="timed calls per op in each run")
     ap.add_argument("--paths", default=",".join(bench_latency.PATHS))
     ap.add_argument("--ops", default=",".join(bench_latency.OPS))
     ap.add_argument("--pages", default=",".join(bench_latency.PAGES))
