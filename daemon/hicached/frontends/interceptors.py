@@ -10,7 +10,9 @@ mapping, metrics, authentication, access rules, admission, the drain gate) is
 - ``EnvelopeInterceptor``: each call described as an ``envelope.Call`` (from a Unix socket or
   TCP, its metadata) and run through the envelope; a refusal leaves as its gRPC code with the
   rich ``google.rpc.Status``. Server streams (WatchEvents) the same, through
-  ``Envelope.stream``.
+  ``Envelope.stream``. A keyed request larger than any legal one
+  (``service.request_bounds``) is not decoded: its refusal runs through the envelope like any
+  other.
 
 Health checking and reflection pass through untouched.
 """
@@ -24,7 +26,9 @@ from typing import Any
 import grpc
 from grpc_status import rpc_status
 
+from hicache.errors import HiCacheError
 from hicached.frontends.envelope import DATA_METHODS, Call, Envelope, Refused
+from hicached.service.request_bounds import KEYED_METHODS, RequestBounds
 
 SERVICE_PREFIX = "/hicache.v1.HostCache/"
 
@@ -43,6 +47,10 @@ class _ServiceInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     def wrap(self, method: str, behavior: Behavior) -> Behavior:
         raise NotImplementedError
 
+    def deserializer(self, method: str, decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+        """How a request of ``method`` is decoded (the handler's own, unless overridden)."""
+        return decode
+
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
         return behavior
 
@@ -56,7 +64,8 @@ class _ServiceInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         if handler is None or not full.startswith(SERVICE_PREFIX):
             return handler
         method = full[len(SERVICE_PREFIX):]
-        codec = {"request_deserializer": handler.request_deserializer,
+        codec = {"request_deserializer": self.deserializer(method,
+                                                           handler.request_deserializer),
                  "response_serializer": handler.response_serializer}
         if handler.unary_unary is not None:
             wrapped = grpc.unary_unary_rpc_method_handler(
@@ -74,9 +83,26 @@ class EnvelopeInterceptor(_ServiceInterceptor):
     """Every call through ``envelope.Envelope``: the call described from gRPC's context (TCP
     or not, its metadata read only when a step asks), a refusal sent as its rich status."""
 
-    def __init__(self, envelope: Envelope) -> None:
+    def __init__(self, envelope: Envelope, bounds: RequestBounds | None = None) -> None:
         super().__init__()
         self.envelope = envelope
+        self.bounds = bounds
+
+    def deserializer(self, method: str, decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+        bounds = self.bounds
+        if bounds is None or method not in KEYED_METHODS:
+            return decode
+        keys_only = bounds.keys_only
+
+        def bounded(data: bytes) -> Any:
+            if len(data) > keys_only:  # only then are the pools asked about
+                try:
+                    bounds.check(method, len(data))
+                except HiCacheError as exc:
+                    return _Unread(exc)
+            return decode(data)
+
+        return bounded
 
     def wrap(self, method: str, behavior: Behavior) -> Behavior:
         env = self.envelope
@@ -84,7 +110,8 @@ class EnvelopeInterceptor(_ServiceInterceptor):
         def enveloped(request: Any, context: grpc.ServicerContext) -> Any:
             call = _call(method, context)
             try:
-                return env.run(call, lambda: request, lambda r: behavior(r, context))
+                return env.run(call, request.refuse if type(request) is _Unread
+                               else lambda: request, lambda r: behavior(r, context))
             except Refused as refused:
                 context.abort_with_status(rpc_status.to_status(refused.status))
                 raise  # unreachable: abort raises
@@ -102,6 +129,18 @@ class EnvelopeInterceptor(_ServiceInterceptor):
                 context.abort_with_status(rpc_status.to_status(refused.status))
 
         return enveloped
+
+
+class _Unread:
+    """A request refused before decoding: the envelope's decode step raises its error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: HiCacheError) -> None:
+        self.error = error
+
+    def refuse(self) -> Any:
+        raise self.error
 
 
 def _call(method: str, context: grpc.ServicerContext) -> Call:
@@ -128,10 +167,11 @@ class ExecutorInterceptor(_ServiceInterceptor):
         return on_data_pool
 
 
-def server_interceptors(envelope: Envelope, data_pool: ThreadPoolExecutor | None = None
-                        ) -> list[grpc.ServerInterceptor]:
+def server_interceptors(envelope: Envelope, data_pool: ThreadPoolExecutor | None = None,
+                        bounds: RequestBounds | None = None) -> list[grpc.ServerInterceptor]:
     """The interceptors of a daemon's gRPC server, outermost first; ``data_pool`` runs the
-    data methods apart from the server's threads."""
+    data methods apart from the server's threads; ``bounds`` refuses keyed requests larger
+    than any legal one before they are decoded."""
     executor: list[grpc.ServerInterceptor] = [
         ExecutorInterceptor(data_pool, DATA_METHODS)] if data_pool is not None else []
-    return [*executor, EnvelopeInterceptor(envelope)]
+    return [*executor, EnvelopeInterceptor(envelope, bounds)]

@@ -55,6 +55,7 @@ from hicached.service.admission import ByteBudget, DataGate
 from hicached.service.daemon import Daemon
 from hicached.service.pool_build import PoolBuild
 from hicached.service.pool_table import PoolTable
+from hicached.service.request_bounds import RequestBounds
 from hicached.service.sessions import SessionManager
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.transport.cuda_ipc import CudaIpcTransport
@@ -168,7 +169,9 @@ class HiCacheServer:
         """The fast path beside each Unix API socket (``fast_path``)."""
         self.envelope = Envelope(self.daemon, self.admission, metrics, _read_token(config))
         """What every call goes through, on gRPC and on the fast path."""
-        interceptors = server_interceptors(self.envelope, self.data_pool)
+        interceptors = server_interceptors(
+            self.envelope, self.data_pool,
+            RequestBounds(config.max_keys_per_call, self.daemon.pools.max_page_tokens))
         self.grpc = grpc.server(
             ThreadPoolExecutor(config.grpc_threads, thread_name_prefix="rpc"), options=opts,
             interceptors=interceptors,

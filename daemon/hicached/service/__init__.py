@@ -8,6 +8,7 @@ here.
 - ``pool_table`` / ``pool_build``: named pools under one memory budget, built in the
   background.
 - ``admission``: the data path's bound and the fast path's frame budget.
+- ``request_bounds``: the largest legal request of each keyed call, refused unread above it.
 - ``identity``: who a caller is (``Peer``), what it handed over (``Grant``), who may use which
   pool (``AccessRule``).
 """

@@ -304,6 +304,11 @@ class PoolTable:
         with self._lock:
             return list(self._pools.values())
 
+    def max_page_tokens(self) -> int:
+        """The largest ``page_size`` of the pools now (0 without pools)."""
+        with self._lock:
+            return max((p.spec.page_size for p in self._pools.values()), default=0)
+
     def delete(self, name: str, wait_seconds: float = 10.0) -> None:
         """Remove the pool and free its memory once copies still running on it (of sessions
         closed under them) have ended; the memory is never unmapped under a copy."""
