@@ -2,12 +2,22 @@
 
 Layers, top uses bottom (import rules in pyproject.toml, checked by import-linter):
 
-- ``server``: the process: gRPC service, interceptors, sessions, pool table, metrics, config.
-- ``transport``: attaching worker buffers (shared-memory files, CUDA IPC).
+- ``server``: the process wiring: app (listeners, threads, start and drain), config, locks,
+  metrics.
+- ``frontends``: how calls arrive: the gRPC service and its interceptors, the fast path, the
+  identity socket, one envelope (errors, metrics, auth, access, admission, drain) for all of
+  them; the outbound KV event stream.
+- ``service``: the application: the daemon's flows, sessions, the pool table, admission,
+  identity, request bounds (no gRPC, no wire format).
+- ``transport``: attaching worker buffers (shared-memory files, sealed memfds, CUDA IPC).
 - ``cuda``: the GPU runner, its copy segments, pinning through the driver.
 - ``copy``: copy plans, the CPU runner with its native kernel, the transfer engine.
+- ``tiers``: the disk and cluster (Mooncake Store) tiers below host memory.
+- ``cache``: pages named by content keys: index, holds, removal, events, key slots.
 - ``core``: validation, allocator, canary, host memory, pools, worker buffers.
 - ``hicache`` (a separate, light package both sides import): stubs, errors, specs, codec.
+
+``bench``, ``bench_compare`` and ``bench_latency`` are the ``hicache-bench`` tool.
 
 The engine's main names are importable from here (loaded on first use, so that importing one
 subpackage does not load the others): ``HostPool``, ``MemoryOptions``, ``WorkerBuffers``,
