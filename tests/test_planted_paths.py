@@ -42,7 +42,8 @@ from hicache_client.identity import request_token, trusted_uids
 from hicached.server.app import create_server
 from hicached.server.config import ServerConfig
 from hicached.service.identity import AccessRule
-from tests.daemon_proc import REPO, start_daemon
+from tests import prom
+from tests.daemon_proc import REPO, start_daemon, state_dir_of
 
 NOBODY = 65534
 USERS_GID = 100
@@ -153,11 +154,6 @@ def test_a_shared_socket_directory_others_can_write_is_refused(tmp_path: Path) -
     assert got.returncode == 2 and "others could move the daemon's socket away" in got.stderr
 
 
-def _metric(text: str, name: str, labels: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{") and labels in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.mark.parametrize("declared", [False, True], ids=["saved", "declared"])
@@ -181,7 +177,7 @@ def test_saved_state_files_of_another_user_are_never_reattached(tmp_path: Path,
         assert s.store([b"mine"], torch.arange(4)).status == bytes([1])
         s.close()
     assert d.stop() == 0
-    state = tmp_path / "state"
+    state = state_dir_of(tmp_path)
     for suffix in (".meta", ".data"):  # as if nobody had written them (and may still)
         os.chown(state / f"{SPEC.name}{suffix}", NOBODY, NOBODY)
         os.chmod(state / f"{SPEC.name}{suffix}", 0o666)
@@ -201,7 +197,7 @@ def test_saved_state_files_of_another_user_are_never_reattached(tmp_path: Path,
             assert c.lookup(SPEC.name, [b"mine"]).hits == 0  # never served
             with urllib.request.urlopen(f"http://127.0.0.1:{info.metrics_port}/metrics") as r:
                 text = r.read().decode()
-        assert _metric(text, "hicache_pool_attach_total", 'outcome="cold_untrusted"') == 1
+        assert prom.value(text, "hicache_pool_attach_total", 0.0, outcome="cold_untrusted") == 1
         assert "untrusted" in d.log()
         for suffix in (".meta", ".data"):
             if (state / f"{SPEC.name}{suffix}").exists():
