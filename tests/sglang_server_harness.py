@@ -41,7 +41,6 @@ import http.client
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -54,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
+
+from tests import prom
 
 REPO = Path(__file__).resolve().parent.parent
 STAND_INS = Path(__file__).resolve().parent / "sglang_server"
@@ -126,12 +127,7 @@ def linker_config(target: str, extra: dict[str, Any] | None = None) -> dict[str,
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of the samples of ``name`` in a Prometheus page whose labels include
     ``labels`` (0 when there are none)."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return prom.value(text, name, 0.0, **labels)
 
 
 @dataclass

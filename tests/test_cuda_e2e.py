@@ -23,6 +23,7 @@ from hicache.errors import HiCacheError
 from hicache.identity import public_session_id
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache_client import HiCacheClient
+from tests import prom
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
 from tests.fakecuda import UUID_A, UUID_B, format_uuid, library
 
@@ -71,10 +72,9 @@ def spawn(daemon: DaemonProc, worker: str, seed: int, rounds: int, devices: str,
 def metric(client: HiCacheClient, name: str) -> float:
     port = client.get_info().metrics_port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for line in body.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
+    got = prom.samples(body, name)
+    assert got, f"{name} not exported"
+    return got[0][1]
 
 
 def test_daemon_reports_its_gpus_and_pins_pools(client: HiCacheClient) -> None:

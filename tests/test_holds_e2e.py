@@ -25,6 +25,7 @@ from hicache.errors import KeyNotFound, SessionNotFound, SpecInvalid
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicache_client.session import WorkerSession
+from tests import prom
 from tests.daemon_proc import DaemonProc, start_daemon
 
 PS = 4
@@ -103,13 +104,7 @@ def keys_of(prefix: str, n: int) -> list[bytes]:
 def metric(daemon: DaemonProc, name: str, **labels: str) -> float:
     port = int(HiCacheClient(daemon.target).get_info().metrics_port)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    assert want is not None
-    return total
+    return prom.value(text, name, 0.0, **labels)
 
 
 @pytest.mark.parametrize("hold", [True, False], ids=["held", "not_held"])

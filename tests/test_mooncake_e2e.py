@@ -24,6 +24,7 @@ import torch
 from hicache.errors import KeyNotFound
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers, WorkerSession
+from tests import prom
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
 from tests.mooncake_env import Master, Netns, mooncake_toml, unavailable
 from tests.test_deploy import CLUSTER_TIER, deploy_metric_names, documented_metric
@@ -136,9 +137,7 @@ def scrape_names(ns: Netns, d: DaemonProc) -> set[str]:
 
 
 def metric(ns: Netns, d: DaemonProc, name: str) -> float:
-    m = re.search(rf"^{name} (\S+)$", scrape(ns, d), re.M)
-    assert m, f"{name} not exported"
-    return float(m.group(1))
+    return prom.value(scrape(ns, d), name)
 
 
 def keys_of(tag: str, n: int) -> list[bytes]:

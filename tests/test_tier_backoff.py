@@ -21,7 +21,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from hicached.tiers.disk import DiskTier
 from hicached.tiers.remote_writer import RemoteWriter
 from hicached.tiers.spill import Spiller
 from hicached.tiers.writer import BackOff
+from tests import prom
 from tests.daemon_proc import DaemonProc, start_daemon
 from tests.helpers import make_pool, mha, spec
 
@@ -215,13 +215,8 @@ def _fill(mnt: Path) -> Path:
     return filler
 
 
-def _metric(d: DaemonProc, name: str, labels: str) -> float:
-    port = re.findall(r"metrics port (\d+)", d.log())[-1]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{name}{{{labels}}} (\S+)$", text, re.M)
-    assert m, (name, labels)
-    return float(m.group(1))
+def _metric(d: DaemonProc, name: str, **labels: str) -> float:
+    return prom.value(d.metrics(), name, **labels)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -245,7 +240,7 @@ def test_a_disk_tier_on_a_full_filesystem_backs_off_and_recovers(tmp_path: Path,
             s.store([b"k%d" % i for i in range(16)], torch.arange(16 * PS))
             s.close()
             deadline = time.monotonic() + 10
-            while _metric(d, "hicache_tier_failing", f'pool="{SPEC.name}",tier="disk"') != 1:
+            while _metric(d, "hicache_tier_failing", pool=SPEC.name, tier="disk") != 1:
                 assert time.monotonic() < deadline, "the gauge never said the tier fails"
                 time.sleep(0.2)
             lines_before = len(d.log().splitlines())
@@ -257,10 +252,10 @@ def test_a_disk_tier_on_a_full_filesystem_backs_off_and_recovers(tmp_path: Path,
             assert len(lines) <= 6, lines
             filler.unlink()  # space again: spilled by itself within the back-off's cap
             deadline = time.monotonic() + 15
-            while _metric(d, "hicache_disk_spilled_pages_total", f'pool="{SPEC.name}"') < 16:
+            while _metric(d, "hicache_disk_spilled_pages_total", pool=SPEC.name) < 16:
                 assert time.monotonic() < deadline, "the tier never recovered"
                 time.sleep(0.2)
-            assert _metric(d, "hicache_tier_failing", f'pool="{SPEC.name}",tier="disk"') == 0
+            assert _metric(d, "hicache_tier_failing", pool=SPEC.name, tier="disk") == 0
             assert "works again" in d.log()
     finally:
         d.stop(signal.SIGKILL)
@@ -282,7 +277,7 @@ def test_a_disk_tier_that_cannot_be_reserved_is_refused_at_start(tmp_path: Path,
         log = d.log()
         assert re.search(r"pool full serves without its disk tier: .*need \d+ bytes, the "
                          r"filesystem has \d+ free", log), log
-        assert _metric(d, "hicache_tier_failing", f'pool="{SPEC.name}",tier="disk"') == 1
+        assert _metric(d, "hicache_tier_failing", pool=SPEC.name, tier="disk") == 1
         assert not list((tmpfs / "disk").glob("full.*"))  # nothing half-reserved left behind
     finally:
         d.stop(signal.SIGKILL)
