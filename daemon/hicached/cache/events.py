@@ -29,7 +29,7 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,8 +48,10 @@ class EventKind(enum.Enum):
     EVICTED = 3
 
 
-@dataclass(frozen=True)
-class CacheEvent:
+class CacheEvent(NamedTuple):
+    """Immutable, and made in one C call (a frozen dataclass's per-field ``__setattr__`` cost
+    every Store a few microseconds: a Store into a full pool appends two events)."""
+
     seq: int
     kind: EventKind
     keys: tuple[bytes, ...]
@@ -72,6 +74,8 @@ class EventLog:
         self._keys = 0
         self._seq = 0
         self._cond = threading.Condition()
+        self._waiting = 0
+        """Readers in ``wait`` now: an append wakes them, and only then pays for a notify."""
 
     @property
     def last_seq(self) -> int:
@@ -84,6 +88,11 @@ class EventLog:
         (a Store's); False: each stands alone (a spill's or a promotion's)."""
         if not keys:
             return
+        if kind is not EventKind.STORED and len(keys) <= MAX_EVENT_KEYS:
+            with self._cond:  # one event, no chain to look up (the common eviction)
+                self._seq += 1
+                self._add(CacheEvent(self._seq, kind, tuple(keys), tier))
+            return
         runs = (self.chains.runs(keys, chain) if kind is EventKind.STORED
                 else [Run(list(keys), b"")])
         page = self.chains.page_size
@@ -93,16 +102,21 @@ class EventLog:
                 for i in range(0, len(run_keys), MAX_EVENT_KEYS):
                     self._seq += 1
                     chunk = tuple(run_keys[i:i + MAX_EVENT_KEYS])
-                    event = CacheEvent(
+                    self._add(CacheEvent(
                         self._seq, kind, chunk, tier, run_keys[i - 1] if i else parent,
                         tokens[i * page:(i + len(chunk)) * page] if tokens is not None
-                        else None)
-                    self._events.append(event)
-                    self._keys += len(chunk)
-                    if self.listener is not None:
-                        self.listener(event)
-            while self._keys > self.max_keys:
-                self._keys -= len(self._events.popleft().keys)
+                        else None))
+
+    def _add(self, event: CacheEvent) -> None:
+        """Keep ``event`` (lock held): tell the listener, drop the oldest past ``max_keys``,
+        wake waiting readers."""
+        self._events.append(event)
+        self._keys += len(event.keys)
+        if self.listener is not None:
+            self.listener(event)
+        while self._keys > self.max_keys:
+            self._keys -= len(self._events.popleft().keys)
+        if self._waiting:
             self._cond.notify_all()
 
     def after(self, seq: int) -> list[CacheEvent]:
@@ -113,7 +127,11 @@ class EventLog:
     def wait(self, seq: int, timeout: float) -> list[CacheEvent]:
         """``after(seq)``, waiting up to ``timeout`` seconds for one to exist."""
         with self._cond:
-            self._cond.wait_for(lambda: self._seq > seq, timeout)
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: self._seq > seq, timeout)
+            finally:
+                self._waiting -= 1
             return self._after(seq)
 
     def _after(self, seq: int) -> list[CacheEvent]:

@@ -56,6 +56,17 @@ class KeySlots:
         if t is None or not len(pages):
             return
         n = len(pages)
+        if n == 1:  # a 1-page Store: field by field through the row, no temporary arrays
+            page, key = int(pages[0]), keys[0]
+            self.seq += 1
+            row = t[page]  # a structured scalar: a view of the table's row
+            row["key"][:len(key)] = np.frombuffer(key, dtype=np.uint8)
+            row["key"][len(key):] = 0
+            row["key_len"] = len(key)
+            row["seq"] = self.seq
+            row["crc"] = _crc(page, key, self.seq)
+            row["state"] = READY  # last: the slot is complete before it says so
+            return
         idx = np.asarray(pages, dtype=np.int64)
         seqs = np.arange(self.seq + 1, self.seq + 1 + n, dtype=np.uint64)
         self.seq += n
