@@ -118,7 +118,7 @@ def test_keyed_store_and_load_over_cuda_ipc(daemon: DaemonProc,
         r = json.loads(out.strip().splitlines()[-1])
         assert r["mismatches"] == 0 and r["verified_buffers"] == 4 * r["buffers"] > 0
     pool = client.get_pool(SPEC.name)
-    assert pool.pinned_pages == 0 and pool.keys == 0  # every round removed its keys
+    assert pool.busy_pages == 0 and pool.keys == 0  # every round removed its keys
     assert metric(client, "hicache_cuda_ipc_handles_open") == 0
 
 

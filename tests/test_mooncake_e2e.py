@@ -344,7 +344,7 @@ def test_a_late_get_never_lands_in_a_reused_page(cluster: tuple[Netns, Master],
         m.resume()
         wait_tier(b, "up")
         deadline = time.monotonic() + 30  # the late get ends, its pages go back
-        while wb.client.get_pool(sp.name).pinned_pages:
+        while wb.client.get_pool(sp.name).busy_pages:
             assert time.monotonic() < deadline, "the late get's pages were never released"
             time.sleep(0.05)
         assert wb.load_exact([b"Y"], want_y), "a late get wrote into Y's page"

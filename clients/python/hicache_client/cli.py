@@ -142,7 +142,7 @@ def _pool_row(p: pb.Pool) -> tuple[object, ...]:
             _size(p.capacity_bytes), p.sessions, p.keys,
             f"{p.disk_keys}/{p.disk_capacity_pages}" if p.disk_capacity_pages else "-",
             f"{p.remote_puts} put, {p.remote_pending} waiting" if p.remote_namespace else "-",
-            p.raw_pages, p.pinned_pages, _state(p), p.attach_outcome or "-")
+            p.raw_pages, p.busy_pages or p.pinned_pages, _state(p), p.attach_outcome or "-")
 
 
 def _state(p: pb.Pool) -> str:
@@ -209,7 +209,7 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                               for p in resp.pools]))
             return 0
         print(_table(["pool", "kind", "dtype", "layout", "page", "pages", "used", "capacity",
-                      "sessions", "keys", "disk", "cluster", "raw", "pinned", "state",
+                      "sessions", "keys", "disk", "cluster", "raw", "busy", "state",
                       "attach"],
                      [_pool_row(p) for p in resp.pools]))
         return 0

@@ -32,7 +32,7 @@ class PoolInfo:
     keyed_pages: int = 0
     raw_pages: int = 0
     pinned_pages: int = 0
-    """Pages a copy holds right now."""
+    """Deprecated: ``busy_pages`` under its old name (the same number)."""
     metadata_bytes: int = 0
     state: str = "READY"
     """``READY``, ``CREATING`` (memory still being faulted in / pinned) or ``FAILED``."""
@@ -55,6 +55,8 @@ class PoolInfo:
     """Keys this daemon wrote to the cluster tier."""
     remote_pending: int = 0
     """Stored keys waiting to be written there."""
+    busy_pages: int = 0
+    """Pages a copy is reading or writing right now (never evicted)."""
 
     @classmethod
     def from_proto(cls, p: pb.Pool) -> PoolInfo:
@@ -65,7 +67,7 @@ class PoolInfo:
                    p.metadata_bytes, state, p.progress if state != "READY" else 1.0,
                    p.error, p.error_reason, p.attach_outcome, p.generation, p.recovered_keys,
                    p.disk_keys, p.disk_capacity_pages, p.remote_namespace, p.remote_puts,
-                   p.remote_pending)
+                   p.remote_pending, p.busy_pages or p.pinned_pages)
 
 
 @dataclass(frozen=True)
