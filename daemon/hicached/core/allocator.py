@@ -45,7 +45,7 @@ from hicache.errors import (
     Violation,
     raise_violations,
 )
-from hicached.core.page_access import ALLOCATED, RAW, RELEASING, PageAccess
+from hicached.core.page_access import ALLOCATED, RAW, RELEASING, SMALL_BATCH, PageAccess
 from hicached.core.state_file import TableSpec
 from hicached.core.validation import (
     IndexArray,
@@ -211,12 +211,23 @@ class PageAllocator(PageAccess):
         ends the write)."""
         with self._lock:
             pages = self._take(n, KEYED)
-            self._writer[pages] = True
+            if n <= SMALL_BATCH:
+                writer = self._writer
+                for p in pages.tolist():
+                    writer[p] = True
+            else:
+                self._writer[pages] = True
         return pages
 
     def release_pages(self, pages: np.ndarray) -> None:
         """Give keyed pages back (released once nobody holds them)."""
         with self._lock:
+            if pages.size <= SMALL_BATCH:  # page by page: fancy indexing costs more here
+                state, kind = self._state, self._kind
+                listed = pages.tolist()
+                assert all(state[p] == ALLOCATED and kind[p] == KEYED for p in listed)
+                self._give_back_small(listed)
+                return
             assert np.all((self._state[pages] == ALLOCATED) & (self._kind[pages] == KEYED))
             self._give_back(pages)
 
@@ -234,6 +245,16 @@ class PageAllocator(PageAccess):
         self._nfree -= n
         # what a restart reads (``recover``) is written state last: a page is never seen
         # allocated with an earlier owner's written bits or owner
+        if n <= SMALL_BATCH:  # page by page: fancy indexing costs more at this size
+            written, owners, kinds = self._written, self._owner, self._kind
+            state, generation = self._state, self._generation
+            for p in pages.tolist():
+                written[p] = False
+                owners[p] = owner
+                kinds[p] = kind
+                state[p] = ALLOCATED
+                generation[p] += 1
+            return pages
         self._written[pages] = False
         self._owner[pages] = owner
         self._kind[pages] = kind
@@ -284,6 +305,25 @@ class PageAllocator(PageAccess):
         self._state[pages[held]] = RELEASING
         self._releasing += int(held.sum())
         self._put(pages[~held])
+
+    def _give_back_small(self, pages: list[int]) -> None:
+        """``_give_back`` page by page, with the same order on the free stack."""
+        readers, writer, state = self._readers, self._writer, self._state
+        free = []
+        for p in pages:
+            if readers[p] > 0 or writer[p]:
+                state[p] = RELEASING
+                self._releasing += 1
+            else:
+                free.append(p)
+        kinds, owners, stack = self._kind, self._owner, self._stack
+        for p in free:  # state first: a restart never keeps a page being freed
+            state[p] = FREE
+            kinds[p] = 0
+            owners[p] = 0
+        for p in reversed(free):
+            stack[self._nfree] = p
+            self._nfree += 1
 
     def _pages_of(self, idx: IndexArray, field: str) -> np.ndarray:
         ps = self.page_size
