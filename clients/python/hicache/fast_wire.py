@@ -77,7 +77,11 @@ FLAG_DEADLINE = 4
 """LoadKeys / Load: the caller's deadline follows (i64 Unix ns): no copy begins after it."""
 FLAG_CHAIN = 8
 """Store: the parent key and the token ids follow (what routers see of the pages)."""
-KNOWN_FLAGS = FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN
+STORE_DEADLINE = 16
+"""Never sent in a frame: in ``GetInfo.fast_path_flags`` it says the daemon reads
+``FLAG_DEADLINE`` on a Store too (a daemon from before took it for loads alone and refuses a
+Store that carries one: its client sends such a Store without it)."""
+KNOWN_FLAGS = FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN | STORE_DEADLINE
 """What this framing's daemon understands (``GetInfo.fast_path_flags``)."""
 
 LAYERS = struct.Struct("<ii")

@@ -112,7 +112,8 @@ class DataCalls:
         if not info.fast_path or info.fast_path_version != w.VERSION:
             return None
         # a daemon that does not say understands the flags the framing had before FLAG_CHAIN
-        self._fast_flags = info.fast_path_flags or w.KNOWN_FLAGS & ~w.FLAG_CHAIN
+        self._fast_flags = (info.fast_path_flags
+                            or w.KNOWN_FLAGS & ~(w.FLAG_CHAIN | w.STORE_DEADLINE))
         # the socket beside ours (the daemon may see its sockets at another path), else its
         mine = self.target[len("unix:"):].removeprefix("//") + ".fast"
         path = mine if os.path.exists(mine) else info.fast_path
@@ -266,11 +267,16 @@ class DataCalls:
         dp = self._pages(session_id, device_indices)
         deadline = self._deadline_ns(timeout)
         start = time.monotonic()
-        if dp is not None:
+        if dp is not None and self._fast_path(timeout) is not None:
+            # a daemon from before Store deadlines refuses a Store frame that carries one: it
+            # gets none (and could not honour it over gRPC either)
+            fast_deadline = deadline if self._fast_flags & w.STORE_DEADLINE else 0
             got = self._fast_call(
                 w.Method.STORE,
-                lambda: fp.keyed_body(session_id, enc, dp, deadline_ns=deadline, chain=chain),
-                (w.FLAG_CHAIN if chain is not None else 0) | w.FLAG_DEADLINE, timeout)
+                lambda: fp.keyed_body(session_id, enc, dp, deadline_ns=fast_deadline,
+                                      chain=chain),
+                (w.FLAG_CHAIN if chain is not None else 0)
+                | (w.FLAG_DEADLINE if fast_deadline else 0), timeout)
             if got is not None:
                 return fp.decode_store(got)
         return StoreResult.from_proto(self._call(
