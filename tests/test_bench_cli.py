@@ -23,7 +23,13 @@ def bench(tmp: Path, *args: str) -> subprocess.Popen[str]:
                              "--workers", "1", "--page-size", "16", *args], cwd=REPO,
                             env=dict(os.environ, TMPDIR=str(tmp)), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_interruptible)
+
+
+def _interruptible() -> None:
+    """Ctrl-C as a terminal's foreground job has it: a test run started in the background
+    ignores SIGINT, and so would the bench it starts."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_a_run_cleans_up_and_prints_only_progress(tmp_path: Path) -> None:
