@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache import polling
-from hicache.polling import GROW_START_NS, AdaptivePoll
+from hicache.polling import GROW_START_NS, PROBE_FIRST, PROBE_MAX, AdaptivePoll
 
 
 @pytest.fixture
@@ -216,6 +216,105 @@ def test_the_window_stays_within_its_bounds(max_us: int,
         assert w == 0 or min(GROW_START_NS, p.max_ns) <= w <= p.max_ns
         if caught or waited > p.max_ns:
             assert w <= before
+
+
+class _FakeWait:
+    """The native wait, scripted: ``catch(window_ns)`` says whether the bytes come within it."""
+
+    def __init__(self, catch: Any) -> None:
+        self.catch = catch
+        self.windows: list[int] = []
+
+    def __call__(self, fd: int, window_ns: int) -> int:
+        self.windows.append(window_ns)
+        return 1 if self.catch(window_ns) else 0
+
+
+def _scripted(max_us: int, catch: Any) -> tuple[AdaptivePoll, _FakeWait]:
+    p = AdaptivePoll(max_us)
+    fake = _FakeWait(catch)
+    p._wait = fake  # type: ignore[assignment]
+    return p, fake
+
+
+def test_a_window_at_zero_probes_and_opens_when_the_probe_catches() -> None:
+    """Replies a poll catches in 130 us but that take 300 us when slept for (the wake-up):
+    slept waits alone never grow the window, so it probes with the largest window, and a
+    caught probe opens it; from then on every wait polls and catches."""
+    p, fake = _scripted(200, lambda window: window >= 130_000)
+    for _ in range(PROBE_FIRST - 1):
+        assert p.wait(0) is False
+        p.learn(300_000, caught=False)
+    assert fake.windows == [] and p.window_ns == 0
+    assert p.wait(0) is True
+    assert fake.windows == [200_000]
+    p.learn(130_000, caught=True)
+    assert p.window_ns == 200_000 and p.probes == 1
+    for _ in range(50):
+        assert p.wait(0) is True
+        p.learn(130_000, caught=True)
+    assert p.window_ns == 200_000 and (p.polls, p.caught, p.probes) == (51, 51, 1)
+
+
+def test_an_idle_connection_probes_ever_less_often() -> None:
+    """Bytes that never come within a window: the gap between probes doubles up to PROBE_MAX,
+    so 100,000 idle waits spend a handful of windows, and the window stays shut."""
+    p, fake = _scripted(200, lambda window: False)
+    n = 100_000
+    for _ in range(n):
+        assert p.wait(0) is False
+        p.learn(5_000_000, caught=False)
+    assert p.window_ns == 0 and set(fake.windows) == {200_000}
+    gaps: list[int] = []
+    gap = PROBE_FIRST
+    while sum(gaps) + gap <= n:
+        gaps.append(gap)
+        gap = min(PROBE_MAX, 2 * gap)
+    assert p.probes == len(fake.windows) == len(gaps)
+    assert p.probes < 8 + n // PROBE_MAX + 1
+
+
+def test_a_probe_the_node_is_too_busy_for_does_not_poll() -> None:
+    p = AdaptivePoll(200)
+    calls: list[int] = []
+
+    def busy(fd: int, window_ns: int) -> int:
+        calls.append(window_ns)
+        return -2
+
+    p._wait = busy  # type: ignore[assignment]
+    for _ in range(3 * PROBE_FIRST):
+        assert p.wait(0) is False
+        p.learn(300_000, caught=False)
+    assert len(calls) == 3 and (p.polls, p.probes, p.window_ns) == (0, 0, 0)
+    assert p.busy == 3
+
+
+@given(st.integers(1, 1000), st.lists(st.tuples(st.integers(0, 10_000_000), st.booleans()),
+                                      max_size=400))
+def test_a_shut_window_probes_neither_more_often_than_the_first_gap_nor_less_than_the_last(
+        max_us: int, waits: list[tuple[int, bool]]) -> None:
+    """Whatever the bytes do, the window stays within its bounds, and a window at 0 polls
+    after no fewer than PROBE_FIRST - 1 and no more than PROBE_MAX - 1 waits without."""
+    catches = [False]
+    p = AdaptivePoll(max_us)
+    p._wait = lambda fd, window_ns: 1 if catches[0] else 0  # type: ignore[assignment]
+    shut_run = 0  # waits in a row that found the window at 0 and did not poll
+    for waited, catch in waits:
+        catches[0] = catch
+        shut, polls = p.window_ns == 0, p.polls
+        caught = p.wait(0)
+        if not shut:
+            shut_run = 0
+        elif p.polls > polls:
+            assert PROBE_FIRST - 1 <= shut_run <= PROBE_MAX - 1
+            shut_run = 0
+        else:
+            shut_run += 1
+            assert shut_run <= PROBE_MAX - 1
+        p.learn(min(waited, p.max_ns) if caught else waited, caught)
+        w = p.window_ns
+        assert w == 0 or min(GROW_START_NS, p.max_ns) <= w <= p.max_ns
 
 
 def test_a_frame_socket_polls_frames_that_come_soon_and_sleeps_after_a_gap(
