@@ -26,8 +26,11 @@ its handler with ``Envelope.run(call, decode, handle)``. In this order, the same
 Server streams (``stream``) get 1-3 and 6-8: they are neither bounded nor drained (they end by
 themselves when the daemon drains).
 
-Primitives: ``MethodSpec`` and ``METHODS`` (per method: creates work, a data call, where its
-request names its pool), ``CREATES_WORK``, ``DATA_METHODS``; ``Call``; ``Refused``
+What the envelope knows of a method (whether it creates work, whether it is a data call, where
+its request names its pool) is its entry in ``service.calls.METHODS``; the request it reads is
+the method's typed request, decoded by either front end's codec.
+
+Primitives: ``Call``; ``Refused``
 (``status``, ``code``); ``CallMetrics``; ``Envelope(daemon, gate, metrics, auth_token)``:
 ``run``, ``stream``, ``add_check``, ``status_of(exc, method)``.
 """
@@ -39,7 +42,6 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -50,62 +52,11 @@ from hicache.errors import HiCacheError, SessionNotFound, Unauthenticated
 from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
 from hicached.core.log_limit import LimitedLog
 from hicached.service.admission import DataGate
+from hicached.service.calls import Method, method
 from hicached.service.daemon import Daemon
 from hicached.service.identity import Peer, check_access
 
 log = logging.getLogger(__name__)
-
-PoolOf = Callable[[Any, Daemon], tuple[str, str]]
-"""(pool, session capability) a request names, for access rules; ("", "") for none."""
-
-
-def _close_session_pool(request: Any, daemon: Daemon) -> tuple[str, str]:
-    sid = str(request.session_id)
-    if not is_public_id(sid):
-        return "", ""  # the capability itself: the handler checks it
-    found = [s for s in daemon.sessions.list() if s.public_id == sid]
-    return (found[0].pool_name, "") if found else ("", "")
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    creates_work: bool = False
-    """Refused with ``DRAINING`` once shutdown began (every other method still answers)."""
-    data: bool = False
-    """A data call: bounded by ``max_data_rpcs`` over both front ends together."""
-    pool_of: PoolOf | None = None
-    """A pool-level call: where its request names the pool (and a session capability)."""
-
-
-def _pool(r: Any, d: Daemon) -> tuple[str, str]:
-    return str(r.pool), ""
-
-
-def _pool_and_session(r: Any, d: Daemon) -> tuple[str, str]:
-    return str(r.pool), str(r.session_id)
-
-
-METHODS: dict[str, MethodSpec] = {
-    "CreatePool": MethodSpec(True, pool_of=lambda r, d: (str(r.spec.name), "")),
-    "DeletePool": MethodSpec(True, pool_of=lambda r, d: (str(r.name), "")),
-    "OpenSession": MethodSpec(True),  # checks its peer itself, before it maps anything
-    "Alloc": MethodSpec(True, pool_of=_pool_and_session),
-    "Free": MethodSpec(pool_of=_pool),
-    "Backup": MethodSpec(True, True),
-    "Load": MethodSpec(True, True),
-    "Store": MethodSpec(True, True),
-    "LoadKeys": MethodSpec(True, True),
-    "Lookup": MethodSpec(data=True, pool_of=_pool_and_session),
-    "RemoveKeys": MethodSpec(pool_of=_pool),
-    "ClearPool": MethodSpec(pool_of=_pool),
-    "WatchEvents": MethodSpec(pool_of=_pool),
-    "CloseSession": MethodSpec(pool_of=_close_session_pool),
-}
-"""What the envelope must know of each method; one not listed is a control call of no pool."""
-CREATES_WORK = frozenset(m for m, s in METHODS.items() if s.creates_work)
-DATA_METHODS = frozenset(m for m, s in METHODS.items() if s.data)
-_CONTROL = MethodSpec()
-
 
 class Call:
     """One call as its front end received it."""
@@ -171,7 +122,7 @@ class Envelope:
     def run(self, call: Call, decode: Callable[[], Any], handle: Callable[[Any], Any]) -> Any:
         """The handler's result; ``Refused`` when the call ends with an error."""
         t0 = time.perf_counter()
-        spec = METHODS.get(call.method, _CONTROL)
+        spec = method(call.method)
         try:
             self._authenticate(call)
             if spec.data:
@@ -198,7 +149,7 @@ class Envelope:
         t0 = time.perf_counter()
         try:
             self._authenticate(call)
-            self._authorize(call, METHODS.get(call.method, _CONTROL), request)
+            self._authorize(call, method(call.method), request)
             yield from handle(request)
         except GeneratorExit:
             self._count(call, "CANCELLED", t0)  # the client went away mid-stream
@@ -216,7 +167,7 @@ class Envelope:
                 raise Unauthenticated("this listener needs the daemon's bearer token "
                                       "(authorization: Bearer ...)")
 
-    def _authorize(self, call: Call, spec: MethodSpec, request: Any) -> None:
+    def _authorize(self, call: Call, spec: Method, request: Any) -> None:
         d = self.daemon
         if d.access and spec.pool_of is not None:
             pool, capability = spec.pool_of(request, d)

@@ -3,8 +3,9 @@
 Python gRPC spends most of a millisecond on each call before and after the handler; a 1-page
 Store or a Lookup is a few tens of microseconds of work. Beside every Unix API socket the
 daemon offers this socket (``GetInfo.fast_path``), where a connection's own thread reads a
-frame, runs the same flow as the gRPC handler and writes the reply: no per-call allocation of
-gRPC's call objects, contexts, metadata or executors. What every gRPC call gets from the
+frame, decodes it with ``fast_codec`` into the method's typed request (``service.calls``), runs
+the same handler as the gRPC front end and writes the encoded result: no per-call allocation
+of gRPC's call objects, contexts, metadata or executors. What every gRPC call gets from the
 interceptors, a fast call gets here, in the same order and with the same outcome:
 
 every call goes through the same ``envelope.Envelope`` as a gRPC call (error mapping, metrics,
@@ -39,9 +40,8 @@ import logging
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from google.rpc import status_pb2
 
@@ -53,14 +53,14 @@ from hicache.errors import (
     ResourceExhausted,
     SpecInvalid,
 )
-from hicache.indices import IndexArray, PageIds
 from hicache.polling import PollCounts, sum_counts
-from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
-from hicached.copy.engine import Op, TransferResult
 from hicached.core.log_limit import LimitedLog
+from hicached.frontends import fast_codec as fc
 from hicached.frontends.envelope import Call, Envelope, Refused
 from hicached.frontends.sockets import listen_beside, remove_if_there
+from hicached.service import calls
 from hicached.service.admission import RETRY_AFTER_MS, ByteBudget
+from hicached.service.daemon import Daemon
 from hicached.service.identity import Peer, peer_of
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,6 @@ MAX_CONNECTIONS = 1024
 """Connections served at once (one thread each, asleep in recv while idle)."""
 HELLO_TIMEOUT_SECONDS = 2.0
 """A connection that has not said hello by then is closed."""
-_U32 = struct.Struct("<I")
-_Handler = Callable[[w.Reader, int, Peer], bytes]
 
 
 class FastPathServer:
@@ -97,17 +95,13 @@ class FastPathServer:
         self._lock = threading.Lock()
         self._closing = False
         self._accepting: threading.Thread | None = None
-        # the gRPC name of each method, how its body decodes, what runs it
-        self._handlers: dict[int, tuple[str, _Decode, _Handle]] = {
-            w.Method.LOOKUP: ("Lookup", self._decode_lookup, self._lookup),
-            w.Method.STORE: ("Store", self._decode_keyed, self._store),
-            w.Method.LOAD_KEYS: ("LoadKeys", self._decode_keyed, self._load_keys),
-            w.Method.BACKUP: ("Backup", _decode_raw, self._backup),
-            w.Method.LOAD: ("Load", _decode_raw, self._load),
-            w.Method.HEARTBEAT: ("Heartbeat", _decode_session, self._heartbeat),
-            w.Method.RELEASE_HOLDS: ("ReleaseHolds", self._decode_release,
-                                     self._release_holds),
-        }
+        self._max_keys = self.daemon.max_keys_per_call
+        # per method number: its name, codec and handler (``service.calls``)
+        self._methods: dict[int, tuple[str, fc.FastCodec, Callable[[Daemon, Any], Any]]] = {}
+        for number, codec in fc.CODECS.items():
+            handler = calls.METHODS[codec.name].handler
+            assert handler is not None, f"{codec.name} is on the fast path: it has a handler"
+            self._methods[number] = (codec.name, codec, handler)
 
     @property
     def connections(self) -> int:
@@ -246,132 +240,21 @@ class FastPathServer:
     # -- one call ----------------------------------------------------------------------------
 
     def _call(self, rid: int, method: int, flags: int, body: bytes, peer: Peer) -> bytes:
-        entry = self._handlers.get(method)
+        entry = self._methods.get(method)
         if entry is None:
             return _error(rid, to_rpc_status(SpecInvalid(
                 f"the fast path has no method {method}",
                 metadata={"field": "method", "method": method})))
-        name, decode, handle = entry
+        name, codec, handler = entry
+        daemon, max_keys = self.daemon, self._max_keys
         try:
-            out: bytes = self.envelope.run(Call(name, "fast", peer=peer),
-                                    lambda: decode(w.Reader(body), flags), handle)
+            out: bytes = self.envelope.run(
+                Call(name, "fast", peer=peer),
+                lambda: codec.decode(w.Reader(body), flags, max_keys),
+                lambda request: codec.encode(handler(daemon, request), flags))
         except Refused as refused:
             return _error(rid, refused.status)
         return w.REPLY.pack(len(out), rid, w.OK) + out
-
-    # -- the methods: a body decoded (as the gRPC request's fields), then run ---------------
-
-    def _decode_lookup(self, r: w.Reader, flags: int) -> _Lookup:
-        pool, capability = r.string(), r.string()
-        keys = r.keys(self.daemon.max_keys_per_call)
-        hold_ms = r.i64() if flags & w.FLAG_HOLD else 0
-        r.end()
-        return _Lookup(pool, capability, keys, hold_ms, bool(flags & w.FLAG_HOLD))
-
-    def _lookup(self, q: _Lookup) -> bytes:
-        hit_prefix, tiers, held = self.daemon.lookup(q.pool, q.keys,
-                                                     q.session_id if q.hold_ms else "",
-                                                     q.hold_ms)
-        reply = (w.LOOKUP_REPLY.pack(hit_prefix, len(tiers) - tiers.count(0), len(tiers))
-                 + bytes(tiers))
-        return reply + _U32.pack(held) if q.hold else reply
-
-    def _decode_release(self, r: w.Reader, flags: int) -> tuple[str, list[bytes]]:
-        session, keys = r.string(), r.keys(self.daemon.max_keys_per_call)
-        r.end()
-        return session, keys
-
-    def _release_holds(self, q: tuple[str, list[bytes]]) -> bytes:
-        return _U32.pack(self.daemon.release_holds(*q))
-
-    def _decode_keyed(self, r: w.Reader, flags: int) -> _Keyed:
-        session, layers = r.string(), r.layers()
-        keys, device = r.keys(self.daemon.max_keys_per_call), PageIds(r.pages())
-        parent, tokens = (r.short_bytes(), r.pages()) if flags & w.FLAG_CHAIN else (b"", None)
-        deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
-        r.end()
-        return _Keyed(session, layers, keys, device, bool(flags & w.FLAG_LAYER_EVENTS),
-                      deadline, parent, tokens)
-
-    def _store(self, q: _Keyed) -> bytes:
-        ticket, res = self.daemon.store(q.session_id, q.keys, q.device, q.layers, q.tokens,
-                                        q.parent, q.deadline_ns)
-        st = ticket.status
-        return (w.STORE_REPLY.pack(st.count(STORED), st.count(PRESENT), st.count(NO_SPACE),
-                                   res.bytes if res else 0, res.seconds if res else 0.0)
-                + _U32.pack(len(st)) + bytes(st))
-
-    def _load_keys(self, q: _Keyed) -> bytes:
-        return _transfer_reply(self.daemon.load_keys(
-            q.session_id, q.keys, q.device, q.layers, q.layer_events,
-            deadline_ns=q.deadline_ns))
-
-    def _heartbeat(self, session: str) -> bytes:
-        s = self.daemon.sessions.heartbeat(session)
-        return w.HEARTBEAT_REPLY.pack(int(s.lease_seconds * 1000),
-                                      int(s.expires_in(time.monotonic()) * 1000))
-
-    def _backup(self, q: _Raw) -> bytes:
-        return self._raw(Op.BACKUP, q)
-
-    def _load(self, q: _Raw) -> bytes:
-        return self._raw(Op.LOAD, q)
-
-    def _raw(self, op: Op, q: _Raw) -> bytes:
-        return _transfer_reply(self.daemon.transfer(
-            op, q.session_id, q.host, q.device, q.layers, q.layer_events,
-            deadline_ns=q.deadline_ns))
-
-
-class _Lookup(NamedTuple):
-    pool: str
-    session_id: str
-    """The credential: a session capability of the pool, or "" (``pool_of`` reads it)."""
-    keys: list[bytes]
-    hold_ms: int
-    hold: bool
-
-
-class _Keyed(NamedTuple):
-    session_id: str
-    layers: tuple[int, int]
-    keys: list[bytes]
-    device: PageIds
-    layer_events: bool
-    deadline_ns: int
-    parent: bytes
-    tokens: IndexArray | None
-
-
-class _Raw(NamedTuple):
-    session_id: str
-    layers: tuple[int, int]
-    host: PageIds
-    device: PageIds
-    layer_events: bool
-    deadline_ns: int
-
-
-_Decode = Callable[[w.Reader, int], Any]
-_Handle = Callable[[Any], bytes]
-
-
-def _decode_raw(r: w.Reader, flags: int) -> _Raw:
-    session, layers = r.string(), r.layers()
-    host, device = PageIds(r.pages()), PageIds(r.pages())
-    deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
-    r.end()
-    return _Raw(session, layers, host, device, bool(flags & w.FLAG_LAYER_EVENTS), deadline)
-
-
-def _decode_session(r: w.Reader, flags: int) -> str:
-    session = r.string()
-    r.end()
-    return session
-
-
-def _transfer_reply(res: TransferResult) -> bytes:
-    return w.TRANSFER_REPLY.pack(res.bytes, res.pages, res.seconds, res.pending)
 
 
 def _error(rid: int, status: status_pb2.Status) -> bytes:

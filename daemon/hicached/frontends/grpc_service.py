@@ -1,19 +1,24 @@
-"""The gRPC servicer of ``hicache.v1.HostCache``: decode the request, call the daemon, encode.
+"""The gRPC servicer of ``hicache.v1.HostCache``.
+
+Every method of ``service.calls.METHODS`` with a typed request is served the same way: its
+request arrives decoded by ``grpc_codec`` (the interceptor decodes it, so the envelope's
+access rules read the same typed request on both front ends), the table's handler runs, and
+the codec encodes the result. The control calls whose results are read models the servicer
+renders (pools, sessions, the daemon's info, the event stream) have a method of their own.
 
 Primitives:
 
-- ``HostCacheServicer(daemon, drain)``: one method per RPC and nothing else; domain errors,
-  metrics, access rules, admission and the drain gate are the envelope's (``envelope``, through
-  ``interceptors``), the flows the daemon's (``daemon``).
-- ``pool_message(pool, cache, sessions)`` / ``session_message(session)`` /
-  ``transfer_response(result)``: state and results as wire messages.
+- ``HostCacheServicer(daemon, drain)``; domain errors, metrics, access rules, admission and
+  the drain gate are the envelope's (``envelope``, through ``interceptors``), the flows the
+  daemon's (``daemon``).
+- ``pool_message(pool, cache, sessions)``, ``build_message(build)``: pools as wire messages.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -21,21 +26,20 @@ import hicache
 from hicache import fast_wire
 from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
 from hicache.errors import PoolNotFound, SpecInvalid
-from hicache.indices import indices_to_bytes, to_index_array
 from hicache.layer_groups import check_layer_events
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.cache.events import HOST, MEDIUM
-from hicached.cache.index_types import KEY_INDEX_BYTES, NO_SPACE, PRESENT, STORED
+from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
-from hicached.copy.engine import Op, TransferResult
 from hicached.core.pool import HostPool
 from hicached.core.system import available_bytes
-from hicached.cuda.runner import CudaRunner
+from hicached.frontends import grpc_codec
+from hicached.frontends.grpc_codec import session_message
+from hicached.service import calls
 from hicached.service.daemon import Daemon
 from hicached.service.identity import check_access
 from hicached.service.pool_build import FAILED, PoolBuild
-from hicached.service.sessions import Session
 from hicached.tiers.stack import TierStack
 
 log = logging.getLogger(__name__)
@@ -79,27 +83,8 @@ def build_message(b: PoolBuild) -> pb.Pool:
                    error_reason=b.error.reason if b.error else "")
 
 
-def session_message(s: Session, capability: bool = True) -> pb.Session:
-    """``capability=False`` for anyone but the worker holding it: the id left empty."""
-    runner = s.attachment.runner
-    uuid, events = "", 0
-    if isinstance(runner, CudaRunner):
-        uuid, events = runner.driver.devices[runner.ordinal].uuid, len(runner.layer_events)
-    return pb.Session(session_id=s.session_id if capability else "", public_id=s.public_id,
-                      pool=s.pool_name, worker_id=s.worker_id,
-                      lease_ms=int(s.lease_seconds * 1000),
-                      expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
-                      attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
-                      transfers=s.transfers, device_uuid=uuid, layer_events=events,
-                      lease_clamped=s.lease_clamped, peer_known=s.peer is not None,
-                      peer_uid=s.peer.uid if s.peer else 0, peer_gid=s.peer.gid if s.peer else 0,
-                      peer_pid=s.peer.pid if s.peer else 0, page_size=s.pool.page_size,
-                      loads_in_flight=s.loads)
 
 
-def transfer_response(r: TransferResult) -> pb.TransferResponse:
-    return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages, duration_seconds=r.seconds,
-                               pending=r.pending)
 
 
 class HostCacheServicer(pb_grpc.HostCacheServicer):
@@ -108,6 +93,21 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         returns the grace period that applies (0 asks for the configured one)."""
         self.daemon = daemon
         self._drain = drain
+        for name, codec in grpc_codec.CODECS.items():  # the table's methods
+            setattr(self, name, self._typed(calls.METHODS[name], codec))
+
+    def _typed(self, m: calls.Method, codec: grpc_codec.GrpcCodec
+               ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        daemon, handler, request_type = self.daemon, m.handler, m.request
+        assert handler is not None, f"{m.name} has a codec: it has a handler"
+
+        def serve(request: Any, context: grpc.ServicerContext) -> Any:
+            if type(request) is not request_type:  # not decoded by the interceptor
+                request = codec.decode(request)
+            return codec.encode(handler(daemon, request))
+
+        serve.__name__ = m.name
+        return serve
 
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext
                 ) -> pb.GetInfoResponse:
@@ -165,12 +165,6 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
               for p, c in d.pools.entries()),
             *(build_message(b) for b in d.pools.builds())])
 
-    def DeletePool(self, request: pb.DeletePoolRequest, context: grpc.ServicerContext
-                   ) -> pb.DeletePoolResponse:
-        self.daemon.pools.delete(request.name)
-        log.info("pool %s deleted", request.name)
-        return pb.DeletePoolResponse()
-
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
                     ) -> pb.Session:
         d = self.daemon
@@ -196,47 +190,11 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             raise
         return session_message(session)
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
-                  ) -> pb.Session:
-        return session_message(self.daemon.sessions.heartbeat(request.session_id))
-
-    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
-                     ) -> pb.CloseSessionResponse:
-        self.daemon.sessions.close(request.session_id)
-        return pb.CloseSessionResponse()
-
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext
                      ) -> pb.ListSessionsResponse:
         return pb.ListSessionsResponse(
             sessions=[session_message(s, capability=False)
                       for s in self.daemon.sessions.list(request.pool)])
-
-    def Alloc(self, request: pb.AllocRequest, context: grpc.ServicerContext
-              ) -> pb.AllocResponse:
-        host = self.daemon.alloc(request.pool, request.num_tokens, request.session_id)
-        return pb.AllocResponse(host_indices=indices_to_bytes(host))
-
-    def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
-        pool = self.daemon.pools.get(request.pool)
-        idx = to_index_array(request.host_indices, "host_indices")
-        return pb.FreeResponse(pages_freed=pool.free(idx))
-
-    def Backup(self, request: pb.TransferRequest, context: grpc.ServicerContext
-               ) -> pb.TransferResponse:
-        return self._transfer(Op.BACKUP, request)
-
-    def Load(self, request: pb.TransferRequest, context: grpc.ServicerContext
-             ) -> pb.TransferResponse:
-        return self._transfer(Op.LOAD, request)
-
-    def _transfer(self, op: Op, request: pb.TransferRequest) -> pb.TransferResponse:
-        r = self.daemon.transfer(
-            op, request.session_id, to_index_array(request.host_indices, "host_indices"),
-            to_index_array(request.device_indices, "device_indices"),
-            (int(request.layer_begin), int(request.layer_end)),
-            request.completion == pb.COMPLETION_LAYER_EVENTS,
-            deadline_ns=int(request.deadline_unix_ns))
-        return transfer_response(r)
 
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext
               ) -> pb.DrainResponse:
@@ -251,52 +209,6 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                                 already_draining=already)
 
     # -- the cache -------------------------------------------------------------------------
-
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext
-               ) -> pb.LookupResponse:
-        hit_prefix, tiers, held = self.daemon.lookup(request.pool, list(request.keys),
-                                                     request.session_id, request.hold_ms)
-        return pb.LookupResponse(hit_prefix=hit_prefix, tiers=tiers,
-                                 hits=len(tiers) - tiers.count(0), held=held)
-
-    def ReleaseHolds(self, request: pb.ReleaseHoldsRequest, context: grpc.ServicerContext
-                     ) -> pb.ReleaseHoldsResponse:
-        return pb.ReleaseHoldsResponse(released=self.daemon.release_holds(
-            request.session_id, list(request.keys)))
-
-    def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext
-              ) -> pb.StoreResponse:
-        ticket, r = self.daemon.store(
-            request.session_id, list(request.keys),
-            to_index_array(request.device_indices, "device_indices"),
-            (int(request.layer_begin), int(request.layer_end)),
-            request.token_ids, request.parent_key, int(request.deadline_unix_ns))
-        st = ticket.status
-        return pb.StoreResponse(stored=st.count(STORED), already_present=st.count(PRESENT),
-                                no_space=st.count(NO_SPACE), status=bytes(st),
-                                bytes_moved=r.bytes if r else 0,
-                                duration_seconds=r.seconds if r else 0.0)
-
-    def LoadKeys(self, request: pb.LoadKeysRequest, context: grpc.ServicerContext
-                 ) -> pb.TransferResponse:
-        r = self.daemon.load_keys(
-            request.session_id, list(request.keys),
-            to_index_array(request.device_indices, "device_indices"),
-            (int(request.layer_begin), int(request.layer_end)),
-            request.completion == pb.COMPLETION_LAYER_EVENTS,
-            deadline_ns=int(request.deadline_unix_ns))
-        return transfer_response(r)
-
-    def RemoveKeys(self, request: pb.RemoveKeysRequest, context: grpc.ServicerContext
-                   ) -> pb.RemoveKeysResponse:
-        return pb.RemoveKeysResponse(removed=self.daemon.remove_keys(request.pool,
-                                                                     list(request.keys)))
-
-    def ClearPool(self, request: pb.ClearPoolRequest, context: grpc.ServicerContext
-                  ) -> pb.ClearPoolResponse:
-        n = self.daemon.pools.stack(request.pool).clear()
-        log.info("pool %s cleared: %d key(s) dropped", request.pool, n)
-        return pb.ClearPoolResponse(pages_freed=n, keys_removed=n)
 
     def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[pb.CacheEvent]:

@@ -8,9 +8,10 @@ mapping, metrics, authentication, access rules, admission, the drain gate) is
   ``experimental_thread_pool``), every other call on the server's: transfers and control calls
   never wait for each other's threads.
 - ``EnvelopeInterceptor``: each call described as an ``envelope.Call`` (from a Unix socket or
-  TCP, its metadata) and run through the envelope; a refusal leaves as its gRPC code with the
-  rich ``google.rpc.Status``. Server streams (WatchEvents) the same, through
-  ``Envelope.stream``. A keyed request larger than any legal one
+  TCP, its metadata) and run through the envelope, its request decoded by ``grpc_codec`` into
+  the method's typed request (``service.calls``) where the table has one; a refusal leaves
+  as its gRPC code with the rich ``google.rpc.Status``. Server streams (WatchEvents) the
+  same, through ``Envelope.stream``. A keyed request larger than any legal one
   (``service.request_bounds``) is not decoded: its refusal runs through the envelope like any
   other.
 
@@ -27,7 +28,9 @@ import grpc
 from grpc_status import rpc_status
 
 from hicache.errors import HiCacheError
-from hicached.frontends.envelope import DATA_METHODS, Call, Envelope, Refused
+from hicached.frontends.envelope import Call, Envelope, Refused
+from hicached.frontends.grpc_codec import CODECS
+from hicached.service.calls import DATA_METHODS
 from hicached.service.request_bounds import KEYED_METHODS, RequestBounds
 
 SERVICE_PREFIX = "/hicache.v1.HostCache/"
@@ -89,20 +92,38 @@ class EnvelopeInterceptor(_ServiceInterceptor):
         self.bounds = bounds
 
     def deserializer(self, method: str, decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+        """The protobuf message decoded, then (a method of the table) its typed request: a
+        request too large, or a field the codec refuses, becomes an ``_Unread`` whose error
+        the envelope's decode step raises."""
         bounds = self.bounds
-        if bounds is None or method not in KEYED_METHODS:
-            return decode
-        keys_only = bounds.keys_only
+        codec = CODECS.get(method)
+        message: Callable[[bytes], Any] = decode
+        if bounds is not None and method in KEYED_METHODS:
+            keys_only = bounds.keys_only
 
-        def bounded(data: bytes) -> Any:
-            if len(data) > keys_only:  # only then are the pools asked about
-                try:
-                    bounds.check(method, len(data))
-                except HiCacheError as exc:
-                    return _Unread(exc)
-            return decode(data)
+            def bounded(data: bytes) -> Any:
+                if len(data) > keys_only:  # only then are the pools asked about
+                    try:
+                        bounds.check(method, len(data))
+                    except HiCacheError as exc:
+                        return _Unread(exc)
+                return decode(data)
 
-        return bounded
+            message = bounded
+        if codec is None:
+            return message
+        typed = codec.decode
+
+        def decoded(data: bytes) -> Any:
+            msg = message(data)
+            if type(msg) is _Unread:
+                return msg
+            try:
+                return typed(msg)
+            except Exception as exc:  # the envelope maps it (and logs a non-domain one)
+                return _Unread(exc)
+
+        return decoded
 
     def wrap(self, method: str, behavior: Behavior) -> Behavior:
         env = self.envelope
@@ -132,11 +153,12 @@ class EnvelopeInterceptor(_ServiceInterceptor):
 
 
 class _Unread:
-    """A request refused before decoding: the envelope's decode step raises its error."""
+    """A request refused before (or while) decoding: the envelope's decode step raises its
+    error."""
 
     __slots__ = ("error",)
 
-    def __init__(self, error: HiCacheError) -> None:
+    def __init__(self, error: Exception) -> None:
         self.error = error
 
     def refuse(self) -> Any:

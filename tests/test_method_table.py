@@ -1,0 +1,177 @@
+"""One call, defined once: the method table against the service and both front ends' codecs.
+
+The table (``hicached.service.calls.METHODS``) must name every RPC of the proto's service; each
+method the fast path carries needs a codec on both front ends; the codecs must turn what the
+client sends into the typed request the handler reads, and the handler's result into what the
+client decodes, on both front ends alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache import fast_wire as w
+from hicache.indices import PageIds
+from hicache.v1 import hicache_pb2 as pb
+from hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache_client import fast_path as cfp
+from hicached.copy.engine import Op, TransferResult
+from hicached.frontends import fast_codec, grpc_codec
+from hicached.frontends.grpc_service import HostCacheServicer
+from hicached.service import calls
+
+SERVICE = pb.DESCRIPTOR.services_by_name["HostCache"]
+
+
+def test_the_table_names_every_rpc_of_the_service_and_nothing_else() -> None:
+    assert set(calls.METHODS) == {m.name for m in SERVICE.methods}
+
+
+def test_each_method_has_a_codec_on_every_front_end_that_serves_it() -> None:
+    fast_names = {c.name for c in fast_codec.CODECS.values()}
+    for m in calls.METHODS.values():
+        if m.request is not None:
+            assert m.name in grpc_codec.CODECS, f"{m.name}: typed, but no gRPC codec"
+        if not m.grpc_only:
+            assert m.name in fast_names, f"{m.name}: on the fast path, but no fast codec"
+        else:
+            assert m.name not in fast_names, f"{m.name}: gRPC-only, yet a fast codec"
+    assert set(grpc_codec.CODECS) == {m.name for m in calls.METHODS.values() if m.request}
+    assert {int(x) for x in w.Method} == set(fast_codec.CODECS), \
+        "every method number of the framing has a codec"
+    assert len(fast_names) == len(fast_codec.CODECS), "one number per method"
+
+
+def test_the_servicer_serves_every_rpc() -> None:
+    """No method falls through to the generated base class (UNIMPLEMENTED)."""
+    servicer = HostCacheServicer(daemon=None, drain=lambda g: g)  # type: ignore[arg-type]
+    for m in SERVICE.methods:
+        got = getattr(servicer, m.name)
+        base = getattr(pb_grpc.HostCacheServicer, m.name)
+        assert getattr(got, "__func__", got) is not base, f"{m.name} is not served"
+
+
+def test_a_method_entry_is_whole_or_untyped() -> None:
+    with pytest.raises(ValueError):
+        calls.Method("X", calls.LookupRequest)
+    with pytest.raises(ValueError):
+        calls.Method("X", grpc_only=False)
+
+
+# -- the codecs against what the client sends and reads --------------------------------------
+
+KEYS = [bytes([i]) * 32 for i in range(3)]
+PAGES = np.array([4, 7, 9], dtype=np.int64)
+
+
+def _fast(method: w.Method, parts: list[bytes], flags: int) -> object:
+    codec = fast_codec.CODECS[method]
+    return codec.decode(w.Reader(b"".join(parts)), flags, 1000)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, PageIds):
+        a = a.ids
+    if isinstance(b, PageIds):
+        b = b.ids
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("hold_ms", [0, 250])
+def test_a_lookup_decodes_alike_on_both_front_ends(hold_ms: int) -> None:
+    flags = w.FLAG_HOLD if hold_ms else 0
+    fast = _fast(w.Method.LOOKUP, cfp.lookup_body("p", "sid", KEYS, hold_ms), flags)
+    grpc = grpc_codec.CODECS["Lookup"].decode(
+        pb.LookupRequest(pool="p", keys=KEYS, session_id="sid", hold_ms=hold_ms))
+    assert fast == grpc == calls.LookupRequest("p", KEYS, "sid", hold_ms)
+    result = calls.LookupResult(2, b"\x01\x03\x00", 2, 2 if hold_ms else 0)
+    fast_codec_ = fast_codec.CODECS[w.Method.LOOKUP]
+    got = cfp.decode_lookup(fast_codec_.encode(result, flags), bool(hold_ms))
+    assert (got.hit_prefix, got.tiers, got.hits, got.held) == tuple(result)
+    msg = grpc_codec.CODECS["Lookup"].encode(result)
+    assert (msg.hit_prefix, msg.tiers, msg.hits, msg.held) == tuple(result)
+
+
+@pytest.mark.parametrize("chain", [False, True])
+@pytest.mark.parametrize("deadline", [0, 1_800_000_000_000_000_000])
+def test_a_store_decodes_alike_on_both_front_ends(chain: bool, deadline: int) -> None:
+    tokens = np.arange(3 * 16, dtype=np.int64)
+    parent = b"\x09" * 32 if chain else b""
+    flags = (w.FLAG_CHAIN if chain else 0) | (w.FLAG_DEADLINE if deadline else 0)
+    fast = _fast(w.Method.STORE, cfp.keyed_body(
+        "sid", KEYS, PAGES, (0, 0), deadline, (parent, tokens) if chain else None), flags)
+    rows = (PAGES[:, None] * 16 + np.arange(16)).ravel()
+    grpc = grpc_codec.CODECS["Store"].decode(pb.StoreRequest(
+        session_id="sid", keys=KEYS, device_indices=rows.astype("<i8").tobytes(),
+        token_ids=tokens.tolist() if chain else (), parent_key=parent,
+        deadline_unix_ns=deadline))
+    assert isinstance(fast, calls.StoreRequest) and isinstance(grpc, calls.StoreRequest)
+    assert _same(fast.device, PAGES) and _same(grpc.device, rows)  # page ids / token rows
+    for f in ("session_id", "keys", "layers", "parent_key", "deadline_ns"):
+        assert getattr(fast, f) == getattr(grpc, f), f
+    assert _same(fast.token_ids if chain else (), grpc.token_ids if chain else ())
+    result = calls.StoreResult(1, 1, 1, bytes([1, 2, 3]), 4096, 0.25)
+    got = cfp.decode_store(fast_codec.CODECS[w.Method.STORE].encode(result, flags))
+    assert (got.stored, got.already_present, got.no_space, got.status, got.bytes_moved,
+            got.duration_seconds) == tuple(result)
+    msg = grpc_codec.CODECS["Store"].encode(result)
+    assert (msg.stored, msg.already_present, msg.no_space, msg.status, msg.bytes_moved,
+            msg.duration_seconds) == tuple(result)
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_transfers_decode_alike_on_both_front_ends(events: bool) -> None:
+    flags = (w.FLAG_LAYER_EVENTS if events else 0) | w.FLAG_DEADLINE
+    completion = pb.COMPLETION_LAYER_EVENTS if events else pb.COMPLETION_WAIT
+    keyed = _fast(w.Method.LOAD_KEYS, cfp.keyed_body("sid", KEYS, PAGES, (1, 3), 77), flags)
+    assert isinstance(keyed, calls.LoadKeysRequest)
+    g = grpc_codec.CODECS["LoadKeys"].decode(pb.LoadKeysRequest(
+        session_id="sid", keys=KEYS, device_indices=PAGES.astype("<i8").tobytes(),
+        layer_begin=1, layer_end=3, completion=completion, deadline_unix_ns=77))
+    assert _same(keyed, calls.LoadKeysRequest("sid", KEYS, PAGES, (1, 3), events, 77))
+    assert _same(g, calls.LoadKeysRequest("sid", KEYS, PAGES, (1, 3), events, 77))
+    for number, name in ((w.Method.BACKUP, "Backup"), (w.Method.LOAD, "Load")):
+        raw = _fast(number, cfp.raw_body("sid", PAGES, PAGES[::-1], (0, 2), 5), flags)
+        g = grpc_codec.CODECS[name].decode(pb.TransferRequest(
+            session_id="sid", host_indices=PAGES.astype("<i8").tobytes(),
+            device_indices=PAGES[::-1].astype("<i8").tobytes(), layer_begin=0, layer_end=2,
+            completion=completion, deadline_unix_ns=5))
+        want = calls.TransferRequest("sid", PAGES, PAGES[::-1], (0, 2), events, 5)
+        assert _same(raw, want) and _same(g, want), name
+    result = TransferResult(Op.LOAD, 1 << 20, 3, 0.001, 0.002, pending=events)
+    got = cfp.decode_transfer(fast_codec.CODECS[w.Method.LOAD].encode(result, flags))
+    assert (got.bytes_moved, got.pages, got.pending) == (1 << 20, 3, events)
+    assert got.duration_seconds == pytest.approx(0.003)
+    msg = grpc_codec.CODECS["Load"].encode(result)
+    assert (msg.bytes_moved, msg.pages, msg.pending) == (1 << 20, 3, events)
+
+
+def test_release_holds_and_heartbeat_decode_alike_on_both_front_ends() -> None:
+    fast = _fast(w.Method.RELEASE_HOLDS, cfp.release_body("sid", KEYS), 0)
+    grpc = grpc_codec.CODECS["ReleaseHolds"].decode(
+        pb.ReleaseHoldsRequest(session_id="sid", keys=KEYS))
+    assert fast == grpc == calls.ReleaseHoldsRequest("sid", KEYS)
+    assert fast_codec.CODECS[w.Method.RELEASE_HOLDS].encode(calls.Count(7), 0) == \
+        cfp.U32.pack(7)
+    assert grpc_codec.CODECS["ReleaseHolds"].encode(calls.Count(7)).released == 7
+    beat = _fast(w.Method.HEARTBEAT, cfp.session_body("sid"), 0)
+    assert beat == grpc_codec.CODECS["Heartbeat"].decode(
+        pb.HeartbeatRequest(session_id="sid")) == calls.SessionRequest("sid")
+
+
+def test_a_bad_field_is_refused_by_the_codec_before_any_handler() -> None:
+    """Indices that are not int64 little-endian: the same domain error on gRPC as its
+    handler raised before the table (the envelope maps it)."""
+    from hicache.errors import HiCacheError
+
+    with pytest.raises(HiCacheError) as err:
+        grpc_codec.CODECS["Store"].decode(pb.StoreRequest(session_id="s", keys=KEYS,
+                                                          device_indices=b"\x01\x02\x03"))
+    assert err.value.metadata.get("field") == "device_indices"
+    with pytest.raises(HiCacheError):  # a body cut short: the fast codec says so alike
+        _fast(w.Method.STORE, [b"\x00"], 0)
