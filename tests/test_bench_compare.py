@@ -12,9 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from hicached.bench_compare import summarize
+from hicached.bench_compare import ratio_interval, summarize
 from tests.daemon_proc import REPO
 
 SLOW_LOOKUP = '''
@@ -79,6 +80,34 @@ def test_summarize_takes_medians_of_every_call_and_half_ranges_of_round_medians(
     assert row.base_spread_pct == pytest.approx(100 / 3) and row.head_spread_pct == 50.0
 
 
+def test_the_interval_tells_a_slowdown_from_rounds_that_disagree() -> None:
+    """Rounds that each settle in their own regime (some fast, some slow, in both trees, the
+    pair of a round alike as a drift would make them) give an interval that holds 1; the same
+    rounds made 30 % slower in head give one above 1; one round gives no interval."""
+    rng = np.random.default_rng(7)
+
+    def rounds(scale: float) -> list[list[float]]:
+        out = []
+        for r in range(8):
+            regime = 1.0 if r % 2 else 1.15  # a process that settled slow
+            out.append(list(scale * regime * (1 + 0.05 * rng.standard_normal(200))))
+        return out
+
+    base, same, slower = rounds(1.0), rounds(1.0), rounds(1.3)
+    lo, hi = ratio_interval(base, same)
+    assert lo < 1 < hi
+    lo, hi = ratio_interval(base, slower)
+    assert 1 < lo < 1.3 < hi < 1.6, (lo, hi)
+    assert ratio_interval(base[:1], slower[:1]) == (0.0, float("inf"))
+    samples = {("fast", "small/load_1"): {"b": base, "h": slower}}
+    [row] = summarize(samples, "b", "h")
+    assert (row.ratio_lo, row.ratio_hi, row.verdict) == (lo, hi, "slower")
+    [even] = summarize({("fast", "small/load_1"): {"b": base, "h": same}}, "b", "h")
+    assert even.verdict == "even"
+    [faster] = summarize({("fast", "small/load_1"): {"b": slower, "h": base}}, "b", "h")
+    assert faster.verdict == "faster"
+
+
 def test_a_planted_slowdown_is_found_and_nothing_is_left_behind(
         stand_in: tuple[Path, str, str], tmp_path: Path) -> None:
     clone, base, slow = stand_in
@@ -108,7 +137,10 @@ def test_the_table_names_both_trees_and_the_same_tree_is_even(
     assert got.returncode == 0, got.stderr
     assert f"base {base[:9]}, head {base[:9]}" in got.stdout
     [line] = [x for x in got.stdout.splitlines() if x.startswith("fast ")]
-    assert 1 / 3 < float(line.split()[-1]) < 3
+    ratio, interval, verdict = line.split()[-3:]
+    assert 1 / 3 < float(ratio) < 3 and verdict in ("even", "slower", "faster")
+    lo, hi = map(float, interval.split("-"))
+    assert lo <= float(ratio) <= hi
     assert os.listdir(tmp_path) == []
 
 

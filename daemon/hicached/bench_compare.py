@@ -18,7 +18,13 @@ Primitives:
   per (path, op) and tree, one list of call latencies per round.
 - ``summarize(samples, base, head)``: per path and op the two medians (of every call of every
   round), each one's spread (half the range of its per-round medians, in percent of the
-  median) and the ratio head / base: ``Row``.
+  median), the ratio head / base and its 90 % interval (``ratio_interval``): ``Row``.
+- ``ratio_interval(base_rounds, head_rounds)``: over rounds, the unit that varies (each round
+  is a fresh daemon process, and a process settles in its own regime: where its threads run,
+  which poll window it ends in), paired as they ran (a round runs both trees back to back,
+  so what drifts with time cancels): Student's t interval of the mean log ratio of the
+  round medians. An interval that holds 1 says the two trees are not told apart by this
+  run; ``verdict`` names it.
 - ``main(argv)``: ``hicache-bench compare BASE [--rounds N] [--calls N] [--json]
   [--paths ...] [--ops ...] [--pages ...] [--head REV] [--repo DIR] [--max-ratio R]``;
   ``--json`` prints one object per line (keys ``path``, ``op``, ``base_us``, ``head_us``,
@@ -41,6 +47,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 from hicached import bench_latency
 
@@ -77,6 +85,36 @@ class Row:
     """head / base of the medians: above 1 the head is slower."""
     base_spread_pct: float
     head_spread_pct: float
+    ratio_lo: float = 0.0
+    """The low end of the ratio's 90 % interval (``ratio_interval``)."""
+    ratio_hi: float = 0.0
+    """Its high end."""
+
+    @property
+    def verdict(self) -> str:
+        """``slower`` / ``faster`` when the whole interval is above / below 1, else ``even``
+        (what this run cannot tell apart)."""
+        return "slower" if self.ratio_lo > 1 else "faster" if self.ratio_hi < 1 else "even"
+
+
+_T90 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782,
+        1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711,
+        1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+"""Student's t for a two-sided 90 % interval, by degrees of freedom 1-30 (1.645 beyond)."""
+
+
+def ratio_interval(base_rounds: list[list[float]], head_rounds: list[list[float]]
+                   ) -> tuple[float, float]:
+    """The 90 % interval of head/base from the rounds paired as they ran (round r of each
+    tree ran back to back): the mean of log(head median / base median) over rounds, plus or
+    minus Student's t times its standard error. One round: no interval (0, inf)."""
+    n = min(len(base_rounds), len(head_rounds))
+    if n < 2:
+        return 0.0, float("inf")
+    d = np.array([np.log(np.median(h) / np.median(b))
+                  for b, h in zip(base_rounds[:n], head_rounds[:n], strict=True)])
+    half = (_T90[n - 2] if n - 1 <= len(_T90) else 1.645) * d.std(ddof=1) / np.sqrt(n)
+    return float(np.exp(d.mean() - half)), float(np.exp(d.mean() + half))
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -179,18 +217,22 @@ def summarize(samples: Samples, base: str, head: str) -> list[Row]:
         page, op = key.split("/", 1)
         b = statistics.median(x for xs in by_tree[base] for x in xs)
         h = statistics.median(x for xs in by_tree[head] for x in xs)
+        lo, hi = ratio_interval(by_tree[base], by_tree[head])
         rows.append(Row(path, f"{op}@{page}", page, b * 1e6, h * 1e6, h / b,
-                        _spread_pct(by_tree[base], b), _spread_pct(by_tree[head], h)))
+                        _spread_pct(by_tree[base], b), _spread_pct(by_tree[head], h), lo, hi))
     return rows
 
 
 def _print_table(rows: list[Row], base: str, head: str, rounds: int, calls: int) -> None:
     print(f"p50 per call (us) over {rounds} round(s) x {calls} calls, a fresh daemon per run; "
-          f"base {base}, head {head}; +-: half the range of the per-round medians")
-    print(f"{'path':<12} {'op':<18} {'base':>9} {'':>6} {'head':>9} {'':>6} {'head/base':>9}")
+          f"base {base}, head {head}; +-: half the range of the per-round medians; "
+          f"interval: 90 % of the ratio, rounds paired")
+    print(f"{'path':<12} {'op':<18} {'base':>9} {'':>6} {'head':>9} {'':>6} {'head/base':>9}"
+          f"  {'interval':<11}  verdict")
     for r in rows:
         print(f"{r.path:<12} {r.op:<18} {r.base_us:>9.0f} {r.base_spread_pct:>5.0f}% "
-              f"{r.head_us:>9.0f} {r.head_spread_pct:>5.0f}% {r.ratio:>9.2f}")
+              f"{r.head_us:>9.0f} {r.head_spread_pct:>5.0f}% {r.ratio:>9.2f}"
+              f"  {r.ratio_lo:.2f}-{r.ratio_hi:.2f}  {r.verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +295,8 @@ def _compare(args: argparse.Namespace, paths: list[str], ops: list[str], pages: 
     rows = summarize(samples, base.label, head.label)
     if args.json:
         for r in rows:
-            print(json.dumps({**asdict(r), "base": base.label, "head": head.label}))
+            print(json.dumps({**asdict(r), "verdict": r.verdict, "base": base.label,
+                              "head": head.label}))
     else:
         _print_table(rows, base.label, head.label, args.rounds, args.calls)
     if args.max_ratio is not None:
