@@ -13,9 +13,12 @@ Primitives:
   ``free_owned(owner)`` frees every raw page a session owned.
 - Keyed pages (the cache): ``alloc_pages(n)`` hands out page numbers held for writing,
   ``release_pages(pages)`` gives them back.
-- Access (``page_access.PageAccess``, inherited): ``acquire`` / ``share`` / ``release``: one
-  writer or any number of readers per page; a page freed while held is released when its last
-  holder lets go.
+- Access (the copies'): ``acquire(pages, write, unique, generations)`` / ``share`` /
+  ``release``: one writer or any number of readers per page, never both; a conflicting
+  request is refused with ``PAGE_BUSY`` (nothing waits), a page no longer allocated (or, with
+  ``generations``, no longer the raw page of that generation) with ``PAGE_NOT_ALLOCATED``;
+  a page freed while held returns to the free stack when its last holder lets go, so a copy
+  in flight never touches a page handed to someone else.
 - ``raw_state(pages, layers)``: in one step, which pages are allocated raw pages, which had
   every layer of ``layers`` written since (a load of anything else is ``PAGE_NOT_WRITTEN``),
   and their generations (bumped on every allocation). A raw copy passes those generations to
@@ -40,12 +43,12 @@ import numpy as np
 from hicache.errors import (
     AllocSizeNotPageAligned,
     DoubleFree,
+    PageBusy,
     PageNotAllocated,
     PoolExhausted,
     Violation,
     raise_violations,
 )
-from hicached.core.page_access import ALLOCATED, RAW, RELEASING, SMALL_BATCH, PageAccess
 from hicached.core.state_file import TableSpec
 from hicached.core.validation import (
     IndexArray,
@@ -57,6 +60,16 @@ from hicached.core.validation import (
 )
 
 FREE = 0
+ALLOCATED = 1
+RELEASING = 2
+"""Page states (0 is free): freed while held by a copy, a page returns to the free stack
+when its last holder lets go."""
+RAW = 1
+"""Kind of a page handed out by ``alloc``: named by host indices."""
+SMALL_BATCH = 16
+"""Holds of up to this many pages are taken and given back page by page."""
+
+
 KEYED = 2
 """Kind of a page handed out by ``alloc_pages``: named by a content key (``RAW``: by host
 indices, handed out by ``alloc``)."""
@@ -70,7 +83,7 @@ def table_specs(page_num: int, layer_num: int) -> list[TableSpec]:
             TableSpec("alloc_written", "?", (page_num, layer_num))]
 
 
-class PageAllocator(PageAccess):
+class PageAllocator:
     def __init__(self, page_num: int, page_size: int, layer_num: int = 1,
                  tables: Mapping[str, np.ndarray] | None = None) -> None:
         """``tables``: where the state, kind, owner and written bits live (``table_specs``;
@@ -334,11 +347,136 @@ class PageAllocator(PageAccess):
         raise_violations(violations)
         return pages
 
+    # -- access: who may touch a page now ------------------------------------------------
+
+    def acquire(self, pages: np.ndarray, write: bool, unique: bool = True,
+                generations: np.ndarray | None = None) -> None:
+        """Hold ``pages`` for a copy that writes (exclusive) or reads (shared). They must be
+        allocated (a concurrent free may have released one since validation, so it is checked
+        again here) and, with ``generations`` (a raw copy's, from ``raw_state``), still the
+        raw pages of those generations; no conflicting copy may hold them: else
+        ``PAGE_BUSY``."""
+        with self._lock:
+            if pages.size <= SMALL_BATCH and self._acquire_small(
+                    pages.tolist(), write, None if generations is None else generations.tolist()):
+                return
+            gone = self._state[pages] != ALLOCATED
+            if generations is not None:
+                gone |= (self._kind[pages] != RAW) | (self._generation[pages] != generations)
+            bad = np.flatnonzero(gone)
+            if bad.size:
+                page = int(pages[bad[0]])
+                raise PageNotAllocated(
+                    f"{bad.size} page(s) were freed (and perhaps reused) after the transfer "
+                    f"was checked; first page {page} at page position {int(bad[0])}; nothing "
+                    "was copied",
+                    metadata={"page": page, "count": int(bad.size),
+                              "first_bad_position": int(bad[0]) * self.page_size},
+                )
+            busy = self._writer[pages]
+            if write:
+                busy = busy | (self._readers[pages] > 0)
+            hit = np.flatnonzero(busy)
+            if hit.size:
+                page = int(pages[hit[0]])
+                doing = "written" if self._writer[page] else "read"
+                raise PageBusy(
+                    f"{hit.size} page(s) are being {doing} by another request; first page "
+                    f"{page} at page position {int(hit[0])}; retry once it finished",
+                    metadata={"page": page, "count": int(hit.size),
+                              "first_bad_position": int(hit[0]) * self.page_size,
+                              "held_for": doing},
+                )
+            if write:
+                self._writer[pages] = True
+            elif unique:
+                self._readers[pages] += 1
+            else:
+                np.add.at(self._readers, pages, 1)
+
+    def _acquire_small(self, pages: list[int], write: bool, gens: list[int] | None) -> bool:
+        """``acquire`` of a few pages, page by page (numpy's fancy indexing costs more than
+        the whole loop at this size); False, holding nothing, when a page is not free to
+        take: the caller's batch path then names the fault."""
+        state, writer, readers = self._state, self._writer, self._readers
+        for p in pages:
+            if state[p] != ALLOCATED or writer[p] or (write and readers[p] > 0):
+                return False
+        if gens is not None:
+            kind, generation = self._kind, self._generation
+            for p, g in zip(pages, gens, strict=True):
+                if kind[p] != RAW or generation[p] != g:
+                    return False
+        if write:
+            if len(set(pages)) != len(pages):
+                return False
+            for p in pages:
+                writer[p] = True
+        else:
+            for p in pages:
+                readers[p] += 1
+        return True
+
+    def share(self, pages: np.ndarray) -> None:
+        """More readers of pages already read-held (each still has a reader): allowed even
+        for a page freed meanwhile, which its readers keep until the last lets go."""
+        with self._lock:
+            assert (self._readers[pages] > 0).all(), "share() of a page nobody reads"
+            np.add.at(self._readers, pages, 1)
+
+    def release(self, pages: np.ndarray, write: bool, unique: bool = True,
+                layers: range | None = None) -> None:
+        """End a copy: a writer that completed marks ``layers`` of its pages written."""
+        with self._lock:
+            if pages.size <= SMALL_BATCH and not self._releasing:
+                written = self._written
+                for p in pages.tolist():
+                    if write:
+                        self._writer[p] = False
+                        if layers is not None:
+                            written[p, layers.start:layers.stop] = True
+                    else:
+                        self._readers[p] -= 1
+                return
+            if write:
+                self._writer[pages] = False
+                if layers is not None:
+                    self._written[pages, layers.start:layers.stop] = True
+            elif unique:
+                self._readers[pages] -= 1
+            else:
+                np.add.at(self._readers, pages, -1)
+            if self._releasing:
+                done = np.unique(pages[(self._state[pages] == RELEASING)
+                                       & (self._readers[pages] == 0) & ~self._writer[pages]])
+                if done.size:
+                    self._releasing -= int(done.size)
+                    self._put(done)
+
     # -- invariants ------------------------------------------------------------------------
 
     def memcheck(self) -> None:
-        """Raise AssertionError when any invariant is broken (``allocator_check``)."""
-        from hicached.core.allocator_check import check_invariants
-
+        """Raise AssertionError when any invariant is broken (the tests call it after every
+        operation): the free stack holds each free page once and nothing else; held pages
+        have one writer or readers, never both; free pages keep no kind, owner or holder;
+        keyed pages have no owner; the releasing count is right."""
         with self._lock:
-            check_invariants(self)
+            n = self.page_num
+            stack = self._stack[:self._nfree]
+            assert stack.size == np.unique(stack).size, "a page is on the free stack twice"
+            assert np.all((stack >= 0) & (stack < n)), "free stack holds a bad page id"
+            assert np.all(self._state[stack] == FREE), "a free-stack page is not in FREE state"
+            free = self._state == FREE
+            assert int(free.sum()) == stack.size, "a FREE page is not on the stack"
+            assert np.all(self._readers >= 0), "negative reader count"
+            assert not np.any(self._writer & (self._readers > 0)), "a page read while written"
+            assert np.all(self._readers[free] == 0) and not self._writer[free].any(), \
+                "a free page is held"
+            assert np.all(self._kind[free] == 0) and np.all(self._owner[free] == 0), \
+                "a free page keeps its kind or owner"
+            assert np.all(self._kind[~free] > 0), "a live page has no kind"
+            assert np.all(self._owner[self._kind == KEYED] == 0), "a keyed page has an owner"
+            releasing = self._state == RELEASING
+            assert np.all((self._readers[releasing] > 0) | self._writer[releasing]), \
+                "a releasing page is not held"
+            assert int(releasing.sum()) == self._releasing, "releasing count is off"
