@@ -57,3 +57,61 @@ def test_the_application_loads_no_grpc_and_no_front_end() -> None:
                  "hicached.server"}
     below = tuple(f + "." for f in forbidden)
     assert [n for n in loaded if n in forbidden or n.startswith(below)] == []
+
+
+def _cycles(adjacency: dict[str, list[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in adjacency:
+        if root in index:
+            continue
+        work = [(root, iter(adjacency[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, edges = work[-1]
+            for w in edges:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(adjacency[w])))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """No import cycle among our modules, counting lazy imports and those made only for type
+    checking: a cycle is two modules that are one (``allocator`` and its checker read each
+    other's state; the client and its session each named the other)."""
+    import grimp
+
+    graph = grimp.build_graph("hicached", "hicache_client", "hicache", "hicache_sglang",
+                              "hicache_vllm")
+    ours = set(graph.modules)
+    adjacency = {m: sorted(x for x in graph.find_modules_directly_imported_by(m) if x in ours)
+                 for m in sorted(ours)}
+    assert len(adjacency) > 100
+    assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert not _cycles(adjacency)

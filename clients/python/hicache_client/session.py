@@ -3,7 +3,8 @@
 A session attaches a worker's device buffers; transfers name it. ``backup`` / ``load`` move raw
 pages by host index, ``store`` / ``store_async`` / ``load_keys`` move pages named by content
 keys, ``lookup`` (with ``hold_ms``) holds a hit for this session's coming ``load_keys``,
-``alloc`` hands out raw pages the session owns.
+``alloc`` hands out raw pages the session owns. Its client is any ``SessionCalls`` (a
+``HiCacheClient``): this module does not import the client that imports it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hicache.errors import HiCacheError
 from hicache.v1 import hicache_pb2 as pb
@@ -21,13 +22,36 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from hicache_client.client import HiCacheClient
+
+class SessionCalls(Protocol):
+    """The calls a session makes on its client (``HiCacheClient`` has them), each named by
+    the session's id: what a session needs of a client, and no more."""
+
+    def beat(self, session_id: str) -> None: ...
+
+    def backup(self, *args: Any, **kwargs: Any) -> TransferStats: ...
+
+    def load(self, *args: Any, **kwargs: Any) -> TransferStats: ...
+
+    def alloc(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+    def store(self, *args: Any, **kwargs: Any) -> StoreResult: ...
+
+    def store_async(self, *args: Any, **kwargs: Any) -> Future[StoreResult]: ...
+
+    def lookup(self, *args: Any, **kwargs: Any) -> LookupResult: ...
+
+    def release_holds(self, *args: Any, **kwargs: Any) -> int: ...
+
+    def load_keys(self, *args: Any, **kwargs: Any) -> TransferStats: ...
+
+    def close_session(self, session_id: str) -> None: ...
 
 
 class WorkerSession:
     """An open session; heartbeats in a background thread at a third of the lease."""
 
-    def __init__(self, client: HiCacheClient, msg: pb.Session, heartbeat: bool) -> None:
+    def __init__(self, client: SessionCalls, msg: pb.Session, heartbeat: bool) -> None:
         self.client = client
         self.session_id: str = msg.session_id
         self.pool: str = msg.pool
