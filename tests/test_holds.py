@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hicache.errors import KeyNotFound, SpecInvalid
-from hicached.cache.held import Holder
-from hicached.cache.holds import HoldPolicy, HoldTable
+from hicached.cache.holds import Holder, HoldPolicy, HoldTable
 from hicached.cache.index_types import NO_SPACE, STORED
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool

@@ -31,8 +31,7 @@ from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import HiCacheClient
-from hicached.cache.held import Holder
-from hicached.cache.holds import HoldPolicy
+from hicached.cache.holds import Holder, HoldPolicy
 from hicached.cache.pool_cache import LOOKUP_CHUNK, PoolCache
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig

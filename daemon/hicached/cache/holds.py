@@ -15,6 +15,7 @@ this table (no lock here).
 Primitives:
 
 - ``HoldPolicy(max_hold_ms, max_held_fraction)``: the daemon's limits (validated).
+- ``Holder``: who a Lookup holds its hit for (a session's owner number) and for how long.
 - ``Hold``: a held page and its ``Deadline`` (shared by the holds one Lookup took).
 - ``HoldTable``: ``get(owner, key)``, ``count(owner)``, ``deadline(owner, until)`` (a new
   one), ``add(owner, key, page, deadline)`` (False for a refresh of a hold already there),
@@ -31,8 +32,16 @@ import heapq
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hicache.errors import SpecInvalid
+
+
+class Holder(NamedTuple):
+    """Who a Lookup holds its hit for: a session (its owner number) and for how long."""
+
+    owner: int
+    seconds: float
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,11 @@ Primitives:
   the raw pages; ``policy``: the limits on holds (``holds.HoldPolicy``).
 - ``lookup(keys, below)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3 cluster
   (``below``, asked outside the lock), 0 absent); no touch; ``LOOKUP_CHUNK`` keys per turn
-  of the lock. The holds a Lookup takes for a
-  session (``lookup_held`` and the rest) are ``held.HeldKeys``'s, which this class inherits.
+  of the lock. The holds a Lookup takes for a session: ``lookup_held(keys, holder, below)``
+  -> (hit prefix, tiers, held), ``hold_promoted``, ``release_holds``, ``end_holds``, ``expire_holds`` (the books are a
+  ``holds.HoldTable``). A held page is read-held in the allocator and out of the LRU while
+  held: no Store evicts it, no removal frees it (its holder still loads it; the page is
+  freed when the hold ends).
 - ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
   (status 2, touched in the LRU); new keys get a page each, held for writing, evicting least
   recently used ready keys that no copy holds when the pool is full; keys left without a page
@@ -23,17 +26,23 @@ Primitives:
   page); ``finish_load(pages)`` releases them, ends the holds they consumed and makes their
   keys evictable again, most recently used.
 - ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once from
-  every tier, writes below in flight included (``lending``); a page a copy or a hold still
-  has is freed when that ends (REMOVED events); these and eviction are ``removal.Removal``'s,
-  inherited.
+  every tier, writes below in flight included (see lending); a page a copy or a hold still
+  has is freed when that ends (REMOVED events). Eviction (lock held, ``_evict(n)``): the
+  least recently used ready keys no copy holds (EVICTED events).
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
 - ``stats``: counters for metrics; ``key_count``; ``snapshot()``: the ready keys (what a
   KV event resync announces).
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
   only it holds, ``remove`` / ``clear`` reach it, eviction counts whether each evicted key was
-  below already; ``on_stored(keys)`` is the cue of its writers. What the tiers below borrow
-  (the spiller's oldest pages, a writer's pages, keys to promote) is ``lending.Lending``'s,
-  inherited.
+  below already; ``on_stored(keys)`` is the cue of its writers.
+- Lending, what the tiers below borrow: ``spill_candidates(n, window, written)`` -> (keys,
+  pages, epoch) / ``finish_spill``: the oldest ready keys' pages, read-held for a spiller;
+  ``borrow(keys)`` / ``give_back(pages, epoch)``: pages of given keys for a writer to another
+  tier; ``not_ready(keys)`` (keys to promote), ``wait_landed(keys, timeout)``. A writer's
+  *epoch* makes removals final below: before it commits a key it asks
+  ``removed_since(key, epoch)`` (lock-free, under the tier's own lock), and a removal records
+  its keys (a clear, its sequence number) before any tier hears of it, so whichever comes
+  second sees the other. Removals are remembered only while some writer is out.
 - ``recover()``: after the pool's state files were re-attached, the complete keys again.
 
 Raw pages share the allocator, are never evicted, may evict keyed pages. Thread-safe: one
@@ -52,13 +61,10 @@ import numpy as np
 from hicache import seams
 from hicache.errors import KeyNotFound
 from hicached.cache.events import EventKind, EventLog
-from hicached.cache.held import HeldKeys, Holder
-from hicached.cache.holds import HoldPolicy, HoldTable
+from hicached.cache.holds import Deadline, Hold, Holder, HoldPolicy, HoldTable
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED, CacheStats, LowerTier, StoreTicket
 from hicached.cache.key_slots import KeySlots
-from hicached.cache.lending import Lending
 from hicached.cache.lru import LRU
-from hicached.cache.removal import Removal
 from hicached.core.pool import HostPool
 
 LOOKUP_CHUNK = 2048
@@ -66,7 +72,9 @@ LOOKUP_CHUNK = 2048
 other calls on the pool go in between."""
 
 
-class PoolCache(HeldKeys, Lending, Removal):
+class PoolCache:
+    """One pool's content index (see the module's docstring); one lock."""
+
     def __init__(self, pool: HostPool, events: EventLog | None = None,
                  policy: HoldPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -74,7 +82,9 @@ class PoolCache(HeldKeys, Lending, Removal):
         self.policy = policy or HoldPolicy()
         """Limits on holds (``max_held_fraction`` of this pool's pages per session)."""
         self.holds = HoldTable()
-        self._last_holds = {}
+        self._last_holds: dict[int, tuple[int, int, int, list[bytes], int, Deadline]] = {}
+        """Per owner, its last Lookup's holding: (leading keys in host memory, its holds'
+        version, the removal sequence then, those keys, how many it held, their deadline)."""
         self._clock = clock
         self.events = events or EventLog()
         self.stats = CacheStats()
@@ -101,7 +111,14 @@ class PoolCache(HeldKeys, Lending, Removal):
         self._lru = LRU()
         self._spilling: Counter[bytes] = Counter()
         """Keys a spiller is writing below (two spillers may write one key)."""
-        self._init_lending()
+        self._removal_seq = 0
+        """Removals so far (a writer's epoch is the sequence when it borrowed)."""
+        self._removed_at: dict[bytes, int] = {}
+        """Keys removed while some writer is out, and when (``removed_since``)."""
+        self._cleared_at = -1
+        """When the pool was last cleared while a writer was out."""
+        self._lent: Counter[int] = Counter()
+        """Epochs of the writers out now (how many of each)."""
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
 
     def recover(self) -> dict[str, int]:
@@ -338,6 +355,271 @@ class PoolCache(HeldKeys, Lending, Removal):
         key = self._page_key.get(page)
         if key is not None and self._ready.get(key) == page:
             self._lru.add(key)
+
+    # -- holds: what a Lookup promised a session ------------------------------------------
+
+    def lookup_held(self, keys: Sequence[bytes], holder: Holder,
+                    below: Callable[[list[bytes]], list[int]] | None = None
+                    ) -> tuple[int, bytes, int]:
+        """``lookup``, and in the same step the leading keys host memory has are held for
+        ``holder`` (up to its quota): (hit prefix, tier bytes, keys held). Keys it holds
+        already take this Lookup's deadline. Keys below host memory are held once promoted
+        (``hold_promoted``)."""
+        return self._lookup(keys, below, True, holder)
+
+    def hold_promoted(self, owner: int, keys: Sequence[bytes], seconds: float) -> int:
+        """Hold for ``owner`` the leading ``keys`` host memory has now (the promotion its
+        Lookup started landed); returns how many."""
+        with self._lock:
+            tiers = bytearray(1 if k in self._ready else 0 for k in keys)
+            return self._hold_locked(owner, keys, tiers, self._clock() + seconds)
+
+    def _hold_locked(self, owner: int, keys: Sequence[bytes], tiers: bytearray,
+                     until: float) -> int:
+        """Hold the leading keys whose tier byte is 1 (host memory), up to the owner's quota,
+        until ``until`` (the latest Lookup of a key sets its hold's deadline); returns how
+        many leading keys the owner holds now. The owner's Lookup of the very keys it held
+        last, with nothing changed since, refreshes them in one step."""
+        holds = self.holds
+        if holds.ended(owner):
+            return 0
+        lead = len(tiers) - len(tiers.lstrip(b"\x01"))
+        last = self._last_holds.get(owner)
+        if (last is not None and last[0] == lead and last[1] == holds.version(owner)
+                and last[2] == self._removal_seq and last[3] == keys[:lead]):
+            last[5].until = until  # every hold it took points at this deadline
+            return last[4]
+        limit = self.policy.limit(self.pool.page_num)
+        deadline = holds.deadline(owner, until)
+        new: dict[bytes, int] = {}
+        held = 0
+        ready = self._ready
+        for k in keys[:lead]:
+            page = ready.get(k)
+            if page is None:  # gone since a long Lookup's earlier chunk saw it
+                break
+            h = holds.get(owner, k)
+            if h is not None and h.page != page:  # removed and stored again
+                self._unhold(holds.drop(owner, [k]))  # since: hold the page it names now
+                h = None
+            if h is not None:
+                h.deadline = deadline
+                deadline.keys.append(k)
+            elif k not in new:
+                if holds.count(owner) + len(new) >= limit:
+                    break
+                new[k] = page
+            held += 1
+        if new:
+            self._alloc.acquire(np.fromiter(new.values(), np.int64, len(new)), write=False,
+                                unique=False)
+            for k, page in new.items():
+                holds.add(owner, k, page, deadline)
+                self._read_more(page, k)
+            self.stats.holds_taken += len(new)
+        self._last_holds[owner] = (lead, holds.version(owner), self._removal_seq,
+                                   list(keys[:lead]), held, deadline)
+        return held
+
+    def release_holds(self, owner: int, keys: Sequence[bytes] | None = None) -> int:
+        """``ReleaseHolds``: the owner's holds of ``keys`` (None: all) end; how many."""
+        with self._lock:
+            gone = self.holds.drop(owner, None if keys is None else list(keys))
+            self._unhold(gone)
+            self.stats.holds_released += len(gone)
+        return len(gone)
+
+    def end_holds(self, owner: int) -> int:
+        """The owner's session ended: its holds end, and it gets no new ones."""
+        with self._lock:
+            self._last_holds.pop(owner, None)
+            gone = self.holds.end(owner)
+            self._unhold(gone)
+            self.stats.holds_ended += len(gone)
+        return len(gone)
+
+    def expire_holds(self) -> int:
+        """End the holds whose deadline passed; returns how many."""
+        due = self.holds.next_due()
+        if due is None or due > self._clock():
+            return 0
+        with self._lock:
+            gone = self.holds.expire(self._clock())
+            self._unhold(gone)
+            self.stats.holds_expired += len(gone)
+        return len(gone)
+
+    def _unhold(self, gone: list[Hold]) -> None:
+        if not gone:
+            return
+        pages = np.asarray([h.page for h in gone], dtype=np.int64)
+        self._alloc.release(pages, write=False, unique=False)
+        for page in pages.tolist():
+            self._read_less(page)
+
+    # -- lending: what the tiers below borrow -------------------------------------------
+
+    def _record_removal(self, keys: Sequence[bytes] | None) -> None:
+        """A removal of ``keys`` (None: a clear), recorded before it reaches any tier (lock
+        held): every writer out now will see it."""
+        self._removal_seq += 1
+        if keys is None:
+            self._cleared_at = self._removal_seq
+            self._removed_at.clear()
+        elif self._lent:
+            for k in keys:
+                self._removed_at[k] = self._removal_seq
+
+    def removed_since(self, key: bytes, epoch: int) -> bool:
+        """Whether ``key`` was removed (or the pool cleared) after ``epoch``. No lock: a
+        tier asks under its own, and a removal records its keys before it reaches a tier."""
+        return self._cleared_at > epoch or self._removed_at.get(key, -1) > epoch
+
+    def _lend(self) -> int:
+        epoch = self._removal_seq
+        self._lent[epoch] += 1
+        return epoch
+
+    def _end_lend(self, epoch: int) -> None:
+        self._lent[epoch] -= 1
+        if self._lent[epoch] <= 0:
+            del self._lent[epoch]
+            if not self._lent:  # no writer out: no commit can predate a removal now
+                self._removed_at.clear()
+
+    def wait_landed(self, keys: Sequence[bytes], timeout: float) -> bool:
+        """Wait until none of ``keys`` is being written (a promotion in flight); False at
+        ``timeout``."""
+        with self._landed:
+            return self._landed.wait_for(lambda: not any(k in self._writing for k in keys),
+                                         timeout)
+
+    def not_ready(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys host memory does not hold ready (to be promoted from a lower tier)."""
+        with self._lock:
+            return [k for k in dict.fromkeys(keys) if k not in self._ready]
+
+    # -- spill -----------------------------------------------------------------------------
+
+    def spill_candidates(self, n: int, window: int, written: Callable[[bytes], bool]
+                         ) -> tuple[list[bytes], np.ndarray, int]:
+        """Up to ``n`` of the ``window`` least recently used ready keys whose page the lower
+        tier has not ``written``, with their pages held for reading (an eviction meanwhile
+        drops the key from host memory, but its page is not reused until ``finish_spill``),
+        and the epoch to check removals against."""
+        with self._lock:
+            keys = [k for k in self._lru.oldest(window)
+                    if k not in self._spilling and not written(k)][:n]
+            if not keys:
+                return [], np.zeros(0, np.int64), self._removal_seq
+            pages = np.asarray([self._ready[k] for k in keys], dtype=np.int64)
+            self._alloc.acquire(pages, write=False)
+            self._spilling.update(keys)
+            return keys, pages, self._lend()
+
+    def finish_spill(self, keys: list[bytes], pages: np.ndarray, epoch: int) -> None:
+        """The lower tier has (or failed to take) these pages: release them."""
+        with self._lock:
+            self._alloc.release(pages, write=False)
+            self._spilling.subtract(keys)
+            self._spilling += Counter()  # drop the keys no spiller holds any more
+            self._end_lend(epoch)
+
+    def borrow(self, keys: Sequence[bytes]) -> tuple[list[bytes], np.ndarray, int]:
+        """The keys of ``keys`` still ready, with their pages read-held for a writer to
+        another tier (an eviction meanwhile drops the key, its page waits for
+        ``give_back``), and the epoch to check removals against."""
+        with self._lock:
+            held = [k for k in dict.fromkeys(keys) if k in self._ready]
+            pages = np.asarray([self._ready[k] for k in held], dtype=np.int64)
+            if pages.size:
+                self._alloc.acquire(pages, write=False, unique=False)
+            return held, pages, self._lend()
+
+    def give_back(self, pages: np.ndarray, epoch: int) -> None:
+        """The writer to another tier is done with the pages ``borrow`` lent it."""
+        with self._lock:
+            if pages.size:
+                self._alloc.release(pages, write=False, unique=False)
+            self._end_lend(epoch)
+
+    # -- removal ---------------------------------------------------------------------------
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop ``keys`` (ready or being written) from every tier of this node; returns how
+        many were there."""
+        return len(self.remove_keys(keys))
+
+    def remove_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``remove``, returning the keys that were there."""
+        with self._lock:
+            unique, lower = list(dict.fromkeys(keys)), self.lower
+            self._record_removal(unique)  # before any tier hears of it
+            gone = self._forget([k for k in unique
+                                 if k in self._ready or k in self._writing])
+            self.events.append(EventKind.REMOVED, gone)  # the tier below says its own
+            slots: list[int] = []
+            if lower is not None:
+                below = [k for k in unique if lower.contains(k)]
+                slots = lower.forget(below)  # gone below at once, its I/O after the lock
+                here = set(gone)
+                gone = gone + [k for k in below if k not in here]
+            self.stats.removed += len(gone)
+        if lower is not None:
+            lower.erase(slots)
+        return gone
+
+    def clear(self) -> int:
+        """Drop every key; returns how many (each frees its page now, or once the copy that
+        holds it ends). The tier below forgets its keys in the same step; its files are
+        rewritten after the pool's lock is let go (a clear of a million keys on disk does not
+        stop the pool's other calls)."""
+        with self._lock:
+            self._record_removal(None)  # before any tier hears of it
+            gone = self._forget([*self._ready, *self._writing])
+            lower = self.lower
+            slots = lower.forget(None) if lower is not None else []
+            self.stats.removed += len(gone)
+            self.events.append(EventKind.REMOVED, gone)
+        if lower is not None:
+            lower.erase(slots)
+        return len(gone)
+
+    # -- internals (lock held) -------------------------------------------------------------
+
+    def _forget(self, keys: list[bytes]) -> list[bytes]:
+        pages = []
+        for k in keys:
+            page = self._ready.pop(k, None)
+            if page is None:
+                self._writing.pop(k, None)  # finish_store frees its page
+                continue
+            self._lru.discard(k)
+            del self._page_key[page]
+            pages.append(page)
+        self._drop_pages(np.asarray(pages, dtype=np.int64))
+        return keys
+
+    def _evict(self, n: int) -> None:
+        keys = self._lru.pop_oldest(n)
+        kept = self.kept_below or (self.lower.contains if self.lower is not None else None)
+        if kept is not None:  # being written below counts as below: it lands there
+            below = sum(k in self._spilling or kept(k) for k in keys)
+            self.stats.evicted_to_lower += below
+            self.stats.spill_dropped += len(keys) - below
+        pages = np.asarray([self._ready.pop(k) for k in keys], dtype=np.int64)
+        for page in pages.tolist():
+            del self._page_key[page]
+        self._drop_pages(pages)
+        self.stats.evicted += len(keys)
+        self.events.append(EventKind.EVICTED, keys)
+
+    def _drop_pages(self, pages: np.ndarray) -> None:
+        if pages.size:
+            self.slots.clear(pages)
+            if self.pool.canary is not None:
+                self.pool.canary.forget(pages)
+            self._alloc.release_pages(pages)
 
     # -- raw pages -------------------------------------------------------------------------
 

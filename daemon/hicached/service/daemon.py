@@ -51,7 +51,7 @@ from hicache.errors import (
 )
 from hicache.indices import IndexArray, PageIds
 from hicache.keys import check_chain, check_keys
-from hicached.cache.held import Holder
+from hicached.cache.holds import Holder
 from hicached.cache.index_types import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner

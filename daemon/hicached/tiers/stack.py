@@ -34,7 +34,7 @@ import numpy as np
 
 from hicache.errors import KeyNotFound
 from hicached.cache.events import CLUSTER, DISK, HOST
-from hicached.cache.held import Holder
+from hicached.cache.holds import Holder
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
