@@ -12,8 +12,8 @@ Primitives:
 - ``lookup(keys, below)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3 cluster
   (``below``, asked outside the lock), 0 absent); no touch; ``LOOKUP_CHUNK`` keys per turn
   of the lock. The holds a Lookup takes for a session: ``lookup_held(keys, holder, below)``
-  -> (hit prefix, tiers, held), ``hold_promoted``, ``release_holds``, ``end_holds``, ``expire_holds`` (the books are a
-  ``holds.HoldTable``). A held page is read-held in the allocator and out of the LRU while
+  -> (hit prefix, tiers, held), ``hold_promoted``, ``release_holds``, ``end_holds``,
+  ``expire_holds`` (the books are a ``holds.HoldTable``). A held page is read-held in the allocator and out of the LRU while
   held: no Store evicts it, no removal frees it (its holder still loads it; the page is
   freed when the hold ends).
 - ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
