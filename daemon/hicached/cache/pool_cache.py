@@ -13,9 +13,9 @@ Primitives:
   (``below``, asked outside the lock), 0 absent); no touch; ``LOOKUP_CHUNK`` keys per turn
   of the lock. The holds a Lookup takes for a session: ``lookup_held(keys, holder, below)``
   -> (hit prefix, tiers, held), ``hold_promoted``, ``release_holds``, ``end_holds``,
-  ``expire_holds`` (the books are a ``holds.HoldTable``). A held page is read-held in the allocator and out of the LRU while
-  held: no Store evicts it, no removal frees it (its holder still loads it; the page is
-  freed when the hold ends).
+  ``expire_holds`` (the books are a ``holds.HoldTable``). A held page is read-held in the
+  allocator and out of the LRU while held: no Store evicts it, no removal frees it (its
+  holder still loads it; the page is freed when the hold ends).
 - ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
   (status 2, touched in the LRU); new keys get a page each, held for writing, evicting least
   recently used ready keys that no copy holds when the pool is full; keys left without a page
