@@ -17,7 +17,7 @@ import yaml
 from hicache.errors import HiCacheError
 from hicache.specs import CanarySpec, DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.frontends.kv_event_config import KvEventsConfig
+from hicached.publish.kv_event_config import KvEventsConfig
 from hicached.server.app import create_server
 from hicached.server.config import ServerConfig
 from hicached.tiers.config import DiskTierConfig

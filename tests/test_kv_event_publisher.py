@@ -29,9 +29,9 @@ from hicached.cache.events import EventKind, EventLog
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.trusted_paths import UntrustedPath
-from hicached.frontends.kv_event_config import KvEventsConfig
-from hicached.frontends.kv_event_format import Encoder, block_hash, block_hashes, engine_events
-from hicached.frontends.kv_events import KvEventPublisher
+from hicached.publish.kv_event_config import KvEventsConfig
+from hicached.publish.kv_event_format import Encoder, block_hash, block_hashes, engine_events
+from hicached.publish.kv_events import KvEventPublisher
 from hicached.tiers.stack import TierStack
 from tests.helpers import make_pool, mha, spec
 from tests.kv_event_follower import Follower
@@ -226,7 +226,7 @@ def test_the_kv_events_table_and_flags_make_the_config() -> None:
 def test_a_clear_of_many_keys_is_many_bounded_messages() -> None:
     """A ClearPool of 100,000 keys and a Store of 10,000 become events of at most 4,096 blocks
     and messages of at most 16,384 blocks that still decode as one chain."""
-    from hicached.frontends.kv_event_format import (
+    from hicached.publish.kv_event_format import (
         MAX_BLOCKS,
         MESSAGE_BLOCKS,
         BlockRemoved,

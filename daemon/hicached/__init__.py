@@ -5,10 +5,11 @@ Layers, top uses bottom (import rules in pyproject.toml, checked by import-linte
 - ``server``: the process wiring: app (listeners, threads, start and drain), config, locks,
   metrics.
 - ``frontends``: how calls arrive: the gRPC service and its interceptors, the fast path, the
-  identity socket, one envelope (errors, metrics, auth, access, admission, drain) for all of
-  them; the outbound KV event stream.
-- ``service``: the application: the daemon's flows, sessions, the pool table, admission,
-  identity, request bounds (no gRPC, no wire format).
+  identity socket, each a codec over the method table; one envelope (errors, metrics, auth,
+  access, admission, drain) for all of them.
+- ``publish``: what the daemon tells others unasked: the KV event stream routers follow.
+- ``service``: the application: the method table (``calls``), the daemon's flows, sessions,
+  the pool table, admission, identity, request bounds (no gRPC, no wire format).
 - ``transport``: attaching worker buffers (shared-memory files, sealed memfds, CUDA IPC).
 - ``cuda``: the GPU runner, its copy segments, pinning through the driver.
 - ``copy``: copy plans, the CPU runner with its native kernel, the transfer engine.

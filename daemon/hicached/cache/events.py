@@ -3,7 +3,7 @@ order.
 
 Cache-aware routers (SGLang's router, Dynamo) follow it to know which node holds which prefix:
 over ``WatchEvents`` and, in the engines' own format, over the daemon's KV event stream
-(``hicached.frontends.kv_events``).
+(``hicached.publish.kv_events``).
 
 Primitives:
 

@@ -47,7 +47,7 @@ from hicached.frontends.fast_path import FastPathServer
 from hicached.frontends.grpc_service import HostCacheServicer
 from hicached.frontends.identity_channel import IdentityChannel
 from hicached.frontends.interceptors import server_interceptors
-from hicached.frontends.kv_event_config import seq_file
+from hicached.publish.kv_event_config import seq_file
 from hicached.server.config import ServerConfig
 from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
 from hicached.server.metrics import Metrics, MetricsEndpoint, ScrapeState, serve
@@ -62,7 +62,7 @@ from hicached.transport.cuda_ipc import CudaIpcTransport
 from hicached.transport.shm import ShmTransport
 
 if TYPE_CHECKING:
-    from hicached.frontends.kv_events import KvEventPublisher
+    from hicached.publish.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class HiCacheServer:
         """The KV event stream (``[kv_events]``), if one is configured (ZeroMQ is loaded
         only then)."""
         if config.kv_events.enabled:
-            from hicached.frontends.kv_events import KvEventPublisher
+            from hicached.publish.kv_events import KvEventPublisher
 
             self.kv_events = KvEventPublisher(config.kv_events, seq_file(config.state_dir),
                                               config.socket_mode)

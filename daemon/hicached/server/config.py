@@ -30,7 +30,7 @@ from hicache.specs import (
 )
 from hicached.cache.holds import HoldPolicy
 from hicached.core.system import available_bytes
-from hicached.frontends.kv_event_config import KvEventsConfig
+from hicached.publish.kv_event_config import KvEventsConfig
 from hicached.service.identity import AccessRule
 from hicached.tiers.config import DiskTierConfig
 from hicached.tiers.mooncake_config import MooncakeTierConfig

@@ -36,7 +36,7 @@ from hicache.errors import all_error_classes
 from hicache.polling import PollCounts
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
-from hicached.frontends.kv_event_config import KvEventStats
+from hicached.publish.kv_event_config import KvEventStats
 from hicached.server.metrics_tiers import tier_families
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack

@@ -49,8 +49,8 @@ from hicache import seams
 from hicached.cache.events import CacheEvent
 from hicached.core.log_limit import LimitedLog
 from hicached.core.trusted_paths import UntrustedPath, open_own, socket_dir
-from hicached.frontends.kv_event_config import KvEventsConfig, KvEventStats
-from hicached.frontends.kv_event_format import (
+from hicached.publish.kv_event_config import KvEventsConfig, KvEventStats
+from hicached.publish.kv_event_format import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
