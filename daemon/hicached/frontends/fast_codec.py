@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 from hicache import fast_wire as w
 from hicache.indices import PageIds
-from hicached.copy.engine import TransferResult
 from hicached.service import calls as c
+from hicached.service.calls import TransferResult
 from hicached.service.sessions import Session
 
 _U32 = struct.Struct("<I")

@@ -11,16 +11,15 @@ name), ``session_message(session)``, ``transfer_response(result)``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from hicache.indices import indices_to_bytes, to_index_array
 from hicache.v1 import hicache_pb2 as pb
-from hicached.copy.engine import TransferResult
-from hicached.cuda.runner import CudaRunner
 from hicached.service import calls as c
+from hicached.service.calls import TransferResult
 from hicached.service.sessions import Session
+from hicached.service.views import session_view
 
 
 class GrpcCodec(NamedTuple):
@@ -32,20 +31,15 @@ class GrpcCodec(NamedTuple):
 
 def session_message(s: Session, capability: bool = True) -> pb.Session:
     """``capability=False`` for anyone but the worker holding it: the id left empty."""
-    runner = s.attachment.runner
-    uuid, events = "", 0
-    if isinstance(runner, CudaRunner):
-        uuid, events = runner.driver.devices[runner.ordinal].uuid, len(runner.layer_events)
-    return pb.Session(session_id=s.session_id if capability else "", public_id=s.public_id,
-                      pool=s.pool_name, worker_id=s.worker_id,
-                      lease_ms=int(s.lease_seconds * 1000),
-                      expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
-                      attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
-                      transfers=s.transfers, device_uuid=uuid, layer_events=events,
-                      lease_clamped=s.lease_clamped, peer_known=s.peer is not None,
-                      peer_uid=s.peer.uid if s.peer else 0, peer_gid=s.peer.gid if s.peer else 0,
-                      peer_pid=s.peer.pid if s.peer else 0, page_size=s.pool.page_size,
-                      loads_in_flight=s.loads)
+    v = session_view(s, capability)
+    return pb.Session(session_id=v.session_id, public_id=v.public_id, pool=v.pool,
+                      worker_id=v.worker_id, lease_ms=v.lease_ms,
+                      expires_in_ms=v.expires_in_ms, attached_bytes=v.attached_bytes,
+                      device_tokens=v.device_tokens, transfers=v.transfers,
+                      device_uuid=v.device_uuid, layer_events=v.layer_events,
+                      lease_clamped=v.lease_clamped, peer_known=v.peer_uid is not None,
+                      peer_uid=v.peer_uid or 0, peer_gid=v.peer_gid, peer_pid=v.peer_pid,
+                      page_size=v.page_size, loads_in_flight=v.loads_in_flight)
 
 
 def transfer_response(r: TransferResult) -> pb.TransferResponse:

@@ -11,7 +11,7 @@ Primitives:
 - ``HostCacheServicer(daemon, drain)``; domain errors, metrics, access rules, admission and
   the drain gate are the envelope's (``envelope``, through ``interceptors``), the flows the
   daemon's (``daemon``).
-- ``pool_message(pool, cache, sessions)``, ``build_message(build)``: pools as wire messages.
+- ``pool_message(view)``: a pool (``service.views.PoolView``) as its wire message.
 """
 
 from __future__ import annotations
@@ -25,66 +25,33 @@ import grpc
 import hicache
 from hicache import fast_wire
 from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
-from hicache.errors import PoolNotFound, SpecInvalid
-from hicache.layer_groups import check_layer_events
+from hicache.errors import SpecInvalid
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicached.cache.events import HOST, MEDIUM
-from hicached.cache.index_types import KEY_INDEX_BYTES
-from hicached.cache.pool_cache import PoolCache
-from hicached.core.pool import HostPool
-from hicached.core.system import available_bytes
 from hicached.frontends import grpc_codec
 from hicached.frontends.grpc_codec import session_message
-from hicached.service import calls
+from hicached.service import calls, views
 from hicached.service.daemon import Daemon
-from hicached.service.identity import check_access
-from hicached.service.pool_build import FAILED, PoolBuild
-from hicached.tiers.stack import TierStack
+from hicached.service.views import PoolView
 
 log = logging.getLogger(__name__)
 
-WATCH_POLL_SECONDS = 0.5
-"""How often an idle event stream checks that its client, its pool and the daemon are there."""
-
-
-def pool_message(pool: HostPool, cache: PoolCache, sessions: int,
-                 tiers: TierStack | None = None) -> pb.Pool:
-    counts = pool.allocator.counts()
-    used = pool.page_num - counts["free"]
-    msg = pb.Pool(spec=spec_to_proto(pool.spec), size_tokens=pool.size_tokens,
-                  page_num=pool.page_num, page_bytes=pool.spec.page_bytes, used_pages=used,
-                  free_pages=counts["free"], capacity_bytes=pool.nbytes,
-                  used_bytes=used * pool.spec.page_bytes, pinned_bytes=pool.pinned_bytes,
-                  sessions=sessions, keys=cache.key_count, keyed_pages=counts["keyed"],
-                  raw_pages=counts["raw"], busy_pages=counts["held"],
-                  pinned_pages=counts["held"],  # the deprecated name of busy_pages
-                  metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES,
-                  attach_outcome=pool.outcome.value if pool.outcome else "memory",
-                  generation=pool.state.generation if pool.state else 0,
-                  recovered_keys=cache.recovered_keys)
-    if tiers is not None and tiers.disk is not None:
-        msg.disk_keys, msg.disk_capacity_pages = tiers.disk.keys, tiers.disk.capacity
-    if tiers is not None and tiers.remote is not None:
-        msg.remote_namespace = tiers.remote.prefix
-        msg.remote_puts = (tiers.writer.put if tiers.writer is not None else
-                           tiers.remote_spiller.spilled if tiers.remote_spiller else 0)
-        msg.remote_pending = tiers.writer.waiting if tiers.writer is not None else 0
-    return msg
-
-
-def build_message(b: PoolBuild) -> pb.Pool:
-    """A pool still building (or whose build failed): its spec, state and progress."""
-    failed = b.state == FAILED
-    return pb.Pool(spec=spec_to_proto(b.spec), size_tokens=b.spec.resolved_size_tokens(),
-                   page_bytes=b.spec.page_bytes,
-                   state=pb.POOL_STATE_FAILED if failed else pb.POOL_STATE_CREATING,
-                   progress=b.progress, error=b.error.message if b.error else "",
-                   error_reason=b.error.reason if b.error else "")
-
-
-
-
+def pool_message(v: PoolView) -> pb.Pool:
+    state = {"creating": pb.POOL_STATE_CREATING, "failed": pb.POOL_STATE_FAILED}.get(
+        v.state, pb.POOL_STATE_READY)
+    return pb.Pool(spec=spec_to_proto(v.spec), size_tokens=v.size_tokens,
+                   page_bytes=v.page_bytes, state=state, progress=v.progress, error=v.error,
+                   error_reason=v.error_reason, page_num=v.page_num, used_pages=v.used_pages,
+                   free_pages=v.free_pages, capacity_bytes=v.capacity_bytes,
+                   used_bytes=v.used_bytes, pinned_bytes=v.pinned_bytes, sessions=v.sessions,
+                   keys=v.keys, keyed_pages=v.keyed_pages, raw_pages=v.raw_pages,
+                   busy_pages=v.busy_pages,
+                   pinned_pages=v.busy_pages,  # the deprecated name of busy_pages
+                   metadata_bytes=v.metadata_bytes, attach_outcome=v.attach_outcome,
+                   generation=v.generation, recovered_keys=v.recovered_keys,
+                   disk_keys=v.disk_keys, disk_capacity_pages=v.disk_capacity_pages,
+                   remote_namespace=v.remote_namespace, remote_puts=v.remote_puts,
+                   remote_pending=v.remote_pending)
 
 
 class HostCacheServicer(pb_grpc.HostCacheServicer):
@@ -119,7 +86,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                         *(["memfd"] if d.identities else []),
                         *(["cuda_ipc"] if d.cuda is not None else [])],
             memory_budget_bytes=d.pools.budget_bytes,
-            memory_used_bytes=d.pools.used_bytes, memory_available_bytes=available_bytes(),
+            memory_used_bytes=d.pools.used_bytes,
+            memory_available_bytes=views.memory_available_bytes(),
             shm_dir=d.shm.shm_dir, cuda_available=d.cuda is not None,
             serving=not d.draining.is_set(), pools=len(d.pools.list()),
             sessions=d.sessions.count(), metrics_port=d.metrics_port,
@@ -149,46 +117,20 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
         return self._pool(request.name)
 
     def _pool(self, name: str) -> pb.Pool:
-        d = self.daemon
-        build = d.pools.build(name)
-        if build is not None:
-            return build_message(build)
-        return pool_message(d.pools.get(name), d.pools.cache(name), d.sessions.count(name),
-                            d.pools.stack(name))
+        return pool_message(views.pool_view(self.daemon, name))
 
     def ListPools(self, request: pb.ListPoolsRequest, context: grpc.ServicerContext
                   ) -> pb.ListPoolsResponse:
-        d = self.daemon
-        stacks = dict(d.pools.stacks())
-        return pb.ListPoolsResponse(pools=[
-            *(pool_message(p, c, d.sessions.count(p.spec.name), stacks.get(p.spec.name))
-              for p, c in d.pools.entries()),
-            *(build_message(b) for b in d.pools.builds())])
+        return pb.ListPoolsResponse(pools=[pool_message(v)
+                                           for v in views.pool_views(self.daemon)])
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
                     ) -> pb.Session:
-        d = self.daemon
-        pool = d.pools.get(request.pool)
-        grant = d.identify(request.peer_token)
-        try:
-            peer = grant.peer if grant is not None else None
-            check_access(d.access, request.pool, peer)  # before anything is mapped
-            check_layer_events(len(request.layer_events), pool.spec.max_layers)
-            buffers = [buffer_from_proto(b, i) for i, b in enumerate(request.buffers)]
-            attachment = d.attach(buffers, list(request.layer_events),
-                                  bytes(request.ready_event), grant.fds if grant else ())
-        finally:
-            if grant is not None:
-                grant.close()  # mapped (the mappings hold the memory) or refused
-        try:
-            assert attachment.buffers is not None
-            tokens = attachment.buffers.check_against(pool.spec)
-            session = d.sessions.open(request.pool, pool, request.worker_id, attachment, tokens,
-                                      request.lease_ms / 1000.0, peer)
-        except BaseException:
-            attachment.release()
-            raise
-        return session_message(session)
+        return session_message(self.daemon.open_session(
+            request.pool, request.worker_id,
+            lambda: [buffer_from_proto(b, i) for i, b in enumerate(request.buffers)],
+            list(request.layer_events), bytes(request.ready_event), request.lease_ms / 1000.0,
+            request.peer_token))
 
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext
                      ) -> pb.ListSessionsResponse:
@@ -214,22 +156,9 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                     ) -> Iterator[pb.CacheEvent]:
         """Events after ``after_seq`` until the client goes, the pool is deleted or the daemon
         drains."""
-        d = self.daemon
-        cache = d.pools.cache(request.pool)
-        seq = int(request.after_seq)
-        with d.watch_slot():
-            while context.is_active() and not d.draining.is_set():
-                for ev in cache.events.wait(seq, WATCH_POLL_SECONDS):
-                    seq = ev.seq
-                    if ev.tier != HOST and not request.all_tiers:
-                        continue
-                    yield pb.CacheEvent(
-                        seq=ev.seq, kind=ev.kind.value,  # type: ignore[arg-type]
-                        keys=list(ev.keys), pool=request.pool, tier=ev.tier,
-                        medium=MEDIUM[ev.tier], parent_key=ev.parent,
-                        token_ids=ev.token_ids.tolist() if ev.token_ids is not None else (),
-                        block_size=cache.pool.page_size)
-                if d.pools.cache(request.pool) is not cache:  # deleted and made again
-                    raise PoolNotFound(f"pool {request.pool} was deleted",
-                                       metadata={"pool": request.pool})
-
+        for v in views.watch_events(self.daemon, request.pool, int(request.after_seq),
+                                    request.all_tiers, context.is_active):
+            yield pb.CacheEvent(seq=v.seq, kind=v.kind,  # type: ignore[arg-type]
+                                keys=v.keys, pool=v.pool, tier=v.tier, medium=v.medium,
+                                parent_key=v.parent_key, token_ids=v.token_ids,
+                                block_size=v.block_size)

@@ -17,8 +17,8 @@ entry still says what the envelope needs.
 Primitives:
 
 - Requests and results: ``LookupRequest``/``LookupResult``, ``StoreRequest``/``StoreResult``,
-  ``LoadKeysRequest``, ``TransferRequest`` (Backup, Load; their result and LoadKeys' is the
-  copy engine's ``TransferResult``), ``SessionRequest`` (Heartbeat, CloseSession; Heartbeat's
+  ``LoadKeysRequest``, ``TransferRequest`` (Backup, Load; their result and LoadKeys' is
+  ``TransferResult``, the copy engine's), ``SessionRequest`` (Heartbeat, CloseSession; Heartbeat's
   result is the ``Session``), ``ReleaseHoldsRequest``, ``KeysRequest`` (RemoveKeys),
   ``PoolRequest`` (ClearPool, DeletePool), ``AllocRequest``, ``FreeRequest``, ``Count``.
 - ``Method`` and ``METHODS`` (every RPC of the service, by its gRPC name), ``method(name)``,
@@ -37,7 +37,8 @@ import numpy as np
 from hicache.identity import is_public_id
 from hicache.indices import IndexArray, PageIds
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
-from hicached.copy.engine import Op, TransferResult
+from hicached.copy.engine import Op
+from hicached.copy.engine import TransferResult as TransferResult  # a result of the table
 from hicached.service.daemon import Daemon
 from hicached.service.sessions import Session
 

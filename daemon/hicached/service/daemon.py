@@ -7,6 +7,8 @@ Primitives:
 - ``enter(creates_work)`` / ``leave()`` / ``wait_idle(timeout)``: the drain gate. While
   draining, work-creating calls are refused with ``DRAINING``; the rest still answer.
 - ``watch_slot()``: one of ``max_watchers`` event streams, or ``TOO_MANY_WATCHERS``.
+- ``open_session(pool, worker_id, buffers, layer_events, ready_event, lease, peer_token)``: the
+  OpenSession flow (access checked before anything is mapped; rolled back on failure).
 - ``attach(buffers, layer_events, ready_event)``: the transport a session's buffers need (all
   ``shm`` or all ``cuda_ipc``), refusing mixtures, CUDA events on shm sessions, and
   ``cuda_ipc`` where the CUDA driver has no device (``TRANSPORT_UNAVAILABLE``).
@@ -51,11 +53,12 @@ from hicache.errors import (
 )
 from hicache.indices import IndexArray, PageIds
 from hicache.keys import check_chain, check_keys
+from hicache.layer_groups import check_layer_events
 from hicached.cache.holds import Holder
 from hicached.cache.index_types import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
 from hicached.cuda.runner import CudaRunner
-from hicached.service.identity import AccessRule, Grant, Redeemer
+from hicached.service.identity import AccessRule, Grant, Redeemer, check_access
 from hicached.service.pool_table import PoolTable
 from hicached.service.sessions import Session, SessionManager
 from hicached.transport.base import Attachment
@@ -179,6 +182,34 @@ class Daemon:
                 self.watchers -= 1
 
     # -- flows -----------------------------------------------------------------------------
+
+    def open_session(self, pool_name: str, worker_id: str,
+                     buffers: Callable[[], list[DeviceBufferSpec]], layer_events: list[bytes],
+                     ready_event: bytes, lease_seconds: float, peer_token: str = "") -> Session:
+        """OpenSession: who asks (``peer_token``, from the identity socket, with its fds) is
+        checked against the access rules before anything is mapped; then the layer events
+        are bounded, ``buffers()`` decoded (a bad spec refuses here, nothing mapped), the
+        buffers attached and checked against the pool's geometry, and the session opened.
+        Whatever fails after the attach releases it."""
+        pool = self.pools.get(pool_name)
+        grant = self.identify(peer_token)
+        try:
+            peer = grant.peer if grant is not None else None
+            check_access(self.access, pool_name, peer)  # before anything is mapped
+            check_layer_events(len(layer_events), pool.spec.max_layers)
+            attachment = self.attach(buffers(), layer_events, ready_event,
+                                     grant.fds if grant else ())
+        finally:
+            if grant is not None:
+                grant.close()  # mapped (the mappings hold the memory) or refused
+        try:
+            assert attachment.buffers is not None
+            tokens = attachment.buffers.check_against(pool.spec)
+            return self.sessions.open(pool_name, pool, worker_id, attachment, tokens,
+                                      lease_seconds, peer)
+        except BaseException:
+            attachment.release()
+            raise
 
     def attach(self, buffers: list[DeviceBufferSpec], layer_events: list[bytes],
                ready_event: bytes, fds: Sequence[int] = ()) -> Attachment:

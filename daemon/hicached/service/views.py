@@ -1,0 +1,207 @@
+"""Read models: what the daemon's state looks like to a caller, for front ends to render.
+
+A front end renders these and nothing below them: it never reads a pool's allocator, a cache's
+index or a tier's counters itself.
+
+Primitives:
+
+- ``PoolView`` and ``pool_view(daemon, name)`` / ``pool_views(daemon)``: a pool (ready,
+  building or failed), its pages, keys, sessions and tiers.
+- ``SessionView`` and ``session_view(session)``: a session as its worker (or, without the
+  capability, anyone) sees it.
+- ``EventView`` and ``watch_events(daemon, pool, after_seq, all_tiers, active)``: the events of
+  a pool's log after ``after_seq``, until the caller goes, the pool is deleted or the daemon
+  drains (``TOO_MANY_WATCHERS`` past ``max_watchers``).
+- ``memory_available_bytes()``: what the node's memory still has room for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from hicache.errors import PoolNotFound
+from hicache.specs import PoolSpec
+from hicached.cache.events import HOST, MEDIUM
+from hicached.cache.index_types import KEY_INDEX_BYTES
+from hicached.cache.pool_cache import PoolCache
+from hicached.core.pool import HostPool
+from hicached.core.system import available_bytes
+from hicached.cuda.runner import CudaRunner
+from hicached.service.daemon import Daemon
+from hicached.service.pool_build import FAILED, PoolBuild
+from hicached.service.sessions import Session
+from hicached.tiers.stack import TierStack
+
+WATCH_POLL_SECONDS = 0.5
+"""How often an idle event stream checks that its caller, its pool and the daemon are there."""
+
+READY, CREATING = "ready", "creating"
+
+
+@dataclass(frozen=True)
+class PoolView:
+    spec: PoolSpec
+    size_tokens: int
+    page_bytes: int
+    state: str = READY
+    """``ready``, ``creating`` (built in the background) or ``failed``."""
+    progress: float = 0.0
+    """Of a pool being built: 0..1 of its prefault."""
+    error: str = ""
+    error_reason: str = ""
+    page_num: int = 0
+    used_pages: int = 0
+    free_pages: int = 0
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    pinned_bytes: int = 0
+    sessions: int = 0
+    keys: int = 0
+    keyed_pages: int = 0
+    raw_pages: int = 0
+    busy_pages: int = 0
+    """Pages a copy or a hold has now (read- or write-held)."""
+    metadata_bytes: int = 0
+    attach_outcome: str = "memory"
+    generation: int = 0
+    recovered_keys: int = 0
+    disk_keys: int = 0
+    disk_capacity_pages: int = 0
+    remote_namespace: str = ""
+    remote_puts: int = 0
+    remote_pending: int = 0
+
+
+def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | None
+           ) -> PoolView:
+    counts = pool.allocator.counts()
+    used = pool.page_num - counts["free"]
+    disk = tiers.disk if tiers is not None else None
+    remote = tiers.remote if tiers is not None else None
+    writer = tiers.writer if tiers is not None else None
+    spiller = tiers.remote_spiller if tiers is not None else None
+    return PoolView(
+        spec=pool.spec, size_tokens=pool.size_tokens, page_bytes=pool.spec.page_bytes,
+        page_num=pool.page_num, used_pages=used, free_pages=counts["free"],
+        capacity_bytes=pool.nbytes, used_bytes=used * pool.spec.page_bytes,
+        pinned_bytes=pool.pinned_bytes, sessions=sessions, keys=cache.key_count,
+        keyed_pages=counts["keyed"], raw_pages=counts["raw"], busy_pages=counts["held"],
+        metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES,
+        attach_outcome=pool.outcome.value if pool.outcome else "memory",
+        generation=pool.state.generation if pool.state else 0,
+        recovered_keys=cache.recovered_keys,
+        disk_keys=disk.keys if disk is not None else 0,
+        disk_capacity_pages=disk.capacity if disk is not None else 0,
+        remote_namespace=remote.prefix if remote is not None else "",
+        remote_puts=(writer.put if writer is not None
+                     else spiller.spilled if spiller is not None else 0)
+        if remote is not None else 0,
+        remote_pending=writer.waiting if remote is not None and writer is not None else 0)
+
+
+def _building(b: PoolBuild) -> PoolView:
+    return PoolView(spec=b.spec, size_tokens=b.spec.resolved_size_tokens(),
+                    page_bytes=b.spec.page_bytes,
+                    state="failed" if b.state == FAILED else CREATING, progress=b.progress,
+                    error=b.error.message if b.error else "",
+                    error_reason=b.error.reason if b.error else "")
+
+
+def pool_view(d: Daemon, name: str) -> PoolView:
+    """``name`` as it is now (``POOL_NOT_FOUND`` when there is no such pool)."""
+    build = d.pools.build(name)
+    if build is not None:
+        return _building(build)
+    return _ready(d.pools.get(name), d.pools.cache(name), d.sessions.count(name),
+                  d.pools.stack(name))
+
+
+def pool_views(d: Daemon) -> list[PoolView]:
+    """Every pool: the ready ones, then those being built (or whose build failed)."""
+    stacks = dict(d.pools.stacks())
+    return [*(_ready(p, c, d.sessions.count(p.spec.name), stacks.get(p.spec.name))
+              for p, c in d.pools.entries()),
+            *(_building(b) for b in d.pools.builds())]
+
+
+@dataclass(frozen=True)
+class SessionView:
+    session_id: str
+    """The capability; "" in a view for anyone but the worker holding it."""
+    public_id: str
+    pool: str
+    worker_id: str
+    lease_ms: int
+    expires_in_ms: int
+    attached_bytes: int
+    device_tokens: int
+    transfers: int
+    device_uuid: str
+    """The GPU of a CUDA session's buffers ("" on a CPU host)."""
+    layer_events: int
+    lease_clamped: bool
+    peer_uid: int | None
+    """Who opened it, where the worker identified itself."""
+    peer_gid: int
+    peer_pid: int
+    page_size: int
+    loads_in_flight: int
+
+
+def session_view(s: Session, capability: bool = True) -> SessionView:
+    runner = s.attachment.runner
+    uuid, events = "", 0
+    if isinstance(runner, CudaRunner):
+        uuid, events = runner.driver.devices[runner.ordinal].uuid, len(runner.layer_events)
+    return SessionView(
+        session_id=s.session_id if capability else "", public_id=s.public_id,
+        pool=s.pool_name, worker_id=s.worker_id, lease_ms=int(s.lease_seconds * 1000),
+        expires_in_ms=int(s.expires_in(time.monotonic()) * 1000),
+        attached_bytes=s.attachment.nbytes, device_tokens=s.device_tokens,
+        transfers=s.transfers, device_uuid=uuid, layer_events=events,
+        lease_clamped=s.lease_clamped, peer_uid=s.peer.uid if s.peer else None,
+        peer_gid=s.peer.gid if s.peer else 0, peer_pid=s.peer.pid if s.peer else 0,
+        page_size=s.pool.page_size, loads_in_flight=s.loads)
+
+
+@dataclass(frozen=True)
+class EventView:
+    seq: int
+    kind: int
+    """``EventKind``'s value: 1 stored, 2 removed, 3 evicted (the wire's ``CacheEvent.Kind``)."""
+    keys: list[bytes]
+    pool: str
+    tier: int
+    medium: str
+    """The tier as the engines' events name it (``CPU_PINNED``, ``DISK``, ``EXTERNAL``)."""
+    parent_key: bytes
+    token_ids: list[int]
+    block_size: int
+
+
+def watch_events(d: Daemon, pool: str, after_seq: int, all_tiers: bool,
+                 active: Callable[[], bool]) -> Iterator[EventView]:
+    """The events of ``pool`` after ``after_seq`` (host memory's, or every tier's), while
+    ``active()`` and the daemon is not draining; ``POOL_NOT_FOUND`` once the pool is deleted
+    (or deleted and made again)."""
+    cache = d.pools.cache(pool)
+    seq = int(after_seq)
+    with d.watch_slot():
+        while active() and not d.draining.is_set():
+            for ev in cache.events.wait(seq, WATCH_POLL_SECONDS):
+                seq = ev.seq
+                if ev.tier != HOST and not all_tiers:
+                    continue
+                yield EventView(
+                    seq=ev.seq, kind=ev.kind.value, keys=list(ev.keys), pool=pool,
+                    tier=ev.tier, medium=MEDIUM[ev.tier], parent_key=ev.parent,
+                    token_ids=ev.token_ids.tolist() if ev.token_ids is not None else [],
+                    block_size=cache.pool.page_size)
+            if d.pools.cache(pool) is not cache:
+                raise PoolNotFound(f"pool {pool} was deleted", metadata={"pool": pool})
+
+
+def memory_available_bytes() -> int:
+    return available_bytes()
