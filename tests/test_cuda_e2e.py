@@ -148,11 +148,12 @@ def test_killed_worker_releases_its_gpu_mappings(daemon: DaemonProc,
 
 def test_backup_refuses_layer_event_completion(daemon: DaemonProc,
                                                client: HiCacheClient) -> None:
+    from hicache.calls import TransferRequest
     from hicache.errors import SpecInvalid
-    from hicache.fast_wire import Method
 
     with pytest.raises(SpecInvalid, match="COMPLETION_LAYER_EVENTS"):
-        client._transfer(Method.BACKUP, "no-such-session", b"", b"", 0, 0, True)
+        q = TransferRequest("no-such-session", b"", b"", (0, 0), True)  # type: ignore[arg-type]
+        client.call("Backup", q)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True,

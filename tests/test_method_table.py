@@ -175,3 +175,59 @@ def test_a_bad_field_is_refused_by_the_codec_before_any_handler() -> None:
     assert err.value.metadata.get("field") == "device_indices"
     with pytest.raises(HiCacheError):  # a body cut short: the fast codec says so alike
         _fast(w.Method.STORE, [b"\x00"], 0)
+
+
+# -- the client's codecs against the daemon's: one request, both wires ------------------------
+
+from hicache import calls as rq  # noqa: E402
+from hicache_client import codecs as client_codecs  # noqa: E402
+
+ROWS = (PAGES[:, None] * 16 + np.arange(16)).ravel()
+"""PAGES as token indices (page size 16): what the gRPC wire carries."""
+
+
+def _sample(name: str) -> tuple[object, object]:
+    """(the request as gRPC carries it, as the fast path carries it) of ``name``."""
+    if name == "Lookup":
+        q: object = rq.LookupRequest("p", KEYS, "sid", 250)
+        return q, q
+    if name == "Store":
+        tokens = np.arange(3 * 16, dtype=np.int64)
+        g = rq.StoreRequest("sid", KEYS, ROWS, (0, 0), tokens, b"\x05" * 32, 123)
+        return g, g._replace(device=PageIds(PAGES))
+    if name == "LoadKeys":
+        lk = rq.LoadKeysRequest("sid", KEYS, ROWS, (1, 3), True, 77)
+        return lk, lk._replace(device=PageIds(PAGES))
+    if name in ("Backup", "Load"):
+        t = rq.TransferRequest("sid", ROWS, ROWS[::-1].copy(), (0, 2), name == "Load", 5)
+        return t, t._replace(host=PageIds(PAGES), device=PageIds(PAGES[::-1].copy()))
+    if name == "Heartbeat":
+        h = rq.SessionRequest("sid")
+        return h, h
+    assert name == "ReleaseHolds"
+    r = rq.ReleaseHoldsRequest("sid", KEYS)
+    return r, r
+
+
+@pytest.mark.parametrize("name", sorted(client_codecs.CODECS))
+def test_what_the_client_sends_the_daemon_reads_as_the_same_request(name: str) -> None:
+    """Encoded by the client's codec, decoded by the daemon's front end: the same typed
+    request (``hicache.calls``) on both wires."""
+    codec = client_codecs.CODECS[name]
+    g, f = _sample(name)
+    body = b"".join(codec.body(f))
+    got_fast = fast_codec.CODECS[codec.fast].decode(w.Reader(body), codec.flags(f), 1000)
+    assert _same(got_fast, f), (got_fast, f)
+    message = codec.message(g)
+    wire = type(message).FromString(message.SerializeToString())
+    got_grpc = grpc_codec.CODECS[name].decode(wire)
+    if name == "Store":  # the wire's token ids come back as a sequence
+        got_grpc = got_grpc._replace(token_ids=np.asarray(got_grpc.token_ids))
+    assert _same(got_grpc, g), (got_grpc, g)
+
+
+def test_every_method_the_fast_path_carries_has_a_client_codec() -> None:
+    assert set(client_codecs.CODECS) == {m.name for m in calls.METHODS.values()
+                                         if not m.grpc_only}
+    for name, codec in client_codecs.CODECS.items():
+        assert fast_codec.CODECS[codec.fast].name == name

@@ -42,6 +42,14 @@ import numpy as np
 
 from hicache import fast_wire as w
 from hicache.buffers import DeviceBufferSpec
+from hicache.calls import (
+    LoadKeysRequest,
+    LookupRequest,
+    ReleaseHoldsRequest,
+    SessionRequest,
+    StoreRequest,
+    TransferRequest,
+)
 from hicache.codec import buffer_to_proto, spec_to_proto
 from hicache.error_mapping import from_rpc_error
 from hicache.errors import (
@@ -54,7 +62,7 @@ from hicache.errors import (
     error_class_for,
 )
 from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
-from hicache.indices import IndexArray, indices_to_bytes, to_index_array
+from hicache.indices import IndexArray, PageIds, indices_to_bytes, to_index_array
 from hicache.keys import encode_keys
 from hicache.paths import default_target
 from hicache.polling import DEFAULT_MAX_US
@@ -62,6 +70,7 @@ from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import fast_path as fp
+from hicache_client.codecs import CODECS
 from hicache_client.identity import request_token, trusted_uids
 from hicache_client.results import (
     CacheEvent,
@@ -418,19 +427,34 @@ class HiCacheClient:
         page_size = self._page_sizes.get(session_id, 0)
         return fp.page_ids(indices, page_size) if page_size else None
 
+    def call(self, name: str, request: Any, fast_request: Any = None, *,
+             timeout: float | None = None, pool: str | None = None) -> Any:
+        """One data call (``codecs.CODECS[name]``): over the fast path when ``fast_request``
+        is given (the request as the fast path carries it: device indices as page ids, the
+        pool's credential in it) and the path is there, else ``request`` over gRPC. Either
+        way the same result, or the same domain error."""
+        codec = CODECS[name]
+        start = time.monotonic()
+        if fast_request is not None:
+            got = self._fast_call(codec.fast, lambda: codec.body(fast_request),
+                                  codec.flags(fast_request), timeout)
+            if got is not None:
+                return codec.from_fast(got, fast_request)
+        return codec.from_grpc(self._call(getattr(self._stub, codec.grpc),
+                                          codec.message(request), retry=True,
+                                          timeout=_left(start, timeout), pool=pool))
+
     def beat(self, session_id: str) -> None:
         """A heartbeat of ``session_id``: over the fast path where it is offered (an idle
         worker's only call; over gRPC it costs the daemon about a millisecond of CPU)."""
-        got = self._fast_call(w.Method.HEARTBEAT, lambda: fp.session_body(session_id))
-        if got is None:
-            self._call(self._stub.Heartbeat, pb.HeartbeatRequest(session_id=session_id),
-                       retry=True)
+        q = SessionRequest(session_id)
+        self.call("Heartbeat", q, q)
 
     # -- raw pages ---------------------------------------------------------------------------
 
     def backup(self, session_id: str, host_indices: object, device_indices: object,
                layer_begin: int = 0, layer_end: int = 0) -> TransferStats:
-        return self._transfer(w.Method.BACKUP, session_id, host_indices, device_indices,
+        return self._transfer("Backup", session_id, host_indices, device_indices,
                               layer_begin, layer_end)
 
     def load(self, session_id: str, host_indices: object, device_indices: object,
@@ -439,26 +463,19 @@ class HiCacheClient:
         """Copy host pages to the device. ``layer_events=True`` (CUDA sessions opened with
         layer events) returns once the copies are enqueued: wait on the session's events
         before reading each layer."""
-        return self._transfer(w.Method.LOAD, session_id, host_indices, device_indices,
+        return self._transfer("Load", session_id, host_indices, device_indices,
                               layer_begin, layer_end, layer_events)
 
-    def _transfer(self, method: w.Method, session_id: str, host: object, dev: object,
+    def _transfer(self, name: str, session_id: str, host: object, dev: object,
                   begin: int, end: int, layer_events: bool = False) -> TransferStats:
         hp, dp = self._pages(session_id, host), self._pages(session_id, dev)
-        loading = method is w.Method.LOAD
-        deadline = self._deadline_ns(None) if loading else 0
-        if hp is not None and dp is not None:
-            got = self._fast_call(
-                method, lambda: fp.raw_body(session_id, hp, dp, (begin, end), deadline),
-                _flags(layer_events, deadline))
-            if got is not None:
-                return fp.decode_transfer(got)
-        stub = self._stub.Load if loading else self._stub.Backup
-        resp = self._call(stub, pb.TransferRequest(
-            session_id=session_id, host_indices=indices_to_bytes(host),
-            device_indices=indices_to_bytes(dev), layer_begin=begin, layer_end=end,
-            completion=_completion(layer_events), deadline_unix_ns=deadline), retry=True)
-        return TransferStats.from_proto(resp)
+        deadline = self._deadline_ns(None) if name == "Load" else 0
+        q = TransferRequest(session_id, host, dev, (begin, end),  # type: ignore[arg-type]
+                            layer_events, deadline)
+        fast = (q._replace(host=PageIds(hp), device=PageIds(dp))
+                if hp is not None and dp is not None else None)
+        result: TransferStats = self.call(name, q, fast)
+        return result
 
     def _deadline_ns(self, timeout: float | None) -> int:
         """A copy's deadline on this node's clock: no copy into or out of the caller's
@@ -476,40 +493,19 @@ class HiCacheClient:
         deadline for this call."""
         enc = encode_keys(keys)
         hold = bool(session_id and hold_ms > 0)
+        q = LookupRequest(pool, enc, session_id if hold else "", hold_ms if hold else 0)
+        # the fast path carries the pool's credential in the request (gRPC: in metadata)
         cred = session_id if hold else (self._credentials(pool) or [("", "")])[0][1]
-        start = time.monotonic()
-        got = self._fast_call(w.Method.LOOKUP, lambda: fp.lookup_body(
-            pool, cred, enc, hold_ms if hold else 0), w.FLAG_HOLD if hold else 0,
-            timeout=timeout)
-        if got is not None:
-            return fp.decode_lookup(got, hold)
-        r = self._call(self._stub.Lookup, pb.LookupRequest(
-            pool=pool, keys=enc, session_id=session_id if hold else "",
-            hold_ms=hold_ms if hold else 0), retry=True, timeout=_left(start, timeout),
-            pool=pool)
-        return LookupResult(r.hit_prefix, bytes(r.tiers), r.hits, r.held)
+        result: LookupResult = self.call("Lookup", q, q._replace(session_id=cred),
+                                         timeout=timeout, pool=pool)
+        return result
 
     def release_holds(self, session_id: str, keys: Sequence[bytes | str] = (), *,
                       timeout: float | None = None) -> int:
         """End the session's holds of ``keys`` (none: all of them); returns how many."""
-        enc = encode_keys(keys)
-        start = time.monotonic()
-        got = self._fast_call(w.Method.RELEASE_HOLDS, lambda: fp.release_body(session_id, enc),
-                              timeout=timeout)
-        if got is not None:
-            return int(fp.U32.unpack(got)[0])
-        r = self._call(self._stub.ReleaseHolds, pb.ReleaseHoldsRequest(
-            session_id=session_id, keys=enc), retry=True, timeout=_left(start, timeout))
-        return int(r.released)
-
-    def _store_request(self, session_id: str, keys: Sequence[bytes], device_indices: object,
-                       chain: tuple[bytes, np.ndarray] | None, deadline: int
-                       ) -> pb.StoreRequest:
-        parent, tokens = chain or (b"", None)
-        return pb.StoreRequest(session_id=session_id, keys=keys,
-                               device_indices=indices_to_bytes(device_indices),
-                               token_ids=tokens.tolist() if tokens is not None else (),
-                               parent_key=parent, deadline_unix_ns=deadline)
+        q = ReleaseHoldsRequest(session_id, encode_keys(keys))
+        released: int = self.call("ReleaseHolds", q, q, timeout=timeout)
+        return released
 
     def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
               *, token_ids: Sequence[int] | np.ndarray | None = None,
@@ -518,27 +514,27 @@ class HiCacheClient:
         (the client's when None) has passed the caller may reuse those pages: the daemon
         then begins no copy, and keeps nothing of a copy that ends later
         (``DEADLINE_PASSED``)."""
-        enc = encode_keys(keys)
-        chain = _chain(token_ids, parent_key)
+        q = self._store_request(session_id, keys, device_indices, token_ids, parent_key,
+                                self._deadline_ns(timeout))
+        fast = None
         dp = self._pages(session_id, device_indices)
-        deadline = self._deadline_ns(timeout)
-        start = time.monotonic()
         if dp is not None and self._fast_path(timeout) is not None:
             # a daemon from before Store deadlines refuses a Store frame that carries one: it
             # gets none (and could not honour it over gRPC either)
-            fast_deadline = deadline if self._fast_flags & w.STORE_DEADLINE else 0
-            got = self._fast_call(
-                w.Method.STORE,
-                lambda: fp.keyed_body(session_id, enc, dp, deadline_ns=fast_deadline,
-                                      chain=chain),
-                (w.FLAG_CHAIN if chain is not None else 0)
-                | (w.FLAG_DEADLINE if fast_deadline else 0), timeout)
-            if got is not None:
-                return fp.decode_store(got)
-        return StoreResult.from_proto(self._call(
-            self._stub.Store,
-            self._store_request(session_id, enc, device_indices, chain, deadline),
-            retry=True, timeout=_left(start, timeout)))
+            fast = q._replace(device=PageIds(dp), deadline_ns=q.deadline_ns
+                              if self._fast_flags & w.STORE_DEADLINE else 0)
+        result: StoreResult = self.call("Store", q, fast, timeout=timeout)
+        return result
+
+    @staticmethod
+    def _store_request(session_id: str, keys: Sequence[bytes | str], device_indices: object,
+                       token_ids: Sequence[int] | np.ndarray | None, parent_key: bytes | str,
+                       deadline_ns: int) -> StoreRequest:
+        parent = encode_keys([parent_key], "parent_key")[0] if parent_key else b""
+        tokens = (None if token_ids is None or len(token_ids) == 0
+                  else np.asarray(token_ids, dtype=np.int64).ravel())
+        return StoreRequest(session_id, encode_keys(keys), device_indices,  # type: ignore[arg-type]
+                            (0, 0), tokens, parent, deadline_ns)
 
     def store_async(self, session_id: str, keys: Sequence[bytes | str],
                     device_indices: object, *,
@@ -551,14 +547,14 @@ class HiCacheClient:
             return self._async.submit(self.store, session_id, keys, device_indices,
                                       token_ids=token_ids, parent_key=parent_key)
         out: Future[StoreResult] = Future()
-        call = self._stub.Store.future(
-            self._store_request(session_id, encode_keys(keys), device_indices,
-                                _chain(token_ids, parent_key), self._deadline_ns(None)),
+        codec = CODECS["Store"]
+        call = self._stub.Store.future(codec.message(self._store_request(
+            session_id, keys, device_indices, token_ids, parent_key, self._deadline_ns(None))),
             timeout=self.timeout)
 
         def done(f: Any) -> None:
             try:
-                out.set_result(StoreResult.from_proto(f.result()))
+                out.set_result(codec.from_grpc(f.result()))
             except grpc.RpcError as err:
                 out.set_exception(from_rpc_error(err))
             except Exception as exc:  # cancelled, or the channel closed
@@ -572,23 +568,13 @@ class HiCacheClient:
                   timeout: float | None = None) -> TransferStats:
         """The pages of ``keys`` into one device page each (see ``WorkerSession``). No copy
         begins once ``timeout`` (the client's when None) has passed."""
-        enc = encode_keys(keys)
         dp = self._pages(session_id, device_indices)
-        deadline = self._deadline_ns(timeout)
-        start = time.monotonic()
-        if dp is not None:
-            got = self._fast_call(
-                w.Method.LOAD_KEYS,
-                lambda: fp.keyed_body(session_id, enc, dp, (layer_begin, layer_end), deadline),
-                _flags(layer_events, deadline), timeout)
-            if got is not None:
-                return fp.decode_transfer(got)
-        resp = self._call(self._stub.LoadKeys, pb.LoadKeysRequest(
-            session_id=session_id, keys=enc,
-            device_indices=indices_to_bytes(device_indices), layer_begin=layer_begin,
-            layer_end=layer_end, completion=_completion(layer_events),
-            deadline_unix_ns=deadline), retry=True, timeout=_left(start, timeout))
-        return TransferStats.from_proto(resp)
+        q = LoadKeysRequest(session_id, encode_keys(keys), device_indices,  # type: ignore[arg-type]
+                            (layer_begin, layer_end), layer_events,
+                            self._deadline_ns(timeout))
+        fast = q._replace(device=PageIds(dp)) if dp is not None else None
+        result: TransferStats = self.call("LoadKeys", q, fast, timeout=timeout)
+        return result
 
     # -- the cache's control calls ---------------------------------------------------------
 
@@ -634,25 +620,7 @@ class EventStream:
     def cancel(self) -> None:
         self._call.cancel()
 
+
 def _left(start: float, timeout: float | None) -> float | None:
     """What is left of a call's ``timeout`` once the fast path gave up on it (None: none)."""
     return None if timeout is None else max(timeout - (time.monotonic() - start), 0.001)
-
-
-def _flags(layer_events: bool, deadline_ns: int) -> int:
-    return ((w.FLAG_LAYER_EVENTS if layer_events else 0)
-            | (w.FLAG_DEADLINE if deadline_ns else 0))
-
-
-def _completion(layer_events: bool) -> Any:
-    return pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
-
-
-def _chain(token_ids: Sequence[int] | np.ndarray | None, parent_key: bytes | str
-           ) -> tuple[bytes, np.ndarray] | None:
-    """What a Store says of its keys' chain (the daemon checks it): None when nothing."""
-    if (token_ids is None or len(token_ids) == 0) and not parent_key:
-        return None
-    parent = encode_keys([parent_key], "parent_key")[0] if parent_key else b""
-    tokens = np.asarray(token_ids if token_ids is not None else (), dtype=np.int64).ravel()
-    return parent, tokens

@@ -1,0 +1,96 @@
+"""The requests of ``hicache.v1.HostCache``'s calls, typed once for both sides.
+
+The daemon's method table (``hicached.service.calls``) hands these to its handlers; each front
+end's codec decodes its wire into them (gRPC's protobuf, the fast path's frames), and the
+client's codecs (``hicache_client.codecs``) encode them onto either wire. Immutable
+``NamedTuple`` classes: as cheap to build as a tuple, on the hot path of every call.
+
+Primitives: ``LookupRequest``, ``StoreRequest``, ``LoadKeysRequest``, ``TransferRequest``
+(Backup, Load), ``SessionRequest`` (Heartbeat, CloseSession), ``ReleaseHoldsRequest``,
+``KeysRequest`` (RemoveKeys), ``PoolRequest`` (ClearPool, DeletePool), ``AllocRequest``,
+``FreeRequest``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from hicache.indices import IndexArray, PageIds
+
+
+class LookupRequest(NamedTuple):
+    pool: str
+    keys: list[bytes]
+    session_id: str = ""
+    """A session of ``pool``: whose the hold is (with ``hold_ms``), and the credential access
+    rules accept for the pool."""
+    hold_ms: int = 0
+    """Hold the hit for ``session_id`` this long (0: no hold)."""
+
+
+class StoreRequest(NamedTuple):
+    session_id: str
+    keys: list[bytes]
+    device: IndexArray | PageIds
+    """Token indices (gRPC) or device page ids (the fast path), one page per key."""
+    layers: tuple[int, int] = (0, 0)
+    token_ids: Sequence[int] | IndexArray | None = None
+    """``page_size`` per key, or None: what the pool's events publish of the keys."""
+    parent_key: bytes = b""
+    """The key before the first one, where the keys continue a chain."""
+    deadline_ns: int = 0
+    """Unix ns past which no copy begins and none is kept (0: none)."""
+
+
+class LoadKeysRequest(NamedTuple):
+    session_id: str
+    keys: list[bytes]
+    device: IndexArray | PageIds
+    layers: tuple[int, int] = (0, 0)
+    layer_events: bool = False
+    """Return once the copies are enqueued (CUDA sessions with layer events)."""
+    deadline_ns: int = 0
+
+
+class TransferRequest(NamedTuple):
+    """A Backup or Load of raw pages."""
+
+    session_id: str
+    host: IndexArray | PageIds
+    device: IndexArray | PageIds
+    layers: tuple[int, int] = (0, 0)
+    layer_events: bool = False
+    deadline_ns: int = 0
+
+
+class SessionRequest(NamedTuple):
+    session_id: str
+    """The capability (or, for CloseSession, a public id a peer may close)."""
+
+
+class ReleaseHoldsRequest(NamedTuple):
+    session_id: str
+    keys: list[bytes] | None
+    """None or empty: every hold of the session."""
+
+
+class KeysRequest(NamedTuple):
+    pool: str
+    keys: list[bytes]
+
+
+class PoolRequest(NamedTuple):
+    pool: str
+
+
+class AllocRequest(NamedTuple):
+    pool: str
+    num_tokens: int
+    session_id: str = ""
+    """The session that owns the pages (freed when it ends); "" for none."""
+
+
+class FreeRequest(NamedTuple):
+    pool: str
+    host: IndexArray

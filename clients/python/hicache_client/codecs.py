@@ -1,0 +1,134 @@
+"""The client's codecs: ``hicache.calls``' typed requests onto either wire, replies as results.
+
+The daemon decodes both wires into the same typed requests (``hicached.frontends``'
+``fast_codec`` and ``grpc_codec``); here each data call is the mirror image, one
+``ClientCodec`` per method: the fast path's body and flags for a request (its indices as
+page ids), the protobuf message for a request (its indices as token indices), and each
+wire's reply as the client's result. ``HiCacheClient.call`` picks the path.
+
+Primitives: ``ClientCodec`` (``grpc``, ``fast``, ``body``, ``flags``, ``from_fast``,
+``message``, ``from_grpc``), ``CODECS`` (by the method's gRPC name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hicache import calls as c
+from hicache import fast_wire as w
+from hicache.indices import PageIds, indices_to_bytes
+from hicache.v1 import hicache_pb2 as pb
+from hicache_client import fast_path as fp
+from hicache_client.results import LookupResult, StoreResult, TransferStats
+
+
+class ClientCodec(NamedTuple):
+    grpc: str
+    """The method's name: the gRPC stub's attribute."""
+    fast: w.Method
+    """Its number on the fast path."""
+    body: Callable[[Any], list[bytes]]
+    """The request (device indices as ``PageIds``) as a fast-path body (``ValueError``: the
+    framing cannot carry it; the call goes over gRPC)."""
+    flags: Callable[[Any], int]
+    """The frame's flags for the request."""
+    from_fast: Callable[[bytes, Any], Any]
+    """(reply body, request) -> the result."""
+    message: Callable[[Any], Any]
+    """The request (device indices as token indices) as its protobuf message."""
+    from_grpc: Callable[[Any], Any]
+    """The protobuf reply -> the result."""
+
+
+def _ids(x: Any) -> Any:
+    return x.ids if isinstance(x, PageIds) else x
+
+
+def _events(layer_events: bool, deadline_ns: int) -> int:
+    return ((w.FLAG_LAYER_EVENTS if layer_events else 0)
+            | (w.FLAG_DEADLINE if deadline_ns else 0))
+
+
+def _completion(layer_events: bool) -> Any:
+    return pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
+
+
+def _chain(q: c.StoreRequest) -> tuple[bytes, Any] | None:
+    tokens = q.token_ids
+    if (tokens is None or len(tokens) == 0) and not q.parent_key:
+        return None
+    return q.parent_key, np.asarray(tokens if tokens is not None else (),
+                                    dtype=np.int64).ravel()
+
+
+def _store_message(q: c.StoreRequest) -> pb.StoreRequest:
+    chain = _chain(q)
+    return pb.StoreRequest(session_id=q.session_id, keys=q.keys,
+                           device_indices=indices_to_bytes(q.device),
+                           token_ids=chain[1].tolist() if chain is not None else (),
+                           parent_key=q.parent_key, deadline_unix_ns=q.deadline_ns,
+                           layer_begin=q.layers[0], layer_end=q.layers[1])
+
+
+def _transfer_message(q: c.TransferRequest) -> pb.TransferRequest:
+    return pb.TransferRequest(session_id=q.session_id, host_indices=indices_to_bytes(q.host),
+                              device_indices=indices_to_bytes(q.device),
+                              layer_begin=q.layers[0], layer_end=q.layers[1],
+                              completion=_completion(q.layer_events),
+                              deadline_unix_ns=q.deadline_ns)
+
+
+def _raw(method: w.Method, name: str) -> ClientCodec:
+    return ClientCodec(
+        name, method,
+        lambda q: fp.raw_body(q.session_id, _ids(q.host), _ids(q.device), q.layers,
+                              q.deadline_ns),
+        lambda q: _events(q.layer_events, q.deadline_ns),
+        lambda data, q: fp.decode_transfer(data), _transfer_message,
+        TransferStats.from_proto)
+
+
+CODECS: dict[str, ClientCodec] = {
+    "Lookup": ClientCodec(
+        "Lookup", w.Method.LOOKUP,
+        lambda q: fp.lookup_body(q.pool, q.session_id, q.keys, q.hold_ms),
+        lambda q: w.FLAG_HOLD if q.hold_ms else 0,
+        lambda data, q: fp.decode_lookup(data, bool(q.hold_ms)),
+        lambda q: pb.LookupRequest(pool=q.pool, keys=q.keys, session_id=q.session_id,
+                                   hold_ms=q.hold_ms),
+        lambda r: LookupResult(r.hit_prefix, bytes(r.tiers), r.hits, r.held)),
+    "Store": ClientCodec(
+        "Store", w.Method.STORE,
+        lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,
+                                q.deadline_ns, _chain(q)),
+        lambda q: ((w.FLAG_CHAIN if _chain(q) is not None else 0)
+                   | (w.FLAG_DEADLINE if q.deadline_ns else 0)),
+        lambda data, q: fp.decode_store(data), _store_message, StoreResult.from_proto),
+    "LoadKeys": ClientCodec(
+        "LoadKeys", w.Method.LOAD_KEYS,
+        lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,
+                                q.deadline_ns),
+        lambda q: _events(q.layer_events, q.deadline_ns),
+        lambda data, q: fp.decode_transfer(data),
+        lambda q: pb.LoadKeysRequest(
+            session_id=q.session_id, keys=q.keys, device_indices=indices_to_bytes(q.device),
+            layer_begin=q.layers[0], layer_end=q.layers[1],
+            completion=_completion(q.layer_events), deadline_unix_ns=q.deadline_ns),
+        TransferStats.from_proto),
+    "Backup": _raw(w.Method.BACKUP, "Backup"),
+    "Load": _raw(w.Method.LOAD, "Load"),
+    "Heartbeat": ClientCodec(
+        "Heartbeat", w.Method.HEARTBEAT, lambda q: fp.session_body(q.session_id),
+        lambda q: 0, lambda data, q: None,
+        lambda q: pb.HeartbeatRequest(session_id=q.session_id), lambda r: None),
+    "ReleaseHolds": ClientCodec(
+        "ReleaseHolds", w.Method.RELEASE_HOLDS,
+        lambda q: fp.release_body(q.session_id, q.keys or []), lambda q: 0,
+        lambda data, q: int(fp.U32.unpack(data)[0]),
+        lambda q: pb.ReleaseHoldsRequest(session_id=q.session_id, keys=q.keys or []),
+        lambda r: int(r.released)),
+}
+"""The data calls (and the session calls the fast path carries), by gRPC name."""
