@@ -16,7 +16,8 @@ entry still says what the envelope needs.
 
 Primitives:
 
-- Requests and results: ``LookupRequest``/``LookupResult``, ``StoreRequest``/``StoreResult``,
+- Requests (``hicache.calls``, shared with the client) and results:
+  ``LookupRequest``/``LookupResult``, ``StoreRequest``/``StoreResult``,
   ``LoadKeysRequest``, ``TransferRequest`` (Backup, Load; their result and LoadKeys' is
   ``TransferResult``, the copy engine's), ``SessionRequest`` (Heartbeat, CloseSession; Heartbeat's
   result is the ``Session``), ``ReleaseHoldsRequest``, ``KeysRequest`` (RemoveKeys),
@@ -28,34 +29,44 @@ Primitives:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from hicache.calls import (
+    AllocRequest,
+    FreeRequest,
+    KeysRequest,
+    LoadKeysRequest,
+    LookupRequest,
+    PoolRequest,
+    ReleaseHoldsRequest,
+    SessionRequest,
+    StoreRequest,
+    TransferRequest,
+)
 from hicache.identity import is_public_id
-from hicache.indices import IndexArray, PageIds
+from hicache.indices import IndexArray
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
-from hicached.copy.engine import Op
-from hicached.copy.engine import TransferResult as TransferResult  # a result of the table
+from hicached.copy.engine import Op, TransferResult
 from hicached.service.daemon import Daemon
 from hicached.service.sessions import Session
+
+__all__ = [
+    "CREATES_WORK", "DATA_METHODS", "METHODS", "AllocRequest", "Count", "FreeRequest",
+    "KeysRequest", "LoadKeysRequest", "LookupRequest", "LookupResult", "Method", "PoolOf",
+    "PoolRequest", "ReleaseHoldsRequest", "SessionRequest", "StoreRequest", "StoreResult",
+    "TransferRequest", "TransferResult", "alloc", "backup", "clear_pool", "close_session",
+    "delete_pool", "free", "heartbeat", "load", "load_keys", "lookup", "method",
+    "release_holds", "remove_keys", "store",
+]
 
 log = logging.getLogger(__name__)
 
 
 # -- requests and results -------------------------------------------------------------------
-
-
-class LookupRequest(NamedTuple):
-    pool: str
-    keys: list[bytes]
-    session_id: str = ""
-    """A session of ``pool``: whose the hold is (with ``hold_ms``), and the credential access
-    rules accept for the pool."""
-    hold_ms: int = 0
-    """Hold the hit for ``session_id`` this long (0: no hold)."""
 
 
 class LookupResult(NamedTuple):
@@ -69,20 +80,6 @@ class LookupResult(NamedTuple):
     """Leading keys held for the session (0 without a hold)."""
 
 
-class StoreRequest(NamedTuple):
-    session_id: str
-    keys: list[bytes]
-    device: IndexArray | PageIds
-    """Token indices (gRPC) or device page ids (the fast path), one page per key."""
-    layers: tuple[int, int] = (0, 0)
-    token_ids: Sequence[int] | IndexArray | None = None
-    """``page_size`` per key, or None: what the pool's events publish of the keys."""
-    parent_key: bytes = b""
-    """The key before the first one, where the keys continue a chain."""
-    deadline_ns: int = 0
-    """Unix ns past which no copy begins and none is kept (0: none)."""
-
-
 class StoreResult(NamedTuple):
     stored: int
     already_present: int
@@ -91,59 +88,6 @@ class StoreResult(NamedTuple):
     """One status byte per key (``STORED``, ``PRESENT``, ``NO_SPACE``)."""
     bytes_moved: int
     seconds: float
-
-
-class LoadKeysRequest(NamedTuple):
-    session_id: str
-    keys: list[bytes]
-    device: IndexArray | PageIds
-    layers: tuple[int, int] = (0, 0)
-    layer_events: bool = False
-    """Return once the copies are enqueued (CUDA sessions with layer events)."""
-    deadline_ns: int = 0
-
-
-class TransferRequest(NamedTuple):
-    """A Backup or Load of raw pages."""
-
-    session_id: str
-    host: IndexArray | PageIds
-    device: IndexArray | PageIds
-    layers: tuple[int, int] = (0, 0)
-    layer_events: bool = False
-    deadline_ns: int = 0
-
-
-class SessionRequest(NamedTuple):
-    session_id: str
-    """The capability (or, for CloseSession, a public id a peer may close)."""
-
-
-class ReleaseHoldsRequest(NamedTuple):
-    session_id: str
-    keys: list[bytes] | None
-    """None or empty: every hold of the session."""
-
-
-class KeysRequest(NamedTuple):
-    pool: str
-    keys: list[bytes]
-
-
-class PoolRequest(NamedTuple):
-    pool: str
-
-
-class AllocRequest(NamedTuple):
-    pool: str
-    num_tokens: int
-    session_id: str = ""
-    """The session that owns the pages (freed when it ends); "" for none."""
-
-
-class FreeRequest(NamedTuple):
-    pool: str
-    host: IndexArray
 
 
 class Count(NamedTuple):
