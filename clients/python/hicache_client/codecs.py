@@ -56,19 +56,24 @@ def _completion(layer_events: bool) -> Any:
     return pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
 
 
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
 def _chain(q: c.StoreRequest) -> tuple[bytes, Any] | None:
+    """What the Store says of its chain, None when nothing (its flags and body both ask: no
+    copy of the tokens here; the framing and the daemon take them as they are)."""
     tokens = q.token_ids
     if (tokens is None or len(tokens) == 0) and not q.parent_key:
         return None
-    return q.parent_key, np.asarray(tokens if tokens is not None else (),
-                                    dtype=np.int64).ravel()
+    return q.parent_key, tokens if tokens is not None else _NO_TOKENS
 
 
 def _store_message(q: c.StoreRequest) -> pb.StoreRequest:
     chain = _chain(q)
     return pb.StoreRequest(session_id=q.session_id, keys=q.keys,
                            device_indices=indices_to_bytes(q.device),
-                           token_ids=chain[1].tolist() if chain is not None else (),
+                           token_ids=np.asarray(chain[1], dtype=np.int64).ravel().tolist()
+                           if chain is not None else (),
                            parent_key=q.parent_key, deadline_unix_ns=q.deadline_ns,
                            layer_begin=q.layers[0], layer_end=q.layers[1])
 
