@@ -43,7 +43,7 @@ out="${1:-/tmp/hicache-gpu-check}"
 # seconds per part, each a ceiling; part 6 (extra) gets at least its share and at most what the
 # others left of TOTAL
 TOTAL=465
-declare -A BUDGET=([wheels]=40 [env]=20 [native]=40 [cuda-tests]=120 [bench-short]=80
+declare -A BUDGET=([wheels]=40 [env]=45 [native]=40 [cuda-tests]=100 [bench-short]=80
                    [sglang]=85 [vllm]=60)
 PARTS=(wheels env native cuda-tests bench-short sglang vllm extra)
 fixed=0
