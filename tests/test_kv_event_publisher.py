@@ -25,13 +25,14 @@ from hicache import seams
 from hicache.errors import HiCacheError
 from hicache.keys import sglang_page_hashes, sglang_page_keys
 from hicached.cache.chains import ENTRY_OVERHEAD_BYTES, ChainTable
-from hicached.cache.events import EventKind, EventLog
+from hicached.cache.events import DISK, HOST, EventKind, EventLog
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.trusted_paths import UntrustedPath
 from hicached.publish.kv_event_config import KvEventsConfig
 from hicached.publish.kv_event_format import Encoder, block_hash, block_hashes, engine_events
 from hicached.publish.kv_events import KvEventPublisher
+from hicached.tiers.disk import DiskTier
 from hicached.tiers.stack import TierStack
 from tests.helpers import make_pool, mha, spec
 from tests.kv_event_follower import Follower
@@ -116,6 +117,78 @@ def test_the_chain_table_keeps_its_budget_and_the_batch_just_noted() -> None:
     assert run.parent == b"p" and tokens is not None and tokens.tolist() == list(range(3 * PS))
     tiny.note(keys[3:4])
     assert tiny.entries == 1
+
+
+def test_a_chain_lives_as_long_as_its_key_in_the_pools_last_tier() -> None:
+    """A key evicted or removed from the last tier loses its entry (and a batch with no key
+    left its bytes); from a tier above the last one, it keeps it (the spill below needs it)."""
+    table = ChainTable(1 << 30, PS)  # a budget that never binds: presence alone decides
+    log = EventLog(chains=table)
+    keys = [bytes([i]) * 32 for i in range(8)]
+    table.note(keys[:4], b"root")
+    table.note(keys[4:], keys[3])
+    one_batch = 4 * (ENTRY_OVERHEAD_BYTES + 32)
+    log.append(EventKind.EVICTED, keys[:2])  # host memory is the last tier by default
+    assert table.entries == 6 and table.parent_of(keys[2]) == keys[1]
+    assert table.parent_of(keys[0]) == b""
+    log.append(EventKind.REMOVED, keys[2:4])
+    assert table.entries == 4 and table.bytes_used == one_batch + len(keys[3])
+    table.last_tier = DISK
+    log.append(EventKind.EVICTED, keys[4:6])  # spilled: the disk's events still need it
+    assert table.entries == 4 and table.parent_of(keys[4]) == keys[3]
+    log.append(EventKind.EVICTED, keys[4:6], DISK)
+    log.append(EventKind.REMOVED, keys[6:], DISK)
+    assert table.entries == 0 and table.bytes_used == 0
+    table.note(keys[:2], b"a")
+    table.note(keys[:2], b"b")  # stored again: the newer batch has them, the older is gone
+    assert table.bytes_used == 2 * (ENTRY_OVERHEAD_BYTES + 32) + 1
+    assert table.parent_of(keys[0]) == b"b"
+
+
+def test_a_host_only_pools_chain_table_stays_the_size_of_the_pool(pool: HostPool) -> None:
+    """Stores of fresh keys into a full 64-page pool, as a busy engine makes them: the table
+    holds the pool's keys and no others, however many were stored, and each Store's event
+    still carries its chain."""
+    cache = PoolCache(pool, EventLog(chains=ChainTable(1 << 30, PS)))
+    table = cache.events.chains
+    TierStack(pool, cache)  # no tier below: host memory is the last
+    assert table.last_tier == HOST
+    fresh = (os.urandom(32) for _ in itertools.count())
+    parent = b""
+    for i in range(300):
+        keys = [next(fresh) for _ in range(8)]
+        table.note(keys, parent, np.arange(8 * PS) + i)
+        _store(cache, keys)
+        parent = keys[-1]
+        assert set(table._entries) <= set(cache.snapshot())
+    assert table.entries == 64 and len(table._batches) <= 8 + 2 * 64 + 1
+    assert table.bytes_used == 8 * (8 * (ENTRY_OVERHEAD_BYTES + 32) + 32 + 8 * PS * 8)
+    last = [e for e in cache.events.after(0) if e.kind is EventKind.STORED][-1]
+    assert last.keys[0] == keys[0] and last.parent == cache.events.chains.parent_of(keys[0])
+    assert last.token_ids is not None and last.token_ids.tolist() == list(range(299, 299
+                                                                                + 8 * PS))
+
+
+def test_one_long_lived_key_does_not_keep_the_dead_batches_behind_it() -> None:
+    table = ChainTable(1 << 30, PS)
+    hot, cold = b"h" * 32, b"c" * 32
+    table.note([cold, hot], b"root")
+    table.forget([cold], HOST)
+    for i in range(5000):
+        key = i.to_bytes(32, "little")
+        table.note([key], hot)
+        table.forget([key], HOST)
+    assert len(table._batches) <= 2 * 65 + 1 and table.entries == 1
+    assert table.parent_of(hot) == cold and table.bytes_used == 2 * (ENTRY_OVERHEAD_BYTES
+                                                                     + 32) + 4
+
+
+def test_a_pool_with_a_disk_tier_keeps_chains_until_the_disk_lets_go(pool: HostPool,
+                                                                      tmp_path: Path) -> None:
+    cache = PoolCache(pool, EventLog(chains=ChainTable(1 << 30, PS)))
+    disk = DiskTier(str(tmp_path), "p", {"spec": "p"}, pool.spec.page_bytes, 16)
+    TierStack(pool, cache, disk)
+    assert cache.events.chains.last_tier == DISK
 
 
 @pytest.fixture

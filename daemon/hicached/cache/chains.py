@@ -11,13 +11,24 @@ spill to disk, a put to the cluster, a promotion back into host memory) carry it
 the table no longer has is published alone, with no parent and no tokens (or, in one Store's
 batch, after the key before it).
 
+A key's entry lives while the pool may still publish the key: it is forgotten when the key
+leaves the pool's last local tier (``forget``: evicted or removed from host memory in a pool
+with no tier below it, from the disk in one with a disk tier), or, oldest Store first, when
+the table is over its byte budget (a pool whose last tier is the cluster, which says nothing
+of its own evictions, relies on that alone). So in a host-only pool the table holds about as
+many keys as the pool: a Store's ``note`` costs a few dict operations in a small table, not
+in one of every key stored since the start (a table 280 times its pool made each 64-page
+Store ~30 us slower and its growth faulted pages in on the Store path).
+
 Primitives:
 
 - ``Run``: keys that follow one another in one chain, the parent of the first, their tokens
   (``page_size`` per key, or None when not all of them are known).
-- ``ChainTable(max_bytes, page_size)``: ``note(keys, parent, token_ids)`` (one Store's batch,
-  kept whole; the oldest batches go first), ``runs(keys, chain)`` (the keys, in order, cut
-  into runs), ``parent_of(key)``, ``bytes_used``, ``entries``.
+- ``ChainTable(max_bytes, page_size, last_tier)``: ``note(keys, parent, token_ids)`` (one
+  Store's batch, kept whole while any of its keys is; the oldest batches go first over the
+  budget), ``forget(keys, tier)`` (the keys left ``tier``: dropped when it is the last),
+  ``runs(keys, chain)`` (the keys, in order, cut into runs), ``parent_of(key)``,
+  ``bytes_used``, ``entries``, ``last_tier`` (set by the pool's tier stack).
 
 Thread-safe (one lock of its own, taken inside the pool cache's or a tier's lock, never
 around one).
@@ -54,19 +65,30 @@ class Run:
 
 @dataclass(eq=False, slots=True)
 class _Batch:
-    """What one Store said: its keys, the parent of the first, their tokens."""
+    """What one Store said: its keys, the parent of the first, their tokens; ``live``: how
+    many of its keys the table still answers from it (its bytes are charged until none)."""
 
     keys: tuple[bytes, ...]
     parent: bytes
     tokens: bytes | None
     cost: int
+    live: int
+
+
+HOST_TIER = 1
+"""``hicached.cache.events.HOST`` (not imported: the event log imports this module)."""
 
 
 class ChainTable:
-    def __init__(self, max_bytes: int, page_size: int) -> None:
+    def __init__(self, max_bytes: int, page_size: int, last_tier: int = HOST_TIER) -> None:
         self.max_bytes, self.page_size = max_bytes, page_size
+        self.last_tier = last_tier
+        """The tier whose evictions and removals end a key's entry (the pool's lowest local
+        tier: host memory, or the disk when the pool has one)."""
         self._entries: dict[bytes, tuple[_Batch, int]] = {}
         self._batches: deque[_Batch] = deque()
+        self._dead = 0
+        """Batches in ``_batches`` with no live key left (dropped when they are half)."""
         self.bytes_used = 0
         self._lock = threading.Lock()
 
@@ -76,30 +98,68 @@ class ChainTable:
 
     def note(self, keys: Sequence[bytes], parent: bytes = b"",
              token_ids: np.ndarray | None = None) -> None:
-        """``keys`` are one chain after ``parent``; ``token_ids`` (validated by the caller:
-        ``page_size`` per key) their tokens. The oldest batches go first when the table is
-        over its budget; the batch just noted always stays (its own events need it). A few
-        C-level passes per batch: a Store pays no Python loop over its keys here."""
+        """``keys`` (distinct: the caller's check) are one chain after ``parent``;
+        ``token_ids`` (validated by the caller: ``page_size`` per key) their tokens. The
+        oldest batches go first when the table is over its budget; the batch just noted
+        always stays (its own events need it). A few C-level passes per batch: a Store of
+        keys the table does not know pays no Python loop over its keys here."""
         if not keys:
             return
         raw = (np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
                if token_ids is not None else None)
         batch = _Batch(tuple(keys), parent, raw, len(keys) * (ENTRY_OVERHEAD_BYTES
                                                               + len(keys[0]))
-                       + len(parent) + (len(raw) if raw else 0))
+                       + len(parent) + (len(raw) if raw else 0), len(keys))
         with self._lock:
-            self._entries.update(zip(batch.keys, zip(itertools.repeat(batch),
-                                                     range(len(keys))), strict=True))
+            entries = self._entries
+            again = entries.keys() & batch.keys  # noted before: their old batch loses them
+            for k in again:
+                self._lost(entries[k][0])
+            entries.update(zip(batch.keys, zip(itertools.repeat(batch), range(len(keys))),
+                               strict=True))
             self._batches.append(batch)
             self.bytes_used += batch.cost
             while self.bytes_used > self.max_bytes and len(self._batches) > 1:
                 old = self._batches.popleft()
-                self.bytes_used -= old.cost
-                entries = self._entries
+                if not old.live:
+                    self._dead -= 1
+                    continue
                 for k in old.keys:  # unless a later Store noted it again
                     got = entries.get(k)
                     if got is not None and got[0] is old:
                         del entries[k]
+                old.live = 0
+                self.bytes_used -= old.cost
+            self._compact()
+
+    def forget(self, keys: Sequence[bytes], tier: int) -> None:
+        """``keys`` left ``tier`` (evicted or removed): when it is the table's last tier, the
+        pool no longer has them and their entries go (a batch with none left gives back its
+        bytes)."""
+        if tier != self.last_tier or not keys:
+            return
+        with self._lock:
+            pop = self._entries.pop
+            for k in keys:
+                got = pop(k, None)
+                if got is not None:
+                    self._lost(got[0])
+            self._compact()
+
+    def _lost(self, batch: _Batch) -> None:
+        """One of ``batch``'s keys no longer answers from it (lock held)."""
+        batch.live -= 1
+        if not batch.live:  # its keys and tokens go now; the shell waits for ``_compact``
+            self.bytes_used -= batch.cost
+            self._dead += 1
+            batch.keys, batch.tokens = (), None
+
+    def _compact(self) -> None:
+        """Batches with no live key leave the queue once they are half of it (lock held): a
+        batch kept alive by one long-lived key does not keep the dead ones behind it."""
+        if self._dead > 64 and 2 * self._dead > len(self._batches):
+            self._batches = deque(b for b in self._batches if b.live)
+            self._dead = 0
 
     def _info(self, key: bytes) -> tuple[bytes, bytes | None] | None:
         """(parent, tokens) of a noted key (lock held)."""

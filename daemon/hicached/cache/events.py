@@ -88,6 +88,8 @@ class EventLog:
         (a Store's); False: each stands alone (a spill's or a promotion's)."""
         if not keys:
             return
+        if kind is not EventKind.STORED:
+            self.chains.forget(keys, tier)  # gone from the pool's last tier: its chain too
         if kind is not EventKind.STORED and len(keys) <= MAX_EVENT_KEYS:
             with self._cond:  # one event, no chain to look up (the common eviction)
                 self._seq += 1

@@ -70,6 +70,9 @@ class TierStack:
         for tier in (disk, remote):
             if tier is not None:
                 tier.events = cache.events
+        # a key's chain is kept until it leaves the lowest tier the node watches evict
+        cache.events.chains.last_tier = (DISK if disk is not None
+                                         else CLUSTER if remote is not None else HOST)
         self.disk_unavailable = disk_unavailable
         self.spiller = Spiller(pool, cache, disk, spill_window) if disk is not None else None
         self.writer: RemoteWriter | None = None
