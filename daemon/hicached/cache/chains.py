@@ -73,6 +73,13 @@ class _Batch:
     tokens: bytes | None
     cost: int
     live: int
+    pos: dict[bytes, int] | None = None
+    """Each key's place in ``keys``, made when a key is first asked about alone."""
+
+    def place(self, key: bytes) -> int:
+        if self.pos is None:
+            self.pos = dict(zip(self.keys, range(len(self.keys)), strict=True))
+        return self.pos[key]
 
 
 HOST_TIER = 1
@@ -85,7 +92,7 @@ class ChainTable:
         self.last_tier = last_tier
         """The tier whose evictions and removals end a key's entry (the pool's lowest local
         tier: host memory, or the disk when the pool has one)."""
-        self._entries: dict[bytes, tuple[_Batch, int]] = {}
+        self._entries: dict[bytes, _Batch] = {}
         self._batches: deque[_Batch] = deque()
         self._dead = 0
         """Batches in ``_batches`` with no live key left (dropped when they are half)."""
@@ -101,8 +108,8 @@ class ChainTable:
         """``keys`` (distinct: the caller's check) are one chain after ``parent``;
         ``token_ids`` (validated by the caller: ``page_size`` per key) their tokens. The
         oldest batches go first when the table is over its budget; the batch just noted
-        always stays (its own events need it). A few C-level passes per batch: a Store of
-        keys the table does not know pays no Python loop over its keys here."""
+        always stays (its own events need it). C-level passes only, for keys the table does
+        not know yet: a Store pays no Python loop over its keys here."""
         if not keys:
             return
         raw = (np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
@@ -112,11 +119,9 @@ class ChainTable:
                        + len(parent) + (len(raw) if raw else 0), len(keys))
         with self._lock:
             entries = self._entries
-            again = entries.keys() & batch.keys  # noted before: their old batch loses them
-            for k in again:
-                self._lost(entries[k][0])
-            entries.update(zip(batch.keys, zip(itertools.repeat(batch), range(len(keys))),
-                               strict=True))
+            if not entries.keys().isdisjoint(batch.keys):  # noted before: moved here
+                self._lose(list(map(entries.get, batch.keys)))
+            entries.update(dict.fromkeys(batch.keys, batch))
             self._batches.append(batch)
             self.bytes_used += batch.cost
             while self.bytes_used > self.max_bytes and len(self._batches) > 1:
@@ -125,11 +130,10 @@ class ChainTable:
                     self._dead -= 1
                     continue
                 for k in old.keys:  # unless a later Store noted it again
-                    got = entries.get(k)
-                    if got is not None and got[0] is old:
+                    if entries.get(k) is old:
                         del entries[k]
-                old.live = 0
-                self.bytes_used -= old.cost
+                self._lose([old] * old.live)
+                self._dead -= 1
             self._compact()
 
     def forget(self, keys: Sequence[bytes], tier: int) -> None:
@@ -139,20 +143,22 @@ class ChainTable:
         if tier != self.last_tier or not keys:
             return
         with self._lock:
-            pop = self._entries.pop
-            for k in keys:
-                got = pop(k, None)
-                if got is not None:
-                    self._lost(got[0])
+            self._lose(list(map(self._entries.pop, keys, itertools.repeat(None))))
             self._compact()
 
-    def _lost(self, batch: _Batch) -> None:
-        """One of ``batch``'s keys no longer answers from it (lock held)."""
-        batch.live -= 1
-        if not batch.live:  # its keys and tokens go now; the shell waits for ``_compact``
-            self.bytes_used -= batch.cost
-            self._dead += 1
-            batch.keys, batch.tokens = (), None
+    def _lose(self, batches: list[_Batch | None]) -> None:
+        """Each entry a batch no longer answers for, one per key (None: no entry); a batch
+        with none left gives back its bytes, keys and tokens (its shell waits for
+        ``_compact``). Lock held. One C-level count per batch: a Store's keys are few
+        batches."""
+        for batch in set(batches):
+            if batch is None:
+                continue
+            batch.live -= batches.count(batch)
+            if not batch.live:
+                self.bytes_used -= batch.cost
+                self._dead += 1
+                batch.keys, batch.tokens, batch.pos = (), None, None
 
     def _compact(self) -> None:
         """Batches with no live key leave the queue once they are half of it (lock held): a
@@ -163,10 +169,10 @@ class ChainTable:
 
     def _info(self, key: bytes) -> tuple[bytes, bytes | None] | None:
         """(parent, tokens) of a noted key (lock held)."""
-        got = self._entries.get(key)
-        if got is None:
+        batch = self._entries.get(key)
+        if batch is None:
             return None
-        batch, i = got
+        i = batch.place(key)
         step = self.page_size * 8
         tokens = batch.tokens[i * step:(i + 1) * step] if batch.tokens is not None else None
         return (batch.keys[i - 1] if i else batch.parent), tokens
@@ -181,9 +187,9 @@ class ChainTable:
         tokens stop or start being known). A key the table does not know follows the key
         before it when ``chain`` (the keys of one Store), else stands alone."""
         with self._lock:
-            got = self._entries.get(keys[0]) if keys else None
-            if got is not None and got[1] == 0 and got[0].keys == tuple(keys):
-                batch = got[0]  # one Store's keys as it gave them: its chain, whole
+            batch = self._entries.get(keys[0]) if keys else None
+            if batch is not None and batch.keys == tuple(keys):
+                # one Store's keys as it gave them: its chain, whole
                 step = self.page_size * 8
                 pages = (None if batch.tokens is None else
                          [batch.tokens[i:i + step] for i in range(0, len(batch.tokens), step)])
