@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hicache.errors import GeometryMismatch, HiCacheError, PageNotAllocated, PoolClosed
 from hicache.specs import DType, KVGeometry, Layout, MemberSpec, PoolKind, PoolSpec, Role
-from hicached.copy import cpu
+from hicached.copy import cpu, native
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool
 from hicached.core.worker_buffers import WorkerBuffers
@@ -203,6 +203,68 @@ def test_large_transfer_uses_threads_and_is_exact() -> None:
         assert r.bytes > cpu.MIN_PARALLEL_BYTES
         dst = WorkerBuffers.allocate(s, 1024)
         ENGINE.load(pool, dst, host, page_indices(pages, 16))
+        assert_same_pages(src, dst, s, pages, pages)
+    finally:
+        pool.close()
+
+
+@pytest.mark.skipif(native.KERNEL is None, reason="native kernel not built")
+@given(unit=st.integers(1, 300), units=st.integers(1, 12), shift=st.integers(0, 63),
+       seed=st.integers(0, 2**32 - 1))
+def test_streaming_stores_copy_exactly_at_any_size_and_alignment(unit: int, units: int,
+                                                                shift: int, seed: int) -> None:
+    """The kernel's non-temporal path (a destination aligned to 16 bytes first, 64-byte
+    blocks, a tail by memcpy) against zeroed rows, with blocks of every length and start."""
+    kernel = native.KERNEL
+    assert kernel is not None
+    rng = np.random.default_rng(seed)
+    pages, layers, pitch = 24, 2, unit * units
+    src = rng.integers(0, 256, size=(layers, pages * pitch + 64), dtype=np.uint8)
+    dst = np.zeros((layers, pages * pitch + 128), dtype=np.uint8)
+    sp = rng.permutation(pages)[:16].astype(np.int64)
+    dp = rng.permutation(pages)[:16].astype(np.int64)
+    sb = np.array([src[i].ctypes.data + shift for i in range(layers)], dtype=np.int64)
+    db = np.array([dst[i].ctypes.data + 64 - shift for i in range(layers)], dtype=np.int64)
+    moved = kernel.copy_pages(db, sb, dp, sp, unit, units, pitch, pitch, unit, unit, 1, 0, 1,
+                              False)
+    assert moved == layers * 16 * pitch
+    want = np.zeros_like(dst)
+    for layer in range(layers):
+        for d, s_ in zip(dp.tolist(), sp.tolist(), strict=True):
+            at = 64 - shift + d * pitch
+            want[layer, at:at + pitch] = src[layer, shift + s_ * pitch:shift + (s_ + 1) * pitch]
+    assert np.array_equal(dst, want)
+
+
+@pytest.mark.skipif(native.KERNEL is None, reason="native kernel not built")
+def test_backups_stream_into_the_pool_from_a_quarter_mib_and_loads_into_devices_do_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing reads a pool page until a later load: a backup of 256 KiB or more is written
+    with non-temporal stores; a load's rows are read by the engine next, so it streams only
+    past ``STREAMING_BYTES``. Odd rows (74 bytes) put every block off the 16-byte grid."""
+    kernel = native.KERNEL
+    seen: list[int] = []
+
+    class Spy:
+        BufferFault = kernel.BufferFault
+
+        def copy_pages(self, *args: Any) -> int:
+            seen.append(args[12])
+            return int(kernel.copy_pages(*args))
+
+    monkeypatch.setattr(cpu.native, "KERNEL", Spy())
+    s = spec(mha(layers=8, heads=1, dim=37), page_size=16, size_tokens=128 * 16)
+    pool = make_pool(s)
+    try:
+        src = random_device(s, 80 * 16)
+        host = pool.alloc(64 * 16)
+        pages = np.random.default_rng(1).permutation(80)[:64]
+        r = ENGINE.backup(pool, src, host, page_indices(pages, 16))
+        assert r.bytes // 2 >= cpu.BACKUP_STREAMING_BYTES  # each of K and V's plans streams
+        assert seen == [cpu.BACKUP_STREAMING_BYTES] * 2
+        dst = WorkerBuffers.allocate(s, 80 * 16)
+        ENGINE.load(pool, dst, host, page_indices(pages, 16))
+        assert seen[2:] == [cpu.STREAMING_BYTES] * 2
         assert_same_pages(src, dst, s, pages, pages)
     finally:
         pool.close()

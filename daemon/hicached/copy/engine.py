@@ -32,7 +32,7 @@ from typing import Protocol
 
 from hicache import seams
 from hicache.indices import PageIds
-from hicached.copy.cpu import execute
+from hicached.copy.cpu import BACKUP_STREAMING_BYTES, STREAMING_BYTES, execute
 from hicached.copy.native import KERNEL
 from hicached.copy.page_batch import scan, validate_keyed_pages, validate_page_transfer
 from hicached.copy.plan import CopyPlan, PlanTemplate, Side
@@ -222,7 +222,8 @@ class TransferEngine:
                 canary.verify(batch.host_pages, batch.layers,
                               pool.fingerprints(batch.host_pages, batch.layers))
             if runner is None:
-                nbytes = sum(execute(p, self.threads) for p in plans)
+                streaming = BACKUP_STREAMING_BYTES if writes else STREAMING_BYTES
+                nbytes = sum(execute(p, self.threads, streaming) for p in plans)
             else:
                 nbytes = sum(p.nbytes for p in plans)
                 runner.run(not writes, plans, batch.layers, pool.spec.max_layers, blocking,
