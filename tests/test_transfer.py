@@ -242,7 +242,8 @@ def test_backups_stream_into_the_pool_from_a_quarter_mib_and_loads_into_devices_
     """Nothing reads a pool page until a later load: a backup of 256 KiB or more is written
     with non-temporal stores; a load's rows are read by the engine next, so it streams only
     past ``STREAMING_BYTES``. Odd rows (74 bytes) put every block off the 16-byte grid."""
-    kernel = native.KERNEL
+    assert native.KERNEL is not None
+    kernel: Any = native.KERNEL
     seen: list[int] = []
 
     class Spy:
@@ -252,7 +253,7 @@ def test_backups_stream_into_the_pool_from_a_quarter_mib_and_loads_into_devices_
             seen.append(args[12])
             return int(kernel.copy_pages(*args))
 
-    monkeypatch.setattr(cpu.native, "KERNEL", Spy())
+    monkeypatch.setattr(native, "KERNEL", Spy())
     s = spec(mha(layers=8, heads=1, dim=37), page_size=16, size_tokens=128 * 16)
     pool = make_pool(s)
     try:
