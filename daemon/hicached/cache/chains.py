@@ -134,7 +134,8 @@ class ChainTable:
                         del entries[k]
                 self._lose([old] * old.live)
                 self._dead -= 1
-            self._compact()
+            if self._dead > 64:
+                self._compact()
 
     def forget(self, keys: Sequence[bytes], tier: int) -> None:
         """``keys`` left ``tier`` (evicted or removed): when it is the table's last tier, the
@@ -144,7 +145,8 @@ class ChainTable:
             return
         with self._lock:
             self._lose(list(map(self._entries.pop, keys, itertools.repeat(None))))
-            self._compact()
+            if self._dead > 64:
+                self._compact()
 
     def _lose(self, batches: list[_Batch | None]) -> None:
         """Each entry a batch no longer answers for, one per key (None: no entry); a batch
@@ -163,7 +165,7 @@ class ChainTable:
     def _compact(self) -> None:
         """Batches with no live key leave the queue once they are half of it (lock held): a
         batch kept alive by one long-lived key does not keep the dead ones behind it."""
-        if self._dead > 64 and 2 * self._dead > len(self._batches):
+        if 2 * self._dead > len(self._batches):
             self._batches = deque(b for b in self._batches if b.live)
             self._dead = 0
 
