@@ -78,3 +78,34 @@ def test_the_readme_and_operations_name_every_hicachectl_command() -> None:
     table = set(re.findall(r"^\| `([a-z-]+)", ops[ops.index("| verb |"):], re.M))
     assert verbs - table == set(), "docs/operations.md misses"
     assert {v for v in verbs if f"`{v}`" not in readme} == set(), "README.md misses"
+
+
+def _slugs(markdown: str) -> set[str]:
+    """GitHub's anchors of a file's headings (outside code blocks)."""
+    out, fenced = set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_every_link_of_the_readme_leads_somewhere() -> None:
+    """The first screen's table points into docs/ and the benchmarks: each file it names
+    exists and each anchor is a heading there."""
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert len(links) >= 20
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = REPO / path if path else REPO / "README.md"
+        assert target.exists(), f"README.md links to {path}, which is not there"
+        if anchor:
+            assert anchor in _slugs(target.read_text()), f"{link}: no such heading"
+    head = readme[:readme.index("## Fresh-machine commands")]
+    assert "bash scripts/serve.sh" in head and "bash scripts/test.sh" in head
+    assert len(head.splitlines()) <= 40, "the first screen stays a screen"
