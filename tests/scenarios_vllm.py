@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hicache_vllm.spec import HicachedOffloadingSpec
 from tests.vllm_harness import Engine
 
 
@@ -33,9 +34,19 @@ def store_reset_reload(model: str, target: str, blocks: int = 5, extra_tokens: i
     e.zero()
     e.add("b", prompt[:blocks * bs] + _prompt(extra_tokens, seed=2))
     e.run()
+    # what vLLM's steps collected for its metrics (its connector, its scheduler side, then the
+    # manager), summed by vLLM's own aggregation; then one more collection: nothing new
+    cls = type(e.scheduler.connector)
+    total = None
+    for payload in e.connector_payloads:
+        got = cls.build_kv_connector_stats(data=payload)
+        total = got if total is None else total.aggregate(got)
+    reported = [total, e.scheduler.connector.get_kv_connector_stats()]
     out = {"first": first, "second": e.results.get("b"), "loaded": e.loaded_tokens["b"],
            "stored": stored, "worker": e.worker_stats(), "manager": e.manager_stats(),
-           "miss_scheduled_at_once": at_once}
+           "miss_scheduled_at_once": at_once,
+           "vllm_stats": [r.reduce() if r is not None else None for r in reported],
+           "declared": sorted(HicachedOffloadingSpec.build_metric_definitions({}))}
     e.close()
     return out
 

@@ -105,6 +105,17 @@ def test_a_prompt_stored_comes_back_exact_after_a_prefix_cache_reset(daemon: Dae
     # the hit answered in the step that scanned it (the request's keys in one Lookup): no
     # RETRY, no step lost
     assert got["manager"]["deferred"] == 0 and got["manager"]["lookups"] == 2
+    # what vLLM's metrics show of it: every count once, and the link up
+    first, again = got["vllm_stats"]
+    assert first["vllm:kv_offload_hicached_held_blocks"] == got["manager"]["held_blocks"]
+    assert first["vllm:kv_offload_hicached_store_blocks"] == got["manager"]["store_blocks"]
+    assert first["vllm:kv_offload_hicached_load_blocks"] == 5
+    assert first["vllm:kv_offload_hicached_lookups"] == 2
+    assert first["vllm:kv_offload_hicached_links_up"] == 1
+    assert not any(k.startswith("vllm:kv_offload_hicached_") and not k.endswith("links_up")
+                   for k in again)
+    assert {k for k in first if k.startswith("vllm:kv_offload_hicached_")} <= set(
+        got["declared"])  # vLLM's Prometheus side knows each name it is sent
     assert "Traceback" not in got["stderr"]
     assert list(vllm_pools(daemon.target).values()) == [5]
 

@@ -168,6 +168,8 @@ class Engine:
             self.aggregator = KVOutputAggregator.from_connector(self.worker, tp)
         self.tokens: dict[str, list[int]] = {}
         self.loaded_tokens: dict[str, int] = {}
+        self.connector_payloads: list[dict[str, Any]] = []
+        """The connector's stats each step handed vLLM's metrics (``SchedulerStats``)."""
         self._blocks: dict[str, list[int]] = {}
         self.results: dict[str, dict[str, Any]] = {}
         """Each finished request's check, made as it finished."""
@@ -263,6 +265,9 @@ class Engine:
         if kvo is not None:
             self.invalid_blocks.extend(sorted(kvo.invalid_block_ids))
         for outs in self.scheduler.update_from_output(out, final).values():
+            stats = outs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_payloads.append(stats.kv_connector_stats)
             for o in outs.outputs:
                 self.emitted[o.request_id] = (self.emitted.get(o.request_id, 0)
                                               + len(o.new_token_ids))

@@ -8,6 +8,7 @@ vLLM 0.33's ``OffloadingConnector`` backed by the hicached daemon.
 - ``hicache_vllm.namespace``: which pools an engine's blocks live in (``Plan``).
 - ``hicache_vllm.promises``: batched, held lookups (a HIT is a promise).
 - ``hicache_vllm.manager``: the scheduler-side manager.
+- ``hicache_vllm.stats``: the manager's counts as vLLM's offloading metrics.
 - ``hicache_vllm.blocks``: the blocks of one transfer.
 - ``hicache_vllm.worker``: the worker-side transfers (CUDA IPC on GPUs, staging on CPU).
 

@@ -15,6 +15,9 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
   dropped (None, counted).
 - ``complete_store`` / ``take_events``: vLLM's ``BlockStored`` / ``BlockRemoved`` events for
   what this engine stored and reset (the daemon's own stream tells every tier exactly).
+- ``get_stats``: what changed since vLLM's last step, as vLLM's offloading metrics
+  (``hicache_vllm.stats``: the blocks held for this engine, its misses, its stores dropped,
+  its links up).
 - ``reset_cache``: this engine's own state dropped: its answers, the lookups it queued and
   the holds no load in flight claims (released off the scheduler's thread). The pools are
   shared with every engine of the model: nothing in them is removed (emptying one is an
@@ -60,6 +63,7 @@ from hicache_vllm.blocks import HicachedLoadStoreSpec
 from hicache_vllm.config import SpecConfig
 from hicache_vllm.namespace import Plan
 from hicache_vllm.promises import Promises
+from hicache_vllm.stats import Reporter
 
 log = logging.getLogger("hicache_vllm")
 
@@ -88,6 +92,7 @@ class HicachedOffloadingManager(OffloadingManager):
                                          worker_id, create_pool=False))
         self.promises = Promises(config.lookup_hold_ms / 1000, self._lookup, self._release)
         self._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-control")
+        self._reporter = Reporter()
         for link in self.links:
             link.start()
         log.info("hicached offloading manager: pools %s (%d layers, %d tokens per page)",
@@ -218,6 +223,12 @@ class HicachedOffloadingManager(OffloadingManager):
 
     def has_pending_work(self) -> bool:
         return self.promises.pending
+
+    def get_stats(self) -> Any:
+        """vLLM's ``OffloadingConnectorStats`` of what changed since the last call (counters)
+        and the links up now (a gauge); read from local counts, no call to the daemon."""
+        return self._reporter.collect({**self.stats, **self.promises.stats},
+                                      sum(link.usable for link in self.links))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events is None:

@@ -33,10 +33,16 @@ from vllm.v1.kv_offload.base import (
 from hicache_vllm.config import SpecConfig
 from hicache_vllm.manager import HicachedOffloadingManager
 from hicache_vllm.namespace import Plan
+from hicache_vllm.stats import definitions
 from hicache_vllm.worker import HicachedOffloadingWorker
 
 
 class HicachedOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The manager's metrics (``hicache_vllm.stats``), on vLLM's Prometheus endpoint."""
+        return definitions()
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.spec_config = SpecConfig.from_extra(self.extra_config)
