@@ -134,7 +134,7 @@ class ChainTable:
                         del entries[k]
                 self._lose([old] * old.live)
                 self._dead -= 1
-            if self._dead > 64:
+            if self._dead > 64 and 2 * self._dead > len(self._batches):
                 self._compact()
 
     def forget(self, keys: Sequence[bytes], tier: int) -> None:
@@ -145,7 +145,7 @@ class ChainTable:
             return
         with self._lock:
             self._lose(list(map(self._entries.pop, keys, itertools.repeat(None))))
-            if self._dead > 64:
+            if self._dead > 64 and 2 * self._dead > len(self._batches):
                 self._compact()
 
     def _lose(self, batches: list[_Batch | None]) -> None:
@@ -163,11 +163,10 @@ class ChainTable:
                 batch.keys, batch.tokens, batch.pos = (), None, None
 
     def _compact(self) -> None:
-        """Batches with no live key leave the queue once they are half of it (lock held): a
-        batch kept alive by one long-lived key does not keep the dead ones behind it."""
-        if 2 * self._dead > len(self._batches):
-            self._batches = deque(b for b in self._batches if b.live)
-            self._dead = 0
+        """Batches with no live key leave the queue (lock held; called once they are half of
+        it): a batch kept alive by one long-lived key does not keep the dead ones behind it."""
+        self._batches = deque(b for b in self._batches if b.live)
+        self._dead = 0
 
     def _info(self, key: bytes) -> tuple[bytes, bytes | None] | None:
         """(parent, tokens) of a noted key (lock held)."""
