@@ -78,3 +78,20 @@ def test_each_keeps_its_own_defaults_and_fields() -> None:
     assert SpecConfig.from_extra({"block_size": 64, "spec_name": "x"}) == SpecConfig()
     with pytest.raises(SpecInvalid):
         LinkerConfig.from_extra({"block_size": 64})  # vLLM's key means nothing to SGLang
+
+
+def test_pool_names_are_what_they_were() -> None:
+    """Names persist in the daemon's state: a restarted engine finds its pool by name, so one
+    naming rule (``hicache_client.pool_names``) gives both integrations exactly the names they
+    had before they shared it (SGLang's here)."""
+    from hicache.specs import DType, KVGeometry, PoolKind
+    from hicache_sglang.namespace import Shard, pool_name
+
+    g = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)
+    assert pool_name("sgl", "meta-llama/Meta-Llama-3-8B", g, 64, Shard(1, 2)) == (
+        "sgl-Meta-Llama-3-8B-88c33d80fee5-tp1of2-cp0-pp0")
+    assert pool_name("sgl", "/models/x//", g, 16, Shard(0, 8, replicated=True),
+                     revision="r1", namespace="ns", format_tag="ft") == (
+        "sgl-x-2b98b3a64760-tpall-cp0-pp0")
+    assert pool_name("sgl", "///", g, 16, Shard()) == "sgl-model-a45dbb480a88-tp0of1-cp0-pp0"
+    # (vLLM's: tests/test_vllm_config.py, where its engine config is made)

@@ -110,6 +110,15 @@ def test_mha_ranks_get_a_pool_each_and_mla_one_for_all() -> None:
             PoolSpec(name, p.geometry(), p.page_tokens, size_tokens=p.page_tokens)  # valid
 
 
+def test_pool_names_are_what_they_were() -> None:
+    """Names persist in the daemon's state: the naming rule the integrations share
+    (``hicache_client.pool_names``) gives the names vLLM engines had before it."""
+    assert plan(offloading_config(tp=2)).pool_names == [
+        "vllm-Llama-3.1-8B-a43e54c386c5-rank0of2", "vllm-Llama-3.1-8B-111b525b72c8-rank1of2"]
+    assert plan(offloading_config(tp=2, replicated=True, layer_bytes=576 * 2 * 16)
+                ).pool_names == ["vllm-Llama-3.1-8B-d1d44032fcca-rankall"]
+
+
 def test_a_page_is_one_offloaded_block_of_every_layer() -> None:
     p = plan(offloading_config(layers=4, layer_bytes=4096, block=16, bpc=4))
     assert (p.page_tokens, p.row_bytes, p.layers) == (64, 256, 4)

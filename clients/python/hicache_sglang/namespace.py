@@ -15,21 +15,18 @@ Primitives:
 
 - ``FORMAT_TAG``: this linker's page format.
 - ``Shard``: tp / cp / pp ranks and whether the KV is replicated across TP ranks.
-- ``pool_name(prefix, model, geometry, page_size, shard, ...)``: a readable, valid pool name:
-  ``<prefix>-<model basename>-<12 hex digest>-<shard>``.
+- ``pool_name(prefix, model, geometry, page_size, shard, ...)``: a readable, valid pool name
+  (``hicache_client.pool_names``: ``<prefix>-<model basename>-<12 hex digest>-<shard>``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass
 
 from hicache.specs import KVGeometry
+from hicache_client import pool_names
 
 FORMAT_TAG = "hicached-token-major-v1"
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 
 
 @dataclass(frozen=True)
@@ -55,10 +52,6 @@ def pool_name(prefix: str, model: str, geometry: KVGeometry, page_size: int, sha
               *, revision: str = "", namespace: str = "", format_tag: str | None = None
               ) -> str:
     """The pool this shard's pages go to; equal only for byte-compatible KV."""
-    ident = "\x00".join([
+    return pool_names.pool_name(prefix, model, [
         FORMAT_TAG, format_tag or "", model, revision, namespace, repr(geometry),
-        str(page_size), shard.suffix()])
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:12]
-    base = _UNSAFE.sub("-", model.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "model"
-    name = f"{prefix}-{base[:40]}-{digest}-{shard.suffix()}"
-    return name[:128]
+        str(page_size)], shard.suffix())

@@ -28,24 +28,22 @@ Primitives:
 
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import SpecInvalid
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_client import pool_names
 from hicache_vllm.config import SpecConfig
 
 FORMAT_TAG = "hicached-vllm-canonical-block-v1"
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 
 
 @dataclass(frozen=True)
 class Plan:
     model: str
     """The model as vLLM names it (path or hub id)."""
-    ident: str
+    ident: tuple[str, ...]
     """Everything that makes pages differ but the rank (hashed into the pool names)."""
     layers: int
     """Layers of the (one) KV cache group: one buffer each."""
@@ -84,10 +82,10 @@ class Plan:
                               metadata={"pp": par.pp_size, "pcp": par.pcp_size,
                                         "dcp": par.dcp_size})
         replicated = bool(config.replicated_layout)
-        ident = "\x00".join([
-            FORMAT_TAG, config.model.name, config.model.dtype, str(config.kv_cache_layout),
-            spec_config.namespace, str(layers), str(per_block // layers), str(block_tokens),
-            str(bpc), str(par.world_size)])  # not the DP rank: DP engines share
+        ident = (FORMAT_TAG, config.model.name, config.model.dtype, str(config.kv_cache_layout),
+                 spec_config.namespace, str(layers), str(per_block // layers),
+                 str(block_tokens), str(bpc), str(par.world_size))  # not the DP rank: DP
+        # engines share
         return cls(model=config.model.name, ident=ident, layers=layers,
                    layer_block_bytes=per_block // layers, block_tokens=block_tokens,
                    blocks_per_chunk=bpc, world_size=int(par.world_size),
@@ -109,9 +107,7 @@ class Plan:
 
     def pool_name(self, rank: int) -> str:
         shard = "rankall" if self.replicated else f"rank{rank}of{self.world_size}"
-        digest = hashlib.sha256(f"{self.ident}\x00{shard}".encode()).hexdigest()[:12]
-        base = _UNSAFE.sub("-", self.model.rstrip("/").rsplit("/", 1)[-1]).strip("-.")[:40]
-        return f"{self.prefix}-{base or 'model'}-{digest}-{shard}"
+        return pool_names.pool_name(self.prefix, self.model, self.ident, shard)
 
     @property
     def pool_names(self) -> list[str]:
