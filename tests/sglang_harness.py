@@ -376,3 +376,34 @@ class SGLangCache:
     def close(self) -> None:
         self.cache.linker.close()
         self._override.restore()
+
+
+def sglang_config_from_argv(argv: list[str]) -> dict[str, Any]:
+    """A ``sglang.launch_server`` command line parsed by SGLang's own parser, the linker it
+    names loaded and its ``linker_extra_config`` checked: that object."""
+    from tests.helpers import require_module
+
+    require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
+    import argparse
+    import importlib
+    import inspect
+
+    install_stand_ins()
+    from sglang.srt.mem_cache.unified_cache.linker_config import UnifiedCacheLinkerConfig
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    assert args.enable_unified_cache_external_linker is True
+    assert args.unified_cache_external_linker_backend == "dynamic"
+    assert not args.enable_hierarchical_cache
+    cfg = UnifiedCacheLinkerConfig.from_dict(args.unified_cache_external_linker_config)
+    cls = getattr(importlib.import_module(cfg.linker_module_path), cfg.linker)
+    assert issubclass(cls, UnifiedCacheLinker) and not inspect.isabstract(cls)
+    from hicache_sglang.config import LinkerConfig
+
+    LinkerConfig.from_extra(cfg.linker_extra_config)
+    extra: dict[str, Any] = cfg.linker_extra_config
+    return extra

@@ -17,28 +17,9 @@ import numpy as np
 import pytest
 
 from hicached.copy import native
+from tests.copy_jobs import LAYERS, PAGE_BYTES, PAGES, one_copy
 
 pytestmark = pytest.mark.skipif(native.KERNEL is None, reason="native kernel not built")
-
-LAYERS, PAGES, PAGE_BYTES = 4, 64, 512
-
-
-def one_copy(rng: random.Random, src: np.ndarray, dst: np.ndarray) -> bool:
-    kernel = native.KERNEL
-    assert kernel is not None
-    dst[...] = 0
-    src_pages = np.array(rng.sample(range(PAGES), 48), dtype=np.int64)
-    dst_pages = np.array(rng.sample(range(PAGES), 48), dtype=np.int64)
-    src_base = np.array([src[layer].ctypes.data for layer in range(LAYERS)], dtype=np.int64)
-    dst_base = np.array([dst[layer].ctypes.data for layer in range(LAYERS)], dtype=np.int64)
-    threads = rng.choice([2, 3, 4, 5, 8, 13])
-    moved = kernel.copy_pages(dst_base, src_base, dst_pages, src_pages, 64, PAGE_BYTES // 64,
-                              PAGE_BYTES, PAGE_BYTES, 64, 64, threads, 0, 0, False)
-    assert moved == LAYERS * len(src_pages) * PAGE_BYTES
-    want = np.zeros_like(dst)
-    want[:, dst_pages] = src[:, src_pages]
-    return bool(np.array_equal(dst, want))
-
 
 def test_many_callers_with_mixed_thread_counts_copy_exactly() -> None:
     callers, rounds = 6, 200
@@ -74,7 +55,7 @@ def test_one_caller_alternating_thread_counts() -> None:
 SPIN_PROBE = """
 import random, resource, sys, time
 import numpy as np
-from tests.test_copykernel_threads import LAYERS, PAGES, PAGE_BYTES, one_copy
+from tests.copy_jobs import LAYERS, PAGES, PAGE_BYTES, one_copy
 from hicached.copy import native
 
 def cpu():
@@ -93,6 +74,7 @@ def copies(n):
     time.sleep(0.2)
     return cpu() - t0
 
+copies(5)  # first-time costs out of the measure: the helpers' start, fresh buffer pages
 default = copies(60)  # as the daemon starts: set_copy_spin never called
 native.KERNEL.set_copy_spin(int(sys.argv[1]))
 spun = copies(60)

@@ -3,8 +3,6 @@ dashboard that only uses metrics the daemon exports, parseable manifests."""
 
 from __future__ import annotations
 
-import json
-import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,9 +19,8 @@ from hicached.publish.kv_event_config import KvEventsConfig
 from hicached.server.app import create_server
 from hicached.server.config import ServerConfig
 from hicached.tiers.config import DiskTierConfig
+from tests.deploy_files import CLUSTER_TIER, DEPLOY, deploy_metric_names, documented_metric
 from tests.helpers import require_binary
-
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def promtool() -> str:
@@ -98,29 +95,9 @@ def scraped_names(tmp_path: Path) -> Iterator[set[str]]:
         server.drain_and_stop(1.0)
 
 
-def deploy_metric_names() -> set[str]:
-    """Every hicache_ metric the dashboard and the alert rules use."""
-    dash = json.loads((DEPLOY / "grafana" / "hicached-dashboard.json").read_text())
-    rules = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
-    return {m for e in exprs for m in re.findall(r"\bhicache_[a-z_]+", e)}
-
-
-CLUSTER_TIER = "hicache_remote_"
-"""The cluster tier's metrics exist only on a daemon joined to a Mooncake master: they are
-checked against a real scrape in tests/test_mooncake_e2e.py."""
-
-
 def test_dashboard_and_alerts_use_only_exported_metrics(scraped_names: set[str]) -> None:
     used = {m for m in deploy_metric_names() if not m.startswith(CLUSTER_TIER)}
     assert used and used <= scraped_names, used - scraped_names
-
-
-def documented_metric(name: str, doc: str) -> bool:
-    """Documented by name, as a histogram's or counter's family, in docs/operations.md."""
-    family = re.sub(r"_(bucket|sum|count|created|total)$", "", name)
-    return f"`{name}`" in doc or f"`{family}" in doc
 
 
 def test_every_exported_metric_is_documented(scraped_names: set[str]) -> None:

@@ -8,21 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.daemon_proc import REPO
+from tests.deploy_files import KUBE, docs
 
-KUBE = REPO / "deploy" / "kubernetes"
 MANIFESTS = sorted(KUBE.glob("*.yaml"))
 VERSIONS = ["1.34.0", "1.37.0"]
 """The oldest with dynamic resource allocation's v1 API (the sidecar's shared GPU claim), and the
 newest the validator carries."""
 CUSTOM = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 """Kinds of operators, not of Kubernetes: no schema to check them against."""
-
-
-def docs(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def arg(container: dict[str, Any], flag: str) -> str:
@@ -109,9 +103,9 @@ def test_the_sidecar_and_the_engine_share_one_gpu_claim_and_the_socket(name: str
     if engine["name"] == "vllm":
         assert vllm_extra(engine)["target"] == listen
     else:
-        from tests.test_sglang_config import _sglang_config_from_argv
+        from tests.sglang_harness import sglang_config_from_argv
 
-        assert _sglang_config_from_argv(engine["args"])["target"] == listen
+        assert sglang_config_from_argv(engine["args"])["target"] == listen
     api = {m["name"] for m in sidecar["volumeMounts"] if listen.startswith(
         "unix:" + m["mountPath"] + "/")}
     assert api and api <= {m["name"] for m in engine["volumeMounts"]}
@@ -126,7 +120,7 @@ def test_the_sidecar_and_the_engine_share_one_gpu_claim_and_the_socket(name: str
 
 @pytest.mark.parametrize("name", ["inference-pod.yaml", "vllm-pod.yaml"])
 def test_the_inference_pod_reaches_the_node_daemon(name: str) -> None:
-    from tests.test_sglang_config import _sglang_config_from_argv
+    from tests.sglang_harness import sglang_config_from_argv
 
     ds = docs(KUBE / "hicached-daemonset.yaml")[1]
     spec = pod_spec(ds)
@@ -138,7 +132,7 @@ def test_the_inference_pod_reaches_the_node_daemon(name: str) -> None:
     if engine["name"] == "vllm":
         extra = vllm_extra(engine)
     else:
-        extra = _sglang_config_from_argv(engine["args"])
+        extra = sglang_config_from_argv(engine["args"])
     assert extra["target"] == f"unix:{listen}"
 
     def node_dir(s: dict[str, Any], c: dict[str, Any], path: str) -> str:

@@ -12,64 +12,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import zmq
-from sglang.srt.mem_cache.utils import hash_str_to_int64
 
-from hicache import DType, HiCacheError, KVGeometry, Layout, PoolKind, PoolSpec
-from hicache.keys import sglang_page_keys
+from hicache import HiCacheError
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from tests.daemon_proc import DaemonProc, start_daemon
 from tests.kv_event_follower import Follower
-
-PS = 4
-SPEC = PoolSpec("kv-a", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 8), PS,
-                Layout.PAGE_FIRST, size_tokens=8 * PS)  # 8 pages
-OTHER = PoolSpec("kv-b", SPEC.geometry, PS, Layout.PAGE_FIRST, size_tokens=8 * PS)
-
-
-def sglang_hash(key: bytes) -> int:
-    return int(hash_str_to_int64(key.hex()))
-
-
-def chain(seed: int, pages: int) -> tuple[list[bytes], np.ndarray]:
-    """Keys of ``pages`` pages of tokens, as SGLang names them, and the tokens."""
-    tokens = np.random.default_rng(seed).integers(0, 32_000, pages * PS)
-    return sglang_page_keys(tokens, PS), tokens
-
-
-def kv_args(tmp: Path, *extra: str, config: str = "") -> tuple[str, ...]:
-    args = ["--kv-events-endpoint", f"ipc://{tmp}/kv.sock",
-            "--kv-events-replay-endpoint", f"ipc://{tmp}/kv-replay.sock", *extra]
-    if config:
-        (tmp / "kv.toml").write_text(config)
-        args += ["--config", str(tmp / "kv.toml")]
-    return tuple(args)
-
-
-class Worker:
-    def __init__(self, d: DaemonProc, spec: PoolSpec = SPEC) -> None:
-        self.client = HiCacheClient(d.target)
-        self.client.create_pool(spec)
-        self.bufs = ShmDeviceBuffers.create(spec, device_tokens=16 * PS, sealed=True)
-        self.session = self.client.open_session(spec.name, "w", self.bufs.descriptors,
-                                                fds=self.bufs.fds)
-
-    def store(self, keys: list[bytes], tokens: np.ndarray | None = None,
-              parent: bytes = b"") -> int:
-        r = self.session.store(keys, torch.arange(0, len(keys) * PS), token_ids=tokens,
-                               parent_key=parent)
-        return r.stored
-
-    def load(self, keys: list[bytes]) -> None:
-        self.session.load_keys(keys, torch.arange(0, len(keys) * PS))
-
-    def close(self) -> None:
-        self.session.close()
-        self.bufs.close()
-        self.client.close()
+from tests.kv_event_workers import OTHER, PS, SPEC, Worker, chain, kv_args, sglang_hash
 
 
 @pytest.fixture

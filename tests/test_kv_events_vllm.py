@@ -22,7 +22,7 @@ from sglang.srt.disaggregation.kv_events import KVEventBatch
 
 from tests.daemon_proc import REPO, start_daemon
 from tests.kv_event_follower import END
-from tests.test_kv_events import PS, SPEC, Worker, chain, kv_args
+from tests.kv_event_workers import PS, SPEC, Worker, chain, kv_args
 
 VLLM = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / ".vllm-0.33.0"))
 if not (VLLM / ".complete").exists():

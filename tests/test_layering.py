@@ -115,3 +115,20 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
     assert len(adjacency) > 100
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
     assert not _cycles(adjacency)
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several test modules share lives in helper modules of tests/ (fixtures, workers,
+    harnesses); a test module is never imported by another, not even by a script it runs in
+    a child process (such an import runs the other module's collection-time code and ties
+    the two together)."""
+    import re
+
+    tests = REPO / "tests"
+    pattern = re.compile(r"(?:from|import)\s+tests(?:\.[A-Za-z_]+)*\.test_[A-Za-z0-9_]+")
+    bad = [f"{p.relative_to(REPO)}: {m.group(0)}"
+           for p in sorted(tests.rglob("*.py"))
+           for m in pattern.finditer(p.read_text())]
+    assert not bad, bad
+    helpers = [p for p in tests.rglob("*.py") if not p.name.startswith(("test_", "conftest"))]
+    assert any(p.name == "mooncake_cluster.py" for p in helpers)

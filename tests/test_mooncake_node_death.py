@@ -19,8 +19,7 @@ import pytest
 
 from hicache.errors import KeyNotFound
 from tests.daemon_proc import DaemonProc
-from tests.mooncake_env import Master, Netns
-from tests.test_mooncake_e2e import (  # noqa: F401 (fixtures)
+from tests.mooncake_cluster import (  # noqa: F401 (fixtures)
     WHY,
     Worker,
     cluster,
@@ -32,6 +31,7 @@ from tests.test_mooncake_e2e import (  # noqa: F401 (fixtures)
     spec,
     wait_puts,
 )
+from tests.mooncake_env import Master, Netns
 
 pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY)
 
@@ -48,7 +48,7 @@ def _settle(w: Worker, seconds: float) -> None:
 
 
 def test_a_node_killed_and_restarted_costs_no_hit_and_no_put(
-        cluster: tuple[Netns, Master], master: Master, tmp_path: Path) -> None:  # noqa: F811
+        cluster: tuple[Netns, Master], master: Master, tmp_path: Path) -> None:
     ns, m = cluster
     assert m.client_ttl is None, "this test is about Mooncake's default client_ttl"
     a = node(cluster, tmp_path / "a", replicas=2)

@@ -23,62 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hicache.errors import KeyNotFound
 from hicache.specs import CanarySpec, DType, KVGeometry, Layout, MemberSpec, PoolKind, PoolSpec
 from hicached.cache import key_slots
-from hicached.cache.pool_cache import PoolCache
-from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.state_file import Outcome, StateFiles, spec_from_dict, spec_to_dict
-
-PS = 4
-SPEC = PoolSpec("st", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 8), PS,
-                size_tokens=PS * 16)
-
-
-def open_pool(state: str, spec: PoolSpec = SPEC) -> tuple[HostPool, PoolCache]:
-    pages = spec.resolved_size_tokens() // spec.page_size
-    pool = HostPool(spec, MemoryOptions(hugepages=False, reserve_bytes=0, state_dir=state),
-                    extra_tables=[key_slots.table_spec(pages)])
-    cache = PoolCache(pool)
-    if pool.outcome is Outcome.REATTACHED:
-        cache.recover()
-    return pool, cache
-
-
-def page_bytes(pool: HostPool, page: int) -> bytes:
-    """Every byte of one page, all components and layers."""
-    out = b""
-    for c in pool.components:
-        for layer in range(c.layer_num):
-            start = c.offset + page * c.addressing.page_pitch + layer * c.addressing.layer_stride
-            n = c.comp.units_per_page(PS) * c.addressing.unit_stride
-            out += pool.raw_bytes()[start:start + n].tobytes()
-    return out
-
-
-def write_page(pool: HostPool, page: int, tag: int) -> None:
-    for c in pool.components:
-        for layer in range(c.layer_num):
-            start = c.offset + page * c.addressing.page_pitch + layer * c.addressing.layer_stride
-            n = c.comp.units_per_page(PS) * c.addressing.unit_stride
-            pool.raw_bytes()[start:start + n] = (tag * 7 + layer) % 251
-
-
-def pattern(pool: HostPool, tag: int) -> bytes:
-    """The bytes ``write_page`` writes for ``tag``: what a restarted pool must hold."""
-    out = b""
-    for c in pool.components:
-        n = c.comp.units_per_page(PS) * c.addressing.unit_stride
-        for layer in range(c.layer_num):
-            out += bytes([(tag * 7 + layer) % 251]) * n
-    return out
-
-
-def store(pool: HostPool, cache: PoolCache, key: bytes, tag: int, finish: bool = True
-          ) -> int:
-    t = cache.begin_store([key])
-    page = int(t.pages[0])
-    write_page(pool, page, tag)
-    if finish:
-        cache.finish_store(t, ok=True)
-    return page
+from tests.state_pools import PS, SPEC, open_pool, page_bytes, pattern, store, write_page
 
 
 @pytest.fixture
@@ -133,7 +79,7 @@ def test_a_crash_keeps_complete_keys_and_drops_everything_unfinished(state: str)
 
 CRASHING_CHILD = """
 import os, signal, sys
-from tests.test_restart_state import open_pool, store
+from tests.state_pools import open_pool, store
 pool, cache = open_pool(sys.argv[1])
 for i in range(3):
     store(pool, cache, b"done-%d" % i, 10 + i)

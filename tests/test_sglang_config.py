@@ -21,6 +21,7 @@ from hicache.specs import DType, KVGeometry, PoolKind
 from hicache_sglang.config import LinkerConfig
 from hicache_sglang.namespace import Shard, pool_name
 from tests.helpers import require_module
+from tests.sglang_harness import sglang_config_from_argv
 
 REPO = Path(__file__).resolve().parent.parent
 MHA = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)
@@ -88,33 +89,6 @@ def test_pool_names_separate_what_differs_and_only_that() -> None:
     assert len(long) <= 128 and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", long)
 
 
-def _sglang_config_from_argv(argv: list[str]) -> dict[str, Any]:
-    require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
-    import argparse
-    import importlib
-    import inspect
-
-    from tests.sglang_harness import install_stand_ins
-
-    install_stand_ins()
-    from sglang.srt.mem_cache.unified_cache.linker_config import UnifiedCacheLinkerConfig
-    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    assert args.enable_unified_cache_external_linker is True
-    assert args.unified_cache_external_linker_backend == "dynamic"
-    assert not args.enable_hierarchical_cache
-    cfg = UnifiedCacheLinkerConfig.from_dict(args.unified_cache_external_linker_config)
-    cls = getattr(importlib.import_module(cfg.linker_module_path), cfg.linker)
-    assert issubclass(cls, UnifiedCacheLinker) and not inspect.isabstract(cls)
-    LinkerConfig.from_extra(cfg.linker_extra_config)
-    extra: dict[str, Any] = cfg.linker_extra_config
-    return extra
-
-
 def _launch_argv(command: str) -> list[str]:
     argv = shlex.split(command.replace("\\\n", " "))
     start = argv.index("sglang.launch_server") + 1
@@ -126,7 +100,7 @@ def test_readme_command_line_is_what_sglang_accepts() -> None:
     section = readme[readme.index("## Use with SGLang"):]
     block = section[section.index("```bash") + 7:section.index("```", section.index("```bash")
                                                                  + 7)]
-    extra = _sglang_config_from_argv(_launch_argv(block))
+    extra = sglang_config_from_argv(_launch_argv(block))
     # copied as it is, the linker connects where a daemon started with no flags listens
     assert LinkerConfig.from_extra(extra).target == default_target()
 
@@ -134,7 +108,7 @@ def test_readme_command_line_is_what_sglang_accepts() -> None:
 def test_kubernetes_pod_runs_sglang_with_the_linker_against_the_sidecar() -> None:
     pod = next(yaml.safe_load_all((REPO / "deploy/kubernetes/sidecar-pod.yaml").read_text()))
     sidecar, sglang = pod["spec"]["containers"]
-    extra = _sglang_config_from_argv(sglang["args"])
+    extra = sglang_config_from_argv(sglang["args"])
     sock = extra["target"].removeprefix("unix:")
     listen = [a.split("=", 1)[1] for a in sidecar["args"] if a.startswith("--listen=")]
     assert listen == [f"unix:{sock}"], "the API must not listen on the network"
@@ -156,7 +130,7 @@ def test_systemd_unit_runs_sglang_with_the_linker() -> None:
     unit = (REPO / "deploy/systemd/sglang-hicached.service").read_text()
     exec_start = re.search(r"^ExecStart=(.*?[^\\])$", unit, re.M | re.S)
     assert exec_start is not None
-    extra = _sglang_config_from_argv(_launch_argv(exec_start.group(1)))
+    extra = sglang_config_from_argv(_launch_argv(exec_start.group(1)))
     daemon = (REPO / "deploy/hicached.toml").read_text()
     assert f'"{extra["target"]}"' in daemon and f'shm_dir = "{extra["shm_dir"]}"' in daemon
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_proc import DaemonProc, start_daemon
-from tests.test_vllm_offloading import BS, CLEAN, _wait, engine, result, run
 from tests.vllm_harness import model_dir
+from tests.vllm_runs import BS, CLEAN, engine, result, run, wait_file
 
 HANG_S = 2.5
 """How long the daemon stays stopped: past the test daemon's 1 s lease and the 1 s
@@ -55,16 +55,16 @@ def test_a_daemon_hung_between_hit_and_load_never_leaves_wrong_kv(
                   sync_dir=str(sync), connector=connector, policy="recompute",
                   daemon_pid=daemon.proc.pid)
     try:
-        _wait(sync / "loading", proc)
+        wait_file(sync / "loading", proc)
         daemon.pause()
         stopped = time.monotonic()
         (sync / "stopped").touch()
         if connector == "hicached":  # given up within the stop: recomputed meanwhile
-            _wait(sync / "settled", proc)
+            wait_file(sync / "settled", proc)
         time.sleep(max(HANG_S - (time.monotonic() - stopped), 0))
         daemon.resume()
         (sync / "continued").touch()
-        _wait(sync / "idle", proc)
+        wait_file(sync / "idle", proc)
         daemon.pause()  # (the engine resumes it, and sends a request at once)
         (sync / "stopped-idle").touch()
         got = result(proc)

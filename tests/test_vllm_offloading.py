@@ -9,11 +9,7 @@ prefix: a page in the wrong block, a stale page or a partial copy fails.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,57 +18,7 @@ import pytest
 from hicache_client import HiCacheClient
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
 from tests.vllm_harness import model_dir
-
-VLLM = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / ".vllm-0.33.0"))
-if not (VLLM / ".complete").exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"vLLM's code is not in {VLLM}: scripts/setup.sh --test puts it there")
-    pytest.skip(f"vLLM's code is not in {VLLM} (scripts/setup.sh --test)", allow_module_level=True)
-
-BS = 16
-CLEAN = {"bad": [], "n_bad": 0}
-
-
-def vllm_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=f"{VLLM}:{REPO}", VLLM_TARGET_DEVICE="cpu",
-                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-
-
-def engine(scenario: str, **args: Any) -> subprocess.Popen[str]:
-    """A vLLM engine process running ``tests.scenarios_vllm.<scenario>(**args)``."""
-    return subprocess.Popen([sys.executable, "-m", "tests.vllm_harness", scenario,
-                             json.dumps(args)], cwd=REPO, env=vllm_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def result(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"engine still running after {timeout} s:\n{err[-8000:]}") from None
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine failed ({proc.returncode}):\n{err[-6000:]}"
-    got: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
-    got["stderr"] = err
-    return got
-
-
-def run(scenario: str, **args: Any) -> dict[str, Any]:
-    return result(engine(scenario, **args))
-
-
-def results(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
-    """Every rank's result; a rank that failed or hung ends its peers too (they would wait on
-    it for gloo's own timeout)."""
-    try:
-        return [result(p) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+from tests.vllm_runs import BS, CLEAN, engine, result, results, run, wait_file
 
 
 @pytest.fixture
@@ -153,10 +99,10 @@ def test_a_killed_daemon_means_misses_then_hits_again_after_its_restart(
     d = start_daemon(tmp_path)
     proc = engine("daemon_restart", model=model, target=d.target, sync_dir=str(sync))
     try:
-        _wait(sync / "stored", proc)
+        wait_file(sync / "stored", proc)
         d.stop(signal.SIGKILL)
         (sync / "killed").touch()
-        _wait(sync / "missed", proc)
+        wait_file(sync / "missed", proc)
         d = start_daemon(tmp_path)  # the same state directory: the pool comes back
         (sync / "restarted").touch()
         got = result(proc)
@@ -189,10 +135,10 @@ def test_a_stopped_daemon_never_holds_the_scheduler_past_the_lookup_deadline(
     proc = engine("stopped_daemon", model=model, target=d.target, sync_dir=str(sync),
                   extra={"lookup_timeout_s": deadline})
     try:
-        _wait(sync / "stored", proc)
+        wait_file(sync / "stored", proc)
         d.proc.send_signal(signal.SIGSTOP)
         (sync / "stopped").touch()
-        _wait(sync / "missed", proc)
+        wait_file(sync / "missed", proc)
         d.proc.send_signal(signal.SIGCONT)
         (sync / "continued").touch()
         got = result(proc)
@@ -208,16 +154,6 @@ def test_a_stopped_daemon_never_holds_the_scheduler_past_the_lookup_deadline(
     # (the margin: the stand-in forward and vLLM's own step on a loaded machine)
     assert got["longest_step_s"] < deadline + 0.5, got["longest_step_s"]
     assert got["up_loaded"] == 4 * BS and got["up"] == CLEAN  # back by itself, hits again
-
-
-def _wait(path: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:
-    import time
-
-    end = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"engine ended early:\n{proc.communicate()[1][-6000:]}"
-        assert time.monotonic() < end, f"{path.name} never came"
-        time.sleep(0.05)
 
 
 def test_a_hit_is_held_through_another_writer_filling_the_pool(daemon: DaemonProc,
@@ -311,7 +247,7 @@ def readme_vllm_serve() -> list[str]:
 
 
 def pod_vllm_serve(name: str) -> list[str]:
-    from tests.test_kubernetes import KUBE, docs
+    from tests.deploy_files import KUBE, docs
 
     pod = docs(KUBE / name)[0]
     (c,) = [c for c in pod["spec"]["containers"] if c["name"] == "vllm"]

@@ -19,9 +19,9 @@ from hicache import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient
 from tests.daemon_proc import REPO, DaemonProc, start_daemon
 from tests.kv_event_follower import Follower
+from tests.kv_event_workers import sglang_hash
 from tests.reliability.churn_worker import KEY_SPACE, key
 from tests.reliability.figures import record
-from tests.test_kv_events import sglang_hash
 
 SPEC = PoolSpec("churn", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 8), 4,
                 Layout.PAGE_FIRST, size_tokens=4 * 64)  # 64 pages for 96 keys: eviction too
