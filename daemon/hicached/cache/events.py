@@ -88,15 +88,16 @@ class EventLog:
         (a Store's); False: each stands alone (a spill's or a promotion's)."""
         if not keys:
             return
-        if kind is not EventKind.STORED:
+        if kind is EventKind.STORED:
+            runs = self.chains.runs(keys, chain)
+        else:
             self.chains.forget(keys, tier)  # gone from the pool's last tier: its chain too
-        if kind is not EventKind.STORED and len(keys) <= MAX_EVENT_KEYS:
-            with self._cond:  # one event, no chain to look up (the common eviction)
-                self._seq += 1
-                self._add(CacheEvent(self._seq, kind, tuple(keys), tier))
-            return
-        runs = (self.chains.runs(keys, chain) if kind is EventKind.STORED
-                else [Run(list(keys), b"")])
+            if len(keys) <= MAX_EVENT_KEYS:
+                with self._cond:  # one event, no chain to look up (the common eviction)
+                    self._seq += 1
+                    self._add(CacheEvent(self._seq, kind, tuple(keys), tier))
+                return
+            runs = [Run(list(keys), b"")]
         page = self.chains.page_size
         with self._cond:
             for run in runs:
