@@ -472,7 +472,8 @@ class HiCacheClient:
         deadline = self._deadline_ns(None) if name == "Load" else 0
         q = TransferRequest(session_id, host, dev, (begin, end),  # type: ignore[arg-type]
                             layer_events, deadline)
-        fast = (q._replace(host=PageIds(hp), device=PageIds(dp))
+        fast = (TransferRequest(session_id, PageIds(hp), PageIds(dp), (begin, end),
+                                layer_events, deadline)
                 if hp is not None and dp is not None else None)
         result: TransferStats = self.call(name, q, fast)
         return result
@@ -496,7 +497,7 @@ class HiCacheClient:
         q = LookupRequest(pool, enc, session_id if hold else "", hold_ms if hold else 0)
         # the fast path carries the pool's credential in the request (gRPC: in metadata)
         cred = session_id if hold else (self._credentials(pool) or [("", "")])[0][1]
-        result: LookupResult = self.call("Lookup", q, q._replace(session_id=cred),
+        result: LookupResult = self.call("Lookup", q, LookupRequest(pool, enc, cred, q.hold_ms),
                                          timeout=timeout, pool=pool)
         return result
 
@@ -521,8 +522,9 @@ class HiCacheClient:
         if dp is not None and self._fast_path(timeout) is not None:
             # a daemon from before Store deadlines refuses a Store frame that carries one: it
             # gets none (and could not honour it over gRPC either)
-            fast = q._replace(device=PageIds(dp), deadline_ns=q.deadline_ns
-                              if self._fast_flags & w.STORE_DEADLINE else 0)
+            fast = StoreRequest(q.session_id, q.keys, PageIds(dp), q.layers, q.token_ids,
+                                q.parent_key, q.deadline_ns
+                                if self._fast_flags & w.STORE_DEADLINE else 0)
         result: StoreResult = self.call("Store", q, fast, timeout=timeout)
         return result
 
@@ -572,7 +574,8 @@ class HiCacheClient:
         q = LoadKeysRequest(session_id, encode_keys(keys), device_indices,  # type: ignore[arg-type]
                             (layer_begin, layer_end), layer_events,
                             self._deadline_ns(timeout))
-        fast = q._replace(device=PageIds(dp)) if dp is not None else None
+        fast = (LoadKeysRequest(session_id, q.keys, PageIds(dp), q.layers, layer_events,
+                                q.deadline_ns) if dp is not None else None)
         result: TransferStats = self.call("LoadKeys", q, fast, timeout=timeout)
         return result
 
