@@ -84,17 +84,15 @@ Check = Callable[[Call, Any], None]
 
 
 class CallMetrics(Protocol):
-    """The counters of calls (``hicached.server.metrics.Metrics`` has them): labelled
-    Prometheus families."""
+    """The counters of calls (``hicached.server.metrics.Metrics`` has them)."""
 
-    requests: Any
-    """``hicache_rpc_requests_total{method, code}``."""
-    rpc_seconds: Any
-    """``hicache_rpc_duration_seconds{method}``."""
+    def call(self, method: str, code: str, fast: bool, seconds: float) -> None:
+        """A call ended: ``hicache_rpc_requests_total{method, code}``,
+        ``hicache_rpc_duration_seconds{method}``, ``hicache_fast_path_requests_total{method}``
+        when ``fast``."""
+
     rejected: Any
     """``hicache_rejected_requests_total{reason}``."""
-    fast_requests: Any
-    """``hicache_fast_path_requests_total{method}``."""
     fast_dropped: Any
     """``hicache_fast_path_dropped_connections_total{reason}``."""
 
@@ -110,7 +108,6 @@ class Envelope:
         self._checks: list[Check] = []
         self._covered: dict[str, bool] = {}
         self._log = LimitedLog(log)
-        self._ok: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def add_check(self, check: Check) -> None:
         """Run ``check(call, request)`` on every call, after authorization: a domain error it
@@ -140,7 +137,7 @@ class Envelope:
                     self.gate.leave()
         except Exception as exc:
             raise self._refused(call, exc, t0) from None
-        self._count_ok(call, t0)
+        self._count(call, "OK", t0)
         return out
 
     def stream(self, call: Call, request: Any, handle: Callable[[Any], Iterator[Any]]
@@ -156,7 +153,7 @@ class Envelope:
             raise
         except Exception as exc:
             raise self._refused(call, exc, t0) from None
-        self._count_ok(call, t0)
+        self._count(call, "OK", t0)
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -228,25 +225,4 @@ class Envelope:
         return Refused(status, code)
 
     def _count(self, call: Call, code: str, t0: float) -> None:
-        m = self.metrics
-        m.requests.labels(call.method, code).inc()
-        m.rpc_seconds.labels(call.method).observe(time.perf_counter() - t0)
-        if call.front == "fast":
-            m.fast_requests.labels(call.method).inc()
-
-    def _count_ok(self, call: Call, t0: float) -> None:
-        """``_count`` for OK, its labelled children resolved once per method and front end
-        (a label lookup costs a few microseconds per call)."""
-        key = (call.method, call.front)
-        got = self._ok.get(key)
-        if got is None:
-            m = self.metrics
-            got = self._ok[key] = (m.requests.labels(call.method, "OK"),
-                                   m.rpc_seconds.labels(call.method),
-                                   m.fast_requests.labels(call.method)
-                                   if call.front == "fast" else None)
-        ok, seconds, fast = got
-        ok.inc()
-        seconds.observe(time.perf_counter() - t0)
-        if fast is not None:
-            fast.inc()
+        self.metrics.call(call.method, code, call.front == "fast", time.perf_counter() - t0)

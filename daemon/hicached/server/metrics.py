@@ -28,7 +28,12 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
@@ -38,6 +43,7 @@ from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.publish.kv_event_config import KvEventStats
 from hicached.server.metrics_tiers import tier_families
+from hicached.server.tallies import HistogramColumns, Row, Tally
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack
 
@@ -46,6 +52,7 @@ REASONS = sorted({c.reason for c in all_error_classes()})
 # 50 us .. 60 s: sub-millisecond control-plane calls and multi-second bulk copies.
 DURATION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DURATION = HistogramColumns(DURATION_BUCKETS)
 
 
 @dataclass
@@ -248,33 +255,18 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, state: ScrapeState,
                  build: dict[str, str]) -> None:
         self.registry = registry
-        op = ["pool", "op"]
-        self.transfer_bytes = Counter("hicache_transfer_bytes", "Bytes moved.", op,
-                                      registry=registry)
-        self.transfer_pages = Counter("hicache_transfer_pages", "Pages moved.", op,
-                                      registry=registry)
-        self.transfer_requests = Counter("hicache_transfer_requests",
-                                         "Completed backup/load requests.", op,
-                                         registry=registry)
-        self.transfer_seconds = Histogram("hicache_transfer_duration_seconds",
-                                          "Backup/load duration, validation included.", op,
-                                          buckets=DURATION_BUCKETS, registry=registry)
-        self.requests = Counter("hicache_rpc_requests", "RPCs by method and gRPC code.",
-                                ["method", "code"], registry=registry)
-        self.rpc_seconds = Histogram("hicache_rpc_duration_seconds", "RPC duration by method.",
-                                     ["method"], buckets=DURATION_BUCKETS, registry=registry)
+        # the per-call counts: each thread adds into its own rows (``tallies``), summed here
+        self._calls: Tally[tuple[str, str, bool]] = Tally(_DURATION.width)
+        """(method, code, fast) -> a duration histogram's columns (its count: the calls)."""
+        self._transfers: Tally[tuple[str, str]] = Tally(2 + _DURATION.width)
+        """(pool, op) -> bytes, pages, then a duration histogram's columns."""
+        self._fast_methods = ("Store", "LoadKeys", "Lookup", "Backup", "Load", "Heartbeat")
+        registry.register(_CallCollector(self._calls, self._transfers, self._fast_methods))
         self.rejected = Counter("hicache_rejected_requests",
                                 "Requests refused with a domain error, by reason.", ["reason"],
                                 registry=registry)
         for reason in REASONS:
             self.rejected.labels(reason)
-        self.fast_requests = Counter(
-            "hicache_fast_path_requests", "Calls served over the fast path (<socket>.fast): "
-            "the data calls and heartbeats, by method; hicache_rpc_requests_total counts them "
-            "too.",
-            ["method"], registry=registry)
-        for method in ("Store", "LoadKeys", "Lookup", "Backup", "Load", "Heartbeat"):
-            self.fast_requests.labels(method)
         self.fast_dropped = Counter(
             "hicache_fast_path_dropped_connections", "Fast-path connections the daemon closed "
             "in the middle of a frame: its body too slow to arrive (body_timeout), no room in "
@@ -282,7 +274,6 @@ class Metrics:
             ["reason"], registry=registry)
         for reason in ("body_timeout", "overloaded", "too_large"):
             self.fast_dropped.labels(reason)
-        self._per_op: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         info = Gauge("hicache_build_info", "Build of the daemon.", list(build),
                      registry=registry)
         info.labels(**build).set(1)
@@ -322,19 +313,71 @@ class Metrics:
     def promoted(self, pool: str, n: int) -> None:
         self.promotions.labels(pool).inc(n)
 
+    def call(self, method: str, code: str, fast: bool, seconds: float) -> None:
+        """A call ended with ``code`` after ``seconds`` (``fast``: over the fast path):
+        ``hicache_rpc_requests_total``, ``hicache_rpc_duration_seconds`` and
+        ``hicache_fast_path_requests_total``."""
+        _DURATION.observe(self._calls.row((method, code, fast)), 0, seconds)
+
     def transfer(self, pool: str, op: str, nbytes: int, pages: int, seconds: float) -> None:
-        children = self._per_op.get((pool, op))
-        if children is None:  # a label lookup costs microseconds: resolve them once
-            if len(self._per_op) > 4096:
-                self._per_op.clear()
-            children = self._per_op[(pool, op)] = (
-                self.transfer_bytes.labels(pool, op), self.transfer_pages.labels(pool, op),
-                self.transfer_requests.labels(pool, op), self.transfer_seconds.labels(pool, op))
-        nbytes_c, pages_c, requests_c, seconds_h = children
-        nbytes_c.inc(nbytes)
-        pages_c.inc(pages)
-        requests_c.inc()
-        seconds_h.observe(seconds)
+        """A backup or load moved ``nbytes`` in ``pages`` in ``seconds``:
+        ``hicache_transfer_{bytes,pages,requests}_total``,
+        ``hicache_transfer_duration_seconds``."""
+        row = self._transfers.row((pool, op))
+        row[0] += nbytes
+        row[1] += pages
+        _DURATION.observe(row, 2, seconds)
+
+
+class _CallCollector(Collector):
+    """The per-call counts' families, rendered from their tallies at scrape time."""
+
+    def __init__(self, calls: Tally[tuple[str, str, bool]],
+                 transfers: Tally[tuple[str, str]], fast_methods: tuple[str, ...]) -> None:
+        self._calls, self._transfers, self._fast_methods = calls, transfers, fast_methods
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("hicache_rpc_requests", "RPCs by method and gRPC code.",
+                                       labels=["method", "code"])
+        seconds = HistogramMetricFamily("hicache_rpc_duration_seconds",
+                                        "RPC duration by method.", labels=["method"])
+        fast = CounterMetricFamily(
+            "hicache_fast_path_requests", "Calls served over the fast path (<socket>.fast): "
+            "the data calls and heartbeats, by method; hicache_rpc_requests_total counts them "
+            "too.", labels=["method"])
+        per_code: dict[tuple[str, str], float] = {}
+        per_method: dict[str, Row] = {}
+        per_fast = dict.fromkeys(self._fast_methods, 0.0)
+        for (method, code, is_fast), row in self._calls.totals().items():
+            per_code[(method, code)] = per_code.get((method, code), 0.0) + row[0]
+            got = per_method.get(method)
+            if got is None:
+                per_method[method] = row
+            else:
+                for i, v in enumerate(row):
+                    got[i] += v
+            if is_fast:
+                per_fast[method] = per_fast.get(method, 0.0) + row[0]
+        for (method, code), n in sorted(per_code.items()):
+            requests.add_metric([method, code], n)
+        for method, row in sorted(per_method.items()):
+            _DURATION.render(seconds, [method], row, 0)
+        for method, n in sorted(per_fast.items()):
+            fast.add_metric([method], n)
+        op = ["pool", "op"]
+        nbytes = CounterMetricFamily("hicache_transfer_bytes", "Bytes moved.", labels=op)
+        pages = CounterMetricFamily("hicache_transfer_pages", "Pages moved.", labels=op)
+        done = CounterMetricFamily("hicache_transfer_requests",
+                                   "Completed backup/load requests.", labels=op)
+        took = HistogramMetricFamily("hicache_transfer_duration_seconds",
+                                     "Backup/load duration, validation included.", labels=op)
+        for (pool, op_name), row in sorted(self._transfers.totals().items()):
+            labels = [pool, op_name]
+            nbytes.add_metric(labels, row[0])
+            pages.add_metric(labels, row[1])
+            done.add_metric(labels, row[2])
+            _DURATION.render(took, labels, row, 2)
+        yield from (requests, seconds, fast, nbytes, pages, done, took)
 
 
 class MetricsEndpoint:
