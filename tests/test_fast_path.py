@@ -79,6 +79,26 @@ def test_offered_chosen_and_said(served: tuple[HiCacheServer, str, str]) -> None
                                             {"method": "Lookup", "code": "OK"}) == 2
 
 
+def test_calls_stay_counted_once_their_connections_are_gone(
+        served: tuple[HiCacheServer, str, str]) -> None:
+    """Each connection's thread counts its calls in its own rows; the rows of connections
+    that closed are folded into the totals once, never lost nor counted twice."""
+    server, target, _ = served
+    for round_ in range(1, 4):
+        with HiCacheClient(target) as c:  # a connection (a thread in the daemon) per round
+            for _ in range(7):
+                c.lookup("fp", [b"k"])
+            assert fast_count(server, "Lookup") == 7 * round_  # while it is open
+        deadline = time.monotonic() + 10
+        while any(re.fullmatch(r"fast-\d+", t.name) for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the connection's thread did not end"
+            time.sleep(0.01)
+        for _ in range(2):  # after: its rows were folded in, once
+            assert fast_count(server, "Lookup") == 7 * round_
+            assert server.registry.get_sample_value(
+                "hicache_rpc_duration_seconds_count", {"method": "Lookup"}) == 7 * round_
+
+
 def test_hicachectl_says_which_path(served: tuple[HiCacheServer, str, str],
                                     capsys: pytest.CaptureFixture[str]) -> None:
     from hicache_client.cli import main as hicachectl
@@ -499,3 +519,51 @@ def test_a_refusal_added_to_the_envelope_shows_on_both_front_ends(
         "hicache_rpc_requests_total", {"method": "Lookup", "code": "FAILED_PRECONDITION"}) == 2
     assert server.registry.get_sample_value(
         "hicache_rejected_requests_total", {"reason": "POOL_CLOSED"}) == 2
+
+
+def _page_ids_by_definition(rows: list[int], page_size: int) -> list[int] | None:
+    if len(rows) % page_size:
+        return None
+    out = []
+    for at in range(0, len(rows), page_size):
+        first = rows[at]
+        if first % page_size or rows[at:at + page_size] != list(
+                range(first, first + page_size)):
+            return None
+        out.append(first // page_size)
+    return out
+
+
+@st.composite
+def _token_rows(draw: st.DrawFn) -> tuple[list[int], int]:
+    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    pages = draw(st.lists(st.integers(0, 40), max_size=6))
+    rows = [p * page_size + j for p in pages for j in range(page_size)]
+    how = draw(st.sampled_from(["pages", "run", "swap", "shift", "cut", "dup"]))
+    if how == "run" and pages:  # one run of consecutive pages
+        rows = list(range(pages[0] * page_size, (pages[0] + len(pages)) * page_size))
+    elif how == "swap" and len(rows) > 2:  # same first and last row, not ascending
+        i = draw(st.integers(1, len(rows) - 2))
+        rows[i], rows[i - 1] = rows[i - 1], rows[i]
+    elif how == "shift" and rows:
+        rows = [r + draw(st.integers(1, 3)) for r in rows]
+    elif how == "cut" and rows:
+        rows = rows[:-1]
+    elif how == "dup" and len(rows) > 1:
+        rows[-1] = rows[-2]
+    return rows, page_size
+
+
+@settings(max_examples=400, deadline=None)
+@given(_token_rows(), st.sampled_from(["tensor", "list", "bytes"]))
+def test_page_ids_are_whole_aligned_pages_and_nothing_else(
+        case: tuple[list[int], int], form: str) -> None:
+    from hicache.indices import indices_to_bytes
+    from hicache_client.fast_path import page_ids
+
+    rows, page_size = case
+    indices: object = {"tensor": torch.tensor(rows, dtype=torch.int64), "list": rows,
+                       "bytes": indices_to_bytes(rows)}[form]
+    got = page_ids(indices, page_size)
+    want = rows if page_size == 1 else _page_ids_by_definition(rows, page_size)
+    assert (None if got is None else got.tolist()) == want
