@@ -301,12 +301,12 @@ def parse_serve(argv: list[str], model: str) -> dict[str, Any]:
 def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dict[str, Any]:
     """The manager's ``_lookup`` over two ranks' pools whose daemon answers each ``Lookup``
     only after ``slow`` seconds: one deadline for both (the second is cut short and fails),
-    and the hold the first took is let go on the control thread, not on the caller's."""
+    and the hold the first took is let go on the hold book's thread, not on the caller's."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
     from hicache.errors import DeadlinePassed
+    from hicache_client.hold_book import HoldBook
     from hicache_vllm.config import SpecConfig
     from hicache_vllm.manager import HicachedOffloadingManager
 
@@ -339,7 +339,7 @@ def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dic
     m.config = SpecConfig(target="unix:/nowhere", lookup_timeout_s=timeout)
     links = [SlowLink(0), SlowLink(1)]
     m.links = links  # type: ignore[assignment]
-    m._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-control")
+    m.holds = HoldBook(1000, m._release, "hicache-vllm-holds")
     t0 = time.perf_counter()
     try:
         m._lookup([bytes([i]) * 32 for i in range(4)])
@@ -347,7 +347,7 @@ def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dic
     except Exception as exc:
         failed = type(exc).__name__
     took = time.perf_counter() - t0
-    m._control.shutdown(wait=True)
+    m.holds.close()
     return {"took_s": took, "failed": failed, "released": released,
             "reported": [link.reported for link in links]}
 
@@ -509,7 +509,7 @@ def reset_keeps_shared_pages(model: str, target: str, blocks: int = 4, **kw: Any
     manager = e.scheduler_side.manager
     # a request of this engine told HIT for the other's prompt, not loaded yet: held for it
     assert manager.promises.answer("waiting", theirs[0], lambda: theirs)
-    held = len(manager.promises._claimed)
+    held = manager.holds.claimed
     assert e.scheduler.reset_prefix_cache(reset_connector=True)
     end = time.monotonic() + 10
     while manager.stats["reset_holds_released"] < held and time.monotonic() < end:

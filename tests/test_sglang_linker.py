@@ -244,7 +244,7 @@ def test_a_waiting_request_asks_the_daemon_once_per_hold(daemon: DaemonProc) -> 
             assert cache.match(tokens, rid="waits") == 16
             assert cache.match(missing, rid="misses") == 0
         assert (cache.linker.stats["lookups"], cache.linker.stats["lookups_reused"]) == (2, 98)
-        time.sleep(0.85)  # past answers.PROMISE_MARGIN of the hold: it may have lapsed
+        time.sleep(0.55)  # past hold_book.FRESH_SHARE of the hold: it may have lapsed
         assert cache.match(tokens, rid="waits") == 16
         assert cache.linker.stats["lookups"] == 3
         cache.zero_kv()
@@ -252,6 +252,64 @@ def test_a_waiting_request_asks_the_daemon_once_per_hold(daemon: DaemonProc) -> 
         assert (hit, failed) == (16, [])
         assert_exact(cache, tokens, slots)
         assert cache.linker.stats["lookups"] == 3  # admitted on the answer it had
+    finally:
+        cache.close()
+
+
+def held_pages(daemon: DaemonProc, pool: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(daemon.metrics()):
+        for sample in family.samples:
+            if sample.name == "hicache_held_pages" and sample.labels.get("pool") == pool:
+                return float(sample.value)
+    raise AssertionError("no hicache_held_pages for the pool")
+
+
+def test_a_hold_goes_when_no_request_counts_on_it_and_not_before(daemon: DaemonProc) -> None:
+    """Two waiting requests were told the same hit: one's load declines, the holds stay for
+    the other; the other's queued load is cancelled, the holds go (off the scheduler's
+    thread); an admitted load consumes them."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    cache = SGLangCache(daemon.target, daemon.shm_dir, extra={"lookup_hold_ms": 30000})
+    linker, pool = cache.linker, cache.linker.spec.name
+    try:
+        tokens = tokens_of(29000, 16)
+        assert cache.offload_and_evict(tokens) == 16
+        asked: list[list[str]] = []
+        original = linker.lookup
+
+        def spy(rid: str, transfers: list[Any]) -> list[int]:
+            asked.append(list(transfers[0].keys))
+            got: list[int] = original(rid, transfers)
+            return got
+
+        linker.lookup = spy
+        assert cache.match(tokens, rid="a") == 16 and cache.match(tokens, rid="b") == 16
+        linker.lookup = original
+        keys = asked[0]
+        assert len(keys) == 4 and asked[1] == keys
+        assert held_pages(daemon, pool) == 4
+        slots = torch.arange(16, 32)
+        # a's load declines (its slots do not fit its keys): b still counts on the holds
+        assert not linker.load("a", [PoolTransfer(PoolName.KV, keys=keys,
+                                                  device_indices=slots[:3])])
+        assert linker._holds.settle()
+        assert held_pages(daemon, pool) == 4
+        # b's load is queued, then cancelled (SGLang aborted it): nothing counts on them
+        assert linker.load("b", [PoolTransfer(PoolName.KV, keys=keys, device_indices=slots)])
+        assert linker.cancel_queued_load("b")
+        assert linker._holds.settle()
+        assert held_pages(daemon, pool) == 0
+        assert linker._holds.claimed == 0
+        # an admitted request's load uses its holds: none is left behind, nothing released
+        cache.zero_kv()
+        hit, failed, got = cache.hit_and_load(tokens, rid="c")
+        assert (hit, failed) == (16, [])
+        assert_exact(cache, tokens, got)
+        assert linker._holds.settle()
+        assert held_pages(daemon, pool) == 0 and linker._holds.claimed == 0
     finally:
         cache.close()
 

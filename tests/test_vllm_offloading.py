@@ -276,4 +276,4 @@ def test_one_lookup_deadline_covers_every_ranks_pool() -> None:
     assert got["reported"] == [[], ["DeadlinePassed"]]
     # the first pool's hold of the 4 keys let go, off the caller's thread
     assert [(i, n) for i, n, _ in got["released"]] == [(0, 4)]
-    assert got["released"][0][2].startswith("hicache-vllm-control")
+    assert got["released"][0][2] == "hicache-vllm-holds"

@@ -11,6 +11,10 @@ no native extension of ours, and not torch (imported when tensors are made).
 - ``WorkerSession``: an open session with a heartbeat thread (raw backup / load, keyed store /
   load_keys, owned alloc).
 - ``LookupResult``, ``StoreResult``, ``CacheEvent``, ``PoolInfo``, ``TransferStats``: replies.
+- The engine kit both integrations (SGLang's linker, vLLM's spec) are built on:
+  ``engine_config`` (their shared settings), ``pool_names`` (one naming rule), ``link`` (the
+  pool and session kept up, late or down), ``pool_setup`` (a pool's size), ``hold_book`` (the
+  holds: freshness, claims, releases).
 - ``hicache_client.cuda``: GPU workers' buffers and events as CUDA IPC handles.
 - ``hicache_client.cli``: ``hicachectl``.
 """

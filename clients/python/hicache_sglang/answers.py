@@ -4,17 +4,19 @@ SGLang asks ``lookup(rid, ...)`` when it matches a request, then ``load(rid, ...
 admits it; between the two the daemon holds the hit's pages for the linker's session
 (``lookup_hold_ms``). SGLang matches a request it cannot admit yet again on every loop of its
 scheduler: while an answer is fresh, the same request asking for the same keys is told that
-answer again instead of asking the daemon (whose holds it would only renew).
+answer again instead of asking the daemon (whose holds it would only renew). Freshness, and
+the claims on the holds, are the linker's ``hicache_client.hold_book`` (the vLLM manager's
+rules too).
 
 Primitives:
 
 - ``Answer(keys, hit, at)``: a lookup's keys, how many leading ones the daemon holds for this
   session, and when.
-- ``Answers(hold_ms)``: ``reuse(rid, keys)`` (the fresh answer to the same question, or
-  None), ``record(rid, keys, hit)``, ``take(rid)`` (the answer a load counts on, forgotten),
-  ``covers(answer, keys)`` (its holds surely still cover ``keys``), ``clear()``. At most
-  ``MAX_ANSWERS`` are kept (the oldest forgotten first). Used on the scheduler's thread only.
-- ``PROMISE_MARGIN``: the share of the hold during which an answer is trusted.
+- ``Answers(book)``: ``reuse(rid, keys)`` (the fresh answer to the same question, or
+  None), ``record(rid, keys, hit)`` (returns the requests whose answers it forgot: at most
+  ``MAX_ANSWERS`` are kept, the oldest forgotten first), ``take(rid)`` (the answer a load
+  counts on, forgotten), ``covers(answer, keys)`` (its holds surely still cover ``keys``),
+  ``clear()``. Used on the scheduler's thread only.
 """
 
 from __future__ import annotations
@@ -25,10 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hicache_client.hold_book import HoldBook
+
 MAX_ANSWERS = 4096
-PROMISE_MARGIN = 0.8
-"""An answer older than this share of ``lookup_hold_ms`` is not trusted: a load of its hit
-declines, and the request's next match asks the daemon again."""
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,14 @@ class Answer:
 
 
 class Answers:
-    def __init__(self, hold_ms: int) -> None:
-        self.window = hold_ms / 1000 * PROMISE_MARGIN
-        """How long an answer is trusted (0 without holds: never, every match asks)."""
+    def __init__(self, book: HoldBook) -> None:
+        self.holds = book
+        """Whose rule says how long an answer is trusted (never without holds)."""
         self._book: collections.OrderedDict[str, Answer] = collections.OrderedDict()
 
     def fresh(self, answer: Answer) -> bool:
         """Whether ``answer``'s holds are sure to stand still."""
-        return time.monotonic() - answer.at < self.window
+        return self.holds.fresh(answer.at)
 
     def reuse(self, rid: str, keys: tuple[Any, ...]) -> Answer | None:
         """The answer ``rid`` got for these very keys, while it is fresh."""
@@ -57,11 +58,13 @@ class Answers:
             return known
         return None
 
-    def record(self, rid: str, keys: tuple[Any, ...], hit: int) -> None:
+    def record(self, rid: str, keys: tuple[Any, ...], hit: int) -> list[str]:
         self._book[rid] = Answer(keys, hit, time.monotonic())
         self._book.move_to_end(rid)
+        forgotten = []
         while len(self._book) > MAX_ANSWERS:
-            self._book.popitem(last=False)
+            forgotten.append(self._book.popitem(last=False)[0])
+        return forgotten
 
     def take(self, rid: str) -> Answer | None:
         return self._book.pop(rid, None)

@@ -47,7 +47,6 @@ import os
 import queue
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -59,6 +58,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from hicache.errors import HiCacheError, SpecInvalid, Unavailable
+from hicache_client.hold_book import HoldBook
 from hicache_client.link import DaemonLink, Handover, is_late
 from hicache_client.pool_setup import BudgetShare
 from hicache_sglang.answers import Answers
@@ -161,13 +161,15 @@ class HicachedLinker(UnifiedCacheLinker):
         self.link = DaemonLink(cfg, self.spec, handover, worker_id,
                                on_fenced=self.quarantine.release, budget_share=share)
         self._pending: dict[str, tuple[list[str], torch.Tensor]] = {}
-        self._answers = Answers(cfg.lookup_hold_ms)
+        self._holds = HoldBook(cfg.lookup_hold_ms, self._release,
+                               f"hicache-holds-tp{self.shard.tp_rank}")
+        """Which requests count on which held keys; releases, on its thread (the scheduler
+        never waits for them)."""
+        self._answers = Answers(self._holds)
         """Each request's last lookup's answer: what ``load`` may count on, and what the
         request's next match is told while it is fresh."""
-        self._loads: queue.Queue[tuple[int, list[tuple[list[str], torch.Tensor]]] | None] = \
-            queue.Queue()
-        self._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-control")
-        """Calls the scheduler asks for but must not wait on (releasing holds)."""
+        self._loads: queue.Queue[tuple[int, list[tuple[str, tuple[list[str], torch.Tensor]]]]
+                                 | None] = queue.Queue()
         self.offloads = Offloads(cfg.max_inflight_offloads,
                                  (dp.device, self._ready, self.record_offload_ready)
                                  if self.on_cuda else None)
@@ -213,8 +215,11 @@ class HicachedLinker(UnifiedCacheLinker):
             log.debug("lookup for %s failed: %s", rid, exc)
             return []
         if hold_ms:
-            self._answers.record(rid, keys, hit)
+            for old in self._answers.record(rid, keys, hit):
+                if old not in self._pending:  # its answer forgotten: so are its claims
+                    self._holds.drop(old)
             if hit:
+                self._holds.claim(rid, keys[:hit])
                 self.stats["lookup_held_pages"] += r.held
         self.stats["lookup_hit_pages"] += hit
         return list(range(1, hit + 1))
@@ -229,8 +234,8 @@ class HicachedLinker(UnifiedCacheLinker):
                 or not self.link.usable
                 or (self.config.lookup_hold_ms and not self._answers.covers(answer, kv.keys))):
             self.stats["loads_declined"] += 1
-            if answer is not None and answer.hit:
-                self._release(list(answer.keys[:answer.hit]))
+            if rid not in self._pending:
+                self._holds.drop(rid)  # what no other request counts on is let go
             return False
         self._pending[rid] = (list(kv.keys), kv.device_indices)
         return True
@@ -240,32 +245,20 @@ class HicachedLinker(UnifiedCacheLinker):
         if item is None:
             return False
         self.stats["loads_cancelled"] += 1
-        self._release(item[0])
+        self._holds.drop(rid)
         return True
 
     def _release(self, keys: list[Any]) -> None:
-        """End this worker's holds of ``keys`` that no other queued load needs, on the
-        control thread (the scheduler never waits for it)."""
-        if not self.config.lookup_hold_ms or not keys:
-            return
-        needed = {k for ks, _ in self._pending.values() for k in ks}
-        free = [k for k in keys if k not in needed]
+        """End this worker's holds of ``keys`` (the hold book's thread calls it for keys no
+        request claims any more)."""
         session = self.link.session
-        if not free or session is None:
-            return
-
-        def release() -> None:
-            try:
-                session.release_holds(free, timeout=self.config.rpc_timeout_s)
-            except HiCacheError as exc:  # they expire by themselves
-                log.debug("releasing %d hold(s) failed: %s", len(free), exc)
-
-        self._control.submit(release)
+        if session is not None:
+            session.release_holds(keys, timeout=self.config.rpc_timeout_s)
 
     def start_layer_wise_loading(self) -> int:
         if not self._pending:
             return -1
-        batch, self._pending = list(self._pending.values()), {}
+        batch, self._pending = list(self._pending.items()), {}
         index: int = self.layer_done_counter.update_producer()
         if self.on_cuda:
             self._ready.record()  # the slots are allocated and every earlier use is ordered
@@ -283,9 +276,20 @@ class HicachedLinker(UnifiedCacheLinker):
             finally:
                 self._loads.task_done()
 
-    def _load_batch(self, index: int, batch: list[tuple[list[str], torch.Tensor]]) -> None:
-        keys = [k for ks, _ in batch for k in ks]
-        slots = torch.cat([d.to(torch.int64).cpu() for _, d in batch])
+    def _load_batch(self, index: int,
+                    batch: list[tuple[str, tuple[list[str], torch.Tensor]]]) -> None:
+        """One LoadKeys for the batch's requests; their claims end with it (the holds it
+        used are consumed; a failed load's are let go)."""
+        keys = [k for _, (ks, _) in batch for k in ks]
+        slots = torch.cat([d.to(torch.int64).cpu() for _, (_, d) in batch])
+        loaded = False
+        try:
+            loaded = self._load(index, keys, slots, len(batch))
+        finally:
+            for rid, (ks, _) in batch:
+                self._holds.drop(rid, consumed=set(ks) if loaded else ())
+
+    def _load(self, index: int, keys: list[str], slots: torch.Tensor, requests: int) -> bool:
         self.stats["loads"] += 1
         session = self.link.session
         try:
@@ -304,12 +308,13 @@ class HicachedLinker(UnifiedCacheLinker):
                 self.link.report(exc)
             log.warning("hicached load of %d pages failed (%s: %s); SGLang aborts the "
                         "batch's %d loading request(s)", len(keys), type(exc).__name__, exc,
-                        len(batch))
+                        requests)
             self.layer_done_counter.fail(index, exc)
-            return
+            return False
         self.stats["load_pages"] += len(keys)
         for layer in range(self.num_layers):
             self.layer_done_counter.complete(index, layer)
+        return True
 
     def _wait_layer_event(self, index: int, layer: int) -> None:
         """GPU: the forward's current stream waits for the daemon's copy of ``layer``."""
@@ -375,6 +380,7 @@ class HicachedLinker(UnifiedCacheLinker):
         holds; the pool's pages stay for every instance that shares them."""
         self._quiesce()
         self._answers.clear()
+        self._holds.drop_all(lambda rid: False)  # released below, all at once
         self.stats["resets"] += 1
         session = self.link.session
         if session is None or not self.config.lookup_hold_ms or not self.link.usable:
@@ -391,7 +397,7 @@ class HicachedLinker(UnifiedCacheLinker):
         self._quiesce()
         self._loads.put(None)
         self._load_thread.join(timeout=10)
-        self._control.shutdown(wait=False)
+        self._holds.close(timeout=self.config.rpc_timeout_s)
         self.offloads.close()
         self.link.close()
         self.quarantine.close()

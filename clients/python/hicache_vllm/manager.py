@@ -36,13 +36,13 @@ With the daemon down, restarting, refusing or slow, lookups are misses, stores a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -57,6 +57,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hicache.errors import HiCacheError, Unavailable
+from hicache_client.hold_book import HoldBook
 from hicache_client.link import DaemonLink, Handover, is_gone
 from hicache_client.shm import ShmDeviceBuffers
 from hicache_vllm.blocks import HicachedLoadStoreSpec
@@ -90,21 +91,22 @@ class HicachedOffloadingManager(OffloadingManager):
             self._buffers.append(buf)
             self.links.append(DaemonLink(config, spec, Handover(buf.descriptors, fds=buf.fds),
                                          worker_id, create_pool=False))
-        self.promises = Promises(config.lookup_hold_ms / 1000, self._lookup, self._release)
-        self._control = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-control")
+        self.holds = HoldBook(config.lookup_hold_ms, self._release, "hicache-vllm-holds")
+        """The holds this manager's lookups took, and the one thread that lets them go."""
+        self.promises = Promises(self.holds, self._lookup)
         self._reporter = Reporter()
         for link in self.links:
             link.start()
         log.info("hicached offloading manager: pools %s (%d layers, %d tokens per page)",
                  plan.pool_names, plan.layers, plan.page_tokens)
 
-    # -- the daemon (lookups on the caller's thread, releases on threads of their own) ---
+    # -- the daemon (lookups on the caller's thread, releases on the hold book's) ---------
 
     def _lookup(self, keys: list[bytes]) -> int:
         """Hold ``keys`` in every pool; the leading run every pool holds. One deadline for
         all of them (``lookup_timeout_s``): the scheduler's thread waits no longer with many
         ranks' pools than with one. Holds beyond what every pool holds, or taken before a
-        later pool failed, are let go on the control thread (this one never waits for it)."""
+        later pool failed, are let go on the hold book's thread (this one never waits)."""
         answers: list[tuple[DaemonLink, int]] = []
         deadline = time.monotonic() + self.config.lookup_timeout_s
         try:
@@ -148,7 +150,7 @@ class HicachedOffloadingManager(OffloadingManager):
                 held: int) -> None:
         for link, got in answers:
             if got > held:
-                self._control.submit(self._release_on, link, keys[held:got])
+                self.holds.release(keys[held:got], functools.partial(self._release_on, link))
 
     def _release(self, keys: list[bytes]) -> None:
         for link in self.links:
@@ -250,7 +252,7 @@ class HicachedOffloadingManager(OffloadingManager):
         keys = self.promises.forget_all()
         self.stats["resets"] += 1
         if keys:
-            self._control.submit(self._reset_release, keys)
+            self.holds.release(keys, self._reset_release)
 
     def _reset_release(self, keys: list[bytes]) -> None:
         for link in self.links:
@@ -267,8 +269,7 @@ class HicachedOffloadingManager(OffloadingManager):
                             exc)
 
     def shutdown(self) -> None:
-        self._control.shutdown(wait=True)
-        self.promises.close()
+        self.holds.close()
         for link in self.links:
             link.close()
         for buf in self._buffers:

@@ -15,10 +15,11 @@ misses it is skipped until it answers again): a thread of their own would wait f
 interpreter lock behind a scheduler that steps without pause, for milliseconds, where the call
 itself takes tens of microseconds.
 
-A held key may be claimed by several requests; the hold is released (``ReleaseHolds``, on a
-thread of its own: nothing waits for it) when no request claims it any more: the request
-finished and its loads completed. An answer older than half the hold is asked again (the
-daemon refreshes the hold), and so is a miss answered before this engine's latest store.
+The holds follow ``hicache_client.hold_book`` (the SGLang linker's rules too): a held key
+may be claimed by several requests; the hold is released (``ReleaseHolds``, on the book's
+thread: nothing waits for it) when no request claims it any more: the request finished and
+its loads completed. An answer older than the book's window is asked again (the daemon
+refreshes the hold), and so is a miss answered before this engine's latest store.
 A request vLLM looks up again after one of its loads completed (that load was given up and
 vLLM recomputes, or the request was preempted) is asked afresh, never answered from before
 the load; past ``LOADS_PER_REQUEST`` loads its keys are misses (a load that keeps failing
@@ -26,8 +27,8 @@ must not keep the request from computing).
 
 Primitives:
 
-- ``Promises(hold_s, lookup, release)``: ``lookup`` is ``(keys) -> held prefix length`` (may
-  raise: every key a miss); ``release(keys)`` lets holds go.
+- ``Promises(book, lookup)``: ``book`` the manager's ``HoldBook`` (claims, freshness,
+  releases); ``lookup`` is ``(keys) -> held prefix length`` (may raise: every key a miss).
 - ``answer(req_id, key, following)``: True (held), False (miss) or None (asked: say RETRY).
 - ``flush()``: look up the keys asked this step; ``pending``: keys asked and not looked up.
 - ``stored()``: this engine stored blocks (misses answered before are asked again).
@@ -35,17 +36,17 @@ Primitives:
 - ``finished(req_id)``: the request's claims end (once its loads are done).
 - ``forget_all()``: every answer and every lookup asked dropped (a reset); returns the held
   keys no load in flight claims (the caller releases them: the claims are gone).
-- ``close()``.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from hicache_client.hold_book import HoldBook
 
 log = logging.getLogger("hicache_vllm")
 
@@ -65,7 +66,6 @@ class _Request:
     at: float = 0.0
     generation: int = 0
     """The store generation its answers were asked in (a miss then may be a hit now)."""
-    claims: set[bytes] = field(default_factory=set)
     loads: int = 0
     loaded: int = 0
     """Loads of it that completed (any lookup after one is asked afresh)."""
@@ -73,21 +73,14 @@ class _Request:
 
 
 class Promises:
-    def __init__(self, hold_s: float, lookup: Callable[[list[bytes]], int],
-                 release: Callable[[list[bytes]], object]) -> None:
-        self.fresh_s = hold_s / 2
+    def __init__(self, book: HoldBook, lookup: Callable[[list[bytes]], int]) -> None:
+        self.book = book
         self._lookup = lookup
-        self._release = release
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
-        self._claimed: dict[bytes, int] = {}
-        """key -> requests claiming its hold."""
         self._asked: set[str] = set()
         self.generation = 0
         """Bumped by ``stored``: misses answered before it are asked again."""
-        self._queue: queue.Queue[list[bytes] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="hicache-releases")
-        self._thread.start()
         self.stats = {"lookups": 0, "lookup_failures": 0, "held_blocks": 0, "miss_blocks": 0,
                       "deferred": 0, "reload_misses": 0}
 
@@ -107,8 +100,7 @@ class Promises:
                 return False
             got = r.answers.get(key)
             if got is not None and (r.loads or (
-                    time.monotonic() - r.at < self.fresh_s
-                    and (got or r.generation == self.generation))):
+                    self.book.fresh(r.at) and (got or r.generation == self.generation))):
                 return got
             if got is not None:  # stale: ask again (the Lookup refreshes the holds)
                 r.answers.clear()
@@ -175,37 +167,18 @@ class Promises:
     def forget_all(self) -> list[bytes]:
         with self._lock:
             self._asked.clear()
-            kept: dict[bytes, int] = {}
             for r in self._requests.values():
                 r.answers.clear()
                 r.asked = []
-                if r.loads:  # a load in flight keeps its holds until it completes
-                    for k in r.claims:
-                        kept[k] = kept.get(k, 0) + 1
-                else:
-                    r.claims.clear()
-            free = [k for k in self._claimed if k not in kept]
-            self._claimed = kept
-        return free
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+            loading = {req_id for req_id, r in self._requests.items() if r.loads}
+            # a load in flight keeps its holds until it completes
+            return self.book.drop_all(loading.__contains__)
 
     # -- books (under the lock) ------------------------------------------------------------
 
     def _end(self, req_id: str) -> None:
-        r = self._requests.pop(req_id)
-        free = []
-        for k in r.claims:
-            n = self._claimed.get(k, 0) - 1
-            if n <= 0:
-                self._claimed.pop(k, None)
-                free.append(k)
-            else:
-                self._claimed[k] = n
-        if free:
-            self._queue.put(free)
+        self._requests.pop(req_id)
+        self.book.drop(req_id)
 
     def _trim(self) -> None:
         if len(self._requests) <= MAX_REQUESTS:
@@ -229,26 +202,11 @@ class Promises:
         self.stats["miss_blocks"] += len(keys) - held
         with self._lock:
             r = self._requests.get(req_id)
-            if r is None or r.finished:
-                unclaimed = [k for k in keys[:held] if k not in self._claimed]
-                if unclaimed:
-                    self._queue.put(unclaimed)
+            self.book.claim(req_id, keys[:held])
+            if r is None or r.finished:  # it ended meanwhile: what no one else claims goes
+                self.book.drop(req_id)
                 return
             r.at = time.monotonic()
             r.generation = generation
             for i, k in enumerate(keys):
-                hit = i < held
-                r.answers[k] = hit
-                if hit and k not in r.claims:
-                    r.claims.add(k)
-                    self._claimed[k] = self._claimed.get(k, 0) + 1
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            try:
-                self._release(item)
-            except Exception as exc:  # they expire by themselves
-                log.debug("releasing %d hold(s) failed: %s", len(item), exc)
+                r.answers[k] = i < held
