@@ -1,8 +1,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.daemon_proc import Daemons
 
 pytest_plugins = ["tests.cuda_fixtures"]
 
@@ -27,3 +32,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
         shown = ", ".join(f"{k}={v:,.0f}" if float(v).is_integer() else f"{k}={v:,.2f}"
                           for k, v in values.items())
         terminalreporter.write_line(f"{test}: {shown}")
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[Daemons]:
+    """Real daemons for one test: ``daemons.start(...)``; each is stopped, and its clean
+    drain checked, when the test ends (``tests.daemon_proc.Daemons``)."""
+    started = Daemons(tmp_path)
+    yield started
+    bad = started.stop_all()
+    assert not bad, "\n".join(bad)
+
+
+@pytest.fixture(scope="module")
+def module_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+    """``daemons`` for a whole module (tests that share one daemon's state)."""
+    started = Daemons(tmp_path_factory.mktemp("daemons"))
+    yield started
+    bad = started.stop_all()
+    assert not bad, "\n".join(bad)

@@ -137,3 +137,44 @@ def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
             d.stop(signal.SIGKILL)
             raise AssertionError(f"daemon failed to start:\n{d.log()}") from None
     return d
+
+
+class Daemons:
+    """The daemons one test (or one module) starts, stopped and checked when it ends.
+
+    ``start(*extra, workdir=None, checked=True, **kw)`` is ``start_daemon`` on ``workdir``
+    (the fixture's directory by default). At the end each daemon still running is resumed (a
+    test may have paused it) and sent SIGTERM: a ``checked`` one must drain and exit with
+    status 0 within 20 s, or the test fails with the tail of its log; one started with
+    ``checked=False`` (a test that leaves it mid-copy on purpose, hung by a seam) is killed.
+    A daemon the test stopped or killed itself is left as it is."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._started: list[tuple[DaemonProc, bool]] = []
+
+    def start(self, *extra: str, workdir: Path | None = None, checked: bool = True,
+              **kw: object) -> DaemonProc:
+        d = start_daemon(workdir or self.workdir, *extra, **kw)  # type: ignore[arg-type]
+        self._started.append((d, checked))
+        return d
+
+    def stop_all(self) -> list[str]:
+        """Stop every daemon still running; what went wrong, one line each."""
+        bad = []
+        for d, checked in self._started:
+            if d.proc.poll() is not None:
+                continue  # the test ended it
+            d.resume()
+            if not checked:
+                d.stop(signal.SIGKILL)
+                continue
+            try:
+                code = d.stop(signal.SIGTERM)
+            except subprocess.TimeoutExpired:
+                d.stop(signal.SIGKILL)
+                code = None
+            if code != 0:
+                bad.append(f"daemon {d.socket} ended with {code} on SIGTERM; its log ends:\n"
+                           f"{d.log()[-3000:]}")
+        return bad

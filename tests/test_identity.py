@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import time
@@ -25,7 +24,7 @@ from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons
 
 NOBODY = 65534
 
@@ -36,17 +35,15 @@ def spec(name: str) -> PoolSpec:
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+def daemon(daemons: Daemons, tmp_path: Path) -> Iterator[DaemonProc]:
     cfg = tmp_path / "access.toml"
     cfg.write_text('[[access]]\npools = "root-*"\nuids = [0]\n\n'
                    '[[access]]\npools = "nobody-*"\nuids = [65534]\n\n'
                    '[[access]]\npools = "group-*"\ngids = [65534]\n')
     run = tempfile.mkdtemp(prefix="hicache-id-", dir="/tmp")
     os.chmod(run, 0o711)  # others may reach the sockets; their modes decide who connects
-    d = start_daemon(tmp_path, "--config", str(cfg), "--socket-mode", "0660",
-                     "--socket-group", "nogroup", socket=f"{run}/hicached.sock")
-    yield d
-    d.stop(signal.SIGKILL)
+    yield daemons.start("--config", str(cfg), "--socket-mode", "0660",
+                        "--socket-group", "nogroup", socket=f"{run}/hicached.sock")
     shutil.rmtree(run, ignore_errors=True)
 
 

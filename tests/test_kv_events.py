@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,14 @@ import zmq
 
 from hicache import HiCacheError
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons, start_daemon
 from tests.kv_event_follower import Follower
 from tests.kv_event_workers import OTHER, PS, SPEC, Worker, chain, kv_args, sglang_hash
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path, *kv_args(tmp_path))
-    yield d
-    d.stop()
+def daemon(daemons: Daemons, tmp_path: Path) -> DaemonProc:
+    return daemons.start(*kv_args(tmp_path))
 
 
 def follow(tmp: Path, subscribe: bytes = b"") -> Follower:

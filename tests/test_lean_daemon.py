@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ import torch
 
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests.daemon_proc import REPO, DaemonProc, Daemons
 from tests.fakecuda import UUID_A, UUID_B, library
 
 PS = 16
@@ -42,13 +40,11 @@ def no_torch_dir(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    work = tmp_path_factory.mktemp("lean")
+def daemon(module_daemons: Daemons) -> DaemonProc:
+    work = module_daemons.workdir
     path = os.pathsep.join([str(no_torch_dir(work)), os.environ.get("PYTHONPATH", "")])
-    d = start_daemon(work, env={"PYTHONPATH": path, "HICACHED_CUDA_DRIVER": library(),
-                                "FAKECUDA_DEVICES": f"{UUID_A},{UUID_B}"})
-    yield d
-    d.stop(signal.SIGTERM)
+    return module_daemons.start(env={"PYTHONPATH": path, "HICACHED_CUDA_DRIVER": library(),
+                                     "FAKECUDA_DEVICES": f"{UUID_A},{UUID_B}"})
 
 
 def torch_mapped(pid: int) -> list[str]:

@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ from hicache.buffers import DeviceBufferSpec
 from hicache.errors import FdRejected, HiCacheError, ShmPathRejected
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons, start_daemon
 
 SPEC = PoolSpec("memfd", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 3, 2, 64), 16,
                 size_tokens=16 * 64)
@@ -31,12 +31,11 @@ N = 4 * 16
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path_factory.mktemp("memfd"))
+def daemon(module_daemons: Daemons) -> DaemonProc:
+    d = module_daemons.start()
     with HiCacheClient(d.target) as c:
         c.create_pool(SPEC)
-    yield d
-    assert d.stop() == 0, d.log()[-3000:]
+    return d
 
 
 def fill(bufs: ShmDeviceBuffers) -> list[torch.Tensor]:

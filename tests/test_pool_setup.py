@@ -6,9 +6,6 @@ is created as asked or refused, never shrunk."""
 from __future__ import annotations
 
 import dataclasses
-import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +13,7 @@ from hicache.errors import HostMemoryInsufficient, PoolSpecConflict
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient
 from hicache_client.pool_setup import BudgetShare, ensure_pool
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons
 
 PS = 16
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=2, head_num=2, head_dim=64)
@@ -28,10 +25,8 @@ def spec(name: str, pages: int) -> PoolSpec:
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path, "--memory-budget", str(BUDGET))
-    yield d
-    d.stop(signal.SIGKILL)
+def daemon(daemons: Daemons) -> DaemonProc:
+    return daemons.start("--memory-budget", str(BUDGET))
 
 
 def test_a_derived_size_gives_way_to_the_budget_each_rank_its_share(daemon: DaemonProc) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -27,7 +26,7 @@ from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import HiCacheClient
 from hicached.service.request_bounds import RequestBounds
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons
 from tests.helpers import geometry_for, spec
 
 MAX_KEYS = 65_536  # the daemon's default max_keys_per_call
@@ -36,12 +35,11 @@ SPEC = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=16, size_token
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path_factory.mktemp("bounds"))
+def daemon(module_daemons: Daemons) -> DaemonProc:
+    d = module_daemons.start()
     with HiCacheClient(d.target) as c:
         c.create_pool(SPEC)
-    yield d
-    assert d.stop() == 0, d.log()
+    return d
 
 
 def raw_stub(d: DaemonProc) -> tuple[grpc.Channel, pb_grpc.HostCacheStub]:

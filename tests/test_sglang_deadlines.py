@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons, start_daemon
 from tests.helpers import require_module
 from tests.reliability.figures import record
 
@@ -36,12 +35,10 @@ LOOKUP_S, RPC_S = 0.5, 2.0
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path, "--no-shm-paths", "--lease-seconds", "30",
-                     env={"HICACHE_SEAM_DELAYS": "load_keys.resolved=300000"})
-    yield d
-    d.proc.send_signal(signal.SIGCONT)
-    d.stop(signal.SIGKILL)
+def daemon(daemons: Daemons) -> DaemonProc:
+    # killed at the end, not drained: a seam holds its loads for 300 s on purpose
+    return daemons.start("--no-shm-paths", "--lease-seconds", "30", checked=False,
+                         env={"HICACHE_SEAM_DELAYS": "load_keys.resolved=300000"})
 
 
 def cache_for(d: DaemonProc) -> SGLangCache:

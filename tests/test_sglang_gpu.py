@@ -8,14 +8,10 @@ scheduler steps on shared-memory buffers). Run by scripts/gpu_check.sh.
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons
 from tests.helpers import require_module
 
 pytestmark = [
@@ -25,10 +21,9 @@ pytestmark = [
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path, "--memory-budget", "4GiB")
-    yield d
-    d.stop(signal.SIGKILL)
+def daemon(daemons: Daemons) -> DaemonProc:
+    # killed at the end: the checked drain is not yet verified on a GPU host
+    return daemons.start("--memory-budget", "4GiB", checked=False)
 
 
 @pytest.mark.parametrize("kind,dtype", [("mha", torch.bfloat16), ("mha", torch.float8_e4m3fn),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons
 from tests.helpers import require_module
 
 require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
@@ -23,12 +23,9 @@ from tests.sglang_harness import PAGE, SGLangCache, tokens_of  # noqa: E402
 
 
 @pytest.fixture
-def daemon(tmp_path: Path):
-    d = start_daemon(tmp_path, "--no-shm-paths",
-                     f"--kv-events-endpoint=ipc://{tmp_path}/kv.sock",
-                     f"--kv-events-replay-endpoint=ipc://{tmp_path}/r.sock")
-    yield d
-    d.stop()
+def daemon(daemons: Daemons, tmp_path: Path) -> DaemonProc:
+    return daemons.start("--no-shm-paths", f"--kv-events-endpoint=ipc://{tmp_path}/kv.sock",
+                         f"--kv-events-replay-endpoint=ipc://{tmp_path}/r.sock")
 
 
 def test_the_daemon_reports_sglangs_own_block_hashes(daemon: DaemonProc,

@@ -17,12 +17,11 @@ each load checked into KV zeroed first.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons
 from tests.vllm_harness import model_dir
 from tests.vllm_runs import BS, CLEAN, engine, result, run, wait_file
 
@@ -34,11 +33,8 @@ BACK_S = 1.2
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path)
-    yield d
-    d.resume()
-    d.stop()
+def daemon(daemons: Daemons) -> DaemonProc:
+    return daemons.start()
 
 
 @pytest.fixture

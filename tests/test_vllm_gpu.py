@@ -12,16 +12,13 @@ by scripts/gpu_check.sh, with the vLLM modules it needs from ``.vllm-gpu``
 from __future__ import annotations
 
 import os
-import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons
 from tests.helpers import require_module
 
 pytestmark = [
@@ -34,10 +31,9 @@ PAGE = 2 * BLOCK_TOKENS * 8 * 128 * 2  # K and V, 16 tokens, 8 heads x 128, bf16
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path, "--memory-budget", "2GiB")
-    yield d
-    d.stop(signal.SIGKILL)
+def daemon(daemons: Daemons) -> DaemonProc:
+    # killed at the end: the checked drain is not yet verified on a GPU host
+    return daemons.start("--memory-budget", "2GiB", checked=False)
 
 
 def offloading_config() -> SimpleNamespace:

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from hicache_client import HiCacheClient
-from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests.daemon_proc import REPO, DaemonProc, Daemons, start_daemon
 from tests.vllm_harness import model_dir
 from tests.vllm_runs import BS, CLEAN, engine, result, results, run, wait_file
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Any:
-    d = start_daemon(tmp_path)
-    yield d
-    d.stop()
+def daemon(daemons: Daemons) -> DaemonProc:
+    return daemons.start()
 
 
 @pytest.fixture
