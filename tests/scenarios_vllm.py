@@ -307,13 +307,15 @@ def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dic
 
     from hicache.errors import DeadlinePassed
     from hicache_client.hold_book import HoldBook
+    from hicache_client.link import DaemonLink
     from hicache_vllm.config import SpecConfig
     from hicache_vllm.manager import HicachedOffloadingManager
 
     released: list[tuple[int, int, str]] = []
 
     class SlowLink:
-        usable, max_keys = True, 0
+        usable, up, max_keys = True, True, 0
+        gate, call = DaemonLink.gate, DaemonLink.call  # the real gate over this stand-in
 
         def __init__(self, i: int) -> None:
             self.client = SimpleNamespace(lookup=self._lookup)

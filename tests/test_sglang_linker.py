@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests import prom
+from tests.daemon_proc import REPO, DaemonProc, Daemons
 from tests.helpers import require_module
 
 require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
@@ -32,10 +33,8 @@ from tests.sglang_harness import LAYERS, SGLangCache, tokens_of  # noqa: E402
 
 
 @pytest.fixture
-def daemon(tmp_path: Path):
-    d = start_daemon(tmp_path, "--no-shm-paths")  # CPU workers hand over sealed memfds
-    yield d
-    d.stop(signal.SIGKILL)
+def daemon(daemons: Daemons) -> DaemonProc:
+    return daemons.start("--no-shm-paths")  # CPU workers hand over sealed memfds
 
 
 def assert_exact(cache: SGLangCache, tokens, slots) -> None:
@@ -130,8 +129,8 @@ def test_another_instance_hits_what_the_first_stored(daemon: DaemonProc) -> None
     assert second["stats"]["offloads"] == 0
 
 
-def test_daemon_killed_between_offload_and_load(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path, "--no-shm-paths")
+def test_daemon_killed_between_offload_and_load(daemons: Daemons) -> None:
+    d = daemons.start("--no-shm-paths")
     cache = SGLangCache(d.target, d.shm_dir)
     try:
         tokens = tokens_of(7000, 16)
@@ -144,7 +143,7 @@ def test_daemon_killed_between_offload_and_load(tmp_path: Path) -> None:
         assert cache.linker.stats["offloads_dropped"] + cache.linker.stats[
             "offload_failures"] >= 1
         # the daemon comes back on the same socket: the link reconnects by itself
-        d = start_daemon(tmp_path, "--no-shm-paths", socket=d.socket)
+        d = daemons.start("--no-shm-paths", socket=d.socket)
         deadline = time.monotonic() + 15
         while not cache.linker.link.up:
             assert time.monotonic() < deadline, "the linker did not reconnect"
@@ -154,7 +153,55 @@ def test_daemon_killed_between_offload_and_load(tmp_path: Path) -> None:
         roundtrip(cache, tokens_of(9000, 16))
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("reopen_after_s,deadline_s,hit", [(0.5, 5.0, 16), (3.0, 0.5, 0)],
+                         ids=["within_the_deadline", "past_the_deadline"])
+def test_a_lookup_after_a_restart_waits_for_the_new_session_within_its_deadline(
+        daemons: Daemons, reopen_after_s: float, deadline_s: float, hit: int) -> None:
+    """The daemon restarts (its pool re-attached, keys kept) under a quiet worker; the link's
+    re-open is held back (its thread stopped before it connects) while SGLang matches: the
+    lookup finds the session gone, waits for the new one within its deadline and asks again
+    (a hit), or, when the re-open comes later than the deadline, is skipped by then. The vLLM
+    spec's lookups go through the same gate."""
+    import threading
+
+    d = daemons.start("--no-shm-paths")
+    cache = SGLangCache(d.target, d.shm_dir, extra={"lookup_timeout_s": deadline_s})
+    link = cache.linker.link
+    go = threading.Event()
+    connect = link._connect
+
+    def held_back() -> bool:
+        go.wait(30)
+        return bool(connect())
+
+    try:
+        tokens = tokens_of(31000, 16)
+        assert cache.offload_and_evict(tokens) == 16
+        link._connect = held_back  # type: ignore[method-assign]
         d.stop(signal.SIGKILL)
+        d = daemons.start("--no-shm-paths", socket=d.socket)
+        threading.Timer(reopen_after_s, go.set).start()
+        t0 = time.monotonic()
+        assert cache.match(tokens, rid="first") == hit
+        took = time.monotonic() - t0
+        assert took < deadline_s + 0.5, took  # never past the lookup's deadline
+        assert took >= min(reopen_after_s, deadline_s) - 0.1, took  # it did wait
+        assert cache.linker.stats["lookups_skipped" if not hit else "lookups"] >= 1
+        go.set()
+        end = time.monotonic() + 15
+        while not link.usable:
+            assert time.monotonic() < end, "the link did not re-open"
+            time.sleep(0.05)
+        assert link.generation == 2
+        cache.zero_kv()
+        got, failed, slots = cache.hit_and_load(tokens, rid="first")
+        assert (got, failed) == (16, [])
+        assert_exact(cache, tokens, slots)
+    finally:
+        go.set()
+        cache.close()
 
 
 @pytest.mark.parametrize("holds", [True, False], ids=["holds", "no_holds"])
@@ -257,13 +304,7 @@ def test_a_waiting_request_asks_the_daemon_once_per_hold(daemon: DaemonProc) -> 
 
 
 def held_pages(daemon: DaemonProc, pool: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(daemon.metrics()):
-        for sample in family.samples:
-            if sample.name == "hicache_held_pages" and sample.labels.get("pool") == pool:
-                return float(sample.value)
-    raise AssertionError("no hicache_held_pages for the pool")
+    return prom.value(daemon.metrics(), "hicache_held_pages", pool=pool)
 
 
 def test_a_hold_goes_when_no_request_counts_on_it_and_not_before(daemon: DaemonProc) -> None:
@@ -366,10 +407,10 @@ def test_instances_with_different_device_pool_sizes_share_one_pool(daemon: Daemo
         assert c.get_pool(first.linker.spec.name).size_tokens == 4 * 256
 
 
-def test_a_default_pool_larger_than_the_budget_is_fitted_to_it(tmp_path: Path) -> None:
+def test_a_default_pool_larger_than_the_budget_is_fitted_to_it(daemons: Daemons) -> None:
     """``pool_size_ratio`` times the device pool is more than the daemon's whole budget: the
     linker still comes up, with the pool the budget has room for, and serves hits."""
-    d = start_daemon(tmp_path, "--no-shm-paths", "--memory-budget", "4MiB")
+    d = daemons.start("--no-shm-paths", "--memory-budget", "4MiB")
     cache = SGLangCache(d.target, d.shm_dir, extra={"pool_size_ratio": 1024})
     try:
         assert cache.linker.link.up, d.log()
@@ -380,4 +421,3 @@ def test_a_default_pool_larger_than_the_budget_is_fitted_to_it(tmp_path: Path) -
         roundtrip(cache, tokens_of(13000, 16))
     finally:
         cache.close()
-        d.stop(signal.SIGKILL)

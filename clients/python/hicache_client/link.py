@@ -37,7 +37,9 @@ and not late), ``up``,
 failed call (True when it took the link down or made it late; ``session``: the one the call
 used); ``wait_usable(t, reopening_only)``: up to ``t`` seconds until usable (only while a
 re-open is under way, and once per re-open: one that stalls costs one caller ``t``);
-``close()``. ``is_link_failure`` / ``is_late`` / ``is_gone``: the classification.
+``gate(t)`` / ``call(deadline, fn)``: the one gate both engine integrations' scheduler-side
+calls go through (see ``call``); ``close()``. ``Skipped``: the gate was closed.
+``is_link_failure`` / ``is_late`` / ``is_gone``: the classification.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -66,6 +68,13 @@ from hicache_client.pool_setup import BudgetShare, ensure_pool
 from hicache_client.session import WorkerSession
 
 log = logging.getLogger("hicache_client.link")
+
+T = TypeVar("T")
+
+
+class Skipped(Exception):
+    """The link's gate was closed (down, late, or a re-open not done in time): the daemon was
+    not called."""
 
 
 class LinkSettings(Protocol):
@@ -226,6 +235,43 @@ class DaemonLink:
                     return False
                 self._changed.wait(left)
         return self.usable
+
+    def gate(self, timeout: float) -> tuple[HiCacheClient, WorkerSession] | None:
+        """The client and session a scheduler-side call may use now: the link is usable, or a
+        re-open under way ends within ``timeout`` (waited for once per re-open); None: skip
+        the daemon (no hit, no load, nothing stored). Never waits for a late or down
+        daemon."""
+        if not self.usable and not self.wait_usable(timeout, reopening_only=True):
+            return None
+        client, session = self.client, self.session
+        if client is None or session is None:
+            return None
+        return client, session
+
+    def call(self, deadline: float,
+             fn: Callable[[HiCacheClient, WorkerSession, float], T]) -> T:
+        """``fn(client, session, seconds_left)`` through the gate, all of it by ``deadline``
+        (``time.monotonic()``): a failure is reported (``report``) and raised; when the
+        daemon answered that the session is gone (a lapsed lease, a restart), the link
+        re-opens it and ``fn`` is asked once more on the new session, within the same
+        deadline, so the first call after a re-open is answered. ``Skipped`` when the gate is
+        closed; ``TimeoutError`` when the deadline passed before ``fn`` could be called."""
+        for attempt in (0, 1):
+            got = self.gate(max(deadline - time.monotonic(), 0.0))
+            if got is None:
+                raise Skipped("hicached is not connected" if not self.up
+                              else "hicached is late")
+            client, session = got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the call's deadline passed before the daemon was asked")
+            try:
+                return fn(client, session, left)
+            except HiCacheError as exc:
+                self.report(exc, session=session)
+                if attempt or not is_gone(exc):
+                    raise
+        raise AssertionError("unreachable")
 
     def _up_now(self) -> bool:  # ``usable`` without the heartbeat's verdict (under the lock)
         return self._state.session is not None and self._state.late_since is None

@@ -10,12 +10,15 @@ rules too).
 
 Primitives:
 
-- ``Answer(keys, hit, at)``: a lookup's keys, how many leading ones the daemon holds for this
-  session, and when.
-- ``Answers(book)``: ``reuse(rid, keys)`` (the fresh answer to the same question, or
-  None), ``record(rid, keys, hit)`` (returns the requests whose answers it forgot: at most
-  ``MAX_ANSWERS`` are kept, the oldest forgotten first), ``take(rid)`` (the answer a load
-  counts on, forgotten), ``covers(answer, keys)`` (its holds surely still cover ``keys``),
+- ``Answer(keys, hit, at, session)``: a lookup's keys, how many leading ones the daemon
+  holds for the session, when, and the session (holds end with their session: an answer
+  from before a re-open promises nothing).
+- ``Answers(book)``: ``reuse(rid, keys, session)`` (the fresh answer to the same
+  question on this session, or None), ``record(rid, keys, hit, session)`` (returns the
+  requests whose answers it forgot: at most ``MAX_ANSWERS`` are kept, the oldest forgotten
+  first), ``take(rid)`` (the answer a load
+  counts on, forgotten), ``covers(answer, keys, session)`` (its holds surely still cover
+  ``keys``),
   ``clear()``. Used on the scheduler's thread only.
 """
 
@@ -39,6 +42,8 @@ class Answer:
     """The leading keys the daemon holds for the linker's session."""
     at: float
     """``time.monotonic()`` of the lookup."""
+    session: object = None
+    """The session it was asked on (its holds are that session's)."""
 
 
 class Answers:
@@ -51,15 +56,16 @@ class Answers:
         """Whether ``answer``'s holds are sure to stand still."""
         return self.holds.fresh(answer.at)
 
-    def reuse(self, rid: str, keys: tuple[Any, ...]) -> Answer | None:
-        """The answer ``rid`` got for these very keys, while it is fresh."""
+    def reuse(self, rid: str, keys: tuple[Any, ...], session: object) -> Answer | None:
+        """The answer ``rid`` got for these very keys on ``session``, while it is fresh."""
         known = self._book.get(rid)
-        if known is not None and known.keys == keys and self.fresh(known):
+        if (known is not None and known.keys == keys and known.session is session
+                and self.fresh(known)):
             return known
         return None
 
-    def record(self, rid: str, keys: tuple[Any, ...], hit: int) -> list[str]:
-        self._book[rid] = Answer(keys, hit, time.monotonic())
+    def record(self, rid: str, keys: tuple[Any, ...], hit: int, session: object) -> list[str]:
+        self._book[rid] = Answer(keys, hit, time.monotonic(), session)
         self._book.move_to_end(rid)
         forgotten = []
         while len(self._book) > MAX_ANSWERS:
@@ -69,10 +75,12 @@ class Answers:
     def take(self, rid: str) -> Answer | None:
         return self._book.pop(rid, None)
 
-    def covers(self, answer: Answer | None, keys: Sequence[Any]) -> bool:
-        """Whether ``answer``'s holds surely still cover ``keys`` (a prefix of its hit)."""
+    def covers(self, answer: Answer | None, keys: Sequence[Any], session: object) -> bool:
+        """Whether ``answer``'s holds surely still cover ``keys`` (a prefix of its hit, asked
+        on ``session``)."""
         return (answer is not None and len(keys) <= answer.hit
-                and tuple(keys) == answer.keys[:len(keys)] and self.fresh(answer))
+                and tuple(keys) == answer.keys[:len(keys)]
+                and answer.session is session and self.fresh(answer))
 
     def clear(self) -> None:
         self._book.clear()

@@ -47,6 +47,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
@@ -58,8 +59,9 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from hicache.errors import HiCacheError, SpecInvalid, Unavailable
+from hicache_client import HiCacheClient, LookupResult, WorkerSession
 from hicache_client.hold_book import HoldBook
-from hicache_client.link import DaemonLink, Handover, is_late
+from hicache_client.link import DaemonLink, Handover, Skipped, is_late
 from hicache_client.pool_setup import BudgetShare
 from hicache_sglang.answers import Answers
 from hicache_sglang.config import LinkerConfig
@@ -189,33 +191,37 @@ class HicachedLinker(UnifiedCacheLinker):
         if kv is None or not kv.keys:
             return []
         link = self.link
-        client, session = link.client, link.session
-        if client is None or session is None or not link.usable:
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        if link.gate(self.config.lookup_timeout_s) is None:
             self.stats["lookups_skipped"] += 1
             return []
         keys = tuple(kv.keys)[:link.max_keys or None]  # past the daemon's limit: a prefix
-        known = self._answers.reuse(rid, keys)
+        known = self._answers.reuse(rid, keys, link.session)
         if known is not None:
             self.stats["lookups_reused"] += 1  # a request SGLang could not admit yet
             return list(range(1, known.hit + 1))
         self.stats["lookups"] += 1
         hold_ms = self.config.lookup_hold_ms
+        asked_on: list[WorkerSession] = []
+
+        def ask(client: HiCacheClient, session: WorkerSession, left: float) -> LookupResult:
+            asked_on.append(session)
+            return client.lookup(self.spec.name, keys, timeout=left,
+                                 session_id=session.session_id if hold_ms else "",
+                                 hold_ms=hold_ms)
+
         try:
-            if hold_ms:
-                r = client.lookup(self.spec.name, keys,
-                                  timeout=self.config.lookup_timeout_s,
-                                  session_id=session.session_id, hold_ms=hold_ms)
-                hit = r.promised
-            else:
-                hit = client.lookup(self.spec.name, keys,
-                                    timeout=self.config.lookup_timeout_s).hit_prefix
-        except HiCacheError as exc:
+            r = link.call(deadline, ask)
+        except Skipped:
+            self.stats["lookups_skipped"] += 1
+            return []
+        except (HiCacheError, TimeoutError) as exc:  # reported to the link by its call
             self.stats["lookup_failures"] += 1
-            link.report(exc)
             log.debug("lookup for %s failed: %s", rid, exc)
             return []
+        hit = r.promised if hold_ms else r.hit_prefix
         if hold_ms:
-            for old in self._answers.record(rid, keys, hit):
+            for old in self._answers.record(rid, keys, hit, asked_on[-1]):
                 if old not in self._pending:  # its answer forgotten: so are its claims
                     self._holds.drop(old)
             if hit:
@@ -232,7 +238,8 @@ class HicachedLinker(UnifiedCacheLinker):
         if (kv is None or not kv.keys or kv.device_indices is None or rid in self._pending
                 or len(kv.device_indices) != len(kv.keys) * self.page_size
                 or not self.link.usable
-                or (self.config.lookup_hold_ms and not self._answers.covers(answer, kv.keys))):
+                or (self.config.lookup_hold_ms
+                    and not self._answers.covers(answer, kv.keys, self.link.session))):
             self.stats["loads_declined"] += 1
             if rid not in self._pending:
                 self._holds.drop(rid)  # what no other request counts on is let go

@@ -56,9 +56,9 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from hicache.errors import HiCacheError, Unavailable
+from hicache.errors import HiCacheError
 from hicache_client.hold_book import HoldBook
-from hicache_client.link import DaemonLink, Handover, is_gone
+from hicache_client.link import DaemonLink, Handover
 from hicache_client.shm import ShmDeviceBuffers
 from hicache_vllm.blocks import HicachedLoadStoreSpec
 from hicache_vllm.config import SpecConfig
@@ -120,31 +120,11 @@ class HicachedOffloadingManager(OffloadingManager):
         return held
 
     def _lookup_on(self, link: DaemonLink, keys: list[bytes], deadline: float) -> int:
-        """One pool's held prefix of ``keys``, by ``deadline``. A session the daemon says is
-        gone is re-opened by the link: this waits for it (within the deadline) and asks
-        again once, so the first lookup after a lapsed lease is answered."""
-        for attempt in (0, 1):
-            if not link.usable and not link.wait_usable(
-                    max(deadline - time.monotonic(), 0), reopening_only=True):
-                raise Unavailable("hicached is not connected")
-            client, session = link.client, link.session
-            if client is None or session is None:
-                raise Unavailable("hicached is not connected")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"lookup_timeout_s ({self.config.lookup_timeout_s} s) "
-                                   "spent before every pool was asked")
-            try:
-                r = client.lookup(session.pool, keys[:link.max_keys or None], timeout=left,
-                                  session_id=session.session_id,
-                                  hold_ms=self.config.lookup_hold_ms)
-            except HiCacheError as exc:
-                link.report(exc, session=session)
-                if attempt or not is_gone(exc):
-                    raise
-                continue
-            return int(r.held)
-        raise AssertionError("unreachable")
+        """One pool's held prefix of ``keys``, by ``deadline``, through the link's gate (a
+        session the daemon says is gone is re-opened and asked again, within the deadline)."""
+        return link.call(deadline, lambda client, session, left: int(client.lookup(
+            session.pool, keys[:link.max_keys or None], timeout=left,
+            session_id=session.session_id, hold_ms=self.config.lookup_hold_ms).held))
 
     def _let_go(self, answers: list[tuple[DaemonLink, int]], keys: list[bytes],
                 held: int) -> None:
@@ -171,11 +151,10 @@ class HicachedOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def _ready(self) -> bool:
-        """Every link usable, or being re-opened (waited for, once per re-open, within the
-        lookup deadline)."""
+        """Every link's gate open (a re-open under way waited for, once per re-open, within
+        the lookup deadline)."""
         end = time.monotonic() + self.config.lookup_timeout_s
-        return all(link.usable or link.wait_usable(
-            max(end - time.monotonic(), 0), reopening_only=True)
+        return all(link.gate(max(end - time.monotonic(), 0)) is not None
                    for link in self.links)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
