@@ -1,8 +1,9 @@
 """SGLang linker benchmark: what the linker adds over the raw client calls, side by side.
 
 SGLang's real MHATokenToKVPool, allocator and UnifiedRadixCache (CPU, built by SGLang's
-factory with the hicached linker, as in tests/test_sglang_linker.py) against a daemon process
-on a Unix socket. For a 64-page prefix already in the daemon, alternating, medians of N:
+factory with the hicached linker, as in tests/integrations/sglang/test_sglang_linker.py)
+against a daemon process on a Unix socket. For a 64-page prefix already in the daemon,
+alternating, medians of N:
 
 - ``linker``: what the scheduler's cache calls: ``lookup`` + ``load`` +
   ``start_layer_wise_loading`` + the forward's per-layer waits through SGLang's pool

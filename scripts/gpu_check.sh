@@ -8,13 +8,13 @@
 #                  Python is not touched); the repository's packages by path, nothing installed
 #   1 env          nvidia-smi, Python, torch and CUDA, the versions of what we import
 #   2 native       the copy kernel and the poll helper built there (scripts/gpu/build_native.py)
-#   3 cuda-tests   pytest -m cuda tests/test_cuda_gpu.py: CUDA IPC export and attach, pinned
+#   3 cuda-tests   pytest -m cuda tests/procs/test_cuda_gpu.py: CUDA IPC export and attach, pinned
 #                  pools, D2H/H2D exact, layer events, a dead worker's device memory released
 #   4 bench-short  bench_cuda.py --short: D2H/H2D GB/s beside a pinned copy_ of the same bytes,
 #                  page sizes 1/16/64, the enqueue rate of a random 64-page batch
-#   5 sglang       pytest -m cuda tests/test_sglang_gpu.py: the linker on SGLang's CUDA KV
+#   5 sglang       pytest -m cuda tests/integrations/sglang/test_sglang_gpu.py: the linker on SGLang's CUDA KV
 #                  tensors with layer events, offload under set_sync_debug_mode("error")
-#   6 vllm         pytest -m cuda tests/test_vllm_gpu.py: the vLLM spec's worker on vLLM's
+#   6 vllm         pytest -m cuda tests/integrations/vllm/test_vllm_gpu.py: the vLLM spec's worker on vLLM's
 #                  canonical CUDA KV tensors, a store behind a kernel still writing, a load
 #                  back exact (vLLM's offloading interfaces from .vllm-gpu: carry it with .whl;
 #                  the dry run makes it, scripts/gpu/vllm_subset.py)
@@ -178,15 +178,15 @@ if [ "$mode" = run ]; then
     part wheels env.txt bash -c install_wheels
     part env env.txt bash -c env_report
     part native native.txt python3 scripts/gpu/build_native.py
-    part cuda-tests cuda-tests.txt python3 -m pytest "${pytest_args[@]}" tests/test_cuda_gpu.py
+    part cuda-tests cuda-tests.txt python3 -m pytest "${pytest_args[@]}" tests/procs/test_cuda_gpu.py
     part bench-short bench-short.txt python3 benchmarks/bench_cuda.py --short \
         --json "$out/bench-short.json"
-    part sglang sglang.txt python3 -m pytest "${pytest_args[@]}" tests/test_sglang_gpu.py
+    part sglang sglang.txt python3 -m pytest "${pytest_args[@]}" tests/integrations/sglang/test_sglang_gpu.py
     # vLLM's modules on the path of this part alone (SGLang changes its paths when it sees one)
     part vllm vllm.txt bash -c 'test -f .vllm-gpu/vllm/v1/kv_offload/base.py \
         || { echo "no .vllm-gpu (scripts/gpu/vllm_subset.py; carry it)"; exit 1; }
         PYTHONPATH="$repo/.vllm-gpu:$PYTHONPATH" exec python3 -m pytest "$@"' vllm \
-        "${pytest_args[@]}" tests/test_vllm_gpu.py
+        "${pytest_args[@]}" tests/integrations/vllm/test_vllm_gpu.py
     part extra extra.txt python3 benchmarks/bench_cuda.py --reps 5
 else
     part wheels env.txt bash -c install_wheels
@@ -197,15 +197,15 @@ else
         part native native.txt python3 scripts/gpu/build_native.py --dest "$site/native"
     fi
     part cuda-tests cuda-tests.txt python3 -m pytest "${pytest_args[@]}" --collect-only \
-        tests/test_cuda_gpu.py
+        tests/procs/test_cuda_gpu.py
     part bench-short bench-short.txt python3 benchmarks/bench_cuda.py --plan-only --short \
         --quick --json "$out/bench-short.json"
     part sglang sglang.txt python3 -m pytest "${pytest_args[@]}" --collect-only \
-        tests/test_sglang_gpu.py
+        tests/integrations/sglang/test_sglang_gpu.py
     part vllm vllm.txt bash -c 'python3 scripts/gpu/vllm_subset.py \
         && PYTHONPATH="$repo/.vllm-gpu:$repo/clients/python" python3 -c "import hicache_vllm.worker" \
         && PYTHONPATH="$repo/.vllm-gpu" exec python3 -m pytest "$@"' vllm \
-        "${pytest_args[@]}" --collect-only tests/test_vllm_gpu.py
+        "${pytest_args[@]}" --collect-only tests/integrations/vllm/test_vllm_gpu.py
     echo "extra: on a GPU, bench_cuda.py over every layout with what time is left" \
         | tee "$out/extra.txt"
 fi

@@ -4,7 +4,7 @@ A release snapshots the contract (every message's fields with number, type, labe
 enum type and oneof; every enum value's number; every RPC's request and response) as JSON under
 protos/released/. ``breaking_changes(old, new)`` lists what a later proto broke: a message,
 field, enum value, service or RPC removed or renamed, or a field / value / RPC whose number or
-type changed. Adding is always allowed. tests/test_api_compat.py runs it against the newest
+type changed. Adding is always allowed. tests/client/test_api_compat.py runs it against the newest
 snapshot.
 
 Usage:

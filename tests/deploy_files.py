@@ -34,7 +34,7 @@ def deploy_metric_names() -> set[str]:
 
 CLUSTER_TIER = "hicache_remote_"
 """The cluster tier's metrics exist only on a daemon joined to a Mooncake master: they are
-checked against a real scrape in tests/test_mooncake_e2e.py."""
+checked against a real scrape in tests/procs/test_mooncake_e2e.py."""
 
 
 def documented_metric(name: str, doc: str) -> bool:

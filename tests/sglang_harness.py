@@ -10,8 +10,8 @@ offload), ``poll_offloads`` (``check_hicache_events``), ``evict_all``, ``hit_and
 -> finish_external_linker_loads).
 
 KV is a deterministic function of the token prefix (``expected_kv``), so another process can
-check bytes it never wrote. Used in-process by tests/test_sglang_linker.py and as a worker
-process by tests/sglang_worker_proc.py.
+check bytes it never wrote. Used in-process by tests/integrations/sglang/test_sglang_linker.py
+and as a worker process by tests/sglang_worker_proc.py.
 """
 
 from __future__ import annotations

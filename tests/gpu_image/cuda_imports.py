@@ -1,7 +1,7 @@
 """The SGLang modules the GPU tests load, imported as on a GPU host: SGLang decides at import
 time what to load by whether CUDA is there (its quantization and MoE layers import
 ``sgl_kernel`` then), so torch is made to report a CUDA device first. Nothing touches a GPU;
-exit status 0 when every module imported. Run by tests/test_gpu_check.py."""
+exit status 0 when every module imported. Run by tests/repo/test_gpu_check.py."""
 
 from __future__ import annotations
 

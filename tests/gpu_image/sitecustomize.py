@@ -1,6 +1,6 @@
 """Makes this interpreter see only what the GPU machine's image holds (plus the carried wheels).
 
-Put on ``PYTHONPATH`` by tests/test_gpu_check.py, so every process of a run (pytest, the
+Put on ``PYTHONPATH`` by tests/repo/test_gpu_check.py, so every process of a run (pytest, the
 daemon, workers) loads it: ``HICACHE_IMAGE_BLOCKED`` names a file listing, one per line, the
 real paths of installed files whose distribution is neither in the image nor carried, and
 (``dist:<name>``) those distributions; importing one raises ``ModuleNotFoundError`` as it would

@@ -1,9 +1,9 @@
 """One writer per page, under stress with real processes: two buggy raw clients back up pages
 while freeing them from another thread, two keyed workers store and load keys in a pool small
 enough that every freed page is reused at once. No keyed page may ever hold a raw client's
-bytes (the deterministic version: tests/test_page_races.py). The daemon sleeps 2 ms at the seam
-between a raw copy's checks and its hold (``HICACHE_SEAM_DELAYS``), so that the others' frees
-and stores land in that window often, not once in a long while."""
+bytes (the deterministic version: tests/daemon/test_page_races.py). The daemon sleeps 2 ms at
+the seam between a raw copy's checks and its hold (``HICACHE_SEAM_DELAYS``), so that the
+others' frees and stores land in that window often, not once in a long while."""
 
 from __future__ import annotations
 

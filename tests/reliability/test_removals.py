@@ -4,7 +4,7 @@ RemoveKeys right after its Store, every fourth batch by ClearPool instead; none 
 again, in any tier, before or after the daemon is SIGKILLed and restarted on its files. The
 daemon sleeps 2 ms between writing a page to disk and committing it
 (``HICACHE_SEAM_DELAYS``), so the removals land in that window (the deterministic version:
-tests/test_removal_races.py)."""
+tests/daemon/test_removal_races.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ for the forward (what it enqueued and SGLang's offload-ready events), records th
 ready event (the daemon's copy waits on it), and copies the indices to pinned host memory; a
 worker thread waits for that copy, then stores. The scheduler's thread only enqueues: nothing
 it does synchronizes with the GPU (checked on a GPU under ``set_sync_debug_mode("error")``,
-tests/test_sglang_gpu.py).
+tests/integrations/sglang/test_sglang_gpu.py).
 
 Primitives: ``Offloads(limit, gpu)`` (``gpu``: the device, the ``ReadyEvent`` and SGLang's
 ``record_offload_ready``, or None on CPU): ``submit(session, keys, indices)``, ``skip(n)`` (a

@@ -19,7 +19,7 @@ from hicache_client import HiCacheClient, ShmDeviceBuffers
 from tests.daemon_proc import start_daemon
 from tests.helpers import free_port, require_binary
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SPEC = PoolSpec("prom", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 32), 8,
                 Layout.PAGE_FIRST, size_tokens=512)
 

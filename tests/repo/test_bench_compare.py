@@ -20,7 +20,7 @@ from tests.daemon_proc import REPO
 
 SLOW_LOOKUP = '''
 
-# planted by tests/test_bench_compare.py: every Lookup takes 3 ms more
+# planted by tests/repo/test_bench_compare.py: every Lookup takes 3 ms more
 import time as _planted_time
 
 _planted_lookup = Daemon.lookup

@@ -127,9 +127,10 @@ PROBES = {
                 "        importlib.import_module(m.name)\n"
                 "import tests.cuda_worker_proc, benchmarks.bench_cuda\n"],
     "collect": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-                "--collect-only", "tests/test_cuda_gpu.py", "tests/test_sglang_gpu.py"],
+                "--collect-only", "tests/procs/test_cuda_gpu.py",
+                "tests/integrations/sglang/test_sglang_gpu.py"],
     "sglang": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "tests/test_sglang_linker.py", "-k",
+               "tests/integrations/sglang/test_sglang_linker.py", "-k",
                "test_offload_evict_match_load_exact and mha and BFLOAT16"],
     "sglang-as-on-cuda": [sys.executable, "-m", "tests.gpu_image.cuda_imports"],
     "bench": [sys.executable, "benchmarks/bench_cuda.py", "--plan-only", "--short", "--quick"],

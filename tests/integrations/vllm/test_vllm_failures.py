@@ -10,7 +10,7 @@ each load checked into KV zeroed first.
 - Keys gone before the load (``KEY_NOT_FOUND``, given up at once): recomputed or only that
   request failed (``kv_load_failure_policy``), for asynchronous and synchronous loads, the
   request beside it untouched; with vLLM's own connector the engine's step raises.
-- (A daemon restarted: tests/test_vllm_offloading.py, hits within about a second.)
+- (A daemon restarted: tests/integrations/vllm/test_vllm_offloading.py, hits within about a second.)
 - ``reset_cache`` (vLLM's connector reset) drops this engine's holds, not the shared pages.
 """
 

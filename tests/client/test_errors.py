@@ -14,7 +14,7 @@ def test_reason_codes_are_unique_and_upper_snake() -> None:
 
 
 def test_every_reason_is_documented_in_the_api_doc() -> None:
-    doc = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     missing = [c.reason for c in all_error_classes() if f"`{c.reason}`" not in doc]
     assert not missing, f"the reason table in docs/api.md lacks {missing}"
 

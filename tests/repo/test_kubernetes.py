@@ -81,7 +81,7 @@ def test_no_container_is_given_gpus_by_an_environment_variable_alone() -> None:
 
 def vllm_extra(container: dict[str, Any]) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` of a vLLM container's ``--kv-transfer-config``
-    (tests/test_vllm_offloading.py reads the same line with vLLM's own parser)."""
+    (tests/integrations/vllm/test_vllm_offloading.py reads the same line with vLLM's own parser)."""
     import json
 
     assert container["command"] == ["vllm", "serve"]

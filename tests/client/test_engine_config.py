@@ -94,4 +94,4 @@ def test_pool_names_are_what_they_were() -> None:
                      revision="r1", namespace="ns", format_tag="ft") == (
         "sgl-x-2b98b3a64760-tpall-cp0-pp0")
     assert pool_name("sgl", "///", g, 16, Shard()) == "sgl-model-a45dbb480a88-tp0of1-cp0-pp0"
-    # (vLLM's: tests/test_vllm_config.py, where its engine config is made)
+    # (vLLM's: tests/integrations/vllm/test_vllm_config.py, where its engine config is made)

@@ -23,7 +23,7 @@ from hicache_sglang.namespace import Shard, pool_name
 from tests.helpers import require_module
 from tests.sglang_harness import sglang_config_from_argv
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 MHA = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)
 MLA = KVGeometry(PoolKind.MLA, DType.BFLOAT16, layer_num=61, kv_lora_rank=512,
                  qk_rope_head_dim=64)
