@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,7 @@ from hicache.errors import BufferFault, HiCacheError
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached.copy import native
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons
 
 pytestmark = pytest.mark.skipif(native.KERNEL is None, reason="native kernel not built")
 
@@ -60,10 +58,8 @@ def test_kernel_copy_into_a_truncated_mapping_raises(tmp_path: Path, threads: in
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path, "--lease-seconds", "30")
-    yield d
-    d.stop(signal.SIGKILL)
+def daemon(daemons: Daemons) -> DaemonProc:
+    return daemons.start("--lease-seconds", "30")
 
 
 def random_fill(bufs: ShmDeviceBuffers) -> None:

@@ -20,7 +20,7 @@ from hicache.errors import HiCacheError
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from tests.cache_worker_proc import content, key_of
-from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests.daemon_proc import REPO, DaemonProc, Daemons
 from tests.reliability.figures import FIGURES
 
 SPEC = PoolSpec("cache-e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
@@ -28,10 +28,8 @@ SPEC = PoolSpec("cache-e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64),
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path_factory.mktemp("cache-daemon"))
-    yield d
-    assert d.stop() == 0, d.log()
+def daemon(module_daemons: Daemons) -> DaemonProc:
+    return module_daemons.start()
 
 
 @pytest.fixture

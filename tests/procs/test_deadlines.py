@@ -19,7 +19,6 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -28,7 +27,7 @@ import torch
 from hicache.errors import HiCacheError
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from tests.daemon_proc import DaemonProc, start_daemon, wait_serving
+from tests.daemon_proc import DaemonProc, Daemons, start_daemon, wait_serving
 
 PS = 4
 SPEC = PoolSpec("deadlines", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 32), PS,
@@ -38,13 +37,11 @@ SLACK = 0.05
 
 
 @pytest.fixture
-def daemon(tmp_path) -> Iterator[DaemonProc]:  # type: ignore[no-untyped-def]
-    d = start_daemon(tmp_path, "--lease-seconds", "30")
+def daemon(daemons: Daemons) -> DaemonProc:
+    d = daemons.start("--lease-seconds", "30")
     with HiCacheClient(d.target) as c:
         c.create_pool(SPEC)
-    yield d
-    d.proc.send_signal(signal.SIGCONT)
-    assert d.stop() == 0, d.log()
+    return d
 
 
 class Stopped:

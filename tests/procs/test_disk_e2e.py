@@ -20,7 +20,7 @@ import torch
 from hicache.errors import KeyNotFound
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers, WorkerSession
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons, start_daemon
 
 PS = 16
 SPEC = PoolSpec("disk", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 1, 16), PS,
@@ -88,8 +88,8 @@ def value(text: str, name: str) -> float:
 
 
 @pytest.fixture
-def filled(tmp_path: Path) -> Iterator[tuple[DaemonProc, Worker]]:
-    d = start_daemon(tmp_path, *disk_args(tmp_path))
+def filled(daemons: Daemons, tmp_path: Path) -> Iterator[tuple[DaemonProc, Worker]]:
+    d = daemons.start(*disk_args(tmp_path))
     with HiCacheClient(d.target) as c:
         c.create_pool(SPEC)
     w = Worker(d)
@@ -99,7 +99,6 @@ def filled(tmp_path: Path) -> Iterator[tuple[DaemonProc, Worker]]:
         wait_disk_keys(w.client, i + BATCH)  # everything old is below before more arrives
     yield d, w
     w.close()
-    d.stop(signal.SIGKILL)
 
 
 def test_keys_past_host_capacity_spill_and_load_back_exact(filled) -> None:  # type: ignore[no-untyped-def]

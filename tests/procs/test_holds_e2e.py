@@ -26,7 +26,7 @@ from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicache_client.session import WorkerSession
 from tests import prom
-from tests.daemon_proc import DaemonProc, start_daemon
+from tests.daemon_proc import DaemonProc, Daemons, start_daemon
 
 PS = 4
 PAGES = 16
@@ -35,11 +35,8 @@ SPEC = PoolSpec("holds-e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 32),
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path_factory.mktemp("holds"), "--max-hold-ms", "600",
-                     "--max-held-fraction", "0.5")
-    yield d
-    assert d.stop() == 0, d.log()
+def daemon(module_daemons: Daemons) -> DaemonProc:
+    return module_daemons.start("--max-hold-ms", "600", "--max-held-fraction", "0.5")
 
 
 class Worker:
