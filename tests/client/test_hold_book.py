@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import settings
@@ -15,15 +16,15 @@ from hicache_client.hold_book import FRESH_SHARE, HoldBook
 
 class Recorder:
     def __init__(self) -> None:
-        self.released: list[list[str]] = []
+        self.released: list[list[Any]] = []
         self.done = threading.Condition()
 
-    def __call__(self, keys: list[str]) -> None:
+    def __call__(self, keys: list[Any]) -> None:
         with self.done:
             self.released.append(keys)
             self.done.notify_all()
 
-    def wait(self, n: int) -> list[list[str]]:
+    def wait(self, n: int) -> list[list[Any]]:
         with self.done:
             assert self.done.wait_for(lambda: len(self.released) >= n, 5)
             return list(self.released)
@@ -155,6 +156,12 @@ class BookModel(RuleBasedStateMachine):
         free = mine - self._claimed()
         got = self.book.drop(req, consumed)
         assert sorted(got) == sorted(free - consumed)
+        self.expected.extend(got)
+
+    @rule(keys=st.lists(st.sampled_from("uvwxyz"), max_size=4))
+    def let_go(self, keys: list[str]) -> None:
+        got = self.book.let_go(keys)
+        assert sorted(got) == sorted(set(keys) - self._claimed())
         self.expected.extend(got)
 
     @rule(keep=st.sets(st.sampled_from("abcd")))

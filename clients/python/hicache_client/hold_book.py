@@ -25,8 +25,9 @@ Primitives:
 
 - ``FRESH_SHARE``; ``HoldBook(hold_ms, release, name)``: ``window`` (seconds an answer is
   trusted), ``fresh(at)``, ``claim(req, keys)``, ``drop(req, consumed=())`` (the keys now
-  unclaimed, released), ``drop_all(keep)`` (every claim of requests ``keep`` does not name;
-  returns the keys unclaimed, not released), ``claims(req)``, ``claimed`` (keys with a claim),
+  unclaimed, released), ``let_go(keys)`` (those no request claims, released),
+  ``drop_all(keep)`` (every claim of requests ``keep`` does not name; returns the keys
+  unclaimed, not released), ``claims(req)``, ``claimed`` (keys with a claim),
   ``release(keys, how=None)`` (on the release thread), ``settle(timeout)`` (the releases
   queued so far made), ``close()``.
 """
@@ -89,6 +90,15 @@ class HoldBook:
             free = self._unclaim(self._by_request.pop(req, ()))
         if consumed:
             free = [k for k in free if k not in consumed]
+        if free:
+            self.release(free)
+        return free
+
+    def let_go(self, keys: Iterable[Any]) -> list[Any]:
+        """Holds no request counts on (a lookup answered for a request that ended meanwhile):
+        those of ``keys`` that no request claims are released, and returned."""
+        with self._lock:
+            free = [k for k in dict.fromkeys(keys) if k not in self._claims]
         if free:
             self.release(free)
         return free

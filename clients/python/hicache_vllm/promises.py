@@ -202,10 +202,10 @@ class Promises:
         self.stats["miss_blocks"] += len(keys) - held
         with self._lock:
             r = self._requests.get(req_id)
-            self.book.claim(req_id, keys[:held])
-            if r is None or r.finished:  # it ended meanwhile: what no one else claims goes
-                self.book.drop(req_id)
+            if r is None or r.finished:  # it ended meanwhile: what no one claims goes
+                self.book.let_go(keys[:held])
                 return
+            self.book.claim(req_id, keys[:held])
             r.at = time.monotonic()
             r.generation = generation
             for i, k in enumerate(keys):
