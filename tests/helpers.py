@@ -46,11 +46,17 @@ def dsa(layers: int = 3, index_dim: int = 16, block: int = 8) -> KVGeometry:
                       quant_block_size=block)
 
 
+def opaque(layers: int = 3, row: int = 40) -> KVGeometry:
+    return KVGeometry(PoolKind.OPAQUE, DType.UINT8, layers, row_bytes=row)
+
+
 def geometry_for(kind: PoolKind, dtype: DType) -> KVGeometry:
     if kind is PoolKind.MHA:
         return mha(dtype)
     if kind is PoolKind.MLA:
         return mla(dtype)
+    if kind is PoolKind.OPAQUE:
+        return opaque()
     return dsa()
 
 

@@ -4,6 +4,7 @@ import logging
 
 import pytest
 
+from hicache.codec import spec_from_proto, spec_to_proto
 from hicache.errors import (
     CanarySourceInvalid,
     PageSizeInvalid,
@@ -20,8 +21,9 @@ from hicache.specs import (
     PoolSpec,
     Role,
     check_canary_source,
+    same_storage,
 )
-from tests.helpers import dsa, make_pool, mha, mla, spec
+from tests.helpers import dsa, make_pool, mha, mla, opaque, spec
 
 
 @pytest.mark.parametrize("page_size", [0, -1, -64])
@@ -85,6 +87,58 @@ def test_dsa_requires_uint8_and_block_multiple() -> None:
                    quant_block_size=8)
     with pytest.raises(SpecInvalid):
         KVGeometry(PoolKind.DSA_INDEXER, DType.UINT8, 2, index_head_dim=20, quant_block_size=8)
+
+
+def test_opaque_rows_are_positive_bytes() -> None:
+    with pytest.raises(SpecInvalid):
+        KVGeometry(PoolKind.OPAQUE, DType.UINT8, 2)
+    with pytest.raises(SpecInvalid):
+        KVGeometry(PoolKind.OPAQUE, DType.UINT8, 2, row_bytes=-8)
+    with pytest.raises(SpecInvalid):
+        KVGeometry(PoolKind.OPAQUE, DType.BFLOAT16, 2, row_bytes=8)
+    g = KVGeometry(PoolKind.OPAQUE, DType.UINT8, 3, row_bytes=40)
+    assert g.page_bytes(4) == 3 * 4 * 40
+    assert [(c.role, c.dtype, c.unit_shape) for c in g.components(4)] == [
+        (Role.KV, DType.UINT8, (1, 40))]
+
+
+def _legacy_rows(layers: int = 3, row: int = 40) -> KVGeometry:
+    """How vLLM's rows were described before OPAQUE: MLA uint8, the row as the latent."""
+    return KVGeometry(PoolKind.MLA, DType.UINT8, layers, kv_lora_rank=row)
+
+
+@pytest.mark.parametrize("other,same", [
+    (_legacy_rows(), True),
+    (KVGeometry(PoolKind.MLA, DType.UINT8, 3, kv_lora_rank=32, qk_rope_head_dim=8), True),
+    (_legacy_rows(row=48), False),
+    (_legacy_rows(layers=4), False),
+    (KVGeometry(PoolKind.MLA, DType.FLOAT8_E4M3, 3, kv_lora_rank=40), False),
+    (KVGeometry(PoolKind.MHA, DType.UINT8, 3, 1, 40), False),  # K and V: two buffers
+    (KVGeometry(PoolKind.DSA_INDEXER, DType.UINT8, 3, index_head_dim=32,
+                quant_block_size=32), False),
+])
+def test_same_storage_is_equal_components_and_layers(other: KVGeometry, same: bool) -> None:
+    rows = spec(opaque(), name="rows")
+    assert same_storage(rows, spec(other, name="rows")) is same
+    assert same_storage(spec(other, name="rows"), rows) is same
+    # and never across anything else of the spec
+    assert not same_storage(rows, spec(other, name="rows", size_tokens=128))
+    assert not same_storage(rows, spec(other, name="rows", page_size=8))
+    assert not same_storage(rows, spec(other, name="other"))
+    assert not same_storage(rows, spec(other, name="rows", layout=Layout.PAGE_FIRST))
+    assert not same_storage(spec(opaque(), name="rows", side_pools=(MemberSpec("i", dsa()),)),
+                            spec(other, name="rows"))
+
+
+def test_an_opaque_spec_crosses_the_wire_whole() -> None:
+    s = spec(opaque(row=72), name="rows", layout=Layout.PAGE_FIRST_DIRECT)
+    assert spec_from_proto(spec_to_proto(s)) == s
+    msg = spec_to_proto(s)
+    msg.dtype = 0  # type: ignore[assignment]  # unspecified: rows are bytes
+    assert spec_from_proto(msg) == s
+    msg.row_bytes = 0
+    with pytest.raises(SpecInvalid):
+        spec_from_proto(msg)
 
 
 def test_pool_and_side_names_are_checked() -> None:

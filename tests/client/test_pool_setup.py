@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from hicache.errors import HostMemoryInsufficient, PoolSpecConflict
-from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec, same_storage
 from hicache_client import HiCacheClient
 from hicache_client.pool_setup import BudgetShare, ensure_pool
 from tests.daemon_proc import DaemonProc, Daemons
@@ -69,3 +69,59 @@ def test_a_pool_of_another_size_is_adopted_and_another_geometry_refused(
         with pytest.raises(PoolSpecConflict):
             ensure_pool(c, other, create=True, wait_seconds=10)
         assert ensure_pool(c, spec("shared", 8), create=False, wait_seconds=10) == got
+
+
+def test_a_pool_of_rows_made_before_opaque_serves_the_opaque_spec_after_an_upgrade(
+        daemons: Daemons) -> None:
+    """vLLM's pools were created as MLA uint8 rows (``kv_lora_rank`` = the row) before the
+    OPAQUE kind existed. Such a pool, kept in the state directory across a daemon restart, is
+    adopted by a worker that now asks for the OPAQUE pool of the same rows (created or not),
+    and its pages load exactly into rows zeroed first; rows of another width are refused."""
+    import numpy as np
+    import torch
+
+    from hicache.specs import Role
+    from hicache_client.shm import ShmDeviceBuffers
+
+    legacy = PoolSpec("vllm-rows", KVGeometry(PoolKind.MLA, DType.UINT8, 2, kv_lora_rank=40),
+                      PS, size_tokens=64 * PS)
+    rows = dataclasses.replace(legacy, geometry=KVGeometry(PoolKind.OPAQUE, DType.UINT8, 2,
+                                                           row_bytes=40))
+    keys = [b"block-0", b"block-1"]
+    first = daemons.start("--memory-budget", str(BUDGET))
+    src = ShmDeviceBuffers.create(legacy, 2 * PS, first.shm_dir)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        for t in src.all_tensors():
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+        with HiCacheClient(first.target) as c:
+            c.create_pool(legacy)
+            with c.open_session(legacy.name, "before", src.descriptors) as s:
+                assert s.store(keys, np.arange(2 * PS)).stored == 2
+        assert first.stop() == 0
+        second = daemons.start("--memory-budget", str(BUDGET))
+        with HiCacheClient(second.target) as c:
+            assert c.get_pool(legacy.name).spec == legacy  # kept as it was made
+            assert same_storage(ensure_pool(c, rows, create=False, wait_seconds=10), rows)
+            assert ensure_pool(c, rows, create=True, wait_seconds=10) == rows
+            for wider in (42, 80):
+                other = dataclasses.replace(rows, geometry=dataclasses.replace(
+                    rows.geometry, row_bytes=wider))
+                for create in (False, True):
+                    with pytest.raises(PoolSpecConflict):
+                        ensure_pool(c, other, create=create, wait_seconds=10)
+            dst = ShmDeviceBuffers.create(rows, 2 * PS, second.shm_dir)
+            try:
+                for t in dst.all_tensors():
+                    t.zero_()
+                with c.open_session(rows.name, "after", dst.descriptors) as s:
+                    assert s.lookup(keys).hit_prefix == 2
+                    s.load_keys(keys, np.arange(2 * PS))
+                for a, b in zip(src.layers("kv", Role.KV), dst.layers("kv", Role.KV),
+                                strict=True):
+                    assert a.shape == b.shape and torch.equal(a[:2 * PS], b[:2 * PS])
+                    assert int(b[:2 * PS].count_nonzero()) > 0
+            finally:
+                dst.close()
+    finally:
+        src.close()

@@ -9,6 +9,7 @@ against a small reference model.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -42,9 +43,22 @@ def state() -> Iterator[str]:
                                                       index_head_dim=32,
                                                       quant_block_size=32)),),
              canary=CanarySpec(16)),
+    PoolSpec("rows", KVGeometry(PoolKind.OPAQUE, DType.UINT8, 4, row_bytes=96), 16,
+             Layout.PAGE_FIRST_DIRECT, size_tokens=256),
 ])
 def test_specs_round_trip_through_the_header(spec: PoolSpec) -> None:
     assert spec_from_dict(spec_to_dict(spec)) == spec
+
+
+def test_a_header_names_a_later_field_only_where_it_is_set() -> None:
+    """A daemon from before ``row_bytes`` reads the header of every pool that does not use
+    it: the field is written only when set."""
+    d = spec_to_dict(SPEC)
+    assert "row_bytes" not in d["geometry"] and "row_bytes" not in json.dumps(d)
+    assert spec_from_dict(d) == SPEC
+    rows = PoolSpec("rows", KVGeometry(PoolKind.OPAQUE, DType.UINT8, 2, row_bytes=8), 4,
+                    size_tokens=16)
+    assert spec_to_dict(rows)["geometry"]["row_bytes"] == 8
 
 
 def test_a_crash_keeps_complete_keys_and_drops_everything_unfinished(state: str) -> None:

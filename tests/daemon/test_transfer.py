@@ -67,7 +67,8 @@ def page_indices(pages: list[int] | np.ndarray, ps: int) -> torch.Tensor:
 
 
 KIND_DTYPES = [(k, d) for k in (PoolKind.MHA, PoolKind.MLA) for d in TOKEN_DTYPES] + [
-    (PoolKind.DSA_INDEXER, DType.UINT8)  # DSA index buffers are always uint8
+    (PoolKind.DSA_INDEXER, DType.UINT8),  # DSA index buffers are always uint8
+    (PoolKind.OPAQUE, DType.UINT8),  # opaque rows are bytes
 ]
 
 

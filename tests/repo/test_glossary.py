@@ -28,9 +28,12 @@ def exists(name: str) -> bool:
         return f"`{name}`" in OPERATIONS
     if re.fullmatch(r"[A-Z][A-Z_]+", name):  # a reason code
         return name in REASONS
-    if re.fullmatch(r"[A-Z]\w+\.\w+", name):  # a message's field
+    if re.fullmatch(r"[A-Z]\w+\.\w+", name):  # a message's field or an enum's value
         message, field = name.split(".")
-        return field in getattr(pb, message).DESCRIPTOR.fields_by_name
+        d = getattr(pb, message).DESCRIPTOR
+        if hasattr(d, "values_by_name"):  # PoolKind.OPAQUE is POOL_KIND_OPAQUE on the wire
+            return any(v.endswith(f"_{field}") for v in d.values_by_name)
+        return field in d.fields_by_name
     if re.fullmatch(r"[A-Z]\w+", name):  # an RPC
         return name in pb.DESCRIPTOR.services_by_name["HostCache"].methods_by_name
     # a field, setting, config table or name of the docs

@@ -70,7 +70,7 @@ def dtype_to_proto(dtype: DType) -> int:
 
 def _geometry_from(msg: object, kind: int, dtype: int) -> KVGeometry:
     k = kind_from_proto(kind)
-    d = DType.UINT8 if k is PoolKind.DSA_INDEXER and dtype == 0 else (
+    d = DType.UINT8 if k in (PoolKind.DSA_INDEXER, PoolKind.OPAQUE) and dtype == 0 else (
         DType.BFLOAT16 if k is PoolKind.LOGICAL and dtype == 0 else dtype_from_proto(dtype))
     g = msg
     return KVGeometry(
@@ -80,6 +80,7 @@ def _geometry_from(msg: object, kind: int, dtype: int) -> KVGeometry:
         qk_rope_head_dim=int(g.qk_rope_head_dim),  # type: ignore[attr-defined]
         index_head_dim=int(g.index_head_dim),  # type: ignore[attr-defined]
         quant_block_size=int(g.quant_block_size),  # type: ignore[attr-defined]
+        row_bytes=int(g.row_bytes),  # type: ignore[attr-defined]
     )
 
 
@@ -103,7 +104,7 @@ def spec_from_proto(msg: pb.PoolSpec) -> PoolSpec:
 
 def _fill_geometry(msg: object, g: KVGeometry) -> None:
     for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank",
-                 "qk_rope_head_dim", "index_head_dim", "quant_block_size"):
+                 "qk_rope_head_dim", "index_head_dim", "quant_block_size", "row_bytes"):
         setattr(msg, name, getattr(g, name))
     msg.kind = pb.PoolKind.Value(f"POOL_KIND_{g.kind.value}")  # type: ignore[attr-defined]
     msg.dtype = dtype_to_proto(g.dtype)  # type: ignore[attr-defined]

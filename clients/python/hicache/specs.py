@@ -6,7 +6,9 @@ sides import it: the daemon to build pools, workers to describe theirs.
 Primitives:
 
 - ``PoolKind``: ``MHA`` (K and V), ``MLA`` (one latent buffer), ``DSA_INDEXER`` (page-granular
-  index-key bytes per layer), ``LOGICAL`` (no tensor: page-aligned anchor slots).
+  index-key bytes per layer), ``OPAQUE`` (one row of ``row_bytes`` bytes per token and layer
+  that only the engine interprets: vLLM's blocks), ``LOGICAL`` (no tensor: page-aligned anchor
+  slots).
 - ``DType``: bfloat16, float16, float32, float8 e4m3 / e5m2, uint8.
 - ``Layout``: ``layer_first`` (L, size, ...), ``page_first`` (size, L, ...),
   ``page_first_direct`` (page_num, L, page_size, ...).
@@ -15,6 +17,8 @@ Primitives:
   buffers, each a ``Component`` with the bytes of one unit (a token, or a whole page for DSA).
 - ``MemberSpec`` / ``PoolSpec``: a named pool (anchor + optional side pools sharing page indices,
   as SGLang's HostPoolGroup) with its page size, layout and size in tokens or bytes.
+- ``same_storage(a, b)``: two specs that describe the same bytes (a pool created as ``MLA``
+  uint8 rows before ``OPAQUE`` existed is the ``OPAQUE`` pool of those rows).
 - ``check_page_size`` / ``check_pool_size`` / ``check_canary_source``: the seed spec errors.
 
 Knows nothing of memory or RPC, and imports torch only when a torch dtype is asked for
@@ -23,6 +27,7 @@ Knows nothing of memory or RPC, and imports torch only when a torch dtype is ask
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -48,6 +53,7 @@ class PoolKind(enum.Enum):
     MLA = "MLA"
     DSA_INDEXER = "DSA_INDEXER"
     LOGICAL = "LOGICAL"
+    OPAQUE = "OPAQUE"
 
 
 class DType(enum.Enum):
@@ -99,7 +105,7 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True)
 class Component:
-    """One buffer of a storage member (MHA has K and V; MLA has KV; DSA has INDEX).
+    """One buffer of a storage member (MHA has K and V; MLA and OPAQUE have KV; DSA has INDEX).
 
     A *unit* is what one row of the device buffer holds: a token for MHA/MLA, a whole page for
     DSA (its buffers are page-granular).
@@ -135,7 +141,8 @@ class KVGeometry:
     kind: PoolKind
     """What the member stores."""
     dtype: DType = DType.BFLOAT16
-    """Element type of the buffers; DSA_INDEXER is always UINT8 (packed keys + fp32 scales)."""
+    """Element type of the buffers; DSA_INDEXER is always UINT8 (packed keys + fp32 scales),
+    OPAQUE always UINT8 (bytes)."""
     layer_num: int = 0
     """Layers held by this member (0 only for LOGICAL)."""
     head_num: int = 0
@@ -152,6 +159,8 @@ class KVGeometry:
     """DSA_INDEXER: index key width in bytes (fp8 keys)."""
     quant_block_size: int = 0
     """DSA_INDEXER: keys per fp32 scale."""
+    row_bytes: int = 0
+    """OPAQUE: bytes of one token's row per layer."""
 
     def __post_init__(self) -> None:
         kind = self.kind
@@ -183,6 +192,11 @@ class KVGeometry:
                     "DSA_INDEXER buffers are uint8 (packed keys + scales)",
                     metadata={"dtype": self.dtype.value},
                 )
+        elif kind is PoolKind.OPAQUE:
+            _positive("row_bytes", self.row_bytes)
+            if self.dtype is not DType.UINT8:
+                raise SpecInvalid("OPAQUE rows are bytes (dtype UINT8)",
+                                  metadata={"dtype": self.dtype.value})
 
     def components(self, page_size: int) -> tuple[Component, ...]:
         """The buffers of this member; DSA units are whole pages of ``page_size`` tokens."""
@@ -195,6 +209,8 @@ class KVGeometry:
         if self.kind is PoolKind.MLA:
             width = self.kv_lora_rank + self.qk_rope_head_dim
             return (Component(Role.KV, self.dtype, (1, width), False),)
+        if self.kind is PoolKind.OPAQUE:
+            return (Component(Role.KV, DType.UINT8, (1, self.row_bytes), False),)
         if self.kind is PoolKind.DSA_INDEXER:
             return (Component(Role.INDEX, DType.UINT8, (page_size * self.dsa_token_bytes,), True),)
         return ()
@@ -324,6 +340,24 @@ class PoolSpec:
                 self.size_bytes - used,
             )
         return pages * self.page_size
+
+
+def same_storage(a: PoolSpec, b: PoolSpec) -> bool:
+    """Whether ``a`` and ``b`` describe the same pool's bytes: equal but for how a member's
+    rows are named, where the members' layers and components (role, dtype, unit shape) are
+    equal. The daemon stores and moves bytes only, so such pools are one: a pool of vLLM's
+    rows created as ``MLA`` uint8 (``kv_lora_rank`` = the row, no rope) before ``OPAQUE``
+    existed is the ``OPAQUE`` pool of those rows, and a worker that asks for either uses it."""
+    if a == b:
+        return True
+    plain = {"geometry": a.geometry, "side_pools": ()}
+    if dataclasses.replace(a, **plain) != dataclasses.replace(b, **plain):  # type: ignore[arg-type]
+        return False
+    ma, mb = a.members(), b.members()
+    return len(ma) == len(mb) and all(
+        na == nb and ga.layer_num == gb.layer_num
+        and ga.components(a.page_size) == gb.components(b.page_size)
+        for (na, ga), (nb, gb) in zip(ma, mb, strict=True))
 
 
 def check_page_size(page_size: int) -> None:

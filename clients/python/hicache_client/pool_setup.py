@@ -4,9 +4,10 @@ fitted to what the daemon's memory budget has left.
 Every instance and rank of an engine asks for its pool when its link comes up (SGLang's linker,
 vLLM's offloading spec); the first creates it, the others find it there. Instances of a model
 whose device pools differ in size (other memory fractions) still share one pool: a pool there
-that differs from the asked spec in size only is used as it is. A size the engine derived
-itself (not one its user set) gives way to the daemon's budget: rather than no cache at all, the
-pool gets this rank's share of what the budget has left.
+that differs from the asked spec in size only, or only in how its rows are named
+(``same_storage``), is used as it is. A size the engine derived itself (not one its user set)
+gives way to the daemon's budget: rather than no cache at all, the pool gets this rank's share
+of what the budget has left.
 
 Primitives:
 
@@ -27,7 +28,7 @@ import logging
 from dataclasses import dataclass
 
 from hicache.errors import HostMemoryInsufficient, PoolSpecConflict
-from hicache.specs import PoolSpec
+from hicache.specs import PoolSpec, same_storage
 from hicache_client.client import HiCacheClient
 
 log = logging.getLogger("hicache_client.pool_setup")
@@ -88,7 +89,7 @@ def _adopt(client: HiCacheClient, spec: PoolSpec, conflict: PoolSpecConflict) ->
     """The pool there, if it is ``spec`` but for its size; else ``conflict`` is raised."""
     there = client.get_pool(spec.name).spec
     sized = dataclasses.replace(spec, size_tokens=there.size_tokens, size_bytes=there.size_bytes)
-    if there != sized:
+    if not same_storage(there, sized):
         raise conflict
     log.info("using pool %s as created (%d tokens) by another worker", spec.name,
              there.resolved_size_tokens())

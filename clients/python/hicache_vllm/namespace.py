@@ -102,8 +102,8 @@ class Plan:
         return self.layer_block_bytes // self.block_tokens
 
     def geometry(self) -> KVGeometry:
-        return KVGeometry(PoolKind.MLA, DType.UINT8, layer_num=self.layers,
-                          kv_lora_rank=self.row_bytes)
+        return KVGeometry(PoolKind.OPAQUE, DType.UINT8, layer_num=self.layers,
+                          row_bytes=self.row_bytes)
 
     def pool_name(self, rank: int) -> str:
         shard = "rankall" if self.replicated else f"rank{rank}of{self.world_size}"

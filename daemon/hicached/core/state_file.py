@@ -67,12 +67,19 @@ _JSON_OFFSET = 64
 ALIGN = 64
 
 
+_ADDED = frozenset({"row_bytes"})
+"""Spec fields added after the format's first release (absent from a file means the default)."""
+
+
 def spec_to_dict(spec: PoolSpec) -> dict[str, Any]:
     def plain(v: Any) -> Any:
         if isinstance(v, enum.Enum):
             return v.value
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            # a field added later is written only when set, so that a daemon from before it
+            # still reads the file of a pool that does not use it
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                    if f.name not in _ADDED or getattr(v, f.name) != f.default}
         if isinstance(v, tuple | list):
             return [plain(x) for x in v]
         return v

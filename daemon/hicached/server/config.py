@@ -265,10 +265,11 @@ def pool_from_mapping(d: Mapping[str, object]) -> PoolSpec:
 
     def geometry(g: dict[str, object]) -> KVGeometry:
         kind = PoolKind(str(g.pop("kind", "MHA")).upper())
-        dt = g.pop("dtype", "UINT8" if kind is PoolKind.DSA_INDEXER else "BFLOAT16")
+        dt = g.pop("dtype", "UINT8" if kind in (PoolKind.DSA_INDEXER, PoolKind.OPAQUE)
+                   else "BFLOAT16")
         dims = {k: int(str(g.pop(k))) for k in ("layer_num", "head_num", "head_dim", "v_head_dim",
                                            "kv_lora_rank", "qk_rope_head_dim", "index_head_dim",
-                                           "quant_block_size") if k in g}
+                                           "quant_block_size", "row_bytes") if k in g}
         return KVGeometry(kind, DType(str(dt).upper()), **dims)
 
     try:

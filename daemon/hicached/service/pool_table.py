@@ -3,7 +3,8 @@
 Primitives:
 
 - ``PoolTable(budget_bytes, options, sessions_of, pinner)``: ``create(spec)`` (idempotent:
-  the same spec returns the existing pool, another spec is ``POOL_SPEC_CONFLICT``),
+  the same spec, or one of the same storage (``same_storage``), returns the existing pool,
+  another spec is ``POOL_SPEC_CONFLICT``),
   ``create_async(spec)`` (the same, answering at once while the pool builds in the background:
   ``pool_build``), ``builds()``, ``get`` (``POOL_NOT_READY`` while a pool builds or after its
   build failed),
@@ -38,7 +39,7 @@ from hicache.errors import (
     PoolNotFound,
     PoolSpecConflict,
 )
-from hicache.specs import PoolSpec
+from hicache.specs import PoolSpec, same_storage
 from hicached.cache import key_slots
 from hicached.cache.chains import ChainTable
 from hicached.cache.events import EventLog
@@ -246,7 +247,7 @@ class PoolTable:
         with self._lock:
             existing: HostPool | PoolBuild | None = (self._pools.get(spec.name)
                                                      or self._builds.get(spec.name))
-        if existing is not None and existing.spec != spec:
+        if existing is not None and not same_storage(existing.spec, spec):
             raise PoolSpecConflict(
                 f"pool {spec.name} exists with a different spec ({_summary(existing.spec)}; "
                 f"asked: {_summary(spec)}): use that spec, another name, or DeletePool first",

@@ -14,6 +14,7 @@ class PoolKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_KIND_MLA: _ClassVar[PoolKind]
     POOL_KIND_DSA_INDEXER: _ClassVar[PoolKind]
     POOL_KIND_LOGICAL: _ClassVar[PoolKind]
+    POOL_KIND_OPAQUE: _ClassVar[PoolKind]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -69,6 +70,7 @@ POOL_KIND_MHA: PoolKind
 POOL_KIND_MLA: PoolKind
 POOL_KIND_DSA_INDEXER: PoolKind
 POOL_KIND_LOGICAL: PoolKind
+POOL_KIND_OPAQUE: PoolKind
 DTYPE_UNSPECIFIED: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
@@ -100,7 +102,7 @@ CACHE_EVENT_KIND_REMOVED: CacheEventKind
 CACHE_EVENT_KIND_EVICTED: CacheEventKind
 
 class Geometry(_message.Message):
-    __slots__ = ("kind", "dtype", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size")
+    __slots__ = ("kind", "dtype", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size", "row_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYER_NUM_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class Geometry(_message.Message):
     QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     QUANT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: PoolKind
     dtype: DType
     layer_num: int
@@ -121,7 +124,8 @@ class Geometry(_message.Message):
     qk_rope_head_dim: int
     index_head_dim: int
     quant_block_size: int
-    def __init__(self, kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ...) -> None: ...
+    row_bytes: int
+    def __init__(self, kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
 
 class SidePool(_message.Message):
     __slots__ = ("name", "geometry")
@@ -132,7 +136,7 @@ class SidePool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ...) -> None: ...
 
 class PoolSpec(_message.Message):
-    __slots__ = ("name", "kind", "dtype", "layout", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size", "size_tokens", "size_bytes", "side_pools", "canary_read_bytes")
+    __slots__ = ("name", "kind", "dtype", "layout", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size", "size_tokens", "size_bytes", "side_pools", "canary_read_bytes", "row_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +154,7 @@ class PoolSpec(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SIDE_POOLS_FIELD_NUMBER: _ClassVar[int]
     CANARY_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: PoolKind
     dtype: DType
@@ -167,7 +172,8 @@ class PoolSpec(_message.Message):
     size_bytes: int
     side_pools: _containers.RepeatedCompositeFieldContainer[SidePool]
     canary_read_bytes: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., page_size: _Optional[int] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., size_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., side_pools: _Optional[_Iterable[_Union[SidePool, _Mapping]]] = ..., canary_read_bytes: _Optional[int] = ...) -> None: ...
+    row_bytes: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., page_size: _Optional[int] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., size_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., side_pools: _Optional[_Iterable[_Union[SidePool, _Mapping]]] = ..., canary_read_bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions", "keys", "keyed_pages", "raw_pages", "pinned_pages", "metadata_bytes", "state", "progress", "error", "error_reason", "attach_outcome", "generation", "recovered_keys", "disk_keys", "disk_capacity_pages", "remote_namespace", "remote_puts", "remote_pending", "busy_pages")
