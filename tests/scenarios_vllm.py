@@ -233,6 +233,44 @@ def held_hit_survives_eviction(model: str, target: str, blocks: int = 4, **kw: A
     return out
 
 
+def touch_keeps_pages(model: str, target: str, touch: bool, blocks: int = 4, **kw: Any
+                      ) -> dict[str, Any]:
+    """Prompt A is stored, then prompt B (16-page pool: 8 used); with ``touch`` vLLM says A's
+    blocks are in use (``manager.touch``, as its prefix cache would), then another writer
+    stores 10 pages, evicting the 2 least recently used: B's first two if A was touched, A's
+    otherwise. Returns each prompt's tier bytes in the pool afterwards."""
+    import numpy as np
+
+    from hicache_client import HiCacheClient
+    from hicache_client.shm import ShmDeviceBuffers
+    from vllm.v1.kv_offload.base import ReqContext
+
+    e = Engine(model, target, extra={"pool_size_tokens": 16 * 16}, **kw)
+    bs = e.block_size
+    a, b = _prompt(blocks * bs + 1, 41), _prompt(blocks * bs + 1, 42)
+    for name, prompt in (("a", a), ("b", b)):
+        e.add(name, prompt)
+        e.run()
+    manager = e.scheduler_side.manager
+    ka, kb = e.offload_keys(a), e.offload_keys(b)
+    if touch:
+        t0 = time.monotonic()
+        manager.touch(ka, ReqContext(req_id="c"))
+        returned_s = time.monotonic() - t0
+        assert manager.holds.settle(10)
+    pool = e.worker.connector_worker.worker.pool
+    with HiCacheClient(target) as c, ShmDeviceBuffers.create(pool, bs, sealed=True) as buf:
+        s = c.open_session(pool.name, "filler", buf.descriptors, fds=buf.fds)
+        filled = sum(s.store([f"filler-{i}".encode()], np.arange(bs, dtype=np.int64)).stored
+                     for i in range(10))
+        s.close()
+        out = {"a": c.lookup(pool.name, ka).tiers.hex(), "b": c.lookup(pool.name, kb).tiers.hex(),
+               "filled": filled, "manager": e.manager_stats(),
+               "returned_s": returned_s if touch else 0.0}
+    e.close()
+    return out
+
+
 def tp_roundtrip(model: str, target: str, rank: int, port: int, mla: bool = False,
                  blocks: int = 4, drop_last_of: str = "", **kw: Any) -> dict[str, Any]:
     """Two ranks (one process each, gloo): a prompt stored by every rank (MHA: each its own

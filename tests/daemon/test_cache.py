@@ -83,6 +83,22 @@ def test_full_pool_evicts_least_recently_used_and_reports_no_space(pool: HostPoo
     pool.allocator.memcheck()
 
 
+@pytest.mark.parametrize("touch", [False, True])
+def test_a_touching_lookup_makes_its_hits_the_most_recently_used(pool: HostPool,
+                                                                  touch: bool) -> None:
+    """A Lookup leaves recency alone unless it touches: then the host pages of its hit are
+    the most recently used (misses and keys below host memory are not made up)."""
+    cache = PoolCache(pool)
+    store(cache, K[:4])
+    assert cache.lookup([K[0], K[9], K[1]], touch=touch) == (1, b"\x01\x00\x01")
+    assert store(cache, K[4:6]) == bytes([STORED, STORED])
+    evicted = [K[2], K[3]] if touch else [K[0], K[1]]
+    assert cache.lookup(evicted)[0] == 0
+    assert cache.lookup([k for k in K[:4] if k not in evicted])[0] == 2
+    assert cache.lookup(K[9:10], touch=True) == (0, b"\x00") and K[9] not in cache._lru
+    pool.allocator.memcheck()
+
+
 def test_held_pages_are_never_evicted(pool: HostPool) -> None:
     cache = PoolCache(pool)
     store(cache, K[:4])

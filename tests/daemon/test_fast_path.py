@@ -567,3 +567,27 @@ def test_page_ids_are_whole_aligned_pages_and_nothing_else(
     got = page_ids(indices, page_size)
     want = rows if page_size == 1 else _page_ids_by_definition(rows, page_size)
     assert (None if got is None else got.tolist()) == want
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_touching_lookup_keeps_its_hits_from_eviction_on_both_paths(tmp_path: Path,
+                                                                       fast: bool) -> None:
+    """``lookup(touch=True)`` over either wire makes the hit's pages the most recently used:
+    the next Store into the full pool evicts the others; a plain Lookup changes nothing."""
+    spec = PoolSpec("small", GEOMETRIES["mha-bf16"], 4, size_tokens=4 * 4)  # 4 pages
+    server, target, shm = _serve(tmp_path, spec)
+    try:
+        with HiCacheClient(target, fast_path=fast) as c, \
+                ShmDeviceBuffers.create(spec, DEVICE_TOKENS, shm) as b:
+            s = c.open_session("small", "w", b.descriptors, heartbeat=False)
+            keys = [bytes([i]) * 32 for i in range(6)]
+            assert s.store(keys[:4], torch.arange(16)).stored == 4
+            assert c.lookup("small", keys[2:4]).hit_prefix == 2  # no touch: still oldest
+            assert s.lookup(keys[:2], touch=True).hits == 2
+            assert c.data_path == ("fast" if fast else "grpc")
+            assert s.store(keys[4:], torch.arange(8)).stored == 2
+            assert c.lookup("small", keys).tiers == b"\x01\x01\x00\x00\x01\x01"
+            s.close()
+        assert (fast_count(server, "Lookup") > 0) is fast
+    finally:
+        server.drain_and_stop(1.0)

@@ -82,13 +82,14 @@ def _same(a: object, b: object) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.parametrize("touch", [False, True])
 @pytest.mark.parametrize("hold_ms", [0, 250])
-def test_a_lookup_decodes_alike_on_both_front_ends(hold_ms: int) -> None:
-    flags = w.FLAG_HOLD if hold_ms else 0
+def test_a_lookup_decodes_alike_on_both_front_ends(hold_ms: int, touch: bool) -> None:
+    flags = (w.FLAG_HOLD if hold_ms else 0) | (w.FLAG_TOUCH if touch else 0)
     fast = _fast(w.Method.LOOKUP, cfp.lookup_body("p", "sid", KEYS, hold_ms), flags)
     grpc = grpc_codec.CODECS["Lookup"].decode(
-        pb.LookupRequest(pool="p", keys=KEYS, session_id="sid", hold_ms=hold_ms))
-    assert fast == grpc == calls.LookupRequest("p", KEYS, "sid", hold_ms)
+        pb.LookupRequest(pool="p", keys=KEYS, session_id="sid", hold_ms=hold_ms, touch=touch))
+    assert fast == grpc == calls.LookupRequest("p", KEYS, "sid", hold_ms, touch)
     result = calls.LookupResult(2, b"\x01\x03\x00", 2, 2 if hold_ms else 0)
     fast_codec_ = fast_codec.CODECS[w.Method.LOOKUP]
     got = cfp.decode_lookup(fast_codec_.encode(result, flags), bool(hold_ms))
@@ -189,7 +190,7 @@ ROWS = (PAGES[:, None] * 16 + np.arange(16)).ravel()
 def _sample(name: str) -> tuple[object, object]:
     """(the request as gRPC carries it, as the fast path carries it) of ``name``."""
     if name == "Lookup":
-        q: object = rq.LookupRequest("p", KEYS, "sid", 250)
+        q: object = rq.LookupRequest("p", KEYS, "sid", 250, True)
         return q, q
     if name == "Store":
         tokens = np.arange(3 * 16, dtype=np.int64)

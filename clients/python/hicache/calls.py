@@ -27,6 +27,8 @@ class LookupRequest(NamedTuple):
     rules accept for the pool."""
     hold_ms: int = 0
     """Hold the hit for ``session_id`` this long (0: no hold)."""
+    touch: bool = False
+    """The hit's host pages count as used now (the most recently used)."""
 
 
 class StoreRequest(NamedTuple):

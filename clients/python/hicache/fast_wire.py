@@ -22,7 +22,7 @@ and that many int64.
 - Lookup: pool, credential (a session capability of the pool, or "") and keys; with
   ``FLAG_HOLD`` an i64 ``hold_ms`` follows (the hit is held for the credential's session);
   reply: u32 hit prefix, u32 hits, u32 count and one tier byte per key (0 = absent), with
-  ``FLAG_HOLD`` then u32 held.
+  ``FLAG_HOLD`` then u32 held. ``FLAG_TOUCH``: the hit's host pages count as used now.
 - ReleaseHolds: session and keys (none: all); reply: u32 released. A control call.
 - Store / LoadKeys: session, i32 layer begin and end, keys, device pages; reply of Store:
   ``STORE_REPLY`` then a u32 count and one status byte per key; of LoadKeys: ``TRANSFER_REPLY``.
@@ -81,7 +81,11 @@ STORE_DEADLINE = 16
 """Never sent in a frame: in ``GetInfo.fast_path_flags`` it says the daemon reads
 ``FLAG_DEADLINE`` on a Store too (a daemon from before took it for loads alone and refuses a
 Store that carries one: its client sends such a Store without it)."""
-KNOWN_FLAGS = FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN | STORE_DEADLINE
+FLAG_TOUCH = 32
+"""Lookup: the hit's host pages count as used now (no bytes follow: a daemon from before it
+reads the frame as a plain Lookup)."""
+KNOWN_FLAGS = (FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN | STORE_DEADLINE
+               | FLAG_TOUCH)
 """What this framing's daemon understands (``GetInfo.fast_path_flags``)."""
 
 LAYERS = struct.Struct("<ii")

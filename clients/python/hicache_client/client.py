@@ -486,18 +486,21 @@ class HiCacheClient:
     # -- the cache ---------------------------------------------------------------------------
 
     def lookup(self, pool: str, keys: Sequence[bytes | str], *, timeout: float | None = None,
-               session_id: str = "", hold_ms: int = 0) -> LookupResult:
+               session_id: str = "", hold_ms: int = 0, touch: bool = False) -> LookupResult:
         """Which keys are cached (no copy): the hit prefix and a tier per key. With
         ``session_id`` (a session of ``pool``) and ``hold_ms`` the hit is held for that
         session until its ``load_keys`` consumes it, ``release_holds``, its end or
-        ``hold_ms`` (``held`` says how many leading keys). ``timeout`` overrides the client's
-        deadline for this call."""
+        ``hold_ms`` (``held`` says how many leading keys). ``touch``: the hit's host pages
+        count as used now, as a load makes them (the engine still uses them where the cache
+        cannot see it: its own prefix cache). ``timeout`` overrides the client's deadline for
+        this call."""
         enc = encode_keys(keys)
         hold = bool(session_id and hold_ms > 0)
-        q = LookupRequest(pool, enc, session_id if hold else "", hold_ms if hold else 0)
+        q = LookupRequest(pool, enc, session_id if hold else "", hold_ms if hold else 0, touch)
         # the fast path carries the pool's credential in the request (gRPC: in metadata)
         cred = session_id if hold else (self._credentials(pool) or [("", "")])[0][1]
-        result: LookupResult = self.call("Lookup", q, LookupRequest(pool, enc, cred, q.hold_ms),
+        result: LookupResult = self.call("Lookup", q,
+                                         LookupRequest(pool, enc, cred, q.hold_ms, touch),
                                          timeout=timeout, pool=pool)
         return result
 

@@ -100,10 +100,10 @@ CODECS: dict[str, ClientCodec] = {
     "Lookup": ClientCodec(
         "Lookup", w.Method.LOOKUP,
         lambda q: fp.lookup_body(q.pool, q.session_id, q.keys, q.hold_ms),
-        lambda q: w.FLAG_HOLD if q.hold_ms else 0,
+        lambda q: (w.FLAG_HOLD if q.hold_ms else 0) | (w.FLAG_TOUCH if q.touch else 0),
         lambda data, q: fp.decode_lookup(data, bool(q.hold_ms)),
         lambda q: pb.LookupRequest(pool=q.pool, keys=q.keys, session_id=q.session_id,
-                                   hold_ms=q.hold_ms),
+                                   hold_ms=q.hold_ms, touch=q.touch),
         lambda r: LookupResult(r.hit_prefix, bytes(r.tiers), r.hits, r.held)),
     "Store": ClientCodec(
         "Store", w.Method.STORE,

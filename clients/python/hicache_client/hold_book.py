@@ -17,7 +17,8 @@ and its rules are the same, and live here once:
   consumed (the daemon ends a hold a load used) are dropped without a release.
 - **One release thread**: releases go to the book's own thread, in order; the engine's
   scheduler never waits for the daemon there. A release that fails is logged (holds expire
-  by themselves).
+  by themselves). The adapter's other calls that no one waits for (vLLM's touches) run
+  there too (``later``), in order with the releases.
 
 Thread-safe (one lock); ``release``'s callables run on the release thread only.
 
@@ -28,8 +29,9 @@ Primitives:
   unclaimed, released), ``let_go(keys)`` (those no request claims, released),
   ``drop_all(keep)`` (every claim of requests ``keep`` does not name; returns the keys
   unclaimed, not released), ``claims(req)``, ``claimed`` (keys with a claim),
-  ``release(keys, how=None)`` (on the release thread), ``settle(timeout)`` (the releases
-  queued so far made), ``close()``.
+  ``release(keys, how=None)`` (on the release thread), ``later(fn)`` (``fn()`` there, after
+  what was queued before), ``settle(timeout)`` (the releases queued so far made),
+  ``close()``.
 """
 
 from __future__ import annotations
@@ -141,6 +143,11 @@ class HoldBook:
         if keys:
             self._queue.put((how or self._release, list(keys)))
 
+    def later(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the release thread after what was queued before it (a call to
+        the daemon the caller must not wait for); an exception it raises is logged."""
+        self._queue.put((lambda _: fn(), []))
+
     def settle(self, timeout: float = 5.0) -> bool:
         """Wait until the releases queued so far were made (False: ``timeout`` passed)."""
         done = threading.Event()
@@ -160,5 +167,6 @@ class HoldBook:
             how, keys = item
             try:
                 how(keys)
-            except Exception as exc:  # they expire by themselves
-                log.debug("releasing %d hold(s) failed: %s", len(keys), exc)
+            except Exception as exc:  # holds expire by themselves; a touch is a hint
+                log.debug("a call on the release thread (%d key(s)) failed: %s", len(keys),
+                          exc)

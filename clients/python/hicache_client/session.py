@@ -121,12 +121,13 @@ class WorkerSession:
                                        token_ids=token_ids, parent_key=parent_key)
 
     def lookup(self, keys: Sequence[bytes | str], hold_ms: int = 0, *,
-               timeout: float | None = None) -> LookupResult:
+               timeout: float | None = None, touch: bool = False) -> LookupResult:
         """Look the keys up in this session's pool; with ``hold_ms`` the hit is held for this
         session (``held``) until its ``load_keys`` consumes it, ``release_holds``, its end or
-        ``hold_ms`` (capped by the daemon's ``max_hold_ms``)."""
+        ``hold_ms`` (capped by the daemon's ``max_hold_ms``); ``touch``: the hit's host pages
+        count as used now."""
         return self.client.lookup(self.pool, keys, timeout=timeout, session_id=self.session_id,
-                                  hold_ms=hold_ms)
+                                  hold_ms=hold_ms, touch=touch)
 
     def release_holds(self, keys: Sequence[bytes | str] = (), *,
                       timeout: float | None = None) -> int:

@@ -10,6 +10,8 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
 - ``prepare_load(keys)``: the blocks' spec for the workers (``HicachedLoadStoreSpec``); the
   holds stay until ``complete_load`` and the request's end (``on_request_finished``) release
   them: vLLM's "protected from eviction until complete_load".
+- ``touch(keys)``: the blocks count as used now in every rank's pool (a ``Lookup`` with
+  ``touch``, coalesced, on the hold book's thread: never the scheduler's).
 - ``prepare_store(keys)``: every block is offered (the daemon stores what it lacks and has room
   for, and evicts by its own LRU: ``evicted_keys`` is empty); with the daemon down the store is
   dropped (None, counted).
@@ -69,7 +71,11 @@ from hicache_vllm.stats import Reporter
 log = logging.getLogger("hicache_vllm")
 
 _STATS = ("stores_offered", "stores_dropped", "store_blocks", "loads", "load_blocks",
-          "lookups_down", "resets", "reset_failures", "reset_holds_released")
+          "lookups_down", "resets", "reset_failures", "reset_holds_released",
+          "touched_blocks", "touches_dropped")
+
+MAX_TOUCHES = 65536
+"""The most touched blocks waiting to be sent; more are dropped (counted): a touch is a hint."""
 
 
 class HicachedOffloadingManager(OffloadingManager):
@@ -94,6 +100,10 @@ class HicachedOffloadingManager(OffloadingManager):
         self.holds = HoldBook(config.lookup_hold_ms, self._release, "hicache-vllm-holds")
         """The holds this manager's lookups took, and the one thread that lets them go."""
         self.promises = Promises(self.holds, self._lookup)
+        self._touch_lock = threading.Lock()
+        self._touched: dict[bytes, None] = {}
+        """Blocks touched since the last send, in order (sent by one ``_send_touches``)."""
+        self._touch_queued = False
         self._reporter = Reporter()
         for link in self.links:
             link.start()
@@ -177,6 +187,45 @@ class HicachedOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.promises.loaded(req_context.req_id)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """The blocks are in use (vLLM's own cache hit them): their pages in every rank's
+        pool count as used now, so the daemon evicts others first. Sent off this thread (a
+        ``Lookup`` with ``touch`` per pool, on the hold book's thread); touches made while
+        one is waiting join it."""
+        if not keys:
+            return
+        with self._touch_lock:
+            room = MAX_TOUCHES - len(self._touched)
+            for k in list(keys)[:max(room, 0)]:
+                self._touched[bytes(k)] = None
+            if len(keys) > room:
+                self.stats["touches_dropped"] += len(keys) - max(room, 0)
+            if self._touch_queued:
+                return
+            self._touch_queued = True
+        self.holds.later(self._send_touches)
+
+    def _send_touches(self) -> None:
+        with self._touch_lock:
+            keys, self._touched = list(self._touched), {}
+            self._touch_queued = False
+        sent = False
+        for link in self.links:
+            session = link.session
+            if session is None or not link.usable:
+                continue
+            step = link.max_keys or len(keys)
+            try:
+                for at in range(0, len(keys), step):
+                    session.lookup(keys[at:at + step], touch=True,
+                                   timeout=self.config.rpc_timeout_s)
+                sent = True
+            except HiCacheError as exc:  # a hint: not retried
+                link.report(exc, session=session)
+                log.debug("touching %d block(s) in %s failed: %s", len(keys), session.pool,
+                          exc)
+        self.stats["touched_blocks" if sent else "touches_dropped"] += len(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:

@@ -48,6 +48,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     _P + "store_blocks": ("store_blocks", "Blocks this engine stored into hicached."),
     _P + "stores_dropped": ("stores_dropped",
                             "Stores dropped because hicached was not connected."),
+    _P + "touched_blocks": ("touched_blocks",
+                            "Blocks vLLM said are in use (touch), sent to hicached as used."),
+    _P + "touches_dropped": ("touches_dropped",
+                             "Touched blocks not sent (hicached away, or too many waiting)."),
 }
 """Counters by metric name: the stats key each counts and its help text."""
 

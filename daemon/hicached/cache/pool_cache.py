@@ -9,9 +9,10 @@ Primitives:
 
 - ``PoolCache(pool, events, policy, clock)``: over a ``HostPool``, sharing its allocator with
   the raw pages; ``policy``: the limits on holds (``holds.HoldPolicy``).
-- ``lookup(keys, below)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3 cluster
-  (``below``, asked outside the lock), 0 absent); no touch; ``LOOKUP_CHUNK`` keys per turn
-  of the lock. The holds a Lookup takes for a session: ``lookup_held(keys, holder, below)``
+- ``lookup(keys, below, touch)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3
+  cluster (``below``, asked outside the lock), 0 absent); with ``touch`` the keys host memory
+  has become the most recently used (else a Lookup leaves recency alone); ``LOOKUP_CHUNK`` keys
+  per turn of the lock. The holds a Lookup takes for a session: ``lookup_held(keys, holder, below)``
   -> (hit prefix, tiers, held), ``hold_promoted``, ``release_holds``, ``end_holds``,
   ``expire_holds`` (the books are a ``holds.HoldTable``). A held page is read-held in the
   allocator and out of the LRU while held: no Store evicts it, no removal frees it (its
@@ -51,6 +52,7 @@ lock per pool cache, taken before the allocator's (and a lower tier's).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import Counter
@@ -162,15 +164,17 @@ class PoolCache:
 
     def lookup(self, keys: Sequence[bytes],
                below: Callable[[list[bytes]], list[int]] | None = None,
-               count: bool = True) -> tuple[int, bytes]:
+               count: bool = True, touch: bool = False) -> tuple[int, bytes]:
         """(leading keys found in any tier, one tier byte per key: 1 host, 2/3 below, 0).
         ``below`` (the cluster tier) is asked, outside the lock, for the tier bytes of the
-        keys no tier of this node holds. ``count``: a Lookup (not a failed load's report)."""
-        hit_prefix, tiers, _ = self._lookup(keys, below, count, None)
+        keys no tier of this node holds. ``count``: a Lookup (not a failed load's report).
+        ``touch``: the keys host memory has become the most recently used."""
+        hit_prefix, tiers, _ = self._lookup(keys, below, count, None, touch)
         return hit_prefix, tiers
 
     def _lookup(self, keys: Sequence[bytes], below: Callable[[list[bytes]], list[int]] | None,
-                count: bool, holder: Holder | None) -> tuple[int, bytes, int]:
+                count: bool, holder: Holder | None, touch: bool = False
+                ) -> tuple[int, bytes, int]:
         """``lookup``; with ``holder`` also holds what host memory has of the hit prefix,
         in the same step (``held.HeldKeys``): (hit prefix, tiers, keys held)."""
         lower = self.lower
@@ -184,6 +188,9 @@ class PoolCache:
             with self._lock:
                 chunk = keys[at:at + LOOKUP_CHUNK]
                 found = bytearray(map(self._ready.__contains__, chunk))
+                if touch:
+                    for key in itertools.compress(chunk, found):
+                        self._lru.touch(key)
                 if lower is not None and found.count(0):
                     for i in (i for i, f in enumerate(found) if not f):
                         if lower.contains(chunk[i]):
@@ -359,13 +366,13 @@ class PoolCache:
     # -- holds: what a Lookup promised a session ------------------------------------------
 
     def lookup_held(self, keys: Sequence[bytes], holder: Holder,
-                    below: Callable[[list[bytes]], list[int]] | None = None
-                    ) -> tuple[int, bytes, int]:
+                    below: Callable[[list[bytes]], list[int]] | None = None,
+                    touch: bool = False) -> tuple[int, bytes, int]:
         """``lookup``, and in the same step the leading keys host memory has are held for
         ``holder`` (up to its quota): (hit prefix, tier bytes, keys held). Keys it holds
         already take this Lookup's deadline. Keys below host memory are held once promoted
         (``hold_promoted``)."""
-        return self._lookup(keys, below, True, holder)
+        return self._lookup(keys, below, True, holder, touch)
 
     def hold_promoted(self, owner: int, keys: Sequence[bytes], seconds: float) -> int:
         """Hold for ``owner`` the leading ``keys`` host memory has now (the promotion its

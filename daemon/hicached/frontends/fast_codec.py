@@ -39,7 +39,7 @@ def _lookup(r: w.Reader, flags: int, max_keys: int) -> c.LookupRequest:
     keys = r.keys(max_keys)
     hold_ms = r.i64() if flags & w.FLAG_HOLD else 0
     r.end()
-    return c.LookupRequest(pool, keys, capability, hold_ms)
+    return c.LookupRequest(pool, keys, capability, hold_ms, bool(flags & w.FLAG_TOUCH))
 
 
 def _lookup_reply(res: c.LookupResult, flags: int) -> bytes:

@@ -56,7 +56,7 @@ def _events(m: Any) -> bool:
 
 
 def _lookup(m: pb.LookupRequest) -> c.LookupRequest:
-    return c.LookupRequest(m.pool, list(m.keys), m.session_id, int(m.hold_ms))
+    return c.LookupRequest(m.pool, list(m.keys), m.session_id, int(m.hold_ms), m.touch)
 
 
 def _lookup_response(r: c.LookupResult) -> pb.LookupResponse:

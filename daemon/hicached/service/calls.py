@@ -100,7 +100,7 @@ class Count(NamedTuple):
 
 
 def lookup(d: Daemon, q: LookupRequest) -> LookupResult:
-    hit_prefix, tiers, held = d.lookup(q.pool, q.keys, q.session_id, q.hold_ms)
+    hit_prefix, tiers, held = d.lookup(q.pool, q.keys, q.session_id, q.hold_ms, q.touch)
     return LookupResult(hit_prefix, tiers, len(tiers) - tiers.count(0), held)
 
 

@@ -333,16 +333,17 @@ class Daemon:
 
     # -- holds ------------------------------------------------------------------------------
 
-    def lookup(self, pool: str, keys: list[bytes], session_id: str = "", hold_ms: int = 0
-               ) -> tuple[int, bytes, int]:
-        """Lookup, holding the hit for ``session_id`` when it and ``hold_ms`` are given."""
+    def lookup(self, pool: str, keys: list[bytes], session_id: str = "", hold_ms: int = 0,
+               touch: bool = False) -> tuple[int, bytes, int]:
+        """Lookup, holding the hit for ``session_id`` when it and ``hold_ms`` are given;
+        ``touch``: the hit's host pages count as used now."""
         keys = check_keys(keys, limit=self.max_keys_per_call)
         stack = self.pools.stack(pool)
         if not session_id or hold_ms <= 0:
-            return stack.lookup(keys)
+            return stack.lookup(keys, touch=touch)
         s = self._session_of(session_id, pool)
         policy = self.pools.cache(pool).policy
-        return stack.lookup(keys, Holder(s.owner, policy.seconds(hold_ms)))
+        return stack.lookup(keys, Holder(s.owner, policy.seconds(hold_ms)), touch=touch)
 
     def release_holds(self, session_id: str, keys: list[bytes] | None) -> int:
         """End the session's holds of ``keys`` (none: all of them); returns how many."""

@@ -143,14 +143,16 @@ class TierStack:
         r = self.remote
         return r.exists if r is not None and r.store.up else None
 
-    def lookup(self, keys: Sequence[bytes], holder: Holder | None = None
+    def lookup(self, keys: Sequence[bytes], holder: Holder | None = None, touch: bool = False
                ) -> tuple[int, bytes, int]:
         """(hit prefix, tier bytes, keys held): with a ``holder``, what host memory has of the
-        hit prefix is held now and what only a lower tier has is promoted, then held."""
+        hit prefix is held now and what only a lower tier has is promoted, then held;
+        ``touch``: the host pages of the hit count as used now."""
         if holder is None:
-            hit_prefix, tiers = self.cache.lookup(keys, self._below())
+            hit_prefix, tiers = self.cache.lookup(keys, self._below(), touch=touch)
             return hit_prefix, tiers, 0
-        hit_prefix, tiers, held = self.cache.lookup_held(keys, holder, self._below())
+        hit_prefix, tiers, held = self.cache.lookup_held(keys, holder, self._below(),
+                                                         touch=touch)
         if held < hit_prefix and self.prefetcher is not None and tiers[held] > 1:
             self.prefetcher.submit(keys[held:hit_prefix], holder.owner, holder.seconds)
         return hit_prefix, tiers, held

@@ -162,6 +162,20 @@ def test_a_hit_is_held_through_another_writer_filling_the_pool(daemon: DaemonPro
     assert got["worker"]["load_failures"] == 0
 
 
+@pytest.mark.parametrize("touch", [False, True])
+def test_blocks_vllm_touches_are_the_last_the_daemon_evicts(daemon: DaemonProc, model: str,
+                                                            touch: bool) -> None:
+    """vLLM 0.33's connector never calls ``touch`` (its tiering manager does): called as it
+    would be, the touched blocks outlive the ones stored after them; untouched, the oldest
+    go first. The scheduler's thread only queues the touch."""
+    got = run("touch_keeps_pages", model=model, target=daemon.target, touch=touch)
+    assert got["filled"] == 10
+    kept, gone = "01" * 4, "00" * 2 + "01" * 2
+    assert (got["a"], got["b"]) == ((kept, gone) if touch else (gone, kept))
+    assert got["manager"].get("touched_blocks", 0) == (4 if touch else 0)
+    assert got["returned_s"] < 0.05
+
+
 def test_sglang_and_vllm_on_one_daemon_at_once_each_exact(tmp_path: Path, model: str) -> None:
     """The same model served by SGLang's linker and vLLM's spec: two pools (their pages are
     laid out differently), each engine exact, at the same time."""

@@ -528,16 +528,18 @@ class TransferResponse(_message.Message):
     def __init__(self, bytes_moved: _Optional[int] = ..., pages: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("pool", "keys", "session_id", "hold_ms")
+    __slots__ = ("pool", "keys", "session_id", "hold_ms", "touch")
     POOL_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    TOUCH_FIELD_NUMBER: _ClassVar[int]
     pool: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
     hold_ms: int
-    def __init__(self, pool: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+    touch: bool
+    def __init__(self, pool: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., hold_ms: _Optional[int] = ..., touch: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_prefix", "tiers", "hits", "held")
