@@ -131,6 +131,28 @@ def test_a_failing_release_does_not_stop_the_next_and_other_hows_run_there_too()
         book.close()
 
 
+def test_later_runs_on_the_release_thread_in_order_and_survives_a_failure() -> None:
+    """``later`` (vLLM's touches) runs after what was queued before it, on the release
+    thread; one that raises leaves the thread serving."""
+    rec = Recorder()
+    order: list[str] = []
+
+    def boom() -> None:
+        order.append(threading.current_thread().name)
+        raise RuntimeError("daemon gone")
+
+    book = HoldBook(1000, rec, name="holds-under-test")
+    try:
+        book.release(["a"], lambda keys: order.append("release"))
+        book.later(boom)
+        book.later(lambda: order.append("touch"))
+        book.release(["b"])
+        assert rec.wait(1) == [["b"]]
+        assert order == ["release", "holds-under-test", "touch"]
+    finally:
+        book.close()
+
+
 class BookModel(RuleBasedStateMachine):
     """Claims, drops and drop_all in any order against a multiset of claims: what is released
     is exactly what loses its last claim and was not consumed, once."""
