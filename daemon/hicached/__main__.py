@@ -24,6 +24,8 @@ from hicache.errors import HiCacheError
 from hicached.server.config import ServerConfig, config_from_mapping
 
 ENV_PREFIX = "HICACHED_"
+SIGNAL_CHECK_SECONDS = 0.25
+"""How often the main thread wakes to run a signal's handler that another thread received."""
 _FLAGS: dict[str, tuple[str, str]] = {
     # flag -> (setting, help)
     "--listen": ("listen", "gRPC target, repeatable: unix:PATH (default: a 0600 socket in "
@@ -174,8 +176,11 @@ def serve(config: ServerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    # asleep until stopped: by a signal's drain, or by the Drain RPC (hicachectl drain)
-    server.wait()
+    # asleep until stopped: by a signal's drain, or by the Drain RPC (hicachectl drain). In
+    # short waits: a signal the kernel hands to another thread (one of gRPC's or ZeroMQ's)
+    # only flags the interpreter, and the handler runs when this thread next runs Python
+    while not server.wait(SIGNAL_CHECK_SECONDS):
+        pass
     for t in threading.enumerate():
         if t.name == "drain":
             t.join()  # its last log line

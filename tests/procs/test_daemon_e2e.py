@@ -23,7 +23,7 @@ from hicache.identity import public_session_id
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests.daemon_proc import REPO, DaemonProc, Daemons, start_daemon
 
 SPEC = PoolSpec("e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
                 Layout.PAGE_FIRST, size_tokens=4096)
@@ -324,6 +324,34 @@ def test_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
     log = d.log()
     assert "draining" in log and "hicached stopped" in log
     assert not os.path.exists(d.socket)
+
+
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    """``sig`` to one thread of another process (what the kernel may do with a process's
+    signal when the main thread cannot take it at once)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(234, pid, tid, sig) != 0:  # SYS_tgkill on x86-64
+        raise OSError(ctypes.get_errno(), "tgkill")
+
+
+@pytest.mark.parametrize("thread", ["grpc", "python"])
+def test_sigterm_taken_by_another_thread_still_drains(daemons: Daemons, thread: str) -> None:
+    """A SIGTERM the kernel hands to a thread other than the main one (gRPC's, or one of
+    the daemon's own Python threads) only flags the interpreter; the main thread must still
+    run the handler: the daemon drains and exits 0, in seconds."""
+    d = daemons.start()
+    names = {}
+    for task in Path(f"/proc/{d.proc.pid}/task").iterdir():
+        if int(task.name) != d.proc.pid:
+            names[int(task.name)] = (task / "comm").read_text().strip()
+    want = ("grpc", "event_engine") if thread == "grpc" else ("python",)
+    tid = next(t for t, n in sorted(names.items()) if n.startswith(want))
+    t0 = time.monotonic()
+    _tgkill(d.proc.pid, tid, signal.SIGTERM)
+    assert d.proc.wait(10) == 0, d.log()[-2000:]
+    assert time.monotonic() - t0 < 5 and "hicached stopped" in d.log()
 
 
 def test_client_reconnects_after_daemon_restart(tmp_path: Path) -> None:
