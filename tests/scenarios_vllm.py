@@ -240,10 +240,10 @@ def touch_keeps_pages(model: str, target: str, touch: bool, blocks: int = 4, **k
     stores 10 pages, evicting the 2 least recently used: B's first two if A was touched, A's
     otherwise. Returns each prompt's tier bytes in the pool afterwards."""
     import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext
 
     from hicache_client import HiCacheClient
     from hicache_client.shm import ShmDeviceBuffers
-    from vllm.v1.kv_offload.base import ReqContext
 
     e = Engine(model, target, extra={"pool_size_tokens": 16 * 16}, **kw)
     bs = e.block_size
