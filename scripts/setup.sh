@@ -74,7 +74,7 @@ setup_hicached() {
     local extras="" missing=()
     command -v cc >/dev/null 2>&1 || missing+=(gcc)  # the native copy kernel is C
     if [ "${1:-}" = "--test" ]; then
-        extras="[test,sglang-cpu-test,mooncake-cpu]"
+        extras="[test,sglang-cpu-test,mooncake-cpu,router-test]"
         # the observability tests run a real Prometheus server and promtool
         command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
             || missing+=(prometheus)
@@ -95,7 +95,7 @@ setup_hicached() {
         _hicached_torch || return 1
     fi
     local what="numpy, grpcio, protobuf, prometheus-client, xxhash, pyzmq, msgspec"
-    [ -z "$extras" ] || what="$what; the extras of pyproject.toml: test tools, SGLang's cache-path imports, Mooncake's wheel"
+    [ -z "$extras" ] || what="$what; the extras of pyproject.toml: test tools, SGLang's cache-path imports, Mooncake's wheel, Dynamo's KV indexer"
     _hicached_say "pip install -e .${extras} (hicached, hicache, hicache_client, hicache_sglang:" \
         "$what)"
     python3 -m pip install -q --disable-pip-version-check -e ".${extras}"

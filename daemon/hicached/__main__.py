@@ -127,7 +127,11 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         merged["tier"] = tiers
     kv_events = {k: v for k, v in (("endpoint", getattr(args, "kv_events_endpoint", None)),
                                    ("replay_endpoint",
-                                    getattr(args, "kv_events_replay_endpoint", None)))
+                                    getattr(args, "kv_events_replay_endpoint", None)),
+                                   ("pool_endpoint",
+                                    getattr(args, "kv_events_pool_endpoint", None)),
+                                   ("pool_replay_endpoint",
+                                    getattr(args, "kv_events_pool_replay_endpoint", None)))
                  if v is not None}
     if kv_events:  # over [kv_events] of the file
         merged["kv_events"] = {**merged.get("kv_events", {}), **kv_events}
@@ -215,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--kv-events-replay-endpoint",
                     help="answer replay requests on this ROUTER endpoint ([kv_events] "
                          "replay_endpoint)")
+    sp.add_argument("--kv-events-pool-endpoint",
+                    help="a KV event stream per pool, for routers that follow engine "
+                         "instances: ipc:///dir/{pool} ([kv_events] pool_endpoint)")
+    sp.add_argument("--kv-events-pool-replay-endpoint",
+                    help="each pool's stream's replay socket: ipc:///dir/{pool}.replay "
+                         "([kv_events] pool_replay_endpoint)")
     sp.add_argument("--no-shm-paths", action="store_true",
                     help="refuse shm buffers named by path: CPU workers hand over sealed memfds")
     sp.add_argument("--no-fast-path", action="store_true",

@@ -5,6 +5,7 @@ budget, and the endpoints it refuses.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import time
@@ -279,6 +280,61 @@ def test_a_file_planted_where_the_socket_goes_refuses_the_start(tmp_path: Path) 
     with pytest.raises(UntrustedPath):
         pub.start()
     pub.close()
+
+
+def test_pool_endpoints_are_ipc_templates_and_a_long_name_gets_a_digest() -> None:
+    c = KvEventsConfig(pool_endpoint="ipc:///run/h/ev/{pool}",
+                       pool_replay_endpoint="ipc:///run/h/ev/{pool}.replay")
+    assert c.enabled and not c.endpoint  # a pool's own streams without the node's
+    assert c.pool_endpoints("llama-tp0of2") == ("ipc:///run/h/ev/llama-tp0of2",
+                                                "ipc:///run/h/ev/llama-tp0of2.replay")
+    long = "vllm-" + "x" * 120
+    ep, replay = c.pool_endpoints(long)
+    digest = hashlib.sha256(long.encode()).hexdigest()[:16]
+    assert ep == f"ipc:///run/h/ev/pool-{digest}" and replay == f"{ep}.replay"
+    assert c.pool_endpoints(long) == (ep, replay)  # the same after a restart
+    assert KvEventsConfig().pool_endpoints("p") == ("", "")
+    bad = [{"pool_endpoint": "ipc:///run/h/ev/fixed"},  # one socket for every pool
+           {"pool_endpoint": "tcp://127.0.0.1:{pool}"}, {"pool_endpoint": "ipc://rel/{pool}"},
+           {"pool_replay_endpoint": "ipc:///run/h/{pool}.r"},
+           {"pool_endpoint": "ipc:///run/h/{pool}", "pool_replay_endpoint": "ipc:///run/h/{pool}"},
+           {"pool_endpoint": "ipc:///" + "d" * 120 + "/{pool}"}]
+    for kwargs in bad:
+        with pytest.raises(HiCacheError) as exc:
+            KvEventsConfig(**kwargs)  # type: ignore[arg-type]
+        assert exc.value.reason == "SPEC_INVALID", kwargs
+
+
+def test_a_file_planted_where_a_pools_stream_goes_leaves_that_pool_without_one(
+        pool: HostPool, tmp_path: Path) -> None:
+    """A pool whose socket path holds a file the daemon did not make gets no stream of its
+    own (``GetPool`` names none, the file stays); the pool and the node's stream serve on."""
+    (tmp_path / "ev").mkdir(mode=0o700)
+    planted = tmp_path / "ev" / "p"
+    planted.write_text("not ours to remove")
+    cache = PoolCache(pool, EventLog(chains=ChainTable(1 << 20, PS)))
+    stack = TierStack(pool, cache)
+    stack.start()
+    pub = KvEventPublisher(KvEventsConfig(endpoint=f"ipc://{tmp_path}/kv.sock",
+                                          replay_endpoint=f"ipc://{tmp_path}/r.sock",
+                                          pool_endpoint=f"ipc://{tmp_path}/ev/{{pool}}"))
+    pub.start()
+    f = Follower(pub.endpoint, pub.replay_endpoint)
+    try:
+        time.sleep(0.2)
+        pub.attached("p", stack)
+        deadline = time.monotonic() + 5
+        while pub.pool_endpoints("p") != ("", "") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub.pool_endpoints("p") == ("", "") and pub.stats().pool_streams == 0
+        assert planted.read_text() == "not ours to remove"
+        key = os.urandom(32)
+        _store(cache, [key])
+        f.until(lambda: f.held("p", "CPU_PINNED") == {block_hash(key)})
+    finally:
+        f.close()
+        pub.close()
+        stack.close()
 
 
 def test_the_kv_events_table_and_flags_make_the_config() -> None:

@@ -212,6 +212,11 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                       "sessions", "keys", "disk", "cluster", "raw", "busy", "state",
                       "attach"],
                      [_pool_row(p) for p in resp.pools]))
+        for p in resp.pools:  # where a router follows the instances of each pool
+            if p.kv_events_endpoint:
+                print(f"{p.spec.name}: KV events on {p.kv_events_endpoint}"
+                      + (f" (replay {p.kv_events_replay_endpoint})"
+                         if p.kv_events_replay_endpoint else ""))
         return 0
     sessions = client.list_sessions(args.pool)
     if args.json:

@@ -57,6 +57,10 @@ class PoolInfo:
     """Stored keys waiting to be written there."""
     busy_pages: int = 0
     """Pages a copy is reading or writing right now (never evicted)."""
+    kv_events_endpoint: str = ""
+    """The pool's own KV event stream ("" = none): register the engine instances that load
+    from this pool with it."""
+    kv_events_replay_endpoint: str = ""
 
     @classmethod
     def from_proto(cls, p: pb.Pool) -> PoolInfo:
@@ -67,7 +71,8 @@ class PoolInfo:
                    p.metadata_bytes, state, p.progress if state != "READY" else 1.0,
                    p.error, p.error_reason, p.attach_outcome, p.generation, p.recovered_keys,
                    p.disk_keys, p.disk_capacity_pages, p.remote_namespace, p.remote_puts,
-                   p.remote_pending, p.busy_pages or p.pinned_pages)
+                   p.remote_pending, p.busy_pages or p.pinned_pages, p.kv_events_endpoint,
+                   p.kv_events_replay_endpoint)
 
 
 @dataclass(frozen=True)

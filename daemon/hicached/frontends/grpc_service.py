@@ -51,7 +51,8 @@ def pool_message(v: PoolView) -> pb.Pool:
                    generation=v.generation, recovered_keys=v.recovered_keys,
                    disk_keys=v.disk_keys, disk_capacity_pages=v.disk_capacity_pages,
                    remote_namespace=v.remote_namespace, remote_puts=v.remote_puts,
-                   remote_pending=v.remote_pending)
+                   remote_pending=v.remote_pending, kv_events_endpoint=v.kv_events_endpoint,
+                   kv_events_replay_endpoint=v.kv_events_replay_endpoint)
 
 
 class HostCacheServicer(pb_grpc.HostCacheServicer):

@@ -4,7 +4,8 @@ The settings are SGLang's ``KVEventsConfig``'s where they mean the same (``endpo
 ``replay_endpoint``, ``topic``, ``buffer_steps``, ``hwm``, ``max_queue_size``, ``format``), so
 an operator who wired a router to an engine wires it to the daemon the same way.
 
-Primitives: ``KvEventsConfig`` (frozen; ``from_mapping`` reads the TOML table; ``enabled``),
+Primitives: ``KvEventsConfig`` (frozen; ``from_mapping`` reads the TOML table; ``enabled``;
+``pool_endpoints(pool)``), ``pool_endpoint(template, pool)``: a pool's stream's endpoint,
 ``check_endpoint(endpoint, field, allow_remote)``: an endpoint the publisher may bind, else
 ``SPEC_INVALID`` naming it; ``seq_file(state_dir)``: where the stream's last sequence is kept;
 ``KvEventStats``: what the publisher reports to metrics. Nothing here imports ZeroMQ: a daemon
@@ -13,6 +14,7 @@ without ``[kv_events]`` never loads it.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 from collections.abc import Mapping
@@ -59,6 +61,16 @@ class KvEventsConfig:
     chain_bytes: int = 32 << 20
     """Per pool, the memory kept of the chains of recently stored keys (parent, tokens), so
     that a key's spill, put or promotion is published with them again."""
+    pool_endpoint: str = ""
+    """A stream per pool, for routers that follow engine instances: ``ipc:///dir/{pool}``,
+    ``{pool}`` replaced by the pool's name (by ``pool-`` and a digest of it where the path
+    would be longer than ZeroMQ allows). Each carries that pool's events only, numbered on
+    its own, and a snapshot of the pool to every subscriber that joins: register each
+    engine instance with the stream of the pool it loads from (``GetPool``'s
+    ``kv_events_endpoint``). "" = none (the default)."""
+    pool_replay_endpoint: str = ""
+    """The replay socket of each pool's stream (``ipc:///dir/{pool}.replay``), answering in
+    SGLang's frames; "" = none. Needs ``pool_endpoint``."""
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -67,6 +79,20 @@ class KvEventsConfig:
                 check_endpoint(value, f"kv_events.{name}", self.allow_remote)
         if self.replay_endpoint and not self.endpoint:
             raise SpecInvalid("kv_events.replay_endpoint needs kv_events.endpoint")
+        for name in ("pool_endpoint", "pool_replay_endpoint"):
+            value = getattr(self, name)
+            if value and ("{pool}" not in value or not value.startswith("ipc://")):
+                raise SpecInvalid(f"kv_events.{name} is an ipc:///path with {{pool}} in it "
+                                  "(one socket per pool)",
+                                  metadata={"field": f"kv_events.{name}", "endpoint": value})
+            if value:
+                check_endpoint(pool_endpoint(value, "p"), f"kv_events.{name}",
+                               self.allow_remote)
+        if self.pool_replay_endpoint and not self.pool_endpoint:
+            raise SpecInvalid("kv_events.pool_replay_endpoint needs kv_events.pool_endpoint")
+        if self.pool_replay_endpoint and self.pool_replay_endpoint == self.pool_endpoint:
+            raise SpecInvalid("kv_events.pool_replay_endpoint and pool_endpoint must differ",
+                              metadata={"endpoint": self.pool_endpoint})
         if self.replay_endpoint and self.replay_endpoint == self.endpoint:
             raise SpecInvalid("kv_events.replay_endpoint and endpoint must differ",
                               metadata={"endpoint": self.endpoint})
@@ -86,7 +112,13 @@ class KvEventsConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.endpoint)
+        return bool(self.endpoint or self.pool_endpoint)
+
+    def pool_endpoints(self, pool: str) -> tuple[str, str]:
+        """The endpoint and replay endpoint of ``pool``'s own stream ("" where none)."""
+        return (pool_endpoint(self.pool_endpoint, pool) if self.pool_endpoint else "",
+                pool_endpoint(self.pool_replay_endpoint, pool)
+                if self.pool_replay_endpoint else "")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, object]) -> KvEventsConfig:
@@ -108,12 +140,25 @@ class KvEventsConfig:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+IPC_PATH_BYTES = 100
+"""The longest ipc:// path an endpoint may have (the socket address holds 107 bytes)."""
+
+
+def pool_endpoint(template: str, pool: str) -> str:
+    """``template`` with ``{pool}`` replaced by the pool's name, or by ``pool-`` and 16 hex
+    digits of its SHA-256 where the path would be longer than ``IPC_PATH_BYTES``."""
+    out = template.replace("{pool}", pool)
+    if len(out.encode()) - len("ipc://") <= IPC_PATH_BYTES:
+        return out
+    return template.replace("{pool}", "pool-" + hashlib.sha256(pool.encode()).hexdigest()[:16])
+
+
 def check_endpoint(endpoint: str, field: str, allow_remote: bool) -> None:
     """``ipc://`` with an absolute path, or ``tcp://HOST:PORT`` on loopback (any host with
     ``allow_remote``); ``SPEC_INVALID`` naming ``field`` otherwise."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
-        if not os.path.isabs(path) or len(path.encode()) > 100:
+        if not os.path.isabs(path) or len(path.encode()) > IPC_PATH_BYTES:
             raise SpecInvalid(f"{field}: an ipc:// endpoint is an absolute path of at most 100 "
                               "bytes", metadata={"field": field, "endpoint": endpoint})
         return
@@ -162,10 +207,13 @@ class KvEventStats:
     """Replay requests that were not SGLang's three frames with an 8-byte start."""
     queued: int
     subscribers: int
-    """Connections on the PUB socket now."""
+    """Connections on the PUB sockets now (the node's stream and every pool's)."""
     replay_subscribers: int
-    """Connections on the replay socket now."""
+    """Connections on the replay sockets now."""
     last_seq: int
+    """The node's stream's last sequence."""
+    pool_streams: int = 0
+    """Pools' own streams open now."""
 
 def seq_file(state_dir: str) -> str:
     """Where the stream's last sequence is kept ("" without a state directory)."""

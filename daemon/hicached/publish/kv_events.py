@@ -1,32 +1,40 @@
 """The daemon's KV event stream: what every tier of the node gains and loses, in the format
 SGLang's and vLLM's routers consume (``kv_event_format``), with SGLang's replay socket.
 
-One stream per daemon, one sequence number over it. Every message is one pool's (its topic
-frame is ``topic + pool``) or the daemon's (``topic`` alone: the ``AllBlocksCleared`` that
-opens a start and a resync). The sequence goes on from where the previous daemon stopped (it
-is saved in the state directory before each message is sent), so a restart is a gap to a
-subscriber that was following, never a repeat, and what follows it says what is true now:
-``AllBlocksCleared`` first, then every pool's contents as it attaches.
+Two kinds of streams (``kv_channel.Channel``), both optional:
 
-Nothing the daemon serves waits for the stream: pools' event logs hand their events to
+- **The node's** (``endpoint``): every pool's messages, each under its topic frame
+  (``topic + pool``), and the daemon's (``topic`` alone: the ``AllBlocksCleared`` that opens
+  a start and a resync). One sequence over all of them; it goes on from where the previous
+  daemon stopped (saved in the state directory before each message is sent), so a restart is
+  a gap to a subscriber that was following, never a repeat, and what follows it says what is
+  true now: ``AllBlocksCleared`` first, then every pool's contents as it attaches.
+- **Each pool's** (``pool_endpoint``): that pool's messages only, for a router that follows
+  engine instances (Dynamo's indexer registers an instance with one endpoint and counts all
+  it hears for that instance): an instance is registered with the stream of the pool it
+  loads from and is told exactly what that pool holds. Each opens with
+  ``AllBlocksCleared`` and the pool's contents, numbers its messages on its own (from the
+  node's sequence when it opened: never below what an earlier daemon sent on it), answers
+  replays in SGLang's frames, and sends a snapshot (``AllBlocksCleared``, then the contents)
+  whenever a subscriber joins: a router started late or restarted knows the whole pool.
+
+Nothing the daemon serves waits for the streams: pools' event logs hand their events to
 ``offer``, which queues them (``max_queue_size``) and wakes the publishing thread; an event
-that finds the queue full is dropped, counted, and the thread publishes a snapshot (the
-daemon's ``AllBlocksCleared``, then every pool's contents) once the queue has drained. A
-subscriber that falls behind ZeroMQ's high-water mark sees a gap in the sequence and asks the
-replay socket: from a sequence still buffered (``buffer_steps`` batches) it gets those batches
-again, from an older one a snapshot (every message numbered with the last sequence sent),
-then the end marker (an empty topic, sequence -1, an empty payload), as SGLang's publisher
-answers. At most ``REPLAYS_PER_TURN`` requests are served between two turns of publishing
-and a snapshot is built at most once per ``SNAPSHOT_REUSE_SECONDS``. Events are published
-``gather_ms`` after the first of them arrived, together.
+that finds the queue full is dropped, counted, and the thread publishes a snapshot on every
+stream once the queue has drained. A subscriber that falls behind ZeroMQ's high-water mark
+sees a gap in the sequence and asks the replay socket: from a sequence still buffered
+(``buffer_steps`` batches) it gets those batches again, from an older one a snapshot, then
+the end marker. Events are published ``gather_ms`` after the first of them arrived,
+together; a pool's stream and the node's carry the same payloads.
 
 Primitives:
 
 - ``KvEventPublisher(config, seq_path, socket_mode)``: ``start()`` (binds, publishes the start's
   ``AllBlocksCleared``), ``attached(name, stack)`` / ``deleting(name, stack)`` (a
-  ``PoolListener``: the pool's events followed, its contents published; on deletion its
-  contents published as removed), ``offer(pool, event)``, ``close()``, ``stats()``
-  (``kv_event_config.KvEventStats``), ``endpoint`` / ``replay_endpoint`` (as bound).
+  ``PoolListener``: the pool's events followed, its contents published, its stream opened; on
+  deletion its contents published as removed and its stream closed), ``offer(pool, event)``,
+  ``close()``, ``stats()`` (``kv_event_config.KvEventStats``), ``endpoint`` /
+  ``replay_endpoint`` (the node's, as bound), ``pool_endpoints(name)`` (a pool's).
 - ``END_SEQ``: the replay's end marker.
 """
 
@@ -35,12 +43,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import stat
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -48,7 +55,8 @@ import zmq
 from hicache import seams
 from hicached.cache.events import CacheEvent
 from hicached.core.log_limit import LimitedLog
-from hicached.core.trusted_paths import UntrustedPath, open_own, socket_dir
+from hicached.core.trusted_paths import open_own
+from hicached.publish.kv_channel import END_SEQ, Channel
 from hicached.publish.kv_event_config import KvEventsConfig, KvEventStats
 from hicached.publish.kv_event_format import (
     AllBlocksCleared,
@@ -62,24 +70,35 @@ from hicached.publish.kv_event_format import (
 )
 from hicached.tiers.stack import TierStack
 
+__all__ = ["END_SEQ", "KvEventPublisher"]
+
 log = logging.getLogger(__name__)
 _limited = LimitedLog(log)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-BUFFER_MAX_BYTES = 64 << 20
-"""The replay buffer's bound in bytes, beside ``buffer_steps`` messages (a replay from before
-what it keeps gets a snapshot)."""
+JOIN_SNAPSHOT_SECONDS = 1.0
+"""The least time between two snapshots a pool's stream sends for subscribers that joined:
+joins within it share the next one (a process that connects again and again costs the
+daemon one snapshot of the pool per interval, not one per connection)."""
 DRAIN_ITEMS = 4096
-"""Queued items one turn of the thread publishes before it looks at the replay socket."""
-REPLAYS_PER_TURN = 8
-SNAPSHOT_REUSE_SECONDS = 1.0
+"""Queued items one turn of the thread publishes before it looks at the replay sockets."""
 IDLE_POLL_MS = 200
-_MONITOR_EVENT = struct.Struct("=H")
+
+
+@dataclass(frozen=True)
+class _Attach:
+    """A pool attached: its contents when its events began (its stream opens with them)."""
+
+    contents: list[BlockStored]
+
+
+@dataclass(frozen=True)
+class _Detach:
+    """A pool going: its contents, as removed (its stream closes after them)."""
+
+    gone: list[BlockRemoved]
 
 
 _Item = tuple[str, Any]
-"""(pool, a ``CacheEvent``, or engine events: a start's ``AllBlocksCleared``, an attached
-pool's contents, a deleted pool's removals)."""
 
 
 class KvEventPublisher:
@@ -91,13 +110,20 @@ class KvEventPublisher:
         self._prefix = config.topic.encode()
         self._pools: dict[str, TierStack] = {}
         self._queue: deque[_Item] = deque()
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque()
-        self._buffer_bytes = 0
         self._encoder = Encoder()
-        self._ctx = zmq.Context()
-        self._pub: zmq.Socket[bytes] | None = None
-        self._replay: zmq.Socket[bytes] | None = None
-        self._monitors: dict[Any, str] = {}
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._node: Channel | None = None
+        """The node's stream (``endpoint``), if configured."""
+        self._streams: dict[str, Channel] = {}
+        """Each pool's own stream (``pool_endpoint``), opened and closed on the thread."""
+        self._owed: dict[str, float] = {}
+        """Pools whose stream owes joined subscribers a snapshot -> when it may go."""
+        self._snapped: dict[str, float] = {}
+        """Pools -> when their stream last sent a snapshot for a join."""
+        self._failed: set[str] = set()
+        """Pools whose own stream could not bind (no endpoint is told for them)."""
+        self._polled: dict[Any, Channel] = {}
+        self._poller_stale = True
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._seq_fd = -1
         self._next_seq = 0
@@ -105,54 +131,26 @@ class KvEventPublisher:
         self._resync = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
-        self._snapshot: tuple[float, int, list[tuple[bytes, bytes]]] | None = None
-        self._counts = dict.fromkeys(("published", "dropped", "messages", "resyncs",
-                                      "replays", "bad_replays", "pub", "replay"), 0)
+        self._counts = dict.fromkeys(("published", "dropped", "resyncs"), 0)
+        self._gone = dict.fromkeys(("messages", "replays", "bad_replays"), 0)
+        """What closed pool streams counted (the totals keep them)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         if self.seq_path:
             self._next_seq = self._open_seq() + 1
-        self._pub = self._bind(zmq.PUB, self.config.endpoint, "pub")
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.config.replay_endpoint:
-            self._replay = self._bind(zmq.ROUTER, self.config.replay_endpoint, "replay")
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._queue.appendleft(("", [AllBlocksCleared()]))  # before any pool's contents
+        if self.config.endpoint:
+            self._node = Channel(self._ctx, self.config, self.socket_mode, self._next_seq,
+                                 self._save_seq, replay_topic=True)
+            self._node.bind(self.config.endpoint, self.config.replay_endpoint)
+            self.endpoint, self.replay_endpoint = (self._node.endpoint,
+                                                   self._node.replay_endpoint)
+            self._queue.appendleft(("", [AllBlocksCleared()]))  # before any pool's contents
         self._thread.start()
-        log.info("KV events on %s (replay %s, topic %r, first sequence %d)", self.endpoint,
-                 self.replay_endpoint or "off", self.config.topic, self._next_seq)
-
-    def _bind(self, kind: int, endpoint: str, name: str) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
-        sock.setsockopt(zmq.RCVHWM, 64)
-        # what a peer may send: a subscription (a topic prefix), a replay request (8 bytes)
-        sock.setsockopt(zmq.MAXMSGSIZE, 4096 if kind == zmq.PUB else 64)
-        if endpoint.startswith("ipc://"):
-            self._clear_ipc(endpoint[len("ipc://"):])
-        sock.bind(endpoint)
-        if endpoint.startswith("ipc://"):
-            os.chmod(endpoint[len("ipc://"):], self.socket_mode)
-        self._monitors[sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-                       ] = name
-        return sock
-
-    @staticmethod
-    def _clear_ipc(path: str) -> None:
-        """The socket's directory trusted; a socket file a killed daemon left (ours) is
-        replaced, anything else there refuses the start (``UntrustedPath``)."""
-        socket_dir(os.path.dirname(path))
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-            raise UntrustedPath(path, "a file the daemon did not make is where its KV event "
-                                "socket goes", "remove it, or choose another endpoint")
-        os.unlink(path)
+        log.info("KV events on %s (replay %s, topic %r, first sequence %d); pools' own "
+                 "streams %s", self.endpoint or "no node stream", self.replay_endpoint or "off",
+                 self.config.topic, self._next_seq, self.config.pool_endpoint or "off")
 
     def _open_seq(self) -> int:
         """The last sequence the previous daemon sent (its file trusted), or -1."""
@@ -160,14 +158,20 @@ class KvEventPublisher:
         raw = os.pread(self._seq_fd, 8, 0)
         return int.from_bytes(raw, "big", signed=True) if len(raw) == 8 else -1
 
+    def _save_seq(self, seq: int) -> None:
+        self._next_seq = seq + 1
+        if self._seq_fd >= 0:
+            os.pwrite(self._seq_fd, seq.to_bytes(8, "big", signed=True), 0)
+
     def close(self) -> None:
         self._stop.set()
         os.eventfd_write(self._wake_fd, 1)
         if self._thread.is_alive():
             self._thread.join(5)
-        for sock in (*self._monitors, self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
+        for ch in (self._node, *self._streams.values()):
+            if ch is not None:
+                ch.close()
+        self._streams = {}
         self._ctx.term()
         for fd in (self._wake_fd, self._seq_fd):
             if fd >= 0:
@@ -182,7 +186,7 @@ class KvEventPublisher:
         stack.cache.events.listener = functools.partial(self.offer, name)
         # its contents now, before it serves: what it holds when its events begin (a change
         # between these two lines would be told twice, never lost)
-        self._put((name, self._contents(name)))
+        self._put((name, _Attach(self._contents(name))))
 
     def deleting(self, name: str, stack: TierStack) -> None:
         stack.cache.events.listener = None
@@ -190,7 +194,7 @@ class KvEventPublisher:
                 for e in self._contents(name)]
         with self._lock:
             self._pools.pop(name, None)
-        self._put((name, gone))
+        self._put((name, _Detach(gone)))
 
     def offer(self, pool: str, event: CacheEvent) -> None:
         """A pool's event (its log's listener, called under the log's lock): queued, or
@@ -208,25 +212,48 @@ class KvEventPublisher:
         if empty and self._wake_fd >= 0:
             os.eventfd_write(self._wake_fd, 1)
 
+    def pool_endpoints(self, name: str) -> tuple[str, str]:
+        """Where ``name``'s own stream is (endpoint, replay endpoint; "" where none): open,
+        or opening on the publisher's thread."""
+        with self._lock:
+            if name not in self._pools or name in self._failed:
+                return "", ""
+        return self.config.pool_endpoints(name)
+
     def stats(self) -> KvEventStats:
         with self._lock:
             c = dict(self._counts)
-        return KvEventStats(c["published"], c["dropped"], c["messages"], c["resyncs"],
-                            c["replays"], c["bad_replays"], len(self._queue), c["pub"],
-                            c["replay"], self._next_seq - 1)
+            channels = [ch for ch in (self._node, *self._streams.values()) if ch is not None]
+            totals = {k: self._gone.get(k, 0) + sum(ch.counts[k] for ch in channels)
+                      for k in ("messages", "replays", "bad_replays", "pub", "replay")}
+            streams = len(self._streams)
+        return KvEventStats(c["published"], c["dropped"], totals["messages"], c["resyncs"],
+                            totals["replays"], totals["bad_replays"], len(self._queue),
+                            totals["pub"], totals["replay"], self._next_seq - 1, streams)
 
     # -- the thread ------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _poller(self) -> zmq.Poller:
         poller = zmq.Poller()
         poller.register(self._wake_fd, zmq.POLLIN)
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
-        for mon in self._monitors:
-            poller.register(mon, zmq.POLLIN)
+        self._polled = {sock: ch for ch in (self._node, *self._streams.values())
+                        if ch is not None for sock in ch.sockets()}
+        for sock in self._polled:
+            poller.register(sock, zmq.POLLIN)
+        self._poller_stale = False
+        return poller
+
+    def _run(self) -> None:
+        poller = self._poller()
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(0 if self._queue else IDLE_POLL_MS))
+                if self._poller_stale:
+                    poller = self._poller()
+                wait = 0 if self._queue else IDLE_POLL_MS
+                if self._owed and wait:  # a snapshot owed: wake when it is due
+                    due = min(self._owed.values()) - time.monotonic()
+                    wait = min(wait, max(int(due * 1000) + 1, 0))
+                ready = dict(poller.poll(wait))
                 if self._wake_fd in ready:
                     os.eventfd_read(self._wake_fd)
                     del ready[self._wake_fd]
@@ -235,17 +262,49 @@ class KvEventPublisher:
                         # daemon's interpreter) per interval, not one per Store; the queue
                         # stays non-empty meanwhile, so no Store writes the eventfd again
                         ready.update(poller.poll(self.config.gather_ms))
+                        ready.pop(self._wake_fd, None)
                 self._drain()
-                if self._replay is not None and self._replay in ready:
-                    self._serve_replays()
-                for mon, name in self._monitors.items():
-                    if mon in ready:
-                        self._watch(mon, name)
+                self._serve(ready)
+                self._send_owed()
                 if self._resync and not self._queue:
                     self._publish_snapshot()
             except Exception:  # never let the stream die of one bad turn
                 log.exception("KV event publisher: a turn failed")
                 time.sleep(0.1)
+
+    def _serve(self, ready: dict[Any, int]) -> None:
+        """Replay requests, subscriptions and connection counts on the sockets that have
+        something; a pool's stream that a subscriber joined publishes its snapshot."""
+        for sock in ready:
+            ch = self._polled.get(sock)
+            if ch is None or (ch is not self._node and ch not in self._streams.values()):
+                continue  # a stream closed this turn
+            if ch.is_replay(sock):
+                ch.serve_replays(functools.partial(self._snapshot_frames, ch))
+            elif ch.is_pub(sock):
+                if ch.joined():
+                    pool = self._pool_of(ch)
+                    self._owed.setdefault(pool, self._snapped.get(pool, 0.0)
+                                          + JOIN_SNAPSHOT_SECONDS)
+            elif ch.owns_monitor(sock):
+                ch.watch(sock)
+
+    def _send_owed(self) -> None:
+        """The snapshots owed to subscribers that joined, those whose time has come: the
+        joins of one interval share one. Events still queued follow it, each saying what
+        became true after it was taken or before."""
+        now = time.monotonic()
+        for pool, due in list(self._owed.items()):
+            stream = self._streams.get(pool)
+            if stream is None:
+                del self._owed[pool]
+            elif now >= due:
+                del self._owed[pool]
+                self._snapped[pool] = now
+                self._send_stream(stream, pool, self._pool_snapshot(stream))
+
+    def _pool_of(self, ch: Channel) -> str:
+        return next((n for n, c in self._streams.items() if c is ch), "")
 
     def _drain(self) -> None:
         seams.reached("kv_events.turn")
@@ -260,7 +319,13 @@ class KvEventPublisher:
             group, pool = [], name
             if isinstance(item, CacheEvent):
                 group.append(item)
-            else:  # a start's AllBlocksCleared, a pool's contents or removals
+            elif isinstance(item, _Attach):
+                self._open_stream(name)
+                self._send(name, item.contents, opening=True)
+            elif isinstance(item, _Detach):
+                self._send(name, item.gone)
+                self._close_stream(name)
+            else:  # a start's AllBlocksCleared
                 self._send(name, item)
         self._flush(pool, group)
 
@@ -280,95 +345,97 @@ class KvEventPublisher:
     def _topic(self, pool: str) -> bytes:
         return self._prefix + pool.encode()
 
-    def _send(self, pool: str, events: Sequence[EngineEvent]) -> None:
-        assert self._pub is not None
+    def _send(self, pool: str, events: Sequence[EngineEvent], opening: bool = False) -> None:
+        """``events`` on the node's stream and, for a pool's, on its own stream too (the
+        same payloads); ``opening``: the pool's stream opens with ``AllBlocksCleared``."""
         topic = self._topic(pool)
+        stream = self._streams.get(pool) if pool else None
+        if stream is not None and opening:
+            self._send_stream(stream, pool, [AllBlocksCleared()])
         for chunk in messages(events):
             payload = self._encoder.batch(chunk)
-            seq = self._next_seq
-            self._next_seq += 1
-            if self._seq_fd >= 0:  # saved before it is sent: a restart never repeats it
-                os.pwrite(self._seq_fd, seq.to_bytes(8, "big", signed=True), 0)
-            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-            self._buffer.append((seq, topic, payload))
-            self._buffer_bytes += len(payload)
-            while (len(self._buffer) > self.config.buffer_steps
-                   or self._buffer_bytes > BUFFER_MAX_BYTES):
-                self._buffer_bytes -= len(self._buffer.popleft()[2])
+            if self._node is not None:
+                self._node.send(topic, payload)
+            if stream is not None:
+                stream.send(topic, payload)
             with self._lock:
                 self._counts["published"] += len(chunk)
-                self._counts["messages"] += 1
 
-    def _snapshot_events(self) -> list[tuple[str, Sequence[EngineEvent]]]:
+    def _send_stream(self, stream: Channel, pool: str, events: Sequence[EngineEvent]) -> None:
+        """``events`` on one pool's stream only (its opening, a snapshot for a subscriber
+        that joined)."""
+        topic = self._topic(pool)
+        for chunk in messages(events):
+            stream.send(topic, self._encoder.batch(chunk))
+            with self._lock:
+                self._counts["published"] += len(chunk)
+
+    # -- pools' own streams ----------------------------------------------------------------
+
+    def _open_stream(self, name: str) -> None:
+        endpoint, replay = self.config.pool_endpoints(name)
+        if not endpoint or name in self._streams:
+            return
+        # numbered from the node's sequence now: above all an earlier daemon sent on it
+        stream = Channel(self._ctx, self.config, self.socket_mode,
+                         max(self._next_seq, 0), announce=True)
+        try:
+            stream.bind(endpoint, replay)
+        except Exception as exc:  # the pool serves on; its router is told why not
+            stream.close()
+            with self._lock:
+                self._failed.add(name)
+            _limited.warning("KV events: pool %s's own stream cannot bind %s: %s", name,
+                             endpoint, exc, key=f"bind {name}")
+            return
         with self._lock:
-            names = list(self._pools)
-        return [("", [AllBlocksCleared()]), *((n, self._contents(n)) for n in names)]
+            self._streams[name] = stream
+        self._poller_stale = True
+        log.info("KV events of pool %s on %s (replay %s)", name, stream.endpoint,
+                 stream.replay_endpoint or "off")
+
+    def _close_stream(self, name: str) -> None:
+        with self._lock:
+            self._failed.discard(name)
+            stream = self._streams.pop(name, None)
+            if stream is not None:
+                for k in self._gone:
+                    self._gone[k] += stream.counts[k]
+        self._owed.pop(name, None)
+        self._snapped.pop(name, None)
+        if stream is not None:
+            stream.close()
+            self._poller_stale = True
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def _pool_snapshot(self, stream: Channel) -> list[EngineEvent]:
+        return [AllBlocksCleared(), *self._contents(self._pool_of(stream))]
+
+    def _snapshot_frames(self, ch: Channel) -> list[tuple[bytes, bytes]]:
+        """What a stream holds now, as (topic, payload) messages: for the node's stream,
+        ``AllBlocksCleared`` and every pool's contents; for a pool's, that pool's."""
+        if ch is self._node:
+            with self._lock:
+                names = list(self._pools)
+            groups: list[tuple[str, Sequence[EngineEvent]]] = [
+                ("", [AllBlocksCleared()]), *((n, self._contents(n)) for n in names)]
+        else:
+            groups = [(self._pool_of(ch), self._pool_snapshot(ch))]
+        return [(self._topic(pool), self._encoder.batch(chunk))
+                for pool, events in groups for chunk in messages(events)]
 
     def _publish_snapshot(self) -> None:
         with self._lock:
             self._resync = False
             self._counts["resyncs"] += 1
+            names = list(self._pools)
         _limited.warning("KV events were dropped (the queue of %d was full): publishing a "
                          "snapshot of every pool", self.config.max_queue_size, key="resync")
-        for pool, events in self._snapshot_events():
-            self._send(pool, events)
-
-    # -- replay ----------------------------------------------------------------------------
-
-    def _serve_replays(self) -> None:
-        assert self._replay is not None
-        for _ in range(REPLAYS_PER_TURN):
-            try:
-                frames = self._replay.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 3 or len(frames[2]) != 8:
-                with self._lock:
-                    self._counts["bad_replays"] += 1
-                _limited.warning("KV events: a replay request of %d frame(s) ignored",
-                                 len(frames), key="bad replay")
-                continue
-            client, start = frames[0], int.from_bytes(frames[2], "big")
-            with self._lock:
-                self._counts["replays"] += 1
-            oldest = self._buffer[0][0] if self._buffer else self._next_seq
-            if start < oldest:
-                answer = self._replay_snapshot()
-            else:
-                answer = [(s.to_bytes(8, "big"), t, p) for s, t, p in self._buffer
-                          if s >= start]
-            try:
-                for seq, topic, payload in answer:
-                    self._replay.send_multipart((client, b"", topic, seq, payload),
-                                                zmq.NOBLOCK)
-                self._replay.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
-            except zmq.Again:  # that client's queue is full: it asks again
-                pass
-
-    def _replay_snapshot(self) -> list[tuple[bytes, bytes, bytes]]:
-        """The snapshot a replay from before the buffer gets: every message numbered with
-        the last sequence sent (the stream goes on from the next), built at most once per
-        ``SNAPSHOT_REUSE_SECONDS``."""
-        now, last = time.monotonic(), self._next_seq - 1
-        cached = self._snapshot
-        if cached is None or now - cached[0] > SNAPSHOT_REUSE_SECONDS or cached[1] != last:
-            frames = [(self._topic(pool), self._encoder.batch(chunk))
-                      for pool, events in self._snapshot_events()
-                      for chunk in messages(events)]
-            cached = self._snapshot = (now, last, frames)
-        seq = max(last, 0).to_bytes(8, "big")
-        return [(seq, topic, payload) for topic, payload in cached[2]]
-
-    def _watch(self, mon: zmq.Socket[bytes], name: str) -> None:
-        """Connections accepted and gone on a socket: the subscriber gauges."""
-        while True:
-            try:  # ZeroMQ's monitor message: u16 event, u32 value; then the endpoint
-                frames = mon.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            (event,) = _MONITOR_EVENT.unpack_from(frames[0])
-            step = 1 if event == zmq.EVENT_ACCEPTED else -1 if event == zmq.EVENT_DISCONNECTED \
-                else 0
-            with self._lock:
-                self._counts[name] = max(self._counts[name] + step, 0)
-
+        if self._node is not None:
+            self._send("", [AllBlocksCleared()])
+        for name in names:
+            stream = self._streams.get(name)
+            if stream is not None:
+                self._send_stream(stream, name, [AllBlocksCleared()])
+            self._send(name, self._contents(name))

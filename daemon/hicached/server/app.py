@@ -206,6 +206,7 @@ class HiCacheServer:
                 self.daemon.kv_events = (self.kv_events.endpoint,
                                          self.kv_events.replay_endpoint,
                                          self.config.kv_events.topic)
+                self.daemon.pool_streams = self.kv_events.pool_endpoints
             if self.daemon.pools.remote is not None:  # connects in the background
                 self.daemon.pools.remote.start()
             # declared pools build in the background (a budget error still stops the start);

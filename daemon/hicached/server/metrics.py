@@ -89,7 +89,8 @@ def _kv_event_families(st: KvEventStats) -> Iterator[Metric]:
              st.published),
             ("dropped", "Cache events dropped because the publisher's queue was full (a "
                         "snapshot of every pool followed).", st.dropped),
-            ("messages", "Messages (batches) sent on the KV event socket.", st.messages),
+            ("messages", "Messages (batches) sent on the KV event sockets (the node's "
+                         "stream and every pool's).", st.messages),
             ("resyncs", "Snapshots published after drops.", st.resyncs),
             ("replays", "Replay requests answered.", st.replays),
             ("bad_replays", "Replay requests that were not SGLang's (ignored).",
@@ -97,10 +98,11 @@ def _kv_event_families(st: KvEventStats) -> Iterator[Metric]:
         yield CounterMetricFamily(f"hicache_kv_events_{name}", help_text, value=value)
     for name, help_text, value in (
             ("queued", "Cache events waiting to be published.", st.queued),
-            ("subscribers", "Connections on the KV event PUB socket.", st.subscribers),
-            ("replay_subscribers", "Connections on the KV event replay socket.",
+            ("subscribers", "Connections on the KV event PUB sockets.", st.subscribers),
+            ("replay_subscribers", "Connections on the KV event replay sockets.",
              st.replay_subscribers),
-            ("last_seq", "Sequence number of the last KV event message.", st.last_seq)):
+            ("last_seq", "Sequence number of the node stream's last message.", st.last_seq),
+            ("pool_streams", "Pools' own KV event streams open.", st.pool_streams)):
         yield GaugeMetricFamily(f"hicache_kv_events_{name}", help_text, value=value)
 
 

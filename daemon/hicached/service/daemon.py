@@ -115,6 +115,8 @@ class Daemon:
     """The bound Prometheus port (0 = off)."""
     kv_events: tuple[str, str, str] = ("", "", "")
     """The KV event stream as bound: PUB endpoint, replay endpoint, topic ("" = off)."""
+    pool_streams: Callable[[str], tuple[str, str]] = lambda name: ("", "")
+    """A pool's own KV event stream: (endpoint, replay endpoint), "" where none."""
     draining: threading.Event = field(default_factory=threading.Event)
     """Set once shutdown began: new work is refused."""
     in_flight: int = 0

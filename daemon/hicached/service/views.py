@@ -17,6 +17,7 @@ Primitives:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -72,6 +73,9 @@ class PoolView:
     remote_namespace: str = ""
     remote_puts: int = 0
     remote_pending: int = 0
+    kv_events_endpoint: str = ""
+    """The pool's own KV event stream ("" = none)."""
+    kv_events_replay_endpoint: str = ""
 
 
 def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | None
@@ -109,19 +113,29 @@ def _building(b: PoolBuild) -> PoolView:
                     error_reason=b.error.reason if b.error else "")
 
 
+def _streamed(d: Daemon, v: PoolView) -> PoolView:
+    """``v`` with where its pool's own KV event stream is."""
+    endpoint, replay = d.pool_streams(v.spec.name)
+    if not endpoint:
+        return v
+    return dataclasses.replace(v, kv_events_endpoint=endpoint,
+                               kv_events_replay_endpoint=replay)
+
+
 def pool_view(d: Daemon, name: str) -> PoolView:
     """``name`` as it is now (``POOL_NOT_FOUND`` when there is no such pool)."""
     build = d.pools.build(name)
     if build is not None:
         return _building(build)
-    return _ready(d.pools.get(name), d.pools.cache(name), d.sessions.count(name),
-                  d.pools.stack(name))
+    return _streamed(d, _ready(d.pools.get(name), d.pools.cache(name), d.sessions.count(name),
+                               d.pools.stack(name)))
 
 
 def pool_views(d: Daemon) -> list[PoolView]:
     """Every pool: the ready ones, then those being built (or whose build failed)."""
     stacks = dict(d.pools.stacks())
-    return [*(_ready(p, c, d.sessions.count(p.spec.name), stacks.get(p.spec.name))
+    return [*(_streamed(d, _ready(p, c, d.sessions.count(p.spec.name),
+                                  stacks.get(p.spec.name)))
               for p, c in d.pools.entries()),
             *(_building(b) for b in d.pools.builds())]
 

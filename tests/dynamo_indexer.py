@@ -1,0 +1,112 @@
+"""A real KV router for the router tests: Dynamo's standalone KV indexer (``python -m
+dynamo.indexer`` from ``ai-dynamo-runtime``): its own ZMQ listener, msgpack decoder, replay
+client and radix tree, queried over its HTTP API as a router's operator does.
+
+The indexer's HTTP server binds every address, so it runs in a private network namespace
+(``tests.mooncake_env.Netns``); it reaches the daemon's KV event streams through their
+``ipc://`` sockets, which a network namespace does not separate, and the tests query it with
+``nsenter``.
+
+Primitives:
+
+- ``unavailable()``: why these tests cannot run here ('' when they can).
+- ``DynamoIndexer(netns, workdir, block_size, model)``: ``start()``, ``kill()``,
+  ``register(instance, endpoint, replay_endpoint)``, ``query(tokens)`` -> the tokens of the
+  longest cached prefix per registered instance (0 where none), ``until(what, timeout)``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.mooncake_env import Netns
+
+POST = ("import sys, urllib.request; r = urllib.request.Request(sys.argv[1], "
+        "data=sys.argv[2].encode(), headers={'Content-Type': 'application/json'}); "
+        "sys.stdout.write(urllib.request.urlopen(r, timeout=5).read().decode())")
+
+
+def unavailable() -> str:
+    try:
+        import dynamo.indexer  # noqa: F401
+    except ImportError:
+        return "Dynamo's indexer (ai-dynamo-runtime) is not installed"
+    for tool in ("unshare", "nsenter", "ip"):
+        if shutil.which(tool) is None:
+            return f"{tool} is missing (util-linux, iproute2)"
+    return ""
+
+
+class DynamoIndexer:
+    def __init__(self, netns: Netns, workdir: Path, block_size: int, model: str = "m") -> None:
+        self.netns, self.workdir = netns, workdir
+        self.block_size, self.model = block_size, model
+        self.port = random.randrange(20000, 40000)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.instances: set[int] = set()
+
+    def start(self) -> None:
+        log = open(self.workdir / "dynamo-indexer.log", "ab")  # noqa: SIM115 (the child's)
+        self.proc = self.netns.popen(
+            [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port),
+             "--block-size", str(self.block_size), "--model-name", self.model,
+             "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.instances = set()
+        deadline = time.monotonic() + 30
+        while True:  # serving once its HTTP API answers
+            try:
+                self.netns.fetch(f"http://127.0.0.1:{self.port}/workers")
+                return
+            except AssertionError:
+                assert self.proc.poll() is None, self.log()
+                assert time.monotonic() < deadline, "Dynamo's indexer did not start"
+                time.sleep(0.2)
+
+    def log(self) -> str:
+        return (self.workdir / "dynamo-indexer.log").read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        out = self.netns.run([sys.executable, "-c", POST,
+                              f"http://127.0.0.1:{self.port}{path}", json.dumps(body)])
+        return json.loads(out) if out.strip() else None
+
+    def register(self, instance: int, endpoint: str, replay_endpoint: str = "") -> None:
+        """The instance follows ``endpoint`` (as an operator registers an engine)."""
+        body: dict[str, Any] = {"instance_id": instance, "endpoint": endpoint,
+                                "model_name": self.model, "block_size": self.block_size}
+        if replay_endpoint:
+            body["replay_endpoint"] = replay_endpoint
+        self.post("/register", body)
+        self.instances.add(instance)
+
+    def query(self, tokens: Sequence[int] | np.ndarray) -> dict[int, int]:
+        """Per registered instance, the tokens of the longest prefix of ``tokens`` the
+        router believes it has cached (0 where none)."""
+        got = self.post("/query", {"token_ids": [int(t) for t in tokens],
+                                   "model_name": self.model})
+        matched = {int(i): int(v.get("longest_matched", 0))
+                   for i, v in (got.get("instances") or {}).items()}
+        return {i: matched.get(i, 0) for i in sorted(self.instances)}
+
+    def until(self, what: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, \
+                f"the router's view never came true\n{self.log()[-3000:]}"
+            time.sleep(0.1)
