@@ -271,6 +271,24 @@ def touch_keeps_pages(model: str, target: str, touch: bool, blocks: int = 4, **k
     return out
 
 
+def router_tokens(model: str, target: str, connector: str, blocks: int = 40, **kw: Any
+                  ) -> dict[str, Any]:
+    """A prompt of ``blocks`` blocks is stored (640 tokens, prefilled in two steps of at most
+    512: the second step's store continues the first's chain, its parent the first's last
+    page), each in rounds of 8 staged pages (``staging_blocks``: every round after a job's
+    first is chained to the round before). Returns its whole-block tokens and the pool, for a
+    router to be asked about."""
+    e = Engine(model, target, connector=connector, extra={"staging_blocks": 8}, **kw)
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + 1, 51)
+    e.add("a", prompt)
+    e.run()
+    out = {"prompt": prompt[:blocks * bs], "pool": e.worker.connector_worker.worker.pool.name,
+           "block": bs, "manager": e.manager_stats()}
+    e.close()
+    return out
+
+
 def tp_roundtrip(model: str, target: str, rank: int, port: int, mla: bool = False,
                  blocks: int = 4, drop_last_of: str = "", **kw: Any) -> dict[str, Any]:
     """Two ranks (one process each, gloo): a prompt stored by every rank (MHA: each its own

@@ -8,7 +8,9 @@ span ``blocks_per_chunk`` engine blocks, and a load may begin or end inside one:
 
 Primitives:
 
-- ``HicachedLoadStoreSpec(keys)``: the pages of a job, by key (vLLM's ``OffloadKey`` bytes).
+- ``HicachedLoadStoreSpec(keys, chain)``: the pages of a job, by key (vLLM's ``OffloadKey``
+  bytes); for a store, ``chain`` (``Chain``: their tokens and the key before the first) when
+  the scheduler knows the request: what routers are told of the pages.
 - ``Job.of(keys, gpu_spec, blocks_per_chunk)``: keys, engine block ids, ``skip``; ``rounds(n)``
   splits it into runs of at most ``n`` pages, each with the engine blocks its pages hold
   (``JobRound``: keys, block ids, the rows of the staged pages those blocks are).
@@ -25,11 +27,28 @@ import numpy as np
 from vllm.v1.kv_offload.base import LoadStoreSpec
 
 
+@dataclass(frozen=True)
+class Chain:
+    """What a store's pages are: their tokens (``page_tokens`` per key, in order) and the
+    key of the page before the first ("" for a request's first page)."""
+
+    token_ids: np.ndarray
+    parent_key: bytes = b""
+
+    def of_round(self, keys: Sequence[bytes], start: int, end: int) -> Chain:
+        """The chain of pages ``start:end`` of the job whose keys are ``keys``."""
+        per = len(self.token_ids) // len(keys)
+        parent = self.parent_key if start == 0 else keys[start - 1]
+        return Chain(self.token_ids[start * per:end * per], parent)
+
+
 class HicachedLoadStoreSpec(LoadStoreSpec):
     """The pages of one job, by key: what the manager hands the workers."""
 
-    def __init__(self, keys: Sequence[bytes]) -> None:
+    def __init__(self, keys: Sequence[bytes], chain: Chain | None = None) -> None:
         self.keys = list(keys)
+        self.chain = chain
+        """A store's tokens and parent (None: not known; the pages are told without)."""
 
     def __repr__(self) -> str:
         return f"HicachedLoadStoreSpec({len(self.keys)} keys)"
@@ -51,9 +70,12 @@ class Job:
     block_ids: np.ndarray
     skip: int
     blocks_per_chunk: int
+    chain: Chain | None = None
+    """A store's tokens and parent, when the scheduler knew them."""
 
     @classmethod
-    def of(cls, keys: Sequence[bytes], gpu_spec: Any, blocks_per_chunk: int) -> Job:
+    def of(cls, keys: Sequence[bytes], gpu_spec: Any, blocks_per_chunk: int,
+           chain: Chain | None = None) -> Job:
         block_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
         indices = list(getattr(gpu_spec, "block_indices", ()) or (0,))
         skip = int(indices[0]) % blocks_per_chunk
@@ -61,7 +83,7 @@ class Job:
         if need != len(keys) or len(indices) != 1:
             raise ValueError(f"{len(block_ids)} engine blocks (skipping {skip}) are not "
                              f"{len(keys)} pages of {blocks_per_chunk} in one group")
-        return cls(list(keys), block_ids, skip, blocks_per_chunk)
+        return cls(list(keys), block_ids, skip, blocks_per_chunk, chain)
 
     @property
     def whole(self) -> bool:

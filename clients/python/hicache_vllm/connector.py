@@ -7,7 +7,9 @@ fails only the requests that needed them (``kv_load_failure_policy``: "recompute
 default, "fail"), for asynchronous and synchronous loads alike, the rest of the batch
 untouched. This connector is vLLM's own with that one method added: the spec's worker
 (``hicache_vllm.worker``) reports the job done and names its blocks here, in the step that
-reports the job. Loaded by module path::
+reports the job. It also hands the manager each new request (``follow``), so that the pages
+stored are told with their tokens and parent key (routers that match tokens find them).
+Loaded by module path::
 
     --kv-transfer-config '{"kv_connector": "HicachedOffloadingConnector",
       "kv_connector_module_path": "hicache_vllm.connector", "kv_role": "kv_both",
@@ -54,6 +56,14 @@ class HicachedOffloadingConnector(OffloadingConnector):
                                   "spec_name"))[:64]})
         if isinstance(spec, HicachedOffloadingSpec):
             spec.report_load_errors = True  # before vLLM asks it for its worker
+
+    def on_new_request(self, request: Any) -> None:
+        """vLLM's: the manager follows the request too (its stores then say their pages'
+        tokens and parent: what routers that match tokens need)."""
+        cs = self.connector_scheduler
+        if cs is not None and isinstance(cs.manager, HicachedOffloadingManager):
+            cs.manager.follow(request)
+        super().on_new_request(request)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Engine blocks of loads given up (reported done in this step or before): vLLM

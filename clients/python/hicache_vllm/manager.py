@@ -12,6 +12,10 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
   them: vLLM's "protected from eviction until complete_load".
 - ``touch(keys)``: the blocks count as used now in every rank's pool (a ``Lookup`` with
   ``touch``, coalesced, on the hold book's thread: never the scheduler's).
+- ``follow(request)``: vLLM's ``Request`` (``HicachedOffloadingConnector`` hands it over):
+  its stores carry their pages' tokens and parent key (``blocks.Chain``), what routers that
+  match tokens need (Dynamo's indexer); under vLLM's plain ``OffloadingConnector`` no request
+  is followed and the pages are told without.
 - ``prepare_store(keys)``: every block is offered (the daemon stores what it lacks and has room
   for, and evicts by its own LRU: ``evicted_keys`` is empty); with the daemon down the store is
   dropped (None, counted).
@@ -47,6 +51,7 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
@@ -62,7 +67,7 @@ from hicache.errors import HiCacheError
 from hicache_client.hold_book import HoldBook
 from hicache_client.link import DaemonLink, Handover
 from hicache_client.shm import ShmDeviceBuffers
-from hicache_vllm.blocks import HicachedLoadStoreSpec
+from hicache_vllm.blocks import Chain, HicachedLoadStoreSpec
 from hicache_vllm.config import SpecConfig
 from hicache_vllm.namespace import Plan
 from hicache_vllm.promises import Promises
@@ -104,6 +109,9 @@ class HicachedOffloadingManager(OffloadingManager):
         self._touched: dict[bytes, None] = {}
         """Blocks touched since the last send, in order (sent by one ``_send_touches``)."""
         self._touch_queued = False
+        self._requests: dict[str, Any] = {}
+        """vLLM's ``Request`` of each request followed (``follow``), by id: its tokens and
+        block hashes name what its stores are."""
         self._reporter = Reporter()
         for link in self.links:
             link.start()
@@ -235,8 +243,39 @@ class HicachedOffloadingManager(OffloadingManager):
         if not all(link.usable or link.reopening for link in self.links):
             self.stats["stores_dropped"] += 1
             return None
-        return PrepareStoreOutput(keys_to_store=list(keys), store_spec=HicachedLoadStoreSpec(ks),
+        return PrepareStoreOutput(keys_to_store=list(keys),
+                                  store_spec=HicachedLoadStoreSpec(ks, self._chain(ks,
+                                                                                   req_context)),
                                   evicted_keys=[])
+
+    def follow(self, request: Any) -> None:
+        """vLLM's ``Request`` (its connector's ``on_new_request``): the stores of it say what
+        their pages are (``Chain``), so that routers that match tokens find them."""
+        self._requests[request.request_id] = request
+
+    def _chain(self, keys: list[bytes], req_context: ReqContext) -> Chain | None:
+        """The tokens of ``keys`` (consecutive pages of the request, each ending where vLLM
+        recorded it) and the key of the page before them; None where they are not that."""
+        req = self._requests.get(req_context.req_id)
+        if req is None or not keys:
+            return None
+        per = self.plan.page_tokens
+        ends = [req_context.get_offload_key_position(k) for k in keys]  # type: ignore[arg-type]
+        first = ends[0]
+        if first is None or any(e != first + i * per for i, e in enumerate(ends)):
+            return None
+        tokens = req.all_token_ids[first - per:first + (len(keys) - 1) * per]
+        if len(tokens) != len(keys) * per:
+            return None
+        parent = b""
+        n = first // per  # the first page is the request's n-th
+        if n > 1:
+            bpc = self.plan.blocks_per_chunk
+            hashes = req.block_hashes
+            if len(hashes) < bpc * (n - 1):
+                return None
+            parent = bytes(hashes[bpc * (n - 1) - 1]) + keys[0][-4:]  # its group, as vLLM
+        return Chain(np.asarray(tokens, dtype=np.int64), parent)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
@@ -247,6 +286,7 @@ class HicachedOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.promises.finished(req_context.req_id)
+        self._requests.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: Any) -> None:
         self.promises.flush()

@@ -190,7 +190,8 @@ class HicachedOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
                      ) -> bool:
         assert isinstance(dst_spec, HicachedLoadStoreSpec)
-        job = Job.of(dst_spec.keys, src_spec, self.plan.blocks_per_chunk)
+        job = Job.of(dst_spec.keys, src_spec, self.plan.blocks_per_chunk,
+                     getattr(dst_spec, "chain", None))
         if self._ready is not None:
             self._ready.record()  # the daemon's copy waits for what the engine enqueued
         return self._submit(self._stores, job_id, job, False)
@@ -303,7 +304,10 @@ class HicachedOffloadingWorker(OffloadingWorker):
             return 0
         moved = 0
         page_bytes = self.pool.page_bytes
-        for r in job.rounds(len(job.keys) if self.on_cuda else self._slots):
+        per = len(job.keys) if self.on_cuda else self._slots
+        for at, r in enumerate(job.rounds(per)):
+            chain = (job.chain.of_round(job.keys, at * per, at * per + len(r.keys))
+                     if job.chain is not None else None)
             if self.on_cuda:
                 tokens = self._device_tokens(r)
             else:
@@ -318,7 +322,9 @@ class HicachedOffloadingWorker(OffloadingWorker):
                     self.stats["stores_dropped"] += 1
                     return moved
                 try:
-                    res = session.store(r.keys, tokens)
+                    res = session.store(r.keys, tokens,
+                                        token_ids=chain.token_ids if chain else None,
+                                        parent_key=chain.parent_key if chain else b"")
                     break
                 except HiCacheError as exc:
                     self.link.report(exc, session=session)

@@ -1,0 +1,63 @@
+"""A real router on the pages vLLM itself stores: vLLM 0.33's scheduler and connector drive the
+spec against a real ``hicached serve`` whose pools each have their own KV event stream, and
+Dynamo's standalone indexer (``tests.dynamo_indexer``), following the engine's pool, matches
+the engine's prompts by their tokens: the stores carry them, and the key of the page before
+(a prompt prefilled in two steps is stored in two, one chain). Under vLLM's plain
+``OffloadingConnector`` the manager is not handed the requests and the pages are told without
+tokens: the router cannot match them (the limitation ``HicachedOffloadingConnector`` lifts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hicache_client import HiCacheClient
+from tests.daemon_proc import DaemonProc, Daemons
+from tests.dynamo_indexer import DynamoIndexer, unavailable
+from tests.mooncake_env import Netns
+from tests.vllm_harness import model_dir
+from tests.vllm_runs import BS, run
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")
+
+
+@pytest.fixture(scope="module")
+def netns() -> Iterator[Netns]:
+    ns = Netns()
+    yield ns
+    ns.close()
+
+
+@pytest.fixture
+def daemon(daemons: Daemons, tmp_path: Path) -> DaemonProc:
+    (tmp_path / "ev").mkdir(mode=0o700)
+    return daemons.start("--kv-events-pool-endpoint", f"ipc://{tmp_path}/ev/{{pool}}",
+                         "--kv-events-pool-replay-endpoint",
+                         f"ipc://{tmp_path}/ev/{{pool}}.replay")
+
+
+@pytest.mark.parametrize("connector", ["hicached", "plain"])
+def test_a_router_matches_the_prompts_vllm_stored_by_their_tokens(
+        daemon: DaemonProc, netns: Netns, tmp_path: Path, connector: str) -> None:
+    got = run("router_tokens", model=str(model_dir(tmp_path)), target=daemon.target,
+              connector=connector)
+    assert got["block"] == BS
+    with HiCacheClient(daemon.target) as c:
+        pool = c.get_pool(got["pool"])
+    router = DynamoIndexer(netns, tmp_path, block_size=pool.spec.page_size)
+    router.start()
+    try:
+        router.register(1, pool.kv_events_endpoint, pool.kv_events_replay_endpoint)
+        if connector == "plain":  # told without tokens: nothing to match
+            router.until(lambda: router.query(got["prompt"]) == {1: 0}, 5)
+            return
+        # the snapshot the router's subscription gets: every page with its tokens and parent
+        prompt = got["prompt"]
+        router.until(lambda: router.query(prompt) == {1: len(prompt)}, 5)
+        assert router.query([*prompt[:2 * BS], *range(7, 7 + 2 * BS)]) == {1: 2 * BS}
+        assert got["manager"]["store_blocks"] == len(prompt) // BS
+    finally:
+        router.kill()
