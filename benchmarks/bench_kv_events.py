@@ -20,7 +20,13 @@ calls, medians:
    and 64 evicted per Store) and a subscriber sleeping 50 ms per message: the blocks per
    second the stream carries while nothing waits for the subscriber.
 
-Run: ``python benchmarks/bench_kv_events.py [--quick] [--seconds S] [--json FILE]``.
+With ``--pool-streams`` the "on" daemon also publishes the pool's own stream
+(``[kv_events] pool_endpoint``, a second fast subscriber on it) and both sides' Stores carry
+their pages' tokens and the key before them, as the engines' stores do for routers: the cost
+of what a router following instances gets.
+
+Run: ``python benchmarks/bench_kv_events.py [--quick] [--pool-streams] [--seconds S]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -83,7 +90,7 @@ def scrape(port: int, name: str) -> float:
 
 
 class Side:
-    def __init__(self, target: str, name: str) -> None:
+    def __init__(self, target: str, name: str, tokens: bool = False) -> None:
         self.client = HiCacheClient(target)
         self.client.create_pool(SPEC)
         self.bufs = ShmDeviceBuffers.create(SPEC, 64 * PS, prefix=f"kvbench-{name}")
@@ -92,14 +99,20 @@ class Side:
         self.session = self.client.open_session(SPEC.name, name, self.bufs.descriptors)
         assert self.client.data_path == "fast"
         self.n = 0
+        self.tokens = tokens
+        self.last = b""
 
     def store(self, pages: int) -> float:
         keys = [b"%s-%09d" % (self.session.session_id.encode()[-8:], self.n + i)
                 for i in range(pages)]
         self.n += pages
+        chain = ({"token_ids": torch.arange(self.n * PS, (self.n + pages) * PS).numpy(),
+                  "parent_key": self.last} if self.tokens else {})
         t0 = time.perf_counter()
-        self.session.store(keys, torch.arange(pages * PS))
-        return time.perf_counter() - t0
+        self.session.store(keys, torch.arange(pages * PS), **chain)  # type: ignore[arg-type]
+        took = time.perf_counter() - t0
+        self.last = keys[-1]
+        return took
 
     def close(self) -> None:
         self.session.close()
@@ -121,17 +134,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     endpoint = f"ipc://{work['on']}/kv.sock"
     with open(os.path.join(work["on"], "kv.toml"), "w") as toml:
         toml.write(f"[kv_events]\nhwm = {HWM}\n")
+    streams: list[str] = []
+    if args.pool_streams:
+        os.mkdir(os.path.join(work["on"], "ev"), 0o700)
+        streams = ["--kv-events-pool-endpoint", f"ipc://{work['on']}/ev/{{pool}}"]
     procs = {"off": start_daemon(work["off"], "/dev/shm", "1GiB"),
              "on": start_daemon(work["on"], "/dev/shm", "1GiB", f"127.0.0.1:{port}",
                                 "--kv-events-endpoint", endpoint, "--config",
-                                os.path.join(work["on"], "kv.toml"))}
+                                os.path.join(work["on"], "kv.toml"), *streams)}
     sub: subprocess.Popen[bytes] | None = None
+    pool_sub: subprocess.Popen[bytes] | None = None
     try:
-        sides = {k: Side(target, k) for k, (_, target) in procs.items()}
+        sides = {k: Side(target, k, tokens=args.pool_streams)
+                 for k, (_, target) in procs.items()}
         reps = 6 if args.quick else 40
-        res: dict[str, Any] = {}
+        res: dict[str, Any] = {"pool_streams": bool(args.pool_streams)}
         fast = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, "0", "3600"],
                                 stdout=subprocess.PIPE)
+        if args.pool_streams:
+            pool_sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER,
+                                         f"ipc://{work['on']}/ev/{SPEC.name}", "0", "3600"],
+                                        stdout=subprocess.PIPE)
         time.sleep(0.5)
         for side in sides.values():  # fill both pools: every later Store evicts
             for _ in range(POOL_PAGES // 64 + 1):
@@ -142,6 +165,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["store_64_pages_per_s"] = {k: 64 / statistics.median(v) for k, v in many.items()}
         fast.terminate()
         fast.wait(10)
+        if pool_sub is not None:
+            pool_sub.terminate()
+            pool_sub.wait(10)
         seconds = 3.0 if args.quick else args.seconds
         for pages, delay in ((1, 0.001), (64, 0.05)):
             sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint, str(delay),
@@ -170,27 +196,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             side.close()
         return res
     finally:
-        if sub is not None and sub.poll() is None:
-            sub.kill()
+        for s in (sub, pool_sub):
+            if s is not None and s.poll() is None:
+                s.kill()
         for proc, _ in procs.values():
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
         for d in work.values():
-            for f in os.listdir(d):
-                os.unlink(os.path.join(d, f))
-            os.rmdir(d)
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--pool-streams", action="store_true",
+                   help="the pool's own stream too, and Stores with tokens and parent")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     r = run(args)
     s1, s64 = r["store_1_page_us"], r["store_64_pages_per_s"]
     print(f"Store over the fast path, full pool (each Store evicts), medians of alternating "
-          f"blocks of {BLOCK}:")
+          f"blocks of {BLOCK}" + (" (on: the node's stream and the pool's own; Stores with "
+                                  "tokens and parent on both sides)" if r["pool_streams"]
+                                  else "") + ":")
     print(f"  1 page:   off {s1['off']:7.1f} us  on {s1['on']:7.1f} us  "
           f"(on/off x{s1['on'] / s1['off']:.3f})")
     print(f"  64 pages: off {s64['off']:9.0f} pages/s  on {s64['on']:9.0f} pages/s  "
