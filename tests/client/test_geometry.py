@@ -130,6 +130,16 @@ def test_same_storage_is_equal_components_and_layers(other: KVGeometry, same: bo
                             spec(other, name="rows"))
 
 
+def test_a_geometrys_repr_names_row_bytes_only_where_set() -> None:
+    """Engines name pools by a digest of the geometry's repr: a field added later must not
+    change the repr (and every pool's name) of geometries that do not use it."""
+    assert repr(mha()) == (
+        "KVGeometry(kind=<PoolKind.MHA: 'MHA'>, dtype=<DType.BFLOAT16: 'BFLOAT16'>, "
+        "layer_num=3, head_num=2, head_dim=8, v_head_dim=0, kv_lora_rank=0, "
+        "qk_rope_head_dim=0, index_head_dim=0, quant_block_size=0)")
+    assert repr(opaque(row=40)).endswith("quant_block_size=0, row_bytes=40)")
+
+
 def test_an_opaque_spec_crosses_the_wire_whole() -> None:
     s = spec(opaque(row=72), name="rows", layout=Layout.PAGE_FIRST_DIRECT)
     assert spec_from_proto(spec_to_proto(s)) == s

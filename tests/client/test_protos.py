@@ -20,6 +20,6 @@ def test_contract_names() -> None:
                    "OpenSession", "CloseSession", "Alloc", "Free", "Backup", "Load", "Drain"):
         assert method in svc.methods_by_name
     assert [v.name.rsplit("_", 1)[-1] for v in pb.PoolKind.DESCRIPTOR.values][1:] == [
-        "MHA", "MLA", "INDEXER", "LOGICAL"]
+        "MHA", "MLA", "INDEXER", "LOGICAL", "OPAQUE"]
     assert pb.POOL_KIND_DSA_INDEXER and pb.LAYOUT_PAGE_FIRST_DIRECT and pb.BUFFER_ROLE_INDEX
     assert pb.TransferRequest.DESCRIPTOR.fields_by_name["host_indices"].type == 12  # bytes

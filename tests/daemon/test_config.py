@@ -136,6 +136,14 @@ def test_cluster_namespace_names_the_page_geometry_not_the_size() -> None:
                            size_tokens=1024),
                   PoolSpec("n", g, 16, size_tokens=1024)):
         assert namespace(other, "hc") != base
+    # a vLLM pool of OPAQUE rows is the namespace its pages had as MLA uint8 rows (a node
+    # from before the kind shares them), and other widths are not
+    rows = KVGeometry(PoolKind.OPAQUE, DType.UINT8, 4, row_bytes=96)
+    legacy = KVGeometry(PoolKind.MLA, DType.UINT8, 4, kv_lora_rank=96)
+    assert namespace(PoolSpec("v", rows, 16, size_tokens=1024), "hc") == "hc/v.4d1f0079a141/"
+    assert namespace(PoolSpec("v", legacy, 16, size_tokens=1024), "hc") == "hc/v.4d1f0079a141/"
+    wider = KVGeometry(PoolKind.OPAQUE, DType.UINT8, 4, row_bytes=128)
+    assert namespace(PoolSpec("v", wider, 16, size_tokens=1024), "hc") != "hc/v.4d1f0079a141/"
 
 
 def test_copy_threads_and_spin() -> None:

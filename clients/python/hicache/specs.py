@@ -198,6 +198,14 @@ class KVGeometry:
                 raise SpecInvalid("OPAQUE rows are bytes (dtype UINT8)",
                                   metadata={"dtype": self.dtype.value})
 
+    def __repr__(self) -> str:
+        """The dataclass's repr, but a field added later (``row_bytes``) only where it is
+        set: engines name pools by a digest of this repr, and a pool must keep its name
+        across an upgrade."""
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.name not in _ADDED_FIELDS or getattr(self, f.name) != f.default]
+        return f"{type(self).__qualname__}({', '.join(parts)})"
+
     def components(self, page_size: int) -> tuple[Component, ...]:
         """The buffers of this member; DSA units are whole pages of ``page_size`` tokens."""
         if self.kind is PoolKind.MHA:
@@ -227,6 +235,9 @@ class KVGeometry:
         )
         return per_layer * self.layer_num
 
+
+_ADDED_FIELDS = frozenset({"row_bytes"})
+"""``KVGeometry`` fields added after its first release (its repr names them only when set)."""
 
 ANCHOR = "kv"
 """Member name of a pool's anchor; side pools carry their own names."""

@@ -66,6 +66,11 @@ def namespace(spec: PoolSpec, prefix: str) -> str:
     interchangeable (not their sizes)."""
     d = spec_to_dict(spec)
     shape = {k: d[k] for k in ("geometry", "page_size", "layout", "side_pools")}
+    g = shape["geometry"]
+    if g["kind"] == "OPAQUE":  # digested as before the kind existed (MLA uint8 rows): the
+        # pages of a vLLM pool stay one namespace across daemons of either version
+        shape["geometry"] = {**{k: v for k, v in g.items() if k != "row_bytes"},
+                             "kind": "MLA", "kv_lora_rank": g["row_bytes"]}
     shape["object_format"] = OBJECT_FORMAT
     digest = hashlib.blake2b(json.dumps(shape, sort_keys=True).encode(),
                              digest_size=6).hexdigest()
