@@ -4,7 +4,9 @@ daemon's KV event flags, and a worker that stores and loads over real shared mem
 Primitives: ``PS``, ``SPEC``, ``OTHER`` (two pools of 8 pages); ``sglang_hash(key)`` (SGLang's
 block hash of a key); ``chain(seed, pages)`` (keys and tokens as SGLang names them);
 ``kv_args(tmp, *extra, config)`` (``hicached serve`` flags for the event and replay
-endpoints); ``Worker(daemon, spec)``: ``store``, ``load``, ``close``.
+endpoints); ``pool_stream_args(tmp)`` / ``pool_streams(daemon)`` (each pool's own stream:
+the flags, and where ``GetPool`` says each is); ``Worker(daemon, spec)``: ``store``, ``load``,
+``close``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ def kv_args(tmp: Path, *extra: str, config: str = "") -> tuple[str, ...]:
         (tmp / "kv.toml").write_text(config)
         args += ["--config", str(tmp / "kv.toml")]
     return tuple(args)
+
+
+def pool_stream_args(tmp: Path) -> tuple[str, ...]:
+    """``hicached serve`` flags for a KV event stream per pool, under ``tmp/ev`` (made 0700:
+    a directory no other user may write in)."""
+    (tmp / "ev").mkdir(mode=0o700, exist_ok=True)
+    return ("--kv-events-pool-endpoint", f"ipc://{tmp}/ev/{{pool}}",
+            "--kv-events-pool-replay-endpoint", f"ipc://{tmp}/ev/{{pool}}.replay")
+
+
+def pool_streams(d: DaemonProc) -> dict[str, tuple[str, str]]:
+    """Each pool's own stream, as ``GetPool`` tells: name -> (endpoint, replay endpoint)."""
+    with HiCacheClient(d.target) as c:
+        return {p.spec.name: (p.kv_events_endpoint, p.kv_events_replay_endpoint)
+                for p in c.list_pools()}
 
 
 class Worker:

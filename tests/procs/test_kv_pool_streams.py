@@ -14,26 +14,13 @@ import msgspec
 import pytest
 import zmq
 
-from hicache_client import HiCacheClient
 from tests.daemon_proc import DaemonProc, Daemons
-from tests.kv_event_workers import OTHER, SPEC, Worker, chain
-
-
-def pool_args(tmp: Path) -> tuple[str, ...]:
-    (tmp / "ev").mkdir(mode=0o700, exist_ok=True)
-    return ("--kv-events-pool-endpoint", f"ipc://{tmp}/ev/{{pool}}",
-            "--kv-events-pool-replay-endpoint", f"ipc://{tmp}/ev/{{pool}}.replay")
+from tests.kv_event_workers import OTHER, SPEC, Worker, chain, pool_stream_args, pool_streams
 
 
 @pytest.fixture
 def daemon(daemons: Daemons, tmp_path: Path) -> DaemonProc:
-    return daemons.start(*pool_args(tmp_path))
-
-
-def streams(d: DaemonProc) -> dict[str, tuple[str, str]]:
-    with HiCacheClient(d.target) as c:
-        return {p.spec.name: (p.kv_events_endpoint, p.kv_events_replay_endpoint)
-                for p in c.list_pools()}
+    return daemons.start(*pool_stream_args(tmp_path))
 
 
 def clears(sub: zmq.Socket[bytes], seconds: float) -> int:
@@ -56,7 +43,7 @@ def test_a_pool_stream_numbers_its_own_messages_and_replays_in_sglangs_frames(
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     try:
-        endpoint, replay = streams(daemon)["kv-a"]
+        endpoint, replay = pool_streams(daemon)["kv-a"]
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(endpoint)
         seqs: list[int] = []
@@ -107,7 +94,7 @@ def test_subscribers_joining_in_a_storm_share_snapshots_and_each_gets_one(
     watcher = ctx.socket(zmq.SUB)
     try:
         a.store(*chain(1, 6))
-        endpoint = streams(daemon)["kv-a"][0]
+        endpoint = pool_streams(daemon)["kv-a"][0]
         watcher.setsockopt(zmq.SUBSCRIBE, b"")
         watcher.connect(endpoint)
         assert clears(watcher, 1.5) == 1  # its own join's snapshot

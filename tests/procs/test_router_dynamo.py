@@ -22,19 +22,21 @@ import pytest
 from hicache_client import HiCacheClient
 from tests.daemon_proc import DaemonProc, Daemons
 from tests.dynamo_indexer import DynamoIndexer, unavailable
-from tests.kv_event_workers import OTHER, PS, SPEC, Worker, chain
+from tests.kv_event_workers import (
+    OTHER,
+    PS,
+    SPEC,
+    Worker,
+    chain,
+    pool_stream_args,
+    pool_streams,
+)
 from tests.mooncake_env import Netns
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")
 
 LAG_S = 5.0
 """The longest the router may believe what is no longer true (events gather for 20 ms)."""
-
-
-def pool_args(tmp: Path) -> tuple[str, ...]:
-    (tmp / "ev").mkdir(mode=0o700, exist_ok=True)
-    return ("--kv-events-pool-endpoint", f"ipc://{tmp}/ev/{{pool}}",
-            "--kv-events-pool-replay-endpoint", f"ipc://{tmp}/ev/{{pool}}.replay")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def netns() -> Iterator[Netns]:
 
 @pytest.fixture
 def daemon(daemons: Daemons, tmp_path: Path) -> DaemonProc:
-    return daemons.start(*pool_args(tmp_path))
+    return daemons.start(*pool_stream_args(tmp_path))
 
 
 @pytest.fixture
@@ -57,17 +59,11 @@ def router(netns: Netns, tmp_path: Path) -> Iterator[DynamoIndexer]:
     r.kill()
 
 
-def streams(d: DaemonProc) -> dict[str, tuple[str, str]]:
-    with HiCacheClient(d.target) as c:
-        return {p.spec.name: (p.kv_events_endpoint, p.kv_events_replay_endpoint)
-                for p in c.list_pools()}
-
-
 def test_each_instance_scores_what_its_pool_holds_and_nothing_else(
         daemon: DaemonProc, router: DynamoIndexer, tmp_path: Path) -> None:
     a, b = Worker(daemon, SPEC), Worker(daemon, OTHER)
     try:
-        got = streams(daemon)
+        got = pool_streams(daemon)
         assert got["kv-a"] == (f"ipc://{tmp_path}/ev/kv-a", f"ipc://{tmp_path}/ev/kv-a.replay")
         router.register(1, *got["kv-a"])
         router.register(2, *got["kv-b"])
@@ -109,7 +105,7 @@ def test_a_router_restarted_or_an_instance_registered_late_knows_the_whole_pool(
     try:
         keys, tokens = chain(5, 5)
         assert a.store(keys, tokens) == 5  # before any router follows
-        got = streams(daemon)
+        got = pool_streams(daemon)
         router.register(1, *got["kv-a"])
         router.until(lambda: router.query(tokens) == {1: 20}, LAG_S)
         # the router dies and comes back empty: its new subscription gets the pool again

@@ -17,6 +17,7 @@ import pytest
 from hicache_client import HiCacheClient
 from tests.daemon_proc import DaemonProc, Daemons
 from tests.dynamo_indexer import DynamoIndexer, unavailable
+from tests.kv_event_workers import pool_stream_args
 from tests.mooncake_env import Netns
 from tests.vllm_harness import model_dir
 from tests.vllm_runs import BS, run
@@ -33,10 +34,7 @@ def netns() -> Iterator[Netns]:
 
 @pytest.fixture
 def daemon(daemons: Daemons, tmp_path: Path) -> DaemonProc:
-    (tmp_path / "ev").mkdir(mode=0o700)
-    return daemons.start("--kv-events-pool-endpoint", f"ipc://{tmp_path}/ev/{{pool}}",
-                         "--kv-events-pool-replay-endpoint",
-                         f"ipc://{tmp_path}/ev/{{pool}}.replay")
+    return daemons.start(*pool_stream_args(tmp_path))
 
 
 @pytest.mark.parametrize("connector", ["hicached", "plain"])
