@@ -3,11 +3,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.daemon_proc import Daemons
+
+if TYPE_CHECKING:
+    from tests.mooncake_env import Netns
 
 pytest_plugins = ["tests.cuda_fixtures"]
 
@@ -51,3 +55,14 @@ def module_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons
     yield started
     bad = started.stop_all()
     assert not bad, "\n".join(bad)
+
+
+@pytest.fixture(scope="module")
+def netns() -> Iterator[Netns]:
+    """A private network namespace for a module's servers that bind every address (Dynamo's
+    indexer): ``tests.mooncake_env.Netns``."""
+    from tests.mooncake_env import Netns
+
+    ns = Netns()
+    yield ns
+    ns.close()

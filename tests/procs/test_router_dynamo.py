@@ -39,13 +39,6 @@ LAG_S = 5.0
 """The longest the router may believe what is no longer true (events gather for 20 ms)."""
 
 
-@pytest.fixture(scope="module")
-def netns() -> Iterator[Netns]:
-    ns = Netns()
-    yield ns
-    ns.close()
-
-
 @pytest.fixture
 def daemon(daemons: Daemons, tmp_path: Path) -> DaemonProc:
     return daemons.start(*pool_stream_args(tmp_path))

@@ -9,7 +9,6 @@ tokens: the router cannot match them (the limitation ``HicachedOffloadingConnect
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,6 @@ from tests.vllm_harness import model_dir
 from tests.vllm_runs import BS, run
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")
-
-
-@pytest.fixture(scope="module")
-def netns() -> Iterator[Netns]:
-    ns = Netns()
-    yield ns
-    ns.close()
 
 
 @pytest.fixture
