@@ -301,7 +301,7 @@ class KvEventPublisher:
             elif now >= due:
                 del self._owed[pool]
                 self._snapped[pool] = now
-                self._send_stream(stream, pool, self._pool_snapshot(stream))
+                self._send_stream(stream, pool, self._pool_snapshot(pool))
 
     def _pool_of(self, ch: Channel) -> str:
         return next((n for n, c in self._streams.items() if c is ch), "")
@@ -321,7 +321,7 @@ class KvEventPublisher:
                 group.append(item)
             elif isinstance(item, _Attach):
                 self._open_stream(name)
-                self._send(name, item.contents, opening=True)
+                self._send(name, item.contents, restate=True)
             elif isinstance(item, _Detach):
                 self._send(name, item.gone)
                 self._close_stream(name)
@@ -345,12 +345,13 @@ class KvEventPublisher:
     def _topic(self, pool: str) -> bytes:
         return self._prefix + pool.encode()
 
-    def _send(self, pool: str, events: Sequence[EngineEvent], opening: bool = False) -> None:
+    def _send(self, pool: str, events: Sequence[EngineEvent], restate: bool = False) -> None:
         """``events`` on the node's stream and, for a pool's, on its own stream too (the
-        same payloads); ``opening``: the pool's stream opens with ``AllBlocksCleared``."""
+        same payloads); ``restate``: ``events`` are the pool's whole contents, so its own
+        stream (opening, or after drops) gets ``AllBlocksCleared`` before them."""
         topic = self._topic(pool)
         stream = self._streams.get(pool) if pool else None
-        if stream is not None and opening:
+        if stream is not None and restate:
             self._send_stream(stream, pool, [AllBlocksCleared()])
         for chunk in messages(events):
             payload = self._encoder.batch(chunk)
@@ -409,8 +410,8 @@ class KvEventPublisher:
 
     # -- snapshots -------------------------------------------------------------------------
 
-    def _pool_snapshot(self, stream: Channel) -> list[EngineEvent]:
-        return [AllBlocksCleared(), *self._contents(self._pool_of(stream))]
+    def _pool_snapshot(self, pool: str) -> list[EngineEvent]:
+        return [AllBlocksCleared(), *self._contents(pool)]
 
     def _snapshot_frames(self, ch: Channel) -> list[tuple[bytes, bytes]]:
         """What a stream holds now, as (topic, payload) messages: for the node's stream,
@@ -421,7 +422,8 @@ class KvEventPublisher:
             groups: list[tuple[str, Sequence[EngineEvent]]] = [
                 ("", [AllBlocksCleared()]), *((n, self._contents(n)) for n in names)]
         else:
-            groups = [(self._pool_of(ch), self._pool_snapshot(ch))]
+            pool = self._pool_of(ch)
+            groups = [(pool, self._pool_snapshot(pool))]
         return [(self._topic(pool), self._encoder.batch(chunk))
                 for pool, events in groups for chunk in messages(events)]
 
@@ -435,7 +437,4 @@ class KvEventPublisher:
         if self._node is not None:
             self._send("", [AllBlocksCleared()])
         for name in names:
-            stream = self._streams.get(name)
-            if stream is not None:
-                self._send_stream(stream, name, [AllBlocksCleared()])
-            self._send(name, self._contents(name))
+            self._send(name, self._contents(name), restate=True)
