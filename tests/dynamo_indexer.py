@@ -63,15 +63,9 @@ class DynamoIndexer:
              "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.instances = set()
-        deadline = time.monotonic() + 30
-        while True:  # serving once its HTTP API answers
-            try:
-                self.netns.fetch(f"http://127.0.0.1:{self.port}/workers")
-                return
-            except AssertionError:
-                assert self.proc.poll() is None, self.log()
-                assert time.monotonic() < deadline, "Dynamo's indexer did not start"
-                time.sleep(0.2)
+        # serving once its HTTP API answers
+        self.netns.wait_http(f"http://127.0.0.1:{self.port}/workers", self.proc, self.log,
+                             "Dynamo's indexer", 30)
 
     def log(self) -> str:
         return (self.workdir / "dynamo-indexer.log").read_text(errors="replace")

@@ -9,7 +9,8 @@ namespace does not separate.
 Primitives:
 
 - ``unavailable()``: why these tests cannot run here ('' when they can).
-- ``Netns()``: ``popen(argv)``, ``run(argv)``, ``fetch(url)`` (HTTP inside), ``prefix``
+- ``Netns()``: ``popen(argv)``, ``run(argv)``, ``fetch(url)`` (HTTP inside),
+  ``wait_http(url, proc, log, what, timeout)`` (until a server inside answers), ``prefix``
   (the ``nsenter`` argv), ``close()``.
 - ``Master(netns, workdir)``: ``start()``, ``kill()``, ``pause()`` / ``resume()``
   (SIGSTOP / SIGCONT: a master that takes connections and never answers), ``address``.
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 FETCH = ("import sys, urllib.request; "
@@ -87,6 +89,20 @@ class Netns:
     def fetch(self, url: str) -> str:
         return self.run([sys.executable, "-c", FETCH, url])
 
+    def wait_http(self, url: str, proc: subprocess.Popen[bytes], log: Callable[[], str],
+                  what: str, timeout: float) -> None:
+        """Until ``url`` answers inside: ``proc`` serving (its ``log`` in the failure when it
+        exited first), or ``what did not start`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.fetch(url)
+                return
+            except AssertionError:
+                assert proc.poll() is None, log()
+                assert time.monotonic() < deadline, f"{what} did not start"
+                time.sleep(0.2)
+
     def close(self) -> None:
         self.holder.kill()
         self.holder.wait()
@@ -114,15 +130,9 @@ class Master:
              *([] if self.client_ttl is None else [f"--client_ttl={self.client_ttl}"])],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + 20
-        while True:  # serving once its metrics endpoint answers
-            try:
-                self.netns.fetch(f"http://127.0.0.1:{self.metrics_port}/metrics")
-                return
-            except AssertionError:
-                assert self.proc.poll() is None, self.log()
-                assert time.monotonic() < deadline, "the Mooncake master did not start"
-                time.sleep(0.2)
+        # serving once its metrics endpoint answers
+        self.netns.wait_http(f"http://127.0.0.1:{self.metrics_port}/metrics", self.proc,
+                             self.log, "the Mooncake master", 20)
 
     def log(self) -> str:
         return (self.workdir / "mooncake-master.log").read_text(errors="replace")
