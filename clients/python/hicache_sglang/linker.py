@@ -22,7 +22,9 @@ What each call becomes:
   stream wait on that layer's event; on CPU the call returns when the bytes are in place.
 - ``offload``: a ``Store`` that never waits for the GPU on the scheduler's thread
   (``hicache_sglang.offloads``); results are handed back in submission order, as SGLang
-  commits them.
+  commits them. Each carries the tree node's tokens and the key of the page before
+  (``hicache_sglang.origins``: SGLang does not pass them), so routers following the daemon's
+  KV events match requests to these pages.
 - ``reset`` (SGLang's ``/flush_cache``): quiesce, forget every answer and let go of every hold
   of this worker's session. The pool's pages stay: other instances share them and may be
   hitting them; emptying a shared pool is an operator's act (``hicachectl clear-pool``).
@@ -68,6 +70,7 @@ from hicache_sglang.config import LinkerConfig
 from hicache_sglang.device_pool import DevicePool
 from hicache_sglang.namespace import Shard, pool_name
 from hicache_sglang.offloads import Offloads
+from hicache_sglang.origins import NodeOrigins
 from hicache_sglang.quarantine import SlotQuarantine
 
 log = logging.getLogger("hicache_sglang")
@@ -76,7 +79,7 @@ _STATS = ("lookups", "lookups_reused", "lookup_hit_pages", "lookup_held_pages",
           "lookup_failures", "lookups_skipped", "resets", "reset_failures", "loads",
           "load_pages", "load_failures", "loads_declined", "loads_cancelled",
           "load_slots_withheld", "offloads", "offload_pages", "offloads_dropped",
-          "offload_failures", "offload_no_space")
+          "offload_failures", "offload_no_space", "offloads_without_tokens")
 def _kv(transfers: list[PoolTransfer]) -> PoolTransfer | None:
     return next((t for t in transfers if t.name == PoolName.KV), None)
 
@@ -172,6 +175,8 @@ class HicachedLinker(UnifiedCacheLinker):
         request's next match is told while it is fresh."""
         self._loads: queue.Queue[tuple[int, list[tuple[str, tuple[list[str], torch.Tensor]]]]
                                  | None] = queue.Queue()
+        self.origins = NodeOrigins(self, self.page_size)
+        """The tokens and parent of each node SGLang offloads (for routers' events)."""
         self.offloads = Offloads(cfg.max_inflight_offloads,
                                  (dp.device, self._ready, self.record_offload_ready)
                                  if self.on_cuda else None)
@@ -346,8 +351,12 @@ class HicachedLinker(UnifiedCacheLinker):
         if session is None or not self.link.usable or self.offloads.full:
             self.stats["offloads_dropped"] += 1
             return False
+        keys = list(kv.keys)
+        origin = self.origins.of(keys)  # reads the caller's frame: call it from here only
+        if origin is None:
+            self.stats["offloads_without_tokens"] += 1
         try:
-            self.offloads.submit(session, list(kv.keys), kv.device_indices)
+            self.offloads.submit(session, keys, kv.device_indices, origin)
         except (HiCacheError, ValueError) as exc:
             self.stats["offloads_dropped"] += 1
             self.link.report(exc)

@@ -10,9 +10,10 @@ it does synchronizes with the GPU (checked on a GPU under ``set_sync_debug_mode(
 tests/integrations/sglang/test_sglang_gpu.py).
 
 Primitives: ``Offloads(limit, gpu)`` (``gpu``: the device, the ``ReadyEvent`` and SGLang's
-``record_offload_ready``, or None on CPU): ``submit(session, keys, indices)``, ``skip(n)`` (a
-rank that stores nothing: an at-once success), ``full``, ``completed()`` (leading results in),
-``pop()`` (the next result, or its error), ``drain(seconds)``, ``close()``.
+``record_offload_ready``, or None on CPU): ``submit(session, keys, indices, origin)`` (the
+pages' tokens and parent where known: ``hicache_sglang.origins``), ``skip(n)`` (a rank that
+stores nothing: an at-once success), ``full``, ``completed()`` (leading results in), ``pop()``
+(the next result, or its error), ``drain(seconds)``, ``close()``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from hicache_client.results import StoreResult
+from hicache_sglang.origins import Origin
 
 GpuSide = tuple[torch.device, Any, Callable[[], list[Any]]]
 
@@ -51,11 +53,15 @@ class Offloads:
         self._futures.append(done)
         return True
 
-    def submit(self, session: Any, keys: list[Any], indices: torch.Tensor) -> None:
-        """Store ``keys`` from the device pages of ``indices``; raises what ``store_async``
-        raises at once (``HiCacheError``, ``ValueError``)."""
+    def submit(self, session: Any, keys: list[Any], indices: torch.Tensor,
+               origin: Origin | None = None) -> None:
+        """Store ``keys`` from the device pages of ``indices``, told with ``origin``'s tokens
+        and parent where known; raises what ``store_async`` raises at once
+        (``HiCacheError``, ``ValueError``)."""
+        told: dict[str, Any] = {} if origin is None else {
+            "token_ids": origin.tokens, "parent_key": origin.parent_key}
         if self._gpu is None:
-            self._futures.append(session.store_async(keys, indices.to(torch.int64)))
+            self._futures.append(session.store_async(keys, indices.to(torch.int64), **told))
             return
         _, ready, record_offload_ready = self._gpu
         side, forward = self._side, torch.cuda.current_stream()
@@ -73,7 +79,7 @@ class Offloads:
 
         def store() -> StoreResult:
             copied.synchronize()
-            result: StoreResult = session.store(keys, on_host)
+            result: StoreResult = session.store(keys, on_host, **told)
             return result
 
         self._futures.append(self._pool.submit(store))

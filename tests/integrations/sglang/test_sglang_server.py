@@ -9,7 +9,8 @@ daemon; a second instance hits the first's pages on its first request; a flush o
 leaves every instance's hits; requests SGLang cannot admit yet cost at most two Lookups each;
 the daemon SIGSTOPped past its lease while serving (every request completes, none waits past
 the lookup deadline, hits return after SIGCONT) and SIGKILLed while serving (requests complete,
-hits return after a restart).
+hits return after a restart). The daemon gives each pool its own KV event stream, and a real
+router (Dynamo's indexer) following it matches the servers' prompts by their tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from hicache.keys import sglang_page_keys
 from hicache_client import HiCacheClient
 from hicache_sglang.config import LinkerConfig
 from tests.daemon_proc import DaemonProc, start_daemon
+from tests.dynamo_indexer import DynamoIndexer
+from tests.dynamo_indexer import unavailable as router_unavailable
+from tests.kv_event_workers import pool_stream_args
+from tests.mooncake_env import Netns
 from tests.sglang_server_harness import (
     PAGE_SIZE,
     Generation,
@@ -92,14 +97,18 @@ class Node:
                      f"{len(keys)} pages not stored in the daemon")
 
     def restart_daemon(self) -> None:
-        self.daemon = start_daemon(self.work, *DAEMON_FLAGS)
+        self.daemon = start_daemon(self.work, *daemon_flags(self.work))
+
+
+def daemon_flags(work: Path) -> tuple[str, ...]:
+    return (*DAEMON_FLAGS, *pool_stream_args(work))  # a KV event stream per pool
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     work = tmp_path_factory.mktemp("sglang-node")
     model = model_dir(tmp_path_factory.mktemp("sglang-model"))
-    daemon = start_daemon(work, *DAEMON_FLAGS)
+    daemon = start_daemon(work, *daemon_flags(work))
     a = SGLangServer(model, daemon.target, work / "a")
     b = SGLangServer(model, daemon.target, work / "b")
     n = Node(work, daemon, a, b)
@@ -175,6 +184,31 @@ def test_a_flush_on_one_instance_leaves_every_instances_hits(node: Node) -> None
         got = server.generate(ids)
         assert got.host_hits == matched(ids), server.explain(f"after a/flush: {got.meta_info}")
         same(got, miss, server, "a hit after the other instance's flush")
+
+
+@pytest.mark.skipif(bool(router_unavailable()), reason=router_unavailable() or "available")
+def test_a_router_matches_the_prompts_the_servers_stored(node: Node, netns: Netns,
+                                                         tmp_path: Path) -> None:
+    """Dynamo's indexer registers both instances on the pool's own stream (one model, one
+    pool: what either stored, both can load): a prompt ``a`` computed matches for both as far
+    as its whole pages go, a prompt that shares its head matches that head, an unrelated one
+    nothing."""
+    ids, other = prompt(1024, seed=71), prompt(1024, seed=72)
+    node.a.generate(ids)
+    node.wait_stored(ids)
+    with HiCacheClient(node.daemon.target) as c:
+        (pool,) = c.list_pools()
+    router = DynamoIndexer(netns, tmp_path, block_size=PAGE_SIZE)
+    router.start()
+    try:
+        for instance in (1, 2):
+            router.register(instance, pool.kv_events_endpoint, pool.kv_events_replay_endpoint)
+        whole = len(ids) // PAGE_SIZE * PAGE_SIZE
+        router.until(lambda: router.query(ids) == {1: whole, 2: whole}, 10)
+        assert router.query([*ids[:256], *other[:256]]) == {1: 256, 2: 256}
+        assert router.query(other) == {1: 0, 2: 0}
+    finally:
+        router.kill()
 
 
 def test_a_daemon_stopped_past_its_lease_while_serving(node: Node) -> None:
