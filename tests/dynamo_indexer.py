@@ -12,7 +12,9 @@ Primitives:
 - ``unavailable()``: why these tests cannot run here ('' when they can).
 - ``DynamoIndexer(netns, workdir, block_size, model)``: ``start()``, ``kill()``,
   ``register(instance, endpoint, replay_endpoint)``, ``query(tokens)`` -> the tokens of the
-  longest cached prefix per registered instance (0 where none), ``until(what, timeout)``.
+  longest cached prefix per registered instance (0 where none), ``until(what, timeout)``,
+  ``queries()`` -> ``Queries``: the same question through one client process that stays in
+  the namespace (``ask(tokens)``, ``close()``: milliseconds a query, for benchmarks).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ from typing import Any
 import numpy as np
 
 from tests.mooncake_env import Netns
+
+QUERIES = """
+import json, sys, urllib.request
+url = sys.argv[1]
+for line in sys.stdin:
+    r = urllib.request.Request(url, data=line.encode(),
+                               headers={"Content-Type": "application/json"})
+    sys.stdout.write(urllib.request.urlopen(r, timeout=5).read().decode().strip() + "\\n")
+    sys.stdout.flush()
+"""
 
 POST = ("import sys, urllib.request; r = urllib.request.Request(sys.argv[1], "
         "data=sys.argv[2].encode(), headers={'Content-Type': 'application/json'}); "
@@ -98,9 +110,43 @@ class DynamoIndexer:
                    for i, v in (got.get("instances") or {}).items()}
         return {i: matched.get(i, 0) for i in sorted(self.instances)}
 
+    def queries(self) -> Queries:
+        return Queries(self)
+
     def until(self, what: Callable[[], bool], timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         while not what():
             assert time.monotonic() < deadline, \
                 f"the router's view never came true\n{self.log()[-3000:]}"
             time.sleep(0.1)
+
+
+class Queries:
+    """``DynamoIndexer.query`` through one process that stays in the namespace."""
+
+    def __init__(self, router: DynamoIndexer) -> None:
+        self.router = router
+        self.proc = router.netns.popen(
+            [sys.executable, "-c", QUERIES, f"http://127.0.0.1:{router.port}/query"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def ask(self, tokens: Sequence[int] | np.ndarray) -> dict[int, int]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        body = {"token_ids": [int(t) for t in tokens], "model_name": self.router.model}
+        self.proc.stdin.write(json.dumps(body).encode() + b"\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the query client exited\n{self.router.log()[-2000:]}"
+        got = json.loads(line)
+        matched = {int(i): int(v.get("longest_matched", 0))
+                   for i, v in (got.get("instances") or {}).items()}
+        return {i: matched.get(i, 0) for i in sorted(self.router.instances)}
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
