@@ -581,3 +581,48 @@ def reset_keeps_shared_pages(model: str, target: str, blocks: int = 4, **kw: Any
            "theirs": e.results.get("t")}
     e.close()
     return out
+
+
+def own_block_hashes(model: str, target: str, blocks: int = 6, **kw: Any) -> dict[str, Any]:
+    """vLLM's scheduler with its own KV events on stores a prompt through the connector: the
+    block hashes vLLM publishes for it (its GPU blocks, and the connector's offloaded ones)
+    and those the daemon's pool stream publishes for the same pages, each read with vLLM's own
+    ``KVEventBatch`` decoder."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from hicache_client import HiCacheClient
+
+    e = Engine(model, target, events=True, **kw)
+    published: list[Any] = []
+    e.scheduler.kv_event_publisher.publish = published.append  # the null publisher's input
+    bs = e.block_size
+    e.add("a", _prompt(blocks * bs + 1, 61))
+    e.run()
+    pool = e.worker.connector_worker.worker.pool.name
+    ours: dict[str, list[int]] = {}
+    for batch in published:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                ours.setdefault(str(ev.medium), []).extend(int(h) for h in ev.block_hashes)
+    with HiCacheClient(target) as c:
+        endpoint = c.get_pool(pool).kv_events_endpoint
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    daemon: list[int] = []
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)  # joining, it is sent a snapshot of the pool
+        deadline = time.monotonic() + 10
+        while len(daemon) < blocks and time.monotonic() < deadline:
+            if sub.poll(100):
+                for ev in decoder.decode(sub.recv_multipart()[2]).events:
+                    if isinstance(ev, BlockStored):
+                        daemon.extend(int(h) for h in ev.block_hashes)
+    finally:
+        ctx.destroy(linger=0)
+    out = {"vllm": ours, "daemon": daemon, "block": bs}
+    e.close()
+    return out

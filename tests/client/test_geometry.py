@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -14,6 +15,7 @@ from hicache.errors import (
 from hicache.specs import (
     CanarySpec,
     DType,
+    KeyFormat,
     KVGeometry,
     Layout,
     MemberSpec,
@@ -128,6 +130,9 @@ def test_same_storage_is_equal_components_and_layers(other: KVGeometry, same: bo
     assert not same_storage(rows, spec(other, name="rows", layout=Layout.PAGE_FIRST))
     assert not same_storage(spec(opaque(), name="rows", side_pools=(MemberSpec("i", dsa()),)),
                             spec(other, name="rows"))
+    # what the keys are is not storage: a pool made before key_format serves the vLLM spec
+    vllm = dataclasses.replace(spec(other, name="rows"), key_format=KeyFormat.VLLM)
+    assert same_storage(rows, vllm) is same and same_storage(vllm, rows) is same
 
 
 def test_a_geometrys_repr_names_row_bytes_only_where_set() -> None:
@@ -149,6 +154,20 @@ def test_an_opaque_spec_crosses_the_wire_whole() -> None:
     msg.row_bytes = 0
     with pytest.raises(SpecInvalid):
         spec_from_proto(msg)
+
+
+def test_a_key_format_crosses_the_wire_and_an_unknown_one_is_refused() -> None:
+    for fmt in KeyFormat:
+        s = dataclasses.replace(spec(opaque(row=8), name="rows"), key_format=fmt)
+        assert spec_from_proto(spec_to_proto(s)).key_format is fmt
+    msg = spec_to_proto(spec(mha()))
+    assert msg.key_format == 0  # DIGEST: what a client from before the field sends
+    msg.key_format = 7  # type: ignore[assignment]  # a later build's
+    with pytest.raises(SpecInvalid) as err:
+        spec_from_proto(msg)
+    assert err.value.metadata["key_format"] == "7"
+    with pytest.raises(SpecInvalid):
+        dataclasses.replace(spec(mha()), key_format="vllm")  # type: ignore[arg-type]
 
 
 def test_pool_and_side_names_are_checked() -> None:

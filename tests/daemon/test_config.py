@@ -61,6 +61,11 @@ def test_declared_pools() -> None:
     (p,) = c.pools
     assert p.geometry.kind is PoolKind.MHA and p.layout is Layout.PAGE_FIRST
     assert p.size_bytes == 1 << 30 and p.side_pools[0].geometry.index_head_dim == 128
+    assert p.key_format.value == "digest"
+    c = config_from_mapping({"pool": [{
+        "name": "rows", "kind": "opaque", "layer_num": 4, "row_bytes": 96, "page_size": 16,
+        "size_tokens": 1024, "key_format": "vllm"}]})
+    assert c.pools[0].key_format.value == "vllm"
 
 
 @pytest.mark.parametrize("bad", [
@@ -70,6 +75,8 @@ def test_declared_pools() -> None:
     {"max_data_rpcs": -1},
     {"health_listen": ["nonsense"]}, {"auth_token_file": "/t"},
     {"tls_client_ca": "/ca.pem"},
+    {"pool": [{"name": "x", "page_size": 16, "size_tokens": 64, "layer_num": 1,
+               "head_num": 1, "head_dim": 8, "key_format": "md5"}]},
 ])
 def test_invalid_settings(bad: dict[str, object]) -> None:
     with pytest.raises(SpecInvalid):
@@ -123,7 +130,7 @@ def test_mooncake_flags_over_the_file(tmp_path: Path) -> None:
 
 
 def test_cluster_namespace_names_the_page_geometry_not_the_size() -> None:
-    from hicache.specs import DType, KVGeometry, PoolSpec
+    from hicache.specs import DType, KeyFormat, KVGeometry, PoolSpec
     from hicached.tiers.remote import namespace
 
     g = KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64)
@@ -142,6 +149,9 @@ def test_cluster_namespace_names_the_page_geometry_not_the_size() -> None:
     legacy = KVGeometry(PoolKind.MLA, DType.UINT8, 4, kv_lora_rank=96)
     assert namespace(PoolSpec("v", rows, 16, size_tokens=1024), "hc") == "hc/v.4d1f0079a141/"
     assert namespace(PoolSpec("v", legacy, 16, size_tokens=1024), "hc") == "hc/v.4d1f0079a141/"
+    # nor does what the keys are change it (vLLM's pools now say theirs are OffloadKeys)
+    assert namespace(PoolSpec("v", rows, 16, size_tokens=1024, key_format=KeyFormat.VLLM),
+                     "hc") == "hc/v.4d1f0079a141/"
     wider = KVGeometry(PoolKind.OPAQUE, DType.UINT8, 4, row_bytes=128)
     assert namespace(PoolSpec("v", wider, 16, size_tokens=1024), "hc") != "hc/v.4d1f0079a141/"
 

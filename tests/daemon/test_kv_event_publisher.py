@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.utils import hash_str_to_int64
 from hicache import seams
 from hicache.errors import HiCacheError
 from hicache.keys import sglang_page_hashes, sglang_page_keys
+from hicache.specs import KeyFormat
 from hicached.cache.chains import ENTRY_OVERHEAD_BYTES, ChainTable
 from hicached.cache.events import DISK, HOST, EventKind, EventLog
 from hicached.cache.pool_cache import PoolCache
@@ -49,6 +50,22 @@ def test_a_block_hash_is_sglangs_hash_str_to_int64_of_the_key(key: bytes, n: int
     assert block_hashes(keys) == [hash_str_to_int64(k.hex()) for k in keys]
     mixed = [*keys, b"x" * 9]
     assert block_hashes(mixed) == [hash_str_to_int64(k.hex()) for k in mixed]
+
+
+@given(st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=40),
+       st.integers(0, 2**32 - 1))
+def test_a_vllm_pools_block_hash_is_vllms_int_block_hash(hashes: list[bytes], group: int
+                                                         ) -> None:
+    """vLLM's ``OffloadKey`` = its block hash + a 4-byte group; vLLM's events name the block
+    ``int.from_bytes(block_hash, "big") & (2**64 - 1)`` (``maybe_convert_block_hash``, under
+    its default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): checked against vLLM itself in
+    tests/integrations/vllm/test_router_vllm.py."""
+    keys = [h + group.to_bytes(4, "big") for h in hashes]
+    want = [int.from_bytes(h, "big") & (2**64 - 1) for h in hashes]
+    assert [block_hash(k, KeyFormat.VLLM) for k in keys] == want
+    assert block_hashes(keys, KeyFormat.VLLM) == want  # vectorized alike
+    assert block_hashes([*keys, b"short"], KeyFormat.VLLM) == [
+        *want, block_hash(b"short")]  # too short to be an OffloadKey: named as a digest
 
 
 def _node(parent: Any, tokens: list[int]) -> Any:

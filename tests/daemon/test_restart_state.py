@@ -9,6 +9,7 @@ against a small reference model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hicache.errors import KeyNotFound
-from hicache.specs import CanarySpec, DType, KVGeometry, Layout, MemberSpec, PoolKind, PoolSpec
+from hicache.specs import (
+    CanarySpec,
+    DType,
+    KeyFormat,
+    KVGeometry,
+    Layout,
+    MemberSpec,
+    PoolKind,
+    PoolSpec,
+)
 from hicached.cache import key_slots
 from hicached.core.state_file import Outcome, StateFiles, spec_from_dict, spec_to_dict
 from tests.state_pools import PS, SPEC, open_pool, page_bytes, pattern, store, write_page
@@ -44,7 +54,7 @@ def state() -> Iterator[str]:
                                                       quant_block_size=32)),),
              canary=CanarySpec(16)),
     PoolSpec("rows", KVGeometry(PoolKind.OPAQUE, DType.UINT8, 4, row_bytes=96), 16,
-             Layout.PAGE_FIRST_DIRECT, size_tokens=256),
+             Layout.PAGE_FIRST_DIRECT, size_tokens=256, key_format=KeyFormat.VLLM),
 ])
 def test_specs_round_trip_through_the_header(spec: PoolSpec) -> None:
     assert spec_from_dict(spec_to_dict(spec)) == spec
@@ -59,6 +69,10 @@ def test_a_header_names_a_later_field_only_where_it_is_set() -> None:
     rows = PoolSpec("rows", KVGeometry(PoolKind.OPAQUE, DType.UINT8, 2, row_bytes=8), 4,
                     size_tokens=16)
     assert spec_to_dict(rows)["geometry"]["row_bytes"] == 8
+    assert "key_format" not in d  # likewise key_format, written only when not DIGEST
+    vllm = dataclasses.replace(rows, key_format=KeyFormat.VLLM)
+    assert spec_to_dict(vllm)["key_format"] == "vllm"
+    assert spec_from_dict(spec_to_dict(vllm)) == vllm
 
 
 def test_a_crash_keeps_complete_keys_and_drops_everything_unfinished(state: str) -> None:

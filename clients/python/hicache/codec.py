@@ -21,6 +21,7 @@ from hicache.specs import (
     ANCHOR,
     CanarySpec,
     DType,
+    KeyFormat,
     KVGeometry,
     Layout,
     MemberSpec,
@@ -99,7 +100,16 @@ def spec_from_proto(msg: pb.PoolSpec) -> PoolSpec:
         size_bytes=int(msg.size_bytes) if size == "size_bytes" else 0,
         side_pools=sides,
         canary=CanarySpec(int(msg.canary_read_bytes)) if msg.canary_read_bytes else None,
+        key_format=_key_format_from(msg.key_format),
     )
+
+
+def _key_format_from(value: int) -> KeyFormat:
+    try:
+        return KeyFormat(pb.KeyFormat.Name(value)[len("KEY_FORMAT_"):].lower())  # type: ignore[arg-type]
+    except ValueError:  # a number this build does not know
+        raise SpecInvalid(f"key_format {value} is not one this daemon knows",
+                          metadata={"key_format": value}) from None
 
 
 def _fill_geometry(msg: object, g: KVGeometry) -> None:
@@ -123,6 +133,8 @@ def spec_to_proto(spec: PoolSpec) -> pb.PoolSpec:
         _fill_geometry(s.geometry, side.geometry)
     if spec.canary is not None:
         msg.canary_read_bytes = spec.canary.read_bytes
+    msg.key_format = pb.KeyFormat.Value(  # type: ignore[assignment]
+        f"KEY_FORMAT_{spec.key_format.value.upper()}")
     return msg
 
 

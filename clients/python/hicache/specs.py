@@ -12,6 +12,7 @@ Primitives:
 - ``DType``: bfloat16, float16, float32, float8 e4m3 / e5m2, uint8.
 - ``Layout``: ``layer_first`` (L, size, ...), ``page_first`` (size, L, ...),
   ``page_first_direct`` (page_num, L, page_size, ...).
+- ``KeyFormat``: what a pool's keys are (``DIGEST``, ``VLLM``): how its KV events name blocks.
 - ``Role``: which device buffer a component maps to (K, V, KV, INDEX).
 - ``KVGeometry``: kind + dtype + dimensions of one storage member; ``components()`` lists its
   buffers, each a ``Component`` with the bytes of one unit (a token, or a whole page for DSA).
@@ -94,6 +95,19 @@ class Layout(enum.Enum):
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
     PAGE_FIRST_DIRECT = "page_first_direct"
+
+
+class KeyFormat(enum.Enum):
+    """What a pool's page keys are, so that the daemon's KV events name each block as the
+    engine that wrote it names it in its own (routers see one block, whoever reports it)."""
+
+    DIGEST = "digest"
+    """A digest (SGLang's page hashes, and any client's keys): a block is the key's first 8
+    bytes, big-endian, signed (SGLang's ``hash_str_to_int64``)."""
+    VLLM = "vllm"
+    """vLLM's ``OffloadKey`` (a block hash, then a 4-byte KV cache group index): a block is
+    the block hash's last 8 bytes, big-endian, unsigned (vLLM's own KV events, under its
+    default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)."""
 
 
 class Role(enum.Enum):
@@ -290,8 +304,14 @@ class PoolSpec:
     """Side pools of a group (e.g. a DSA indexer beside an MLA anchor)."""
     canary: CanarySpec | None = None
     """Enables kv-canary fingerprints when set."""
+    key_format: KeyFormat = KeyFormat.DIGEST
+    """What the pool's keys are: how its KV events name blocks (not part of its storage: a
+    pool's bytes are the same whatever its keys are)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.key_format, KeyFormat):
+            raise SpecInvalid(f"key_format must be a KeyFormat, got {self.key_format!r}",
+                              metadata={"key_format": str(self.key_format)})
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise SpecInvalid(
                 f"pool name {self.name!r} must match {_NAME.pattern}",
@@ -356,12 +376,13 @@ class PoolSpec:
 def same_storage(a: PoolSpec, b: PoolSpec) -> bool:
     """Whether ``a`` and ``b`` describe the same pool's bytes: equal but for how a member's
     rows are named, where the members' layers and components (role, dtype, unit shape) are
-    equal. The daemon stores and moves bytes only, so such pools are one: a pool of vLLM's
-    rows created as ``MLA`` uint8 (``kv_lora_rank`` = the row, no rope) before ``OPAQUE``
-    existed is the ``OPAQUE`` pool of those rows, and a worker that asks for either uses it."""
+    equal, and for what the keys are (``key_format``). The daemon stores and moves bytes
+    only, so such pools are one: a pool of vLLM's rows created as ``MLA`` uint8
+    (``kv_lora_rank`` = the row, no rope) before ``OPAQUE`` existed is the ``OPAQUE`` pool of
+    those rows, and a worker that asks for either uses it."""
     if a == b:
         return True
-    plain = {"geometry": a.geometry, "side_pools": ()}
+    plain = {"geometry": a.geometry, "side_pools": (), "key_format": a.key_format}
     if dataclasses.replace(a, **plain) != dataclasses.replace(b, **plain):  # type: ignore[arg-type]
         return False
     ma, mb = a.members(), b.members()

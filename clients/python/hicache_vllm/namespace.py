@@ -9,8 +9,9 @@ and dtype, the geometry (layers, bytes per layer and block, tokens per block) an
 A page is one offloaded block (vLLM's ``OffloadKey``, ``blocks_per_chunk`` of its KV blocks)
 of one rank: per layer, that rank's canonical page bytes of each of its blocks, back to back.
 The daemon moves whole pages only and never reads inside them; the pool is described to it as
-``MLA`` geometry of ``uint8`` rows (``page_bytes / tokens_per_block`` bytes per token row), the
-kind whose one buffer per layer holds what vLLM's canonical tensor holds.
+``OPAQUE`` rows (``page_bytes / tokens_per_block`` bytes per token row and layer), one buffer
+per layer holding what vLLM's canonical tensor holds. Its keys are vLLM's ``OffloadKey``s
+(``KeyFormat.VLLM``): the daemon's KV events name each block by vLLM's own block hash.
 
 MHA KV differs per tensor-parallel rank: one pool per rank, every rank writes its own, and a
 block is a hit only when every rank's pool holds it. MLA KV is the same on every rank (vLLM's
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import SpecInvalid
-from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache.specs import DType, KeyFormat, KVGeometry, PoolKind, PoolSpec
 from hicache_client import pool_names
 from hicache_vllm.config import SpecConfig
 
@@ -123,4 +124,5 @@ class Plan:
         if size_tokens:
             size_tokens = max(size_tokens // self.page_tokens, 1) * self.page_tokens
         return PoolSpec(self.pool_name(rank), self.geometry(), self.page_tokens,
-                        size_tokens=size_tokens, size_bytes=0 if size_tokens else size_bytes)
+                        size_tokens=size_tokens, size_bytes=0 if size_tokens else size_bytes,
+                        key_format=KeyFormat.VLLM)  # its KV events name blocks as vLLM's do

@@ -48,6 +48,7 @@ from hicache.paths import STATE_SUFFIXES
 from hicache.specs import (
     CanarySpec,
     DType,
+    KeyFormat,
     KVGeometry,
     Layout,
     MemberSpec,
@@ -67,7 +68,7 @@ _JSON_OFFSET = 64
 ALIGN = 64
 
 
-_ADDED = frozenset({"row_bytes"})
+_ADDED = frozenset({"row_bytes", "key_format"})
 """Spec fields added after the format's first release (absent from a file means the default)."""
 
 
@@ -96,7 +97,8 @@ def spec_from_dict(d: dict[str, Any]) -> PoolSpec:
         layout=Layout(d["layout"]), size_tokens=d["size_tokens"], size_bytes=d["size_bytes"],
         side_pools=tuple(MemberSpec(m["name"], geometry(m["geometry"]))
                          for m in d["side_pools"]),
-        canary=CanarySpec(**canary) if canary else None)
+        canary=CanarySpec(**canary) if canary else None,
+        key_format=KeyFormat(d.get("key_format", KeyFormat.DIGEST.value)))
 
 
 @dataclass(frozen=True)

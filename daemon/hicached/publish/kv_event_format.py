@@ -9,22 +9,25 @@ here have the same names, fields and options, so SGLang's own decoder reads them
 data_parallel_rank]``) too: ``medium`` and ``lora_name``, which vLLM requires, are always
 sent. They are declared here because the daemon imports neither engine.
 
-A page's block hash is SGLang's ``hash_str_to_int64`` of its key's hex (the first 8 bytes of
-the key, big-endian, as a signed int64): the engine and the daemon report one block for one
-page. The blocks of one ``BlockStored`` are a chain, the first one's parent in
-``parent_block_hash``.
+A page's block hash is what the engine that wrote it calls that block in its own events, by
+the pool's ``key_format``: for ``DIGEST`` keys (SGLang's) SGLang's ``hash_str_to_int64`` of the
+key's hex (its first 8 bytes, big-endian, signed), for ``VLLM`` keys (vLLM's ``OffloadKey``:
+block hash + 4-byte group) vLLM's int block hash (the block hash's last 8 bytes, big-endian,
+unsigned): the engine and the daemon report one block for one page. The blocks of one
+``BlockStored`` are a chain, the first one's parent in ``parent_block_hash``.
 
 Primitives:
 
 - ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, ``KVEventBatch``: the structs.
-- ``block_hash(key)``: SGLang's block hash of a page key; ``block_hashes(keys)``: of many.
-- ``engine_events(events, block_size)``: a pool's ``CacheEvent``s as engine events, in order,
-  consecutive ones merged as SGLang merges its own (a chain continued, removals of one medium)
-  up to ``MAX_BLOCKS`` blocks an event.
+- ``block_hash(key, key_format)``: the engine's block hash of a page key; ``block_hashes(keys,
+  key_format)``: of many.
+- ``engine_events(events, block_size, key_format)``: a pool's ``CacheEvent``s as engine
+  events, in order, consecutive ones merged as SGLang merges its own (a chain continued,
+  removals of one medium) up to ``MAX_BLOCKS`` blocks an event.
 - ``messages(events)``: the events cut into messages of at most ``MESSAGE_EVENTS`` events and
   ``MESSAGE_BLOCKS`` blocks (a ClearPool of a million keys is many small messages).
-- ``contents_events(contents, block_size, chains)``: a pool's contents (per tier, its keys)
-  as ``BlockStored`` events, cut into the chains the pool knows (a snapshot).
+- ``contents_events(contents, block_size, chains, key_format)``: a pool's contents (per tier,
+  its keys) as ``BlockStored`` events, cut into the chains the pool knows (a snapshot).
 - ``Encoder``: ``batch(events)`` -> the msgpack payload of one batch.
 """
 
@@ -36,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 import numpy as np
 
+from hicache.specs import KeyFormat
 from hicached.cache.chains import ChainTable
 from hicached.cache.events import MEDIUM, CacheEvent, EventKind
 
@@ -79,31 +83,48 @@ class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
     attn_dp_rank: int | None = None
 
 
-def block_hash(key: bytes) -> int:
-    """SGLang's ``hash_str_to_int64(key.hex())``."""
+_VLLM_HASH = slice(-12, -4)
+"""Where vLLM's int block hash is in its ``OffloadKey``: the block hash's last 8 bytes (the
+key ends with a 4-byte group index)."""
+
+
+def _vllm_shaped(key_format: KeyFormat, width: int) -> bool:
+    return key_format is KeyFormat.VLLM and width >= 12
+
+
+def block_hash(key: bytes, key_format: KeyFormat = KeyFormat.DIGEST) -> int:
+    """``DIGEST``: SGLang's ``hash_str_to_int64(key.hex())``; ``VLLM``: vLLM's
+    ``maybe_convert_block_hash(get_offload_block_hash(key))`` (a key too short to be an
+    ``OffloadKey`` is named as a digest)."""
+    if _vllm_shaped(key_format, len(key)):
+        return int.from_bytes(key[_VLLM_HASH], "big")
     value = int.from_bytes(key[:8], "big")
     return value - _WRAP if value >= _SIGN else value
 
 
-def block_hashes(keys: Sequence[bytes]) -> list[int]:
-    """``block_hash`` of each key; keys of one width (SGLang's are all 32 bytes) in a few
-    vectorized passes."""
+def block_hashes(keys: Sequence[bytes], key_format: KeyFormat = KeyFormat.DIGEST) -> list[int]:
+    """``block_hash`` of each key; keys of one width (SGLang's are all 32 bytes, vLLM's 36) in
+    a few vectorized passes."""
     width = len(keys[0]) if keys else 0
     if width < 8 or len(keys) < 4 or any(len(k) != width for k in keys):
-        return [block_hash(k) for k in keys]
+        return [block_hash(k, key_format) for k in keys]
     rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), width)
+    if _vllm_shaped(key_format, width):
+        return list(np.ascontiguousarray(rows[:, width - 12:width - 4]).view(">u8")
+                    .ravel().tolist())
     return list(np.ascontiguousarray(rows[:, :8]).view(">i8").ravel().tolist())
 
 
 def _stored(keys: Sequence[bytes], parent: bytes, tokens: list[int], block_size: int,
-            medium: str) -> BlockStored:
-    return BlockStored(block_hashes=block_hashes(keys),
-                       parent_block_hash=block_hash(parent) if parent else None,
+            medium: str, key_format: KeyFormat) -> BlockStored:
+    return BlockStored(block_hashes=block_hashes(keys, key_format),
+                       parent_block_hash=block_hash(parent, key_format) if parent else None,
                        token_ids=tokens, block_size=block_size, lora_id=None, medium=medium,
                        lora_name=None)
 
 
-def engine_events(events: Iterable[CacheEvent], block_size: int) -> list[EngineEvent]:
+def engine_events(events: Iterable[CacheEvent], block_size: int,
+                  key_format: KeyFormat = KeyFormat.DIGEST) -> list[EngineEvent]:
     out: list[EngineEvent] = []
     for e in events:
         medium = MEDIUM[e.tier]
@@ -112,22 +133,24 @@ def engine_events(events: Iterable[CacheEvent], block_size: int) -> list[EngineE
             tokens = e.token_ids.tolist() if e.token_ids is not None else []
             if (isinstance(last, BlockStored) and last.medium == medium and e.parent
                     and len(last.block_hashes) + len(e.keys) <= MAX_BLOCKS
-                    and last.block_hashes[-1] == block_hash(e.parent)
+                    and last.block_hashes[-1] == block_hash(e.parent, key_format)
                     and bool(last.token_ids) == bool(tokens)):
-                last.block_hashes.extend(block_hashes(e.keys))
+                last.block_hashes.extend(block_hashes(e.keys, key_format))
                 last.token_ids.extend(tokens)
             else:
-                out.append(_stored(e.keys, e.parent, tokens, block_size, medium))
+                out.append(_stored(e.keys, e.parent, tokens, block_size, medium, key_format))
         elif (isinstance(last, BlockRemoved) and last.medium == medium
               and len(last.block_hashes) + len(e.keys) <= MAX_BLOCKS):
-            last.block_hashes.extend(block_hashes(e.keys))
+            last.block_hashes.extend(block_hashes(e.keys, key_format))
         else:
-            out.append(BlockRemoved(block_hashes=block_hashes(e.keys), medium=medium))
+            out.append(BlockRemoved(block_hashes=block_hashes(e.keys, key_format),
+                                    medium=medium))
     return out
 
 
 def contents_events(contents: Mapping[int, Sequence[bytes]], block_size: int,
-                    chains: ChainTable) -> list[BlockStored]:
+                    chains: ChainTable, key_format: KeyFormat = KeyFormat.DIGEST
+                    ) -> list[BlockStored]:
     """What a pool holds, per tier, as ``BlockStored`` events (keys the chain table does not
     know stand alone: a snapshot claims no chain it was not told of)."""
     out: list[BlockStored] = []
@@ -136,7 +159,7 @@ def contents_events(contents: Mapping[int, Sequence[bytes]], block_size: int,
             tokens = run.token_ids()
             out.append(_stored(run.keys, run.parent,
                                tokens.tolist() if tokens is not None else [], block_size,
-                               MEDIUM[tier]))
+                               MEDIUM[tier], key_format))
     return out
 
 

@@ -331,7 +331,8 @@ class KvEventPublisher:
 
     def _flush(self, pool: str, group: list[CacheEvent]) -> None:
         if group and pool in self._pools:
-            self._send(pool, engine_events(group, self._pools[pool].pool.page_size))
+            spec = self._pools[pool].pool.spec
+            self._send(pool, engine_events(group, spec.page_size, spec.key_format))
 
     def _contents(self, name: str) -> list[BlockStored]:
         """What the pool's tiers hold now, as ``BlockStored`` events."""
@@ -340,7 +341,7 @@ class KvEventPublisher:
         if stack is None:
             return []
         return contents_events(stack.contents(), stack.pool.page_size,
-                               stack.cache.events.chains)
+                               stack.cache.events.chains, stack.pool.spec.key_format)
 
     def _topic(self, pool: str) -> bytes:
         return self._prefix + pool.encode()

@@ -22,6 +22,7 @@ from hicache.polling import DEFAULT_MAX_US
 from hicache.specs import (
     CanarySpec,
     DType,
+    KeyFormat,
     KVGeometry,
     Layout,
     MemberSpec,
@@ -260,7 +261,8 @@ _ALIASES = {"memory_budget": "memory_budget_bytes", "reserve": "reserve_bytes"}
 
 def pool_from_mapping(d: Mapping[str, object]) -> PoolSpec:
     """A ``[[pool]]`` table: name, kind, dtype, layout, page_size, geometry, size or
-    size_tokens, optional canary_read_bytes and ``[[pool.side]]`` tables."""
+    size_tokens, optional canary_read_bytes, key_format (``digest``, ``vllm``) and
+    ``[[pool.side]]`` tables."""
     d = dict(d)
 
     def geometry(g: dict[str, object]) -> KVGeometry:
@@ -281,6 +283,7 @@ def pool_from_mapping(d: Mapping[str, object]) -> PoolSpec:
         size_tokens = int(d.pop("size_tokens", 0))  # type: ignore[call-overload]
         size_bytes = parse_size(d.pop("size", 0))
         canary = int(str(d.pop("canary_read_bytes", 0)))
+        key_format = KeyFormat(str(d.pop("key_format", "digest")).lower())
         anchor = geometry(d)
     except (KeyError, ValueError, TypeError) as exc:
         raise SpecInvalid(f"pool table is invalid: {exc}") from None
@@ -288,7 +291,7 @@ def pool_from_mapping(d: Mapping[str, object]) -> PoolSpec:
         raise SpecInvalid(f"unknown pool keys: {sorted(d)}")
     return PoolSpec(name, anchor, page_size, layout, size_tokens=size_tokens,
                     size_bytes=size_bytes, side_pools=tuple(sides),
-                    canary=CanarySpec(canary) if canary else None)
+                    canary=CanarySpec(canary) if canary else None, key_format=key_format)
 
 
 def access_rule(r: Mapping[str, object]) -> AccessRule:

@@ -2,7 +2,8 @@
 spec against a real ``hicached serve`` whose pools each have their own KV event stream, and
 Dynamo's standalone indexer (``tests.dynamo_indexer``), following the engine's pool, matches
 the engine's prompts by their tokens: the stores carry them, and the key of the page before
-(a prompt prefilled in two steps is stored in two, one chain). Under vLLM's plain
+(a prompt prefilled in two steps is stored in two, one chain), and names each block by
+vLLM's own block hash, as vLLM's KV events do. Under vLLM's plain
 ``OffloadingConnector`` the manager is not handed the requests and the pages are told without
 tokens: the router cannot match them (the limitation ``HicachedOffloadingConnector`` lifts).
 """
@@ -51,3 +52,15 @@ def test_a_router_matches_the_prompts_vllm_stored_by_their_tokens(
         assert got["manager"]["store_blocks"] == len(prompt) // BS
     finally:
         router.kill()
+
+
+def test_the_daemon_names_vllms_blocks_as_vllm_does(daemon: DaemonProc, tmp_path: Path) -> None:
+    """vLLM's own KV events (its GPU blocks, and the offloaded blocks its connector reports)
+    and the daemon's pool stream name the prompt's blocks alike: a router following both sees
+    one block per page, not two trees."""
+    got = run("own_block_hashes", model=str(model_dir(tmp_path)), target=daemon.target)
+    gpu, daemon_says = got["vllm"].get("GPU", []), got["daemon"]
+    assert len(daemon_says) == 6 and len(set(daemon_says)) == 6, got
+    assert daemon_says == gpu[:6], got
+    offloaded = [h for medium, hs in got["vllm"].items() if medium != "GPU" for h in hs]
+    assert sorted(offloaded) == sorted(daemon_says), got

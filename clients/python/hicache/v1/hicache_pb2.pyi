@@ -16,6 +16,11 @@ class PoolKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_KIND_LOGICAL: _ClassVar[PoolKind]
     POOL_KIND_OPAQUE: _ClassVar[PoolKind]
 
+class KeyFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KEY_FORMAT_DIGEST: _ClassVar[KeyFormat]
+    KEY_FORMAT_VLLM: _ClassVar[KeyFormat]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -71,6 +76,8 @@ POOL_KIND_MLA: PoolKind
 POOL_KIND_DSA_INDEXER: PoolKind
 POOL_KIND_LOGICAL: PoolKind
 POOL_KIND_OPAQUE: PoolKind
+KEY_FORMAT_DIGEST: KeyFormat
+KEY_FORMAT_VLLM: KeyFormat
 DTYPE_UNSPECIFIED: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
@@ -136,7 +143,7 @@ class SidePool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ...) -> None: ...
 
 class PoolSpec(_message.Message):
-    __slots__ = ("name", "kind", "dtype", "layout", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size", "size_tokens", "size_bytes", "side_pools", "canary_read_bytes", "row_bytes")
+    __slots__ = ("name", "kind", "dtype", "layout", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "quant_block_size", "size_tokens", "size_bytes", "side_pools", "canary_read_bytes", "row_bytes", "key_format")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +162,7 @@ class PoolSpec(_message.Message):
     SIDE_POOLS_FIELD_NUMBER: _ClassVar[int]
     CANARY_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEY_FORMAT_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: PoolKind
     dtype: DType
@@ -173,7 +181,8 @@ class PoolSpec(_message.Message):
     side_pools: _containers.RepeatedCompositeFieldContainer[SidePool]
     canary_read_bytes: int
     row_bytes: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., page_size: _Optional[int] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., size_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., side_pools: _Optional[_Iterable[_Union[SidePool, _Mapping]]] = ..., canary_read_bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
+    key_format: KeyFormat
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., page_size: _Optional[int] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., size_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., side_pools: _Optional[_Iterable[_Union[SidePool, _Mapping]]] = ..., canary_read_bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ..., key_format: _Optional[_Union[KeyFormat, str]] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions", "keys", "keyed_pages", "raw_pages", "pinned_pages", "metadata_bytes", "state", "progress", "error", "error_reason", "attach_outcome", "generation", "recovered_keys", "disk_keys", "disk_capacity_pages", "remote_namespace", "remote_puts", "remote_pending", "busy_pages", "kv_events_endpoint", "kv_events_replay_endpoint")
