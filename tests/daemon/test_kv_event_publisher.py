@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 from sglang.srt.disaggregation.kv_events import KVEventBatch, StorageMedium
@@ -315,11 +316,64 @@ def test_pool_endpoints_are_ipc_templates_and_a_long_name_gets_a_digest() -> Non
            {"pool_endpoint": "tcp://127.0.0.1:{pool}"}, {"pool_endpoint": "ipc://rel/{pool}"},
            {"pool_replay_endpoint": "ipc:///run/h/{pool}.r"},
            {"pool_endpoint": "ipc:///run/h/{pool}", "pool_replay_endpoint": "ipc:///run/h/{pool}"},
-           {"pool_endpoint": "ipc:///" + "d" * 120 + "/{pool}"}]
+           {"pool_endpoint": "ipc:///" + "d" * 120 + "/{pool}"},
+           {"pool_endpoint": "tcp://127.0.0.1:5600"},  # one port for every pool
+           {"pool_endpoint": "tcp://0.0.0.0:*"},  # every host: only with allow_remote
+           {"pool_endpoint": "ipc:///run/h/{pool}", "pool_replay_endpoint": "tcp://10.1.2.3:*"}]
     for kwargs in bad:
         with pytest.raises(HiCacheError) as exc:
             KvEventsConfig(**kwargs)  # type: ignore[arg-type]
         assert exc.value.reason == "SPEC_INVALID", kwargs
+
+
+def test_pool_streams_on_tcp_take_a_port_each_and_getpool_says_which(
+        pool: HostPool) -> None:
+    """``tcp://HOST:*``: each pool's stream and replay socket on a port the system picks
+    (IPv4 and IPv6 loopback), told once bound (nothing before: a port not yet known is not
+    guessed); a subscriber gets the join snapshot there, a replay is answered there."""
+    assert KvEventsConfig(pool_endpoint="tcp://0.0.0.0:*", allow_remote=True).enabled
+    assert KvEventsConfig(pool_endpoint="tcp://127.0.0.1:*").pool_endpoints("p") == (
+        "tcp://127.0.0.1:*", "")
+    cache = PoolCache(pool, EventLog(chains=ChainTable(1 << 20, PS)))
+    stack = TierStack(pool, cache)
+    stack.start()
+    key = os.urandom(32)
+    _store(cache, [key])
+    for host in ("127.0.0.1", "[::1]"):
+        pub = KvEventPublisher(KvEventsConfig(pool_endpoint=f"tcp://{host}:*",
+                                              pool_replay_endpoint=f"tcp://{host}:*"))
+        pub.start()
+        ctx = zmq.Context()
+        try:
+            pub.attached("p", stack)
+            deadline = time.monotonic() + 5
+            while not pub.pool_endpoints("p")[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            endpoint, replay = pub.pool_endpoints("p")
+            assert endpoint.startswith(f"tcp://{host}:") and replay.startswith(f"tcp://{host}:")
+            assert endpoint != replay and not endpoint.endswith(":*")
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.IPV6, 1)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            stored: list[int] = []
+            deadline = time.monotonic() + 5
+            while not stored and time.monotonic() < deadline:
+                if sub.poll(100):
+                    batch = msgspec.msgpack.decode(sub.recv_multipart()[2])
+                    stored += [h for e in batch[1] if e.get("type") == "BlockStored"
+                               for h in e["block_hashes"]]
+            assert stored == [block_hash(key)]  # the snapshot its joining earned
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IPV6, 1)
+            dealer.connect(replay)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert dealer.poll(5000)
+            assert len(dealer.recv_multipart()) == 3  # ["", seq, payload], SGLang's frames
+        finally:
+            ctx.destroy(linger=0)
+            pub.close()
+    stack.close()
 
 
 def test_a_file_planted_where_a_pools_stream_goes_leaves_that_pool_without_one(

@@ -145,3 +145,31 @@ def test_hicachectl_pools_says_where_each_pools_stream_is(
                 f"(replay ipc://{tmp_path}/ev/kv-a.replay)") in out
     finally:
         a.close()
+
+
+def test_pool_streams_on_tcp_ports_the_system_picks(daemons: Daemons) -> None:
+    """``--kv-events-pool-endpoint tcp://127.0.0.1:*``: each pool's stream on a port of its
+    own, which ``GetPool`` names once bound; a subscriber there gets the pool's snapshot."""
+    d = daemons.start("--kv-events-pool-endpoint", "tcp://127.0.0.1:*",
+                      "--kv-events-pool-replay-endpoint", "tcp://127.0.0.1:*")
+    a, b = Worker(d, SPEC), Worker(d, OTHER)
+    ctx = zmq.Context()
+    try:
+        a.store(*chain(1, 3))
+        deadline = time.monotonic() + 5
+        got = pool_streams(d)
+        while not all(e for ends in got.values() for e in ends):
+            assert time.monotonic() < deadline, got
+            time.sleep(0.05)
+            got = pool_streams(d)
+        ports = {e.rsplit(":", 1)[1] for ends in got.values() for e in ends}
+        assert len(ports) == 4 and all(e.startswith("tcp://127.0.0.1:")
+                                       for ends in got.values() for e in ends)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(got["kv-a"][0])
+        assert settle(sub) >= 1  # the snapshot of a pool that holds three pages
+    finally:
+        ctx.destroy(linger=0)
+        a.close()
+        b.close()

@@ -102,6 +102,8 @@ class Channel:
     def _bind(self, kind: int, endpoint: str, name: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if endpoint.startswith("tcp://["):  # an IPv6 address: ZeroMQ binds it only so (and
+            sock.setsockopt(zmq.IPV6, 1)  # then names an IPv4 one as ::ffff:a.b.c.d)
         sock.setsockopt(zmq.SNDHWM, self.config.hwm)
         sock.setsockopt(zmq.RCVHWM, 64)
         # what a peer may send: a subscription (a topic prefix), a replay request (8 bytes)

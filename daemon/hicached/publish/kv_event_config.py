@@ -64,13 +64,16 @@ class KvEventsConfig:
     pool_endpoint: str = ""
     """A stream per pool, for routers that follow engine instances: ``ipc:///dir/{pool}``,
     ``{pool}`` replaced by the pool's name (by ``pool-`` and a digest of it where the path
-    would be longer than ZeroMQ allows). Each carries that pool's events only, numbered on
-    its own, and a snapshot of the pool to every subscriber that joins: register each
-    engine instance with the stream of the pool it loads from (``GetPool``'s
-    ``kv_events_endpoint``). "" = none (the default)."""
+    would be longer than ZeroMQ allows), or ``tcp://HOST:*``, each pool's stream on a port
+    the system picks (for routers on other hosts; a loopback HOST unless ``allow_remote``;
+    the ports are this daemon run's: a router takes them from ``GetPool`` again after a
+    restart). Each carries that pool's events only, numbered on its own, and a snapshot of
+    the pool to every subscriber that joins: register each engine instance with the stream
+    of the pool it loads from (``GetPool``'s ``kv_events_endpoint``). "" = none (the
+    default)."""
     pool_replay_endpoint: str = ""
-    """The replay socket of each pool's stream (``ipc:///dir/{pool}.replay``), answering in
-    SGLang's frames; "" = none. Needs ``pool_endpoint``."""
+    """The replay socket of each pool's stream (``ipc:///dir/{pool}.replay`` or
+    ``tcp://HOST:*``), answering in SGLang's frames; "" = none. Needs ``pool_endpoint``."""
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -81,16 +84,21 @@ class KvEventsConfig:
             raise SpecInvalid("kv_events.replay_endpoint needs kv_events.endpoint")
         for name in ("pool_endpoint", "pool_replay_endpoint"):
             value = getattr(self, name)
-            if value and ("{pool}" not in value or not value.startswith("ipc://")):
-                raise SpecInvalid(f"kv_events.{name} is an ipc:///path with {{pool}} in it "
-                                  "(one socket per pool)",
+            if not value:
+                continue
+            if value.startswith("tcp://") and value.endswith(":*"):
+                check_endpoint(value[:-1] + "1", f"kv_events.{name}", self.allow_remote)
+                continue
+            if "{pool}" not in value or not value.startswith("ipc://"):
+                raise SpecInvalid(f"kv_events.{name} is an ipc:///path with {{pool}} in it, "
+                                  "or tcp://HOST:* (one socket per pool, on a port the system "
+                                  "picks)",
                                   metadata={"field": f"kv_events.{name}", "endpoint": value})
-            if value:
-                check_endpoint(pool_endpoint(value, "p"), f"kv_events.{name}",
-                               self.allow_remote)
+            check_endpoint(pool_endpoint(value, "p"), f"kv_events.{name}", self.allow_remote)
         if self.pool_replay_endpoint and not self.pool_endpoint:
             raise SpecInvalid("kv_events.pool_replay_endpoint needs kv_events.pool_endpoint")
-        if self.pool_replay_endpoint and self.pool_replay_endpoint == self.pool_endpoint:
+        if (self.pool_replay_endpoint and self.pool_replay_endpoint == self.pool_endpoint
+                and not self.pool_endpoint.endswith(":*")):  # (each tcp://HOST:* its port)
             raise SpecInvalid("kv_events.pool_replay_endpoint and pool_endpoint must differ",
                               metadata={"endpoint": self.pool_endpoint})
         if self.replay_endpoint and self.replay_endpoint == self.endpoint:
@@ -115,7 +123,8 @@ class KvEventsConfig:
         return bool(self.endpoint or self.pool_endpoint)
 
     def pool_endpoints(self, pool: str) -> tuple[str, str]:
-        """The endpoint and replay endpoint of ``pool``'s own stream ("" where none)."""
+        """The endpoint and replay endpoint ``pool``'s own stream binds ("" where none; a
+        ``tcp://HOST:*`` as it is: the port is known once bound)."""
         return (pool_endpoint(self.pool_endpoint, pool) if self.pool_endpoint else "",
                 pool_endpoint(self.pool_replay_endpoint, pool)
                 if self.pool_replay_endpoint else "")
@@ -146,7 +155,10 @@ IPC_PATH_BYTES = 100
 
 def pool_endpoint(template: str, pool: str) -> str:
     """``template`` with ``{pool}`` replaced by the pool's name, or by ``pool-`` and 16 hex
-    digits of its SHA-256 where the path would be longer than ``IPC_PATH_BYTES``."""
+    digits of its SHA-256 where the path would be longer than ``IPC_PATH_BYTES`` (a
+    ``tcp://HOST:*`` as it is)."""
+    if template.startswith("tcp://"):
+        return template
     out = template.replace("{pool}", pool)
     if len(out.encode()) - len("ipc://") <= IPC_PATH_BYTES:
         return out

@@ -213,12 +213,18 @@ class KvEventPublisher:
             os.eventfd_write(self._wake_fd, 1)
 
     def pool_endpoints(self, name: str) -> tuple[str, str]:
-        """Where ``name``'s own stream is (endpoint, replay endpoint; "" where none): open,
-        or opening on the publisher's thread."""
+        """Where ``name``'s own stream is (endpoint, replay endpoint; "" where none): as
+        bound, or, opening on the publisher's thread, where it will be (an ``ipc://`` path;
+        a ``tcp://HOST:*`` stream has its port once bound: "" until then)."""
         with self._lock:
             if name not in self._pools or name in self._failed:
                 return "", ""
-        return self.config.pool_endpoints(name)
+            stream = self._streams.get(name)
+            if stream is not None:
+                return stream.endpoint, stream.replay_endpoint
+        endpoint, replay = self.config.pool_endpoints(name)
+        return (endpoint if endpoint.startswith("ipc://") else "",
+                replay if replay.startswith("ipc://") else "")
 
     def stats(self) -> KvEventStats:
         with self._lock:
