@@ -37,7 +37,7 @@ import torch
 
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec
-from hicached.bench import start_daemon
+from hicached.bench_daemon import start_daemon
 from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.allocator import PageAllocator

@@ -44,7 +44,7 @@ from hicached import (
     TransferEngine,
     WorkerBuffers,
 )
-from hicached.bench import start_daemon
+from hicached.bench_daemon import start_daemon
 from hicached.core.pool import MemoryOptions
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)

@@ -50,7 +50,7 @@ import torch
 
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.bench import start_daemon
+from hicached.bench_daemon import start_daemon
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=4, head_num=2, head_dim=64)
 PS = 16

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.bench import start_daemon
+from hicached.bench_daemon import start_daemon
 from tests.dynamo_indexer import DynamoIndexer, unavailable
 from tests.mooncake_env import Netns
 

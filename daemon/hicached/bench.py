@@ -11,8 +11,8 @@ control-plane overhead (client latency minus the daemon's own validation + copy 
 
 Output: a table (or ``--json``), a progress bar on stderr, and ``--plot FILE.png`` (needs
 matplotlib) of throughput against batch size. It lives with the daemon, not the worker client,
-because its baseline runs the daemon's engine in-process; ``start_daemon`` is shared with
-benchmarks/.
+because its baseline runs the daemon's engine in-process; it starts its daemon with
+``hicached.bench_daemon``, as benchmarks/ do.
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ import torch
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client.client import HiCacheClient
 from hicache_client.shm import ShmDeviceBuffers
+from hicached.bench_daemon import start_daemon
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.worker_buffers import WorkerBuffers
@@ -136,23 +135,6 @@ def _progress(done: int, total: int, label: str) -> None:
     filled = width * done // max(total, 1)
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<24}")
     sys.stderr.flush()
-
-
-def start_daemon(workdir: str, shm_dir: str, budget: str, metrics_listen: str = "",
-                 *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A daemon process on a socket in ``workdir``, serving once this returns; ``extra``:
-    more flags."""
-    sock = os.path.join(workdir, "bench.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--listen",
-                             f"unix:{sock}", "--shm-dir", shm_dir, "--metrics-listen",
-                             metrics_listen, "--memory-budget", budget, "--reserve", "0",
-                             "--state-dir", "", "--log-level", "WARNING", *extra],
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    c = HiCacheClient(f"unix:{sock}", reconnect_seconds=30)
-    c.ping()
-    c.close()
-    return proc, f"unix:{sock}"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -268,10 +250,16 @@ def main(argv: list[str] | None = None) -> int:
         from hicached.bench_compare import main as compare
 
         return compare(argv[1:])
+    if argv[:1] == ["trace"]:  # a trace's prefix hit rate, the daemon's beside references
+        from hicached.bench_trace import main as trace
+
+        return trace(argv[1:])
     ap = argparse.ArgumentParser(prog="hicache-bench",
                                  description=__doc__.splitlines()[0] if __doc__ else None,
                                  epilog="'hicache-bench compare BASE' compares data-call "
                                         "latency with a base revision ('hicache-bench compare "
+                                        "--help'); 'hicache-bench trace TRACE.jsonl' replays a "
+                                        "request trace for its hit rate ('hicache-bench trace "
                                         "--help')")
     ap.add_argument("--target", help="connect to this daemon instead of starting one")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")

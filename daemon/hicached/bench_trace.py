@@ -1,0 +1,201 @@
+"""``hicache-bench trace TRACE.jsonl``: a request trace's prefix hit rate through a real daemon,
+beside LRU, ARC, S3-FIFO and the offline optimum computed on the same stream.
+
+The trace is one JSON object per line with ``hash_ids`` (the prompt's blocks as chained ids:
+two requests share an id only where they share the whole prefix up to it); ``timestamp`` and
+``input_length`` may be there and are not needed. For each capacity (a share of the trace's
+distinct blocks, or a number of blocks), the daemon replay creates a pool of that many pages
+(a small page standing for each block) on a ``hicached serve`` started here (or
+``--target``) and does per request what an engine does: a ``Lookup`` of its blocks (touching
+the hit), a ``LoadKeys`` of the hit into this process's buffers, a ``Store`` of the rest. The
+reference policies (``hicached.trace_policies``) replay the same stream in-process. Printed per
+capacity: each one's hit rate (hit blocks over prompt blocks) and the daemon's stores and
+evictions; ``--json`` prints one object per capacity instead, with ``capacity``, ``daemon``,
+``lru``, ``arc``, ``s3fifo``, ``belady`` (hit rates, fractions) and ``blocks``, ``stores``,
+``evictions`` (the daemon's).
+
+Primitives: ``read_trace(path, limit)`` -> the requests' blocks (``TraceInvalid`` naming the
+line of a bad one), ``capacities(spec, distinct)``, ``replay_daemon(target, requests,
+capacity, name)`` -> ``Tally``, ``main(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.errors import SpecInvalid
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_client.client import HiCacheClient
+from hicache_client.shm import ShmDeviceBuffers
+from hicached.bench_daemon import start_daemon
+from hicached.trace_policies import POLICIES, Tally, next_uses, replay
+
+PAGE = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=1, head_num=1, head_dim=8)
+"""A block's stand-in: one token of 32 bytes (the policy sees pages, not their size)."""
+MAX_BLOCKS = 4096
+"""The longest request, in blocks, the replay takes (longer ones are refused: a trace error)."""
+
+
+class TraceInvalid(SpecInvalid):
+    """A trace line that is not a request (its line number and what is wrong)."""
+
+
+def read_trace(path: str, limit: int = 0) -> list[list[int]]:
+    """The requests' blocks, in order (``limit`` > 0: the first ``limit``)."""
+    out: list[list[int]] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                blocks = json.loads(line)["hash_ids"]
+                if not isinstance(blocks, list) or not all(
+                        isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                        for b in blocks):
+                    raise ValueError("hash_ids is not a list of ids >= 0")
+                if len(blocks) > MAX_BLOCKS:
+                    raise ValueError(f"{len(blocks)} blocks (at most {MAX_BLOCKS})")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TraceInvalid(f"{path}:{n}: not a request with hash_ids ({exc})"[:300],
+                                   metadata={"line": n}) from None
+            out.append(blocks)
+            if limit and len(out) >= limit:
+                break
+    if not out:
+        raise TraceInvalid(f"{path}: no requests", metadata={"line": 0})
+    return out
+
+
+def capacities(spec: str, distinct: int) -> list[tuple[str, int]]:
+    """``1%,2%,5%`` (shares of the distinct blocks) or ``500,1000`` (blocks): (label,
+    blocks), each at least one."""
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            blocks = (int(distinct * float(part[:-1]) / 100) if part.endswith("%")
+                      else int(part))
+        except ValueError:
+            raise SpecInvalid(f"--capacity {part!r} is not N% or a number of blocks",
+                              metadata={"capacity": part}) from None
+        if blocks < 1 or blocks > 1 << 26:
+            raise SpecInvalid(f"--capacity {part!r} is {blocks} blocks (1 .. 2**26)",
+                              metadata={"capacity": part})
+        out.append((part, blocks))
+    return out
+
+
+def _key(block: int) -> bytes:
+    return b"trace-block-" + block.to_bytes(8, "big")
+
+
+def replay_daemon(target: str, requests: Sequence[Sequence[int]], capacity: int,
+                  name: str) -> Tally:
+    """The stream through a real daemon's pool of ``capacity`` pages (created here, deleted
+    after): per request a touching ``Lookup``, a ``LoadKeys`` of the hit, a ``Store`` of the
+    rest."""
+    spec = PoolSpec(name, PAGE, 1, size_tokens=capacity)
+    longest = max(len(r) for r in requests)
+    tally = Tally()
+    with HiCacheClient(target) as client:
+        client.create_pool(spec)
+        bufs = ShmDeviceBuffers.create(spec, longest, prefix="hicache-trace")
+        try:
+            session = client.open_session(name, "trace", bufs.descriptors, fds=bufs.fds)
+            slots = np.arange(longest, dtype=np.int64)
+            for blocks in requests:
+                keys = [_key(b) for b in blocks]
+                hit = int(session.lookup(keys, touch=True).hit_prefix)
+                if hit:
+                    session.load_keys(keys[:hit], slots[:hit])
+                if hit < len(keys):
+                    tally.stores += int(session.store(keys[hit:], slots[:len(keys) - hit]).stored)
+                tally.hit_blocks += hit
+                tally.prompt_blocks += len(keys)
+            held = int(client.get_pool(name).keys)
+            tally.evictions = tally.stores - held
+            session.close()
+        finally:
+            bufs.close()
+            client.delete_pool(name)
+    return tally
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    requests = read_trace(args.trace, args.limit)
+    distinct = len({b for r in requests for b in r})
+    caps = capacities(args.capacity, distinct)
+    uses = next_uses(requests)
+    work = proc = None
+    target = args.target
+    try:
+        if target is None:
+            work = tempfile.mkdtemp(prefix="hicache-trace-")
+            proc, target = start_daemon(work, args.shm_dir, args.memory_budget)
+        rows = []
+        for i, (label, blocks) in enumerate(caps):
+            row: dict[str, Any] = {"capacity": label, "blocks": blocks,
+                                   "distinct_blocks": distinct, "requests": len(requests)}
+            for pname, cls in POLICIES.items():
+                row[pname] = replay(cls(blocks), requests, uses).rate
+            if not args.no_daemon:
+                got = replay_daemon(target, requests, blocks, f"trace-{i}")
+                row.update(daemon=got.rate, stores=got.stores, evictions=got.evictions)
+            rows.append(row)
+        return rows
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    r0 = rows[0]
+    print(f"{r0['requests']} requests, {r0['distinct_blocks']} distinct blocks; prefix hit "
+          "rate (hit blocks / prompt blocks):")
+    names = ["daemon", *POLICIES] if "daemon" in r0 else list(POLICIES)
+    print(f"{'capacity':>10} {'blocks':>8} " + " ".join(f"{n:>8}" for n in names)
+          + (f" {'stores':>9} {'evictions':>9}" if "daemon" in r0 else ""))
+    for r in rows:
+        line = f"{r['capacity']:>10} {r['blocks']:>8} " + " ".join(
+            f"{100 * r[n]:>7.1f}%" for n in names)
+        if "daemon" in r:
+            line += f" {r['stores']:>9} {r['evictions']:>9}"
+        print(line)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="hicache-bench trace",
+                                 description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("trace", help="JSONL, one request per line with hash_ids")
+    ap.add_argument("--capacity", default="1%,2%,5%,10%,20%",
+                    help="comma-separated: N%% of the distinct blocks, or a number of blocks")
+    ap.add_argument("--limit", type=int, default=0, help="replay the first N requests only")
+    ap.add_argument("--target", help="replay through this daemon instead of starting one")
+    ap.add_argument("--no-daemon", action="store_true",
+                    help="the reference policies only (no daemon replay)")
+    ap.add_argument("--shm-dir", default="/dev/shm", help="for a daemon started here")
+    ap.add_argument("--memory-budget", default="4GiB", help="for a daemon started here")
+    ap.add_argument("--json", action="store_true", help="one JSON object per capacity")
+    args = ap.parse_args(argv)
+    try:
+        rows = run(args)
+    except (SpecInvalid, OSError) as exc:
+        print(f"hicache-bench trace: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    else:
+        _print(rows)
+    return 0

@@ -1,0 +1,300 @@
+"""Reference caches a trace's hit rate is measured against: LRU, ARC, S3-FIFO and the offline
+optimum, each replaying a prefix cache's request stream.
+
+A request is its prompt's blocks in order (chained ids: two requests share an id only where
+they share the whole prefix up to it). Its hit is the leading run of its blocks the cache holds
+when it arrives (a prefix cache can use no block after a missing one); then every block of it
+is accessed: the held ones touched, then the missing ones stored, each in order, as an engine
+looks a prompt up, loads its hit and stores the rest in one batch (whose pages already there
+are touched before any is evicted for the new ones). The hit rate is hit blocks over prompt
+blocks.
+
+Policies, block-granular, ``capacity`` blocks:
+
+- ``Lru``: least recently used first (what the daemon's pools do).
+- ``Arc``: Megiddo and Modha's adaptive replacement cache (recency and frequency lists, their
+  ghosts, the target size adapting on ghost hits).
+- ``S3Fifo``: Yang et al.'s S3-FIFO (a small FIFO of a tenth of the capacity, a main FIFO with
+  two-bit reinsertion, a ghost FIFO the size of the main one; an object accessed in the small
+  queue moves to the main one).
+- ``Belady``: the offline optimum of the block stream: evict the block used again farthest in
+  the future, and store no block used later than every held one (it is told each access's
+  next use). Optimal for block hits, an upper reference for prefix hits.
+
+Primitives: ``Policy`` (``holds(block)``, ``access(block, next_use)``, ``len()``,
+``stores``, ``evictions``), the four classes, ``POLICIES`` (name -> class), ``next_uses(requests)``,
+``replay(policy, requests, uses) -> Tally``, ``Tally`` (hit and prompt blocks, stores,
+evictions, ``rate``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+NEVER = 1 << 62
+"""The next use of a block never used again."""
+_POSITIONS = 1 << 20
+"""A next use is ``request index * _POSITIONS + the block's place in that request``: of two
+blocks the same request uses next, the deeper one is used later (and goes first)."""
+
+
+class Policy:
+    """A cache of ``capacity`` blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a cache holds at least one block, not {capacity}")
+        self.capacity = capacity
+        self.stores = 0
+        """Blocks stored (accessed while missing, and admitted)."""
+        self.evictions = 0
+
+    def holds(self, block: int) -> bool:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        """Blocks held now."""
+        raise NotImplementedError
+
+    def access(self, block: int, next_use: int = NEVER) -> None:
+        """``block`` is used now (touched if held, else stored); ``next_use``: when it is
+        used next (``next_uses``), which only the offline optimum reads."""
+        raise NotImplementedError
+
+
+class Lru(Policy):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def holds(self, block: int) -> bool:
+        return block in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def access(self, block: int, next_use: int = NEVER) -> None:
+        if block in self._order:
+            self._order.move_to_end(block)
+            return
+        if len(self._order) >= self.capacity:
+            self._order.popitem(last=False)
+            self.evictions += 1
+        self._order[block] = None
+        self.stores += 1
+
+
+class Arc(Policy):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._t1: OrderedDict[int, None] = OrderedDict()
+        self._t2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[int, None] = OrderedDict()
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self._p = 0.0
+
+    def holds(self, block: int) -> bool:
+        return block in self._t1 or block in self._t2
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def _replace(self, in_b2: bool) -> None:
+        t1 = len(self._t1)
+        if t1 and (t1 > self._p or (in_b2 and t1 == self._p)):
+            old, _ = self._t1.popitem(last=False)
+            self._b1[old] = None
+        else:
+            old, _ = self._t2.popitem(last=False)
+            self._b2[old] = None
+        self.evictions += 1
+
+    def access(self, block: int, next_use: int = NEVER) -> None:
+        c = self.capacity
+        if block in self._t1:
+            del self._t1[block]
+            self._t2[block] = None
+            return
+        if block in self._t2:
+            self._t2.move_to_end(block)
+            return
+        self.stores += 1
+        if block in self._b1:
+            self._p = min(float(c), self._p + max(len(self._b2) / len(self._b1), 1.0))
+            self._replace(False)
+            del self._b1[block]
+            self._t2[block] = None
+            return
+        if block in self._b2:
+            self._p = max(0.0, self._p - max(len(self._b1) / len(self._b2), 1.0))
+            self._replace(True)
+            del self._b2[block]
+            self._t2[block] = None
+            return
+        l1 = len(self._t1) + len(self._b1)
+        total = l1 + len(self._t2) + len(self._b2)
+        if l1 >= c:
+            if len(self._t1) < c:
+                self._b1.popitem(last=False)
+                self._replace(False)
+            else:
+                self._t1.popitem(last=False)
+                self.evictions += 1
+        elif total >= c:
+            if total >= 2 * c:
+                self._b2.popitem(last=False)
+            self._replace(False)
+        self._t1[block] = None
+
+
+class S3Fifo(Policy):
+    SMALL_SHARE = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._small_cap = max(1, int(capacity * self.SMALL_SHARE))
+        self._ghost_cap = max(1, capacity - self._small_cap)
+        self._small: OrderedDict[int, None] = OrderedDict()
+        self._main: OrderedDict[int, None] = OrderedDict()
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+        self._freq: dict[int, int] = {}
+
+    def holds(self, block: int) -> bool:
+        return block in self._freq
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def access(self, block: int, next_use: int = NEVER) -> None:
+        freq = self._freq.get(block)
+        if freq is not None:
+            self._freq[block] = min(freq + 1, self.MAX_FREQ)
+            return
+        while len(self._freq) >= self.capacity:
+            self._evict()
+        self.stores += 1
+        self._freq[block] = 0
+        if block in self._ghost:
+            del self._ghost[block]
+            self._main[block] = None
+        else:
+            self._small[block] = None
+
+    def _evict(self) -> None:
+        if self._small and (len(self._small) >= self._small_cap or not self._main):
+            while self._small:
+                old, _ = self._small.popitem(last=False)
+                if self._freq[old] >= 1:  # used again while small: it earned the main queue
+                    self._freq[old] = 0
+                    self._main[old] = None
+                    continue
+                del self._freq[old]
+                self._ghost[old] = None
+                if len(self._ghost) > self._ghost_cap:
+                    self._ghost.popitem(last=False)
+                self.evictions += 1
+                return
+        while self._main:
+            old, _ = self._main.popitem(last=False)
+            if self._freq[old] > 0:  # reinserted, one use spent
+                self._freq[old] -= 1
+                self._main[old] = None
+                continue
+            del self._freq[old]
+            self.evictions += 1
+            return
+
+
+class Belady(Policy):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._next: dict[int, int] = {}
+        self._heap: list[tuple[int, int]] = []
+        """(-next use, block), stale entries skipped: the held block used farthest ahead on
+        top."""
+
+    def holds(self, block: int) -> bool:
+        return block in self._next
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def access(self, block: int, next_use: int = NEVER) -> None:
+        if block not in self._next:
+            if len(self._next) >= self.capacity:
+                far, victim = self._farthest()
+                if next_use >= far:  # used later than anything held: not worth a place
+                    return
+                del self._next[victim]
+                heapq.heappop(self._heap)
+                self.evictions += 1
+            self.stores += 1
+        self._next[block] = next_use
+        heapq.heappush(self._heap, (-next_use, block))
+
+    def _farthest(self) -> tuple[int, int]:
+        while True:
+            neg, block = self._heap[0]
+            if self._next.get(block) == -neg:
+                return -neg, block
+            heapq.heappop(self._heap)
+
+
+POLICIES: dict[str, type[Policy]] = {"lru": Lru, "arc": Arc, "s3fifo": S3Fifo,
+                                     "belady": Belady}
+
+
+def next_uses(requests: Sequence[Sequence[int]]) -> list[list[int]]:
+    """For each request's each block, when it is used next: the index of the next request
+    that uses it, then its place there (``NEVER`` when none)."""
+    out: list[list[int]] = [[] for _ in requests]
+    seen: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        out[i] = [seen.get(b, NEVER) for b in requests[i]]
+        for k, b in enumerate(requests[i]):
+            seen[b] = i * _POSITIONS + k
+    return out
+
+
+@dataclass
+class Tally:
+    hit_blocks: int = 0
+    prompt_blocks: int = 0
+    stores: int = 0
+    evictions: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+
+def replay(policy: Policy, requests: Sequence[Sequence[int]],
+           uses: Sequence[Sequence[int]] | None = None) -> Tally:
+    """``requests`` through ``policy``: each one's leading held blocks are its hit, then
+    every block of it is accessed in order. ``uses``: ``next_uses(requests)`` (computed here
+    when None)."""
+    uses = next_uses(requests) if uses is None else uses
+    tally = Tally()
+    for blocks, nexts in zip(requests, uses, strict=True):
+        hit = 0
+        for b in blocks:
+            if not policy.holds(b):
+                break
+            hit += 1
+        tally.hit_blocks += hit
+        tally.prompt_blocks += len(blocks)
+        # the held ones are touched first, then the missing ones stored, each in order: one
+        # Store of the request's pages touches those there before it evicts for the others
+        held = [policy.holds(b) for b in blocks]
+        for b, n, h in zip(blocks, nexts, held, strict=True):
+            if h:
+                policy.access(b, n)
+        for b, n, h in zip(blocks, nexts, held, strict=True):
+            if not h:
+                policy.access(b, n)
+    tally.stores, tally.evictions = policy.stores, policy.evictions
+    return tally

@@ -1,0 +1,160 @@
+"""``hicache-bench trace``: the reference policies against small models of themselves, the trace
+reader's refusals, and the replay through a real daemon, whose pools (LRU) must hit exactly
+what the LRU reference hits on the same stream.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicache.errors import SpecInvalid
+from hicached.bench_trace import TraceInvalid, capacities, read_trace
+from hicached.trace_policies import NEVER, POLICIES, Belady, Lru, next_uses, replay
+
+streams = st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=12, unique=True),
+                   min_size=1, max_size=40)
+
+
+@given(streams, st.integers(1, 12))
+def test_lru_is_a_list_ordered_by_last_use(requests: list[list[int]], capacity: int) -> None:
+    cache, model = Lru(capacity), OrderedDict[int, None]()
+    for blocks in requests:
+        for b in blocks:
+            assert cache.holds(b) == (b in model)
+            cache.access(b)
+            model.pop(b, None)
+            model[b] = None
+            while len(model) > capacity:
+                model.popitem(last=False)
+            assert len(cache) == len(model)
+    assert all(cache.holds(b) for b in model)
+
+
+@given(streams, st.integers(1, 12), st.sampled_from(sorted(POLICIES)))
+def test_every_policy_keeps_its_capacity_and_its_counts(
+        requests: list[list[int]], capacity: int, name: str) -> None:
+    """Never more than ``capacity`` blocks; held = stores - evictions; an accessed block is
+    held right after (but where the offline optimum declines to store it)."""
+    cache = POLICIES[name](capacity)
+    uses = next_uses(requests)
+    for blocks, nexts in zip(requests, uses, strict=True):
+        for b, n in zip(blocks, nexts, strict=True):
+            cache.access(b, n)
+            assert len(cache) <= capacity
+            assert len(cache) == cache.stores - cache.evictions
+            assert cache.holds(b) or name == "belady"
+
+
+@given(streams, st.integers(1, 12))
+def test_the_offline_optimum_hits_at_least_as_many_blocks_as_lru(
+        requests: list[list[int]], capacity: int) -> None:
+    """Belady is optimal for block hits (every access that finds its block): no online
+    policy finds more."""
+    def block_hits(cache: Lru | Belady) -> int:
+        hits = 0
+        for blocks, nexts in zip(requests, next_uses(requests), strict=True):
+            for b, n in zip(blocks, nexts, strict=True):
+                hits += cache.holds(b)
+                cache.access(b, n)
+        return hits
+
+    assert block_hits(Belady(capacity)) >= block_hits(Lru(capacity))
+
+
+def test_next_uses_name_the_next_request_and_place() -> None:
+    uses = next_uses([[1, 2], [3], [2, 1], [1]])
+    at = 1 << 20
+    assert uses[0] == [2 * at + 1, 2 * at]  # block 1 is request 2's second, block 2 its first
+    assert uses[2] == [NEVER, 3 * at] and uses[3] == [NEVER]
+
+
+def test_a_prefix_hit_stops_at_the_first_missing_block() -> None:
+    cache = Lru(10)
+    got = replay(cache, [[1, 2, 3], [1, 9, 3], [1, 9, 3]])
+    # request 2: block 1 held, 9 missing (3 is held, after the gap: no use); request 3: all
+    assert (got.hit_blocks, got.prompt_blocks) == (0 + 1 + 3, 9)
+    assert got.stores == 4 and got.evictions == 0
+
+
+def test_bad_traces_are_refused_naming_the_line(tmp_path: Path) -> None:
+    good = json.dumps({"timestamp": 0, "hash_ids": [1, 2]})
+    for bad in ('{"hash_ids": [1, -2]}', '{"input_length": 5}', "not json",
+                '{"hash_ids": "12"}', '{"hash_ids": [true]}',
+                json.dumps({"hash_ids": list(range(5000))})):
+        path = tmp_path / "t.jsonl"
+        path.write_text(f"{good}\n\n{bad}\n")
+        with pytest.raises(TraceInvalid) as err:
+            read_trace(str(path))
+        assert err.value.metadata["line"] == "3" and len(str(err.value)) < 400
+    path.write_text("")
+    with pytest.raises(TraceInvalid):
+        read_trace(str(path))
+    path.write_text(f"{good}\n{good}\n{good}\n")
+    assert len(read_trace(str(path), limit=2)) == 2
+
+
+def test_capacities_are_shares_or_block_counts() -> None:
+    assert capacities("1%,50%, 7", 1000) == [("1%", 10), ("50%", 500), ("7", 7)]
+    for bad in ("0.01%", "x", "0", "-5", "1e12"):
+        with pytest.raises(SpecInvalid):
+            capacities(bad, 1000)
+
+
+def _conversations(n: int, seed: int) -> list[dict[str, object]]:
+    """Requests that share system prompts and grow turn by turn (chained ids)."""
+    rng = random.Random(seed)
+    ids = iter(range(1, 1 << 30))
+    systems = [[next(ids) for _ in range(6)] for _ in range(3)]
+    open_: list[list[int]] = []
+    out: list[dict[str, object]] = []
+    while len(out) < n:
+        if len(open_) < 5 or rng.random() < 0.2:
+            open_.append(list(rng.choice(systems)))
+        conv = rng.choice(open_)
+        conv += [next(ids) for _ in range(rng.randint(1, 4))]
+        out.append({"timestamp": len(out), "hash_ids": list(conv)})
+        if len(conv) > 60:
+            open_.remove(conv)
+    return out
+
+
+def test_the_daemon_hits_exactly_what_lru_hits(tmp_path: Path) -> None:
+    """A real daemon started by the command, at three capacities: its pools evict least
+    recently used pages, so on the same stream it hits what the LRU reference hits, block
+    for block, and stores what it stores. (Each capacity holds the longest request: a
+    request longer than the pool is stored as far as it fits, the first pages of it, where
+    the reference keeps its last ones.)"""
+    trace = tmp_path / "conv.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in _conversations(300, 7)))
+    run = subprocess.run([sys.executable, "-m", "hicached.bench", "trace", str(trace),
+                          "--capacity", "10%,30%,100", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["capacity"] for r in rows] == ["10%", "30%", "100"]
+    requests = [r["hash_ids"] for r in map(json.loads, trace.read_text().splitlines())]
+    assert min(r["blocks"] for r in rows) >= max(map(len, requests))
+    for r in rows:
+        assert set(r) >= {"capacity", "daemon", "lru", "arc", "s3fifo", "belady"}
+        assert r["daemon"] == pytest.approx(r["lru"], abs=1e-12), r
+        lru = replay(Lru(r["blocks"]), requests)
+        assert r["stores"] == lru.stores and r["evictions"] == lru.evictions
+        assert 0 < r["lru"] <= r["belady"] < 1
+
+
+def test_a_bad_trace_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"hash_ids": [1]}\n{"hash_ids": [2, "x"]}\n')
+    run = subprocess.run([sys.executable, "-m", "hicached.bench", "trace", str(trace),
+                          "--no-daemon"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "bad.jsonl:2" in run.stderr
+    assert "Traceback" not in run.stderr
