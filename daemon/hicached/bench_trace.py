@@ -14,7 +14,7 @@ evictions; ``--json`` prints one object per capacity instead, with ``capacity``,
 ``lru``, ``arc``, ``s3fifo``, ``belady`` (hit rates, fractions) and ``blocks``, ``stores``,
 ``evictions`` (the daemon's).
 
-Primitives: ``read_trace(path, limit)`` -> the requests' blocks (``TraceInvalid`` naming the
+Primitives: ``read_trace(path, limit)`` -> the requests' blocks (``SPEC_INVALID`` naming the
 line of a bad one), ``capacities(spec, distinct)``, ``replay_daemon(target, requests,
 capacity, name)`` -> ``Tally``, ``main(argv)``.
 """
@@ -44,10 +44,6 @@ MAX_BLOCKS = 4096
 """The longest request, in blocks, the replay takes (longer ones are refused: a trace error)."""
 
 
-class TraceInvalid(SpecInvalid):
-    """A trace line that is not a request (its line number and what is wrong)."""
-
-
 def read_trace(path: str, limit: int = 0) -> list[list[int]]:
     """The requests' blocks, in order (``limit`` > 0: the first ``limit``)."""
     out: list[list[int]] = []
@@ -64,13 +60,13 @@ def read_trace(path: str, limit: int = 0) -> list[list[int]]:
                 if len(blocks) > MAX_BLOCKS:
                     raise ValueError(f"{len(blocks)} blocks (at most {MAX_BLOCKS})")
             except (ValueError, KeyError, TypeError) as exc:
-                raise TraceInvalid(f"{path}:{n}: not a request with hash_ids ({exc})"[:300],
+                raise SpecInvalid(f"{path}:{n}: not a request with hash_ids ({exc})"[:300],
                                    metadata={"line": n}) from None
             out.append(blocks)
             if limit and len(out) >= limit:
                 break
     if not out:
-        raise TraceInvalid(f"{path}: no requests", metadata={"line": 0})
+        raise SpecInvalid(f"{path}: no requests", metadata={"line": 0})
     return out
 
 

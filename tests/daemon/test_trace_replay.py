@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.errors import SpecInvalid
-from hicached.bench_trace import TraceInvalid, capacities, read_trace
+from hicached.bench_trace import capacities, read_trace
 from hicached.trace_policies import NEVER, POLICIES, Belady, Lru, next_uses, replay
 
 streams = st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=12, unique=True),
@@ -92,11 +92,11 @@ def test_bad_traces_are_refused_naming_the_line(tmp_path: Path) -> None:
                 json.dumps({"hash_ids": list(range(5000))})):
         path = tmp_path / "t.jsonl"
         path.write_text(f"{good}\n\n{bad}\n")
-        with pytest.raises(TraceInvalid) as err:
+        with pytest.raises(SpecInvalid) as err:
             read_trace(str(path))
         assert err.value.metadata["line"] == "3" and len(str(err.value)) < 400
     path.write_text("")
-    with pytest.raises(TraceInvalid):
+    with pytest.raises(SpecInvalid):
         read_trace(str(path))
     path.write_text(f"{good}\n{good}\n{good}\n")
     assert len(read_trace(str(path), limit=2)) == 2
