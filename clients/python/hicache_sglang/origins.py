@@ -76,9 +76,8 @@ class NodeOrigins:
         parent = str(before[-1]) if before else ""
         if _hash_page(key[start:start + page], parent, page) != keys[0]:
             return None  # these tokens are not the node's
-        tokens = (np.frombuffer(raw, dtype=np.int64) if _int64_array(raw)
-                  else np.asarray(raw, dtype=np.int64))[start:end]
-        return Origin(tokens, parent)
+        # a view of SGLang's int64 array (numpy reads its buffer), a copy of anything else
+        return Origin(np.asarray(raw, dtype=np.int64)[start:end], parent)
 
 
 def _request_key(frame: Any) -> Any:
@@ -102,7 +101,3 @@ def _hash_page(key: Any, parent: str, page: int) -> str:
 
     got = get_storage_hash_str(key, parent or None, page_size=page)
     return str(got[0] if isinstance(got, list) else got)
-
-
-def _int64_array(raw: object) -> bool:
-    return getattr(raw, "typecode", "") in ("q", "l") and getattr(raw, "itemsize", 0) == 8

@@ -110,8 +110,7 @@ def block_hashes(keys: Sequence[bytes], key_format: KeyFormat = KeyFormat.DIGEST
         return [block_hash(k, key_format) for k in keys]
     rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), width)
     if _vllm_shaped(key_format, width):
-        return list(np.ascontiguousarray(rows[:, width - 12:width - 4]).view(">u8")
-                    .ravel().tolist())
+        return list(np.ascontiguousarray(rows[:, _VLLM_HASH]).view(">u8").ravel().tolist())
     return list(np.ascontiguousarray(rows[:, :8]).view(">i8").ravel().tolist())
 
 
