@@ -23,7 +23,11 @@ calls, medians:
 With ``--pool-streams`` the "on" daemon also publishes the pool's own stream
 (``[kv_events] pool_endpoint``, a second fast subscriber on it) and both sides' Stores carry
 their pages' tokens and the key before them, as the engines' stores do for routers: the cost
-of what a router following instances gets.
+of what a router following instances gets. It also measures what the tokens alone cost, on
+"on" alone (both streams followed): alternating blocks of 1-page Stores with tokens and
+parent and without, on one daemon, one session, one full pool (two daemons differ by more
+than that on this VM): the medians, and the median of the blocks' ratios (target: under
+5 % of a 1-page Store).
 
 Run: ``python benchmarks/bench_kv_events.py [--quick] [--pool-streams] [--seconds S]
 [--json FILE]``.
@@ -128,6 +132,21 @@ def alternate(sides: dict[str, Side], pages: int, reps: int) -> dict[str, list[f
     return out
 
 
+def token_cost(side: Side, reps: int) -> dict[str, float]:
+    """1-page Stores on one side with and without tokens and parent, in alternating blocks
+    (which goes first alternates too): medians in us, and the median ratio of blocks."""
+    blocks: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(reps):
+        for tokens in ((False, True) if r % 2 else (True, False)):
+            side.tokens = tokens
+            blocks[tokens].append(statistics.median(side.store(1) for _ in range(BLOCK)))
+    side.tokens = True
+    return {"without_us": 1e6 * statistics.median(blocks[False]),
+            "with_us": 1e6 * statistics.median(blocks[True]),
+            "ratio": statistics.median(b / a for a, b in zip(blocks[False], blocks[True],
+                                                             strict=True))}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = {k: tempfile.mkdtemp(prefix=f"hicache-bench-kv-{k}-") for k in ("off", "on")}
     port = free_port()
@@ -161,6 +180,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 side.store(64)
         one = alternate(sides, 1, reps)
         res["store_1_page_us"] = {k: 1e6 * statistics.median(v) for k, v in one.items()}
+        if args.pool_streams:
+            res["tokens_1_page"] = token_cost(sides["on"], 2 * reps)
         many = alternate(sides, 64, max(reps // 2, 2))
         res["store_64_pages_per_s"] = {k: 64 / statistics.median(v) for k, v in many.items()}
         fast.terminate()
@@ -224,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
           f"(on/off x{s1['on'] / s1['off']:.3f})")
     print(f"  64 pages: off {s64['off']:9.0f} pages/s  on {s64['on']:9.0f} pages/s  "
           f"(on/off x{s64['on'] / s64['off']:.3f})")
+    if "tokens_1_page" in r:
+        t = r["tokens_1_page"]
+        print(f"What the tokens and parent cost a 1-page Store ('on' alone, both streams "
+              f"followed): without {t['without_us']:.1f} us  with {t['with_us']:.1f} us  "
+              f"(median block ratio x{t['ratio']:.3f}; target under x1.05)")
     for pages in (1, 64):
         slow = r[f"slow_subscriber_{pages}"]
         ss = slow["store_us"]

@@ -11,7 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.errors import HiCacheError
-from hicache.keys import MAX_KEY_BYTES, check_keys, sglang_page_hashes, sglang_page_keys
+from hicache.keys import (
+    MAX_KEY_BYTES,
+    check_chain,
+    check_keys,
+    sglang_page_hashes,
+    sglang_page_keys,
+)
 from tests.sglang_reference import sglang_get_hash_str, sglang_native_hash
 
 
@@ -63,6 +69,46 @@ def test_a_batch_over_the_limit_is_refused_before_any_key_is_checked() -> None:
     assert exc.value.reason == "TOO_MANY_KEYS"
     assert exc.value.metadata == {"field": "keys", "count": "11", "max": "10"}
     assert check_keys([b"a"] * 10, limit=10) == [b"a"] * 10
+
+
+def _chain_refusal(tokens: object, count: int = 2, page: int = 4) -> dict[str, str]:
+    with pytest.raises(HiCacheError) as exc:
+        check_chain(count, page, tokens)  # type: ignore[arg-type]
+    assert exc.value.reason == "TOKEN_IDS_INVALID"
+    return exc.value.metadata
+
+
+@pytest.mark.parametrize("form", ["list", "int64", "uint64", "int32", "frame"])
+def test_a_chain_s_tokens_are_the_same_int64_bytes_in_every_form(form: str) -> None:
+    ids = [0, 1, 2**31, 2**40, 5, 6, 7, 2**63 - 1] if form != "int32" else list(range(8))
+    given_ = (ids if form == "list" else np.array(ids, dtype="<i8").tobytes() if form == "frame"
+              else np.array(ids, dtype=form))
+    raw, parent = check_chain(2, 4, given_, b"p")  # type: ignore[arg-type]
+    assert raw == np.array(ids, dtype="<i8").tobytes() and parent == b"p"
+    assert check_chain(2, 4, None, b"") == (None, b"") == check_chain(2, 4, b"")
+
+
+@pytest.mark.parametrize("form", ["list", "int64", "frame"])
+@pytest.mark.parametrize("at", [0, 5, 7])
+def test_a_negative_token_id_is_refused_where_it_is(form: str, at: int) -> None:
+    ids = list(range(8))
+    ids[at] = -1 if at != 5 else -(2**62)
+    given_ = {"list": ids, "int64": np.array(ids, dtype=np.int64),
+              "frame": np.array(ids, dtype="<i8").tobytes()}[form]
+    assert _chain_refusal(given_) == {"field": "token_ids", "position": str(at)}
+
+
+def test_token_ids_of_the_wrong_size_or_kind_are_refused() -> None:
+    assert _chain_refusal(list(range(7))) == {"field": "token_ids", "count": "7",
+                                              "expected": "8"}
+    assert _chain_refusal(bytes(8 * 9)) == {"field": "token_ids", "count": "9",
+                                            "expected": "8"}
+    assert _chain_refusal(bytes(8 * 8 + 3)) == {"field": "token_ids", "bytes": "67"}
+    assert _chain_refusal(np.zeros(8, dtype=np.float32))["dtype"] == "float32"
+    assert _chain_refusal(np.zeros((2, 4), dtype=np.int64))["field"] == "token_ids"
+    big = np.arange(8, dtype=np.uint64)
+    big[3] = 2**63
+    assert _chain_refusal(big) == {"field": "token_ids", "position": "3"}
 
 
 def test_chain_of_two_pages_by_hand() -> None:

@@ -37,8 +37,9 @@ class StoreRequest(NamedTuple):
     device: IndexArray | PageIds
     """Token indices (gRPC) or device page ids (the fast path), one page per key."""
     layers: tuple[int, int] = (0, 0)
-    token_ids: Sequence[int] | IndexArray | None = None
-    """``page_size`` per key, or None: what the pool's events publish of the keys."""
+    token_ids: Sequence[int] | IndexArray | bytes | None = None
+    """``page_size`` per key, or None: what the pool's events publish of the keys (``bytes``:
+    little-endian int64, as the fast path's frame carries them)."""
     parent_key: bytes = b""
     """The key before the first one, where the keys continue a chain."""
     deadline_ns: int = 0

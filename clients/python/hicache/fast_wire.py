@@ -173,6 +173,12 @@ class Reader:
         arr = np.frombuffer(self._take(n * 8), dtype="<i8")
         return arr if arr.flags.aligned else arr.copy()  # C code reads them as int64
 
+    def page_bytes(self) -> bytes:
+        """What ``pages`` reads, as its little-endian int64 bytes (no array made: a Store's
+        token ids, which the daemon keeps as bytes)."""
+        (n,) = _U32.unpack(self._take(4))
+        return bytes(self._take(n * 8))
+
     def short_bytes(self) -> bytes:
         """A u8 length and that many bytes (a parent key)."""
         (n,) = _U8.unpack(self._take(1))
@@ -368,13 +374,17 @@ def put_pages(out: list[bytes], pages: IndexArray) -> None:
     out += (_U32.pack(arr.size), arr.tobytes())
 
 
-def put_chain(out: list[bytes], parent_key: bytes, token_ids: IndexArray) -> None:
+def put_chain(out: list[bytes], parent_key: bytes, token_ids: IndexArray | bytes) -> None:
     """The trailer of a Store sent with ``FLAG_CHAIN`` (``ValueError`` for a parent key of
-    256 bytes or more: such a Store goes over gRPC, which names it)."""
+    256 bytes or more: such a Store goes over gRPC, which names it); ``bytes`` tokens are
+    little-endian int64 already."""
     if len(parent_key) > 255:
         raise ValueError("a parent key of 256 bytes or more does not fit the fast path")
     out += (_U8.pack(len(parent_key)), parent_key)
-    put_pages(out, token_ids)
+    if isinstance(token_ids, bytes):
+        out += (_U32.pack(len(token_ids) // 8), token_ids)
+    else:
+        put_pages(out, token_ids)
 
 
 def put_layers(out: list[bytes], begin: int, end: int) -> None:

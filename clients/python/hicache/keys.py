@@ -15,7 +15,10 @@ Primitives:
 - ``SameWidthKeys(keys, width)``: a batch known to be bytes of one width (decoded so).
 - ``check_chain(count, page_size, token_ids, parent_key)``: a Store's chain (``token_ids``:
   ``page_size`` per key, non-negative, else ``TOKEN_IDS_INVALID``; ``parent_key``: "" or a
-  key, else ``KEY_INVALID`` naming ``parent_key``), as (int64 tokens or None, parent).
+  key, else ``KEY_INVALID`` naming ``parent_key``), as (the tokens as little-endian int64
+  bytes, or None; the parent). ``token_ids`` may already be such bytes (the fast path's
+  frame carries them so): checked as they are, with no array made (a 1-page Store's
+  tokens cost ~1 us here, where numpy's small-array calls cost several).
 - ``encode_keys(keys)``: keys as a worker may give them (bytes, or hex strings as SGLang's
   ``hash_value``) as bytes for the wire; ``KEY_INVALID`` for a string that is not hex.
 - ``sglang_page_hashes(token_ids, page_size, prior_hash)``: SGLang's ``get_hash_str(token_ids,
@@ -139,33 +142,51 @@ def _check_each(keys: Sequence[object], field: str, unique: bool) -> list[bytes]
     return out
 
 
-def check_chain(count: int, page_size: int, token_ids: Sequence[int] | np.ndarray | None,
-                parent_key: bytes = b"") -> tuple[np.ndarray | None, bytes]:
-    """What a Store says of its keys' chain, checked: the tokens (None when none were given)
-    and the parent key. Nothing else of the Store depends on them, but a bad one refuses the
-    Store whole, before any page is taken."""
+def check_chain(count: int, page_size: int,
+                token_ids: Sequence[int] | np.ndarray | bytes | None,
+                parent_key: bytes = b"") -> tuple[bytes | None, bytes]:
+    """What a Store says of its keys' chain, checked: the tokens (little-endian int64 bytes,
+    None when none were given) and the parent key. Nothing else of the Store depends on them,
+    but a bad one refuses the Store whole, before any page is taken. ``bytes`` tokens are
+    little-endian int64 already (as the fast path's frame carries them)."""
     if len(parent_key) > MAX_KEY_BYTES:
         raise KeyInvalid(f"parent_key is {len(parent_key)} bytes; a key is at most "
                          f"{MAX_KEY_BYTES}", metadata={"field": "parent_key",
                                                        "length": len(parent_key)})
     if token_ids is None or len(token_ids) == 0:
         return None, bytes(parent_key)
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise TokenIdsInvalid("token_ids must be a flat sequence of integers",
-                              metadata={"field": "token_ids", "dtype": str(tokens.dtype)})
     expected = count * page_size
-    if tokens.size != expected:
+    if isinstance(token_ids, bytes):
+        raw = token_ids
+        if len(raw) % 8:
+            raise TokenIdsInvalid(f"token_ids is {len(raw)} bytes, not whole int64 ids",
+                                  metadata={"field": "token_ids", "bytes": len(raw)})
+    else:
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise TokenIdsInvalid("token_ids must be a flat sequence of integers",
+                                  metadata={"field": "token_ids", "dtype": str(tokens.dtype)})
+        if tokens.dtype.kind == "u" and tokens.size and int(tokens.max()) >= 1 << 63:
+            raise TokenIdsInvalid("token_ids has an id of 2**63 or more",
+                                  metadata={"field": "token_ids",
+                                            "position": int(np.argmax(tokens >= 1 << 63))})
+        raw = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    if len(raw) != 8 * expected:
         raise TokenIdsInvalid(
-            f"token_ids has {tokens.size} ids for {count} key(s) of {page_size} tokens: "
+            f"token_ids has {len(raw) // 8} ids for {count} key(s) of {page_size} tokens: "
             f"{expected} expected (or none)",
-            metadata={"field": "token_ids", "count": tokens.size, "expected": expected})
-    tokens = tokens.astype(np.int64, copy=False)
-    if tokens.size and int(tokens.min()) < 0:
-        first = int(np.argmax(tokens < 0))
+            metadata={"field": "token_ids", "count": len(raw) // 8, "expected": expected})
+    signs = raw[7::8]  # each id's top byte: a negative id's has its high bit set
+    if signs.translate(None, _NON_NEGATIVE_TOP):
+        first = next(i for i, b in enumerate(signs) if b & 0x80)
         raise TokenIdsInvalid(f"token_ids[{first}] is negative: token ids are >= 0",
                               metadata={"field": "token_ids", "position": first})
-    return tokens, bytes(parent_key)
+    return raw, bytes(parent_key)
+
+
+_NON_NEGATIVE_TOP = bytes(range(0x80))
+"""The top bytes of non-negative little-endian int64 ids (deleted by ``translate``: what
+remains is a negative id's)."""
 
 
 def encode_keys(keys: Sequence[bytes | str], field: str = "keys") -> list[bytes]:

@@ -93,6 +93,21 @@ FAST_RETRY_SECONDS = 2.0
 client asks the daemon again."""
 
 
+_INT64 = np.dtype("<i8")
+
+
+def _token_bytes(token_ids: Sequence[int] | np.ndarray | bytes | None) -> bytes | None:
+    """A Store's token ids as the little-endian int64 bytes both wires start from (None for
+    none); an engine's int64 array costs one copy. The daemon checks them."""
+    if token_ids is None or len(token_ids) == 0:
+        return None
+    if isinstance(token_ids, bytes):
+        return token_ids
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == _INT64 and token_ids.ndim == 1:
+        return token_ids.tobytes()
+    return np.ascontiguousarray(np.asarray(token_ids).ravel(), _INT64).tobytes()
+
+
 class HiCacheClient:
     def __init__(self, target: str | None = None, *, timeout: float = 60.0,
                  reconnect_seconds: float = 10.0, max_message_bytes: int = 64 << 20,
@@ -536,8 +551,7 @@ class HiCacheClient:
                        token_ids: Sequence[int] | np.ndarray | None, parent_key: bytes | str,
                        deadline_ns: int) -> StoreRequest:
         parent = encode_keys([parent_key], "parent_key")[0] if parent_key else b""
-        tokens = (None if token_ids is None or len(token_ids) == 0
-                  else np.asarray(token_ids, dtype=np.int64).ravel())
+        tokens = _token_bytes(token_ids)
         return StoreRequest(session_id, encode_keys(keys), device_indices,  # type: ignore[arg-type]
                             (0, 0), tokens, parent, deadline_ns)
 

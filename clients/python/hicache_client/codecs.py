@@ -56,7 +56,6 @@ def _completion(layer_events: bool) -> Any:
     return pb.COMPLETION_LAYER_EVENTS if layer_events else pb.COMPLETION_WAIT
 
 
-_NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 def _chain(q: c.StoreRequest) -> tuple[bytes, Any] | None:
@@ -65,15 +64,21 @@ def _chain(q: c.StoreRequest) -> tuple[bytes, Any] | None:
     tokens = q.token_ids
     if (tokens is None or len(tokens) == 0) and not q.parent_key:
         return None
-    return q.parent_key, tokens if tokens is not None else _NO_TOKENS
+    return q.parent_key, tokens if tokens is not None else b""
+
+
+def _token_list(tokens: Any) -> list[int]:
+    """A Store's tokens as the message's ints (the client keeps them as int64 bytes)."""
+    if isinstance(tokens, bytes):
+        return np.frombuffer(tokens, "<i8").tolist()  # type: ignore[no-any-return]
+    return np.asarray(tokens, dtype=np.int64).ravel().tolist()  # type: ignore[no-any-return]
 
 
 def _store_message(q: c.StoreRequest) -> pb.StoreRequest:
     chain = _chain(q)
     return pb.StoreRequest(session_id=q.session_id, keys=q.keys,
                            device_indices=indices_to_bytes(q.device),
-                           token_ids=np.asarray(chain[1], dtype=np.int64).ravel().tolist()
-                           if chain is not None else (),
+                           token_ids=_token_list(chain[1]) if chain is not None else (),
                            parent_key=q.parent_key, deadline_unix_ns=q.deadline_ns,
                            layer_begin=q.layers[0], layer_end=q.layers[1])
 

@@ -232,7 +232,7 @@ def decode_transfer(data: bytes) -> TransferStats:
 
 def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
                layers: tuple[int, int] = (0, 0), deadline_ns: int = 0,
-               chain: tuple[bytes, IndexArray] | None = None) -> list[bytes]:
+               chain: tuple[bytes, IndexArray | bytes] | None = None) -> list[bytes]:
     """The body of a Store or LoadKeys (``ValueError`` for a key the framing cannot carry);
     a Store's chain (send ``FLAG_CHAIN``), then the call's deadline (``FLAG_DEADLINE``)."""
     parts: list[bytes] = []

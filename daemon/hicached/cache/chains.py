@@ -55,12 +55,16 @@ class Run:
     parent: bytes
     """The key before ``keys[0]`` in its chain; "" when none is known (the chain's start)."""
     tokens: list[bytes] | None = field(default=None)
-    """Each key's tokens as little-endian int64 bytes, or None when one of them is unknown."""
+    """The keys' tokens as little-endian int64 bytes, in pieces that concatenate to
+    ``page_size`` per key (one per key, or a Store's whole batch), or None when one of them is
+    unknown."""
+
+    def token_bytes(self) -> bytes | None:
+        return None if self.tokens is None else b"".join(self.tokens)
 
     def token_ids(self) -> np.ndarray | None:
-        if self.tokens is None:
-            return None
-        return np.frombuffer(b"".join(self.tokens), dtype="<i8")
+        raw = self.token_bytes()
+        return None if raw is None else np.frombuffer(raw, dtype="<i8")
 
 
 @dataclass(eq=False, slots=True)
@@ -104,16 +108,17 @@ class ChainTable:
         return len(self._entries)
 
     def note(self, keys: Sequence[bytes], parent: bytes = b"",
-             token_ids: np.ndarray | None = None) -> None:
+             token_ids: np.ndarray | bytes | None = None) -> None:
         """``keys`` (distinct: the caller's check) are one chain after ``parent``;
-        ``token_ids`` (validated by the caller: ``page_size`` per key) their tokens. The
+        ``token_ids`` (validated by the caller: ``page_size`` per key; ``bytes``: as
+        little-endian int64) their tokens. The
         oldest batches go first when the table is over its budget; the batch just noted
         always stays (its own events need it). C-level passes only, for keys the table does
         not know yet: a Store pays no Python loop over its keys here."""
         if not keys:
             return
-        raw = (np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
-               if token_ids is not None else None)
+        raw = (token_ids if token_ids is None or isinstance(token_ids, bytes)
+               else np.ascontiguousarray(token_ids, dtype="<i8").tobytes())
         batch = _Batch(tuple(keys), parent, raw, len(keys) * (ENTRY_OVERHEAD_BYTES
                                                               + len(keys[0]))
                        + len(parent) + (len(raw) if raw else 0), len(keys))
@@ -191,10 +196,8 @@ class ChainTable:
             batch = self._entries.get(keys[0]) if keys else None
             if batch is not None and batch.keys == tuple(keys):
                 # one Store's keys as it gave them: its chain, whole
-                step = self.page_size * 8
-                pages = (None if batch.tokens is None else
-                         [batch.tokens[i:i + step] for i in range(0, len(batch.tokens), step)])
-                return [Run(list(keys), batch.parent, pages)]
+                return [Run(list(keys), batch.parent,
+                            None if batch.tokens is None else [batch.tokens])]
             out: list[Run] = []
             for i, k in enumerate(keys):
                 parent, tokens = self._info(k) or (keys[i - 1] if chain and i else b"", None)

@@ -12,7 +12,8 @@ Primitives:
   ``StorageMedium`` (host memory is ``CPU_PINNED`` whether or not the host pins it).
 - ``CacheEvent``: ``seq`` (1, 2, ... per pool), ``kind``, ``keys``, ``tier``; a STORED event's
   keys are one chain (``chains``): ``parent`` (the key before the first, "" when unknown) and
-  ``token_ids`` (``page_size`` per key, when known).
+  ``tokens`` (``page_size`` per key as little-endian int64 bytes, when known; ``token_ids``:
+  the same as an array).
 - ``EventLog(max_keys, chains, listener)``: ``append(kind, keys, tier, chain)`` (STORED keys
   cut into chain runs, every event at most ``MAX_EVENT_KEYS`` keys; ``listener(event)`` is called
   for each, in order, under the log's lock: it must not block), ``after(seq)`` (the retained
@@ -58,8 +59,15 @@ class CacheEvent(NamedTuple):
     tier: int = HOST
     parent: bytes = b""
     """STORED: the key before ``keys[0]`` in its chain ("" when none is known)."""
-    token_ids: np.ndarray | None = None
-    """STORED: the pages' tokens (``page_size`` per key), when the writer gave them."""
+    tokens: bytes | None = None
+    """STORED: the pages' tokens (``page_size`` per key, little-endian int64), when the writer
+    gave them. Bytes, sliced from the Store's own: a Store makes no array for its event (on
+    its thread, numpy's small-array calls cost more than the whole chain's bookkeeping)."""
+
+    @property
+    def token_ids(self) -> np.ndarray | None:
+        """``tokens`` as an int64 array (a view of them)."""
+        return None if self.tokens is None else np.frombuffer(self.tokens, dtype="<i8")
 
 
 class EventLog:
@@ -98,16 +106,16 @@ class EventLog:
                     self._add(CacheEvent(self._seq, kind, tuple(keys), tier))
                 return
             runs = [Run(list(keys), b"")]
-        page = self.chains.page_size
+        step = self.chains.page_size * 8
         with self._cond:
             for run in runs:
-                run_keys, parent, tokens = run.keys, run.parent, run.token_ids()
+                run_keys, parent, tokens = run.keys, run.parent, run.token_bytes()
                 for i in range(0, len(run_keys), MAX_EVENT_KEYS):
                     self._seq += 1
                     chunk = tuple(run_keys[i:i + MAX_EVENT_KEYS])
                     self._add(CacheEvent(
                         self._seq, kind, chunk, tier, run_keys[i - 1] if i else parent,
-                        tokens[i * page:(i + len(chunk)) * page] if tokens is not None
+                        tokens[i * step:(i + len(chunk)) * step] if tokens is not None
                         else None))
 
     def _add(self, event: CacheEvent) -> None:

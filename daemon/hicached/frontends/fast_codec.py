@@ -50,7 +50,8 @@ def _lookup_reply(res: c.LookupResult, flags: int) -> bytes:
 def _store(r: w.Reader, flags: int, max_keys: int) -> c.StoreRequest:
     session, layers = r.string(), r.layers()
     keys, device = r.keys(max_keys), PageIds(r.pages())
-    parent, tokens = (r.short_bytes(), r.pages()) if flags & w.FLAG_CHAIN else (b"", None)
+    parent, tokens = ((r.short_bytes(), r.page_bytes()) if flags & w.FLAG_CHAIN
+                      else (b"", None))
     deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
     r.end()
     return c.StoreRequest(session, keys, device, layers, tokens, parent, deadline)
@@ -67,7 +68,7 @@ def _load_keys(r: w.Reader, flags: int, max_keys: int) -> c.LoadKeysRequest:
     keys, device = r.keys(max_keys), PageIds(r.pages())
     if flags & w.FLAG_CHAIN:  # (a Store's trailer: read and ignored, as it always was)
         r.short_bytes()
-        r.pages()
+        r.page_bytes()
     deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
     r.end()
     return c.LoadKeysRequest(session, keys, device, layers, bool(flags & w.FLAG_LAYER_EVENTS),

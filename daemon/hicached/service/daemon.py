@@ -369,7 +369,8 @@ class Daemon:
         return s
 
     def store(self, session_id: str, keys: list[bytes], device: IndexArray | PageIds,
-              layers: tuple[int, int], token_ids: Sequence[int] | np.ndarray | None = None,
+              layers: tuple[int, int],
+              token_ids: Sequence[int] | np.ndarray | bytes | None = None,
               parent_key: bytes = b"", deadline_ns: int = 0
               ) -> tuple[StoreTicket, TransferResult | None]:
         """``token_ids`` (``page_size`` per key) and ``parent_key`` say what chain the keys
