@@ -101,11 +101,14 @@ class DynamoIndexer:
         self.post("/register", body)
         self.instances.add(instance)
 
-    def query(self, tokens: Sequence[int] | np.ndarray) -> dict[int, int]:
+    def query(self, tokens: Sequence[int] | np.ndarray, lora_name: str = "") -> dict[int, int]:
         """Per registered instance, the tokens of the longest prefix of ``tokens`` the
-        router believes it has cached (0 where none)."""
-        got = self.post("/query", {"token_ids": [int(t) for t in tokens],
-                                   "model_name": self.model})
+        router believes it has cached (0 where none); ``lora_name``: a request for that LoRA
+        adapter (Dynamo hashes its blocks apart from the base model's)."""
+        body: dict[str, Any] = {"token_ids": [int(t) for t in tokens], "model_name": self.model}
+        if lora_name:
+            body["lora_name"] = lora_name
+        got = self.post("/query", body)
         matched = {int(i): int(v.get("longest_matched", 0))
                    for i, v in (got.get("instances") or {}).items()}
         return {i: matched.get(i, 0) for i in sorted(self.instances)}

@@ -583,11 +583,13 @@ def reset_keeps_shared_pages(model: str, target: str, blocks: int = 4, **kw: Any
     return out
 
 
-def own_block_hashes(model: str, target: str, blocks: int = 6, **kw: Any) -> dict[str, Any]:
+def own_block_hashes(model: str, target: str, blocks: int = 6, cache_salt: str = "",
+                     **kw: Any) -> dict[str, Any]:
     """vLLM's scheduler with its own KV events on stores a prompt through the connector: the
     block hashes vLLM publishes for it (its GPU blocks, and the connector's offloaded ones)
     and those the daemon's pool stream publishes for the same pages, each read with vLLM's own
-    ``KVEventBatch`` decoder."""
+    ``KVEventBatch`` decoder; with ``cache_salt``, the request's (vLLM hashes it into its
+    blocks): what vLLM's GPU events and the daemon's say of it too."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
@@ -598,19 +600,23 @@ def own_block_hashes(model: str, target: str, blocks: int = 6, **kw: Any) -> dic
     published: list[Any] = []
     e.scheduler.kv_event_publisher.publish = published.append  # the null publisher's input
     bs = e.block_size
-    e.add("a", _prompt(blocks * bs + 1, 61))
+    e.add("a", _prompt(blocks * bs + 1, 61), cache_salt=cache_salt or None)
     e.run()
     pool = e.worker.connector_worker.worker.pool.name
     ours: dict[str, list[int]] = {}
+    vllm_names: list[Any] = []
     for batch in published:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 ours.setdefault(str(ev.medium), []).extend(int(h) for h in ev.block_hashes)
+                if str(ev.medium) == "GPU":
+                    vllm_names.append([ev.lora_name, ev.extra_keys])
     with HiCacheClient(target) as c:
         endpoint = c.get_pool(pool).kv_events_endpoint
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     daemon: list[int] = []
+    daemon_names: list[Any] = []
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -618,11 +624,17 @@ def own_block_hashes(model: str, target: str, blocks: int = 6, **kw: Any) -> dic
         deadline = time.monotonic() + 10
         while len(daemon) < blocks and time.monotonic() < deadline:
             if sub.poll(100):
-                for ev in decoder.decode(sub.recv_multipart()[2]).events:
+                payload = sub.recv_multipart()[2]
+                for ev in decoder.decode(payload).events:
                     if isinstance(ev, BlockStored):
                         daemon.extend(int(h) for h in ev.block_hashes)
+                # the fields vLLM's BlockStored has no place for (SGLang's has), untyped
+                daemon_names += [[ev.get("lora_name"), ev.get("cache_salt")]
+                                 for ev in msgspec.msgpack.decode(payload)[1]
+                                 if ev.get("type") == "BlockStored"]
     finally:
         ctx.destroy(linger=0)
-    out = {"vllm": ours, "daemon": daemon, "block": bs}
+    out = {"vllm": ours, "daemon": daemon, "block": bs, "vllm_names": vllm_names,
+           "daemon_names": daemon_names}
     e.close()
     return out

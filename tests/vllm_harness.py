@@ -224,12 +224,14 @@ class Engine:
 
     # -- requests and steps ---------------------------------------------------------------
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> None:
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1,
+            cache_salt: str | None = None) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = Request(req_id, list(tokens), sp, None, block_hasher=self.hasher)
+        req = Request(req_id, list(tokens), sp, None, block_hasher=self.hasher,
+                      cache_salt=cache_salt)
         self.tokens[req_id] = list(tokens)
         self.scheduler.add_request(req)
 

@@ -13,8 +13,12 @@ from hypothesis import strategies as st
 from hicache.errors import HiCacheError
 from hicache.keys import (
     MAX_KEY_BYTES,
+    MAX_NAME_BYTES,
+    NO_NAMESPACE,
+    Namespace,
     check_chain,
     check_keys,
+    check_namespace,
     sglang_page_hashes,
     sglang_page_keys,
 )
@@ -109,6 +113,19 @@ def test_token_ids_of_the_wrong_size_or_kind_are_refused() -> None:
     big = np.arange(8, dtype=np.uint64)
     big[3] = 2**63
     assert _chain_refusal(big) == {"field": "token_ids", "position": "3"}
+
+
+def test_a_namespace_is_two_short_strings() -> None:
+    assert check_namespace() == NO_NAMESPACE == Namespace("", "")
+    assert check_namespace("a" * MAX_NAME_BYTES, "\u00e9" * 127) == ("a" * 255, "\u00e9" * 127)
+    for bad, field, meta in ((("a" * 256, ""), "lora_name", {"length": "256"}),
+                             (("", "\u00e9" * 128), "cache_salt", {"length": "256"}),
+                             (("\ud800", ""), "lora_name", {}),
+                             (("", b"salt"), "cache_salt", {})):
+        with pytest.raises(HiCacheError) as exc:
+            check_namespace(*bad)  # type: ignore[arg-type]
+        assert exc.value.reason == "KEY_INVALID"
+        assert exc.value.metadata == {"field": field, **meta}
 
 
 def test_chain_of_two_pages_by_hand() -> None:

@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 from hicache import seams
 from hicache.errors import HiCacheError
-from hicache.keys import sglang_page_hashes, sglang_page_keys
+from hicache.keys import NO_NAMESPACE, Namespace, sglang_page_hashes, sglang_page_keys
 from hicache.specs import KeyFormat
 from hicached.cache.chains import ENTRY_OVERHEAD_BYTES, ChainTable
 from hicached.cache.events import DISK, HOST, EventKind, EventLog
@@ -33,7 +33,13 @@ from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.trusted_paths import UntrustedPath
 from hicached.publish.kv_event_config import KvEventsConfig
-from hicached.publish.kv_event_format import Encoder, block_hash, block_hashes, engine_events
+from hicached.publish.kv_event_format import (
+    Encoder,
+    block_hash,
+    block_hashes,
+    contents_events,
+    engine_events,
+)
 from hicached.publish.kv_events import KvEventPublisher
 from hicached.tiers.disk import DiskTier
 from hicached.tiers.stack import TierStack
@@ -111,6 +117,36 @@ def test_a_stores_and_a_removals_events_are_sglangs_own_for_the_same_pages() -> 
     assert msgspec.to_builtins(ours) == msgspec.to_builtins(theirs)
     assert len(ours) == 2 and ours[0].block_hashes == [hash_str_to_int64(h) for h in
                                                          first.hash_value + second.hash_value]
+
+
+def test_a_store_s_namespace_names_its_pages_in_events_and_snapshots() -> None:
+    """Pages of one chain stored under two namespaces (a LoRA adapter's continuation of a
+    prompt, a salted request's) are told apart: never merged into one event or one run, each
+    named as its Store said, in the live events and in a snapshot of the pool."""
+    keys = [bytes([i]) * 32 for i in range(6)]
+    tokens = np.arange(6 * PS)
+    lora, salted = Namespace("adapter-\u00e9", ""), Namespace("adapter-\u00e9", "salt-1")
+    log = EventLog(chains=ChainTable(1 << 20, PS))
+    log.chains.note(keys[:2], b"", tokens[:2 * PS])  # the base model's
+    log.append(EventKind.STORED, keys[:2])
+    log.chains.note(keys[2:4], keys[1], tokens[2 * PS:4 * PS], lora)
+    log.append(EventKind.STORED, keys[2:4])
+    log.chains.note(keys[4:], keys[3], tokens[4 * PS:], salted)
+    log.append(EventKind.STORED, keys[4:])
+    assert [e.namespace for e in log.after(0)] == [NO_NAMESPACE, lora, salted]
+    ours = msgspec.msgpack.Decoder(type=KVEventBatch).decode(
+        Encoder().batch(engine_events(log.after(0), PS))).events
+    assert [(e.lora_name, e.cache_salt, len(e.block_hashes)) for e in ours] == [
+        (None, None, 2), ("adapter-\u00e9", None, 2), ("adapter-\u00e9", "salt-1", 2)]
+    assert ours[1].parent_block_hash == block_hash(keys[1])  # still one chain
+    runs = log.chains.runs(keys, chain=False)
+    assert [(r.keys, r.namespace) for r in runs] == [(keys[:2], NO_NAMESPACE),
+                                                     (keys[2:4], lora), (keys[4:], salted)]
+    snap = contents_events({HOST: keys}, PS, log.chains)
+    assert [(e.lora_name, e.cache_salt, e.token_ids) for e in snap] == [
+        (None, None, tokens[:2 * PS].tolist()), ("adapter-\u00e9", None,
+                                                 tokens[2 * PS:4 * PS].tolist()),
+        ("adapter-\u00e9", "salt-1", tokens[4 * PS:].tolist())]
 
 
 def test_the_chain_table_keeps_its_budget_and_the_batch_just_noted() -> None:

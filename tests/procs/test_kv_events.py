@@ -11,11 +11,15 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 import torch
 import zmq
 
 from hicache import HiCacheError
+from hicache.error_mapping import from_rpc_error
+from hicache.v1 import hicache_pb2 as pb
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from tests.daemon_proc import DaemonProc, Daemons, start_daemon
 from tests.kv_event_follower import Follower
@@ -311,3 +315,56 @@ def test_a_store_over_grpc_says_the_same_of_its_chain(daemon: DaemonProc,
     assert ev.block_hashes == [sglang_hash(k) for k in keys]
     assert ev.parent_block_hash == sglang_hash(keys[0][::-1])
     assert ev.token_ids == tokens.tolist()
+
+
+def test_a_store_s_lora_name_and_cache_salt_reach_routers_on_both_wires(
+        daemon: DaemonProc, tmp_path: Path) -> None:
+    """What else names a page to a router (the engines' own events carry it): told as the
+    Store said over the fast path and over gRPC, on the KV event stream (SGLang's decoder)
+    and over WatchEvents; a name too long is refused whole, before anything is stored."""
+    f = follow(tmp_path)
+    keys, tokens = chain(15, 6)
+    lora = "adapter-\u00e9\u4e2d"
+    w = Worker(daemon)
+    try:
+        w.session.store(keys[:2], torch.arange(2 * PS), token_ids=tokens[:2 * PS],
+                        lora_name=lora, cache_salt="salt-1")
+        with pytest.raises(HiCacheError) as exc:
+            w.session.store(keys[2:4], torch.arange(2 * PS), lora_name="x" * 256)
+        assert exc.value.reason == "KEY_INVALID"
+        assert exc.value.metadata == {"field": "lora_name", "length": "256"}
+        assert w.client.lookup(SPEC.name, keys[2:4]).hits == 0
+        with HiCacheClient(daemon.target, fast_path=False) as c:
+            with c.open_session(SPEC.name, "g", w.bufs.descriptors, fds=w.bufs.fds) as s:
+                s.store(keys[2:4], torch.arange(2 * PS), token_ids=tokens[2 * PS:4 * PS],
+                        parent_key=keys[1], cache_salt="salt-2")
+                with pytest.raises(grpc.RpcError) as rpc:  # the daemon's own check
+                    c._stub.Store(pb.StoreRequest(
+                        session_id=s.session_id, keys=keys[4:5], cache_salt="\u00e9" * 128,
+                        device_indices=np.arange(PS, dtype="<i8").tobytes()))
+                refused = from_rpc_error(rpc.value)
+                assert refused.reason == "KEY_INVALID"
+                assert refused.metadata == {"field": "cache_salt", "length": "256"}
+                with pytest.raises(HiCacheError) as exc:  # and the client's, before sending
+                    s.store(keys[4:5], torch.arange(PS), cache_salt="\u00e9" * 128)
+                assert exc.value.metadata == {"field": "cache_salt", "length": "256"}
+        w.session.store(keys[4:], torch.arange(2 * PS), token_ids=tokens[4 * PS:],
+                        parent_key=keys[3])
+        f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 6)
+        text = daemon.metrics()
+        assert re.search(r'^hicache_fast_path_requests_total\{method="Store"\} 2\.0$', text,
+                         re.M), text[-2000:]
+        stream = w.client.watch_events(SPEC.name)
+        events = iter(stream)
+        watched = [next(events) for _ in range(3)]
+        stream.cancel()
+    finally:
+        w.close()
+    told = [(e.block_hashes, e.lora_name, e.cache_salt, e.token_ids) for e in f.stored()]
+    assert told == [
+        ([sglang_hash(k) for k in keys[:2]], lora, "salt-1", tokens[:2 * PS].tolist()),
+        ([sglang_hash(k) for k in keys[2:4]], None, "salt-2", tokens[2 * PS:4 * PS].tolist()),
+        ([sglang_hash(k) for k in keys[4:]], None, None, tokens[4 * PS:].tolist())]
+    assert [(e.keys, e.lora_name, e.cache_salt) for e in watched] == [
+        (tuple(keys[:2]), lora, "salt-1"), (tuple(keys[2:4]), "", "salt-2"),
+        (tuple(keys[4:]), "", "")]

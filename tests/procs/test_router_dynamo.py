@@ -112,3 +112,31 @@ def test_a_router_restarted_or_an_instance_registered_late_knows_the_whole_pool(
         router.until(lambda: router.query(more_t) == {1: 8, 3: 8}, LAG_S)
     finally:
         a.close()
+
+
+def test_a_lora_adapter_s_pages_score_for_its_requests_only(
+        daemon: DaemonProc, router: DynamoIndexer, tmp_path: Path) -> None:
+    """Pages a Store named with a LoRA adapter are that adapter's to the router (Dynamo hashes
+    a LoRA request's blocks apart): a request for the adapter matches them, the base model's
+    request for the same tokens does not, and the base model's pages do not match the
+    adapter's request; an instance registered later learns the names from its snapshot."""
+    a = Worker(daemon, SPEC)
+    try:
+        got = pool_streams(daemon)
+        router.register(1, *got["kv-a"])
+        time.sleep(0.5)
+        tuned, tuned_t = chain(21, 3)
+        base, base_t = chain(22, 2)
+        a.session.store(tuned, np.arange(3 * PS), token_ids=tuned_t, lora_name="sql-adapter")
+        assert a.store(base, base_t) == 2
+        router.until(lambda: router.query(tuned_t, "sql-adapter") == {1: 12}, LAG_S)
+        assert router.query(tuned_t) == {1: 0}
+        assert router.query(base_t) == {1: 8}
+        assert router.query(base_t, "sql-adapter") == {1: 0}
+        assert router.query(tuned_t, "other-adapter") == {1: 0}
+        router.register(2, *got["kv-a"])  # late: the snapshot names the adapter too
+        router.until(lambda: router.query(tuned_t, "sql-adapter") == {1: 12, 2: 12}, LAG_S)
+        assert router.query(tuned_t) == {1: 0, 2: 0}
+        assert router.query(base_t) == {1: 8, 2: 8}
+    finally:
+        a.close()

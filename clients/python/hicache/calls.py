@@ -44,6 +44,10 @@ class StoreRequest(NamedTuple):
     """The key before the first one, where the keys continue a chain."""
     deadline_ns: int = 0
     """Unix ns past which no copy begins and none is kept (0: none)."""
+    lora_name: str = ""
+    """The LoRA adapter whose KV the pages are ("" = the base model): what events say."""
+    cache_salt: str = ""
+    """The cache salt of the request that wrote the pages ("" = none): what events say."""
 
 
 class LoadKeysRequest(NamedTuple):

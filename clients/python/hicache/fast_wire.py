@@ -31,7 +31,9 @@ and that many int64.
 - Store, LoadKeys and Load with ``FLAG_DEADLINE``: an i64 deadline (Unix ns) follows the
   body (and a Store's chain).
 - Store with ``FLAG_CHAIN``: the keys' chain follows the body: the parent key (u8 length and
-  its bytes) and the token ids (a u32 count and that many int64).
+  its bytes) and the token ids (a u32 count and that many int64). With ``FLAG_NAMESPACE``
+  the pages' namespace follows that (or the body): the LoRA name and the cache salt, each a
+  u8 length and that much UTF-8.
 - Heartbeat: session; reply: ``HEARTBEAT_REPLY`` (lease, time left, ms). A control call: the
   data path's bound does not apply, as over gRPC.
 
@@ -55,7 +57,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hicache.errors import IndicesMalformed
+from hicache.errors import IndicesMalformed, KeyInvalid
 from hicache.indices import IndexArray
 from hicache.keys import SameWidthKeys, raise_too_many
 from hicache.polling import AdaptivePoll
@@ -84,8 +86,11 @@ Store that carries one: its client sends such a Store without it)."""
 FLAG_TOUCH = 32
 """Lookup: the hit's host pages count as used now (no bytes follow: a daemon from before it
 reads the frame as a plain Lookup)."""
+FLAG_NAMESPACE = 64
+"""Store: the pages' LoRA name and cache salt follow the chain (a daemon that does not list
+it in ``GetInfo.fast_path_flags`` refuses such a frame: its client sends none)."""
 KNOWN_FLAGS = (FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN | STORE_DEADLINE
-               | FLAG_TOUCH)
+               | FLAG_TOUCH | FLAG_NAMESPACE)
 """What this framing's daemon understands (``GetInfo.fast_path_flags``)."""
 
 LAYERS = struct.Struct("<ii")
@@ -183,6 +188,14 @@ class Reader:
         """A u8 length and that many bytes (a parent key)."""
         (n,) = _U8.unpack(self._take(1))
         return bytes(self._take(n))
+
+    def short_str(self, field: str) -> str:
+        """A u8 length and that much UTF-8 (``KEY_INVALID`` naming ``field`` when it is not)."""
+        raw = self.short_bytes()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise KeyInvalid(f"{field} is not UTF-8", metadata={"field": field}) from None
 
     def rest(self) -> bytes:
         return bytes(self._take(len(self._buf) - self._pos))
@@ -385,6 +398,16 @@ def put_chain(out: list[bytes], parent_key: bytes, token_ids: IndexArray | bytes
         out += (_U32.pack(len(token_ids) // 8), token_ids)
     else:
         put_pages(out, token_ids)
+
+
+def put_namespace(out: list[bytes], lora_name: str, cache_salt: str) -> None:
+    """The trailer of a Store sent with ``FLAG_NAMESPACE`` (``ValueError`` for a name of 256
+    UTF-8 bytes or more: such a Store goes over gRPC, which names it)."""
+    for value in (lora_name, cache_salt):
+        raw = value.encode("utf-8")
+        if len(raw) > 255:
+            raise ValueError("a name of 256 bytes or more does not fit the fast path")
+        out += (_U8.pack(len(raw)), raw)
 
 
 def put_layers(out: list[bytes], begin: int, end: int) -> None:

@@ -19,6 +19,10 @@ Primitives:
   bytes, or None; the parent). ``token_ids`` may already be such bytes (the fast path's
   frame carries them so): checked as they are, with no array made (a 1-page Store's
   tokens cost ~1 us here, where numpy's small-array calls cost several).
+- ``Namespace(lora_name, cache_salt)``: what besides its tokens names a page to a router (the
+  LoRA adapter, "" = the base model; the request's cache salt, "" = none), as the engines'
+  own events say it; ``NO_NAMESPACE``; ``check_namespace(lora_name, cache_salt)``: at most
+  ``MAX_NAME_BYTES`` UTF-8 bytes each, else ``KEY_INVALID`` naming the field.
 - ``encode_keys(keys)``: keys as a worker may give them (bytes, or hex strings as SGLang's
   ``hash_value``) as bytes for the wire; ``KEY_INVALID`` for a string that is not hex.
 - ``sglang_page_hashes(token_ids, page_size, prior_hash)``: SGLang's ``get_hash_str(token_ids,
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -182,6 +187,37 @@ def check_chain(count: int, page_size: int,
         raise TokenIdsInvalid(f"token_ids[{first}] is negative: token ids are >= 0",
                               metadata={"field": "token_ids", "position": first})
     return raw, bytes(parent_key)
+
+
+class Namespace(NamedTuple):
+    lora_name: str = ""
+    """The LoRA adapter whose KV the pages are ("" = the base model)."""
+    cache_salt: str = ""
+    """The cache salt of the request that wrote them ("" = none)."""
+
+
+NO_NAMESPACE = Namespace()
+MAX_NAME_BYTES = 255
+"""A ``lora_name`` or ``cache_salt`` is at most this many UTF-8 bytes."""
+
+
+def check_namespace(lora_name: str = "", cache_salt: str = "") -> Namespace:
+    """A Store's namespace, checked (``KEY_INVALID`` naming the field for one that is not a
+    string, is not valid Unicode or is longer than ``MAX_NAME_BYTES`` in UTF-8)."""
+    if not lora_name and not cache_salt:
+        return NO_NAMESPACE
+    for field, value in (("lora_name", lora_name), ("cache_salt", cache_salt)):
+        if not isinstance(value, str):
+            raise KeyInvalid(f"{field} must be a string", metadata={"field": field})
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise KeyInvalid(f"{field} is not valid Unicode",
+                             metadata={"field": field}) from None
+        if size > MAX_NAME_BYTES:
+            raise KeyInvalid(f"{field} is {size} bytes in UTF-8; at most {MAX_NAME_BYTES}",
+                             metadata={"field": field, "length": size})
+    return Namespace(lora_name, cache_salt)
 
 
 _NON_NEGATIVE_TOP = bytes(range(0x80))

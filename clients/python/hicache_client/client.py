@@ -63,7 +63,7 @@ from hicache.errors import (
 )
 from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
 from hicache.indices import IndexArray, PageIds, indices_to_bytes, to_index_array
-from hicache.keys import encode_keys
+from hicache.keys import check_namespace, encode_keys
 from hicache.paths import default_target
 from hicache.polling import DEFAULT_MAX_US
 from hicache.specs import PoolSpec
@@ -528,48 +528,55 @@ class HiCacheClient:
 
     def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
               *, token_ids: Sequence[int] | np.ndarray | None = None,
-              parent_key: bytes | str = b"", timeout: float | None = None) -> StoreResult:
+              parent_key: bytes | str = b"", lora_name: str = "", cache_salt: str = "",
+              timeout: float | None = None) -> StoreResult:
         """The device pages of ``device_indices`` cached under ``keys``. Once ``timeout``
         (the client's when None) has passed the caller may reuse those pages: the daemon
         then begins no copy, and keeps nothing of a copy that ends later
         (``DEADLINE_PASSED``)."""
         q = self._store_request(session_id, keys, device_indices, token_ids, parent_key,
-                                self._deadline_ns(timeout))
+                                self._deadline_ns(timeout), lora_name, cache_salt)
         fast = None
         dp = self._pages(session_id, device_indices)
         if dp is not None and self._fast_path(timeout) is not None:
-            # a daemon from before Store deadlines refuses a Store frame that carries one: it
-            # gets none (and could not honour it over gRPC either)
+            # a daemon from before Store deadlines (or namespaces) refuses a Store frame that
+            # carries one: it gets none (and could not honour it over gRPC either)
+            named = self._fast_flags & w.FLAG_NAMESPACE
             fast = StoreRequest(q.session_id, q.keys, PageIds(dp), q.layers, q.token_ids,
                                 q.parent_key, q.deadline_ns
-                                if self._fast_flags & w.STORE_DEADLINE else 0)
+                                if self._fast_flags & w.STORE_DEADLINE else 0,
+                                q.lora_name if named else "", q.cache_salt if named else "")
         result: StoreResult = self.call("Store", q, fast, timeout=timeout)
         return result
 
     @staticmethod
     def _store_request(session_id: str, keys: Sequence[bytes | str], device_indices: object,
                        token_ids: Sequence[int] | np.ndarray | None, parent_key: bytes | str,
-                       deadline_ns: int) -> StoreRequest:
+                       deadline_ns: int, lora_name: str = "", cache_salt: str = ""
+                       ) -> StoreRequest:
         parent = encode_keys([parent_key], "parent_key")[0] if parent_key else b""
         tokens = _token_bytes(token_ids)
+        ns = check_namespace(lora_name, cache_salt)
         return StoreRequest(session_id, encode_keys(keys), device_indices,  # type: ignore[arg-type]
-                            (0, 0), tokens, parent, deadline_ns)
+                            (0, 0), tokens, parent, deadline_ns, *ns)
 
     def store_async(self, session_id: str, keys: Sequence[bytes | str],
                     device_indices: object, *,
                     token_ids: Sequence[int] | np.ndarray | None = None,
-                    parent_key: bytes | str = b"") -> Future[StoreResult]:
+                    parent_key: bytes | str = b"", lora_name: str = "",
+                    cache_salt: str = "") -> Future[StoreResult]:
         """``store`` without blocking the caller: a future of its result (or domain error)."""
         if self._fast_path() is not None and self._pages(session_id, device_indices) is not None:
             if self._async is None:
                 self._async = ThreadPoolExecutor(4, thread_name_prefix="hicache-store")
             return self._async.submit(self.store, session_id, keys, device_indices,
-                                      token_ids=token_ids, parent_key=parent_key)
+                                      token_ids=token_ids, parent_key=parent_key,
+                                      lora_name=lora_name, cache_salt=cache_salt)
         out: Future[StoreResult] = Future()
         codec = CODECS["Store"]
         call = self._stub.Store.future(codec.message(self._store_request(
-            session_id, keys, device_indices, token_ids, parent_key, self._deadline_ns(None))),
-            timeout=self.timeout)
+            session_id, keys, device_indices, token_ids, parent_key, self._deadline_ns(None),
+            lora_name, cache_salt)), timeout=self.timeout)
 
         def done(f: Any) -> None:
             try:

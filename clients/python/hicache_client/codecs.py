@@ -67,6 +67,11 @@ def _chain(q: c.StoreRequest) -> tuple[bytes, Any] | None:
     return q.parent_key, tokens if tokens is not None else b""
 
 
+def _namespace(q: c.StoreRequest) -> tuple[str, str] | None:
+    """The Store's LoRA name and cache salt, None when it names neither."""
+    return (q.lora_name, q.cache_salt) if q.lora_name or q.cache_salt else None
+
+
 def _token_list(tokens: Any) -> list[int]:
     """A Store's tokens as the message's ints (the client keeps them as int64 bytes)."""
     if isinstance(tokens, bytes):
@@ -80,6 +85,7 @@ def _store_message(q: c.StoreRequest) -> pb.StoreRequest:
                            device_indices=indices_to_bytes(q.device),
                            token_ids=_token_list(chain[1]) if chain is not None else (),
                            parent_key=q.parent_key, deadline_unix_ns=q.deadline_ns,
+                           lora_name=q.lora_name, cache_salt=q.cache_salt,
                            layer_begin=q.layers[0], layer_end=q.layers[1])
 
 
@@ -113,8 +119,9 @@ CODECS: dict[str, ClientCodec] = {
     "Store": ClientCodec(
         "Store", w.Method.STORE,
         lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,
-                                q.deadline_ns, _chain(q)),
+                                q.deadline_ns, _chain(q), _namespace(q)),
         lambda q: ((w.FLAG_CHAIN if _chain(q) is not None else 0)
+                   | (w.FLAG_NAMESPACE if _namespace(q) is not None else 0)
                    | (w.FLAG_DEADLINE if q.deadline_ns else 0)),
         lambda data, q: fp.decode_store(data), _store_message, StoreResult.from_proto),
     "LoadKeys": ClientCodec(

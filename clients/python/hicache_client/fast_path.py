@@ -232,9 +232,11 @@ def decode_transfer(data: bytes) -> TransferStats:
 
 def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
                layers: tuple[int, int] = (0, 0), deadline_ns: int = 0,
-               chain: tuple[bytes, IndexArray | bytes] | None = None) -> list[bytes]:
+               chain: tuple[bytes, IndexArray | bytes] | None = None,
+               namespace: tuple[str, str] | None = None) -> list[bytes]:
     """The body of a Store or LoadKeys (``ValueError`` for a key the framing cannot carry);
-    a Store's chain (send ``FLAG_CHAIN``), then the call's deadline (``FLAG_DEADLINE``)."""
+    a Store's chain (send ``FLAG_CHAIN``), its namespace (``FLAG_NAMESPACE``), then the call's
+    deadline (``FLAG_DEADLINE``)."""
     parts: list[bytes] = []
     w.put_string(parts, session_id)
     w.put_layers(parts, *layers)
@@ -242,6 +244,8 @@ def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
     w.put_pages(parts, device)
     if chain is not None:
         w.put_chain(parts, *chain)
+    if namespace is not None:
+        w.put_namespace(parts, *namespace)
     if deadline_ns:
         w.put_i64(parts, deadline_ns)
     return parts

@@ -143,9 +143,14 @@ class CacheEvent:
     token_ids: tuple[int, ...] = ()
     """STORED: the pages' tokens, ``block_size`` per key, when the writer gave them."""
     block_size: int = 0
+    lora_name: str = ""
+    """STORED: the LoRA adapter the writer named ("" = the base model)."""
+    cache_salt: str = ""
+    """STORED: the cache salt the writer named ("" = none)."""
 
     @classmethod
     def from_proto(cls, e: pb.CacheEvent) -> CacheEvent:
         kind = pb.CacheEventKind.Name(e.kind).removeprefix("CACHE_EVENT_KIND_")
         return cls(e.seq, kind, tuple(e.keys), e.pool, e.tier or 1, e.medium or "CPU_PINNED",
-                   bytes(e.parent_key), tuple(e.token_ids), e.block_size)
+                   bytes(e.parent_key), tuple(e.token_ids), e.block_size, e.lora_name,
+                   e.cache_salt)

@@ -102,23 +102,28 @@ class WorkerSession:
 
     def store(self, keys: Sequence[bytes | str], device_indices: object, *,
               token_ids: Sequence[int] | np.ndarray | None = None,
-              parent_key: bytes | str = b"", timeout: float | None = None) -> StoreResult:
+              parent_key: bytes | str = b"", lora_name: str = "", cache_salt: str = "",
+              timeout: float | None = None) -> StoreResult:
         """Copy one device page per key into the cache (all layers). Keys already there, or
         being written by another request, are not written again. The keys are one chain in
-        order; ``token_ids`` (``page_size`` per key) and ``parent_key`` (the key before the
-        first) are what routers are told of them (KV events, ``watch_events``). Once
+        order; ``token_ids`` (``page_size`` per key), ``parent_key`` (the key before the
+        first), ``lora_name`` (the LoRA adapter whose KV they are) and ``cache_salt`` (the
+        request's) are what routers are told of them (KV events, ``watch_events``). Once
         ``timeout`` (the client's when None) has passed the pages may be reused: the daemon
         keeps nothing of a copy it had not finished by then."""
         return self.client.store(self.session_id, keys, device_indices, token_ids=token_ids,
-                                 parent_key=parent_key, timeout=timeout)
+                                 parent_key=parent_key, lora_name=lora_name,
+                                 cache_salt=cache_salt, timeout=timeout)
 
     def store_async(self, keys: Sequence[bytes | str], device_indices: object, *,
                     token_ids: Sequence[int] | np.ndarray | None = None,
-                    parent_key: bytes | str = b"") -> Future[StoreResult]:
+                    parent_key: bytes | str = b"", lora_name: str = "",
+                    cache_salt: str = "") -> Future[StoreResult]:
         """``store`` without waiting (an inference scheduler must not block on it); the
         future raises the call's domain error. Not retried when the daemon is away."""
         return self.client.store_async(self.session_id, keys, device_indices,
-                                       token_ids=token_ids, parent_key=parent_key)
+                                       token_ids=token_ids, parent_key=parent_key,
+                                       lora_name=lora_name, cache_salt=cache_salt)
 
     def lookup(self, keys: Sequence[bytes | str], hold_ms: int = 0, *,
                timeout: float | None = None, touch: bool = False) -> LookupResult:

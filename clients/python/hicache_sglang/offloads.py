@@ -59,7 +59,8 @@ class Offloads:
         and parent where known; raises what ``store_async`` raises at once
         (``HiCacheError``, ``ValueError``)."""
         told: dict[str, Any] = {} if origin is None else {
-            "token_ids": origin.tokens, "parent_key": origin.parent_key}
+            "token_ids": origin.tokens, "parent_key": origin.parent_key,
+            "cache_salt": origin.cache_salt}
         if self._gpu is None:
             self._futures.append(session.store_async(keys, indices.to(torch.int64), **told))
             return

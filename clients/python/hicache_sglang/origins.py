@@ -35,6 +35,8 @@ class Origin(NamedTuple):
     """The pages' tokens, ``page_size`` per key, in order (int64)."""
     parent_key: str
     """The key of the page before the first ("" at the start of a prompt)."""
+    cache_salt: str = ""
+    """The request's cache salt ("" = none), as SGLang's own events tell it."""
 
 
 class NodeOrigins:
@@ -77,7 +79,8 @@ class NodeOrigins:
         if _hash_page(key[start:start + page], parent, page) != keys[0]:
             return None  # these tokens are not the node's
         # a view of SGLang's int64 array (numpy reads its buffer), a copy of anything else
-        return Origin(np.asarray(raw, dtype=np.int64)[start:end], parent)
+        return Origin(np.asarray(raw, dtype=np.int64)[start:end], parent,
+                      str(getattr(key, "cache_salt", None) or ""))
 
 
 def _request_key(frame: Any) -> Any:

@@ -34,12 +34,17 @@ class Chain:
 
     token_ids: np.ndarray
     parent_key: bytes = b""
+    lora_name: str = ""
+    """The request's LoRA adapter ("" = the base model), as vLLM's own events name it."""
+    cache_salt: str = ""
+    """The request's cache salt ("" = none)."""
 
     def of_round(self, keys: Sequence[bytes], start: int, end: int) -> Chain:
         """The chain of pages ``start:end`` of the job whose keys are ``keys``."""
         per = len(self.token_ids) // len(keys)
         parent = self.parent_key if start == 0 else keys[start - 1]
-        return Chain(self.token_ids[start * per:end * per], parent)
+        return Chain(self.token_ids[start * per:end * per], parent, self.lora_name,
+                     self.cache_salt)
 
 
 class HicachedLoadStoreSpec(LoadStoreSpec):

@@ -275,7 +275,10 @@ class HicachedOffloadingManager(OffloadingManager):
             if len(hashes) < bpc * (n - 1):
                 return None
             parent = bytes(hashes[bpc * (n - 1) - 1]) + keys[0][-4:]  # its group, as vLLM
-        return Chain(np.asarray(tokens, dtype=np.int64), parent)
+        lora = getattr(req, "lora_request", None)
+        return Chain(np.asarray(tokens, dtype=np.int64), parent,
+                     str(getattr(lora, "lora_name", "") or "") if lora is not None else "",
+                     str(getattr(req, "cache_salt", None) or ""))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:

@@ -324,7 +324,9 @@ class HicachedOffloadingWorker(OffloadingWorker):
                 try:
                     res = session.store(r.keys, tokens,
                                         token_ids=chain.token_ids if chain else None,
-                                        parent_key=chain.parent_key if chain else b"")
+                                        parent_key=chain.parent_key if chain else b"",
+                                        lora_name=chain.lora_name if chain else "",
+                                        cache_salt=chain.cache_salt if chain else "")
                     break
                 except HiCacheError as exc:
                     self.link.report(exc, session=session)

@@ -23,8 +23,9 @@ Store ~30 us slower and its growth faulted pages in on the Store path).
 Primitives:
 
 - ``Run``: keys that follow one another in one chain, the parent of the first, their tokens
-  (``page_size`` per key, or None when not all of them are known).
-- ``ChainTable(max_bytes, page_size, last_tier)``: ``note(keys, parent, token_ids)`` (one
+  (``page_size`` per key, or None when not all of them are known), their namespace (the
+  Store's LoRA name and cache salt: ``hicache.keys.Namespace``).
+- ``ChainTable(max_bytes, page_size, last_tier)``: ``note(keys, parent, token_ids, namespace)`` (one
   Store's batch, kept whole while any of its keys is; the oldest batches go first over the
   budget), ``forget(keys, tier)`` (the keys left ``tier``: dropped when it is the last),
   ``runs(keys, chain)`` (the keys, in order, cut into runs), ``parent_of(key)``,
@@ -44,6 +45,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hicache.keys import NO_NAMESPACE, Namespace
+
 ENTRY_OVERHEAD_BYTES = 200
 """Bytes one key's entry costs beyond its parent and tokens (the key, its slot in the index,
 its share of the batch), charged against ``max_bytes``."""
@@ -58,6 +61,9 @@ class Run:
     """The keys' tokens as little-endian int64 bytes, in pieces that concatenate to
     ``page_size`` per key (one per key, or a Store's whole batch), or None when one of them is
     unknown."""
+
+    namespace: Namespace = NO_NAMESPACE
+    """The LoRA adapter and cache salt the Store named the keys under."""
 
     def token_bytes(self) -> bytes | None:
         return None if self.tokens is None else b"".join(self.tokens)
@@ -77,6 +83,7 @@ class _Batch:
     tokens: bytes | None
     cost: int
     live: int
+    namespace: Namespace
     pos: dict[bytes, int] | None = None
     """Each key's place in ``keys``, made when a key is first asked about alone."""
 
@@ -108,7 +115,8 @@ class ChainTable:
         return len(self._entries)
 
     def note(self, keys: Sequence[bytes], parent: bytes = b"",
-             token_ids: np.ndarray | bytes | None = None) -> None:
+             token_ids: np.ndarray | bytes | None = None,
+             namespace: Namespace = NO_NAMESPACE) -> None:
         """``keys`` (distinct: the caller's check) are one chain after ``parent``;
         ``token_ids`` (validated by the caller: ``page_size`` per key; ``bytes``: as
         little-endian int64) their tokens. The
@@ -121,7 +129,9 @@ class ChainTable:
                else np.ascontiguousarray(token_ids, dtype="<i8").tobytes())
         batch = _Batch(tuple(keys), parent, raw, len(keys) * (ENTRY_OVERHEAD_BYTES
                                                               + len(keys[0]))
-                       + len(parent) + (len(raw) if raw else 0), len(keys))
+                       + len(parent) + (len(raw) if raw else 0)
+                       + len(namespace.lora_name) + len(namespace.cache_salt), len(keys),
+                       namespace)
         with self._lock:
             entries = self._entries
             if not entries.keys().isdisjoint(batch.keys):  # noted before: moved here
@@ -173,15 +183,15 @@ class ChainTable:
         self._batches = deque(b for b in self._batches if b.live)
         self._dead = 0
 
-    def _info(self, key: bytes) -> tuple[bytes, bytes | None] | None:
-        """(parent, tokens) of a noted key (lock held)."""
+    def _info(self, key: bytes) -> tuple[bytes, bytes | None, Namespace] | None:
+        """(parent, tokens, namespace) of a noted key (lock held)."""
         batch = self._entries.get(key)
         if batch is None:
             return None
         i = batch.place(key)
         step = self.page_size * 8
         tokens = batch.tokens[i * step:(i + 1) * step] if batch.tokens is not None else None
-        return (batch.keys[i - 1] if i else batch.parent), tokens
+        return (batch.keys[i - 1] if i else batch.parent), tokens, batch.namespace
 
     def parent_of(self, key: bytes) -> bytes:
         with self._lock:
@@ -197,16 +207,20 @@ class ChainTable:
             if batch is not None and batch.keys == tuple(keys):
                 # one Store's keys as it gave them: its chain, whole
                 return [Run(list(keys), batch.parent,
-                            None if batch.tokens is None else [batch.tokens])]
+                            None if batch.tokens is None else [batch.tokens], batch.namespace)]
             out: list[Run] = []
             for i, k in enumerate(keys):
-                parent, tokens = self._info(k) or (keys[i - 1] if chain and i else b"", None)
+                parent, tokens, namespace = self._info(k) or (
+                    keys[i - 1] if chain and i else b"", None,
+                    out[-1].namespace if chain and out else NO_NAMESPACE)
                 last = out[-1] if out else None
                 if (last is not None and parent and parent == last.keys[-1]
-                        and (tokens is None) == (last.tokens is None)):
+                        and (tokens is None) == (last.tokens is None)
+                        and namespace == last.namespace):
                     last.keys.append(k)
                     if tokens is not None and last.tokens is not None:
                         last.tokens.append(tokens)
                     continue
-                out.append(Run([k], parent, [tokens] if tokens is not None else None))
+                out.append(Run([k], parent, [tokens] if tokens is not None else None,
+                               namespace))
         return out

@@ -13,7 +13,7 @@ Primitives:
 - ``CacheEvent``: ``seq`` (1, 2, ... per pool), ``kind``, ``keys``, ``tier``; a STORED event's
   keys are one chain (``chains``): ``parent`` (the key before the first, "" when unknown) and
   ``tokens`` (``page_size`` per key as little-endian int64 bytes, when known; ``token_ids``:
-  the same as an array).
+  the same as an array), ``namespace`` (the Store's LoRA name and cache salt).
 - ``EventLog(max_keys, chains, listener)``: ``append(kind, keys, tier, chain)`` (STORED keys
   cut into chain runs, every event at most ``MAX_EVENT_KEYS`` keys; ``listener(event)`` is called
   for each, in order, under the log's lock: it must not block), ``after(seq)`` (the retained
@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hicache.keys import NO_NAMESPACE, Namespace
 from hicached.cache.chains import ChainTable, Run
 
 MAX_EVENT_KEYS = 4096
@@ -63,6 +64,9 @@ class CacheEvent(NamedTuple):
     """STORED: the pages' tokens (``page_size`` per key, little-endian int64), when the writer
     gave them. Bytes, sliced from the Store's own: a Store makes no array for its event (on
     its thread, numpy's small-array calls cost more than the whole chain's bookkeeping)."""
+
+    namespace: Namespace = NO_NAMESPACE
+    """STORED: the LoRA adapter and cache salt the Store named the pages under."""
 
     @property
     def token_ids(self) -> np.ndarray | None:
@@ -116,7 +120,7 @@ class EventLog:
                     self._add(CacheEvent(
                         self._seq, kind, chunk, tier, run_keys[i - 1] if i else parent,
                         tokens[i * step:(i + len(chunk)) * step] if tokens is not None
-                        else None))
+                        else None, run.namespace))
 
     def _add(self, event: CacheEvent) -> None:
         """Keep ``event`` (lock held): tell the listener, drop the oldest past ``max_keys``,

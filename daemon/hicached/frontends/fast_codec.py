@@ -52,9 +52,11 @@ def _store(r: w.Reader, flags: int, max_keys: int) -> c.StoreRequest:
     keys, device = r.keys(max_keys), PageIds(r.pages())
     parent, tokens = ((r.short_bytes(), r.page_bytes()) if flags & w.FLAG_CHAIN
                       else (b"", None))
+    lora, salt = ((r.short_str("lora_name"), r.short_str("cache_salt"))
+                  if flags & w.FLAG_NAMESPACE else ("", ""))
     deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
     r.end()
-    return c.StoreRequest(session, keys, device, layers, tokens, parent, deadline)
+    return c.StoreRequest(session, keys, device, layers, tokens, parent, deadline, lora, salt)
 
 
 def _store_reply(res: c.StoreResult, flags: int) -> bytes:

@@ -66,7 +66,8 @@ def _lookup_response(r: c.LookupResult) -> pb.LookupResponse:
 def _store(m: pb.StoreRequest) -> c.StoreRequest:
     return c.StoreRequest(m.session_id, list(m.keys),
                           to_index_array(m.device_indices, "device_indices"), _layers(m),
-                          m.token_ids, m.parent_key, int(m.deadline_unix_ns))
+                          m.token_ids, m.parent_key, int(m.deadline_unix_ns), m.lora_name,
+                          m.cache_salt)
 
 
 def _store_response(r: c.StoreResult) -> pb.StoreResponse:

@@ -162,4 +162,5 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             yield pb.CacheEvent(seq=v.seq, kind=v.kind,  # type: ignore[arg-type]
                                 keys=v.keys, pool=v.pool, tier=v.tier, medium=v.medium,
                                 parent_key=v.parent_key, token_ids=v.token_ids,
-                                block_size=v.block_size)
+                                block_size=v.block_size, lora_name=v.lora_name,
+                                cache_salt=v.cache_salt)

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 import numpy as np
 
+from hicache.keys import NO_NAMESPACE, Namespace
 from hicache.specs import KeyFormat
 from hicached.cache.chains import ChainTable
 from hicached.cache.events import MEDIUM, CacheEvent, EventKind
@@ -115,11 +116,13 @@ def block_hashes(keys: Sequence[bytes], key_format: KeyFormat = KeyFormat.DIGEST
 
 
 def _stored(keys: Sequence[bytes], parent: bytes, tokens: list[int], block_size: int,
-            medium: str, key_format: KeyFormat) -> BlockStored:
+            medium: str, key_format: KeyFormat,
+            namespace: Namespace = NO_NAMESPACE) -> BlockStored:
     return BlockStored(block_hashes=block_hashes(keys, key_format),
                        parent_block_hash=block_hash(parent, key_format) if parent else None,
                        token_ids=tokens, block_size=block_size, lora_id=None, medium=medium,
-                       lora_name=None)
+                       lora_name=namespace.lora_name or None,
+                       cache_salt=namespace.cache_salt or None)
 
 
 def engine_events(events: Iterable[CacheEvent], block_size: int,
@@ -133,11 +136,14 @@ def engine_events(events: Iterable[CacheEvent], block_size: int,
             if (isinstance(last, BlockStored) and last.medium == medium and e.parent
                     and len(last.block_hashes) + len(e.keys) <= MAX_BLOCKS
                     and last.block_hashes[-1] == block_hash(e.parent, key_format)
-                    and bool(last.token_ids) == bool(tokens)):
+                    and bool(last.token_ids) == bool(tokens)
+                    and last.lora_name == (e.namespace.lora_name or None)
+                    and last.cache_salt == (e.namespace.cache_salt or None)):
                 last.block_hashes.extend(block_hashes(e.keys, key_format))
                 last.token_ids.extend(tokens)
             else:
-                out.append(_stored(e.keys, e.parent, tokens, block_size, medium, key_format))
+                out.append(_stored(e.keys, e.parent, tokens, block_size, medium, key_format,
+                                   e.namespace))
         elif (isinstance(last, BlockRemoved) and last.medium == medium
               and len(last.block_hashes) + len(e.keys) <= MAX_BLOCKS):
             last.block_hashes.extend(block_hashes(e.keys, key_format))
@@ -158,7 +164,7 @@ def contents_events(contents: Mapping[int, Sequence[bytes]], block_size: int,
             tokens = run.token_ids()
             out.append(_stored(run.keys, run.parent,
                                tokens.tolist() if tokens is not None else [], block_size,
-                               MEDIUM[tier], key_format))
+                               MEDIUM[tier], key_format, run.namespace))
     return out
 
 

@@ -52,7 +52,7 @@ from hicache.errors import (
     TransportUnavailable,
 )
 from hicache.indices import IndexArray, PageIds
-from hicache.keys import check_chain, check_keys
+from hicache.keys import check_chain, check_keys, check_namespace
 from hicache.layer_groups import check_layer_events
 from hicached.cache.holds import Holder
 from hicached.cache.index_types import StoreTicket
@@ -371,10 +371,11 @@ class Daemon:
     def store(self, session_id: str, keys: list[bytes], device: IndexArray | PageIds,
               layers: tuple[int, int],
               token_ids: Sequence[int] | np.ndarray | bytes | None = None,
-              parent_key: bytes = b"", deadline_ns: int = 0
-              ) -> tuple[StoreTicket, TransferResult | None]:
+              parent_key: bytes = b"", deadline_ns: int = 0, lora_name: str = "",
+              cache_salt: str = "") -> tuple[StoreTicket, TransferResult | None]:
         """``token_ids`` (``page_size`` per key) and ``parent_key`` say what chain the keys
-        are (``hicache.keys.check_chain``): what the pool's events publish of them. Past
+        are (``hicache.keys.check_chain``), ``lora_name`` and ``cache_salt`` their namespace
+        (``check_namespace``): what the pool's events publish of them. Past
         ``deadline_ns`` (Unix ns, 0 = none) its caller has given up and may be reusing the
         device pages it named: no copy begins then, and a copy that ends then keeps none of
         its pages (``DEADLINE_PASSED`` either way)."""
@@ -385,9 +386,10 @@ class Daemon:
             device_pages, all_layers = self.engine.check_keyed(
                 Op.BACKUP, s.pool, buffers, len(keys), device, *layers)
             tokens, parent = check_chain(len(keys), s.pool.page_size, token_ids, parent_key)
+            namespace = check_namespace(lora_name, cache_salt)
             cache = self.pools.cache(s.pool_name)
             check_deadline(deadline_ns, "store")
-            cache.events.chains.note(keys, parent, tokens)
+            cache.events.chains.note(keys, parent, tokens, namespace)
             ticket = cache.begin_store(keys)
             result, ok = None, False
             try:

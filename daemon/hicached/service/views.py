@@ -193,6 +193,10 @@ class EventView:
     parent_key: bytes
     token_ids: list[int]
     block_size: int
+    lora_name: str = ""
+    """STORED: the LoRA adapter the Store named ("" = the base model)."""
+    cache_salt: str = ""
+    """STORED: the cache salt the Store named ("" = none)."""
 
 
 def watch_events(d: Daemon, pool: str, after_seq: int, all_tiers: bool,
@@ -212,7 +216,8 @@ def watch_events(d: Daemon, pool: str, after_seq: int, all_tiers: bool,
                     seq=ev.seq, kind=ev.kind.value, keys=list(ev.keys), pool=pool,
                     tier=ev.tier, medium=MEDIUM[ev.tier], parent_key=ev.parent,
                     token_ids=ev.token_ids.tolist() if ev.token_ids is not None else [],
-                    block_size=cache.pool.page_size)
+                    block_size=cache.pool.page_size, lora_name=ev.namespace.lora_name,
+                    cache_salt=ev.namespace.cache_salt)
             if d.pools.cache(pool) is not cache:
                 raise PoolNotFound(f"pool {pool} was deleted", metadata={"pool": pool})
 

@@ -81,6 +81,7 @@ def test_a_nodes_tokens_and_parent_come_from_the_request_that_inserted_it(
     tail = insert(params, wrapper, 2, keys[2:5])  # below it, three pages
     assert tail is not None and tail.parent_key == keys[1]
     assert tail.tokens.dtype == np.int64 and tail.tokens.tolist() == list(TOKENS[2 * P:5 * P])
+    assert head.cache_salt == tail.cache_salt == (salt or "")  # as SGLang's events say it
     assert (linker.origins.found, linker.origins.misses) == (2, 0)
 
 

@@ -64,3 +64,24 @@ def test_the_daemon_names_vllms_blocks_as_vllm_does(daemon: DaemonProc, tmp_path
     assert daemon_says == gpu[:6], got
     offloaded = [h for medium, hs in got["vllm"].items() if medium != "GPU" for h in hs]
     assert sorted(offloaded) == sorted(daemon_says), got
+    assert {tuple(n) for n in got["daemon_names"]} == {(None, None)}, got
+
+
+def test_a_salted_request_s_blocks_are_named_as_vllm_names_them(daemon: DaemonProc,
+                                                                tmp_path: Path) -> None:
+    """A request with a cache salt (vLLM hashes it into its first block, so its blocks are
+    other blocks than the same tokens' unsalted ones), through the connector that tells the
+    manager each request: the daemon's events name the same block hashes as vLLM's GPU
+    events, and say the salt vLLM's events carry; an unsalted request's say none."""
+    got = run("own_block_hashes", model=str(model_dir(tmp_path)), target=daemon.target,
+              cache_salt="tenant-7", connector="hicached")  # the connector that tells tokens
+    gpu, daemon_says = got["vllm"].get("GPU", []), got["daemon"]
+    assert len(daemon_says) == 6 and daemon_says == gpu[:6], got
+    assert any("tenant-7" in (extra or ()) for _, extras in got["vllm_names"]
+               for extra in (extras or ())), got  # vLLM's own events carry the salt
+    assert {tuple(n) for n in got["daemon_names"]} == {(None, "tenant-7")}, got
+    plain = run("own_block_hashes", model=str(model_dir(tmp_path)), target=daemon.target,
+                connector="hicached")
+    unsalted = plain["vllm"]["GPU"][:6]  # the same tokens unsalted: other blocks, also told
+    assert not set(unsalted) & set(daemon_says) and set(unsalted) <= set(plain["daemon"]), plain
+    assert {tuple(n) for n in plain["daemon_names"]} == {(None, None), (None, "tenant-7")}
