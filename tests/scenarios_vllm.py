@@ -616,22 +616,25 @@ def own_block_hashes(model: str, target: str, blocks: int = 6, cache_salt: str =
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     daemon: list[int] = []
-    daemon_names: list[Any] = []
+    daemon_names: dict[str, list[Any]] = {}
+    """Each block the daemon told of: the LoRA name and cache salt it was told with."""
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(endpoint)  # joining, it is sent a snapshot of the pool
         deadline = time.monotonic() + 10
-        while len(daemon) < blocks and time.monotonic() < deadline:
+        # until this prompt's blocks came and the snapshot of what was there before has too
+        while time.monotonic() < deadline and (len(daemon) < blocks or sub.poll(300)):
             if sub.poll(100):
                 payload = sub.recv_multipart()[2]
                 for ev in decoder.decode(payload).events:
-                    if isinstance(ev, BlockStored):
-                        daemon.extend(int(h) for h in ev.block_hashes)
+                    if isinstance(ev, BlockStored):  # (a block told twice counts once)
+                        daemon.extend(h for h in map(int, ev.block_hashes) if h not in daemon)
                 # the fields vLLM's BlockStored has no place for (SGLang's has), untyped
-                daemon_names += [[ev.get("lora_name"), ev.get("cache_salt")]
-                                 for ev in msgspec.msgpack.decode(payload)[1]
-                                 if ev.get("type") == "BlockStored"]
+                for ev in msgspec.msgpack.decode(payload)[1]:
+                    if ev.get("type") == "BlockStored":
+                        for h in ev["block_hashes"]:
+                            daemon_names[str(h)] = [ev.get("lora_name"), ev.get("cache_salt")]
     finally:
         ctx.destroy(linger=0)
     out = {"vllm": ours, "daemon": daemon, "block": bs, "vllm_names": vllm_names,

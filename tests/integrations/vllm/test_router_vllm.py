@@ -64,7 +64,7 @@ def test_the_daemon_names_vllms_blocks_as_vllm_does(daemon: DaemonProc, tmp_path
     assert daemon_says == gpu[:6], got
     offloaded = [h for medium, hs in got["vllm"].items() if medium != "GPU" for h in hs]
     assert sorted(offloaded) == sorted(daemon_says), got
-    assert {tuple(n) for n in got["daemon_names"]} == {(None, None)}, got
+    assert all(got["daemon_names"][str(h)] == [None, None] for h in daemon_says), got
 
 
 def test_a_salted_request_s_blocks_are_named_as_vllm_names_them(daemon: DaemonProc,
@@ -77,11 +77,13 @@ def test_a_salted_request_s_blocks_are_named_as_vllm_names_them(daemon: DaemonPr
               cache_salt="tenant-7", connector="hicached")  # the connector that tells tokens
     gpu, daemon_says = got["vllm"].get("GPU", []), got["daemon"]
     assert len(daemon_says) == 6 and daemon_says == gpu[:6], got
+    assert all(got["daemon_names"][str(h)] == [None, "tenant-7"] for h in daemon_says), got
     assert any("tenant-7" in (extra or ()) for _, extras in got["vllm_names"]
                for extra in (extras or ())), got  # vLLM's own events carry the salt
-    assert {tuple(n) for n in got["daemon_names"]} == {(None, "tenant-7")}, got
     plain = run("own_block_hashes", model=str(model_dir(tmp_path)), target=daemon.target,
                 connector="hicached")
     unsalted = plain["vllm"]["GPU"][:6]  # the same tokens unsalted: other blocks, also told
     assert not set(unsalted) & set(daemon_says) and set(unsalted) <= set(plain["daemon"]), plain
-    assert {tuple(n) for n in plain["daemon_names"]} == {(None, None), (None, "tenant-7")}
+    named = plain["daemon_names"]  # this subscription's snapshot tells both prompts' blocks
+    assert all(named[str(h)] == [None, None] for h in unsalted), plain
+    assert all(named[str(h)] == [None, "tenant-7"] for h in daemon_says), plain
