@@ -4,7 +4,8 @@ A real ``HostPool`` (8 pages) with its ``PoolCache``, a real ``DiskTier`` on dis
 every key (so the disk never evicts), and the real spill and promotion steps
 (``spill_candidates`` / ``write_many`` / ``finish_spill``, ``TierStack.hold_for_load`` as LoadKeys),
 called as rules in any order with stores, loads, removals, clears, a corrupted disk page and a
-reopened disk index.
+reopened disk index; a spill also stays open across other steps (its pages taken, its write
+later), as the spiller's thread leaves it while stores and loads go on.
 
 The model: each key stored and not removed has a tag its bytes are made of, and whether a copy
 of it went to disk. What must hold after every step: a key found (tier 1 or 2) loads exactly
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 from hypothesis import settings
@@ -24,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hicache.errors import KeyNotFound
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicached.cache.holds import Holder
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.tiers.disk import DiskTier
@@ -54,6 +57,7 @@ class Tiers(RuleBasedStateMachine):
         self.tags: dict[bytes, int] = {}
         self.on_disk: set[bytes] = set()
         self.next_tag = 1
+        self.open_spill: tuple[list[bytes], np.ndarray, int] | None = None
 
     def _open_disk(self) -> DiskTier:
         d = DiskTier(self.dir, "tm", {"spec": "tm"}, SPEC.page_bytes, len(KEYS) + 4)
@@ -62,6 +66,8 @@ class Tiers(RuleBasedStateMachine):
         return d
 
     def teardown(self) -> None:
+        if self.open_spill is not None:
+            self.cache.finish_spill(*self.open_spill)
         self.disk.close()
         self.pool.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -79,6 +85,26 @@ class Tiers(RuleBasedStateMachine):
     @rule(n=st.integers(1, 8))
     def spill(self, n: int) -> None:
         keys, pages, epoch = self.cache.spill_candidates(n, 8, self.disk.contains)
+        try:
+            done = self.disk.write_many([(k, self.pool.page_views(p))
+                                         for k, p in zip(keys, pages.tolist(), strict=True)],
+                                        lambda k: not self.cache.removed_since(k, epoch))
+            self.on_disk |= {k for k, ok in zip(keys, done, strict=True) if ok}
+        finally:
+            self.cache.finish_spill(keys, pages, epoch)
+
+    @precondition(lambda self: self.open_spill is None)
+    @rule(n=st.integers(1, 4))
+    def spill_begins(self, n: int) -> None:
+        """The spiller takes its batch; its write comes in a later step."""
+        self.open_spill = self.cache.spill_candidates(n, 8, self.disk.contains)
+
+    @precondition(lambda self: self.open_spill is not None)
+    @rule()
+    def spill_ends(self) -> None:
+        assert self.open_spill is not None
+        keys, pages, epoch = self.open_spill
+        self.open_spill = None
         try:
             done = self.disk.write_many([(k, self.pool.page_views(p))
                                          for k, p in zip(keys, pages.tolist(), strict=True)],
@@ -160,4 +186,105 @@ def test_a_promotion_that_evicts_a_key_of_its_own_batch_is_retried() -> None:
         assert pages.size == 2
         m.cache.finish_load(pages)
     finally:
+        m.teardown()
+
+
+def test_a_store_during_a_spill_evicts_pages_it_can_have_now() -> None:
+    """A full pool whose four oldest keys a spill has taken: a Store of two new keys evicts
+    the two oldest keys not being spilled (their pages free at once) and is granted both;
+    the spill's keys stay, and go first once it ends."""
+    m = Tiers()
+    try:
+        m.store(KEYS[:4])
+        m.store(KEYS[4:8])  # the pool's 8 pages, KEYS[0] the oldest
+        m.open_spill = m.cache.spill_candidates(4, 8, m.disk.contains)
+        assert m.open_spill[0] == KEYS[:4]
+        t = m.cache.begin_store(KEYS[8:10])
+        assert t.pages.size == 2, "a Store refused pages while the pool had pages to give"
+        m.cache.finish_store(t, ok=True)
+        _, tiers = m.cache.lookup(KEYS[:10])
+        assert list(tiers) == [1, 1, 1, 1, 0, 0, 1, 1, 1, 1]  # KEYS[4:6] went, not the spill's
+        m.spill_ends()
+        t = m.cache.begin_store(KEYS[10:11])
+        m.cache.finish_store(t, ok=True)
+        _, tiers = m.cache.lookup(KEYS[:11])
+        assert list(tiers) == [2, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]  # now the oldest, kept below
+    finally:
+        m.teardown()
+
+
+def test_a_load_during_a_spill_promotes_what_is_on_disk() -> None:
+    """Keys only the disk has, loaded while a spill holds the host's oldest pages: the
+    promotion evicts what it can free now and the load gets every key (the promise of the
+    Lookup that found them)."""
+    m = Tiers()
+    try:
+        m.store(KEYS[:4])
+        m.spill(4)  # KEYS[:4] on disk too
+        m.store(KEYS[4:8])
+        m.store(KEYS[8:12])  # evicts KEYS[:4] from host: on disk only
+        _, tiers = m.cache.lookup(KEYS[:12])
+        assert list(tiers[:4]) == [2, 2, 2, 2]
+        m.open_spill = m.cache.spill_candidates(4, 8, m.disk.contains)  # KEYS[4:8] taken
+        pages = TierStack(m.pool, m.cache, m.disk).hold_for_load(KEYS[:3])
+        assert pages.size == 3
+        for k, page in zip(KEYS[:3], pages.tolist(), strict=True):
+            assert tag_of(m.pool, page) == {m.tags[k]}
+        m.cache.finish_load(pages)
+    finally:
+        m.teardown()
+
+
+class _Queued:
+    """A prefetcher whose thread has not reached the job yet (or whose queue is full)."""
+
+    def __init__(self, accept: bool) -> None:
+        self.accept, self.jobs = accept, []  # type: ignore[var-annotated]
+
+    def submit(self, keys: list[bytes], owner: int, seconds: float,
+               release: Callable[[], None]) -> bool:
+        if self.accept:
+            self.jobs.append((keys, owner, seconds, release))
+        return self.accept
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_held_hit_on_disk_stays_there_until_its_promotion_ran() -> None:
+    """A Lookup holding a hit only the disk has: until the promotion it queued has run, spills
+    that fill the disk evict other keys, never the hit's; the LoadKeys then gets the hit's
+    exact bytes, and the disk's hold ends with the job (at once when the queue refused it)."""
+    m = Tiers()
+    stack = TierStack(m.pool, m.cache, m.disk)
+    try:
+        m.store(KEYS[:4])
+        m.spill(4)
+        m.store(KEYS[4:8])
+        m.store(KEYS[8:12])  # KEYS[:4] only on disk now, the disk's oldest keys
+        assert stack.prefetcher is not None
+        stack.prefetcher.close()
+        queued = _Queued(accept=True)
+        stack.prefetcher = queued  # type: ignore[assignment]
+        hit, tiers, held = stack.lookup(KEYS[:4], Holder(owner=7, seconds=30.0))
+        assert (hit, bytes(tiers), held) == (4, b"\x02" * 4, 0) and m.disk.held == 4
+        for i in range(m.disk.capacity):  # the disk filled twice over by other spills
+            assert m.disk.write(b"other-%d" % i, m.pool.page_views(0))
+        assert all(m.disk.contains(k) for k in KEYS[:4])
+        keys, owner, seconds, release = queued.jobs.pop()
+        stack.promote(keys)
+        m.cache.hold_promoted(owner, keys, seconds)
+        release()
+        assert m.disk.held == 0
+        pages = stack.hold_for_load(KEYS[:4], owner=7)
+        for k, page in zip(KEYS[:4], pages.tolist(), strict=True):
+            assert tag_of(m.pool, page) == {m.tags[k]}
+        m.cache.finish_load(pages)
+        stack.prefetcher = _Queued(accept=False)  # type: ignore[assignment]
+        m.spill(8)
+        m.store(KEYS[12:20])  # KEYS[4:12] evicted from host, some on disk only
+        _, tiers, _ = stack.lookup(KEYS[4:12], Holder(owner=8, seconds=30.0))
+        assert 2 in tiers and m.disk.held == 0  # refused by the queue: no hold left behind
+    finally:
+        stack.prefetcher = None
         m.teardown()

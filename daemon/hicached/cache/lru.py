@@ -3,8 +3,9 @@
 Primitives:
 
 - ``LRU``: ``add(key)`` (most recently used), ``touch(key)``, ``discard(key)``,
-  ``pop_oldest(n)``, ``oldest(n)`` (left in place), ``len``, ``in``. Every operation is O(1)
-  per key.
+  ``pop_oldest(n, busy)`` (keys in ``busy`` passed over while others remain), ``oldest(n)``
+  (left in place), ``len``, ``in``. Every operation is O(1) per key (``pop_oldest``: plus the
+  busy keys it passes).
 
 It holds only the keys that may be evicted now (ready, and not held by a copy); the cache adds
 a key when it becomes evictable and discards it when it stops being so.
@@ -13,6 +14,7 @@ a key when it becomes evictable and discards it when it stops being so.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 
 class LRU:
@@ -41,11 +43,23 @@ class LRU:
     def discard(self, key: bytes) -> None:
         self._order.pop(key, None)
 
-    def pop_oldest(self, n: int) -> list[bytes]:
-        """Up to ``n`` least recently used keys, removed from the policy."""
+    def pop_oldest(self, n: int, busy: Collection[bytes] = ()) -> list[bytes]:
+        """Up to ``n`` least recently used keys, removed from the policy. Keys in ``busy``
+        (whose pages are not freed at once: being spilled) are passed over while other keys
+        remain, and taken last, oldest first."""
         out: list[bytes] = []
-        while len(out) < n and self._order:
-            out.append(self._order.popitem(last=False)[0])
+        if not busy:
+            while len(out) < n and self._order:
+                out.append(self._order.popitem(last=False)[0])
+            return out
+        passed: list[bytes] = []
+        for key in self._order:
+            if len(out) == n:
+                break
+            (passed if key in busy else out).append(key)
+        out += passed[:n - len(out)]
+        for key in out:
+            del self._order[key]
         return out
 
     def __len__(self) -> int:

@@ -29,7 +29,9 @@ Primitives:
 - ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once from
   every tier, writes below in flight included (see lending); a page a copy or a hold still
   has is freed when that ends (REMOVED events). Eviction (lock held, ``_evict(n)``): the
-  least recently used ready keys no copy holds (EVICTED events).
+  least recently used ready keys no copy holds (EVICTED events), those whose pages a spill
+  has taken last (their pages come back only when the spill ends: evicting them first would
+  free nothing for the Store or promotion that asked).
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
 - ``stats``: counters for metrics; ``key_count``; ``snapshot()``: the ready keys (what a
   KV event resync announces).
@@ -608,7 +610,9 @@ class PoolCache:
         return keys
 
     def _evict(self, n: int) -> None:
-        keys = self._lru.pop_oldest(n)
+        # a key being spilled frees its page only when its spill ends: the oldest keys whose
+        # pages free at once go first (the spill's own keys stay, the next to go)
+        keys = self._lru.pop_oldest(n, self._spilling)
         kept = self.kept_below or (self.lower.contains if self.lower is not None else None)
         if kept is not None:  # being written below counts as below: it lands there
             below = sum(k in self._spilling or kept(k) for k in keys)
