@@ -83,6 +83,33 @@ def test_capacity_is_kept_by_lru(tier: DiskTier) -> None:
     assert all(np.array_equal(g, w) for g, w in zip(got, page(9), strict=True))
 
 
+def test_a_held_key_is_not_evicted_until_released_and_a_removal_still_removes_it(
+        tier: DiskTier) -> None:
+    for i in range(8):
+        tier.write(b"k%d" % i, views(page(i)))
+    assert tier.hold([b"k0", b"k1", b"absent"]) == [b"k0", b"k1"]  # the oldest two
+    assert tier.hold([b"k0"]) == [b"k0"] and tier.held == 2
+    for i in range(8, 11):  # room: the oldest not held go
+        assert tier.write(b"k%d" % i, views(page(i)))
+    assert [tier.contains(b"k%d" % i) for i in range(6)] == [True, True, False, False, False,
+                                                              True]
+    got = zeroed()
+    assert tier.read_into(b"k0", views(got))  # the promise's bytes, exact
+    assert all(np.array_equal(g, w) for g, w in zip(got, page(0), strict=True))
+    tier.release([b"k0", b"k1"])  # k0 is still held once
+    assert tier.held == 1
+    for i in range(11, 13):
+        assert tier.write(b"k%d" % i, views(page(i)))
+    assert tier.contains(b"k0") and not tier.contains(b"k1")
+    tier.erase(tier.forget([b"k0"]))  # removals are final, held or not
+    assert not tier.contains(b"k0")
+    tier.release([b"k0"])
+    assert tier.held == 0
+    for i in range(13, 21):  # every held key released: the whole tier is evictable again
+        assert tier.write(b"k%d" % i, views(page(i)))
+    assert tier.keys == 8
+
+
 def test_the_index_survives_a_restart_and_a_torn_record_does_not(tmp_path: Path) -> None:
     d = str(tmp_path / "disk")
     t = DiskTier(d, "p", DOC, PAGE, 8)

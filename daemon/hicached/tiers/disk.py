@@ -13,7 +13,9 @@ Primitives:
   -> "created" | "reattached" | "cold: <why>"; ``contains(key)``; ``write(key, buffers)`` ->
   stored (or already there); ``read_into(key, buffers)`` -> exact bytes landed;
   ``read_many`` / ``write_many`` (several pages, ``io_threads`` at once);
-  ``forget(keys)`` (the index, at once, no I/O) then
+  ``hold(keys)`` -> the keys held here (a held key is never evicted for room, until
+  ``release(keys)``: a Lookup's hit on disk, kept until its promotion lands); ``forget(keys)``
+  (the index, at once, no I/O) then
   ``erase(slots)`` (their records, outside every lock); ``close()``; ``remove_files()``;
   ``stats``; ``keys``; ``snapshot()`` (every key). The page I/O is ``disk_io.PageFile``'s;
   ``open`` reserves the files' blocks (``preallocate``), so a full filesystem refuses the tier
@@ -86,6 +88,8 @@ class DiskTier:
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._free: list[int] = []
         self._reading: dict[int, int] = {}
+        self._held: dict[bytes, int] = {}
+        """Keys a Lookup's hit holds until its promotion lands (counted): not evicted."""
         self._deferred: set[int] = set()
         self._writing: set[bytes] = set()
         self._seq = 0
@@ -278,11 +282,37 @@ class DiskTier:
             return self._free.pop()
         for key in self._lru:
             slot = self._index[key]
-            if not self._reading.get(slot):
+            if not self._reading.get(slot) and key not in self._held:
                 self._forget(key)
                 self.stats.evicted += 1
                 return self._free.pop() if self._free else None
         return None
+
+    # -- holds -----------------------------------------------------------------------------
+
+    def hold(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Keep ``keys`` (those here) from eviction until ``release``: a Lookup found them
+        here and its LoadKeys will read them. A removal still removes a held key."""
+        with self._lock:
+            here = [k for k in keys if k in self._index]
+            for k in here:
+                self._held[k] = self._held.get(k, 0) + 1
+        return here
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """End one ``hold`` of each of ``keys`` (what ``hold`` returned)."""
+        with self._lock:
+            for k in keys:
+                n = self._held.get(k, 0) - 1
+                if n > 0:
+                    self._held[k] = n
+                else:
+                    self._held.pop(k, None)
+
+    @property
+    def held(self) -> int:
+        """Keys held now."""
+        return len(self._held)
 
     # -- read ------------------------------------------------------------------------------
 

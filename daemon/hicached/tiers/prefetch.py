@@ -4,13 +4,16 @@ A Lookup that holds its hit (``session_id``, ``hold_ms``) holds at once what hos
 the keys of its hit prefix that only the disk or the cluster has are handed to a
 ``Prefetcher``, whose thread promotes them (``TierStack.promote``) and then holds them for the
 session (``PoolCache.hold_promoted``). The Lookup never waits for it; a LoadKeys that needs a
-key still being promoted waits for that promotion (``PoolCache.wait_landed``).
+key still being promoted waits for that promotion (``PoolCache.wait_landed``). Until the
+promotion ends, the disk keeps the keys it had of the hit (``DiskTier.hold``; the job's
+``release`` ends that): a spill meanwhile does not evict the promise from under it.
 
 The queue is bounded (``MAX_QUEUED``): past it a prefetch is dropped and counted, and the
 LoadKeys promotes what it needs itself, as without holds.
 
-Primitives: ``Prefetcher(promote, hold, name)``: ``submit(keys, owner, seconds)`` (False when
-dropped), ``close()``; ``done`` / ``dropped`` counts.
+Primitives: ``Prefetcher(promote, hold, name)``: ``submit(keys, owner, seconds, release)``
+(False when dropped: ``release`` is then the caller's to call), ``close()``; ``done`` /
+``dropped`` counts.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 64
 """Prefetches waiting for the thread; more are dropped (the load promotes for itself)."""
 
-_Job = tuple[list[bytes], int, float]
+_Job = tuple[list[bytes], int, float, Callable[[], None]]
 
 
 class Prefetcher:
@@ -41,9 +44,12 @@ class Prefetcher:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, keys: Sequence[bytes], owner: int, seconds: float) -> bool:
+    def submit(self, keys: Sequence[bytes], owner: int, seconds: float,
+               release: Callable[[], None] = lambda: None) -> bool:
+        """Promote then hold ``keys`` for ``owner``; ``release`` is called once that is over
+        (whatever came of it)."""
         try:
-            self._q.put_nowait((list(keys), owner, seconds))
+            self._q.put_nowait((list(keys), owner, seconds, release))
             return True
         except queue.Full:
             self.dropped += 1
@@ -54,13 +60,15 @@ class Prefetcher:
             job = self._q.get()
             if job is None:
                 return
-            keys, owner, seconds = job
+            keys, owner, seconds, release = job
             try:
                 self._promote(keys)
                 self._hold(owner, keys, seconds)
                 self.done += 1
             except Exception:  # a tier that failed: the load promotes (or refuses) itself
                 log.warning("prefetch of %d key(s) failed", len(keys), exc_info=True)
+            finally:
+                release()
 
     def close(self) -> None:
         try:
@@ -68,3 +76,10 @@ class Prefetcher:
         except queue.Full:
             pass
         self._thread.join(10)
+        while True:  # jobs never run: their holds below end too
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job[3]()

@@ -27,6 +27,7 @@ Primitives:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -52,6 +53,10 @@ log = logging.getLogger(__name__)
 
 LANDING_WAIT_SECONDS = 2.0
 """How long a LoadKeys waits for keys still being written (a promotion its Lookup started)."""
+
+
+def _nothing() -> None:
+    pass
 
 
 class TierStack:
@@ -154,7 +159,16 @@ class TierStack:
         hit_prefix, tiers, held = self.cache.lookup_held(keys, holder, self._below(),
                                                          touch=touch)
         if held < hit_prefix and self.prefetcher is not None and tiers[held] > 1:
-            self.prefetcher.submit(keys[held:hit_prefix], holder.owner, holder.seconds)
+            below = keys[held:hit_prefix]
+            # what the disk has of the hit stays there until the promotion has run
+            disk, kept = self.disk, []
+            if disk is not None:
+                kept = disk.hold([k for k, t in zip(below, tiers[held:hit_prefix], strict=True)
+                                  if t == DISK])
+            release = (functools.partial(disk.release, kept) if disk is not None and kept
+                       else _nothing)
+            if not self.prefetcher.submit(below, holder.owner, holder.seconds, release):
+                release()
         return hit_prefix, tiers, held
 
     def promote(self, keys: Sequence[bytes]) -> int:
