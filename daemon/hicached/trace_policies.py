@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NEVER = 1 << 62
 """The next use of a block never used again."""
@@ -266,6 +266,12 @@ class Tally:
     prompt_blocks: int = 0
     stores: int = 0
     evictions: int = 0
+    broken: int = 0
+    """A daemon replay's LoadKeys that could not load what its Lookup promised
+    (``KEY_NOT_FOUND``): the request computed its whole prompt."""
+    tier_hits: dict[int, int] = field(default_factory=dict)
+    """A daemon replay's hit blocks by the tier Lookup found them in (1 host memory, 2 disk,
+    3 cluster); empty for the reference policies."""
 
     @property
     def rate(self) -> float:

@@ -158,3 +158,25 @@ def test_a_bad_trace_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
                           "--no-daemon"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "bad.jsonl:2" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_disk_tier_below_adds_hits_and_counts_the_promises_it_broke(tmp_path: Path) -> None:
+    """The command with a disk tier below a small pool, through a real daemon whose spiller
+    runs beside the stores: back to back (the spill behind, evicting on disk while Lookups
+    hold hits there) and spaced, each Lookup holds its hit and the LoadKeys takes what it
+    promised; a load that could not is counted (``disk_broken``, a miss), never a crash of the
+    command; spaced, the disk adds hits host memory alone lacks, by the tier Lookup named."""
+    trace = tmp_path / "conv.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in _conversations(300, 11)))
+    for pace in ("0", "2"):
+        run = subprocess.run([sys.executable, "-m", "hicached.bench", "trace", str(trace),
+                              "--capacity", "5%", "--disk", "25%", "--pace-ms", pace,
+                              "--json"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        (row,) = [json.loads(line) for line in run.stdout.splitlines()]
+        distinct = row["distinct_blocks"]
+        assert abs(row["disk_blocks"] - distinct // 4) <= 1, row  # the disk sized as asked
+        assert row["disk_host"] + row["disk_disk"] == pytest.approx(row["disk_daemon"])
+        assert isinstance(row["disk_broken"], int) and 0 <= row["disk_broken"] < 300, row
+        if pace != "0":
+            assert row["disk_disk"] > 0 and row["disk_daemon"] > row["daemon"], row

@@ -16,6 +16,9 @@ Primitives:
   ``Pinner`` the caller injects. Copies live in ``hicached.copy``; this module never moves KV
   bytes.
 
+- ``region_layout(spec, size_tokens)``: where each component lies in the region, and the
+  region's bytes (what ``HostPool.nbytes`` will be), without mapping anything.
+
 Members are laid out one after another, components in order: a symmetric MHA pool's K and V are
 therefore exactly SGLang's (2, ...) host buffer.
 """
@@ -101,6 +104,22 @@ class ComponentStorage:
         return range(layers.start, min(layers.stop, self.layer_num))
 
 
+def region_layout(spec: PoolSpec, size_tokens: int
+                  ) -> tuple[list[tuple[str, KVGeometry, Component, int, int]], int]:
+    """Each component's (member, geometry, component, offset, bytes) in the pool's region, and
+    the region's size: members one after another, each component ``ALIGN``-aligned."""
+    layout: list[tuple[str, KVGeometry, Component, int, int]] = []
+    offset = 0
+    for name, geometry in spec.members():
+        for comp in geometry.components(spec.page_size):
+            shape = host_shape(comp, spec.layout, geometry.layer_num, size_tokens,
+                               spec.page_size)
+            nbytes = int(np.prod(shape)) * comp.dtype.itemsize
+            layout.append((name, geometry, comp, offset, nbytes))
+            offset += -(-nbytes // ALIGN) * ALIGN
+    return layout, offset
+
+
 class HostPool:
     def __init__(self, spec: PoolSpec, options: MemoryOptions | None = None,
                  *, pinner: Pinner | None = None,
@@ -121,16 +140,7 @@ class HostPool:
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._copies = 0
-        layout: list[tuple[str, KVGeometry, Component, int, int]] = []
-        offset = 0
-        for name, geometry in spec.members():
-            for comp in geometry.components(spec.page_size):
-                shape = host_shape(comp, spec.layout, geometry.layer_num, self.size_tokens,
-                                   spec.page_size)
-                nbytes = int(np.prod(shape)) * comp.dtype.itemsize
-                layout.append((name, geometry, comp, offset, nbytes))
-                offset += -(-nbytes // ALIGN) * ALIGN
-        self.nbytes = offset
+        layout, self.nbytes = region_layout(spec, self.size_tokens)
         self.memory: HostMemory | None = None
         self.components: list[ComponentStorage] = []
         self.state: StateFiles | None = None
