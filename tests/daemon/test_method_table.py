@@ -90,12 +90,19 @@ def test_a_lookup_decodes_alike_on_both_front_ends(hold_ms: int, touch: bool) ->
     grpc = grpc_codec.CODECS["Lookup"].decode(
         pb.LookupRequest(pool="p", keys=KEYS, session_id="sid", hold_ms=hold_ms, touch=touch))
     assert fast == grpc == calls.LookupRequest("p", KEYS, "sid", hold_ms, touch)
-    result = calls.LookupResult(2, b"\x01\x03\x00", 2, 2 if hold_ms else 0)
+    result = calls.LookupResult(2, b"\x01\x03\x00", 2, 1 if hold_ms else 0,
+                                2 if hold_ms else 0)
     fast_codec_ = fast_codec.CODECS[w.Method.LOOKUP]
     got = cfp.decode_lookup(fast_codec_.encode(result, flags), bool(hold_ms))
-    assert (got.hit_prefix, got.tiers, got.hits, got.held) == tuple(result)
+    assert (got.hit_prefix, got.tiers, got.hits, got.held) == tuple(result)[:4]
+    assert got.promise == -1  # not asked: a daemon from before would not say
+    asked = cfp.decode_lookup(fast_codec_.encode(result, flags | w.FLAG_PROMISE),
+                              bool(hold_ms), True)
+    assert (asked.held, asked.promised) == ((1, 2) if hold_ms else (0, 0))
     msg = grpc_codec.CODECS["Lookup"].encode(result)
-    assert (msg.hit_prefix, msg.tiers, msg.hits, msg.held) == tuple(result)
+    assert (msg.hit_prefix, msg.tiers, msg.hits, msg.held, msg.promised) == tuple(result)
+    got = client_codecs.CODECS["Lookup"].from_grpc(msg)
+    assert (got.held, got.promised) == ((1, 2) if hold_ms else (0, 0))
 
 
 @pytest.mark.parametrize("chain", [False, True])

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hicache.errors import KeyNotFound
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
-from hicached.cache.holds import Holder
+from hicached.cache.holds import Holder, HoldPolicy
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.tiers.disk import DiskTier
@@ -266,8 +266,16 @@ def test_a_held_hit_on_disk_stays_there_until_its_promotion_ran() -> None:
         stack.prefetcher.close()
         queued = _Queued(accept=True)
         stack.prefetcher = queued  # type: ignore[assignment]
-        hit, tiers, held = stack.lookup(KEYS[:4], Holder(owner=7, seconds=30.0))
-        assert (hit, bytes(tiers), held) == (4, b"\x02" * 4, 0) and m.disk.held == 4
+        hit, tiers, held, promised = stack.lookup(KEYS[:4], Holder(owner=7, seconds=30.0))
+        assert (hit, bytes(tiers), held, promised) == (4, b"\x02" * 4, 0, 2)
+        assert m.disk.held == 2  # the share of 8 pages is 2: the rest is not promised
+        stack.prefetcher = _Queued(accept=True)  # type: ignore[assignment]
+        queued.jobs.clear()
+        m.disk.release(KEYS[:2])
+        m.cache.policy = HoldPolicy(max_held_fraction=0.5)
+        hit, tiers, held, promised = stack.lookup(KEYS[:4], Holder(owner=7, seconds=30.0))
+        assert (hit, held, promised) == (4, 0, 4) and m.disk.held == 4
+        queued = stack.prefetcher  # type: ignore[assignment]
         for i in range(m.disk.capacity):  # the disk filled twice over by other spills
             assert m.disk.write(b"other-%d" % i, m.pool.page_views(0))
         assert all(m.disk.contains(k) for k in KEYS[:4])
@@ -283,8 +291,9 @@ def test_a_held_hit_on_disk_stays_there_until_its_promotion_ran() -> None:
         stack.prefetcher = _Queued(accept=False)  # type: ignore[assignment]
         m.spill(8)
         m.store(KEYS[12:20])  # KEYS[4:12] evicted from host, some on disk only
-        _, tiers, _ = stack.lookup(KEYS[4:12], Holder(owner=8, seconds=30.0))
+        _, tiers, held, promised = stack.lookup(KEYS[4:12], Holder(owner=8, seconds=30.0))
         assert 2 in tiers and m.disk.held == 0  # refused by the queue: no hold left behind
+        assert promised == held  # and nothing below host memory promised
     finally:
         stack.prefetcher = None
         m.teardown()

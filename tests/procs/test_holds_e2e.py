@@ -225,3 +225,33 @@ def test_keys_only_the_disk_holds_are_promoted_and_held(tmp_path: Path) -> None:
     finally:
         assert d.stop() == 0, d.log()
 
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "grpc"])
+def test_a_hit_on_disk_is_promised_up_to_the_session_s_share(tmp_path: Path,
+                                                              fast: bool) -> None:
+    """Six keys only the disk has, a session whose share of the 16-page pool is 4 pages: the
+    Lookup says 4 are promised (not 6: the client no longer counts every key below host
+    memory), over either wire, and a LoadKeys of those 4 gets their exact bytes."""
+    d = start_daemon(tmp_path, "--max-held-fraction", "0.25", "--disk-path",
+                     str(tmp_path / "disk"), "--disk-capacity", "64GiB")
+    try:
+        holder, storer = Worker(d, "pholder", fast), Worker(d, "pstorer", True)
+        try:
+            keys = keys_of("share", 6)
+            storer.store(keys)
+            for i in range(6):  # evicted from host memory once the spiller wrote them below
+                deadline = time.monotonic() + 10
+                while storer.client.get_pool(SPEC.name).disk_keys < 6 + i * PAGES // 2:
+                    assert time.monotonic() < deadline, "the spiller did not write the keys"
+                    time.sleep(0.01)
+                storer.store(keys_of(f"s{i}-", PAGES // 2))
+            assert set(holder.session.lookup(keys).tiers) == {2}
+            r = holder.session.lookup(keys, hold_ms=5000)
+            assert (r.hit_prefix, r.held, r.promised, r.promise) == (6, 0, 4, 4), r
+            holder.load_exact(keys[:4])
+        finally:
+            holder.close()
+            storer.close()
+    finally:
+        assert d.stop() == 0, d.log()

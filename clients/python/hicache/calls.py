@@ -29,6 +29,8 @@ class LookupRequest(NamedTuple):
     """Hold the hit for ``session_id`` this long (0: no hold)."""
     touch: bool = False
     """The hit's host pages count as used now (the most recently used)."""
+    promise: bool = False
+    """The fast path's reply says ``promised`` too (``FLAG_PROMISE``; a gRPC reply always does)."""
 
 
 class StoreRequest(NamedTuple):

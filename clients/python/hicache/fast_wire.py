@@ -22,7 +22,8 @@ and that many int64.
 - Lookup: pool, credential (a session capability of the pool, or "") and keys; with
   ``FLAG_HOLD`` an i64 ``hold_ms`` follows (the hit is held for the credential's session);
   reply: u32 hit prefix, u32 hits, u32 count and one tier byte per key (0 = absent), with
-  ``FLAG_HOLD`` then u32 held. ``FLAG_TOUCH``: the hit's host pages count as used now.
+  ``FLAG_HOLD`` then u32 held, and with ``FLAG_PROMISE`` too then u32 promised.
+  ``FLAG_TOUCH``: the hit's host pages count as used now.
 - ReleaseHolds: session and keys (none: all); reply: u32 released. A control call.
 - Store / LoadKeys: session, i32 layer begin and end, keys, device pages; reply of Store:
   ``STORE_REPLY`` then a u32 count and one status byte per key; of LoadKeys: ``TRANSFER_REPLY``.
@@ -89,8 +90,11 @@ reads the frame as a plain Lookup)."""
 FLAG_NAMESPACE = 64
 """Store: the pages' LoRA name and cache salt follow the chain (a daemon that does not list
 it in ``GetInfo.fast_path_flags`` refuses such a frame: its client sends none)."""
+FLAG_PROMISE = 128
+"""Lookup with ``FLAG_HOLD``: the reply carries a u32 ``promised`` after ``held`` (a daemon that
+does not list it in ``GetInfo.fast_path_flags`` refuses such a frame: its client sends none)."""
 KNOWN_FLAGS = (FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN | STORE_DEADLINE
-               | FLAG_TOUCH | FLAG_NAMESPACE)
+               | FLAG_TOUCH | FLAG_NAMESPACE | FLAG_PROMISE)
 """What this framing's daemon understands (``GetInfo.fast_path_flags``)."""
 
 LAYERS = struct.Struct("<ii")

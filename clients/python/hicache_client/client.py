@@ -514,8 +514,12 @@ class HiCacheClient:
         q = LookupRequest(pool, enc, session_id if hold else "", hold_ms if hold else 0, touch)
         # the fast path carries the pool's credential in the request (gRPC: in metadata)
         cred = session_id if hold else (self._credentials(pool) or [("", "")])[0][1]
+        # the reply says what is promised (a daemon from before refuses the flag)
+        promise = (hold and self._fast_path(timeout) is not None
+                   and bool(self._fast_flags & w.FLAG_PROMISE))
         result: LookupResult = self.call("Lookup", q,
-                                         LookupRequest(pool, enc, cred, q.hold_ms, touch),
+                                         LookupRequest(pool, enc, cred, q.hold_ms, touch,
+                                                       promise),
                                          timeout=timeout, pool=pool)
         return result
 

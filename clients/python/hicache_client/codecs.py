@@ -111,11 +111,13 @@ CODECS: dict[str, ClientCodec] = {
     "Lookup": ClientCodec(
         "Lookup", w.Method.LOOKUP,
         lambda q: fp.lookup_body(q.pool, q.session_id, q.keys, q.hold_ms),
-        lambda q: (w.FLAG_HOLD if q.hold_ms else 0) | (w.FLAG_TOUCH if q.touch else 0),
-        lambda data, q: fp.decode_lookup(data, bool(q.hold_ms)),
+        lambda q: ((w.FLAG_HOLD if q.hold_ms else 0) | (w.FLAG_TOUCH if q.touch else 0)
+                   | (w.FLAG_PROMISE if q.hold_ms and q.promise else 0)),
+        lambda data, q: fp.decode_lookup(data, bool(q.hold_ms), q.promise),
         lambda q: pb.LookupRequest(pool=q.pool, keys=q.keys, session_id=q.session_id,
                                    hold_ms=q.hold_ms, touch=q.touch),
-        lambda r: LookupResult(r.hit_prefix, bytes(r.tiers), r.hits, r.held)),
+        lambda r: LookupResult(r.hit_prefix, bytes(r.tiers), r.hits, r.held,
+                               r.promised if r.HasField("promised") else -1)),
     "Store": ClientCodec(
         "Store", w.Method.STORE,
         lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,

@@ -211,11 +211,12 @@ def page_ids(indices: object, page_size: int) -> IndexArray | None:
     return starts // page_size
 
 
-def decode_lookup(data: bytes, held: bool = False) -> LookupResult:
+def decode_lookup(data: bytes, held: bool = False, promise: bool = False) -> LookupResult:
     hit_prefix, hits, n = w.LOOKUP_REPLY.unpack_from(data)
     at = w.LOOKUP_REPLY.size
     count = _U32.unpack_from(data, at + n)[0] if held else 0
-    return LookupResult(hit_prefix, data[at:at + n], hits, count)
+    promised = _U32.unpack_from(data, at + n + 4)[0] if held and promise else -1
+    return LookupResult(hit_prefix, data[at:at + n], hits, count, promised)
 
 
 def decode_store(data: bytes) -> StoreResult:

@@ -98,12 +98,17 @@ class LookupResult:
     held: int = 0
     """Leading keys held for the session named (``session_id`` and ``hold_ms``): a LoadKeys
     of that session cannot fail for them. Keys below host memory are held once promoted."""
+    promise: int = -1
+    """What the daemon said ``promised`` is; -1 from a daemon from before it said so."""
 
     @property
     def promised(self) -> int:
         """The leading keys a load can count on: those held, then those below host memory
-        that the daemon promotes and holds for the load (a host-memory key not held, past
-        the session's quota, ends the promise)."""
+        that the daemon keeps there, promotes and holds for the load, within the session's
+        share of the pool (as the daemon says; a daemon from before it said nothing: every
+        key below host memory after the held ones, which a hit past the share overstates)."""
+        if self.promise >= 0:
+            return self.promise
         n = self.held
         while n < self.hit_prefix and self.tiers[n] > 1:
             n += 1

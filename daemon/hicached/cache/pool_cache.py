@@ -13,7 +13,8 @@ Primitives:
   cluster (``below``, asked outside the lock), 0 absent); with ``touch`` the keys host memory
   has become the most recently used (else a Lookup leaves recency alone); ``LOOKUP_CHUNK`` keys
   per turn of the lock. The holds a Lookup takes for a session: ``lookup_held(keys, holder, below)``
-  -> (hit prefix, tiers, held), ``hold_promoted``, ``release_holds``, ``end_holds``,
+  -> (hit prefix, tiers, held), ``hold_room`` (what a session may still hold), ``hold_promoted``,
+  ``release_holds``, ``end_holds``,
   ``expire_holds`` (the books are a ``holds.HoldTable``). A held page is read-held in the
   allocator and out of the LRU while held: no Store evicts it, no removal frees it (its
   holder still loads it; the page is freed when the hold ends).
@@ -375,6 +376,13 @@ class PoolCache:
         already take this Lookup's deadline. Keys below host memory are held once promoted
         (``hold_promoted``)."""
         return self._lookup(keys, below, True, holder, touch)
+
+    def hold_room(self, owner: int) -> int:
+        """How many more pages ``owner`` may hold (its share of the pool, less its holds)."""
+        with self._lock:
+            if self.holds.ended(owner):
+                return 0
+            return max(self.policy.limit(self.pool.page_num) - self.holds.count(owner), 0)
 
     def hold_promoted(self, owner: int, keys: Sequence[bytes], seconds: float) -> int:
         """Hold for ``owner`` the leading ``keys`` host memory has now (the promotion its

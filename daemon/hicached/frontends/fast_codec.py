@@ -39,12 +39,16 @@ def _lookup(r: w.Reader, flags: int, max_keys: int) -> c.LookupRequest:
     keys = r.keys(max_keys)
     hold_ms = r.i64() if flags & w.FLAG_HOLD else 0
     r.end()
-    return c.LookupRequest(pool, keys, capability, hold_ms, bool(flags & w.FLAG_TOUCH))
+    return c.LookupRequest(pool, keys, capability, hold_ms, bool(flags & w.FLAG_TOUCH),
+                           bool(flags & w.FLAG_PROMISE))
 
 
 def _lookup_reply(res: c.LookupResult, flags: int) -> bytes:
     reply = w.LOOKUP_REPLY.pack(res.hit_prefix, res.hits, len(res.tiers)) + res.tiers
-    return reply + _U32.pack(res.held) if flags & w.FLAG_HOLD else reply
+    if not flags & w.FLAG_HOLD:
+        return reply
+    reply += _U32.pack(res.held)
+    return reply + _U32.pack(res.promised) if flags & w.FLAG_PROMISE else reply
 
 
 def _store(r: w.Reader, flags: int, max_keys: int) -> c.StoreRequest:

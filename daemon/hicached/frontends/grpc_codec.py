@@ -60,7 +60,8 @@ def _lookup(m: pb.LookupRequest) -> c.LookupRequest:
 
 
 def _lookup_response(r: c.LookupResult) -> pb.LookupResponse:
-    return pb.LookupResponse(hit_prefix=r.hit_prefix, tiers=r.tiers, hits=r.hits, held=r.held)
+    return pb.LookupResponse(hit_prefix=r.hit_prefix, tiers=r.tiers, hits=r.hits, held=r.held,
+                             promised=r.promised)
 
 
 def _store(m: pb.StoreRequest) -> c.StoreRequest:

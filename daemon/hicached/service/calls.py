@@ -78,6 +78,9 @@ class LookupResult(NamedTuple):
     """Keys present, wherever they are in the batch."""
     held: int
     """Leading keys held for the session (0 without a hold)."""
+    promised: int = 0
+    """Leading keys the session's LoadKeys can count on: ``held``, then the keys below host
+    memory kept there and promoted for it within its share (0 without a hold)."""
 
 
 class StoreResult(NamedTuple):
@@ -100,8 +103,9 @@ class Count(NamedTuple):
 
 
 def lookup(d: Daemon, q: LookupRequest) -> LookupResult:
-    hit_prefix, tiers, held = d.lookup(q.pool, q.keys, q.session_id, q.hold_ms, q.touch)
-    return LookupResult(hit_prefix, tiers, len(tiers) - tiers.count(0), held)
+    hit_prefix, tiers, held, promised = d.lookup(q.pool, q.keys, q.session_id, q.hold_ms,
+                                                 q.touch)
+    return LookupResult(hit_prefix, tiers, len(tiers) - tiers.count(0), held, promised)
 
 
 def store(d: Daemon, q: StoreRequest) -> StoreResult:

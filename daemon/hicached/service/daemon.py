@@ -336,9 +336,10 @@ class Daemon:
     # -- holds ------------------------------------------------------------------------------
 
     def lookup(self, pool: str, keys: list[bytes], session_id: str = "", hold_ms: int = 0,
-               touch: bool = False) -> tuple[int, bytes, int]:
-        """Lookup, holding the hit for ``session_id`` when it and ``hold_ms`` are given;
-        ``touch``: the hit's host pages count as used now."""
+               touch: bool = False) -> tuple[int, bytes, int, int]:
+        """Lookup, holding the hit for ``session_id`` when it and ``hold_ms`` are given: (hit
+        prefix, tiers, held, promised: ``TierStack.lookup``); ``touch``: the hit's host pages
+        count as used now."""
         keys = check_keys(keys, limit=self.max_keys_per_call)
         stack = self.pools.stack(pool)
         if not session_id or hold_ms <= 0:

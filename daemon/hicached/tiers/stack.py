@@ -149,27 +149,37 @@ class TierStack:
         return r.exists if r is not None and r.store.up else None
 
     def lookup(self, keys: Sequence[bytes], holder: Holder | None = None, touch: bool = False
-               ) -> tuple[int, bytes, int]:
-        """(hit prefix, tier bytes, keys held): with a ``holder``, what host memory has of the
-        hit prefix is held now and what only a lower tier has is promoted, then held;
-        ``touch``: the host pages of the hit count as used now."""
+               ) -> tuple[int, bytes, int, int]:
+        """(hit prefix, tier bytes, keys held, keys promised): with a ``holder``, what host
+        memory has of the hit prefix is held now, and the keys only a lower tier has right
+        after them, as many as the holder's share of the pool still allows, are promised: the
+        disk keeps those it has until a promotion has read them up and held them (a load that
+        comes first promotes them itself); ``touch``: the host pages of the hit count as used
+        now."""
         if holder is None:
             hit_prefix, tiers = self.cache.lookup(keys, self._below(), touch=touch)
-            return hit_prefix, tiers, 0
+            return hit_prefix, tiers, 0, 0
         hit_prefix, tiers, held = self.cache.lookup_held(keys, holder, self._below(),
                                                          touch=touch)
-        if held < hit_prefix and self.prefetcher is not None and tiers[held] > 1:
-            below = keys[held:hit_prefix]
-            # what the disk has of the hit stays there until the promotion has run
-            disk, kept = self.disk, []
-            if disk is not None:
-                kept = disk.hold([k for k, t in zip(below, tiers[held:hit_prefix], strict=True)
-                                  if t == DISK])
-            release = (functools.partial(disk.release, kept) if disk is not None and kept
-                       else _nothing)
-            if not self.prefetcher.submit(below, holder.owner, holder.seconds, release):
-                release()
-        return hit_prefix, tiers, held
+        if held == hit_prefix or self.prefetcher is None or tiers[held] <= 1:
+            return hit_prefix, tiers, held, held
+        room = self.cache.hold_room(holder.owner)
+        end = held
+        while end < hit_prefix and tiers[end] > 1 and end - held < room:
+            end += 1
+        if end == held:
+            return hit_prefix, tiers, held, held
+        below = keys[held:end]
+        disk, kept = self.disk, []
+        if disk is not None:
+            kept = disk.hold([k for k, t in zip(below, tiers[held:end], strict=True)
+                              if t == DISK])
+        release = (functools.partial(disk.release, kept) if disk is not None and kept
+                   else _nothing)
+        if not self.prefetcher.submit(below, holder.owner, holder.seconds, release):
+            release()  # the queue is full: the load promotes for itself, nothing promised
+            return hit_prefix, tiers, held, held
+        return hit_prefix, tiers, held, end
 
     def promote(self, keys: Sequence[bytes]) -> int:
         """Read what host memory lacks of ``keys`` up from the disk, then the cluster."""

@@ -555,16 +555,18 @@ class LookupRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., hold_ms: _Optional[int] = ..., touch: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_prefix", "tiers", "hits", "held")
+    __slots__ = ("hit_prefix", "tiers", "hits", "held", "promised")
     HIT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    PROMISED_FIELD_NUMBER: _ClassVar[int]
     hit_prefix: int
     tiers: bytes
     hits: int
     held: int
-    def __init__(self, hit_prefix: _Optional[int] = ..., tiers: _Optional[bytes] = ..., hits: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
+    promised: int
+    def __init__(self, hit_prefix: _Optional[int] = ..., tiers: _Optional[bytes] = ..., hits: _Optional[int] = ..., held: _Optional[int] = ..., promised: _Optional[int] = ...) -> None: ...
 
 class ReleaseHoldsRequest(_message.Message):
     __slots__ = ("session_id", "keys")
