@@ -84,7 +84,10 @@ class Tiers(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def spill(self, n: int) -> None:
-        keys, pages, epoch = self.cache.spill_candidates(n, 8, self.disk.contains)
+        self._write_spill(*self.cache.spill_candidates(n, 8, self.disk.contains))
+
+    def _write_spill(self, keys: list[bytes], pages: np.ndarray, epoch: int) -> None:
+        """The spiller's write of a batch it took, then its release."""
         try:
             done = self.disk.write_many([(k, self.pool.page_views(p))
                                          for k, p in zip(keys, pages.tolist(), strict=True)],
@@ -103,15 +106,8 @@ class Tiers(RuleBasedStateMachine):
     @rule()
     def spill_ends(self) -> None:
         assert self.open_spill is not None
-        keys, pages, epoch = self.open_spill
-        self.open_spill = None
-        try:
-            done = self.disk.write_many([(k, self.pool.page_views(p))
-                                         for k, p in zip(keys, pages.tolist(), strict=True)],
-                                        lambda k: not self.cache.removed_since(k, epoch))
-            self.on_disk |= {k for k, ok in zip(keys, done, strict=True) if ok}
-        finally:
-            self.cache.finish_spill(keys, pages, epoch)
+        taken, self.open_spill = self.open_spill, None
+        self._write_spill(*taken)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
     def load(self, keys: list[bytes]) -> None:

@@ -98,6 +98,18 @@ def keys_of(prefix: str, n: int) -> list[bytes]:
     return [f"{prefix}{i:03d}".encode() for i in range(n)]
 
 
+def store_below(storer: Worker, keys: list[bytes], churn: str) -> None:
+    """``keys`` stored, then evicted from host memory by other stores (named ``churn``...)
+    once the spiller wrote them below: only the disk has them."""
+    storer.store(keys)
+    for i in range(6):
+        deadline = time.monotonic() + 10
+        while storer.client.get_pool(SPEC.name).disk_keys < len(keys) + i * PAGES // 2:
+            assert time.monotonic() < deadline, "the spiller did not write the keys"
+            time.sleep(0.01)
+        storer.store(keys_of(f"{churn}{i}-", PAGES // 2))
+
+
 def metric(daemon: DaemonProc, name: str, **labels: str) -> float:
     port = int(HiCacheClient(daemon.target).get_info().metrics_port)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -200,13 +212,7 @@ def test_keys_only_the_disk_holds_are_promoted_and_held(tmp_path: Path) -> None:
         holder, storer = Worker(d, "dholder", True), Worker(d, "dstorer", True)
         try:
             keys = keys_of("disk", 4)
-            storer.store(keys)
-            for i in range(6):  # evicted from host memory once the spiller wrote them below
-                deadline = time.monotonic() + 10
-                while storer.client.get_pool(SPEC.name).disk_keys < 4 + i * PAGES // 2:
-                    assert time.monotonic() < deadline, "the spiller did not write the keys"
-                    time.sleep(0.01)
-                storer.store(keys_of(f"d{i}-", PAGES // 2))
+            store_below(storer, keys, "d")
             tiers = holder.session.lookup(keys).tiers
             assert set(tiers) == {2}, tiers
             r = holder.session.lookup(keys, hold_ms=5000)
@@ -239,13 +245,7 @@ def test_a_hit_on_disk_is_promised_up_to_the_session_s_share(tmp_path: Path,
         holder, storer = Worker(d, "pholder", fast), Worker(d, "pstorer", True)
         try:
             keys = keys_of("share", 6)
-            storer.store(keys)
-            for i in range(6):  # evicted from host memory once the spiller wrote them below
-                deadline = time.monotonic() + 10
-                while storer.client.get_pool(SPEC.name).disk_keys < 6 + i * PAGES // 2:
-                    assert time.monotonic() < deadline, "the spiller did not write the keys"
-                    time.sleep(0.01)
-                storer.store(keys_of(f"s{i}-", PAGES // 2))
+            store_below(storer, keys, "s")
             assert set(holder.session.lookup(keys).tiers) == {2}
             r = holder.session.lookup(keys, hold_ms=5000)
             assert (r.hit_prefix, r.held, r.promised, r.promise) == (6, 0, 4, 4), r
