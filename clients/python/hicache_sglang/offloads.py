@@ -60,7 +60,7 @@ class Offloads:
         (``HiCacheError``, ``ValueError``)."""
         told: dict[str, Any] = {} if origin is None else {
             "token_ids": origin.tokens, "parent_key": origin.parent_key,
-            "cache_salt": origin.cache_salt}
+            "cache_salt": origin.cache_salt, "lora_name": origin.lora_name}
         if self._gpu is None:
             self._futures.append(session.store_async(keys, indices.to(torch.int64), **told))
             return

@@ -14,8 +14,11 @@ that fails answer ``None``: the pages are stored without tokens, as any linker's
 ``misses`` counts them. The cost on the scheduler's thread is a few frames' locals and one
 page's hash per offloaded node (no copy of the tokens: a view of SGLang's array).
 
-Primitives: ``Origin(tokens, parent_key)``; ``NodeOrigins(linker, page_size)``: ``of(keys)``,
-``found``, ``misses``; ``REQUEST_FRAMES``.
+Its LoRA name is the one SGLang's own events give the request's namespace (``extra_key``): the
+tree's event recorder keeps the table the scheduler fills as adapters load.
+
+Primitives: ``Origin(tokens, parent_key, cache_salt, lora_name)``;
+``NodeOrigins(linker, page_size)``: ``of(keys)``, ``found``, ``misses``; ``REQUEST_FRAMES``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Origin(NamedTuple):
     """The key of the page before the first ("" at the start of a prompt)."""
     cache_salt: str = ""
     """The request's cache salt ("" = none), as SGLang's own events tell it."""
+    lora_name: str = ""
+    """The request's LoRA adapter ("" = none or unnamed), as SGLang's own events name it."""
 
 
 class NodeOrigins:
@@ -80,7 +85,8 @@ class NodeOrigins:
             return None  # these tokens are not the node's
         # a view of SGLang's int64 array (numpy reads its buffer), a copy of anything else
         return Origin(np.asarray(raw, dtype=np.int64)[start:end], parent,
-                      str(getattr(key, "cache_salt", None) or ""))
+                      str(getattr(key, "cache_salt", None) or ""),
+                      _lora_name(wrapper.cache.tree_core, getattr(key, "extra_key", None)))
 
 
 def _request_key(frame: Any) -> Any:
@@ -96,6 +102,23 @@ def _request_key(frame: Any) -> Any:
                 return key
         frame = frame.f_back
     return None
+
+
+def _lora_name(tree_core: Any, extra_key: str | None) -> str:
+    """The LoRA name SGLang's own events give pages of ``extra_key``'s namespace: its event
+    recorder's name table (``KvEventLoraNames``, filled by the scheduler as adapters load), read
+    as the recorder reads it (``resolve`` in Dynamo's format, ``get`` otherwise); "" where the
+    cache publishes no events or the namespace has no name."""
+    if not extra_key:
+        return ""
+    recorder = getattr(tree_core, "kv_events", None)
+    # the Python tree core's recorder keeps the table public, the Rust core's adapter private
+    names = getattr(recorder, "lora_names", None) or getattr(recorder, "_lora_names", None)
+    if names is None:
+        return ""
+    dynamo = bool(getattr(recorder, "dynamo_format", getattr(recorder, "_dynamo_format", False)))
+    got = names.resolve(extra_key) if dynamo else names.get(extra_key)
+    return str(got or "")
 
 
 def _hash_page(key: Any, parent: str, page: int) -> str:

@@ -23,6 +23,7 @@ from tests.sglang_harness import install_stand_ins  # noqa: E402
 
 install_stand_ins()  # what SGLang's imports need and CPU hosts lack
 
+from sglang.srt.mem_cache.events import KVCacheEventRecorder, KvEventLoraNames  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
@@ -50,9 +51,11 @@ class Wrapper:
     """``UnifiedCacheLinkerWrapper`` as far as the linker's callers go: a tree whose nodes'
     ancestors are ``before[node_id]``."""
 
-    def __init__(self, linker: Linker, before: dict[int, list[str]]) -> None:
+    def __init__(self, linker: Linker, before: dict[int, list[str]],
+                 kv_events: Any = None) -> None:
         self.cache_linker = linker
-        tree = types.SimpleNamespace(get_prefix_hash_values=lambda node_id: before[node_id])
+        tree = types.SimpleNamespace(get_prefix_hash_values=lambda node_id: before[node_id],
+                                     kv_events=kv_events)
         self.cache = types.SimpleNamespace(tree_core=tree)
 
     def _offload_node(self, node_id: int, transfers: list[str]) -> Origin | None:
@@ -122,3 +125,27 @@ def _called_through(wrapper: Wrapper, linker: Linker, keys: list[str]) -> Origin
     self = wrapper  # noqa: F841 (as the wrapper's method has it)
     params = types.SimpleNamespace(key=RadixKey(TOKENS))  # noqa: F841
     return linker.offload(keys)
+
+
+@pytest.mark.parametrize("dynamo_format", [False, True])
+def test_a_lora_requests_pages_are_named_as_sglangs_own_events_name_them(
+        dynamo_format: bool) -> None:
+    """The name comes from the tree's own event recorder (SGLang's ``KVCacheEventRecorder`` and
+    its ``KvEventLoraNames``, filled as the scheduler registers a request's adapter): the
+    namespace's name where the table has one, "" for an unnamed namespace or no recorder."""
+    names = KvEventLoraNames()
+    names.register(types.SimpleNamespace(extra_key="ns-a", lora_id="id-a"), "adapter-a")
+    recorder = KVCacheEventRecorder(enabled=True, page_size=P, dynamo_format=dynamo_format,
+                                    lora_names=names)
+    linker = Linker()
+    told = {}
+    for extra_key, kv_events in (("ns-a", recorder), ("ns-b", recorder), ("ns-a", None),
+                                 (None, recorder)):
+        key = RadixKey(TOKENS, extra_key=extra_key)
+        keys = page_keys(key)  # the namespace seeds SGLang's page hash
+        got = insert(types.SimpleNamespace(key=key), Wrapper(linker, {1: []}, kv_events), 1,
+                     keys[:2])
+        assert got is not None and got.tokens.tolist() == list(TOKENS[:2 * P])
+        told[(extra_key, kv_events is not None)] = got.lora_name
+    assert told == {("ns-a", True): "adapter-a", ("ns-b", True): "", ("ns-a", False): "",
+                    (None, True): ""}
