@@ -8,7 +8,7 @@ with no segment of their own (A writes, B reads), and the baseline client in thi
 Rows, per page size (PAGE_FIRST pools: one contiguous run per page):
 
 - put: a worker's Store of N pages into daemon A (write policy ``through``), timed until A
-  reports all N put into the cluster (``GetPool.remote_puts``; the Store's host copy
+  reports all N put into the cluster (``GetPool.cluster_puts``; the Store's host copy
   included), vs one ``batch_put_from`` of the same N pages from a registered buffer.
 - the same two baselines with each page as the two runs (K, V) the pool holds it in, through
   ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``: what Mooncake itself
@@ -112,11 +112,11 @@ def one_size(page: int, n: int, rounds: int, a: DaemonProc, b: DaemonProc) -> di
         keys = [b"r%d-%d" % (r, i) for i in range(n)]
         for t in rows_a:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
-        done = ca.get_pool(spec.name).remote_puts
+        done = ca.get_pool(spec.name).cluster_puts
         in_put, in_get = op_seconds(a, "put"), op_seconds(b, "get")
         t0 = time.perf_counter()
         assert sa.store(keys, idx).stored == n
-        while ca.get_pool(spec.name).remote_puts < done + n:
+        while ca.get_pool(spec.name).cluster_puts < done + n:
             time.sleep(0.001)  # a poll of its own, off the two CPUs the daemons share
         put = time.perf_counter() - t0
         for t in rows_b:
@@ -194,7 +194,7 @@ def inner(args: argparse.Namespace) -> None:
                                         "4GiB", "--log-level", "WARNING"))
         for d in daemons:
             with HiCacheClient(d.target) as c:
-                while c.get_info().remote_tier != "up":
+                while c.get_info().cluster_tier != "up":
                     time.sleep(0.05)
         rows = [one_size(page, n, args.rounds, *daemons) for page, n in ((16, 64), (64, 16))]
     finally:

@@ -32,9 +32,9 @@ def deploy_metric_names() -> set[str]:
     return {m for e in exprs for m in re.findall(r"\bhicache_[a-z_]+", e)}
 
 
-CLUSTER_TIER = "hicache_remote_"
-"""The cluster tier's metrics exist only on a daemon joined to a Mooncake master: they are
-checked against a real scrape in tests/procs/test_mooncake_e2e.py."""
+CLUSTER_TIER = ("hicache_cluster_", "hicache_remote_")
+"""The cluster tier's metrics (and their deprecated names) exist only on a daemon joined to a
+Mooncake master: they are checked against a real scrape in tests/procs/test_mooncake_e2e.py."""
 
 
 def documented_metric(name: str, doc: str) -> bool:

@@ -110,7 +110,7 @@ def node(cluster: tuple[Netns, Master], workdir: Path, *extra: str,
 def wait_tier(d: DaemonProc, state: str, seconds: float = 30) -> str:
     deadline = time.monotonic() + seconds
     with HiCacheClient(d.target) as c:
-        while not (got := c.get_info().remote_tier).startswith(state):
+        while not (got := c.get_info().cluster_tier).startswith(state):
             assert time.monotonic() < deadline, f"the tier stayed {got!r}, not {state!r}"
             time.sleep(0.05)
     return got
@@ -118,8 +118,8 @@ def wait_tier(d: DaemonProc, state: str, seconds: float = 30) -> str:
 
 def wait_puts(w: Worker, n: int) -> None:
     deadline = time.monotonic() + 30
-    while (p := w.client.get_pool(w.spec.name)).remote_puts < n:
-        assert time.monotonic() < deadline, f"only {p.remote_puts} of {n} keys were put"
+    while (p := w.client.get_pool(w.spec.name)).cluster_puts < n:
+        assert time.monotonic() < deadline, f"only {p.cluster_puts} of {n} keys were put"
         time.sleep(0.02)
 
 

@@ -131,7 +131,7 @@ def test_mooncake_flags_over_the_file(tmp_path: Path) -> None:
 
 def test_cluster_namespace_names_the_page_geometry_not_the_size() -> None:
     from hicache.specs import DType, KeyFormat, KVGeometry, PoolSpec
-    from hicached.tiers.remote import namespace
+    from hicached.tiers.cluster import namespace
 
     g = KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64)
     base = namespace(PoolSpec("m", g, 16, size_tokens=1024), "hc")

@@ -31,8 +31,8 @@ import torch
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached.cache.pool_cache import PoolCache
+from hicached.tiers.cluster_writer import ClusterWriter
 from hicached.tiers.disk import DiskTier
-from hicached.tiers.remote_writer import RemoteWriter
 from hicached.tiers.spill import Spiller
 from hicached.tiers.writer import BackOff
 from tests import prom
@@ -99,7 +99,7 @@ def test_a_disk_that_fails_every_write_is_tried_a_bounded_number_of_times(
 
 
 class _Store:
-    """Stands in for the cluster store behind a ``RemoteTier``: refuses every put while
+    """Stands in for the cluster store behind a ``ClusterTier``: refuses every put while
     ``down``."""
 
     def __init__(self, tier: object) -> None:
@@ -129,7 +129,7 @@ def test_write_through_retries_a_refused_key_until_its_age_and_drops_it_after(
     tier = _Tier()
     store = _Store(tier)
     tier.put_pages = store.put_pages  # type: ignore[attr-defined]
-    writer = RemoteWriter(cache, tier, max_keys=100, batch=8,  # type: ignore[arg-type]
+    writer = ClusterWriter(cache, tier, max_keys=100, batch=8,  # type: ignore[arg-type]
                           retry_seconds=1.0)
     writer.backoff = BackOff(0.05, 0.1)
     _store(cache, [b"a", b"b"])

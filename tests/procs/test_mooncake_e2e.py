@@ -73,9 +73,16 @@ def test_stored_on_a_found_and_loaded_exact_on_b(cluster: tuple[Netns, Master],
         assert wb.load_exact(keys, want)  # pulled into B's host memory, then copied
         assert wb.client.lookup(sp.name, keys).tiers == b"\x01" * 24
         ns = cluster[0]
-        assert metric(ns, b, "hicache_remote_get_pages_total") == 24
-        assert metric(ns, a, "hicache_remote_put_pages_total") == 24
-        assert metric(ns, b, "hicache_remote_up") == 1
+        assert metric(ns, b, "hicache_cluster_get_pages_total") == 24
+        assert metric(ns, a, "hicache_cluster_put_pages_total") == 24
+        assert metric(ns, b, "hicache_cluster_up") == 1
+        for name in ("get_pages_total", "put_pages_total", "up"):  # the deprecated names
+            for d in (a, b):
+                assert metric(ns, d, f"hicache_remote_{name}") == \
+                    metric(ns, d, f"hicache_cluster_{name}")
+        info, pool = wa.client.get_info(), wa.client.get_pool(sp.name)
+        assert info.remote_tier == info.cluster_tier == "up"
+        assert pool.cluster_puts == pool.remote_puts == 24
         from hicache_client.cli import main as hicachectl
 
         capsys.readouterr()
@@ -168,7 +175,7 @@ def test_master_killed_nodes_serve_host_then_recover(cluster: tuple[Netns, Maste
         m.kill()
         for d in (a, b):
             wait_tier(d, "down")
-            assert metric(ns, d, "hicache_remote_up") == 0
+            assert metric(ns, d, "hicache_cluster_up") == 0
         t0 = time.monotonic()
         assert wa.client.lookup(sp.name, keys).tiers == b"\x01" * 8  # host memory serves
         assert wb.client.lookup(sp.name, keys).hits == 0  # the cluster is not asked
@@ -181,7 +188,7 @@ def test_master_killed_nodes_serve_host_then_recover(cluster: tuple[Netns, Maste
         m.start()
         for d in (a, b):
             wait_tier(d, "up")
-            assert metric(ns, d, "hicache_remote_down_transitions_total") >= 1
+            assert metric(ns, d, "hicache_cluster_down_transitions_total") >= 1
         # a new master knows no keys; what is stored from now on is shared again
         late = keys_of("outage-late", 4)
         want.update(wa.store(late))
@@ -290,7 +297,7 @@ def test_a_key_removed_while_the_tier_is_down_does_not_come_back(
         wb.close()
 
 
-@pytest.mark.parametrize("seam", ["remote.borrowed", "remote.put"])
+@pytest.mark.parametrize("seam", ["cluster.borrowed", "cluster.put"])
 @pytest.mark.parametrize("how", ["remove", "clear"])
 def test_a_removal_during_a_put_does_not_leave_the_key_in_the_cluster(
         cluster: tuple[Netns, Master], master: Master, tmp_path: Path, how: str,
@@ -338,7 +345,7 @@ def test_evict_policy_puts_what_host_memory_gives_up(pair: tuple[DaemonProc, Dae
                 wait_puts(wa, i + 4 - 12)
         look = wa.client.lookup(sp.name, keys)
         assert look.tiers[:16].count(3) >= 16 - 4 and look.hits == 48, look.tiers
-        assert wa.client.get_pool(sp.name).remote_puts < 48  # only what aged was put
+        assert wa.client.get_pool(sp.name).cluster_puts < 48  # only what aged was put
         assert wa.load_exact(keys[:8], want)  # A's evicted keys come back from the cluster
         assert wb.load_exact(keys[:8], want)
     finally:
@@ -405,7 +412,7 @@ def test_a_corrupt_object_is_never_served(cluster: tuple[Netns, Master],
     import subprocess
     import sys
 
-    from hicached.tiers.remote import namespace
+    from hicached.tiers.cluster import namespace
 
     ns, m = cluster
     _, b = pair
@@ -424,7 +431,7 @@ def test_a_corrupt_object_is_never_served(cluster: tuple[Netns, Master],
             wb.session.load_keys([b"bad-key"], torch.arange(PS))
         assert wb.zeroed(), "a corrupt page reached the worker"
         text = scrape(ns, b)
-        assert re.search(r'^hicache_remote_checksum_failures_total{pool="poison"} 1\.0$',
+        assert re.search(r'^hicache_cluster_checksum_failures_total{pool="poison"} 1\.0$',
                          text, re.M), text
         assert wb.client.lookup(sp.name, [b"bad-key"]).tiers == b"\x00", "still in the store"
     finally:

@@ -42,7 +42,7 @@ TTL = 10.0
 def _settle(w: Worker, seconds: float) -> None:
     """Until ``w``'s pool has nothing left to put (every key put or dropped)."""
     deadline = time.monotonic() + seconds
-    while w.client.get_pool(w.spec.name).remote_pending:
+    while w.client.get_pool(w.spec.name).cluster_pending:
         assert time.monotonic() < deadline, "the writer never emptied its queue"
         time.sleep(0.1)
 
@@ -93,7 +93,7 @@ def test_a_node_killed_and_restarted_costs_no_hit_and_no_put(
             want.update(wa2.store(mine))
             during_a += mine
             time.sleep(0.25)
-        fallbacks = metric(ns, a2, "hicache_remote_replica_fallback_pages_total")
+        fallbacks = metric(ns, a2, "hicache_cluster_replica_fallback_pages_total")
         print(f"restart {restarted:.2f} s; {loads} loads of B's keys by the restarted A, "
               f"{len(failed)} failed; {fallbacks:.0f} pages read from the other replica")
         assert not failed, f"loads of keys with a live replica failed: {failed}"
@@ -101,8 +101,8 @@ def test_a_node_killed_and_restarted_costs_no_hit_and_no_put(
         # every key stored during the outage reaches the cluster: none dropped
         _settle(wa2, 40)
         _settle(wb, 40)
-        assert metric_pool(ns, a2, "hicache_remote_dropped_pages_total", sp.name) == 0
-        assert metric_pool(ns, b, "hicache_remote_dropped_pages_total", sp.name) == 0
+        assert metric_pool(ns, a2, "hicache_cluster_dropped_pages_total", sp.name) == 0
+        assert metric_pool(ns, b, "hicache_cluster_dropped_pages_total", sp.name) == 0
         assert wb.client.lookup(sp.name, during_a).tiers == b"\x03" * len(during_a)
         assert wb.load_exact(during_a[:8], want)
         assert wa2.load_exact(during_b, want)

@@ -51,3 +51,34 @@ def test_busy_and_pinned_are_apart() -> None:
     fields = pb.Pool.DESCRIPTOR.fields_by_name
     assert "busy_pages" in fields and "pinned_bytes" in fields
     assert "deprecated" in OPERATIONS.split("`hicache_pool_pinned_pages`")[1].split("\n")[0]
+
+
+DEPRECATED_REMOTE = {"remote_tier", "remote_namespace", "remote_puts", "remote_pending",
+                     "hicache_remote_"}
+"""The old names of tier 3's fields and metrics, kept (deprecated) beside the cluster ones."""
+NOT_THE_TIER = {"allow_remote", "HicachedRemoteTierDown", "hicachedremotetierdown"}
+"""Names with "remote" that do not call tier 3 so: the KV event setting for peers on other
+hosts, and the alert's name (an alert keeps its name: silences and routes match on it)."""
+
+
+def test_tier_3_is_called_the_cluster_everywhere() -> None:
+    """No module, metric, field or doc line calls tier 3 "remote", but for the deprecated
+    names kept beside the cluster ones, said so where they appear."""
+    found: list[str] = []
+    roots = [REPO / "daemon", REPO / "clients" / "python", REPO / "docs", REPO / "deploy"]
+    files = [f for r in roots for f in r.rglob("*")
+             if f.suffix in (".py", ".md", ".yml", ".json", ".toml") and "_pb2" not in f.name]
+    files += [REPO / "README.md", REPO / "protos" / "hicache" / "v1" / "hicache.proto"]
+    for f in files:
+        text = f.read_text()
+        for n, line in enumerate(text.splitlines(), 1):
+            for word in re.findall(r"\w*remote\w*", line, re.IGNORECASE):
+                if word in NOT_THE_TIER:
+                    continue
+                if word in DEPRECATED_REMOTE or word.startswith("hicache_remote_"):
+                    if word.replace("remote", "cluster") in text:
+                        continue  # an old name, kept beside its new one
+                elif re.search(r"deprecated|before|said", line, re.IGNORECASE):
+                    continue  # prose that says what the old names were
+                found.append(f"{f.relative_to(REPO)}:{n}: {word}")
+    assert not found, "tier 3 is the cluster, not remote:\n" + "\n".join(found)

@@ -31,8 +31,8 @@ POINTS = {
     "store.copied": "a Store: its pages copied, not yet kept (ready) or dropped",
     "spill.written": "a spiller: a page written below, the write not yet committed",
     "promote.read": "a promotion: a page read from below into host memory, not yet ready",
-    "remote.borrowed": "the cluster writer: pages borrowed, the put not begun",
-    "remote.put": "the cluster writer: a batch put, not yet recorded as put",
+    "cluster.borrowed": "the cluster writer: pages borrowed, the put not begun",
+    "cluster.put": "the cluster writer: a batch put, not yet recorded as put",
     "lookup.chunk": "a long Lookup: a chunk of its keys checked, the pool's lock let go before "
                     "the next",
     "kv_events.turn": "the KV event publisher: awake, its queue not yet published",

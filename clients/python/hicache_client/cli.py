@@ -141,7 +141,7 @@ def _pool_row(p: pb.Pool) -> tuple[object, ...]:
             f"{p.used_pages} ({100 * p.used_pages / max(p.page_num, 1):.0f}%)",
             _size(p.capacity_bytes), p.sessions, p.keys,
             f"{p.disk_keys}/{p.disk_capacity_pages}" if p.disk_capacity_pages else "-",
-            f"{p.remote_puts} put, {p.remote_pending} waiting" if p.remote_namespace else "-",
+            f"{p.cluster_puts} put, {p.cluster_pending} waiting" if p.cluster_namespace else "-",
             p.raw_pages, p.busy_pages or p.pinned_pages, _state(p), p.attach_outcome or "-")
 
 
@@ -191,7 +191,7 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
             ("host available", _size(info.memory_available_bytes)),
             ("shm dir", info.shm_dir), ("pools", info.pools), ("sessions", info.sessions),
             ("metrics port", info.metrics_port or "off"),
-            ("cluster tier", info.remote_tier or "none"),
+            ("cluster tier", info.cluster_tier or info.remote_tier or "none"),
             ("fast path", info.fast_path or "off"),
             ("kv events", (f"{info.kv_events_endpoint} (replay "
                            f"{info.kv_events_replay_endpoint or 'none'}, topic "

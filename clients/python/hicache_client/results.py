@@ -49,11 +49,11 @@ class PoolInfo:
     disk_keys: int = 0
     """Keys the pool's disk tier holds (0 without one)."""
     disk_capacity_pages: int = 0
-    remote_namespace: str = ""
+    cluster_namespace: str = ""
     """The pool's key namespace in the cluster tier ('' without one)."""
-    remote_puts: int = 0
+    cluster_puts: int = 0
     """Keys this daemon wrote to the cluster tier."""
-    remote_pending: int = 0
+    cluster_pending: int = 0
     """Stored keys waiting to be written there."""
     busy_pages: int = 0
     """Pages a copy is reading or writing right now (never evicted)."""
@@ -70,9 +70,26 @@ class PoolInfo:
                    p.sessions, p.keys, p.keyed_pages, p.raw_pages, p.pinned_pages,
                    p.metadata_bytes, state, p.progress if state != "READY" else 1.0,
                    p.error, p.error_reason, p.attach_outcome, p.generation, p.recovered_keys,
-                   p.disk_keys, p.disk_capacity_pages, p.remote_namespace, p.remote_puts,
-                   p.remote_pending, p.busy_pages or p.pinned_pages, p.kv_events_endpoint,
-                   p.kv_events_replay_endpoint)
+                   p.disk_keys, p.disk_capacity_pages,
+                   # a daemon from before the cluster_* names fills only the remote_* ones
+                   p.cluster_namespace or p.remote_namespace, p.cluster_puts or p.remote_puts,
+                   p.cluster_pending or p.remote_pending, p.busy_pages or p.pinned_pages,
+                   p.kv_events_endpoint, p.kv_events_replay_endpoint)
+
+    @property
+    def remote_namespace(self) -> str:
+        """Deprecated: ``cluster_namespace``."""
+        return self.cluster_namespace
+
+    @property
+    def remote_puts(self) -> int:
+        """Deprecated: ``cluster_puts``."""
+        return self.cluster_puts
+
+    @property
+    def remote_pending(self) -> int:
+        """Deprecated: ``cluster_pending``."""
+        return self.cluster_pending
 
 
 @dataclass(frozen=True)

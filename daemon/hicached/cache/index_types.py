@@ -42,7 +42,7 @@ class LowerTier(Protocol):
     """A tier below host memory holding keyed pages of this pool (``hicached.tiers``)."""
 
     tier: int
-    """Its tier byte in Lookup (2 disk, 3 remote)."""
+    """Its tier byte in Lookup (2 disk, 3 cluster)."""
 
     def contains(self, key: bytes) -> bool: ...
 

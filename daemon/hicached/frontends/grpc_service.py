@@ -50,8 +50,11 @@ def pool_message(v: PoolView) -> pb.Pool:
                    metadata_bytes=v.metadata_bytes, attach_outcome=v.attach_outcome,
                    generation=v.generation, recovered_keys=v.recovered_keys,
                    disk_keys=v.disk_keys, disk_capacity_pages=v.disk_capacity_pages,
-                   remote_namespace=v.remote_namespace, remote_puts=v.remote_puts,
-                   remote_pending=v.remote_pending, kv_events_endpoint=v.kv_events_endpoint,
+                   cluster_namespace=v.cluster_namespace, cluster_puts=v.cluster_puts,
+                   cluster_pending=v.cluster_pending,
+                   # the deprecated names of the three above
+                   remote_namespace=v.cluster_namespace, remote_puts=v.cluster_puts,
+                   remote_pending=v.cluster_pending, kv_events_endpoint=v.kv_events_endpoint,
                    kv_events_replay_endpoint=v.kv_events_replay_endpoint)
 
 
@@ -81,6 +84,8 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
                 ) -> pb.GetInfoResponse:
         d = self.daemon
         devices = d.cuda.driver.devices if d.cuda is not None else ()
+        store = d.pools.cluster_store
+        cluster = "" if store is None else "up" if store.up else f"down: {store.why}"
         return pb.GetInfoResponse(
             version=hicache.__version__,
             transports=[*(["shm"] if d.shm.accept_paths else []),
@@ -94,8 +99,7 @@ class HostCacheServicer(pb_grpc.HostCacheServicer):
             sessions=d.sessions.count(), metrics_port=d.metrics_port,
             cuda_devices=[pb.CudaDevice(uuid=x.uuid, ordinal=x.ordinal, name=x.name,
                                         total_bytes=x.total_bytes) for x in devices],
-            remote_tier=("" if d.pools.remote is None else "up" if d.pools.remote.up
-                         else f"down: {d.pools.remote.why}"),
+            cluster_tier=cluster, remote_tier=cluster,  # remote_tier: its deprecated name
             fast_path=d.fast_paths[0] if d.fast_paths else "",
             fast_path_version=fast_wire.VERSION if d.fast_paths else 0,
             fast_path_flags=fast_wire.KNOWN_FLAGS if d.fast_paths else 0,

@@ -100,9 +100,9 @@ class HiCacheServer:
                                 f"(pools in anonymous memory, lost when the daemon exits)",
                                 metadata={"state_dir": config.state_dir})
         cuda = CudaIpcTransport(driver) if driver is not None else None
-        remote = (MooncakeStore(config.mooncake, observe=lambda op, s: self.metrics
-                                .remote_seconds.labels(op).observe(s))
-                  if config.mooncake is not None else None)
+        cluster_store = (MooncakeStore(config.mooncake, observe=lambda op, s: self.metrics
+                                       .observe_cluster(op, s))
+                         if config.mooncake is not None else None)
         self.kv_events: KvEventPublisher | None = None
         """The KV event stream (``[kv_events]``), if one is configured (ZeroMQ is loaded
         only then)."""
@@ -121,7 +121,7 @@ class HiCacheServer:
                           disk=config.disk,
                           observe_disk=lambda op, s: self.metrics.disk_seconds.labels(
                               op).observe(s),
-                          remote=remote, hold_policy=config.hold_policy(),
+                          cluster_store=cluster_store, hold_policy=config.hold_policy(),
                           chain_bytes=config.kv_events.chain_bytes, listener=self.kv_events)
         self.metrics = metrics = Metrics(self.registry, ScrapeState(
             pools=pools.entries, sessions_open=sessions.count,
@@ -130,7 +130,7 @@ class HiCacheServer:
             ipc_handles=cuda.cache.stats if cuda is not None else lambda: (0, 0),
             watchers=lambda: self.daemon.watchers,
             builds=lambda: [(b.spec.name, b.state, b.progress) for b in pools.builds()],
-            tiers=pools.stacks, remote=remote,
+            tiers=pools.stacks, cluster_store=cluster_store,
             fast_connections=lambda: sum(f.connections for f in self.fast_paths),
             fast_polls=lambda: sum_counts(*(f.poll_stats() for f in self.fast_paths)),
             kv_events=self.kv_events.stats if self.kv_events is not None else None,
@@ -207,8 +207,8 @@ class HiCacheServer:
                                          self.kv_events.replay_endpoint,
                                          self.config.kv_events.topic)
                 self.daemon.pool_streams = self.kv_events.pool_endpoints
-            if self.daemon.pools.remote is not None:  # connects in the background
-                self.daemon.pools.remote.start()
+            if self.daemon.pools.cluster_store is not None:  # connects in the background
+                self.daemon.pools.cluster_store.start()
             # declared pools build in the background (a budget error still stops the start);
             # pools saved by an earlier daemon are re-attached the same way
             self._declared = [self.daemon.pools.create_async(spec)[0]
@@ -355,8 +355,8 @@ class HiCacheServer:
         self.daemon.pools.close_all()
         if self.kv_events is not None:
             self.kv_events.close()
-        if self.daemon.pools.remote is not None:
-            self.daemon.pools.remote.close()
+        if self.daemon.pools.cluster_store is not None:
+            self.daemon.pools.cluster_store.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None

@@ -72,7 +72,7 @@ class ScrapeState:
     """Pools being built in the background: (name, CREATING or FAILED, progress 0..1)."""
     tiers: Callable[[], list[tuple[str, TierStack]]] = lambda: []
     """The tiers below each pool's host memory."""
-    remote: MooncakeStore | None = None
+    cluster_store: MooncakeStore | None = None
     """The cluster tier's client, if one is configured."""
     fast_connections: Callable[[], int] = lambda: 0
     """Connections open on the fast path's sockets."""
@@ -157,7 +157,7 @@ class _StateCollector(Collector):
         for pool_name, build_state, progress in self._state.builds():
             building.add_metric([pool_name, build_state], progress)
         yield building
-        yield from tier_families(entries, self._state.tiers(), self._state.remote)
+        yield from tier_families(entries, self._state.tiers(), self._state.cluster_store)
         if self._state.kv_events is not None:
             yield from _kv_event_families(self._state.kv_events())
         yield GaugeMetricFamily("hicache_cache_watchers", "WatchEvents streams open.",
@@ -292,10 +292,13 @@ class Metrics:
                                       ["op"], buckets=DURATION_BUCKETS, registry=registry)
         for io in ("write", "read"):
             self.disk_seconds.labels(io)
-        self.remote_seconds = Histogram(
-            "hicache_remote_op_seconds", "Calls to the cluster store (Mooncake), by op: "
-            "setup, probe, exists, put, get, remove.", ["op"], buckets=DURATION_BUCKETS,
-            registry=registry)
+        self.cluster_seconds = tuple(Histogram(
+            f"{prefix}op_seconds", ("" if prefix == "hicache_cluster_" else
+                                    "Deprecated: hicache_cluster_op_seconds says it. ") +
+            "Calls to the cluster store (Mooncake), by op: setup, probe, exists, put, get, "
+            "remove.", ["op"], buckets=DURATION_BUCKETS, registry=registry)
+            for prefix in ("hicache_cluster_", "hicache_remote_"))
+        """The cluster store's calls, under both names (``hicache_remote_*`` deprecated)."""
         self.promotions = Counter("hicache_tier_promotions",
                                   "Keys read back from a lower tier into host memory by "
                                   "LoadKeys.", ["pool"], registry=registry)
@@ -304,6 +307,11 @@ class Metrics:
             "Saved key slots dropped on re-attach because their checksum failed.", ["pool"],
             registry=registry)
         registry.register(_StateCollector(state, time.monotonic()))
+
+    def observe_cluster(self, op: str, seconds: float) -> None:
+        """One call to the cluster store, ``op`` long ``seconds``."""
+        for h in self.cluster_seconds:
+            h.labels(op).observe(seconds)
 
     def pool_attached(self, pool: HostPool, recovered: dict[str, int]) -> None:
         name = pool.spec.name

@@ -3,8 +3,9 @@
 Primitives: ``tier_families(entries, stacks, store)``: keys and bytes per tier and pool
 (``hicache_tier_*``) and whether a tier fails (``hicache_tier_failing``); the disk tier's
 traffic and drops (``hicache_disk_*``); the cluster tier's state and traffic
-(``hicache_remote_*``: up, down transitions, pages and bytes put and got, failures, misses,
-timeouts, removals, replica fallbacks; per pool, pages waiting and dropped).
+(``hicache_cluster_*``, and again under the deprecated ``hicache_remote_*``: up, down
+transitions, pages and bytes put and got, failures, misses, timeouts, removals, replica
+fallbacks; per pool, pages waiting and dropped). ``CLUSTER_PREFIXES``.
 """
 
 from __future__ import annotations
@@ -63,53 +64,68 @@ def tier_families(entries: list[tuple[HostPool, PoolCache]],
             failing.add_metric([name, tier_name], 1 if bad else 0)
     yield from (keys, size, *c.values(), failing)
     if store is not None:
-        yield from _remote_families(stacks, store)
+        yield from _cluster_families(stacks, store)
 
 
-def _remote_families(stacks: list[tuple[str, TierStack]],
-                     store: MooncakeStore) -> Iterator[Metric]:
+CLUSTER_PREFIXES = ("hicache_cluster_", "hicache_remote_")
+"""The cluster tier's metrics, each under its name (``hicache_cluster_*``) and under the name
+it had before tier 3 was called the cluster everywhere (``hicache_remote_*``, deprecated: the
+same numbers, kept for dashboards and alerts written against it)."""
+
+
+def _cluster_families(stacks: list[tuple[str, TierStack]],
+                      store: MooncakeStore) -> Iterator[Metric]:
     st = store.stats
-    yield GaugeMetricFamily("hicache_remote_up", "1 while the cluster tier (Mooncake) "
-                            "answers; 0 while it is down (host and disk still serve).",
-                            value=1 if store.up else 0)
-    for name, value, doc in (
-            ("down_transitions", st.down_transitions, "Times the cluster tier went down."),
-            ("put_pages", st.puts, "Pages put into the cluster store."),
-            ("put_bytes", st.put_bytes, "Bytes put into the cluster store."),
-            ("put_failures", st.put_failures, "Pages a put did not store (tier down, store "
-                                              "full, peer unreachable)."),
-            ("get_pages", st.gets, "Pages got from the cluster store (LoadKeys promotions)."),
-            ("get_bytes", st.get_bytes, "Bytes got from the cluster store."),
-            ("get_misses", st.get_misses, "Keys a get did not bring back whole (gone from the "
-                                          "store, or its holder unreachable)."),
-            ("timeouts", st.timeouts, "Calls to the cluster store that did not answer in "
-                                      "timeout_seconds."),
-            ("removed_keys", st.removed, "Keys removed from the cluster store."),
-            ("replica_fallback_pages", store.replicas.served, "Pages read from another "
-             "replica after the one Mooncake chose could not be read (a dead node's copy)."),
-            ("replica_read_failures", store.replicas.failed_reads, "Direct reads of a "
-             "replica's endpoint that failed (the endpoint is then avoided for a while).")):
-        yield CounterMetricFamily(f"hicache_remote_{name}", doc, value=value)
-    yield GaugeMetricFamily("hicache_remote_avoided_endpoints", "Endpoints (nodes' transfer "
-                            "engines) whose replicas gets avoid now, after a failed read.",
-                            value=len(store.replicas.avoided()))
-    waiting = GaugeMetricFamily("hicache_remote_pending_pages", "Stored keys of a pool "
-                                "waiting to be put (write policy through).", labels=["pool"])
-    dropped = CounterMetricFamily("hicache_remote_dropped_pages", "Stored keys never put: "
-                                  "evicted or removed before their turn, or beyond the "
-                                  "queue.", labels=["pool"])
-    checksums = CounterMetricFamily(
-        "hicache_remote_checksum_failures", "Pages got from the cluster store whose digest "
-        "did not match: not served, removed from the store.", labels=["pool"])
+    gauges: list[tuple[str, str, float]] = [
+        ("up", "1 while the cluster tier (Mooncake) answers; 0 while it is down (host and "
+               "disk still serve).", 1 if store.up else 0),
+        ("avoided_endpoints", "Endpoints (nodes' transfer engines) whose replicas gets avoid "
+                              "now, after a failed read.", len(store.replicas.avoided()))]
+    counters: list[tuple[str, str, float]] = [
+        ("down_transitions", "Times the cluster tier went down.", st.down_transitions),
+        ("put_pages", "Pages put into the cluster store.", st.puts),
+        ("put_bytes", "Bytes put into the cluster store.", st.put_bytes),
+        ("put_failures", "Pages a put did not store (tier down, store full, peer "
+                         "unreachable).", st.put_failures),
+        ("get_pages", "Pages got from the cluster store (LoadKeys promotions).", st.gets),
+        ("get_bytes", "Bytes got from the cluster store.", st.get_bytes),
+        ("get_misses", "Keys a get did not bring back whole (gone from the store, or its "
+                       "holder unreachable).", st.get_misses),
+        ("timeouts", "Calls to the cluster store that did not answer in timeout_seconds.",
+         st.timeouts),
+        ("removed_keys", "Keys removed from the cluster store.", st.removed),
+        ("replica_fallback_pages", "Pages read from another replica after the one Mooncake "
+         "chose could not be read (a dead node's copy).", store.replicas.served),
+        ("replica_read_failures", "Direct reads of a replica's endpoint that failed (the "
+         "endpoint is then avoided for a while).", store.replicas.failed_reads)]
+    waiting: dict[str, float] = {}
+    dropped: dict[str, float] = {}
+    checksums: dict[str, float] = {}
     for name, stack in stacks:
-        if stack.remote is not None:
-            checksums.add_metric([name], stack.remote.checksum_failures)
+        if stack.cluster is not None:
+            checksums[name] = stack.cluster.checksum_failures
         if stack.writer is not None:
-            waiting.add_metric([name], stack.writer.waiting)
-            dropped.add_metric([name], stack.writer.dropped)
-        elif stack.remote_spiller is not None:
-            waiting.add_metric([name], 0)
+            waiting[name], dropped[name] = stack.writer.waiting, stack.writer.dropped
+        elif stack.cluster_spiller is not None:
             # with a disk tier its spill counter already tells
-            dropped.add_metric([name], stack.cache.stats.spill_dropped
-                               if stack.disk is None else 0)
-    yield from (waiting, dropped, checksums)
+            waiting[name] = 0
+            dropped[name] = stack.cache.stats.spill_dropped if stack.disk is None else 0
+    per_pool: list[tuple[type[Metric], str, str, dict[str, float]]] = [
+        (GaugeMetricFamily, "pending_pages", "Stored keys of a pool waiting to be put (write "
+                                             "policy through).", waiting),
+        (CounterMetricFamily, "dropped_pages", "Stored keys never put: evicted or removed "
+                                               "before their turn, or beyond the queue.",
+         dropped),
+        (CounterMetricFamily, "checksum_failures", "Pages got from the cluster store whose "
+         "digest did not match: not served, removed from the store.", checksums)]
+    for prefix in CLUSTER_PREFIXES:
+        old = "" if prefix == CLUSTER_PREFIXES[0] else "Deprecated: hicache_cluster_* says it. "
+        for suffix, doc, value in gauges:
+            yield GaugeMetricFamily(prefix + suffix, old + doc, value=value)
+        for suffix, doc, value in counters:
+            yield CounterMetricFamily(prefix + suffix, old + doc, value=value)
+        for family, suffix, doc, samples in per_pool:
+            m = family(prefix + suffix, old + doc, labels=["pool"])
+            for name, value in samples.items():
+                m.add_metric([name], value)
+            yield m

@@ -77,13 +77,13 @@ class PoolTable:
                  on_drop: Callable[[str, str], None] = lambda name, outcome: None,
                  disk: DiskTierConfig | None = None,
                  observe_disk: Callable[[str, float], None] = lambda op, s: None,
-                 remote: MooncakeStore | None = None,
+                 cluster_store: MooncakeStore | None = None,
                  hold_policy: HoldPolicy | None = None, chain_bytes: int = 0,
                  listener: PoolListener | None = None) -> None:
         """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts);
         ``hold_policy``: the limits on every pool's holds;
         ``disk`` gives every pool a disk tier below it (its share of the capacity),
-        ``remote`` a part of the cluster store."""
+        ``cluster_store`` a part of the cluster store."""
         self.budget_bytes = budget_bytes
         self.options = options
         self.pinner = pinner
@@ -91,7 +91,7 @@ class PoolTable:
         self._on_drop = on_drop
         self.disk = disk
         self._observe_disk = observe_disk
-        self.remote = remote
+        self.cluster_store = cluster_store
         self.hold_policy = hold_policy or HoldPolicy()
         self.chain_bytes = chain_bytes
         self.listener = listener
@@ -134,7 +134,7 @@ class PoolTable:
             raise
         try:
             stack = build_stack(pool, cache, self.disk, self.budget_bytes, self._observe_disk,
-                                self.remote)
+                                self.cluster_store)
             stack.start()
         except BaseException:
             pool.close(0)

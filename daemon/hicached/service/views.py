@@ -70,9 +70,9 @@ class PoolView:
     recovered_keys: int = 0
     disk_keys: int = 0
     disk_capacity_pages: int = 0
-    remote_namespace: str = ""
-    remote_puts: int = 0
-    remote_pending: int = 0
+    cluster_namespace: str = ""
+    cluster_puts: int = 0
+    cluster_pending: int = 0
     kv_events_endpoint: str = ""
     """The pool's own KV event stream ("" = none)."""
     kv_events_replay_endpoint: str = ""
@@ -83,9 +83,9 @@ def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | N
     counts = pool.allocator.counts()
     used = pool.page_num - counts["free"]
     disk = tiers.disk if tiers is not None else None
-    remote = tiers.remote if tiers is not None else None
+    cluster = tiers.cluster if tiers is not None else None
     writer = tiers.writer if tiers is not None else None
-    spiller = tiers.remote_spiller if tiers is not None else None
+    spiller = tiers.cluster_spiller if tiers is not None else None
     return PoolView(
         spec=pool.spec, size_tokens=pool.size_tokens, page_bytes=pool.spec.page_bytes,
         page_num=pool.page_num, used_pages=used, free_pages=counts["free"],
@@ -98,11 +98,11 @@ def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | N
         recovered_keys=cache.recovered_keys,
         disk_keys=disk.keys if disk is not None else 0,
         disk_capacity_pages=disk.capacity if disk is not None else 0,
-        remote_namespace=remote.prefix if remote is not None else "",
-        remote_puts=(writer.put if writer is not None
+        cluster_namespace=cluster.prefix if cluster is not None else "",
+        cluster_puts=(writer.put if writer is not None
                      else spiller.spilled if spiller is not None else 0)
-        if remote is not None else 0,
-        remote_pending=writer.waiting if remote is not None and writer is not None else 0)
+        if cluster is not None else 0,
+        cluster_pending=writer.waiting if cluster is not None and writer is not None else 0)
 
 
 def _building(b: PoolBuild) -> PoolView:

@@ -58,7 +58,7 @@ def _master_failed(codes: Sequence[int]) -> bool:
 
 
 @dataclass
-class RemoteStats:
+class ClusterStats:
     puts: int = 0
     put_bytes: int = 0
     put_failures: int = 0
@@ -85,7 +85,7 @@ class MooncakeStore:
                  on_state: Callable[[bool, str], None] = lambda up, why: None,
                  observe: Callable[[str, float], None] = lambda op, s: None) -> None:
         self.config = config
-        self.stats = RemoteStats()
+        self.stats = ClusterStats()
         self._on_state = on_state
         self.on_up: list[Callable[[], object]] = []
         """Called (on the watch thread) each time the tier comes up."""

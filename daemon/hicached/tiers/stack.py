@@ -9,7 +9,7 @@ with ``KEY_NOT_FOUND``. Removal reaches every tier.
 
 Primitives:
 
-- ``TierStack(pool, cache, disk, remote, policy, window)``: ``start()`` wires the cache's
+- ``TierStack(pool, cache, disk, cluster, policy, window)``: ``start()`` wires the cache's
   lower tier and its stored-keys cue, and starts the threads; ``close(remove_files)``.
 - ``lookup(keys, holder)`` -> (hit prefix, tier bytes, keys held for ``holder``, if given:
   what host memory has at once, what is below it once a ``Prefetcher`` promoted it);
@@ -19,7 +19,7 @@ Primitives:
   ``contents()``: the keys each tier holds (host memory, the disk, what this daemon put to
   the cluster), for a KV event resync. Every tier tells the pool's event log what it gains
   and loses.
-- ``disk``, ``spiller``, ``remote``, ``writer``, ``remote_spiller``: the parts, for metrics;
+- ``disk``, ``spiller``, ``cluster``, ``writer``, ``cluster_spiller``: the parts, for metrics;
   ``failing()``: per tier, whether its writes fail now (``hicache_tier_failing``).
 - ``build_stack(pool, cache, disk_config, budget, observe_disk, store)``: what the config
   gives a pool.
@@ -39,13 +39,13 @@ from hicached.cache.holds import Holder
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
+from hicached.tiers.cluster import ClusterTier, promote_cluster
+from hicached.tiers.cluster_writer import PUT_RETRY_SECONDS, ClusterWriter
 from hicached.tiers.config import DiskTierConfig
 from hicached.tiers.disk import DiskTier
 from hicached.tiers.disk_io import DiskTierUnavailable
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.prefetch import Prefetcher
-from hicached.tiers.remote import RemoteTier, promote_remote
-from hicached.tiers.remote_writer import PUT_RETRY_SECONDS, RemoteWriter
 from hicached.tiers.spill import Spiller, promote
 from hicached.tiers.writer import TierWriter
 
@@ -61,7 +61,7 @@ def _nothing() -> None:
 
 class TierStack:
     def __init__(self, pool: HostPool, cache: PoolCache, disk: DiskTier | None = None,
-                 spill_window: int = 1, remote: RemoteTier | None = None,
+                 spill_window: int = 1, cluster: ClusterTier | None = None,
                  policy: str = "through", queue_pages: int = 1024, batch: int = 16,
                  put_retry_seconds: float = PUT_RETRY_SECONDS, disk_unavailable: str = ""
                  ) -> None:
@@ -71,44 +71,44 @@ class TierStack:
         of eviction); ``queue_pages`` bounds either. ``disk_unavailable``: why the disk tier
         the config gives the pool could not be opened ("" if it could or there is none)."""
         self.pool, self.cache = pool, cache
-        self.disk, self.remote = disk, remote
-        for tier in (disk, remote):
+        self.disk, self.cluster = disk, cluster
+        for tier in (disk, cluster):
             if tier is not None:
                 tier.events = cache.events
         # a key's chain is kept until it leaves the lowest tier the node watches evict
         cache.events.chains.last_tier = (DISK if disk is not None
-                                         else CLUSTER if remote is not None else HOST)
+                                         else CLUSTER if cluster is not None else HOST)
         self.disk_unavailable = disk_unavailable
         self.spiller = Spiller(pool, cache, disk, spill_window) if disk is not None else None
-        self.writer: RemoteWriter | None = None
-        self.remote_spiller: Spiller | None = None
-        if remote is not None and policy == "through":
-            self.writer = RemoteWriter(cache, remote, queue_pages, batch, put_retry_seconds)
-        elif remote is not None:
-            self.remote_spiller = Spiller(pool, cache, remote, queue_pages, batch, "remote")
+        self.writer: ClusterWriter | None = None
+        self.cluster_spiller: Spiller | None = None
+        if cluster is not None and policy == "through":
+            self.writer = ClusterWriter(cache, cluster, queue_pages, batch, put_retry_seconds)
+        elif cluster is not None:
+            self.cluster_spiller = Spiller(pool, cache, cluster, queue_pages, batch, "cluster")
         self.prefetcher: Prefetcher | None = None
-        if disk is not None or remote is not None:
+        if disk is not None or cluster is not None:
             self.prefetcher = Prefetcher(self.promote, cache.hold_promoted, pool.spec.name)
 
     def start(self) -> None:
         self.cache.lower = self.disk
         self.cache.on_stored = self._stored
-        if self.disk is None and self.remote_spiller is not None and self.remote is not None:
-            self.cache.kept_below = self.remote.written  # the cluster is the tier spilled to
-        for t in (self.spiller, self.writer, self.remote_spiller):
+        if self.disk is None and self.cluster_spiller is not None and self.cluster is not None:
+            self.cache.kept_below = self.cluster.written  # the cluster is the tier spilled to
+        for t in (self.spiller, self.writer, self.cluster_spiller):
             if t is not None:
                 t.start()
 
     def failing(self) -> dict[str, bool]:
-        """Per tier below host memory the pool has (``disk``, ``remote``): whether its writes
+        """Per tier below host memory the pool has (``disk``, ``cluster``): whether its writes
         fail now (a disk tier that could not be opened counts as failing)."""
         out: dict[str, bool] = {}
         if self.disk is not None or self.disk_unavailable:
             out["disk"] = bool(self.disk_unavailable) or bool(
                 self.spiller is not None and self.spiller.failing)
-        writer: TierWriter | None = self.writer or self.remote_spiller
+        writer: TierWriter | None = self.writer or self.cluster_spiller
         if writer is not None:
-            out["remote"] = writer.failing
+            out["cluster"] = writer.failing
         return out
 
     def contents(self) -> dict[int, list[bytes]]:
@@ -116,36 +116,36 @@ class TierStack:
         out = {HOST: self.cache.snapshot()}
         if self.disk is not None:
             out[DISK] = self.disk.snapshot()
-        if self.remote is not None:
-            out[CLUSTER] = self.remote.snapshot()
+        if self.cluster is not None:
+            out[CLUSTER] = self.cluster.snapshot()
         return out
 
     def _stored(self, keys: list[bytes]) -> None:
-        for s in (self.spiller, self.remote_spiller):
+        for s in (self.spiller, self.cluster_spiller):
             if s is not None:
                 s.nudge()
-        if self.remote is not None:
-            self.remote.revive(keys)
+        if self.cluster is not None:
+            self.cluster.revive(keys)
         if self.writer is not None:
             self.writer.offer(keys)
 
     def close(self, remove_files: bool = False) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
-        for t in (self.spiller, self.writer, self.remote_spiller):
+        for t in (self.spiller, self.writer, self.cluster_spiller):
             if t is not None:
                 t.close()
         if self.disk is not None:
             self.disk.close()
             if remove_files:
                 self.disk.remove_files()
-        if self.remote is not None:
-            self.remote.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
     # -- keyed calls ----------------------------------------------------------------------
 
     def _below(self) -> Callable[[list[bytes]], list[int]] | None:
-        r = self.remote
+        r = self.cluster
         return r.exists if r is not None and r.store.up else None
 
     def lookup(self, keys: Sequence[bytes], holder: Holder | None = None, touch: bool = False
@@ -186,8 +186,8 @@ class TierStack:
         n = 0
         if self.disk is not None:
             n += promote(self.pool, self.cache, self.disk, keys)
-        if self.remote is not None:
-            n += promote_remote(self.cache, self.remote, keys)
+        if self.cluster is not None:
+            n += promote_cluster(self.cache, self.cluster, keys)
         return n
 
     def hold_for_load(self, keys: Sequence[bytes],
@@ -198,7 +198,7 @@ class TierStack:
         more if that did not hold them all (a promotion evicted a key of this very batch, or
         found no free page). Keys ``owner`` holds are never refused. ``KEY_NOT_FOUND`` when
         a key is in no tier (nothing held)."""
-        if self.disk is None and self.remote is None:
+        if self.disk is None and self.cluster is None:
             return self.cache.begin_load(keys, owner=owner)
         try:
             return self.cache.begin_load(keys, count_miss=False, owner=owner)
@@ -236,15 +236,15 @@ class TierStack:
         the cluster store held."""
         unique = list(dict.fromkeys(keys))
         gone = set(self.cache.remove_keys(unique))
-        if self.remote is not None:
-            gone.update(self.remote.remove(unique))
+        if self.cluster is not None:
+            gone.update(self.cluster.remove(unique))
         return len(gone)
 
     def clear(self) -> int:
         """Drop every key of the pool from this node, and its namespace from the cluster."""
         n = self.cache.clear()
-        if self.remote is not None:
-            removed = self.remote.clear()
+        if self.cluster is not None:
+            removed = self.cluster.clear()
             log.info("pool %s: %d key(s) removed from the cluster store", self.pool.spec.name,
                      removed)
         return n
@@ -276,14 +276,14 @@ def build_stack(pool: HostPool, cache: PoolCache, disk: DiskTierConfig | None,
                 log.info("pool %s: disk tier %s, %d pages (%d keys)", spec.name, outcome,
                          pages, tier.keys)
                 window = max(disk.spill_ahead_bytes // spec.page_bytes, 1)
-    remote = None
+    cluster = None
     if store is not None and pool.nbytes:
         c = store.config
-        remote = RemoteTier(pool, store, c.key_prefix)
-        log.info("pool %s: cluster tier under %s (write policy %s)", spec.name, remote.prefix,
+        cluster = ClusterTier(pool, store, c.key_prefix)
+        log.info("pool %s: cluster tier under %s (write policy %s)", spec.name, cluster.prefix,
                  c.write_policy)
     queue = max(store.config.queue_bytes // spec.page_bytes, 1) if store is not None else 1
-    return TierStack(pool, cache, tier, window, remote,
+    return TierStack(pool, cache, tier, window, cluster,
                      store.config.write_policy if store is not None else "through", queue,
                      store.config.batch_pages if store is not None else 16,
                      store.config.put_retry_seconds if store is not None

@@ -77,7 +77,7 @@ _limited = LimitedLog(log, LOG_INTERVAL_SECONDS)
 
 class TierWriter:
     def __init__(self, pool: str, tier: str, backoff: BackOff | None = None) -> None:
-        """``pool``, ``tier``: what the writer writes for and to (``disk``, ``remote``), for
+        """``pool``, ``tier``: what the writer writes for and to (``disk``, ``cluster``), for
         its thread's name, its log lines and ``hicache_tier_failing{pool, tier}``."""
         self.pool_name, self.tier_name = pool, tier
         self.backoff = backoff or BackOff()

@@ -9,7 +9,7 @@ the layer-first layout).
 Primitives:
 
 - ``namespace(spec, prefix)``: the pool's namespace in the store.
-- ``RemoteTier(pool, store, prefix)``: ``tier`` (3); ``exists(keys)`` -> a tier byte per
+- ``ClusterTier(pool, store, prefix)``: ``tier`` (3); ``exists(keys)`` -> a tier byte per
   key (3 or 0; all 0 while the store is down); ``put_pages`` / ``get_pages`` (keys, pages)
   -> one bool per key (each a copy of the pool while the store touches its memory;
   ``get_pages`` hands its pages back through a callback once it is done). Every object
@@ -25,8 +25,8 @@ Primitives:
   still remembers. ``events``: the pool's event log, told of every key this daemon put
   (STORED) and removed from the store (REMOVED: by RemoveKeys, ClearPool, a failed
   checksum); what other nodes put or the store evicts is theirs to tell, or unknown.
-- ``remote_writer.RemoteWriter``: the ``through`` policy (its own module).
-- ``promote_remote(cache, tier, keys)``: LoadKeys' way up: keys host memory lacks are got
+- ``cluster_writer.ClusterWriter``: the ``through`` policy (its own module).
+- ``promote_cluster(cache, tier, keys)``: LoadKeys' way up: keys host memory lacks are got
   from the store into fresh host pages in one batch call; returns how many landed. A get that
   outlives the timeout keeps its pages held (the keys stay "being written") until it really
   ends, so a late write never lands in a page given to another key.
@@ -55,7 +55,6 @@ from hicached.tiers.mooncake_replicas import Runs
 
 log = logging.getLogger(__name__)
 
-REMOTE_TIER = CLUSTER
 OBJECT_FORMAT = 2
 """An object is the page's runs, then the xxh3-64 digest of those bytes (8 bytes, little
 endian); format 1 (no digest) lives in another namespace and is never read."""
@@ -77,8 +76,8 @@ def namespace(spec: PoolSpec, prefix: str) -> str:
     return f"{prefix}/{spec.name}.{digest}/"
 
 
-class RemoteTier:
-    tier = REMOTE_TIER
+class ClusterTier:
+    tier = CLUSTER
 
     def __init__(self, pool: HostPool, store: MooncakeStore, prefix: str,
                  remember: int = 1 << 16) -> None:
@@ -155,7 +154,7 @@ class RemoteTier:
             return [0] * len(keys)
         with self._lock:
             dead = self._tombstones
-            return [REMOTE_TIER if g and k not in dead else 0
+            return [CLUSTER if g and k not in dead else 0
                     for k, g in zip(keys, got, strict=True)]
 
     def put_pages(self, keys: Sequence[bytes], pages: np.ndarray,
@@ -179,7 +178,7 @@ class RemoteTier:
         the pool is never unmapped under it). A key for which ``still_wanted`` says no (it
         was removed after its page was lent) is not put, or, if that happened during the put,
         removed from the store again at once."""
-        seams.reached("remote.borrowed")
+        seams.reached("cluster.borrowed")
         wanted = still_wanted or (lambda k: True)
         todo = [i for i, k in enumerate(keys) if wanted(k)]
         ok = [False] * len(keys)
@@ -199,7 +198,7 @@ class RemoteTier:
             with self._lock:
                 self._in_flight.subtract(keys_now)
                 self._in_flight += Counter()
-        seams.reached("remote.put")
+        seams.reached("cluster.put")
         with self._lock:
             removed = [k for k, done in zip(keys_now, got, strict=True)
                        if k in self._tombstones or (done and not wanted(k))]
@@ -313,7 +312,7 @@ def wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
     return not cache.removed_since(key, epoch)
 
 
-def promote_remote(cache: PoolCache, tier: RemoteTier, keys: Sequence[bytes]) -> int:
+def promote_cluster(cache: PoolCache, tier: ClusterTier, keys: Sequence[bytes]) -> int:
     """Get the keys host memory lacks from the store into fresh pages (one batch call);
     those that land become ready. Only when the store has every one of them (asked first, one
     metadata call): a load that must fail anyway takes no host pages from other keys. A key

@@ -1,7 +1,7 @@
 """Write-through to the cluster tier: every stored key put shortly after its Store, and put
 again while the store fails, until the key is too old to be worth it.
 
-A ``RemoteWriter`` (a ``writer.TierWriter``: backed off while the store fails) keeps a queue
+A ``ClusterWriter`` (a ``writer.TierWriter``: backed off while the store fails) keeps a queue
 of keys to put; its thread takes a batch, borrows the pages of those still in host memory
 (read-held, with the epoch that lets a removal meanwhile undo the put), puts them and gives
 the pages back. A key the store did not take goes back to the end of the queue and is tried
@@ -11,7 +11,7 @@ a master restart) loses nothing. A key is not put (``dropped``, logged rate-limi
 left host memory before its turn, when the queue was full (``max_keys``), or when it was
 still failing ``retry_seconds`` after its first try.
 
-Primitives: ``RemoteWriter(cache, tier, max_keys, batch, retry_seconds)``: ``offer(keys)``
+Primitives: ``ClusterWriter(cache, tier, max_keys, batch, retry_seconds)``: ``offer(keys)``
 (after a Store), ``waiting``, ``put`` / ``failed`` / ``dropped`` counts, and the writer's
 ``start`` / ``nudge`` / ``close`` / ``failing``.
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.log_limit import LimitedLog
-from hicached.tiers.remote import RemoteTier, wanted
+from hicached.tiers.cluster import ClusterTier, wanted
 from hicached.tiers.writer import IDLE, STOP, WROTE, Failed, Outcome, TierWriter
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,11 @@ PUT_RETRY_SECONDS = 30.0
 ``client_ttl`` of 10 s: the time the master keeps placing puts on a dead node's segment)."""
 
 
-class RemoteWriter(TierWriter):
-    def __init__(self, cache: PoolCache, tier: RemoteTier, max_keys: int, batch: int = 16,
+class ClusterWriter(TierWriter):
+    def __init__(self, cache: PoolCache, tier: ClusterTier, max_keys: int, batch: int = 16,
                  retry_seconds: float = PUT_RETRY_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(cache.pool.spec.name, "remote")
+        super().__init__(cache.pool.spec.name, "cluster")
         self.cache, self.tier = cache, tier
         self.max_keys, self.batch, self.retry_seconds = max_keys, batch, retry_seconds
         self._clock = clock
@@ -86,7 +86,7 @@ class RemoteWriter(TierWriter):
         try:
             held, pages, epoch = self.cache.borrow(list(first))
         except Exception:  # the pool closed under us
-            log.debug("remote writer of %s stopped", self.pool_name, exc_info=True)
+            log.debug("cluster writer of %s stopped", self.pool_name, exc_info=True)
             return STOP
         self.dropped += len(first) - len(held)  # evicted or removed before their turn
         try:
