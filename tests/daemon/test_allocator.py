@@ -154,7 +154,7 @@ def test_owned_pages_are_freed_with_their_owner_even_while_held() -> None:
 def test_keyed_pages_are_not_raw_pages() -> None:
     a = PageAllocator(4, 2)
     keyed = a.alloc_pages(2)
-    assert a.counts()["keyed"] == 2 and a.counts()["held"] == 2  # held for their write
+    assert a.counts()["keyed"] == 2 and a.counts()["busy"] == 2  # busy with their write
     assert not a.is_allocated(keyed).any()
     with pytest.raises(PageNotAllocated) as exc:
         a.free(keyed[:1] * 2 + np.arange(2))

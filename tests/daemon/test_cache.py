@@ -160,7 +160,7 @@ def test_load_of_a_missing_key_holds_nothing(pool: HostPool) -> None:
         cache.begin_load([K[0], K[1], K[9], K[0], K[8]])
     assert exc.value.metadata == {"first_missing_position": "2", "hit_prefix": "2",
                                   "missing": "2", "field": "keys"}
-    assert pool.allocator.counts()["held"] == 0
+    assert pool.allocator.counts()["busy"] == 0
     assert store(cache, K[2:4]) == bytes([STORED, STORED])
     assert store(cache, [K[4]]) == bytes([STORED])  # K0 still evictable: it was never held
     assert cache.lookup([K[0]])[0] == 0

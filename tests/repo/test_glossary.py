@@ -82,3 +82,19 @@ def test_tier_3_is_called_the_cluster_everywhere() -> None:
                     continue  # prose that says what the old names were
                 found.append(f"{f.relative_to(REPO)}:{n}: {word}")
     assert not found, "tier 3 is the cluster, not remote:\n" + "\n".join(found)
+
+
+COPY_HOLDS = re.compile(r"held by a copy|copy holds|a copy's hold|counts\(\)\[.held.\]"
+                        r"|held for (?:reading|writing)|read-holds?\b"
+                        r"|\b(?:pins|unpins|unpinning)\b[^.]*\b(?:cop(?:y|ies)|host pages)\b",
+                        re.IGNORECASE)
+"""A copy's page lock called a hold, or a pin (page-locked memory is the only pin)."""
+
+
+def test_a_copys_page_lock_is_busy_never_a_hold_or_a_pin() -> None:
+    roots = [REPO / "daemon", REPO / "clients" / "python", REPO / "docs"]
+    files = [f for r in roots for f in r.rglob("*")
+             if f.suffix in (".py", ".md") and "_pb2" not in f.name]
+    found = [f"{f.relative_to(REPO)}:{n}: {line.strip()}" for f in files
+             for n, line in enumerate(f.read_text().splitlines(), 1) if COPY_HOLDS.search(line)]
+    assert not found, "a page a copy is using is busy:\n" + "\n".join(found)

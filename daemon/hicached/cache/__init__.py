@@ -1,6 +1,6 @@
 """The cache: pages named by content keys, found again by every worker and instance.
 
-- ``lru``: the eviction policy (least recently used ready keys no copy holds).
+- ``lru``: the eviction policy (least recently used ready keys no copy is using).
 - ``events``: the STORED / REMOVED / EVICTED log routers follow.
 - ``pool_cache``: ``PoolCache``: keys -> pages, writing / ready states, store / load / remove /
   clear, eviction, statistics.

@@ -32,7 +32,7 @@ class StoreTicket:
     positions: np.ndarray
     """Positions in ``keys`` of the keys being written now."""
     pages: np.ndarray
-    """Their pages, held for writing, in the same order."""
+    """Their pages, busy for writing, in the same order."""
     chain: bool = True
     """Whether ``keys`` are one chain in order (a Store's; a promotion's are not): what the
     STORED event says of keys the pool's chain table does not know."""

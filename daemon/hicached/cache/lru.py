@@ -7,8 +7,8 @@ Primitives:
   (left in place), ``len``, ``in``. Every operation is O(1) per key (``pop_oldest``: plus the
   busy keys it passes).
 
-It holds only the keys that may be evicted now (ready, and not held by a copy); the cache adds
-a key when it becomes evictable and discards it when it stops being so.
+It holds only the keys that may be evicted now (ready, and not busy: no copy is using their
+pages); the cache adds a key when it becomes evictable and discards it when it stops being so.
 """
 
 from __future__ import annotations

@@ -19,18 +19,19 @@ Primitives:
   allocator and out of the LRU while held: no Store evicts it, no removal frees it (its
   holder still loads it; the page is freed when the hold ends).
 - ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
-  (status 2, touched in the LRU); new keys get a page each, held for writing, evicting least
-  recently used ready keys that no copy holds when the pool is full; keys left without a page
-  are status 3. ``finish_store(ticket, ok)``: the keys become ready (status 1, STORED event), or
-  vanish if the copy failed (``ok`` per page, or for all) or they were removed meanwhile.
-- ``begin_load(keys, owner=)`` -> pages held for reading, or ``KEY_NOT_FOUND`` (nothing
+  (status 2, touched in the LRU); new keys get a page each, busy for writing, evicting least
+  recently used ready keys no copy is using (not busy) when the pool is full; keys left
+  without a page are status 3. ``finish_store(ticket, ok)``: the keys become ready (status 1,
+  STORED event), or vanish if the copy failed (``ok`` per page, or for all) or they were
+  removed meanwhile.
+- ``begin_load(keys, owner=)`` -> pages busy for reading, or ``KEY_NOT_FOUND`` (nothing
   held): a key ``owner`` holds is never refused (removed meanwhile, it is read from its held
   page); ``finish_load(pages)`` releases them, ends the holds they consumed and makes their
   keys evictable again, most recently used.
 - ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once from
   every tier, writes below in flight included (see lending); a page a copy or a hold still
   has is freed when that ends (REMOVED events). Eviction (lock held, ``_evict(n)``): the
-  least recently used ready keys no copy holds (EVICTED events), those whose pages a spill
+  least recently used ready keys no copy is using (EVICTED events), those whose pages a spill
   has taken last (their pages come back only when the spill ends: evicting them first would
   free nothing for the Store or promotion that asked).
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
@@ -112,7 +113,7 @@ class PoolCache:
         self._writing: dict[bytes, int] = {}
         self._page_key: dict[int, bytes] = {}
         self._reading: dict[int, int] = {}
-        """Read-holds per page that keep it out of the LRU: loads in flight and holds."""
+        """Readers per page that keep it out of the LRU: loads in flight and holds."""
         self._lru = LRU()
         self._spilling: Counter[bytes] = Counter()
         """Keys a spiller is writing below (two spillers may write one key)."""
@@ -318,7 +319,7 @@ class PoolCache:
                 for k, page in zip(keys, pages, strict=True):
                     self._read_more(page, k)
                 return out
-            # each position gets one read-hold: a consumed hold's own for the first use of
+            # each position gets one reader: a consumed hold's own for the first use of
             # its key, a shared one (the page may be released already: removed) for repeats
             holds.take(owner, held)
             self.stats.holds_loaded += len(held)
@@ -345,17 +346,17 @@ class PoolCache:
             for page in pages.tolist():
                 self._read_less(page)
 
-    # -- read-holds (internals, lock held) ---------------------------------------------------
+    # -- readers (internals, lock held) -------------------------------------------------------
 
     def _read_more(self, page: int, key: bytes) -> None:
-        """One more read-hold of ``page``: out of the LRU while any is held."""
+        """One more reader of ``page``: out of the LRU while it has any."""
         n = self._reading.get(page, 0)
         if n == 0:
             self._lru.discard(key)
         self._reading[page] = n + 1
 
     def _read_less(self, page: int) -> None:
-        """One read-hold of ``page`` ended (the allocator's already released): evictable
+        """One reader of ``page`` ended (the allocator's already released): evictable
         again, most recently used, once none is left and its key still names it."""
         n = self._reading[page] - 1
         if n:
@@ -521,7 +522,7 @@ class PoolCache:
     def spill_candidates(self, n: int, window: int, written: Callable[[bytes], bool]
                          ) -> tuple[list[bytes], np.ndarray, int]:
         """Up to ``n`` of the ``window`` least recently used ready keys whose page the lower
-        tier has not ``written``, with their pages held for reading (an eviction meanwhile
+        tier has not ``written``, with their pages busy for reading (an eviction meanwhile
         drops the key from host memory, but its page is not reused until ``finish_spill``),
         and the epoch to check removals against."""
         with self._lock:

@@ -3,7 +3,7 @@
 - ``plan``: ``Side`` and ``CopyPlan`` (one component, a set of layers, page lists).
 - ``native``: the one loader of the native module (CPU kernel and batched CUDA submission).
 - ``cpu``: the CPU runner (native kernel, or a slow exact fallback).
-- ``engine``: ``TransferEngine``: validate, verify canary, pin, plan, run, unpin, record.
+- ``engine``: ``TransferEngine``: validate, verify canary, mark busy, plan, run, release, record.
 
 The CUDA runner lives in ``hicached.cuda``; the engine sees it as a ``PlanRunner``.
 """

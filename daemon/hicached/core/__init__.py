@@ -2,7 +2,7 @@
 
 - ``system``: usable CPUs, available memory, the memory check.
 - ``validation``: vectorized checks of index batches, every violation collected.
-- ``allocator``: whole pages out and back, pins, generations.
+- ``allocator``: whole pages out and back, busy marks, generations.
 - ``canary``: kv-canary fingerprints per (page, layer).
 - ``memory``: mapped, prefaulted host memory; pinning through an injected ``Pinner``.
 - ``host_layout``: where each row of a component lives for each host layout.

@@ -1,4 +1,5 @@
-"""Page allocator of a host pool: whole pages out and back, who may touch them, what they hold.
+"""Page allocator of a host pool: whole pages out and back, which are busy (a copy is using
+them), what they hold.
 
 Primitives:
 
@@ -11,13 +12,13 @@ Primitives:
   indices or ``POOL_EXHAUSTED``; ``free(indices)`` returns them (double free, never-allocated,
   keyed and partial pages are errors, found for the whole batch before anything changes);
   ``free_owned(owner)`` frees every raw page a session owned.
-- Keyed pages (the cache): ``alloc_pages(n)`` hands out page numbers held for writing,
+- Keyed pages (the cache): ``alloc_pages(n)`` hands out page numbers busy for writing,
   ``release_pages(pages)`` gives them back.
 - Access (the copies'): ``acquire(pages, write, unique, generations)`` / ``share`` /
   ``release``: one writer or any number of readers per page, never both; a conflicting
   request is refused with ``PAGE_BUSY`` (nothing waits), a page no longer allocated (or, with
   ``generations``, no longer the raw page of that generation) with ``PAGE_NOT_ALLOCATED``;
-  a page freed while held returns to the free stack when its last holder lets go, so a copy
+  a page freed while busy returns to the free stack when the last copy using it ends, so a copy
   in flight never touches a page handed to someone else.
 - ``raw_state(pages, layers)``: in one step, which pages are allocated raw pages, which had
   every layer of ``layers`` written since (a load of anything else is ``PAGE_NOT_WRITTEN``),
@@ -62,12 +63,12 @@ from hicached.core.validation import (
 FREE = 0
 ALLOCATED = 1
 RELEASING = 2
-"""Page states (0 is free): freed while held by a copy, a page returns to the free stack
-when its last holder lets go."""
+"""Page states (0 is free): freed while busy (a copy reads or writes it), a page returns to
+the free stack when the last copy using it ends."""
 RAW = 1
 """Kind of a page handed out by ``alloc``: named by host indices."""
 SMALL_BATCH = 16
-"""Holds of up to this many pages are taken and given back page by page."""
+"""Busy marks on up to this many pages are taken and given back page by page."""
 
 
 KEYED = 2
@@ -119,9 +120,9 @@ class PageAllocator:
         return self.page_num - self.free_pages
 
     def counts(self, locked: bool = True) -> dict[str, int]:
-        """Pages by kind and how many are held by a copy right now. ``locked=False`` (a
-        metrics scrape) reads the tables without the lock: it never waits for, nor delays, a
-        copy, and the figures may straddle an update made meanwhile."""
+        """Pages by kind and how many are busy (a copy reads or writes them) right now.
+        ``locked=False`` (a metrics scrape) reads the tables without the lock: it never waits
+        for, nor delays, a copy, and the figures may straddle an update made meanwhile."""
         if not locked:
             return self._counts()
         with self._lock:
@@ -131,7 +132,7 @@ class PageAllocator:
         live = self._state == ALLOCATED
         return {"raw": int((live & (self._kind == RAW)).sum()),
                 "keyed": int((live & (self._kind == KEYED)).sum()),
-                "held": int(((self._readers > 0) | self._writer).sum()),
+                "busy": int(((self._readers > 0) | self._writer).sum()),
                 "releasing": self._releasing, "free": self._nfree}
 
     @staticmethod
@@ -220,7 +221,7 @@ class PageAllocator:
     # -- keyed pages -----------------------------------------------------------------------
 
     def alloc_pages(self, n: int) -> np.ndarray:
-        """``n`` fresh keyed pages, held for writing by the caller (``release(write=True)``
+        """``n`` fresh keyed pages, busy for writing by the caller (``release(write=True)``
         ends the write)."""
         with self._lock:
             pages = self._take(n, KEYED)
@@ -233,7 +234,7 @@ class PageAllocator:
         return pages
 
     def release_pages(self, pages: np.ndarray) -> None:
-        """Give keyed pages back (released once nobody holds them)."""
+        """Give keyed pages back (released once no copy uses them)."""
         with self._lock:
             if pages.size <= SMALL_BATCH:  # page by page: fancy indexing costs more here
                 state, kind = self._state, self._kind
@@ -354,7 +355,7 @@ class PageAllocator:
         """Hold ``pages`` for a copy that writes (exclusive) or reads (shared). They must be
         allocated (a concurrent free may have released one since validation, so it is checked
         again here) and, with ``generations`` (a raw copy's, from ``raw_state``), still the
-        raw pages of those generations; no conflicting copy may hold them: else
+        raw pages of those generations; no conflicting copy may be using them: else
         ``PAGE_BUSY``."""
         with self._lock:
             if pages.size <= SMALL_BATCH and self._acquire_small(
@@ -396,7 +397,7 @@ class PageAllocator:
 
     def _acquire_small(self, pages: list[int], write: bool, gens: list[int] | None) -> bool:
         """``acquire`` of a few pages, page by page (numpy's fancy indexing costs more than
-        the whole loop at this size); False, holding nothing, when a page is not free to
+        the whole loop at this size); False, marking nothing busy, when a page is not free to
         take: the caller's batch path then names the fault."""
         state, writer, readers = self._state, self._writer, self._readers
         for p in pages:
@@ -457,8 +458,8 @@ class PageAllocator:
 
     def memcheck(self) -> None:
         """Raise AssertionError when any invariant is broken (the tests call it after every
-        operation): the free stack holds each free page once and nothing else; held pages
-        have one writer or readers, never both; free pages keep no kind, owner or holder;
+        operation): the free stack holds each free page once and nothing else; busy pages
+        have one writer or readers, never both; free pages keep no kind, owner, reader or writer;
         keyed pages have no owner; the releasing count is right."""
         with self._lock:
             n = self.page_num

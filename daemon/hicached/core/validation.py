@@ -168,7 +168,7 @@ class TransferBatch:
     bounds: tuple[tuple[int, int], tuple[int, int]] | None = None
     """``page_bounds()`` when the validation already found them."""
     generations: np.ndarray | None = None
-    """Of raw host pages, as validated: the copy holds them only if they are unchanged."""
+    """Of raw host pages, as validated: the copy uses them only if they are unchanged."""
 
     @property
     def num_pages(self) -> int:

@@ -7,7 +7,7 @@ Primitives:
   records the worker's per-layer events (loads, by ``hicache.layer_groups``), then either
   synchronizes or hands completion to the ``Completer``.
 - ``Completer``: one thread that waits for enqueued work to finish, then runs its callback
-  (unpinning host pages, letting a session release its mappings).
+  (releasing busy host pages, letting a session release its mappings).
 """
 
 from __future__ import annotations

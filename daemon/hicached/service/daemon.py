@@ -24,7 +24,7 @@ Primitives:
   device page ids, as the fast path sends them, not token indices): the whole batch is
   validated first, then the cache commits (pages found, read-held, taken or evicted; the
   session's holds consumed), the copy engine moves the bytes, and the cache finishes (keys
-  become ready, read-holds end).
+  become ready, readers end).
 """
 
 from __future__ import annotations

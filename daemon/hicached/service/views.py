@@ -91,7 +91,7 @@ def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | N
         page_num=pool.page_num, used_pages=used, free_pages=counts["free"],
         capacity_bytes=pool.nbytes, used_bytes=used * pool.spec.page_bytes,
         pinned_bytes=pool.pinned_bytes, sessions=sessions, keys=cache.key_count,
-        keyed_pages=counts["keyed"], raw_pages=counts["raw"], busy_pages=counts["held"],
+        keyed_pages=counts["keyed"], raw_pages=counts["raw"], busy_pages=counts["busy"],
         metadata_bytes=pool.metadata_bytes + pool.page_num * KEY_INDEX_BYTES,
         attach_outcome=pool.outcome.value if pool.outcome else "memory",
         generation=pool.state.generation if pool.state else 0,

@@ -2,7 +2,7 @@
 
 Eviction must never wait on a disk, so the tier is filled ahead of it: a ``Spiller`` thread
 per pool keeps the ``window`` least recently used ready keys written below, taking them in
-small batches with their pages held for reading (an eviction meanwhile takes the key out of
+small batches with their pages busy for reading (an eviction meanwhile takes the key out of
 host memory, but the page is not reused until the write is done). Eviction then drops a key
 whose page is below already or on its way (it stays found, tier 2), or,
 when stores outrun the disk and the window was not written in time, drops it for good and

@@ -13,7 +13,7 @@ Primitives:
   lower tier and its stored-keys cue, and starts the threads; ``close(remove_files)``.
 - ``lookup(keys, holder)`` -> (hit prefix, tier bytes, keys held for ``holder``, if given:
   what host memory has at once, what is below it once a ``Prefetcher`` promoted it);
-  ``hold_for_load(keys, on_promoted, owner)`` -> host pages held for reading (the owner's held
+  ``hold_for_load(keys, on_promoted, owner)`` -> host pages busy for reading (the owner's held
   keys never refused; a promotion in flight waited for); ``promote(keys)``;
   ``remove(keys)`` -> keys that were in some tier; ``clear()`` -> keys dropped from this node;
   ``contents()``: the keys each tier holds (host memory, the disk, what this daemon put to
@@ -193,7 +193,7 @@ class TierStack:
     def hold_for_load(self, keys: Sequence[bytes],
                       on_promoted: Callable[[int], None] = lambda n: None, owner: int = 0
                       ) -> np.ndarray:
-        """The host pages of ``keys`` held for reading, promoting from disk and then from
+        """The host pages of ``keys`` busy for reading, promoting from disk and then from
         the cluster what host memory lacks (first waiting for promotions in flight); once
         more if that did not hold them all (a promotion evicted a key of this very batch, or
         found no free page). Keys ``owner`` holds are never refused. ``KEY_NOT_FOUND`` when
