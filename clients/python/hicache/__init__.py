@@ -16,6 +16,12 @@ part of the daemon:
 - ``paths``: the default socket of a local daemon.
 - ``cuda_driver``: the CUDA driver API through ctypes, loaded on first use only (workers export
   IPC handles with it, the daemon opens them).
+- ``calls``: the calls' typed requests, shared by the client's codecs and the daemon's method
+  table.
+- ``fast_wire``: the fast path's framing: hello, headers, bodies, ``FrameSocket``.
+- ``identity``: a session's id (the capability its worker holds) and its public name.
+- ``polling``: poll before sleeping: the fast path's adaptive window.
+- ``seams``: named points between racing steps, where a test stops one side.
 """
 
 from hicache.errors import HiCacheError

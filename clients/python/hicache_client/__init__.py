@@ -11,6 +11,10 @@ no native extension of ours, and not torch (imported when tensors are made).
 - ``WorkerSession``: an open session with a heartbeat thread (raw backup / load, keyed store /
   load_keys, owned alloc).
 - ``LookupResult``, ``StoreResult``, ``CacheEvent``, ``PoolInfo``, ``TransferStats``: replies.
+- Modules: ``client`` (``HiCacheClient``), ``session`` (``WorkerSession``), ``results`` (the
+  replies), ``codecs`` (a typed request onto either wire; ``HiCacheClient.call`` picks the
+  path), ``fast_path`` (the fast path's connections), ``shm`` (``ShmDeviceBuffers``),
+  ``identity`` (the identity socket: who this worker is, memfds handed over).
 - The engine kit both integrations (SGLang's linker, vLLM's spec) are built on:
   ``engine_config`` (their shared settings), ``pool_names`` (one naming rule), ``link`` (the
   pool and session kept up, late or down), ``pool_setup`` (a pool's size), ``hold_book`` (the

@@ -4,6 +4,10 @@
 - ``events``: the STORED / REMOVED / EVICTED log routers follow.
 - ``pool_cache``: ``PoolCache``: keys -> pages, writing / ready states, store / load / remove /
   clear, eviction, statistics.
+- ``holds``: ``Holder``, ``HoldPolicy``, ``HoldTable``: the books of the holds Lookups take.
+- ``chains``: ``ChainTable``: each recent key's parent and tokens (a Store's chain).
+- ``index_types``: store tickets and status bytes, the ``LowerTier`` protocol, counters.
+- ``key_slots``: which key each page holds, in the state file (crash-ordered).
 
 It sits beside ``copy`` above ``core``: the daemon resolves keys here, moves bytes with the copy
 engine, then finishes here.

@@ -8,4 +8,8 @@
 - ``host_layout``: where each row of a component lives for each host layout.
 - ``pool``: a host pool (members, components, allocator, canary).
 - ``worker_buffers``: a worker's KV buffers (CPU or GPU) checked against a pool's geometry.
+- ``state_file``: a pool's files under the state directory: header, tables, outcomes.
+- ``trusted_paths``: own directories made 0700 and verified, files opened without following
+  links.
+- ``log_limit``: ``LimitedLog``: log lines rate-limited per reason, suppressions said.
 """

@@ -3,6 +3,9 @@
 No gRPC, no wire format: the front ends (``hicached.frontends``) decode calls and run them
 here.
 
+- ``calls``: the method table (``METHODS``): every RPC once, its typed request and result,
+  its handler and gates.
+- ``views``: read models the front ends render: pools, sessions, a pool's events.
 - ``daemon``: ``Daemon``, the state one process serves and the flows of its calls.
 - ``sessions``: worker sessions with leases, reaped when workers go quiet.
 - ``pool_table`` / ``pool_build``: named pools under one memory budget, built in the
