@@ -129,8 +129,7 @@ def scrape(ns: Netns, d: DaemonProc) -> str:
 
 
 def scrape_names(ns: Netns, d: DaemonProc) -> set[str]:
-    return {line.split("{")[0].split(" ")[0] for line in scrape(ns, d).splitlines()
-            if line and not line.startswith("#")}
+    return prom.names(scrape(ns, d))
 
 
 def metric(ns: Netns, d: DaemonProc, name: str) -> float:

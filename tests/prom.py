@@ -4,6 +4,7 @@
   (labels, value).
 - ``value(text, name, **labels)``: the sum of the samples of ``name`` whose labels include
   ``labels``; ``AssertionError`` when none does and no ``default`` is given.
+- ``names(text)``: the name of every sample on the page.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     return [(dict(s.labels), float(s.value))
             for family in text_string_to_metric_families(text) for s in family.samples
             if s.name == name]
+
+
+def names(text: str) -> set[str]:
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def value(text: str, name: str, default: float | object = _NONE, **labels: str) -> float:

@@ -8,7 +8,6 @@ lands in zeroed rows.
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import torch
 from hicache.errors import KeyNotFound
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers, WorkerSession
+from tests import prom
 from tests.daemon_proc import DaemonProc, Daemons, start_daemon
 
 PS = 16
@@ -82,9 +82,7 @@ def metrics(d: DaemonProc) -> str:
 
 
 def value(text: str, name: str) -> float:
-    m = re.search(rf'^{name}{{pool="{SPEC.name}"}} (\S+)$', text, re.M)
-    assert m, name
-    return float(m.group(1))
+    return prom.value(text, name, pool=SPEC.name)
 
 
 @pytest.fixture
@@ -115,7 +113,7 @@ def test_keys_past_host_capacity_spill_and_load_back_exact(filled) -> None:  # t
     text = metrics(d)
     assert value(text, "hicache_tier_promotions_total") >= 64
     assert value(text, "hicache_disk_spill_dropped_pages_total") == 0
-    assert 'hicache_tier_keys{pool="disk",tier="disk"} 96.0' in text
+    assert prom.value(text, "hicache_tier_keys", pool="disk", tier="disk") == 96
 
 
 def test_a_corrupt_page_is_reported_missing_and_counted(filled) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from hicache.errors import KeyNotFound
+from tests import prom
 from tests.daemon_proc import DaemonProc
 from tests.mooncake_cluster import (  # noqa: F401 (fixtures)
     WHY,
@@ -115,7 +116,4 @@ def test_a_node_killed_and_restarted_costs_no_hit_and_no_put(
 
 
 def metric_pool(ns: Netns, d: DaemonProc, name: str, pool: str) -> float:
-    for line in scrape(ns, d).splitlines():
-        if line.startswith(f'{name}{{pool="{pool}"}} '):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} for pool {pool} not exported")
+    return prom.value(scrape(ns, d), name, pool=pool)

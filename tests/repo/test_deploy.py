@@ -19,6 +19,7 @@ from hicached.publish.kv_event_config import KvEventsConfig
 from hicached.server.app import create_server
 from hicached.server.config import ServerConfig
 from hicached.tiers.config import DiskTierConfig
+from tests import prom
 from tests.deploy_files import CLUSTER_TIER, DEPLOY, deploy_metric_names, documented_metric
 from tests.helpers import require_binary
 
@@ -89,8 +90,7 @@ def scraped_names(tmp_path: Path) -> Iterator[set[str]]:
 
         with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as r:
             text = r.read().decode()
-        yield {line.split("{")[0].split(" ")[0] for line in text.splitlines()
-               if line and not line.startswith("#")}
+        yield prom.names(text)
     finally:
         server.drain_and_stop(1.0)
 
