@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from hicache.errors import HiCacheError, PoolExhausted
+from hicached.cache import pool_cache
 from hicached.cache.events import MAX_EVENT_KEYS, EventKind, EventLog
-from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
+from hicached.cache.index_types import EVICTED_AGE_BUCKETS, NO_SPACE, PRESENT, STORED
 from hicached.cache.lru import LRU
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
@@ -44,6 +45,44 @@ def test_lru_policy_orders_by_last_use() -> None:
     lru.discard(K[2])
     assert lru.pop_oldest(2) == [K[1], K[3]] and len(lru) == 1 and K[0] in lru
     assert lru.pop_oldest(5) == [K[0]] and lru.pop_oldest(1) == []
+
+
+def test_lru_tells_each_popped_keys_last_use() -> None:
+    lru = LRU()
+    for i, k in enumerate(K[:4]):
+        lru.add(k, float(i))
+    lru.touch(K[0], 10.0)
+    used: list[float] = []
+    assert lru.pop_oldest(2, used=used) == [K[1], K[2]] and used == [1.0, 2.0]
+    used.clear()  # a busy key passed over, then taken last: its own time follows it
+    assert lru.pop_oldest(2, busy={K[3]}, used=used) == [K[0], K[3]] and used == [10.0, 3.0]
+
+
+def test_evictions_are_counted_by_reason_and_by_idle_time(
+        pool: HostPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Store, a promotion and an Alloc each make room: counted under their reason; each
+    evicted key's idle time (since its last use) lands in its histogram bucket."""
+    clock = [1000.0]
+    monkeypatch.setattr(pool_cache.time, "monotonic", lambda: clock[0])
+    cache = PoolCache(pool)
+    store(cache, K[:4])  # used at 1000
+    clock[0] = 1000.5
+    cache.lookup([K[3]], touch=True)  # K3 used again at 1000.5
+    clock[0] = 1030.0
+    store(cache, [K[4]])  # evicts K0: idle 30 s
+    clock[0] = 1030.05
+    ticket = cache.begin_store([K[5]], "promotion")  # evicts K1: idle 30.05 s
+    cache.finish_store(ticket, True)
+    clock[0] = 5000.0
+    cache.alloc_raw(2 * pool.page_size)  # evicts K2 (idle 4000 s) and K3 (3999.5 s)
+    st = cache.stats
+    assert st.evicted_by == {"store": 1, "promotion": 1, "alloc": 2}
+    assert sum(st.evicted_age) == st.evicted == 4
+    at = {b: n for b, n in zip([*EVICTED_AGE_BUCKETS, float("inf")], st.evicted_age,
+                               strict=True) if n}
+    assert at == {60.0: 2, 21600.0: 2}  # 30, 30.05 s; 4000, 3999.5 s
+    assert st.evicted_age_sum == pytest.approx(30 + 30.05 + 4000 + 3999.5)
+    pool.allocator.memcheck()
 
 
 def test_a_key_is_visible_only_once_its_copy_finished(pool: HostPool) -> None:

@@ -202,6 +202,13 @@ def test_cache_metrics_follow_stores_lookups_and_evictions(served) -> None:  # t
     for status, n in (("stored", 3), ("no_space", 1), ("already_present", 0)):
         assert sample(server, "hicache_cache_store_keys_total", pool="small", status=status) == n
     assert sample(server, "hicache_cache_evicted_pages_total", pool="small") == 1
+    for reason, n in (("store", 1), ("promotion", 0), ("alloc", 0)):  # a Store made room
+        assert sample(server, "hicache_cache_evictions_total", pool="small", reason=reason) == n
+    assert sample(server, "hicache_cache_evicted_age_seconds_count", pool="small") == 1
+    assert sample(server, "hicache_cache_evicted_age_seconds_bucket", pool="small",
+                  le="+Inf") == 1
+    assert 0 <= sample(server, "hicache_cache_evicted_age_seconds_sum", pool="small") < 60
+    assert sample(server, "hicache_cache_hit_ratio", pool="small") == 0.5  # 2 of 4 keys
     assert sample(server, "hicache_cache_lookup_keys_total", pool="small", result="hit") == 2
     assert sample(server, "hicache_cache_lookup_keys_total", pool="small", result="miss") == 2
     assert sample(server, "hicache_cache_load_misses_total", pool="small") == 1

@@ -2,13 +2,13 @@
 protocol, counters.
 
 Primitives: ``STORED`` / ``PRESENT`` / ``NO_SPACE``, ``KEY_INDEX_BYTES``, ``StoreTicket``,
-``LowerTier``, ``CacheStats``.
+``LowerTier``, ``CacheStats``, ``EVICTION_REASONS``, ``EVICTED_AGE_BUCKETS``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -55,6 +55,13 @@ class LowerTier(Protocol):
         for good, the slots free again."""
 
 
+EVICTION_REASONS = ("store", "promotion", "alloc")
+"""What needed the room an eviction made: a Store's new pages, a page read up from the disk or
+the cluster (a LoadKeys' promotion or a prefetch), raw pages for an Alloc."""
+EVICTED_AGE_BUCKETS = (0.1, 1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 21600.0, 86400.0)
+"""Upper bounds (seconds) of the histogram of evicted keys' idle time (the last is +Inf)."""
+
+
 @dataclass
 class CacheStats:
     lookups: int = 0
@@ -80,3 +87,11 @@ class CacheStats:
     """Holds ended with their session."""
     holds_expired: int = 0
     """Holds that reached their deadline unused."""
+    evicted_by: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
+    """Evicted keys by what needed the room (``EVICTION_REASONS``)."""
+    evicted_age: list[int] = field(default_factory=lambda: [0] * (len(EVICTED_AGE_BUCKETS) + 1))
+    """Evicted keys by their idle time (since their last use: stored, hit by a touching
+    Lookup, loaded), one count per ``EVICTED_AGE_BUCKETS`` bound and one above the last."""
+    evicted_age_sum: float = 0.0
+    """The idle times of all evicted keys, summed (seconds)."""

@@ -2,10 +2,11 @@
 
 Primitives:
 
-- ``LRU``: ``add(key)`` (most recently used), ``touch(key)``, ``discard(key)``,
-  ``pop_oldest(n, busy)`` (keys in ``busy`` passed over while others remain), ``oldest(n)``
-  (left in place), ``len``, ``in``. Every operation is O(1) per key (``pop_oldest``: plus the
-  busy keys it passes).
+- ``LRU``: ``add(key, now)`` (most recently used), ``touch(key, now)``, ``discard(key)``,
+  ``pop_oldest(n, busy, used)`` (keys in ``busy`` passed over while others remain; ``used``
+  gets each popped key's last use), ``oldest(n)`` (left in place), ``len``, ``in``. Every
+  operation is O(1) per key (``pop_oldest``: plus the busy keys it passes). ``now`` is the
+  caller's clock (``time.monotonic``), read once per batch.
 
 It holds only the keys that may be evicted now (ready, and not busy: no copy is using their
 pages); the cache adds a key when it becomes evictable and discards it when it stops being so.
@@ -19,11 +20,12 @@ from collections.abc import Collection
 
 class LRU:
     def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._order: OrderedDict[bytes, float] = OrderedDict()
+        """Evictable keys, least recently used first, each with the time of its last use."""
 
-    def add(self, key: bytes) -> None:
-        """Make ``key`` evictable, as the most recently used."""
-        self._order[key] = None
+    def add(self, key: bytes, now: float = 0.0) -> None:
+        """Make ``key`` evictable, as the most recently used (at ``now``)."""
+        self._order[key] = now
         self._order.move_to_end(key)
 
     def oldest(self, n: int) -> list[bytes]:
@@ -35,31 +37,40 @@ class LRU:
             out.append(key)
         return out
 
-    def touch(self, key: bytes) -> None:
-        """Mark ``key`` used now, if it is evictable."""
+    def touch(self, key: bytes, now: float = 0.0) -> None:
+        """Mark ``key`` used at ``now``, if it is evictable."""
         if key in self._order:
             self._order.move_to_end(key)
+            self._order[key] = now
 
     def discard(self, key: bytes) -> None:
         self._order.pop(key, None)
 
-    def pop_oldest(self, n: int, busy: Collection[bytes] = ()) -> list[bytes]:
+    def pop_oldest(self, n: int, busy: Collection[bytes] = (),
+                   used: list[float] | None = None) -> list[bytes]:
         """Up to ``n`` least recently used keys, removed from the policy. Keys in ``busy``
         (whose pages are not freed at once: being spilled) are passed over while other keys
-        remain, and taken last, oldest first."""
+        remain, and taken last, oldest first. ``used``, if given, gets the time of each
+        popped key's last use, in the same order."""
         out: list[bytes] = []
+        order = self._order
         if not busy:
-            while len(out) < n and self._order:
-                out.append(self._order.popitem(last=False)[0])
+            while len(out) < n and order:
+                key, last = order.popitem(last=False)
+                out.append(key)
+                if used is not None:
+                    used.append(last)
             return out
         passed: list[bytes] = []
-        for key in self._order:
+        for key in order:
             if len(out) == n:
                 break
             (passed if key in busy else out).append(key)
         out += passed[:n - len(out)]
         for key in out:
-            del self._order[key]
+            last = order.pop(key)
+            if used is not None:
+                used.append(last)
         return out
 
     def __len__(self) -> int:

@@ -30,10 +30,11 @@ Primitives:
   keys evictable again, most recently used.
 - ``remove(keys)`` (``remove_keys``: which were there), ``clear()``: keys vanish at once from
   every tier, writes below in flight included (see lending); a page a copy or a hold still
-  has is freed when that ends (REMOVED events). Eviction (lock held, ``_evict(n)``): the
-  least recently used ready keys no copy is using (EVICTED events), those whose pages a spill
-  has taken last (their pages come back only when the spill ends: evicting them first would
-  free nothing for the Store or promotion that asked).
+  has is freed when that ends (REMOVED events). Eviction (lock held, ``_evict(n, reason,
+  now)``): the least recently used ready keys no copy is using (EVICTED events), those whose
+  pages a spill has taken last (their pages come back only when the spill ends: evicting them
+  first would free nothing for the Store or promotion that asked); counted by ``reason``
+  (``EVICTION_REASONS``: what needed the room) and by each key's idle time.
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
 - ``stats``: counters for metrics; ``key_count``; ``snapshot()``: the ready keys (what a
   KV event resync announces).
@@ -56,6 +57,7 @@ lock per pool cache, taken before the allocator's (and a lower tier's).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
@@ -68,7 +70,15 @@ from hicache import seams
 from hicache.errors import KeyNotFound
 from hicached.cache.events import EventKind, EventLog
 from hicached.cache.holds import Deadline, Hold, Holder, HoldPolicy, HoldTable
-from hicached.cache.index_types import NO_SPACE, PRESENT, STORED, CacheStats, LowerTier, StoreTicket
+from hicached.cache.index_types import (
+    EVICTED_AGE_BUCKETS,
+    NO_SPACE,
+    PRESENT,
+    STORED,
+    CacheStats,
+    LowerTier,
+    StoreTicket,
+)
 from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
 from hicached.core.pool import HostPool
@@ -135,6 +145,7 @@ class PoolCache:
         found, damaged = self.slots.scan()
         found.sort(key=lambda f: f[2])
         dupes = 0
+        now = time.monotonic()
         with self._lock:
             for page, key, _seq in found:
                 old = self._ready.get(key)
@@ -145,7 +156,7 @@ class PoolCache:
                     dupes += 1
                 self._ready[key] = page
                 self._page_key[page] = key
-                self._lru.add(key)
+                self._lru.add(key, now)
             kept = self._alloc.recover(np.asarray(list(self._page_key), dtype=np.int64))
             if self.pool.canary is not None:  # fingerprints of the pages kept stay
                 every = np.arange(self.pool.page_num, dtype=np.int64)
@@ -193,8 +204,9 @@ class PoolCache:
                 chunk = keys[at:at + LOOKUP_CHUNK]
                 found = bytearray(map(self._ready.__contains__, chunk))
                 if touch:
+                    now = time.monotonic()
                     for key in itertools.compress(chunk, found):
-                        self._lru.touch(key)
+                        self._lru.touch(key, now)
                 if lower is not None and found.count(0):
                     for i in (i for i, f in enumerate(found) if not f):
                         if lower.contains(chunk[i]):
@@ -220,22 +232,23 @@ class PoolCache:
 
     # -- store -----------------------------------------------------------------------------
 
-    def begin_store(self, keys: list[bytes]) -> StoreTicket:
+    def begin_store(self, keys: list[bytes], reason: str = "store") -> StoreTicket:
         status = bytearray(len(keys))
         self.expire_holds()  # pages whose holds ran out are evictable again
+        now = time.monotonic()
         with self._lock:
             new: list[int] = []
             for i, k in enumerate(keys):
                 if k in self._ready:
                     status[i] = PRESENT
-                    self._lru.touch(k)
+                    self._lru.touch(k, now)
                 elif k in self._writing:
                     status[i] = PRESENT
                 else:
                     new.append(i)
             short = len(new) - self._alloc.free_pages
             if short > 0:
-                self._evict(short)
+                self._evict(short, reason, now)
             grant = min(len(new), self._alloc.free_pages)
             pages = self._alloc.alloc_pages(grant) if grant else np.zeros(0, np.int64)
             for i, page in zip(new[:grant], pages.tolist(), strict=True):
@@ -256,6 +269,7 @@ class PoolCache:
         stored: list[bytes] = []
         stored_pages: list[int] = []
         drop: list[int] = []
+        now = time.monotonic()
         with self._lock:
             for i, page, good in zip(ticket.positions.tolist(), ticket.pages.tolist(), oks,
                                      strict=True):
@@ -267,7 +281,7 @@ class PoolCache:
                 del self._writing[key]
                 if good:
                     self._ready[key] = page
-                    self._lru.add(key)
+                    self._lru.add(key, now)
                     ticket.status[i] = STORED
                     stored.append(key)
                     stored_pages.append(page)
@@ -365,7 +379,7 @@ class PoolCache:
         del self._reading[page]
         key = self._page_key.get(page)
         if key is not None and self._ready.get(key) == page:
-            self._lru.add(key)
+            self._lru.add(key, time.monotonic())
 
     # -- holds: what a Lookup promised a session ------------------------------------------
 
@@ -618,10 +632,17 @@ class PoolCache:
         self._drop_pages(np.asarray(pages, dtype=np.int64))
         return keys
 
-    def _evict(self, n: int) -> None:
+    def _evict(self, n: int, reason: str, now: float) -> None:
         # a key being spilled frees its page only when its spill ends: the oldest keys whose
         # pages free at once go first (the spill's own keys stay, the next to go)
-        keys = self._lru.pop_oldest(n, self._spilling)
+        used: list[float] = []
+        keys = self._lru.pop_oldest(n, self._spilling, used)
+        st = self.stats
+        st.evicted_by[reason] += len(keys)
+        for last in used:
+            age = max(now - last, 0.0)
+            st.evicted_age_sum += age
+            st.evicted_age[bisect.bisect_left(EVICTED_AGE_BUCKETS, age)] += 1
         kept = self.kept_below or (self.lower.contains if self.lower is not None else None)
         if kept is not None:  # being written below counts as below: it lands there
             below = sum(k in self._spilling or kept(k) for k in keys)
@@ -650,5 +671,5 @@ class PoolCache:
             need = max(num_tokens, 0) // self.pool.page_size
             short = need - self._alloc.free_pages
             if 0 < short <= len(self._lru) and num_tokens % self.pool.page_size == 0:
-                self._evict(short)
+                self._evict(short, "alloc", time.monotonic())
             return self._alloc.alloc(num_tokens, owner)

@@ -17,6 +17,7 @@ Names: prefix ``hicache_``, base units, ``_total`` for counters; labels ``pool``
 
 from __future__ import annotations
 
+import itertools
 import os
 import selectors
 import socket
@@ -39,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from hicache.errors import all_error_classes
 from hicache.polling import PollCounts
+from hicached.cache.index_types import EVICTED_AGE_BUCKETS
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.publish.kv_event_config import KvEventStats
@@ -224,6 +226,18 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
                                labels=["pool", "result"])
     stores = CounterMetricFamily("hicache_cache_store_keys", "Keys a Store named, by status.",
                                  labels=["pool", "status"])
+    evictions = CounterMetricFamily(
+        "hicache_cache_evictions", "Ready keyed pages evicted, by what needed the room: store "
+        "(a Store's new pages), promotion (a page read up from the disk or the cluster), "
+        "alloc (raw pages for an Alloc).", labels=["pool", "reason"])
+    ages = HistogramMetricFamily(
+        "hicache_cache_evicted_age_seconds", "Idle time of each evicted key at its eviction "
+        "(since its last use: stored, hit by a touching Lookup, loaded); short ones say the "
+        "pool is too small for its working set.", labels=["pool"])
+    ratio = GaugeMetricFamily(
+        "hicache_cache_hit_ratio", "Looked-up keys found, over keys looked up, since the "
+        "daemon started (0 before the first Lookup); over a window: the rate of "
+        "hicache_cache_lookup_keys_total by result.", labels=["pool"])
     for (pool, cache), count in zip(entries, counts, strict=True):
         name, st = pool.spec.name, cache.stats
         ready = cache.key_count
@@ -247,10 +261,18 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
             released.add_metric([name, reason], value)
         keys.add_metric([name, "hit"], st.lookup_hits)
         keys.add_metric([name, "miss"], st.lookup_misses)
+        looked = st.lookup_hits + st.lookup_misses
+        ratio.add_metric([name], st.lookup_hits / looked if looked else 0.0)
+        for reason, value in st.evicted_by.items():
+            evictions.add_metric([name, reason], value)
+        cumulative = list(itertools.accumulate(st.evicted_age))
+        ages.add_metric([name], [*((repr(le), float(n)) for le, n in
+                                   zip(EVICTED_AGE_BUCKETS, cumulative, strict=False)),
+                                 ("+Inf", float(cumulative[-1]))], st.evicted_age_sum)
         for status, value in (("stored", st.stored), ("already_present", st.already_present),
                               ("no_space", st.no_space)):
             stores.add_metric([name, status], value)
-    yield from (*g.values(), *c.values(), keys, stores, released)
+    yield from (*g.values(), *c.values(), keys, stores, released, evictions, ages, ratio)
 
 
 class Metrics:

@@ -323,7 +323,7 @@ def promote_cluster(cache: PoolCache, tier: ClusterTier, keys: Sequence[bytes]) 
         return 0
     if not all(tier.exists(missing)):  # the load fails whole: evict nothing for it
         return 0
-    ticket = cache.begin_store(missing)  # present or being written elsewhere: left alone
+    ticket = cache.begin_store(missing, "promotion")  # present or written elsewhere: left alone
     ticket.chain = False
     if not ticket.pages.size:
         return 0

@@ -99,7 +99,7 @@ def promote(pool: HostPool, cache: PoolCache, tier: DiskTier, keys: Sequence[byt
     below = [k for k in cache.not_ready(keys) if tier.contains(k)]
     if not below:
         return 0
-    ticket = cache.begin_store(below)  # present or in flight elsewhere: left alone
+    ticket = cache.begin_store(below, "promotion")  # present or in flight elsewhere: left alone
     ticket.chain = False
     ok = False
     try:
