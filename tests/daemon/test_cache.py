@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from hicache.errors import HiCacheError, PoolExhausted
-from hicached.cache import pool_cache
 from hicached.cache.events import MAX_EVENT_KEYS, EventKind, EventLog
 from hicached.cache.index_types import EVICTED_AGE_BUCKETS, NO_SPACE, PRESENT, STORED
 from hicached.cache.lru import LRU
@@ -58,13 +57,11 @@ def test_lru_tells_each_popped_keys_last_use() -> None:
     assert lru.pop_oldest(2, busy={K[3]}, used=used) == [K[0], K[3]] and used == [10.0, 3.0]
 
 
-def test_evictions_are_counted_by_reason_and_by_idle_time(
-        pool: HostPool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evictions_are_counted_by_reason_and_by_idle_time(pool: HostPool) -> None:
     """A Store, a promotion and an Alloc each make room: counted under their reason; each
     evicted key's idle time (since its last use) lands in its histogram bucket."""
     clock = [1000.0]
-    monkeypatch.setattr(pool_cache.time, "monotonic", lambda: clock[0])
-    cache = PoolCache(pool)
+    cache = PoolCache(pool, clock=lambda: clock[0])
     store(cache, K[:4])  # used at 1000
     clock[0] = 1000.5
     cache.lookup([K[3]], touch=True)  # K3 used again at 1000.5

@@ -145,7 +145,7 @@ class PoolCache:
         found, damaged = self.slots.scan()
         found.sort(key=lambda f: f[2])
         dupes = 0
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             for page, key, _seq in found:
                 old = self._ready.get(key)
@@ -204,7 +204,7 @@ class PoolCache:
                 chunk = keys[at:at + LOOKUP_CHUNK]
                 found = bytearray(map(self._ready.__contains__, chunk))
                 if touch:
-                    now = time.monotonic()
+                    now = self._clock()
                     for key in itertools.compress(chunk, found):
                         self._lru.touch(key, now)
                 if lower is not None and found.count(0):
@@ -235,7 +235,7 @@ class PoolCache:
     def begin_store(self, keys: list[bytes], reason: str = "store") -> StoreTicket:
         status = bytearray(len(keys))
         self.expire_holds()  # pages whose holds ran out are evictable again
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             new: list[int] = []
             for i, k in enumerate(keys):
@@ -269,7 +269,7 @@ class PoolCache:
         stored: list[bytes] = []
         stored_pages: list[int] = []
         drop: list[int] = []
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             for i, page, good in zip(ticket.positions.tolist(), ticket.pages.tolist(), oks,
                                      strict=True):
@@ -379,7 +379,7 @@ class PoolCache:
         del self._reading[page]
         key = self._page_key.get(page)
         if key is not None and self._ready.get(key) == page:
-            self._lru.add(key, time.monotonic())
+            self._lru.add(key, self._clock())
 
     # -- holds: what a Lookup promised a session ------------------------------------------
 
@@ -671,5 +671,5 @@ class PoolCache:
             need = max(num_tokens, 0) // self.pool.page_size
             short = need - self._alloc.free_pages
             if 0 < short <= len(self._lru) and num_tokens % self.pool.page_size == 0:
-                self._evict(short, "alloc", time.monotonic())
+                self._evict(short, "alloc", self._clock())
             return self._alloc.alloc(num_tokens, owner)
