@@ -138,11 +138,13 @@ class HicachedOffloadingManager(OffloadingManager):
         return held
 
     def _lookup_on(self, link: DaemonLink, keys: list[bytes], deadline: float) -> int:
-        """One pool's held prefix of ``keys``, by ``deadline``, through the link's gate (a
-        session the daemon says is gone is re-opened and asked again, within the deadline)."""
+        """One pool's promised prefix of ``keys`` (held in host memory, then kept on the disk
+        or in the cluster and promoted for the load, as the daemon says), by ``deadline``,
+        through the link's gate (a session the daemon says is gone is re-opened and asked
+        again, within the deadline)."""
         return link.call(deadline, lambda client, session, left: int(client.lookup(
             session.pool, keys[:link.max_keys or None], timeout=left,
-            session_id=session.session_id, hold_ms=self.config.lookup_hold_ms).held))
+            session_id=session.session_id, hold_ms=self.config.lookup_hold_ms).promised))
 
     def _let_go(self, answers: list[tuple[DaemonLink, int]], keys: list[bytes],
                 held: int) -> None:

@@ -10,6 +10,8 @@ prefix: a page in the wrong block, a stale page or a partial copy fails.
 from __future__ import annotations
 
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,39 @@ def test_a_partial_prefix_loads_what_is_shared_and_computes_the_rest(daemon: Dae
     assert got["loaded"] == 3 * BS
     assert got["second"] == CLEAN
     assert got["worker"]["load_pages"] == 3
+
+
+def test_blocks_only_the_disk_tier_holds_are_a_hit_and_load_exact(daemons: Daemons,
+                                                                  tmp_path: Path,
+                                                                  model: str) -> None:
+    """A host pool of four blocks over a disk tier: a prompt's four blocks spilled, then
+    evicted by another prompt's, are found on disk only. A fresh engine's lookup is answered
+    with what the daemon promises (kept on disk for it, promoted for its load), so vLLM is told
+    HIT and loads them back exact, into KV zeroed first."""
+    # the disk is shared by the pools' shares of the memory budget: 64 GiB over the default
+    # 2 GiB budget gives this pool 32 pages below its 4; one session may hold the whole pool
+    # (a promise below host memory is bounded by the session's share of it)
+    d = daemons.start("--disk-path", str(tmp_path / "disk"), "--disk-capacity", "64GiB",
+                      "--max-held-fraction", "1")
+    small = {"pool_size_tokens": 4 * BS}
+    run("store_only", model=model, target=d.target, blocks=4, seed=3, extra=small)
+    (pool,) = vllm_pools(d.target)
+    with HiCacheClient(d.target) as c:
+        wait_for(lambda: c.get_pool(pool).disk_keys >= 4, "the first prompt spilled")
+        run("store_only", model=model, target=d.target, blocks=4, seed=4, extra=small)
+        wait_for(lambda: c.get_pool(pool).disk_keys >= 8, "the second prompt spilled")
+        assert c.get_pool(pool).keys == 4  # host memory holds the second prompt only
+    got = run("reload_only", model=model, target=d.target, blocks=4, seed=3, extra=small)
+    assert got["manager"]["held_blocks"] >= 4, got["manager"]  # promised from the disk
+    assert got["loaded"] == 4 * BS and got["worker"]["load_failures"] == 0
+    assert got["second"] == CLEAN
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f} s"
+        time.sleep(0.02)
 
 
 def test_preemption_flushes_stores_and_every_request_ends_exact(daemon: DaemonProc,
