@@ -384,7 +384,7 @@ def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dic
             time.sleep(min(slow, timeout))
             if timeout < slow:
                 raise DeadlinePassed("too late")
-            return SimpleNamespace(held=len(keys))
+            return SimpleNamespace(held=len(keys), promised=len(keys))
 
         def _release(self, keys: list[bytes], timeout: float) -> None:
             released.append((self.i, len(keys), threading.current_thread().name))
