@@ -37,10 +37,10 @@ def store(cache: PoolCache, keys: list[bytes], ok: bool = True) -> bytes:
 
 def test_lru_policy_orders_by_last_use() -> None:
     lru = LRU()
-    for k in K[:4]:
-        lru.add(k)
-    lru.touch(K[0])
-    lru.touch(b"absent")
+    for i, k in enumerate(K[:4]):
+        lru.add(k, float(i))
+    lru.touch(K[0], 5.0)
+    lru.touch(b"absent", 6.0)
     lru.discard(K[2])
     assert lru.pop_oldest(2) == [K[1], K[3]] and len(lru) == 1 and K[0] in lru
     assert lru.pop_oldest(5) == [K[0]] and lru.pop_oldest(1) == []

@@ -23,7 +23,7 @@ class LRU:
         self._order: OrderedDict[bytes, float] = OrderedDict()
         """Evictable keys, least recently used first, each with the time of its last use."""
 
-    def add(self, key: bytes, now: float = 0.0) -> None:
+    def add(self, key: bytes, now: float) -> None:
         """Make ``key`` evictable, as the most recently used (at ``now``)."""
         self._order[key] = now
         self._order.move_to_end(key)
@@ -37,7 +37,7 @@ class LRU:
             out.append(key)
         return out
 
-    def touch(self, key: bytes, now: float = 0.0) -> None:
+    def touch(self, key: bytes, now: float) -> None:
         """Mark ``key`` used at ``now``, if it is evictable."""
         if key in self._order:
             self._order.move_to_end(key)

@@ -267,7 +267,7 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
             evictions.add_metric([name, reason], value)
         cumulative = list(itertools.accumulate(st.evicted_age))
         ages.add_metric([name], [*((repr(le), float(n)) for le, n in
-                                   zip(EVICTED_AGE_BUCKETS, cumulative, strict=False)),
+                                   zip(EVICTED_AGE_BUCKETS, cumulative[:-1], strict=True)),
                                  ("+Inf", float(cumulative[-1]))], st.evicted_age_sum)
         for status, value in (("stored", st.stored), ("already_present", st.already_present),
                               ("no_space", st.no_space)):
