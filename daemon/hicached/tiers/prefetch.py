@@ -6,21 +6,28 @@ the keys of its hit prefix that only the disk or the cluster has are handed to a
 session (``PoolCache.hold_promoted``). The Lookup never waits for it; a LoadKeys that needs a
 key still being promoted waits for that promotion (``PoolCache.wait_landed``). Until the
 promotion ends, the disk keeps the keys it had of the hit (``DiskTier.hold``; the job's
-``release`` ends that): a spill meanwhile does not evict the promise from under it.
+``release`` ends that): a spill meanwhile does not evict the promise from under it. When the
+hold after the promotion takes fewer keys than were promised (a Store evicted a promoted key
+before it could be held, or another load's promotion landed it and it left again), the disk
+keeps them until the promise's own deadline instead (``release`` runs then): the session's
+LoadKeys promotes them itself, from a disk that still has them.
 
 The queue is bounded (``MAX_QUEUED``): past it a prefetch is dropped and counted, and the
 LoadKeys promotes what it needs itself, as without holds.
 
-Primitives: ``Prefetcher(promote, hold, name)``: ``submit(keys, owner, seconds, release)``
-(False when dropped: ``release`` is then the caller's to call), ``close()``; ``done`` /
-``dropped`` counts.
+Primitives: ``Prefetcher(promote, hold, name, clock)``: ``submit(keys, owner, seconds,
+release)`` (False when dropped: ``release`` is then the caller's to call), ``close()`` (every
+release still due runs); ``done`` / ``dropped`` / ``deferred`` counts.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 log = logging.getLogger(__name__)
@@ -33,13 +40,21 @@ _Job = tuple[list[bytes], int, float, Callable[[], None]]
 
 class Prefetcher:
     def __init__(self, promote: Callable[[Sequence[bytes]], int],
-                 hold: Callable[[int, Sequence[bytes], float], int], name: str) -> None:
+                 hold: Callable[[int, Sequence[bytes], float], int], name: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``promote(keys)`` reads what the lower tiers hold into host memory; ``hold(owner,
-        keys, seconds)`` then holds what host memory has for the session."""
-        self._promote, self._hold = promote, hold
+        keys, seconds)`` then holds what host memory has for the session (how many leading
+        keys it holds)."""
+        self._promote, self._hold, self._clock = promote, hold, clock
         self._q: queue.Queue[_Job | None] = queue.Queue(MAX_QUEUED)
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        """Releases kept until a promise's deadline (a heap; the prefetch thread's own)."""
+        self._seq = itertools.count()
         self.done = 0
         self.dropped = 0
+        self.deferred = 0
+        """Promotions whose keys were not all held after: their release waited for the
+        promise's deadline."""
         self._thread = threading.Thread(target=self._run, name=f"prefetch-{name}",
                                         daemon=True)
         self._thread.start()
@@ -57,18 +72,34 @@ class Prefetcher:
 
     def _run(self) -> None:
         while True:
-            job = self._q.get()
+            self._release_due()
+            wait = max(self._due[0][0] - self._clock(), 0.0) if self._due else None
+            try:
+                job = self._q.get(timeout=wait)
+            except queue.Empty:
+                continue
             if job is None:
                 return
             keys, owner, seconds, release = job
+            held = 0
             try:
                 self._promote(keys)
-                self._hold(owner, keys, seconds)
+                held = self._hold(owner, keys, seconds)
                 self.done += 1
             except Exception:  # a tier that failed: the load promotes (or refuses) itself
                 log.warning("prefetch of %d key(s) failed", len(keys), exc_info=True)
             finally:
-                release()
+                if held >= len(keys):
+                    release()
+                else:  # the disk keeps them for the load until the promise ends
+                    self.deferred += 1
+                    heapq.heappush(self._due, (self._clock() + seconds, next(self._seq),
+                                               release))
+
+    def _release_due(self) -> None:
+        now = self._clock()
+        while self._due and self._due[0][0] <= now:
+            heapq.heappop(self._due)[2]()
 
     def close(self) -> None:
         try:
@@ -76,6 +107,9 @@ class Prefetcher:
         except queue.Full:
             pass
         self._thread.join(10)
+        for _, _, release in self._due:  # promises the daemon no longer keeps
+            release()
+        self._due.clear()
         while True:  # jobs never run: their holds below end too
             try:
                 job = self._q.get_nowait()
