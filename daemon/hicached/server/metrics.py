@@ -44,7 +44,7 @@ from hicached.cache.index_types import EVICTED_AGE_BUCKETS
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
 from hicached.publish.kv_event_config import KvEventStats
-from hicached.server.metrics_tiers import tier_families
+from hicached.server.metrics_tiers import CLUSTER_PREFIXES, tier_families
 from hicached.server.tallies import HistogramColumns, Row, Tally
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack
@@ -315,11 +315,11 @@ class Metrics:
         for io in ("write", "read"):
             self.disk_seconds.labels(io)
         self.cluster_seconds = tuple(Histogram(
-            f"{prefix}op_seconds", ("" if prefix == "hicache_cluster_" else
+            f"{prefix}op_seconds", ("" if prefix == CLUSTER_PREFIXES[0] else
                                     "Deprecated: hicache_cluster_op_seconds says it. ") +
             "Calls to the cluster store (Mooncake), by op: setup, probe, exists, put, get, "
             "remove.", ["op"], buckets=DURATION_BUCKETS, registry=registry)
-            for prefix in ("hicache_cluster_", "hicache_remote_"))
+            for prefix in CLUSTER_PREFIXES)
         """The cluster store's calls, under both names (``hicache_remote_*`` deprecated)."""
         self.promotions = Counter("hicache_tier_promotions",
                                   "Keys read back from a lower tier into host memory by "
