@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from hicache import fast_wire as w
+from hicache.buffers import DeviceBufferSpec
 from hicache.indices import PageIds
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec, Role
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache_client import fast_path as cfp
@@ -20,6 +22,7 @@ from hicached.copy.engine import Op, TransferResult
 from hicached.frontends import fast_codec, grpc_codec
 from hicached.frontends.grpc_service import HostCacheServicer
 from hicached.service import calls
+from hicached.service.views import PoolView
 
 SERVICE = pb.DESCRIPTOR.services_by_name["HostCache"]
 
@@ -31,13 +34,12 @@ def test_the_table_names_every_rpc_of_the_service_and_nothing_else() -> None:
 def test_each_method_has_a_codec_on_every_front_end_that_serves_it() -> None:
     fast_names = {c.name for c in fast_codec.CODECS.values()}
     for m in calls.METHODS.values():
-        if m.request is not None:
-            assert m.name in grpc_codec.CODECS, f"{m.name}: typed, but no gRPC codec"
+        assert m.name in grpc_codec.CODECS, f"{m.name}: no gRPC codec"
         if not m.grpc_only:
             assert m.name in fast_names, f"{m.name}: on the fast path, but no fast codec"
         else:
             assert m.name not in fast_names, f"{m.name}: gRPC-only, yet a fast codec"
-    assert set(grpc_codec.CODECS) == {m.name for m in calls.METHODS.values() if m.request}
+    assert set(grpc_codec.CODECS) == set(calls.METHODS)
     assert {int(x) for x in w.Method} == set(fast_codec.CODECS), \
         "every method number of the framing has a codec"
     assert len(fast_names) == len(fast_codec.CODECS), "one number per method"
@@ -45,18 +47,19 @@ def test_each_method_has_a_codec_on_every_front_end_that_serves_it() -> None:
 
 def test_the_servicer_serves_every_rpc() -> None:
     """No method falls through to the generated base class (UNIMPLEMENTED)."""
-    servicer = HostCacheServicer(daemon=None, drain=lambda g: g)  # type: ignore[arg-type]
+    servicer = HostCacheServicer(daemon=None)  # type: ignore[arg-type]
     for m in SERVICE.methods:
         got = getattr(servicer, m.name)
         base = getattr(pb_grpc.HostCacheServicer, m.name)
         assert getattr(got, "__func__", got) is not base, f"{m.name} is not served"
 
 
-def test_a_method_entry_is_whole_or_untyped() -> None:
-    with pytest.raises(ValueError):
-        calls.Method("X", calls.LookupRequest)
-    with pytest.raises(ValueError):
-        calls.Method("X", grpc_only=False)
+def test_a_server_stream_is_a_grpc_control_call() -> None:
+    for bad in ({"data": True}, {"creates_work": True}, {"grpc_only": False}):
+        with pytest.raises(ValueError):
+            calls.Method("X", calls.NoRequest, calls.Done, calls.ping, stream=True,
+                         **bad)  # type: ignore[arg-type]
+    assert [m.name for m in calls.METHODS.values() if m.stream] == ["WatchEvents"]
 
 
 # -- the codecs against what the client sends and reads --------------------------------------
@@ -222,11 +225,15 @@ def _sample(name: str) -> tuple[object, object]:
     return r, r
 
 
-@pytest.mark.parametrize("name", sorted(client_codecs.CODECS))
+FAST_NAMES = sorted(n for n, c in client_codecs.CODECS.items() if c.fast is not None)
+
+
+@pytest.mark.parametrize("name", FAST_NAMES)
 def test_what_the_client_sends_the_daemon_reads_as_the_same_request(name: str) -> None:
     """Encoded by the client's codec, decoded by the daemon's front end: the same typed
     request (``hicache.calls``) on both wires."""
     codec = client_codecs.CODECS[name]
+    assert codec.fast is not None
     g, f = _sample(name)
     body = b"".join(codec.body(f))
     got_fast = fast_codec.CODECS[codec.fast].decode(w.Reader(body), codec.flags(f), 1000)
@@ -241,8 +248,82 @@ def test_what_the_client_sends_the_daemon_reads_as_the_same_request(name: str) -
     assert _same(got_grpc, g), (got_grpc, g)
 
 
-def test_every_method_the_fast_path_carries_has_a_client_codec() -> None:
-    assert set(client_codecs.CODECS) == {m.name for m in calls.METHODS.values()
-                                         if not m.grpc_only}
+def test_every_method_has_a_client_codec_and_the_fast_ones_a_fast_codec() -> None:
+    assert set(client_codecs.CODECS) == set(calls.METHODS)
+    assert set(FAST_NAMES) == {m.name for m in calls.METHODS.values() if not m.grpc_only}
+    for name in FAST_NAMES:
+        fast = client_codecs.CODECS[name].fast
+        assert fast is not None and fast_codec.CODECS[fast].name == name
     for name, codec in client_codecs.CODECS.items():
-        assert fast_codec.CODECS[codec.fast].name == name
+        assert codec.grpc == name
+        # a call that changes state once is never sent twice by the client's retry
+        assert codec.retry == (name not in {"DeletePool", "Alloc", "Free", "CloseSession",
+                                            "OpenSession", "Drain"}), name
+
+
+# -- the control calls: the client's request, the daemon's typed request, the reply --------
+
+SPEC = PoolSpec("p", KVGeometry(PoolKind.MHA, DType.FLOAT16, 2, 1, 8), 16, size_tokens=1024)
+BUFFER = DeviceBufferSpec(member="kv", role=Role.K, layer=0, shape=(16, 1, 8),
+                          dtype=DType.FLOAT16, strides=(), transport="shm", path="/dev/shm/x",
+                          offset=0, nbytes=4096)
+
+
+def _control(name: str) -> object:
+    return {
+        "RemoveKeys": rq.KeysRequest("p", KEYS), "ClearPool": rq.PoolRequest("p"),
+        "DeletePool": rq.PoolRequest("p"), "GetPool": rq.PoolRequest("p"),
+        "ListSessions": rq.PoolRequest("p"), "Alloc": rq.AllocRequest("p", 64, "sid"),
+        "Free": rq.FreeRequest("p", PAGES), "CloseSession": rq.SessionRequest("sid"),
+        "CreatePool": rq.CreatePoolRequest(SPEC), "Drain": rq.DrainRequest(2.5),
+        "WatchEvents": rq.WatchEventsRequest("p", 7, True), "GetInfo": rq.NoRequest(),
+        "Ping": rq.NoRequest(), "ListPools": rq.NoRequest(),
+    }[name]
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n, m in calls.METHODS.items() if m.grpc_only and n != "OpenSession"))
+def test_a_control_call_reaches_the_daemon_as_the_request_the_client_made(name: str) -> None:
+    q = _control(name)
+    message = client_codecs.CODECS[name].message(q)
+    wire = type(message).FromString(message.SerializeToString())
+    got = grpc_codec.CODECS[name].decode(wire)
+    assert type(got) is calls.METHODS[name].request
+    if name == "WatchEvents":  # the daemon's side adds whether its watcher is there
+        got = got._replace(active=q.active)  # type: ignore[attr-defined]
+    assert _same(got, q), (got, q)
+
+
+def test_open_session_decodes_its_buffers_only_when_asked() -> None:
+    """The daemon checks who asks before it reads the buffers: the decode defers them."""
+    q = rq.OpenSessionRequest("p", "w", [BUFFER], [b"e"], b"r", 500, "tok")
+    message = client_codecs.CODECS["OpenSession"].message(q)
+    got = grpc_codec.CODECS["OpenSession"].decode(message)
+    assert callable(got.buffers)
+    assert got._replace(buffers=[]) == q._replace(buffers=[])
+    assert got.buffers() == [BUFFER]
+    bad = pb.OpenSessionRequest(pool="p", buffers=[pb.DeviceBuffer()])  # no handle
+    lazy = grpc_codec.CODECS["OpenSession"].decode(bad)  # not refused yet
+    from hicache.errors import SpecInvalid
+
+    with pytest.raises(SpecInvalid):
+        lazy.buffers()
+
+
+def test_control_results_read_back_as_the_client_returns_them() -> None:
+    """The daemon's results encoded by its codec, read by the client's."""
+    cc, gc = client_codecs.CODECS, grpc_codec.CODECS
+    assert cc["RemoveKeys"].from_grpc(gc["RemoveKeys"].encode(calls.Count(5))) == 5
+    assert cc["ClearPool"].from_grpc(gc["ClearPool"].encode(calls.Count(6))) == 6
+    assert cc["Free"].from_grpc(gc["Free"].encode(calls.Count(2))) == 2
+    assert np.array_equal(cc["Alloc"].from_grpc(gc["Alloc"].encode(PAGES)), PAGES)
+    view = PoolView(spec=SPEC, size_tokens=1024, page_bytes=SPEC.page_bytes, keys=3,
+                    busy_pages=2, cluster_puts=4)
+    info = cc["GetPool"].from_grpc(gc["GetPool"].encode(view))
+    assert (info.spec.name, info.keys, info.busy_pages, info.cluster_puts) == ("p", 3, 2, 4)
+    raw = gc["GetPool"].encode(view)
+    assert raw.pinned_pages == 2 and raw.remote_puts == 4  # deprecated names, same values
+    assert [p.spec.name for p in gc["ListPools"].encode([view, view]).pools] == ["p", "p"]
+    drained = gc["Drain"].encode(calls.DrainResult(3, 30.0, True))
+    assert (drained.in_flight, drained.grace_seconds, drained.already_draining) == (3, 30, 1)
+    assert cc["Ping"].from_grpc(gc["Ping"].encode(calls.Done())) is None

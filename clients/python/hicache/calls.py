@@ -7,16 +7,20 @@ client's codecs (``hicache_client.codecs``) encode them onto either wire. Immuta
 
 Primitives: ``LookupRequest``, ``StoreRequest``, ``LoadKeysRequest``, ``TransferRequest``
 (Backup, Load), ``SessionRequest`` (Heartbeat, CloseSession), ``ReleaseHoldsRequest``,
-``KeysRequest`` (RemoveKeys), ``PoolRequest`` (ClearPool, DeletePool), ``AllocRequest``,
-``FreeRequest``.
+``KeysRequest`` (RemoveKeys), ``PoolRequest`` (ClearPool, DeletePool, GetPool, ListSessions),
+``AllocRequest``, ``FreeRequest``, ``CreatePoolRequest``, ``OpenSessionRequest``,
+``DrainRequest``, ``WatchEventsRequest``, ``NoRequest`` (Ping, GetInfo, ListPools).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from hicache.buffers import DeviceBufferSpec
 from hicache.indices import IndexArray, PageIds
+from hicache.specs import PoolSpec
+from hicache.v1 import hicache_pb2 as pb
 
 
 class LookupRequest(NamedTuple):
@@ -91,6 +95,7 @@ class KeysRequest(NamedTuple):
 
 class PoolRequest(NamedTuple):
     pool: str
+    """The pool's name (ListSessions: "" for every pool's sessions)."""
 
 
 class AllocRequest(NamedTuple):
@@ -103,3 +108,51 @@ class AllocRequest(NamedTuple):
 class FreeRequest(NamedTuple):
     pool: str
     host: IndexArray
+
+
+class NoRequest(NamedTuple):
+    """A call that names nothing (Ping, GetInfo, ListPools)."""
+
+
+class CreatePoolRequest(NamedTuple):
+    spec: PoolSpec | pb.PoolSpec
+    """A client may send a spec as its wire message (the daemon checks it as any other); the
+    daemon's decode makes it a ``PoolSpec``."""
+
+
+BufferSource = (Sequence[DeviceBufferSpec | pb.DeviceBuffer]
+                | Callable[[], list[DeviceBufferSpec]])
+"""A session's buffers (a client may send wire messages as they are), or (the daemon's
+decode) what decodes them: called once the caller's access to the pool was checked, so a
+refused caller's buffers are never read."""
+
+
+class OpenSessionRequest(NamedTuple):
+    pool: str
+    worker_id: str
+    buffers: BufferSource
+    layer_events: list[bytes]
+    """IPC handles of the worker's interprocess CUDA events, one per layer group."""
+    ready_event: bytes = b""
+    lease_ms: int = 0
+    """0: the daemon's default lease."""
+    peer_token: str = ""
+    """From the identity socket: who asks, and the fds of its memfd buffers."""
+
+
+class DrainRequest(NamedTuple):
+    grace_seconds: float = 0.0
+    """0: the daemon's configured grace."""
+
+
+def _forever() -> bool:
+    return True
+
+
+class WatchEventsRequest(NamedTuple):
+    pool: str
+    after_seq: int = 0
+    all_tiers: bool = False
+    """Every tier's events, not only host memory's."""
+    active: Callable[[], bool] = _forever
+    """The daemon's side: whether the watcher is still there (its transport says)."""

@@ -43,14 +43,22 @@ import numpy as np
 from hicache import fast_wire as w
 from hicache.buffers import DeviceBufferSpec
 from hicache.calls import (
+    AllocRequest,
+    CreatePoolRequest,
+    DrainRequest,
+    FreeRequest,
+    KeysRequest,
     LoadKeysRequest,
     LookupRequest,
+    NoRequest,
+    OpenSessionRequest,
+    PoolRequest,
     ReleaseHoldsRequest,
     SessionRequest,
     StoreRequest,
     TransferRequest,
+    WatchEventsRequest,
 )
-from hicache.codec import buffer_to_proto, spec_to_proto
 from hicache.error_mapping import from_rpc_error
 from hicache.errors import (
     Draining,
@@ -62,7 +70,7 @@ from hicache.errors import (
     error_class_for,
 )
 from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
-from hicache.indices import IndexArray, PageIds, indices_to_bytes, to_index_array
+from hicache.indices import IndexArray, PageIds
 from hicache.keys import check_namespace, encode_keys
 from hicache.paths import default_target
 from hicache.polling import DEFAULT_MAX_US
@@ -94,6 +102,7 @@ client asks the daemon again."""
 
 
 _INT64 = np.dtype("<i8")
+_NONE = NoRequest()
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray | bytes | None) -> bytes | None:
@@ -229,7 +238,7 @@ class HiCacheClient:
     # -- RPCs ------------------------------------------------------------------------------
 
     def ping(self) -> None:
-        self._call(self._stub.Ping, pb.PingRequest(), retry=True)
+        self.call("Ping", _NONE)
 
     def health(self, service: str = "") -> bool:
         """gRPC health of ``service`` ("" = the process, ``hicache.v1.HostCache`` = ready for
@@ -244,8 +253,7 @@ class HiCacheClient:
         return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
     def get_info(self) -> pb.GetInfoResponse:
-        info: pb.GetInfoResponse = self._call(self._stub.GetInfo, pb.GetInfoRequest(),
-                                              retry=True)
+        info: pb.GetInfoResponse = self.call("GetInfo", _NONE)
         return info
 
     def create_pool(self, spec: PoolSpec | pb.PoolSpec, *, wait: bool = True,
@@ -253,45 +261,40 @@ class HiCacheClient:
         """Create the pool (or find it). The daemon answers at once and builds a new pool in
         the background; with ``wait`` this returns once it is READY (or raises the error its
         build failed with, or ``POOL_NOT_READY`` after ``wait_seconds``)."""
-        msg = spec if isinstance(spec, pb.PoolSpec) else spec_to_proto(spec)
-        info = PoolInfo.from_proto(self._call(self._stub.CreatePool,
-                                              pb.CreatePoolRequest(spec=msg), retry=True,
-                                              pool=msg.name))
+        name = spec.name
+        info: PoolInfo = self.call("CreatePool", CreatePoolRequest(spec), pool=name)
         deadline, delay = time.monotonic() + wait_seconds, 0.01
         while wait and info.state == "CREATING":
             if time.monotonic() > deadline:
-                raise PoolNotReady(f"pool {msg.name} still building after {wait_seconds:.0f}s "
+                raise PoolNotReady(f"pool {name} still building after {wait_seconds:.0f}s "
                                    f"({info.progress:.0%})",
-                                   metadata={"pool": msg.name, "state": info.state})
+                                   metadata={"pool": name, "state": info.state})
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
-            info = self.get_pool(msg.name)
+            info = self.get_pool(name)
         if wait and info.state == "FAILED":
-            raise error_class_for(info.error_reason)(info.error, metadata={"pool": msg.name})
+            raise error_class_for(info.error_reason)(info.error, metadata={"pool": name})
         return info
 
     def get_pool(self, name: str) -> PoolInfo:
         """The pool in any state (``state``: READY, CREATING with ``progress``, FAILED)."""
-        return PoolInfo.from_proto(self._call(self._stub.GetPool, pb.GetPoolRequest(name=name),
-                                              retry=True))
+        info: PoolInfo = self.call("GetPool", PoolRequest(name))
+        return info
 
     def list_pools(self) -> list[PoolInfo]:
         return [PoolInfo.from_proto(p) for p in self.list_pools_raw().pools]
 
     def list_pools_raw(self) -> pb.ListPoolsResponse:
         """The wire response, for tools that print it as is."""
-        resp: pb.ListPoolsResponse = self._call(self._stub.ListPools, pb.ListPoolsRequest(),
-                                                retry=True)
+        resp: pb.ListPoolsResponse = self.call("ListPools", _NONE)
         return resp
 
     def delete_pool(self, name: str) -> None:
-        self._call(self._stub.DeletePool, pb.DeletePoolRequest(name=name), retry=False,
-                   pool=name)
+        self.call("DeletePool", PoolRequest(name), pool=name)
 
     def drain(self, grace_seconds: float = 0.0) -> pb.DrainResponse:
         """Begin the daemon's graceful shutdown (as SIGTERM); 0 = its configured grace."""
-        resp: pb.DrainResponse = self._call(
-            self._stub.Drain, pb.DrainRequest(grace_seconds=grace_seconds), retry=False)
+        resp: pb.DrainResponse = self.call("Drain", DrainRequest(grace_seconds))
         return resp
 
     def open_session(self, pool: str, worker_id: str,
@@ -304,16 +307,13 @@ class HiCacheClient:
         sessions may pass the IPC handles of interprocess events the worker owns:
         ``layer_events`` are recorded by the daemon as layer groups of a load land,
         ``ready_event`` is waited on before each copy."""
-        msgs = [b if isinstance(b, pb.DeviceBuffer) else buffer_to_proto(b) for b in buffers]
         token = self.peer_token(fds)
         if fds and not token:
             raise TransportUnavailable(
                 "memfd buffers travel over the daemon's identity socket (<socket>.id), which "
                 f"{self.target} does not offer", metadata={"target": self.target})
-        s = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
-            pool=pool, worker_id=worker_id, buffers=msgs, lease_ms=lease_ms,
-            layer_events=list(layer_events), ready_event=ready_event,
-            peer_token=token), retry=False)
+        s: pb.Session = self.call("OpenSession", OpenSessionRequest(
+            pool, worker_id, buffers, list(layer_events), ready_event, lease_ms, token))
         session = WorkerSession(self, s, heartbeat)
         self._sessions.add(session)
         self._page_sizes[s.session_id] = int(s.page_size)
@@ -329,33 +329,30 @@ class HiCacheClient:
 
     def heartbeat(self, session_id: str, *, timeout: float | None = None) -> pb.Session:
         """Extend the lease; the session as the daemon sees it (``loads_in_flight`` too)."""
-        s: pb.Session = self._call(self._stub.Heartbeat,
-                                   pb.HeartbeatRequest(session_id=session_id), retry=True,
-                                   timeout=timeout)
+        s: pb.Session = self.call("Heartbeat", SessionRequest(session_id), timeout=timeout)
         return s
 
     def close_session(self, session_id: str) -> None:
         self._page_sizes.pop(session_id, None)
-        self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id),
-                   retry=False, pool=None if not is_public_id(session_id) else "")
+        self.call("CloseSession", SessionRequest(session_id),
+                  pool=None if not is_public_id(session_id) else "")
 
     def list_sessions(self, pool: str = "") -> list[pb.Session]:
-        return list(self._call(self._stub.ListSessions, pb.ListSessionsRequest(pool=pool),
-                               retry=True).sessions)
+        sessions: list[pb.Session] = self.call("ListSessions", PoolRequest(pool))
+        return sessions
 
     def alloc(self, pool: str, num_tokens: int, session_id: str = "") -> torch.Tensor:
         """Token indices of fresh raw host pages, as an int64 tensor; owned by
         ``session_id`` (freed when it ends) when one is given."""
         import torch
 
-        resp = self._call(self._stub.Alloc, pb.AllocRequest(
-            pool=pool, num_tokens=num_tokens, session_id=session_id), retry=False, pool=pool)
-        return torch.from_numpy(to_index_array(resp.host_indices, "host_indices").copy())
+        return torch.from_numpy(self.call("Alloc", AllocRequest(pool, num_tokens, session_id),
+                                          pool=pool))
 
     def free(self, pool: str, host_indices: object) -> int:
-        resp = self._call(self._stub.Free, pb.FreeRequest(
-            pool=pool, host_indices=indices_to_bytes(host_indices)), retry=False, pool=pool)
-        return int(resp.pages_freed)
+        freed: int = self.call("Free", FreeRequest(pool, host_indices),  # type: ignore[arg-type]
+                               pool=pool)
+        return freed
 
     # -- choosing the path -------------------------------------------------------------------
 
@@ -444,19 +441,20 @@ class HiCacheClient:
 
     def call(self, name: str, request: Any, fast_request: Any = None, *,
              timeout: float | None = None, pool: str | None = None) -> Any:
-        """One data call (``codecs.CODECS[name]``): over the fast path when ``fast_request``
+        """One call (``codecs.CODECS[name]``): over the fast path when ``fast_request``
         is given (the request as the fast path carries it: device indices as page ids, the
-        pool's credential in it) and the path is there, else ``request`` over gRPC. Either
-        way the same result, or the same domain error."""
+        pool's credential in it) and the path is there, else ``request`` over gRPC (retried
+        where the call is idempotent). Either way the same result, or the same domain error.
+        ``pool``: the pool a pool-level call acts on (see ``_call``)."""
         codec = CODECS[name]
         start = time.monotonic()
-        if fast_request is not None:
+        if fast_request is not None and codec.fast is not None:
             got = self._fast_call(codec.fast, lambda: codec.body(fast_request),
                                   codec.flags(fast_request), timeout)
             if got is not None:
                 return codec.from_fast(got, fast_request)
         return codec.from_grpc(self._call(getattr(self._stub, codec.grpc),
-                                          codec.message(request), retry=True,
+                                          codec.message(request), retry=codec.retry,
                                           timeout=_left(start, timeout), pool=pool))
 
     def beat(self, session_id: str) -> None:
@@ -610,16 +608,13 @@ class HiCacheClient:
     # -- the cache's control calls ---------------------------------------------------------
 
     def remove_keys(self, pool: str, keys: Sequence[bytes | str]) -> int:
-        r = self._call(self._stub.RemoveKeys,
-                       pb.RemoveKeysRequest(pool=pool, keys=encode_keys(keys)), retry=True,
-                       pool=pool)
-        return int(r.removed)
+        removed: int = self.call("RemoveKeys", KeysRequest(pool, encode_keys(keys)), pool=pool)
+        return removed
 
     def clear_pool(self, pool: str) -> int:
         """Drop every key of the pool (raw pages stay); returns how many."""
-        r = self._call(self._stub.ClearPool, pb.ClearPoolRequest(pool=pool), retry=True,
-                       pool=pool)
-        return int(r.keys_removed)
+        removed: int = self.call("ClearPool", PoolRequest(pool), pool=pool)
+        return removed
 
     def watch_events(self, pool: str, after_seq: int = 0, *, all_tiers: bool = False
                      ) -> EventStream:
@@ -628,9 +623,8 @@ class HiCacheClient:
         metadata = self._credentials(pool)
         if not metadata and self.target.startswith("unix:"):
             metadata = [(PEER_TOKEN_HEADER, self.peer_token())]  # in case a rule covers it
-        return EventStream(self._stub.WatchEvents(
-            pb.WatchEventsRequest(pool=pool, after_seq=after_seq, all_tiers=all_tiers),
-            metadata=metadata))
+        return EventStream(self._stub.WatchEvents(CODECS["WatchEvents"].message(
+            WatchEventsRequest(pool, after_seq, all_tiers)), metadata=metadata))
 
 
 class EventStream:

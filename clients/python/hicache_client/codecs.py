@@ -1,13 +1,15 @@
 """The client's codecs: ``hicache.calls``' typed requests onto either wire, replies as results.
 
 The daemon decodes both wires into the same typed requests (``hicached.frontends``'
-``fast_codec`` and ``grpc_codec``); here each data call is the mirror image, one
-``ClientCodec`` per method: the fast path's body and flags for a request (its indices as
-page ids), the protobuf message for a request (its indices as token indices), and each
-wire's reply as the client's result. ``HiCacheClient.call`` picks the path.
+``fast_codec`` and ``grpc_codec``); here each call is the mirror image, one ``ClientCodec``
+per method of the service: the protobuf message for a request (its indices as token
+indices), the reply as the client's result, whether the call may be sent again (it is
+idempotent), and, for the calls the fast path carries, the frame's body and flags for a
+request (its indices as page ids) and its reply as the result. ``HiCacheClient.call`` picks
+the path.
 
-Primitives: ``ClientCodec`` (``grpc``, ``fast``, ``body``, ``flags``, ``from_fast``,
-``message``, ``from_grpc``), ``CODECS`` (by the method's gRPC name).
+Primitives: ``ClientCodec`` (``grpc``, ``message``, ``from_grpc``, ``retry``, ``fast``,
+``body``, ``flags``, ``from_fast``), ``CODECS`` (by the method's gRPC name).
 """
 
 from __future__ import annotations
@@ -19,28 +21,39 @@ import numpy as np
 
 from hicache import calls as c
 from hicache import fast_wire as w
-from hicache.indices import PageIds, indices_to_bytes
+from hicache.codec import buffer_to_proto, spec_to_proto
+from hicache.indices import PageIds, indices_to_bytes, to_index_array
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client import fast_path as fp
-from hicache_client.results import LookupResult, StoreResult, TransferStats
+from hicache_client.results import LookupResult, PoolInfo, StoreResult, TransferStats
+
+
+def _same(reply: Any) -> Any:
+    return reply
+
+
+def _nothing(reply: Any) -> None:
+    return None
 
 
 class ClientCodec(NamedTuple):
     grpc: str
     """The method's name: the gRPC stub's attribute."""
-    fast: w.Method
-    """Its number on the fast path."""
-    body: Callable[[Any], list[bytes]]
-    """The request (device indices as ``PageIds``) as a fast-path body (``ValueError``: the
-    framing cannot carry it; the call goes over gRPC)."""
-    flags: Callable[[Any], int]
-    """The frame's flags for the request."""
-    from_fast: Callable[[bytes, Any], Any]
-    """(reply body, request) -> the result."""
     message: Callable[[Any], Any]
     """The request (device indices as token indices) as its protobuf message."""
-    from_grpc: Callable[[Any], Any]
-    """The protobuf reply -> the result."""
+    from_grpc: Callable[[Any], Any] = _same
+    """The protobuf reply -> the result (by default the reply itself)."""
+    retry: bool = True
+    """Idempotent: sent again while the daemon is away, draining or overloaded."""
+    fast: w.Method | None = None
+    """Its number on the fast path (None: gRPC only)."""
+    body: Callable[[Any], list[bytes]] = lambda q: []
+    """The request (device indices as ``PageIds``) as a fast-path body (``ValueError``: the
+    framing cannot carry it; the call goes over gRPC)."""
+    flags: Callable[[Any], int] = lambda q: 0
+    """The frame's flags for the request."""
+    from_fast: Callable[[bytes, Any], Any] = lambda data, q: None
+    """(reply body, request) -> the result."""
 
 
 def _ids(x: Any) -> Any:
@@ -99,55 +112,97 @@ def _transfer_message(q: c.TransferRequest) -> pb.TransferRequest:
 
 def _raw(method: w.Method, name: str) -> ClientCodec:
     return ClientCodec(
-        name, method,
+        name, _transfer_message, TransferStats.from_proto, True, method,
         lambda q: fp.raw_body(q.session_id, _ids(q.host), _ids(q.device), q.layers,
                               q.deadline_ns),
         lambda q: _events(q.layer_events, q.deadline_ns),
-        lambda data, q: fp.decode_transfer(data), _transfer_message,
-        TransferStats.from_proto)
+        lambda data, q: fp.decode_transfer(data))
+
+
+def _open_session(q: c.OpenSessionRequest) -> pb.OpenSessionRequest:
+    assert not callable(q.buffers), "the daemon's decode, not a client's request"
+    return pb.OpenSessionRequest(
+        pool=q.pool, worker_id=q.worker_id, lease_ms=q.lease_ms,
+        buffers=[b if isinstance(b, pb.DeviceBuffer) else buffer_to_proto(b)
+                 for b in q.buffers],
+        layer_events=list(q.layer_events), ready_event=q.ready_event,
+        peer_token=q.peer_token)
 
 
 CODECS: dict[str, ClientCodec] = {
     "Lookup": ClientCodec(
-        "Lookup", w.Method.LOOKUP,
-        lambda q: fp.lookup_body(q.pool, q.session_id, q.keys, q.hold_ms),
-        lambda q: ((w.FLAG_HOLD if q.hold_ms else 0) | (w.FLAG_TOUCH if q.touch else 0)
-                   | (w.FLAG_PROMISE if q.hold_ms and q.promise else 0)),
-        lambda data, q: fp.decode_lookup(data, bool(q.hold_ms), q.promise),
+        "Lookup",
         lambda q: pb.LookupRequest(pool=q.pool, keys=q.keys, session_id=q.session_id,
                                    hold_ms=q.hold_ms, touch=q.touch),
         lambda r: LookupResult(r.hit_prefix, bytes(r.tiers), r.hits, r.held,
-                               r.promised if r.HasField("promised") else -1)),
+                               r.promised if r.HasField("promised") else -1),
+        True, w.Method.LOOKUP,
+        lambda q: fp.lookup_body(q.pool, q.session_id, q.keys, q.hold_ms),
+        lambda q: ((w.FLAG_HOLD if q.hold_ms else 0) | (w.FLAG_TOUCH if q.touch else 0)
+                   | (w.FLAG_PROMISE if q.hold_ms and q.promise else 0)),
+        lambda data, q: fp.decode_lookup(data, bool(q.hold_ms), q.promise)),
     "Store": ClientCodec(
-        "Store", w.Method.STORE,
+        "Store", _store_message, StoreResult.from_proto, True, w.Method.STORE,
         lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,
                                 q.deadline_ns, _chain(q), _namespace(q)),
         lambda q: ((w.FLAG_CHAIN if _chain(q) is not None else 0)
                    | (w.FLAG_NAMESPACE if _namespace(q) is not None else 0)
                    | (w.FLAG_DEADLINE if q.deadline_ns else 0)),
-        lambda data, q: fp.decode_store(data), _store_message, StoreResult.from_proto),
+        lambda data, q: fp.decode_store(data)),
     "LoadKeys": ClientCodec(
-        "LoadKeys", w.Method.LOAD_KEYS,
-        lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,
-                                q.deadline_ns),
-        lambda q: _events(q.layer_events, q.deadline_ns),
-        lambda data, q: fp.decode_transfer(data),
+        "LoadKeys",
         lambda q: pb.LoadKeysRequest(
             session_id=q.session_id, keys=q.keys, device_indices=indices_to_bytes(q.device),
             layer_begin=q.layers[0], layer_end=q.layers[1],
             completion=_completion(q.layer_events), deadline_unix_ns=q.deadline_ns),
-        TransferStats.from_proto),
+        TransferStats.from_proto, True, w.Method.LOAD_KEYS,
+        lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,
+                                q.deadline_ns),
+        lambda q: _events(q.layer_events, q.deadline_ns),
+        lambda data, q: fp.decode_transfer(data)),
     "Backup": _raw(w.Method.BACKUP, "Backup"),
     "Load": _raw(w.Method.LOAD, "Load"),
     "Heartbeat": ClientCodec(
-        "Heartbeat", w.Method.HEARTBEAT, lambda q: fp.session_body(q.session_id),
-        lambda q: 0, lambda data, q: None,
-        lambda q: pb.HeartbeatRequest(session_id=q.session_id), lambda r: None),
+        "Heartbeat", lambda q: pb.HeartbeatRequest(session_id=q.session_id), _same, True,
+        w.Method.HEARTBEAT, lambda q: fp.session_body(q.session_id)),
     "ReleaseHolds": ClientCodec(
-        "ReleaseHolds", w.Method.RELEASE_HOLDS,
-        lambda q: fp.release_body(q.session_id, q.keys or []), lambda q: 0,
-        lambda data, q: int(fp.U32.unpack(data)[0]),
+        "ReleaseHolds",
         lambda q: pb.ReleaseHoldsRequest(session_id=q.session_id, keys=q.keys or []),
-        lambda r: int(r.released)),
+        lambda r: int(r.released), True, w.Method.RELEASE_HOLDS,
+        lambda q: fp.release_body(q.session_id, q.keys or []), lambda q: 0,
+        lambda data, q: int(fp.U32.unpack(data)[0])),
+    # over gRPC only
+    "RemoveKeys": ClientCodec("RemoveKeys",
+                              lambda q: pb.RemoveKeysRequest(pool=q.pool, keys=q.keys),
+                              lambda r: int(r.removed)),
+    "ClearPool": ClientCodec("ClearPool", lambda q: pb.ClearPoolRequest(pool=q.pool),
+                             lambda r: int(r.keys_removed)),
+    "DeletePool": ClientCodec("DeletePool", lambda q: pb.DeletePoolRequest(name=q.pool),
+                              _nothing, retry=False),
+    "Alloc": ClientCodec("Alloc", lambda q: pb.AllocRequest(
+        pool=q.pool, num_tokens=q.num_tokens, session_id=q.session_id),
+        lambda r: to_index_array(r.host_indices, "host_indices").copy(), retry=False),
+    "Free": ClientCodec("Free", lambda q: pb.FreeRequest(
+        pool=q.pool, host_indices=indices_to_bytes(q.host)), lambda r: int(r.pages_freed),
+        retry=False),
+    "CloseSession": ClientCodec("CloseSession",
+                                lambda q: pb.CloseSessionRequest(session_id=q.session_id),
+                                _nothing, retry=False),
+    "CreatePool": ClientCodec("CreatePool", lambda q: pb.CreatePoolRequest(
+        spec=q.spec if isinstance(q.spec, pb.PoolSpec) else spec_to_proto(q.spec)),
+        PoolInfo.from_proto),
+    "OpenSession": ClientCodec("OpenSession", _open_session, retry=False),
+    "WatchEvents": ClientCodec("WatchEvents", lambda q: pb.WatchEventsRequest(
+        pool=q.pool, after_seq=q.after_seq, all_tiers=q.all_tiers)),
+    "GetInfo": ClientCodec("GetInfo", lambda q: pb.GetInfoRequest()),
+    "Ping": ClientCodec("Ping", lambda q: pb.PingRequest(), _nothing),
+    "GetPool": ClientCodec("GetPool", lambda q: pb.GetPoolRequest(name=q.pool),
+                           PoolInfo.from_proto),
+    "ListPools": ClientCodec("ListPools", lambda q: pb.ListPoolsRequest()),
+    "ListSessions": ClientCodec("ListSessions", lambda q: pb.ListSessionsRequest(pool=q.pool),
+                                lambda r: list(r.sessions)),
+    "Drain": ClientCodec("Drain", lambda q: pb.DrainRequest(grace_seconds=q.grace_seconds),
+                         retry=False),
 }
-"""The data calls (and the session calls the fast path carries), by gRPC name."""
+"""Every method of the service, by gRPC name (WatchEvents': its request; the stream is the
+caller's)."""

@@ -1,12 +1,12 @@
 """The gRPC front end's codec: protobuf messages <-> ``service.calls``' requests and results.
 
-One ``GrpcCodec`` per method with a typed request: how its protobuf request decodes (a bad
-field raises its domain error, as the fast path's decode does) and how its result encodes
-into the response message. Methods without one (``calls.Method.request`` is None) are served
-by the servicer on their messages.
+One ``GrpcCodec`` per method of the table: how its protobuf request decodes (a bad field
+raises its domain error, as the fast path's decode does) and how its result encodes into the
+response message (a server stream's: each message). The read models of ``service.views``
+(pools, sessions, the daemon's info, events) are rendered here and nowhere else.
 
 Primitives: ``GrpcCodec`` (``decode(message)``, ``encode(result)``), ``CODECS`` (by method
-name), ``session_message(session)``, ``transfer_response(result)``.
+name), ``pool_message(view)``, ``session_message(session)``, ``transfer_response(result)``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
 from hicache.indices import indices_to_bytes, to_index_array
 from hicache.v1 import hicache_pb2 as pb
 from hicached.service import calls as c
 from hicached.service.calls import TransferResult
 from hicached.service.sessions import Session
-from hicached.service.views import session_view
+from hicached.service.views import EventView, InfoView, PoolView, session_view
 
 
 class GrpcCodec(NamedTuple):
@@ -42,9 +43,63 @@ def session_message(s: Session, capability: bool = True) -> pb.Session:
                       page_size=v.page_size, loads_in_flight=v.loads_in_flight)
 
 
+def pool_message(v: PoolView) -> pb.Pool:
+    state = {"creating": pb.POOL_STATE_CREATING, "failed": pb.POOL_STATE_FAILED}.get(
+        v.state, pb.POOL_STATE_READY)
+    return pb.Pool(spec=spec_to_proto(v.spec), size_tokens=v.size_tokens,
+                   page_bytes=v.page_bytes, state=state, progress=v.progress, error=v.error,
+                   error_reason=v.error_reason, page_num=v.page_num, used_pages=v.used_pages,
+                   free_pages=v.free_pages, capacity_bytes=v.capacity_bytes,
+                   used_bytes=v.used_bytes, pinned_bytes=v.pinned_bytes, sessions=v.sessions,
+                   keys=v.keys, keyed_pages=v.keyed_pages, raw_pages=v.raw_pages,
+                   busy_pages=v.busy_pages,
+                   pinned_pages=v.busy_pages,  # the deprecated name of busy_pages
+                   metadata_bytes=v.metadata_bytes, attach_outcome=v.attach_outcome,
+                   generation=v.generation, recovered_keys=v.recovered_keys,
+                   disk_keys=v.disk_keys, disk_capacity_pages=v.disk_capacity_pages,
+                   cluster_namespace=v.cluster_namespace, cluster_puts=v.cluster_puts,
+                   cluster_pending=v.cluster_pending,
+                   # the deprecated names of the three above
+                   remote_namespace=v.cluster_namespace, remote_puts=v.cluster_puts,
+                   remote_pending=v.cluster_pending, kv_events_endpoint=v.kv_events_endpoint,
+                   kv_events_replay_endpoint=v.kv_events_replay_endpoint)
+
+
+def _info(v: InfoView) -> pb.GetInfoResponse:
+    return pb.GetInfoResponse(
+        version=v.version, transports=v.transports, memory_budget_bytes=v.memory_budget_bytes,
+        memory_used_bytes=v.memory_used_bytes, memory_available_bytes=v.memory_available_bytes,
+        shm_dir=v.shm_dir, cuda_available=v.cuda_available, serving=v.serving, pools=v.pools,
+        sessions=v.sessions, metrics_port=v.metrics_port,
+        cuda_devices=[pb.CudaDevice(uuid=x.uuid, ordinal=x.ordinal, name=x.name,
+                                    total_bytes=x.total_bytes) for x in v.cuda_devices],
+        cluster_tier=v.cluster_tier, remote_tier=v.cluster_tier,  # remote_tier: deprecated
+        fast_path=v.fast_path, fast_path_version=v.fast_path_version,
+        fast_path_flags=v.fast_path_flags, kv_events_endpoint=v.kv_events_endpoint,
+        kv_events_replay_endpoint=v.kv_events_replay_endpoint,
+        kv_events_topic=v.kv_events_topic, max_keys_per_call=v.max_keys_per_call)
+
+
+def _event(v: EventView) -> pb.CacheEvent:
+    return pb.CacheEvent(seq=v.seq, kind=v.kind,  # type: ignore[arg-type]
+                         keys=v.keys, pool=v.pool, tier=v.tier, medium=v.medium,
+                         parent_key=v.parent_key, token_ids=v.token_ids,
+                         block_size=v.block_size, lora_name=v.lora_name,
+                         cache_salt=v.cache_salt)
+
+
+def _open_session(m: pb.OpenSessionRequest) -> c.OpenSessionRequest:
+    return c.OpenSessionRequest(
+        m.pool, m.worker_id, lambda: [buffer_from_proto(b, i) for i, b in enumerate(m.buffers)],
+        list(m.layer_events), bytes(m.ready_event), int(m.lease_ms), m.peer_token)
+
+
 def transfer_response(r: TransferResult) -> pb.TransferResponse:
     return pb.TransferResponse(bytes_moved=r.bytes, pages=r.pages, duration_seconds=r.seconds,
                                pending=r.pending)
+
+
+_NONE = c.NoRequest()
 
 
 def _layers(m: Any) -> tuple[int, int]:
@@ -122,5 +177,21 @@ CODECS: dict[str, GrpcCodec] = {
     "Alloc": GrpcCodec(_alloc, lambda r: pb.AllocResponse(host_indices=indices_to_bytes(r))),
     "Free": GrpcCodec(_free, lambda r: pb.FreeResponse(pages_freed=r.n)),
     "CloseSession": GrpcCodec(_session, lambda r: pb.CloseSessionResponse()),
+    "CreatePool": GrpcCodec(lambda m: c.CreatePoolRequest(spec_from_proto(m.spec)),
+                            pool_message),
+    "OpenSession": GrpcCodec(_open_session, session_message),
+    "WatchEvents": GrpcCodec(lambda m: c.WatchEventsRequest(m.pool, int(m.after_seq),
+                                                            m.all_tiers), _event),
+    "GetInfo": GrpcCodec(lambda m: _NONE, _info),
+    "Ping": GrpcCodec(lambda m: _NONE, lambda r: pb.PingResponse()),
+    "GetPool": GrpcCodec(lambda m: c.PoolRequest(m.name), pool_message),
+    "ListPools": GrpcCodec(lambda m: _NONE, lambda r: pb.ListPoolsResponse(
+        pools=[pool_message(v) for v in r])),
+    "ListSessions": GrpcCodec(_pool, lambda r: pb.ListSessionsResponse(
+        sessions=[session_message(s, capability=False) for s in r])),
+    "Drain": GrpcCodec(lambda m: c.DrainRequest(float(m.grace_seconds)),
+                       lambda r: pb.DrainResponse(in_flight=r.in_flight,
+                                                  grace_seconds=r.grace_seconds,
+                                                  already_draining=r.already_draining)),
 }
-"""Every method of ``calls.METHODS`` with a typed request, by name."""
+"""Every method of ``calls.METHODS``, by name."""

@@ -141,7 +141,8 @@ class HiCacheServer:
                              TransferEngine(config.copy_threads, config.copy_spin_us),
                              metrics, cuda=cuda, cuda_driver=config.cuda_driver,
                              max_watchers=config.max_watchers, access=config.access,
-                             max_keys_per_call=config.max_keys_per_call)
+                             max_keys_per_call=config.max_keys_per_call,
+                             begin_drain=self.begin_drain)
         self.health = health.HealthServicer()
         self._locks: list[PidLock] = []
         self._stopped = threading.Event()
@@ -182,7 +183,7 @@ class HiCacheServer:
                                        options=[("grpc.so_reuseport", 0)],
                                        maximum_concurrent_rpcs=64)
         pb_grpc.add_HostCacheServicer_to_server(  # type: ignore[no-untyped-call]
-            HostCacheServicer(self.daemon, self.begin_drain), self.grpc)
+            HostCacheServicer(self.daemon), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
         reflection.enable_server_reflection(

@@ -5,7 +5,8 @@ here.
 
 - ``calls``: the method table (``METHODS``): every RPC once, its typed request and result,
   its handler and gates.
-- ``views``: read models the front ends render: pools, sessions, a pool's events.
+- ``views``: read models the front ends render: pools, sessions, the daemon's info, a pool's
+  events.
 - ``daemon``: ``Daemon``, the state one process serves and the flows of its calls.
 - ``sessions``: worker sessions with leases, reaped when workers go quiet.
 - ``pool_table`` / ``pool_build``: named pools under one memory budget, built in the

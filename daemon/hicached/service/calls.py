@@ -8,11 +8,11 @@ fast path's (``frontends.fast_codec``: ``hicache.fast_wire`` frames <-> these ty
 method is one entry here, one handler, and a codec on each front end that serves it
 (``grpc_only`` for the control calls the fast path does not carry).
 
-Requests and results are immutable ``NamedTuple`` classes: typed, and as cheap to build as the
-tuple a hot call would otherwise pass. A method whose ``request`` is None is still served by
-the gRPC servicer's own method on its protobuf message (the control calls whose results are
-read models the servicer renders: pools, sessions, the daemon's info, the event stream); its
-entry still says what the envelope needs.
+Requests and results are immutable: the requests ``NamedTuple`` classes (``hicache.calls``),
+typed, and as cheap to build as the tuple a hot call would otherwise pass; the control calls'
+results are the read models of ``views`` (pools, sessions, the daemon's info, the event
+stream), which each front end renders. A server stream (``stream``) has a handler that returns
+an iterator of its messages.
 
 Primitives:
 
@@ -21,7 +21,10 @@ Primitives:
   ``LoadKeysRequest``, ``TransferRequest`` (Backup, Load; their result and LoadKeys' is
   ``TransferResult``, the copy engine's), ``SessionRequest`` (Heartbeat, CloseSession; Heartbeat's
   result is the ``Session``), ``ReleaseHoldsRequest``, ``KeysRequest`` (RemoveKeys),
-  ``PoolRequest`` (ClearPool, DeletePool), ``AllocRequest``, ``FreeRequest``, ``Count``.
+  ``PoolRequest`` (ClearPool, DeletePool, GetPool, ListSessions), ``AllocRequest``,
+  ``FreeRequest``, ``CreatePoolRequest``, ``OpenSessionRequest``, ``DrainRequest`` /
+  ``DrainResult``, ``WatchEventsRequest``, ``NoRequest`` (Ping, GetInfo, ListPools); ``Count``,
+  ``Done``.
 - ``Method`` and ``METHODS`` (every RPC of the service, by its gRPC name), ``method(name)``,
   ``CREATES_WORK``, ``DATA_METHODS``; ``PoolOf``.
 """
@@ -29,38 +32,49 @@ Primitives:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from hicache.buffers import DeviceBufferSpec
 from hicache.calls import (
     AllocRequest,
+    CreatePoolRequest,
+    DrainRequest,
     FreeRequest,
     KeysRequest,
     LoadKeysRequest,
     LookupRequest,
+    NoRequest,
+    OpenSessionRequest,
     PoolRequest,
     ReleaseHoldsRequest,
     SessionRequest,
     StoreRequest,
     TransferRequest,
+    WatchEventsRequest,
 )
+from hicache.codec import buffer_from_proto, spec_from_proto
+from hicache.errors import SpecInvalid
 from hicache.identity import is_public_id
 from hicache.indices import IndexArray
+from hicache.specs import PoolSpec
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
+from hicached.service import views
 from hicached.service.daemon import Daemon
 from hicached.service.sessions import Session
+from hicached.service.views import EventView, InfoView, PoolView
 
 __all__ = [
-    "CREATES_WORK", "DATA_METHODS", "METHODS", "AllocRequest", "Count", "FreeRequest",
-    "KeysRequest", "LoadKeysRequest", "LookupRequest", "LookupResult", "Method", "PoolOf",
+    "CREATES_WORK", "DATA_METHODS", "METHODS", "AllocRequest", "Count", "CreatePoolRequest",
+    "Done", "DrainRequest", "DrainResult", "FreeRequest", "KeysRequest", "LoadKeysRequest",
+    "LookupRequest", "LookupResult", "Method", "NoRequest", "OpenSessionRequest", "PoolOf",
     "PoolRequest", "ReleaseHoldsRequest", "SessionRequest", "StoreRequest", "StoreResult",
-    "TransferRequest", "TransferResult", "alloc", "backup", "clear_pool", "close_session",
-    "delete_pool", "free", "heartbeat", "load", "load_keys", "lookup", "method",
-    "release_holds", "remove_keys", "store",
+    "TransferRequest", "TransferResult", "WatchEventsRequest", "method",
 ]
 
 log = logging.getLogger(__name__)
@@ -97,6 +111,18 @@ class Count(NamedTuple):
     """How many: keys released or removed, pages freed."""
 
     n: int
+
+
+class Done(NamedTuple):
+    """A call that answers only that it ran."""
+
+
+class DrainResult(NamedTuple):
+    in_flight: int
+    """Calls being handled when the drain began."""
+    grace_seconds: float
+    """The grace period that applies."""
+    already_draining: bool
 
 
 # -- handlers -------------------------------------------------------------------------------
@@ -168,6 +194,63 @@ def free(d: Daemon, q: FreeRequest) -> Count:
     return Count(d.pools.get(q.pool).free(q.host))
 
 
+def ping(d: Daemon, q: NoRequest) -> Done:
+    return Done()
+
+
+def get_info(d: Daemon, q: NoRequest) -> InfoView:
+    return views.info_view(d)
+
+
+def create_pool(d: Daemon, q: CreatePoolRequest) -> PoolView:
+    spec = q.spec if isinstance(q.spec, PoolSpec) else spec_from_proto(q.spec)
+    _, started = d.pools.create_async(spec)
+    if started:
+        log.info("pool %s: building in the background", spec.name)
+    return views.pool_view(d, spec.name)
+
+
+def get_pool(d: Daemon, q: PoolRequest) -> PoolView:
+    return views.pool_view(d, q.pool)
+
+
+def list_pools(d: Daemon, q: NoRequest) -> list[PoolView]:
+    return views.pool_views(d)
+
+
+def open_session(d: Daemon, q: OpenSessionRequest) -> Session:
+    buffers = q.buffers
+    return d.open_session(q.pool, q.worker_id,
+                          buffers if callable(buffers) else lambda: [
+                              b if isinstance(b, DeviceBufferSpec) else buffer_from_proto(b, i)
+                              for i, b in enumerate(buffers)],
+                          list(q.layer_events), q.ready_event, q.lease_ms / 1000.0,
+                          q.peer_token)
+
+
+def list_sessions(d: Daemon, q: PoolRequest) -> list[Session]:
+    return d.sessions.list(q.pool)
+
+
+def drain(d: Daemon, q: DrainRequest) -> DrainResult:
+    grace = float(q.grace_seconds)
+    if not 0 <= grace < math.inf:
+        raise SpecInvalid(f"grace_seconds must be a finite number >= 0, got {grace}",
+                          metadata={"field": "grace_seconds", "value": grace})
+    already, in_flight = d.draining.is_set(), d.in_flight
+    if d.begin_drain is not None:
+        grace = d.begin_drain(grace)
+    else:
+        d.draining.set()
+    return DrainResult(in_flight, grace, already)
+
+
+def watch_events(d: Daemon, q: WatchEventsRequest) -> Iterator[EventView]:
+    """Events after ``after_seq`` until the watcher goes, the pool is deleted or the daemon
+    drains."""
+    return views.watch_events(d, q.pool, int(q.after_seq), q.all_tiers, q.active)
+
+
 # -- the table ------------------------------------------------------------------------------
 
 PoolOf = Callable[[Any, Daemon], tuple[str, str]]
@@ -196,13 +279,12 @@ class Method:
 
     name: str
     """Its gRPC name (the metrics' ``method`` label on every front end)."""
-    request: type | None = None
-    """The typed request its codecs decode into; None: the servicer serves the protobuf
-    message itself (see the module's docstring)."""
-    result: type | None = None
-    """The typed result its codecs encode (None with ``request``)."""
-    handler: Callable[[Daemon, Any], Any] | None = None
-    """The request's result on a daemon (None with ``request``)."""
+    request: type
+    """The typed request its codecs decode into."""
+    result: type
+    """The typed result its codecs encode (a server stream: each of its messages)."""
+    handler: Callable[[Daemon, Any], Any]
+    """The request's result on a daemon (a server stream: an iterator of its messages)."""
     creates_work: bool = False
     """Refused with ``DRAINING`` once shutdown began (every other method still answers)."""
     data: bool = False
@@ -211,14 +293,12 @@ class Method:
     """A pool-level call: where its request names the pool (and a session capability)."""
     grpc_only: bool = True
     """Served by gRPC alone; False: the fast path carries it too (a codec on each)."""
+    stream: bool = False
+    """A server stream: neither bounded nor drained (it ends by itself on a drain); gRPC's."""
 
     def __post_init__(self) -> None:
-        if (self.request is None) != (self.handler is None) or (
-                self.request is None) != (self.result is None):
-            raise ValueError(f"{self.name}: a request type, a result type and a handler, or "
-                             "none of them")
-        if not self.grpc_only and self.request is None:
-            raise ValueError(f"{self.name}: a method on the fast path needs a typed request")
+        if self.stream and (self.data or self.creates_work or not self.grpc_only):
+            raise ValueError(f"{self.name}: a server stream is a gRPC control call")
 
 
 _TABLE = (
@@ -241,23 +321,25 @@ _TABLE = (
     Method("Free", FreeRequest, Count, free, pool_of=_pool),
     Method("CloseSession", SessionRequest, Count, close_session,
            pool_of=_close_session_pool),
-    # served by the servicer on its protobuf messages (read models it renders)
-    Method("CreatePool", creates_work=True, pool_of=lambda r, d: (str(r.spec.name), "")),
-    Method("OpenSession", creates_work=True),  # checks its peer itself, before mapping
-    Method("WatchEvents", pool_of=_pool),
-    Method("GetInfo"),
-    Method("Ping"),
-    Method("GetPool"),
-    Method("ListPools"),
-    Method("ListSessions"),
-    Method("Drain"),
+    Method("CreatePool", CreatePoolRequest, PoolView, create_pool, True,
+           pool_of=lambda r, d: (str(r.spec.name), "")),
+    # checks its peer itself, before anything is mapped
+    Method("OpenSession", OpenSessionRequest, Session, open_session, True),
+    Method("WatchEvents", WatchEventsRequest, EventView, watch_events, pool_of=_pool,
+           stream=True),
+    Method("GetInfo", NoRequest, InfoView, get_info),
+    Method("Ping", NoRequest, Done, ping),
+    Method("GetPool", PoolRequest, PoolView, get_pool),
+    Method("ListPools", NoRequest, list, list_pools),
+    Method("ListSessions", PoolRequest, list, list_sessions),
+    Method("Drain", DrainRequest, DrainResult, drain),
 )
 
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
 """Every RPC of the service by name (a test holds it to the proto's service)."""
 CREATES_WORK = frozenset(m.name for m in _TABLE if m.creates_work)
 DATA_METHODS = frozenset(m.name for m in _TABLE if m.data)
-_UNKNOWN = Method("")
+_UNKNOWN = Method("", NoRequest, Done, ping)
 
 
 def method(name: str) -> Method:

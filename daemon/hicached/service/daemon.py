@@ -133,6 +133,10 @@ class Daemon:
     """WatchEvents streams open now."""
     max_keys_per_call: int = 65_536
     """Keys one Lookup, Store, LoadKeys or RemoveKeys may name (``TOO_MANY_KEYS``)."""
+    begin_drain: Callable[[float], float] | None = None
+    """The process's graceful shutdown, begun in the background (the Drain RPC): takes the
+    grace period asked for (0: the configured one), returns the one that applies. None (a
+    daemon without a process around it): a drain only refuses new work."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def identify(self, token: str) -> Grant | None:

@@ -12,7 +12,8 @@ Primitives:
 - ``EventView`` and ``watch_events(daemon, pool, after_seq, all_tiers, active)``: the events of
   a pool's log after ``after_seq``, until the caller goes, the pool is deleted or the daemon
   drains (``TOO_MANY_WATCHERS`` past ``max_watchers``).
-- ``memory_available_bytes()``: what the node's memory still has room for.
+- ``InfoView`` and ``info_view(daemon)``: the daemon itself (version, transports, memory,
+  its fast path and event streams, the cluster store's state).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import hicache
+from hicache import fast_wire
 from hicache.errors import PoolNotFound
 from hicache.specs import PoolSpec
 from hicached.cache.events import HOST, MEDIUM
@@ -222,5 +225,60 @@ def watch_events(d: Daemon, pool: str, after_seq: int, all_tiers: bool,
                 raise PoolNotFound(f"pool {pool} was deleted", metadata={"pool": pool})
 
 
-def memory_available_bytes() -> int:
-    return available_bytes()
+@dataclass(frozen=True)
+class CudaDeviceView:
+    uuid: str
+    ordinal: int
+    name: str
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class InfoView:
+    version: str
+    transports: list[str]
+    """Of ``shm``, ``memfd`` and ``cuda_ipc``: what sessions' buffers may use here."""
+    memory_budget_bytes: int
+    memory_used_bytes: int
+    memory_available_bytes: int
+    shm_dir: str
+    cuda_available: bool
+    serving: bool
+    """False once a drain began."""
+    pools: int
+    sessions: int
+    metrics_port: int
+    cuda_devices: list[CudaDeviceView]
+    cluster_tier: str
+    """"" (none), ``up`` or ``down: <why>``."""
+    fast_path: str
+    """The fast path's socket ("" = none), its framing's version and the flags it reads."""
+    fast_path_version: int
+    fast_path_flags: int
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    kv_events_topic: str
+    max_keys_per_call: int
+
+
+def info_view(d: Daemon) -> InfoView:
+    devices = d.cuda.driver.devices if d.cuda is not None else ()
+    store = d.pools.cluster_store
+    fast = bool(d.fast_paths)
+    return InfoView(
+        version=hicache.__version__,
+        transports=[*(["shm"] if d.shm.accept_paths else []),
+                    *(["memfd"] if d.identities else []),
+                    *(["cuda_ipc"] if d.cuda is not None else [])],
+        memory_budget_bytes=d.pools.budget_bytes, memory_used_bytes=d.pools.used_bytes,
+        memory_available_bytes=available_bytes(), shm_dir=d.shm.shm_dir,
+        cuda_available=d.cuda is not None, serving=not d.draining.is_set(),
+        pools=len(d.pools.list()), sessions=d.sessions.count(), metrics_port=d.metrics_port,
+        cuda_devices=[CudaDeviceView(x.uuid, x.ordinal, x.name, x.total_bytes)
+                      for x in devices],
+        cluster_tier="" if store is None else "up" if store.up else f"down: {store.why}",
+        fast_path=d.fast_paths[0] if fast else "",
+        fast_path_version=fast_wire.VERSION if fast else 0,
+        fast_path_flags=fast_wire.KNOWN_FLAGS if fast else 0,
+        kv_events_endpoint=d.kv_events[0], kv_events_replay_endpoint=d.kv_events[1],
+        kv_events_topic=d.kv_events[2], max_keys_per_call=d.max_keys_per_call)
