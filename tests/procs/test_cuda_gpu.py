@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch
 from hicache.identity import public_session_id
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient
-from tests.daemon_proc import REPO, DaemonProc, start_daemon
+from tests.daemon_proc import REPO, DaemonProc, Daemons
 
 pytestmark = [
     pytest.mark.cuda,
@@ -36,10 +35,8 @@ GEOMETRIES = {
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path_factory.mktemp("gpu-daemon"), "--memory-budget", "8GiB")
-    yield d
-    assert d.stop() == 0, d.log()
+def daemon(module_daemons: Daemons) -> DaemonProc:
+    return module_daemons.start("--memory-budget", "8GiB")
 
 
 def spawn(daemon: DaemonProc, pool: str, worker: str, seed: int, rounds: int, tokens: int,

@@ -30,10 +30,8 @@ SPEC = PoolSpec("e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path_factory.mktemp("daemon"))
-    yield d
-    assert d.stop() == 0, d.log()
+def daemon(module_daemons: Daemons) -> DaemonProc:
+    return module_daemons.start()
 
 
 @pytest.fixture
