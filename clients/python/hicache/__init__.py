@@ -21,6 +21,7 @@ part of the daemon:
 - ``fast_wire``: the fast path's framing: hello, headers, bodies, ``FrameSocket``.
 - ``identity``: a session's id (the capability its worker holds) and its public name.
 - ``polling``: poll before sleeping: the fast path's adaptive window.
+- ``log_limit``: ``LimitedLog``: log lines rate-limited per reason, suppressions said.
 - ``seams``: named points between racing steps, where a test stops one side.
 """
 

@@ -11,5 +11,4 @@
 - ``state_file``: a pool's files under the state directory: header, tables, outcomes.
 - ``trusted_paths``: own directories made 0700 and verified, files opened without following
   links.
-- ``log_limit``: ``LimitedLog``: log lines rate-limited per reason, suppressions said.
 """

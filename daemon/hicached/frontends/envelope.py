@@ -50,7 +50,7 @@ from google.rpc import status_pb2
 from hicache.error_mapping import grpc_code, to_rpc_status
 from hicache.errors import HiCacheError, SessionNotFound, Unauthenticated
 from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
-from hicached.core.log_limit import LimitedLog
+from hicache.log_limit import LimitedLog
 from hicached.service.admission import DataGate
 from hicached.service.calls import Method, method
 from hicached.service.daemon import Daemon

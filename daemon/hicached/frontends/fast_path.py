@@ -53,8 +53,8 @@ from hicache.errors import (
     ResourceExhausted,
     SpecInvalid,
 )
+from hicache.log_limit import LimitedLog
 from hicache.polling import PollCounts, sum_counts
-from hicached.core.log_limit import LimitedLog
 from hicached.frontends import fast_codec as fc
 from hicached.frontends.envelope import Call, Envelope, Refused
 from hicached.frontends.sockets import listen_beside, remove_if_there

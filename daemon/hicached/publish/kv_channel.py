@@ -44,7 +44,7 @@ from typing import Any
 
 import zmq
 
-from hicached.core.log_limit import LimitedLog
+from hicache.log_limit import LimitedLog
 from hicached.core.trusted_paths import UntrustedPath, socket_dir
 from hicached.publish.kv_event_config import KvEventsConfig
 

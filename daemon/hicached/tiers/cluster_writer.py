@@ -25,8 +25,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from hicache.log_limit import LimitedLog
 from hicached.cache.pool_cache import PoolCache
-from hicached.core.log_limit import LimitedLog
 from hicached.tiers.cluster import ClusterTier, wanted
 from hicached.tiers.writer import IDLE, STOP, WROTE, Failed, Outcome, TierWriter
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache import seams
+from hicache.log_limit import LimitedLog
 from hicached.cache.events import DISK, EventKind, EventLog
-from hicached.core.log_limit import LimitedLog
 from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir, untrusted_file
 from hicached.tiers import disk_format as fmt
 from hicached.tiers.disk_io import DiskTierUnavailable, PageFile, reserve

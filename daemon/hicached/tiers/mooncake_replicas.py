@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache import seams
-from hicached.core.log_limit import LimitedLog
+from hicache.log_limit import LimitedLog
 
 log = logging.getLogger(__name__)
 _limited = LimitedLog(log, 30.0)

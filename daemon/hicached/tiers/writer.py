@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from enum import Enum
 
-from hicached.core.log_limit import LimitedLog
+from hicache.log_limit import LimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from hicached.core.log_limit import LimitedLog
+from hicache.log_limit import LimitedLog
 
 
 class Clock:
