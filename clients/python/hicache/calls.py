@@ -20,7 +20,6 @@ from typing import NamedTuple
 from hicache.buffers import DeviceBufferSpec
 from hicache.indices import IndexArray, PageIds
 from hicache.specs import PoolSpec
-from hicache.v1 import hicache_pb2 as pb
 
 
 class LookupRequest(NamedTuple):
@@ -115,16 +114,12 @@ class NoRequest(NamedTuple):
 
 
 class CreatePoolRequest(NamedTuple):
-    spec: PoolSpec | pb.PoolSpec
-    """A client may send a spec as its wire message (the daemon checks it as any other); the
-    daemon's decode makes it a ``PoolSpec``."""
+    spec: PoolSpec
 
 
-BufferSource = (Sequence[DeviceBufferSpec | pb.DeviceBuffer]
-                | Callable[[], list[DeviceBufferSpec]])
-"""A session's buffers (a client may send wire messages as they are), or (the daemon's
-decode) what decodes them: called once the caller's access to the pool was checked, so a
-refused caller's buffers are never read."""
+BufferSource = Sequence[DeviceBufferSpec] | Callable[[], list[DeviceBufferSpec]]
+"""A session's buffers, or (the daemon's decode) what decodes them: called once the caller's
+access to the pool was checked, so a refused caller's buffers are never read."""
 
 
 class OpenSessionRequest(NamedTuple):

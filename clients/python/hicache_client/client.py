@@ -261,8 +261,9 @@ class HiCacheClient:
         """Create the pool (or find it). The daemon answers at once and builds a new pool in
         the background; with ``wait`` this returns once it is READY (or raises the error its
         build failed with, or ``POOL_NOT_READY`` after ``wait_seconds``)."""
-        name = spec.name
-        info: PoolInfo = self.call("CreatePool", CreatePoolRequest(spec), pool=name)
+        name = spec.name  # (a wire spec goes as it is: the daemon checks it)
+        info: PoolInfo = self.call("CreatePool", CreatePoolRequest(spec),  # type: ignore[arg-type]
+                                   pool=name)
         deadline, delay = time.monotonic() + wait_seconds, 0.01
         while wait and info.state == "CREATING":
             if time.monotonic() > deadline:
@@ -312,8 +313,9 @@ class HiCacheClient:
             raise TransportUnavailable(
                 "memfd buffers travel over the daemon's identity socket (<socket>.id), which "
                 f"{self.target} does not offer", metadata={"target": self.target})
-        s: pb.Session = self.call("OpenSession", OpenSessionRequest(
-            pool, worker_id, buffers, list(layer_events), ready_event, lease_ms, token))
+        s: pb.Session = self.call("OpenSession", OpenSessionRequest(  # wire buffers as they are
+            pool, worker_id, buffers, list(layer_events),  # type: ignore[arg-type]
+            ready_event, lease_ms, token))
         session = WorkerSession(self, s, heartbeat)
         self._sessions.add(session)
         self._page_sizes[s.session_id] = int(s.page_size)

@@ -124,7 +124,7 @@ def _open_session(q: c.OpenSessionRequest) -> pb.OpenSessionRequest:
     return pb.OpenSessionRequest(
         pool=q.pool, worker_id=q.worker_id, lease_ms=q.lease_ms,
         buffers=[b if isinstance(b, pb.DeviceBuffer) else buffer_to_proto(b)
-                 for b in q.buffers],
+                 for b in q.buffers],  # a caller's wire buffers go as they are
         layer_events=list(q.layer_events), ready_event=q.ready_event,
         peer_token=q.peer_token)
 
@@ -190,7 +190,7 @@ CODECS: dict[str, ClientCodec] = {
                                 _nothing, retry=False),
     "CreatePool": ClientCodec("CreatePool", lambda q: pb.CreatePoolRequest(
         spec=q.spec if isinstance(q.spec, pb.PoolSpec) else spec_to_proto(q.spec)),
-        PoolInfo.from_proto),
+        PoolInfo.from_proto),  # (a caller's wire spec goes as it is: the daemon checks it)
     "OpenSession": ClientCodec("OpenSession", _open_session, retry=False),
     "WatchEvents": ClientCodec("WatchEvents", lambda q: pb.WatchEventsRequest(
         pool=q.pool, after_seq=q.after_seq, all_tiers=q.all_tiers)),

@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hicache.buffers import DeviceBufferSpec
 from hicache.calls import (
     AllocRequest,
     CreatePoolRequest,
@@ -57,11 +56,9 @@ from hicache.calls import (
     TransferRequest,
     WatchEventsRequest,
 )
-from hicache.codec import buffer_from_proto, spec_from_proto
 from hicache.errors import SpecInvalid
 from hicache.identity import is_public_id
 from hicache.indices import IndexArray
-from hicache.specs import PoolSpec
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
 from hicached.service import views
@@ -203,7 +200,7 @@ def get_info(d: Daemon, q: NoRequest) -> InfoView:
 
 
 def create_pool(d: Daemon, q: CreatePoolRequest) -> PoolView:
-    spec = q.spec if isinstance(q.spec, PoolSpec) else spec_from_proto(q.spec)
+    spec = q.spec
     _, started = d.pools.create_async(spec)
     if started:
         log.info("pool %s: building in the background", spec.name)
@@ -221,9 +218,7 @@ def list_pools(d: Daemon, q: NoRequest) -> list[PoolView]:
 def open_session(d: Daemon, q: OpenSessionRequest) -> Session:
     buffers = q.buffers
     return d.open_session(q.pool, q.worker_id,
-                          buffers if callable(buffers) else lambda: [
-                              b if isinstance(b, DeviceBufferSpec) else buffer_from_proto(b, i)
-                              for i, b in enumerate(buffers)],
+                          buffers if callable(buffers) else lambda: list(buffers),
                           list(q.layer_events), q.ready_event, q.lease_ms / 1000.0,
                           q.peer_token)
 
