@@ -200,6 +200,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         pages = idx[:: self.ps] // self.ps
         held = {int(p) for o in self.owned for p in o[:: self.ps] // self.ps}
         assert not held & set(pages.tolist()), "a page was handed out twice"
+        assert all(p < self.a.limit for p in pages.tolist()), "a page above the limit"
         if n:
             self.owned.append(idx)
 
@@ -235,11 +236,42 @@ class AllocatorMachine(RuleBasedStateMachine):
     def unpin(self) -> None:
         self.a.release(self.pinned.pop(0), write=False)
 
+    @rule(limit=st.integers(0, 16))
+    def set_limit(self, limit: int) -> None:
+        used = self.a.used_pages
+        assert self.a.set_limit(limit) == limit
+        assert self.a.used_pages == used, "a limit frees or takes nothing"
+        assert self.a.free_pages == sum(1 for p in range(limit) if p not in self._live())
+
+    def _live(self) -> set[int]:
+        return {int(p) for o in self.owned for p in o[:: self.ps] // self.ps} | {
+            int(p) for pages in self.pinned for p in pages}
+
     @invariant()
     def memcheck(self) -> None:
         self.a.memcheck()
-        owned = sum(o.size for o in self.owned) // self.ps
-        assert self.a.used_pages >= owned
+        assert self.a.used_pages == len(self._live()), \
+            "used pages are those handed out, or freed while a copy still reads them"
+        assert self.a.top() == max(self._live(), default=-1) + 1
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+def test_a_lowered_limit_parks_pages_and_a_raised_one_brings_them_back() -> None:
+    a = PageAllocator(8, 1)
+    first = a.alloc(6)  # pages 0..5
+    a.free(first[[1, 4]])
+    assert a.set_limit(3) == 3
+    assert a.free_pages == 1 and a.counts()["parked"] == 3  # page 1 free; 4, 6, 7 parked
+    assert a.alloc(1).tolist() == [1]
+    with pytest.raises(PoolExhausted):
+        a.alloc(1)
+    a.free(first[[5]])  # freed above the limit: parked, not handed out
+    assert a.free_pages == 0 and a.counts()["parked"] == 4
+    a.memcheck()
+    assert a.top() == 4  # page 3 is the highest in use
+    assert a.set_limit(100) == 8  # clamped
+    assert sorted(a.alloc(4).tolist()) == [4, 5, 6, 7]
+    a.memcheck()
+

@@ -73,7 +73,7 @@ def test_evictions_are_counted_by_reason_and_by_idle_time(pool: HostPool) -> Non
     clock[0] = 5000.0
     cache.alloc_raw(2 * pool.page_size)  # evicts K2 (idle 4000 s) and K3 (3999.5 s)
     st = cache.stats
-    assert st.evicted_by == {"store": 1, "promotion": 1, "alloc": 2}
+    assert st.evicted_by == {"store": 1, "promotion": 1, "alloc": 2, "budget": 0}
     assert sum(st.evicted_age) == st.evicted == 4
     at = {b: n for b, n in zip([*EVICTED_AGE_BUCKETS, float("inf")], st.evicted_age,
                                strict=True) if n}

@@ -2,14 +2,14 @@
 protocol, counters.
 
 Primitives: ``STORED`` / ``PRESENT`` / ``NO_SPACE``, ``KEY_INDEX_BYTES``, ``StoreTicket``,
-``LowerTier``, ``CacheStats``, ``EVICTION_REASONS``, ``EVICTED_AGE_BUCKETS``.
+``LowerTier``, ``CacheStats``, ``EVICTION_REASONS``, ``EVICTED_AGE_BUCKETS``, ``Resized``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -55,9 +55,10 @@ class LowerTier(Protocol):
         for good, the slots free again."""
 
 
-EVICTION_REASONS = ("store", "promotion", "alloc")
+EVICTION_REASONS = ("store", "promotion", "alloc", "budget")
 """What needed the room an eviction made: a Store's new pages, a page read up from the disk or
-the cluster (a LoadKeys' promotion or a prefetch), raw pages for an Alloc."""
+the cluster (a LoadKeys' promotion or a prefetch), raw pages for an Alloc, the pool's share of
+the memory budget shrinking (``PoolCache.resize``)."""
 EVICTED_AGE_BUCKETS = (0.1, 1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 21600.0, 86400.0)
 """Upper bounds (seconds) of the histogram of evicted keys' idle time (the last is +Inf)."""
 
@@ -95,3 +96,17 @@ class CacheStats:
     Lookup, loaded), one count per ``EVICTED_AGE_BUCKETS`` bound and one above the last."""
     evicted_age_sum: float = 0.0
     """The idle times of all evicted keys, summed (seconds)."""
+
+
+class Resized(NamedTuple):
+    """What a ``PoolCache.resize`` did."""
+
+    limit: int
+    """Pages the pool may use now (its allocator's limit): the size asked for, or above it
+    where pages it could neither evict nor move are still in use."""
+    evicted: int
+    """Keys evicted (least recently used first) to fit the new size."""
+    moved: int
+    """Keys whose pages were copied below the new limit (their bytes and recency kept)."""
+    released_bytes: int
+    """Memory of the pages above the limit given back to the system."""

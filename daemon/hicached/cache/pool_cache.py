@@ -36,6 +36,12 @@ Primitives:
   first would free nothing for the Store or promotion that asked); counted by ``reason``
   (``EVICTION_REASONS``: what needed the room) and by each key's idle time.
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
+- ``resize(pages, max_moves)`` -> ``Resized``: the pool's share of the memory budget. Growing
+  lets the allocator hand out pages up to the new size; shrinking evicts the least recently
+  used keys down to it (reason ``budget``), copies the pages of keys still above it into
+  free pages below it (a key keeps its bytes, its recency and every tier's view of it; a
+  page a copy, a hold or a spill is using, or a raw page, stays where it is and the limit
+  stays above it), then gives the memory above the limit back to the system.
 - ``stats``: counters for metrics; ``key_count``; ``snapshot()``: the ready keys (what a
   KV event resync announces).
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
@@ -67,7 +73,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicache import seams
-from hicache.errors import KeyNotFound
+from hicache.errors import CanaryMismatch, KeyNotFound, PageBusy
 from hicached.cache.events import EventKind, EventLog
 from hicached.cache.holds import Deadline, Hold, Holder, HoldPolicy, HoldTable
 from hicached.cache.index_types import (
@@ -77,6 +83,7 @@ from hicached.cache.index_types import (
     STORED,
     CacheStats,
     LowerTier,
+    Resized,
     StoreTicket,
 )
 from hicached.cache.key_slots import KeySlots
@@ -149,7 +156,7 @@ class PoolCache:
         with self._lock:
             for page, key, _seq in found:
                 old = self._ready.get(key)
-                if old is not None:  # cannot happen with ordered writes; keep the newest
+                if old is not None:  # a move cut short by a crash; keep the newest
                     self.slots.clear(np.asarray([old], dtype=np.int64))
                     del self._page_key[old]
                     self._lru.discard(key)
@@ -616,6 +623,72 @@ class PoolCache:
         if lower is not None:
             lower.erase(slots)
         return len(gone)
+
+    # -- the pool's share of the memory budget ----------------------------------------------
+
+    def resize(self, pages: int, max_moves: int = 256) -> Resized:
+        """Let the pool use ``pages`` pages (see the module's docstring); at most
+        ``max_moves`` pages are copied under the lock in one call (call again for the rest:
+        the limit stays above the keys not moved yet)."""
+        now = self._clock()
+        with self._lock:
+            alloc = self._alloc
+            old = alloc.limit
+            target = min(max(int(pages), 0), alloc.page_num)
+            if target >= old:
+                alloc.set_limit(target)
+                return Resized(target, 0, 0, 0)
+            evicted = self.stats.evicted
+            short = alloc.used_pages - target
+            if short > 0:
+                self._evict(min(short, len(self._lru)), "budget", now)
+            evicted = self.stats.evicted - evicted
+            alloc.set_limit(target)
+            moved = 0
+            for page in sorted(p for p in self._page_key if p >= target):
+                if moved >= max_moves:
+                    break
+                moved += self._move(page)
+            limit = alloc.set_limit(max(target, alloc.top()))
+            released = self.pool.release_pages(limit, old)
+            return Resized(limit, evicted, moved, released)
+
+    def _move(self, page: int) -> int:
+        """Copy a ready key's page into a free page below the limit (1), or leave it where it
+        is (0): being written, read, held or spilled, or no free page below."""
+        key = self._page_key[page]
+        if self._ready.get(key) != page or page in self._reading or key in self._spilling:
+            return 0
+        src = np.asarray([page], dtype=np.int64)
+        alloc = self._alloc
+        if not alloc.free_pages:
+            return 0
+        try:
+            alloc.acquire(src, write=True)  # no copy reads it meanwhile
+        except PageBusy:
+            return 0
+        dst = alloc.alloc_pages(1)  # busy for writing
+        pool, layers = self.pool, self._all_layers
+        try:
+            if pool.canary is not None:  # a damaged page is not copied into a sound one
+                pool.canary.verify(src, layers, pool.fingerprints(src, layers))
+            pool.copy_page(page, int(dst[0]))
+            if pool.canary is not None:
+                pool.canary.record(dst, layers, pool.fingerprints(dst, layers))
+        except CanaryMismatch:
+            alloc.release(src, write=True)
+            alloc.release(dst, write=True)
+            alloc.release_pages(dst)
+            return 0
+        new = int(dst[0])
+        self._ready[key] = new
+        self._page_key[new] = key
+        del self._page_key[page]
+        self.slots.ready([new], [key])  # the newer slot wins if a crash leaves both
+        alloc.release(dst, write=True, layers=layers)
+        alloc.release(src, write=True)
+        self._drop_pages(src)
+        return 1
 
     # -- internals (lock held) -------------------------------------------------------------
 

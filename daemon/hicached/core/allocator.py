@@ -25,6 +25,10 @@ Primitives:
   and their generations (bumped on every allocation). A raw copy passes those generations to
   ``acquire``, which refuses (``PAGE_NOT_ALLOCATED``) a page freed, and perhaps handed to
   someone else, since it was checked: a raw copy never writes or reads another's page.
+- ``limit`` / ``set_limit(pages)``: pages are handed out below ``limit`` only (the pool's
+  share of the memory budget: the pages above it are not to be touched, their memory may be
+  given back); a free page above it is *parked*, off the free stack, and a page freed above
+  it is parked too. ``top()``: one past the highest page in use (what the limit can drop to).
 - ``memcheck()``: verifies every invariant (the tests call it after every operation).
 - ``table_specs`` / ``tables=`` / ``recover(keep_keyed)``: state, kind, owner and written bits
   may live in a state file (``core.state_file``), so that a later daemon finds the raw pages
@@ -106,6 +110,8 @@ class PageAllocator:
         self._writer = np.zeros(page_num, dtype=bool)
         self._generation = np.zeros(page_num, dtype=np.uint32)
         self._releasing = 0
+        self._limit = page_num
+        self._parked = 0
         self.alloc_failures = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -117,7 +123,43 @@ class PageAllocator:
 
     @property
     def used_pages(self) -> int:
-        return self.page_num - self.free_pages
+        """Pages allocated (or being released): neither on the free stack nor parked."""
+        with self._lock:
+            return self.page_num - self._nfree - self._parked
+
+    @property
+    def limit(self) -> int:
+        """Pages are handed out below this page number only."""
+        return self._limit
+
+    def set_limit(self, pages: int) -> int:
+        """Hand out pages below ``pages`` only (clamped to ``0..page_num``); returns the limit.
+        Lowering it parks the free pages above it (pages in use there stay in use, and are
+        parked when freed); raising it puts the parked pages below it back on the free stack,
+        under the pages freed last (those are warm)."""
+        pages = min(max(int(pages), 0), self.page_num)
+        with self._lock:
+            old, self._limit = self._limit, pages
+            if pages < old:
+                stack = self._stack[:self._nfree]
+                keep = stack[stack < pages]
+                self._parked += self._nfree - int(keep.size)
+                self._stack[:keep.size] = keep
+                self._nfree = int(keep.size)
+            elif pages > old:
+                back = old + np.flatnonzero(self._state[old:pages] == FREE)
+                n = int(back.size)
+                self._stack[n:self._nfree + n] = self._stack[:self._nfree].copy()
+                self._stack[:n] = back[::-1]
+                self._nfree += n
+                self._parked -= n
+            return pages
+
+    def top(self) -> int:
+        """One past the highest page that is not free (0 when every page is)."""
+        with self._lock:
+            used = np.flatnonzero(self._state != FREE)
+            return int(used[-1]) + 1 if used.size else 0
 
     def counts(self, locked: bool = True) -> dict[str, int]:
         """Pages by kind and how many are busy (a copy reads or writes them) right now.
@@ -133,7 +175,7 @@ class PageAllocator:
         return {"raw": int((live & (self._kind == RAW)).sum()),
                 "keyed": int((live & (self._kind == KEYED)).sum()),
                 "busy": int(((self._readers > 0) | self._writer).sum()),
-                "releasing": self._releasing, "free": self._nfree}
+                "releasing": self._releasing, "free": self._nfree, "parked": self._parked}
 
     @staticmethod
     def bytes_per_page(layer_num: int) -> int:
@@ -282,6 +324,10 @@ class PageAllocator:
         self._state[pages] = FREE
         self._kind[pages] = 0
         self._owner[pages] = 0
+        if self._limit < self.page_num:  # those above the limit are parked
+            above = pages >= self._limit
+            self._parked += int(above.sum())
+            pages = pages[~above]
         n = int(pages.size)
         self._stack[self._nfree:self._nfree + n] = pages[::-1]
         self._nfree += n
@@ -306,8 +352,10 @@ class PageAllocator:
             self._written[drop] = False
             self._state[keep] = ALLOCATED
             free = np.flatnonzero(drop)
-            self._nfree = int(free.size)
-            self._stack[:self._nfree] = free[::-1]
+            below = free[free < self._limit]
+            self._parked = int(free.size - below.size)
+            self._nfree = int(below.size)
+            self._stack[:self._nfree] = below[::-1]
             self._readers[:] = 0
             self._writer[:] = False
             self._releasing = 0
@@ -335,7 +383,11 @@ class PageAllocator:
             state[p] = FREE
             kinds[p] = 0
             owners[p] = 0
+        limit = self._limit
         for p in reversed(free):
+            if p >= limit:  # above the limit: parked
+                self._parked += 1
+                continue
             stack[self._nfree] = p
             self._nfree += 1
 
@@ -458,7 +510,8 @@ class PageAllocator:
 
     def memcheck(self) -> None:
         """Raise AssertionError when any invariant is broken (the tests call it after every
-        operation): the free stack holds each free page once and nothing else; busy pages
+        operation): the free stack holds each free page below the limit once and nothing else,
+        the pages above it are counted parked; busy pages
         have one writer or readers, never both; free pages keep no kind, owner, reader or writer;
         keyed pages have no owner; the releasing count is right."""
         with self._lock:
@@ -467,8 +520,11 @@ class PageAllocator:
             assert stack.size == np.unique(stack).size, "a page is on the free stack twice"
             assert np.all((stack >= 0) & (stack < n)), "free stack holds a bad page id"
             assert np.all(self._state[stack] == FREE), "a free-stack page is not in FREE state"
+            assert np.all(stack < self._limit), "a page above the limit is on the free stack"
             free = self._state == FREE
-            assert int(free.sum()) == stack.size, "a FREE page is not on the stack"
+            parked = int(free[self._limit:].sum())
+            assert parked == self._parked, "the parked count is off"
+            assert int(free.sum()) == stack.size + parked, "a FREE page is not on the stack"
             assert np.all(self._readers >= 0), "negative reader count"
             assert not np.any(self._writer & (self._readers > 0)), "a page read while written"
             assert np.all(self._readers[free] == 0) and not self._writer[free].any(), \

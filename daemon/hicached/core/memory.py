@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 PREFAULT_CHUNK = 64 << 20
 PIN_CHUNK = 1 << 30
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault in writable pages without touching bytes
+OS_PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -221,6 +222,29 @@ class HostMemory:
     @property
     def pinned_bytes(self) -> int:
         return self.nbytes if self._pinned else 0
+
+    def release(self, ranges: list[tuple[int, int]]) -> int:
+        """Give the memory of ``ranges`` ((offset, length) in the region) back to the system:
+        the whole OS pages inside each (the edges of a range that share an OS page with bytes
+        outside it stay). They read as zeros afterwards and are faulted in again when written.
+        Page-locked memory stays (0 bytes released): it is locked for DMA as one. The caller
+        makes sure nothing reads or writes those bytes meanwhile. Returns the bytes released."""
+        if self._pinned or self._closed:
+            return 0
+        advice = mmap.MADV_DONTNEED if self.backing is Backing.ANONYMOUS else mmap.MADV_REMOVE
+        done = 0
+        for off, length in ranges:
+            start = -(-off // OS_PAGE) * OS_PAGE
+            end = (off + length) // OS_PAGE * OS_PAGE
+            if end <= start:
+                continue
+            if _libc.madvise(self.address + start, end - start, advice) != 0:
+                err = ctypes.get_errno()
+                log.warning("releasing %d bytes of host memory failed: %s", end - start,
+                            os.strerror(err))
+                continue
+            done += end - start
+        return done
 
     @property
     def closed(self) -> bool:

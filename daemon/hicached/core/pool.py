@@ -9,7 +9,9 @@ Primitives:
   torch view in that shape, is made on first use (tests, in-process callers: the daemon never
   asks, and never loads torch).
 - ``HostPool``: ``alloc`` / ``free`` whole pages, ``buffer(member, role)``, ``page_segments`` /
-  ``page_views`` (where one page's bytes lie, for tiers below host memory), ``fingerprints``
+  ``page_views`` (where one page's bytes lie, for tiers below host memory), ``copy_page(src,
+  dst)`` (one page's bytes onto another, within the pool), ``release_pages(first, end)`` (the
+  memory of a run of pages given back to the system), ``fingerprints``
   (the kv-canary hash of host pages), occupancy figures, ``begin_copy`` / ``end_copy`` (copies
   in flight: ``close(wait_seconds)`` waits for them and never unmaps under one). Pinning is done
   by the
@@ -278,6 +280,37 @@ class HostPool:
                 else:
                     out.append((start, run))
         return out
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``src``'s bytes onto page ``dst`` (every component, every layer); the caller
+        holds both pages (no copy reads or writes either meanwhile)."""
+        raw = self.raw_bytes()
+        for (s_off, n), (d_off, _) in zip(self.page_segments(src), self.page_segments(dst),
+                                          strict=True):
+            raw[d_off:d_off + n] = raw[s_off:s_off + n]
+
+    def page_run_ranges(self, first: int, end: int) -> list[tuple[int, int]]:
+        """Where the bytes of pages ``first .. end - 1`` lie, as (offset, length) runs: one per
+        component and layer (LAYER_FIRST), one per component otherwise."""
+        out: list[tuple[int, int]] = []
+        if end <= first:
+            return out
+        for c in self.components:
+            a = c.addressing
+            if self.spec.layout is Layout.LAYER_FIRST:
+                out += [(c.offset + layer * a.layer_stride + first * a.page_pitch,
+                         (end - first) * a.page_pitch) for layer in range(c.layer_num)]
+            else:
+                out.append((c.offset + first * a.page_pitch, (end - first) * a.page_pitch))
+        return out
+
+    def release_pages(self, first: int, end: int) -> int:
+        """Give the memory of pages ``first .. end - 1`` back to the system (none of them may
+        be in use: the allocator's limit is at or below ``first``); returns the bytes
+        released (0 for page-locked pools, or without a region)."""
+        if self.memory is None:
+            return 0
+        return self.memory.release(self.page_run_ranges(first, end))
 
     def page_views(self, page: int) -> list[memoryview]:
         """The page's bytes as writable views of the pool's memory (``page_segments``)."""
