@@ -10,6 +10,7 @@ small model.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 
@@ -22,36 +23,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hicache.specs import CanarySpec, Layout
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
+from tests.cache_pages import pattern, read, store
 from tests.helpers import make_pool, mha, spec
 
 K = [b"key-%03d" % i for i in range(64)]
-
-
-def pattern(key: bytes, n: int) -> np.ndarray:
-    """The bytes a key's page holds in these tests: a function of the key alone."""
-    seed = int.from_bytes(key[-3:].ljust(3, b"\0"), "little") + 1
-    return np.random.default_rng(seed).integers(1, 256, n, dtype=np.uint8)
-
-
-def write(pool: HostPool, page: int, data: np.ndarray) -> None:
-    at = 0
-    for view in pool.page_views(page):
-        n = len(view)
-        np.frombuffer(view, dtype=np.uint8)[:] = data[at:at + n]
-        at += n
-
-
-def read(pool: HostPool, page: int) -> np.ndarray:
-    return np.concatenate([np.frombuffer(v, dtype=np.uint8) for v in pool.page_views(page)])
-
-
-def store(cache: PoolCache, keys: list[bytes]) -> None:
-    """A Store as the daemon runs it: pages taken, their bytes written, the keys ready."""
-    ticket = cache.begin_store(keys)
-    for page in ticket.pages.tolist():
-        key = cache._page_key[page]
-        write(cache.pool, page, pattern(key, cache.pool.spec.page_bytes))
-    cache.finish_store(ticket, True)
 
 
 def page_of(cache: PoolCache, key: bytes) -> int:
@@ -225,3 +200,34 @@ class ResizeMachine(RuleBasedStateMachine):
 ResizeMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                            deadline=None)
 TestResizeMachine = ResizeMachine.TestCase
+
+
+def test_a_file_backed_pool_punches_its_released_pages_and_reserves_them_again() -> None:
+    """A memfd (or state file) pool: the released pages leave the file (a hole), and are
+    reserved again before they are handed out, so a full tmpfs refuses the growth instead of
+    a copy dying of SIGBUS."""
+    from hicached.core.memory import Backing
+    from hicached.core.pool import MemoryOptions
+
+    s = spec(mha(layers=4, heads=8, dim=64), page_size=16, layout=Layout.PAGE_FIRST,
+             size_tokens=16 * 64)
+    p = HostPool(s, MemoryOptions(backing=Backing.MEMFD, hugepages=False, prefault_threads=1,
+                                  reserve_bytes=0), resident_pages=16)
+    try:
+        assert p.memory is not None
+        fd = p.memory.fd
+
+        def blocks() -> int:
+            return os.fstat(fd).st_blocks * 512
+
+        assert blocks() == 16 * s.page_bytes, "only the resident pages are in the file"
+        cache = PoolCache(p)
+        assert p.reserve_pages(16, 64)
+        store(cache, K[:64])
+        assert blocks() == 64 * s.page_bytes
+        r = cache.resize(16)
+        assert r.released_bytes == 48 * s.page_bytes
+        assert blocks() == 16 * s.page_bytes, "the released pages left the file"
+        assert p.reserve_pages(16, 32) and blocks() == 32 * s.page_bytes
+    finally:
+        p.close()

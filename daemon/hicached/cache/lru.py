@@ -37,6 +37,12 @@ class LRU:
             out.append(key)
         return out
 
+    def oldest_use(self) -> float | None:
+        """When the least recently used key was last used (None when there is none)."""
+        for last in self._order.values():
+            return last
+        return None
+
     def touch(self, key: bytes, now: float) -> None:
         """Mark ``key`` used at ``now``, if it is evictable."""
         if key in self._order:

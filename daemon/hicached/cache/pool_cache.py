@@ -36,6 +36,8 @@ Primitives:
   first would free nothing for the Store or promotion that asked); counted by ``reason``
   (``EVICTION_REASONS``: what needed the room) and by each key's idle time.
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
+- ``grow``: where a full pool asks the memory budget for pages before it evicts;
+  ``coldest_age(now)``: the idle time of its least recently used key.
 - ``resize(pages, max_moves)`` -> ``Resized``: the pool's share of the memory budget. Growing
   lets the allocator hand out pages up to the new size; shrinking evicts the least recently
   used keys down to it (reason ``budget``), copies the pages of keys still above it into
@@ -120,6 +122,10 @@ class PoolCache:
         """Called with the keys that became ready (the cue of spillers and writers)."""
         self.recovered_keys = 0
         """Keys found again when the pool was re-attached (``recover``)."""
+        self.grow: Callable[[int], int] | None = None
+        """Where a full pool asks for more pages before it evicts (the memory budget's share
+        of this pool: ``grow(pages)`` raises the allocator's limit by what it grants, with
+        this cache's lock held); None: the pool's size is fixed."""
         self.slots = KeySlots(pool.state.table("key_slots") if pool.state is not None
                               else None)
         self._alloc = pool.allocator
@@ -254,6 +260,8 @@ class PoolCache:
                 else:
                     new.append(i)
             short = len(new) - self._alloc.free_pages
+            if short > 0 and self.grow is not None and self.grow(short):
+                short = len(new) - self._alloc.free_pages
             if short > 0:
                 self._evict(short, reason, now)
             grant = min(len(new), self._alloc.free_pages)
@@ -626,6 +634,13 @@ class PoolCache:
 
     # -- the pool's share of the memory budget ----------------------------------------------
 
+    def coldest_age(self, now: float) -> float:
+        """How long ago the least recently used evictable key was used (0 without one): what
+        the pool's next eviction would cost, the memory budget's value rule."""
+        with self._lock:
+            last = self._lru.oldest_use()
+        return max(now - last, 0.0) if last is not None else 0.0
+
     def resize(self, pages: int, max_moves: int = 256) -> Resized:
         """Let the pool use ``pages`` pages (see the module's docstring); at most
         ``max_moves`` pages are copied under the lock in one call (call again for the rest:
@@ -743,6 +758,9 @@ class PoolCache:
         with self._lock:
             need = max(num_tokens, 0) // self.pool.page_size
             short = need - self._alloc.free_pages
+            if (short > 0 and self.grow is not None and num_tokens % self.pool.page_size == 0
+                    and self.grow(short)):
+                short = need - self._alloc.free_pages
             if 0 < short <= len(self._lru) and num_tokens % self.pool.page_size == 0:
                 self._evict(short, "alloc", self._clock())
             return self._alloc.alloc(num_tokens, owner)

@@ -85,11 +85,13 @@ class HostMemory:
         on_progress: Callable[[int], None] | None = None,
         reuse: bool = False,
         keep: bool = False,
+        prefault: bool = True,
     ) -> None:
         """``on_progress(nbytes)`` is called as each chunk of the region is faulted in.
         FILE backing: ``reuse`` maps an existing file of exactly ``nbytes`` as it is (its
         bytes are the point: nothing is faulted in ahead), ``keep`` leaves the file when the
-        region closes."""
+        region closes. ``prefault=False``: nothing is faulted in here (``populate`` the part
+        that is to be resident now)."""
         if nbytes <= 0:
             raise SpecInvalid("host memory size must be positive", metadata={"nbytes": nbytes})
         self.nbytes = nbytes
@@ -114,7 +116,7 @@ class HostMemory:
                     log.debug("MADV_HUGEPAGE refused: %s", exc)
             self._array: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
             self.address = int(self._array.ctypes.data)
-            if not reuse:
+            if not reuse and prefault:
                 self.prefault(prefault_threads)
             if pinner is not None:
                 self._pin(pinner)
@@ -181,6 +183,37 @@ class HostMemory:
                 list(ex.map(touch, chunks))
         self.prefault_seconds = time.perf_counter() - t0
         return self.prefault_seconds
+
+    def reserve(self, ranges: list[tuple[int, int]]) -> bool:
+        """Reserve the backing of ``ranges`` in a shareable region's file (a full tmpfs says
+        so here, not with a SIGBUS on a later copy); False when it could not. Anonymous
+        memory has no file to reserve: True."""
+        if self._fd < 0:
+            return True
+        try:
+            for off, length in ranges:
+                if length > 0:
+                    os.posix_fallocate(self._fd, off, length)
+        except OSError as exc:
+            log.warning("reserving %d byte range(s) of a pool's file failed: %s",
+                        len(ranges), exc)
+            return False
+        return True
+
+    def populate(self, ranges: list[tuple[int, int]]) -> None:
+        """Fault in ``ranges`` ((offset, length) in the region; shared backings reserved
+        first), as ``prefault`` does the whole region."""
+        t0 = time.perf_counter()
+        for off, length in ranges:
+            if length <= 0:
+                continue
+            if self._fd >= 0:
+                os.posix_fallocate(self._fd, off, length)
+            start = off // OS_PAGE * OS_PAGE
+            end = -(-(off + length) // OS_PAGE) * OS_PAGE
+            if _libc.madvise(self.address + start, end - start, MADV_POPULATE_WRITE) != 0:
+                ctypes.memset(self.address + off, 0, length)  # older kernels
+        self.prefault_seconds += time.perf_counter() - t0
 
     def _pin(self, pinner: Pinner) -> None:
         t0 = time.perf_counter()

@@ -11,7 +11,8 @@ Primitives:
 - ``HostPool``: ``alloc`` / ``free`` whole pages, ``buffer(member, role)``, ``page_segments`` /
   ``page_views`` (where one page's bytes lie, for tiers below host memory), ``copy_page(src,
   dst)`` (one page's bytes onto another, within the pool), ``release_pages(first, end)`` (the
-  memory of a run of pages given back to the system), ``fingerprints``
+  memory of a run of pages given back to the system) and ``reserve_pages`` (their backing
+  taken again), ``fingerprints``
   (the kv-canary hash of host pages), occupancy figures, ``begin_copy`` / ``end_copy`` (copies
   in flight: ``close(wait_seconds)`` waits for them and never unmaps under one). Pinning is done
   by the
@@ -126,12 +127,16 @@ class HostPool:
     def __init__(self, spec: PoolSpec, options: MemoryOptions | None = None,
                  *, pinner: Pinner | None = None,
                  on_progress: Callable[[int], None] | None = None,
-                 extra_tables: Sequence[TableSpec] = ()) -> None:
+                 extra_tables: Sequence[TableSpec] = (),
+                 resident_pages: int | None = None) -> None:
         """Map, prefault and (with a ``pinner``) page-lock the pool's memory;
-        ``on_progress(nbytes)`` follows the prefault. With ``options.state_dir`` the memory
-        and the tables (the allocator's, the canary's, ``extra_tables`` of the layers above)
-        live in its files: saved ones that match are re-attached as they are (``outcome``
-        REATTACHED: the caller recovers the allocator next), others are replaced."""
+        ``on_progress(nbytes)`` follows the prefault. ``resident_pages``: only the memory of
+        that many first pages is faulted in (and checked against the host's), the rest as it
+        is written (a pool whose share of the memory budget grows with its demand). With
+        ``options.state_dir`` the memory and the tables (the allocator's, the canary's,
+        ``extra_tables`` of the layers above) live in its files: saved ones that match are
+        re-attached as they are (``outcome`` REATTACHED: the caller recovers the allocator
+        next), others are replaced."""
         options = options or MemoryOptions()
         self.spec = spec
         self.page_size = spec.page_size
@@ -159,8 +164,11 @@ class HostPool:
         reuse = self.outcome is Outcome.REATTACHED
         self.allocator = PageAllocator(self.page_num, spec.page_size, layers, tables)
         if self.nbytes:
+            partial = resident_pages is not None and not reuse and pinner is None
             if not reuse:  # re-attached memory is in use already: nothing new to fit
-                check_budget(self.nbytes, options.reserve_bytes)
+                check_budget(self.nbytes if not partial else
+                             min(resident_pages or 0, self.page_num) * spec.page_bytes,
+                             options.reserve_bytes)
             backing, path = options.backing, None
             if self.state is not None:
                 backing, path = Backing.FILE, self.state.data_path
@@ -171,6 +179,7 @@ class HostPool:
                     self.nbytes, backing=backing, path=path, hugepages=options.hugepages,
                     prefault_threads=options.prefault_threads, pinner=pinner, name=spec.name,
                     on_progress=on_progress, reuse=reuse, keep=self.state is not None,
+                    prefault=not partial,
                 )
             except BaseException:
                 if self.state is not None:
@@ -190,6 +199,9 @@ class HostPool:
                     shape=tuple(shape),
                     layer_bases=base + layer_ids * addressing.layer_stride,
                     layer_limits=np.full(geometry.layer_num, base + nbytes, np.int64)))
+        if self.memory is not None and partial:
+            self.memory.populate(self.page_run_ranges(0, min(resident_pages or 0,
+                                                             self.page_num)))
         self.canary: CanaryTable | None = None
         if spec.canary is not None and self.components:
             self.canary = CanaryTable(self.page_num, spec.max_layers, spec.canary.read_bytes,
@@ -303,6 +315,14 @@ class HostPool:
             else:
                 out.append((c.offset + first * a.page_pitch, (end - first) * a.page_pitch))
         return out
+
+    def reserve_pages(self, first: int, end: int) -> bool:
+        """Reserve the backing of pages ``first .. end - 1`` before they are handed out (a
+        file-backed pool whose memory was given back, or never faulted in); False: the file
+        system is full."""
+        if self.memory is None or end <= first:
+            return True
+        return self.memory.reserve(self.page_run_ranges(first, end))
 
     def release_pages(self, first: int, end: int) -> int:
         """Give the memory of pages ``first .. end - 1`` back to the system (none of them may

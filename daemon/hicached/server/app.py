@@ -53,6 +53,7 @@ from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
 from hicached.server.metrics import Metrics, MetricsEndpoint, ScrapeState, serve
 from hicached.service.admission import ByteBudget, DataGate
 from hicached.service.daemon import Daemon
+from hicached.service.memory_budget import MemoryBudget
 from hicached.service.pool_build import PoolBuild
 from hicached.service.pool_table import PoolTable
 from hicached.service.request_bounds import RequestBounds
@@ -111,6 +112,8 @@ class HiCacheServer:
 
             self.kv_events = KvEventPublisher(config.kv_events, seq_file(config.state_dir),
                                               config.socket_mode)
+        self.budget = MemoryBudget(config.effective_budget(), config.budget)
+        """The memory budget; pools share it by demand where ``[budget] elastic`` is set."""
         # pools are page-locked for DMA exactly where the CUDA driver has a device
         pools = PoolTable(config.effective_budget(), options, sessions.count,
                           pinner=DriverPinner(driver) if driver is not None else None,
@@ -122,7 +125,8 @@ class HiCacheServer:
                           observe_disk=lambda op, s: self.metrics.disk_seconds.labels(
                               op).observe(s),
                           cluster_store=cluster_store, hold_policy=config.hold_policy(),
-                          chain_bytes=config.kv_events.chain_bytes, listener=self.kv_events)
+                          chain_bytes=config.kv_events.chain_bytes, listener=self.kv_events,
+                          budget=self.budget)
         self.metrics = metrics = Metrics(self.registry, ScrapeState(
             pools=pools.entries, sessions_open=sessions.count,
             sessions_reaped=lambda: sessions.reaped_total,
@@ -134,6 +138,7 @@ class HiCacheServer:
             fast_connections=lambda: sum(f.connections for f in self.fast_paths),
             fast_polls=lambda: sum_counts(*(f.poll_stats() for f in self.fast_paths)),
             kv_events=self.kv_events.stats if self.kv_events is not None else None,
+            budget=pools.budget,
         ), build={"version": hicache.__version__, "numpy": np.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
@@ -216,6 +221,8 @@ class HiCacheServer:
                               for spec in self.config.pools]
             self._declared += self.daemon.pools.recover_saved(
                 {spec.name for spec in self.config.pools})
+            if self.daemon.pools.budget is not None:
+                self.daemon.pools.budget.start()  # rebalances the pools' shares
             for target in self.config.listen:
                 bound.append(self._listen(target))
             if self.config.metrics_listen:
@@ -353,6 +360,7 @@ class HiCacheServer:
         self.daemon.sessions.close_all()
         if self.daemon.cuda is not None:
             self.daemon.cuda.close()  # GPU copies still running finish, then sessions release
+        self.budget.close()
         self.daemon.pools.close_all()
         if self.kv_events is not None:
             self.kv_events.close()

@@ -32,6 +32,7 @@ from hicache.specs import (
 from hicached.cache.holds import HoldPolicy
 from hicached.core.system import available_bytes
 from hicached.publish.kv_event_config import KvEventsConfig
+from hicached.service.budget_config import BudgetConfig
 from hicached.service.identity import AccessRule
 from hicached.tiers.config import DiskTierConfig
 from hicached.tiers.mooncake_config import MooncakeTierConfig
@@ -165,6 +166,9 @@ class ServerConfig:
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     """``[kv_events]``: the KV event stream routers follow (off unless ``endpoint`` is
     set)."""
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    """``[budget]``: whether pools share the memory budget by demand (``elastic``), their
+    floors, ceilings and tenants, the tenants' quotas (``service.budget_config``)."""
     log_format: str = "text"
     """``text`` or ``json`` (one object per line)."""
     log_level: str = "INFO"
@@ -320,6 +324,9 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
             kwargs["disk"] = DiskTierConfig.from_mapping(disk, parse_size) if disk else None
             kwargs["mooncake"] = (MooncakeTierConfig.from_mapping(mooncake, parse_size)
                                   if mooncake else None)
+            continue
+        if key == "budget":
+            kwargs["budget"] = BudgetConfig.from_mapping(dict(value), parse_size)  # type: ignore[call-overload]
             continue
         if key == "kv_events":
             table = dict(value)  # type: ignore[call-overload]

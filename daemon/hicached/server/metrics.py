@@ -46,6 +46,7 @@ from hicached.core.pool import HostPool
 from hicached.publish.kv_event_config import KvEventStats
 from hicached.server.metrics_tiers import CLUSTER_PREFIXES, tier_families
 from hicached.server.tallies import HistogramColumns, Row, Tally
+from hicached.service.memory_budget import MemoryBudget
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack
 
@@ -83,6 +84,49 @@ class ScrapeState:
     polled because the node's CPUs were all wanted)."""
     kv_events: Callable[[], KvEventStats] | None = None
     """The KV event stream's counts, if it is on."""
+    budget: MemoryBudget | None = None
+    """The memory budget the pools share by demand, if it is elastic."""
+
+
+def _budget_families(b: MemoryBudget) -> Iterator[Metric]:
+    shares = b.shares()
+    for name, help_text, field in (
+            ("share", "Bytes of the memory budget the pool may hold now (its pages' limit).",
+             "share_bytes"),
+            ("floor", "Bytes of the budget the pool always keeps.", "floor_bytes"),
+            ("ceiling", "The most bytes of the budget the pool may hold.", "ceiling_bytes")):
+        g = GaugeMetricFamily(f"hicache_pool_{name}_bytes", help_text, labels=["pool"])
+        for v in shares:
+            g.add_metric([v.pool], getattr(v, field))
+        yield g
+    tenants = b.tenants()
+    for name, help_text, field in (
+            ("share", "Bytes of the memory budget the tenant's pools may hold now.",
+             "share_bytes"),
+            ("used", "Bytes in the allocated pages of the tenant's pools.", "used_bytes"),
+            ("quota", "The most bytes the tenant's pools may hold together (0: none but the "
+                      "budget).", "quota_bytes"),
+            ("guaranteed", "Bytes no other tenant can take from the tenant.",
+             "guaranteed_bytes")):
+        g = GaugeMetricFamily(f"hicache_tenant_{name}_bytes", help_text, labels=["tenant"])
+        for t in tenants:
+            g.add_metric([t.tenant], getattr(t, field))
+        yield g
+    st = b.stats
+    yield GaugeMetricFamily("hicache_budget_slack_bytes",
+                            "Bytes of the memory budget no pool holds.",
+                            value=b.budget_bytes - b.used_bytes)
+    for name, help_text, value in (
+            ("grown_bytes", "Bytes of share pools took (on demand, or given by a rebalance).",
+             st.grown_bytes),
+            ("shrunk_bytes", "Bytes of share pools gave back (idle, or taken for another).",
+             st.shrunk_bytes),
+            ("released_bytes", "Memory shrinking pools gave back to the system.",
+             st.released_bytes),
+            ("moved_keys", "Keys whose pages moved below a shrinking pool's new size.",
+             st.moved_keys),
+            ("rounds", "Rebalancing rounds run.", st.rounds)):
+        yield CounterMetricFamily(f"hicache_budget_{name}", help_text, value=value)
 
 
 def _kv_event_families(st: KvEventStats) -> Iterator[Metric]:
@@ -139,7 +183,7 @@ class _StateCollector(Collector):
         counts = [pool.allocator.counts(locked=False) for pool, _cache in entries]
         for (pool, _cache), count in zip(entries, counts, strict=True):
             name = [pool.spec.name]
-            used = pool.page_num - count["free"]
+            used = pool.page_num - count["free"] - count["parked"]
             cap_b.add_metric(name, pool.nbytes)
             used_b.add_metric(name, used * pool.spec.page_bytes)
             cap_p.add_metric(name, pool.page_num)
@@ -162,6 +206,8 @@ class _StateCollector(Collector):
         yield from tier_families(entries, self._state.tiers(), self._state.cluster_store)
         if self._state.kv_events is not None:
             yield from _kv_event_families(self._state.kv_events())
+        if self._state.budget is not None:
+            yield from _budget_families(self._state.budget)
         yield GaugeMetricFamily("hicache_cache_watchers", "WatchEvents streams open.",
                                 value=self._state.watchers())
         yield GaugeMetricFamily("hicache_fast_path_connections",

@@ -11,6 +11,8 @@ here.
 - ``sessions``: worker sessions with leases, reaped when workers go quiet.
 - ``pool_table`` / ``pool_build``: named pools under one memory budget, built in the
   background.
+- ``memory_budget`` / ``budget_config``: the budget shared by the pools by demand
+  (``[budget] elastic``): shares that grow and shrink, floors, ceilings, tenants.
 - ``admission``: the data path's bound and the fast path's frame budget.
 - ``request_bounds``: the largest legal request of each keyed call, refused unread above it.
 - ``identity``: who a caller is (``Peer``), what it handed over (``Grant``), who may use which

@@ -13,6 +13,11 @@ Primitives:
 - ``charge(spec)``: what a pool costs the budget: its pages and, per page, its tables and key
   index. ``used_bytes``: the charges of all pools; a pool that would exceed the budget is
   ``HOST_MEMORY_INSUFFICIENT`` naming every number.
+- With a ``MemoryBudget`` whose config is elastic (``[budget] elastic = true``) and pools that
+  are not page-locked, a pool is charged its floor and its tables, only its floor's memory is
+  faulted in, and it joins the budget once built (``memory_budget``): its share then grows
+  and shrinks with its demand. Page-locked pools (a CUDA host) keep their fixed size: their
+  memory cannot be given back while it is locked.
 - With a state directory (``options.state_dir``) pools live in files that outlive the daemon:
   a pool whose saved state matches is re-attached and its cache recovered
   (``PoolCache.recover``) while it builds; ``recover_saved(declared)`` starts that for every
@@ -49,6 +54,7 @@ from hicached.cache.pool_cache import PoolCache
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.state_file import Outcome, remove_state, saved_specs
+from hicached.service.memory_budget import MemoryBudget
 from hicached.service.pool_build import PoolBuild
 from hicached.tiers.config import DiskTierConfig
 from hicached.tiers.mooncake import MooncakeStore
@@ -79,7 +85,8 @@ class PoolTable:
                  observe_disk: Callable[[str, float], None] = lambda op, s: None,
                  cluster_store: MooncakeStore | None = None,
                  hold_policy: HoldPolicy | None = None, chain_bytes: int = 0,
-                 listener: PoolListener | None = None) -> None:
+                 listener: PoolListener | None = None,
+                 budget: MemoryBudget | None = None) -> None:
         """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts);
         ``hold_policy``: the limits on every pool's holds;
         ``disk`` gives every pool a disk tier below it (its share of the capacity),
@@ -95,6 +102,12 @@ class PoolTable:
         self.hold_policy = hold_policy or HoldPolicy()
         self.chain_bytes = chain_bytes
         self.listener = listener
+        self.budget = budget if budget is not None and budget.config.elastic \
+            and pinner is None else None
+        """The shared budget pools join (None: every pool keeps its size)."""
+        if budget is not None and budget.config.elastic and pinner is not None:
+            log.warning("[budget] elastic: pools here are page-locked for CUDA, and locked "
+                        "memory cannot be given back; every pool keeps its fixed size")
         self._stacks: dict[str, TierStack] = {}
         self._recovered: dict[str, PoolCache] = {}
         self._sessions_of = sessions_of
@@ -124,8 +137,9 @@ class PoolTable:
               ) -> tuple[HostPool, PoolCache]:
         """Build (or re-attach) the pool and its cache, recovering saved keys."""
         pages = spec.resolved_size_tokens() // spec.page_size
+        resident = self.budget.bounds(spec)[0] if self.budget is not None else None
         pool = HostPool(spec, self.options, pinner=self.pinner, on_progress=on_progress,
-                        extra_tables=[key_slots.table_spec(pages)])
+                        extra_tables=[key_slots.table_spec(pages)], resident_pages=resident)
         try:
             cache = self._new_cache(pool)
             recovered = cache.recover() if pool.outcome is Outcome.REATTACHED else {}
@@ -148,6 +162,8 @@ class PoolTable:
                      "damaged slots dropped", spec.name, pool.state.generation if pool.state
                      else 0, recovered["keys"], recovered["raw_pages"], recovered["damaged"])
         self._on_attach(pool, recovered)
+        if self.budget is not None:
+            self.budget.join(cache, _tables(spec))
         return pool, cache
 
     def _new_cache(self, pool: HostPool) -> PoolCache:
@@ -257,6 +273,12 @@ class PoolTable:
         return existing
 
     def _check_budget(self, spec: PoolSpec) -> None:
+        if self.budget is not None:  # the floors fit, with the floors of the builds under way
+            with self._lock:
+                building = sum(self._floor_charge(b.spec) for b in self._builds.values()
+                               if b.error is None and b.spec.name not in self._pools)
+            self.budget.admit(spec, _tables(spec), building)
+            return
         need = charge(spec)
         used = self.used_bytes
         if used + need > self.budget_bytes:
@@ -328,6 +350,8 @@ class PoolTable:
                 self._pools.pop(name, None)
                 self._caches.pop(name, None)
                 stack = self._stacks.get(name)
+            if self.budget is not None:
+                self.budget.leave(name)
         if self.listener is not None and stack is not None:
             self.listener.deleting(name, stack)
         self._close_tiers(name, remove=True)
@@ -335,10 +359,20 @@ class PoolTable:
 
     @property
     def used_bytes(self) -> int:
-        """Charges of the pools and of the builds under way (reserved when they start)."""
+        """Charges of the pools and of the builds under way (reserved when they start); with
+        an elastic budget, the pools' shares and tables, and the builds' floors."""
+        if self.budget is not None:
+            with self._lock:
+                building = sum(self._floor_charge(b.spec) for b in self._builds.values()
+                               if b.error is None and b.spec.name not in self._pools)
+            return self.budget.used_bytes + building
         with self._lock:
             return sum(charge(p.spec) for p in self._pools.values()) + sum(
                 charge(b.spec) for b in self._builds.values() if b.error is None)
+
+    def _floor_charge(self, spec: PoolSpec) -> int:
+        assert self.budget is not None
+        return self.budget.bounds(spec)[0] * spec.page_bytes + _tables(spec)
 
     def close_all(self, wait_seconds: float = 10.0) -> None:
         """Close every pool, waiting at most ``wait_seconds`` in all for copies in flight."""
@@ -350,6 +384,12 @@ class PoolTable:
         deadline = time.monotonic() + wait_seconds
         for p in pools:
             p.close(max(deadline - time.monotonic(), 0.0))
+
+
+def _tables(spec: PoolSpec) -> int:
+    """Budget bytes of a pool's tables and key index (charged whatever its share)."""
+    pages = spec.resolved_size_tokens() // spec.page_size
+    return pages * (HostPool.metadata_bytes_per_page(spec) + KEY_INDEX_BYTES)
 
 
 def _summary(spec: PoolSpec) -> str:

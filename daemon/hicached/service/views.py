@@ -84,7 +84,7 @@ class PoolView:
 def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | None
            ) -> PoolView:
     counts = pool.allocator.counts()
-    used = pool.page_num - counts["free"]
+    used = pool.page_num - counts["free"] - counts["parked"]
     disk = tiers.disk if tiers is not None else None
     cluster = tiers.cluster if tiers is not None else None
     writer = tiers.writer if tiers is not None else None

@@ -1,0 +1,379 @@
+"""One memory budget shared by the pools: each pool's share grows with its demand and shrinks
+when it is idle or another pool needs the memory more.
+
+A pool's share is its allocator's limit (``PageAllocator.limit``): the pages it may hold.
+The shares of all pools add up to the budget at most; what no pool holds is *slack*.
+
+- **Growth on demand** (``grow``, called by a pool's cache with its lock held, when a Store,
+  a promotion or an Alloc finds the pool full): the pool takes from the slack at once, at
+  least ``grow_step_bytes``, up to its ceiling and its tenant's quota. What it could not get
+  is remembered as its unmet demand. A pool whose tenant is at its quota, or that is at its
+  ceiling, evicts its own pages instead, as a fixed-size pool does.
+- **Rebalancing** (``rebalance``, every ``interval_seconds`` on the budget's thread): a pool
+  holding free pages above its floor gives them back to the slack (an idle pool shrinks to
+  what it uses, and to its floor once others need its keys' memory); then each pool with
+  unmet demand, or that evicted since the last round, takes memory from the others by one
+  value rule, the one eviction uses inside a pool: the pool whose least recently used page
+  is the oldest gives first (``PoolCache.resize``: its oldest keys evicted, the rest moved
+  below its new size), and only where that page is older than the taker's own oldest. A
+  tenant below its guaranteed share takes from tenants above theirs whatever their ages;
+  no pool goes below its floor, and no tenant is taken below its guaranteed share by
+  another. One round moves at most ``step_fraction`` of the budget from a pool.
+- **Admission** (``admit``): a new pool is charged its floor; the floors of all pools fit the
+  budget (``HOST_MEMORY_INSUFFICIENT`` otherwise), and a joining pool's floor is taken back
+  from pools above theirs when the slack is short (``join``).
+
+Locks: the budget's lock is taken inside a pool cache's (``grow``), never the other way
+round; ``rebalance`` resizes pools with no lock of the budget held.
+
+Primitives: ``MemoryBudget(budget_bytes, config, clock)``: ``admit(spec)``, ``join(cache)``,
+``leave(name)``, ``grow(name, pages)``, ``rebalance()``, ``start()`` / ``close()`` (the
+thread), ``shares()`` (``PoolShareView`` per pool), ``tenants()`` (``TenantView``),
+``stats`` (``BudgetStats``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hicache.errors import HostMemoryInsufficient
+from hicache.specs import PoolSpec
+from hicached.cache.pool_cache import PoolCache
+from hicached.service.budget_config import BudgetConfig, share_for
+
+log = logging.getLogger(__name__)
+
+PRESSURE_REASONS = ("store", "promotion", "alloc")
+"""Evictions that say a pool needed more room than it had (``budget`` evictions do not)."""
+
+
+@dataclass(frozen=True)
+class PoolShareView:
+    pool: str
+    tenant: str
+    share_bytes: int
+    """What the pool may hold now (its allocator's limit)."""
+    used_bytes: int
+    floor_bytes: int
+    ceiling_bytes: int
+
+
+@dataclass(frozen=True)
+class TenantView:
+    tenant: str
+    share_bytes: int
+    """What its pools may hold together now."""
+    used_bytes: int
+    quota_bytes: int
+    """0: none but the budget."""
+    guaranteed_bytes: int
+
+
+@dataclass
+class BudgetStats:
+    grown_bytes: int = 0
+    """Bytes of share pools took (from the slack on demand, or given by a rebalance)."""
+    shrunk_bytes: int = 0
+    """Bytes of share pools gave back (idle, or taken for another)."""
+    released_bytes: int = 0
+    """Memory given back to the system by shrinking pools."""
+    moved_keys: int = 0
+    """Keys whose pages moved below a shrinking pool's new size."""
+    rounds: int = 0
+
+
+class _Member:
+    __slots__ = ("cache", "ceiling", "evictions", "fixed", "floor", "name", "page_bytes",
+                 "tenant", "wanted")
+
+    def __init__(self, cache: PoolCache, floor: int, ceiling: int, tenant: str,
+                 fixed: int) -> None:
+        self.cache = cache
+        self.fixed = fixed
+        """Bytes the pool is charged whatever its share (its tables and key index)."""
+        self.name = cache.pool.spec.name
+        self.page_bytes = cache.pool.spec.page_bytes
+        self.floor, self.ceiling, self.tenant = floor, ceiling, tenant
+        self.evictions = _pressure(cache)
+        self.wanted = 0
+        """Pages asked for and not granted since the last round."""
+
+    @property
+    def limit(self) -> int:
+        return self.cache.pool.allocator.limit
+
+
+def _pressure(cache: PoolCache) -> int:
+    by = cache.stats.evicted_by
+    return sum(by[r] for r in PRESSURE_REASONS)
+
+
+class MemoryBudget:
+    def __init__(self, budget_bytes: int, config: BudgetConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget_bytes = budget_bytes
+        self.config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._members: dict[str, _Member] = {}
+        self.stats = BudgetStats()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- pools coming and going ------------------------------------------------------------
+
+    def bounds(self, spec: PoolSpec) -> tuple[int, int, str]:
+        """(floor pages, ceiling pages, tenant) of a pool of ``spec``."""
+        rule = share_for(self.config, spec.name)
+        pages = spec.resolved_size_tokens() // spec.page_size
+        ceiling = min(rule.ceiling_bytes // spec.page_bytes, pages) if rule.ceiling_bytes \
+            else pages
+        floor = min(-(-rule.floor_bytes // spec.page_bytes), pages)
+        return floor, max(ceiling, floor), rule.tenant
+
+    def admit(self, spec: PoolSpec, metadata_bytes: int, pending: int = 0) -> int:
+        """The bytes a new pool of ``spec`` is charged (its floor and its tables), or
+        ``HOST_MEMORY_INSUFFICIENT`` when the floors would not fit the budget beside the
+        pools' and ``pending`` (pools being built)."""
+        floor, _, _ = self.bounds(spec)
+        need = floor * spec.page_bytes + metadata_bytes
+        with self._lock:
+            committed = pending + sum(m.floor * m.page_bytes + m.fixed
+                                      for m in self._members.values())
+        if committed + need > self.budget_bytes:
+            raise HostMemoryInsufficient(
+                f"pool {spec.name} needs a floor of {need} bytes; the floors of the pools "
+                f"there already take {committed} of the budget's {self.budget_bytes}",
+                metadata={"pool": spec.name, "floor_bytes": need, "committed_bytes": committed,
+                          "budget_bytes": self.budget_bytes})
+        return need
+
+    def join(self, cache: PoolCache, fixed_bytes: int = 0) -> None:
+        """Share the budget with ``cache``'s pool (charged ``fixed_bytes`` besides its share):
+        it starts at its floor (or at what it holds already, re-attached, as far as the slack
+        goes), taking its floor back from pools above theirs if the slack is short; its
+        Stores then grow it on demand."""
+        floor, ceiling, tenant = self.bounds(cache.pool.spec)
+        m = _Member(cache, floor, ceiling, tenant, fixed_bytes)
+        held = cache.pool.allocator.top()
+        with self._lock:
+            slack = (self._slack_bytes() - fixed_bytes) // m.page_bytes
+            start = max(floor, min(ceiling, held, slack))
+        cache.resize(start)  # (its memory above it is given back before it counts)
+        with self._lock:
+            self._members[m.name] = m
+            short = -self._slack_bytes()
+        if short > 0:  # its floor comes first: a floor is what the others cannot keep
+            self._reclaim(short, m, force=True)
+        cache.grow = lambda pages, name=m.name: self.grow(name, pages)
+        log.info("pool %s shares the budget: floor %d, ceiling %d pages of %d bytes, tenant "
+                 "%r, starts at %d", m.name, floor, ceiling, m.page_bytes, tenant, start)
+
+    def leave(self, name: str) -> None:
+        with self._lock:
+            m = self._members.pop(name, None)
+        if m is not None:
+            m.cache.grow = None
+
+    # -- growth on demand (a pool's lock held) ---------------------------------------------
+
+    def grow(self, name: str, pages: int) -> int:
+        """Pages ``name`` may add to its share now (its limit is raised by as many before
+        this returns; 0: it evicts its own)."""
+        with self._lock:
+            m = self._members.get(name)
+            if m is None or pages <= 0:
+                return 0
+            room = min(m.ceiling - m.limit, self._slack_bytes() // m.page_bytes,
+                       self._quota_room(m.tenant) // m.page_bytes)
+            step = max(pages, -(-self.config.grow_step_bytes // m.page_bytes))
+            got = max(min(step, room), 0)
+            if got and not m.cache.pool.reserve_pages(m.limit, m.limit + got):
+                got = 0  # the pool's file system is full: it evicts its own
+            if got < pages:
+                m.wanted += pages - got
+            if got:
+                m.cache.pool.allocator.set_limit(m.limit + got)
+                self.stats.grown_bytes += got * m.page_bytes
+            return got
+
+    # -- rebalancing -----------------------------------------------------------------------
+
+    def rebalance(self) -> None:
+        """One round (see the module's docstring)."""
+        now = self._clock()
+        with self._lock:
+            members = list(self._members.values())
+        demand: dict[str, int] = {}
+        ages: dict[str, float] = {}
+        for m in members:
+            seen = _pressure(m.cache)
+            with self._lock:
+                want, m.wanted = m.wanted, 0
+            if seen > m.evictions or want:
+                demand[m.name] = max(want, seen - m.evictions)
+            m.evictions = seen
+            ages[m.name] = m.cache.coldest_age(now)
+        # idle memory back to the slack: the free pages of a pool without demand, but for a
+        # step of room, never below its floor
+        for m in members:
+            if m.name in demand:
+                continue
+            keep = max(m.floor, m.cache.pool.allocator.used_pages + self._step_pages(m))
+            if m.limit > keep:
+                self._shrink(m, keep)
+        # then each pool in need, those of tenants below their guarantee first, the
+        # hottest (youngest oldest page) next
+        takers = sorted((m for m in members if m.name in demand and m.limit < m.ceiling),
+                        key=lambda m: (not self._below_guarantee(m.tenant), ages[m.name]))
+        for m in takers:
+            want = max(demand[m.name], self._step_pages(m))
+            got = self._give(m, want)
+            short = (want - got) * m.page_bytes
+            if short > 0:
+                self._reclaim(short, m, ages)
+                self._give(m, want - got)
+        self.stats.rounds += 1
+
+    def _give(self, m: _Member, pages: int) -> int:
+        with self._lock:
+            if m.name not in self._members:
+                return 0
+            got = max(min(pages, m.ceiling - m.limit, self._slack_bytes() // m.page_bytes,
+                          self._quota_room(m.tenant) // m.page_bytes), 0)
+            if got and not m.cache.pool.reserve_pages(m.limit, m.limit + got):
+                got = 0
+            if got:  # raising a limit needs no lock of the pool's: it only adds free pages
+                m.cache.pool.allocator.set_limit(m.limit + got)
+                self.stats.grown_bytes += got * m.page_bytes
+        return got
+
+    def _reclaim(self, nbytes: int, taker: _Member, ages: dict[str, float] | None = None,
+                 force: bool = False) -> None:
+        """Free ``nbytes`` of others' shares for ``taker``, the least valuable first (see the
+        module's docstring); ``force`` (a floor): from any pool above its floor."""
+        now = self._clock()
+        ages = ages if ages is not None else {}
+        taker_age = ages.get(taker.name, taker.cache.coldest_age(now))
+        guaranteed = self._below_guarantee(taker.tenant)
+        own_only = self._quota_room(taker.tenant) <= 0  # at its quota: its own pools only
+        with self._lock:
+            others = [m for m in self._members.values() if m is not taker]
+        donors = []
+        for d in others:
+            age = ages.get(d.name)
+            if age is None:
+                age = ages[d.name] = d.cache.coldest_age(now)
+            if d.limit <= d.floor:
+                continue
+            if force:
+                pass
+            elif d.tenant != taker.tenant:
+                if own_only:
+                    continue
+                if not guaranteed and age <= taker_age:
+                    continue  # its pages are worth as much as the taker's: it keeps them
+                if self._tenant_share(d.tenant) <= self._guarantee(d.tenant):
+                    continue
+            elif age <= taker_age and taker.limit > taker.floor:
+                continue
+            donors.append((age, d))
+        for _age, d in sorted(donors, key=lambda x: -x[0]):
+            if nbytes <= 0:
+                break
+            pages = min(-(-nbytes // d.page_bytes), d.limit - d.floor)
+            if not force:
+                pages = min(pages, self._step_pages(d))
+            if d.tenant != taker.tenant and not force:
+                over = self._tenant_share(d.tenant) - self._guarantee(d.tenant)
+                pages = min(pages, max(over, 0) // d.page_bytes)
+            if pages <= 0:
+                continue
+            before = d.limit
+            self._shrink(d, before - pages)
+            nbytes -= (before - d.limit) * d.page_bytes
+
+    def _shrink(self, m: _Member, pages: int) -> None:
+        before = m.limit
+        r = m.cache.resize(pages)
+        with self._lock:
+            self.stats.shrunk_bytes += max(before - r.limit, 0) * m.page_bytes
+            self.stats.released_bytes += r.released_bytes
+            self.stats.moved_keys += r.moved
+
+    # -- the books (the budget's lock held, or a snapshot) ---------------------------------
+
+    def _slack_bytes(self) -> int:
+        return self.budget_bytes - sum(m.limit * m.page_bytes + m.fixed
+                                       for m in self._members.values())
+
+    @property
+    def used_bytes(self) -> int:
+        """The shares and fixed charges of the pools sharing the budget."""
+        with self._lock:
+            return self.budget_bytes - self._slack_bytes()
+
+    def _tenant_share(self, tenant: str) -> int:
+        return sum(m.limit * m.page_bytes for m in list(self._members.values())
+                   if m.tenant == tenant)
+
+    def _quota_room(self, tenant: str) -> int:
+        quota = self.config.tenant(tenant).quota_bytes
+        return quota - self._tenant_share(tenant) if quota else self.budget_bytes
+
+    def _guarantee(self, tenant: str) -> int:
+        t = self.config.tenant(tenant)
+        if t.guaranteed_bytes >= 0:
+            return t.guaranteed_bytes
+        members = list(self._members.values())
+        tenants = {m.tenant for m in members} or {tenant}
+        fair = (self.budget_bytes - sum(m.fixed for m in members)) // len(tenants)
+        return min(fair, t.quota_bytes) if t.quota_bytes else fair
+
+    def _below_guarantee(self, tenant: str) -> bool:
+        return self._tenant_share(tenant) < self._guarantee(tenant)
+
+    def _step_pages(self, m: _Member) -> int:
+        return max(int(self.budget_bytes * self.config.step_fraction) // m.page_bytes,
+                   -(-self.config.grow_step_bytes // m.page_bytes), 1)
+
+    # -- what it looks like ----------------------------------------------------------------
+
+    def shares(self) -> list[PoolShareView]:
+        with self._lock:
+            members = list(self._members.values())
+        return [PoolShareView(m.name, m.tenant, m.limit * m.page_bytes,
+                              m.cache.pool.allocator.used_pages * m.page_bytes,
+                              m.floor * m.page_bytes, m.ceiling * m.page_bytes)
+                for m in members]
+
+    def tenants(self) -> list[TenantView]:
+        out: dict[str, list[PoolShareView]] = {}
+        for s in self.shares():
+            out.setdefault(s.tenant, []).append(s)
+        return [TenantView(t, sum(s.share_bytes for s in v), sum(s.used_bytes for s in v),
+                           self.config.tenant(t).quota_bytes, self._guarantee(t))
+                for t, v in sorted(out.items())]
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="budget", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.interval_seconds):
+            try:
+                self.rebalance()
+            except Exception:  # a round that failed leaves the shares as they were
+                log.exception("rebalancing the memory budget failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+

@@ -1,0 +1,257 @@
+"""One memory budget shared by pools (``service.memory_budget``), on real pools and caches.
+
+A busy pool grows and an idle one shrinks to its floor and no further; memory goes to the pool
+whose pages are worth more (its oldest page is younger); a tenant at its quota evicts its own
+pages; no tenant takes another below its guaranteed share; floors are admitted only while
+they fit. A state machine drives stores into several pools of two tenants, the clock and the
+rounds, against the budget's promises and the keys' bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from hicache.errors import HostMemoryInsufficient
+from hicached.cache.pool_cache import PoolCache
+from hicached.core.pool import HostPool
+from hicached.service.budget_config import BudgetConfig, PoolShare, TenantQuota
+from hicached.service.memory_budget import MemoryBudget
+from tests.cache_pages import pattern, read, store
+from tests.helpers import make_pool, mha, spec
+
+PAGES = 32  # per pool
+
+
+class Node:
+    """Pools of 32 pages under one budget, on one hand-moved clock."""
+
+    def __init__(self, budget_pages: int, config: BudgetConfig) -> None:
+        self.now = 1000.0
+        self.pools: dict[str, HostPool] = {}
+        self.caches: dict[str, PoolCache] = {}
+        probe = spec(mha(layers=2), page_size=4, size_tokens=4 * PAGES)
+        self.page_bytes = probe.page_bytes
+        self.budget = MemoryBudget(budget_pages * self.page_bytes, config,
+                                   clock=lambda: self.now)
+        self.n = 0
+
+    def add(self, name: str) -> PoolCache:
+        s = spec(mha(layers=2), page_size=4, size_tokens=4 * PAGES, name=name)
+        self.budget.admit(s, 0)
+        pool = make_pool(s)
+        cache = PoolCache(pool, clock=lambda: self.now)
+        self.pools[name], self.caches[name] = pool, cache
+        self.budget.join(cache)
+        return cache
+
+    def store(self, name: str, n: int) -> list[bytes]:
+        keys = [b"%s-%06d" % (name.encode(), self.n + i) for i in range(n)]
+        self.n += n
+        for k in keys:
+            self.now += 1.0
+            store(self.caches[name], [k])
+        return keys
+
+    def share(self, name: str) -> int:
+        return self.pools[name].allocator.limit
+
+    def tenant_pages(self, tenant: str) -> int:
+        return sum(v.share_bytes for v in self.budget.tenants() if v.tenant == tenant) \
+            // self.page_bytes
+
+    def close(self) -> None:
+        for p in self.pools.values():
+            p.close()
+
+
+def pages(n: int, node: Node) -> int:
+    return n * node.page_bytes
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    made: list[Node] = []
+
+    def make(budget_pages: int, config: BudgetConfig) -> Node:
+        made.append(Node(budget_pages, config))
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for n in made:
+        n.close()
+
+
+def config(node_page_bytes: int, **kw: object) -> BudgetConfig:
+    return BudgetConfig(elastic=True, grow_step_bytes=node_page_bytes, step_fraction=0.125,
+                        **kw)  # type: ignore[arg-type]
+
+
+PB = spec(mha(layers=2), page_size=4, size_tokens=4 * PAGES).page_bytes
+
+
+def test_the_busy_pool_grows_and_the_idle_one_shrinks_to_its_floor_and_no_further(
+        node) -> None:  # type: ignore[no-untyped-def]
+    n = node(36, config(PB, pools=(PoolShare("*", floor_bytes=6 * PB),)))
+    a, b = n.add("a"), n.add("b")
+    assert (n.share("a"), n.share("b")) == (6, 6)  # floors first
+    n.store("b", 20)  # b is busy first: it grows from the slack on demand
+    assert n.share("b") == 20 and b.stats.evicted == 0
+    n.store("a", 30)  # then a: it takes the rest of the slack, then evicts its own
+    assert n.share("a") == 16 and a.stats.evicted_by["store"] == 14
+    for _ in range(10):  # a stays busy; b is idle and its pages are older than a's
+        n.store("a", 4)
+        n.budget.rebalance()
+    assert n.share("b") == 6, "the idle pool gives way down to its floor and no further"
+    assert n.share("a") == 30
+    assert len(b._ready) == 6 and b.stats.evicted_by["budget"] == 14  # its newest 6 stayed
+    assert all(np.array_equal(read(n.pools["b"], p), pattern(k, PB)) for k, p in b._ready.items())
+    # idle memory goes back: a's keys removed, the next round takes its free pages
+    a.clear()
+    n.budget.rebalance()
+    assert n.share("a") == 6  # its floor (above a step of room: an eighth of the budget)
+
+
+def test_memory_goes_to_the_pool_whose_pages_are_worth_more(node) -> None:  # type: ignore[no-untyped-def]
+    n = node(24, config(PB))
+    n.add("a"), n.add("b")
+    n.store("a", 12)
+    n.store("b", 12)  # the budget is full: a's pages are older than b's
+    n.now += 100
+    n.store("b", 4)  # b evicts its own and wants more
+    n.budget.rebalance()
+    assert n.share("b") > 12 and n.share("a") < 12, "the older pages gave way"
+    assert n.caches["a"].stats.evicted_by["budget"] > 0
+    before = n.share("b")
+    n.now += 1
+    for k in list(n.caches["a"]._ready)[:2]:  # a's pages become the hot ones
+        n.caches["a"].lookup([k], touch=True)
+    n.store("a", 8)
+    n.budget.rebalance()  # a's oldest page is now younger than b's: b gives
+    assert n.share("b") < before
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_pages(node) -> None:  # type: ignore[no-untyped-def]
+    n = node(64, config(PB, pools=(PoolShare("t-*", tenant="t"), PoolShare("u", tenant="u")),
+                        tenants=(TenantQuota("t", quota_bytes=20 * PB),)))
+    n.add("t-1"), n.add("t-2"), n.add("u")
+    n.store("u", 8)
+    n.store("t-2", 6)
+    n.store("t-1", 30)
+    assert n.tenant_pages("t") == 20, "the quota holds"
+    assert n.caches["t-1"].stats.evicted_by["store"] > 0
+    for _ in range(5):
+        n.store("t-1", 4)
+        n.budget.rebalance()
+    assert n.tenant_pages("t") <= 20
+    assert n.share("t-2") < 6, "its own other pool gave way"
+    assert n.caches["u"].stats.evicted == 0 and len(n.caches["u"]._ready) == 8
+
+
+def test_no_tenant_is_taken_below_its_guaranteed_share(node) -> None:  # type: ignore[no-untyped-def]
+    n = node(32, config(PB, pools=(PoolShare("t", tenant="t"), PoolShare("u", tenant="u")),
+                        tenants=(TenantQuota("u", guaranteed_bytes=10 * PB),)))
+    n.add("t"), n.add("u")
+    n.store("u", 16)  # u's pages are old
+    n.now += 1000
+    for _ in range(12):
+        n.store("t", 6)
+        n.budget.rebalance()
+    assert n.share("u") == 10, "u keeps its guarantee however old its pages are"
+    assert n.share("t") == 22
+
+
+def test_a_tenant_below_its_fair_share_takes_from_one_above_whatever_the_ages(
+        node) -> None:  # type: ignore[no-untyped-def]
+    n = node(32, config(PB, pools=(PoolShare("t", tenant="t"), PoolShare("u", tenant="u"))))
+    n.add("t"), n.add("u")
+    n.store("u", 32)  # u holds everything, and its pages are the younger
+    for i in range(10):
+        n.now = 100.0 + 10 * i  # t's pages are all older than u's
+        n.store("t", 4)
+        n.now = 5000.0
+        n.budget.rebalance()
+    assert n.share("t") == 16 and n.share("u") == 16  # the fair share: half each
+
+
+def test_floors_are_admitted_while_they_fit_and_a_new_floor_is_taken_back(node) -> None:  # type: ignore[no-untyped-def]
+    n = node(20, config(PB, pools=(PoolShare("*", floor_bytes=8 * PB),)))
+    n.add("a")
+    n.store("a", 20)  # a grows over the whole budget
+    assert n.share("a") == 20
+    n.add("b")  # its floor comes back from a
+    assert n.share("b") == 8 and n.share("a") == 12
+    with pytest.raises(HostMemoryInsufficient) as err:
+        n.add("c")
+    assert err.value.metadata["committed_bytes"] == str(16 * PB)
+
+
+class BudgetMachine(RuleBasedStateMachine):
+    """Stores into four pools of two tenants, time passing, rounds; the budget's promises
+    and every key's bytes hold after each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node = Node(48, config(
+            PB, pools=(PoolShare("t-*", floor_bytes=4 * PB, ceiling_bytes=24 * PB, tenant="t"),
+                       PoolShare("u-*", floor_bytes=2 * PB, tenant="u")),
+            tenants=(TenantQuota("t", quota_bytes=36 * PB),
+                     TenantQuota("u", guaranteed_bytes=12 * PB))))
+        for name in ("t-1", "t-2", "u-1", "u-2"):
+            self.node.add(name)
+        self.removed: set[bytes] = set()
+
+    def teardown(self) -> None:
+        self.node.close()
+
+    @rule(pool=st.sampled_from(["t-1", "t-2", "u-1", "u-2"]), n=st.integers(1, 8))
+    def store(self, pool: str, n: int) -> None:
+        self.node.store(pool, n)
+
+    @rule(seconds=st.floats(0, 100))
+    def wait(self, seconds: float) -> None:
+        self.node.now += seconds
+
+    @rule(pool=st.sampled_from(["t-1", "u-1"]), i=st.integers(0, 50))
+    def remove(self, pool: str, i: int) -> None:
+        keys = sorted(self.node.caches[pool]._ready)
+        if keys:
+            key = keys[i % len(keys)]
+            self.node.caches[pool].remove([key])
+            self.removed.add(key)
+
+    @rule()
+    def rebalance(self) -> None:
+        u_before = self.node.tenant_pages("u")
+        u_budget = sum(self.node.caches[p].stats.evicted_by["budget"] for p in ("u-1", "u-2"))
+        self.node.budget.rebalance()
+        u_after = self.node.tenant_pages("u")
+        taken = sum(self.node.caches[p].stats.evicted_by["budget"]
+                    for p in ("u-1", "u-2")) > u_budget
+        if taken and u_after < u_before:
+            assert u_after >= min(12, u_before), "u was taken below its guarantee"
+
+    @invariant()
+    def promises(self) -> None:
+        node = self.node
+        shares = {v.pool: v for v in node.budget.shares()}
+        assert sum(v.share_bytes for v in shares.values()) <= 48 * PB, "over the budget"
+        for v in shares.values():
+            assert v.floor_bytes <= v.share_bytes <= v.ceiling_bytes, v
+            assert v.used_bytes <= v.share_bytes, v
+        assert node.tenant_pages("t") <= 36, "over t's quota"
+        for name, cache in node.caches.items():
+            node.pools[name].allocator.memcheck()
+            for key, page in cache._ready.items():
+                assert key not in self.removed
+                assert np.array_equal(read(node.pools[name], page), pattern(key, PB)), key
+
+
+BudgetMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40,
+                                           deadline=None)
+TestBudgetMachine = BudgetMachine.TestCase

@@ -1,0 +1,136 @@
+"""``[budget] elastic``: a real server's pools share its budget by demand, through its RPCs.
+
+A worker fills one pool and the pool grows past its floor while the other stays at its own;
+then the other gets busy and the rebalancing thread moves the memory over; keys that stayed
+load back exact into zeroed device rows; the shares, tenants and moves are scraped from the
+server's own registry. The ``[budget]`` table is read from TOML as an operator writes it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.errors import SpecInvalid
+from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicached.server.app import HiCacheServer, create_server
+from hicached.server.config import ServerConfig, config_from_mapping
+from hicached.service.budget_config import BudgetConfig, PoolShare, TenantQuota
+from hicached.service.pool_table import _tables
+
+GEOMETRY = KVGeometry(PoolKind.MLA, DType.BFLOAT16, 2, kv_lora_rank=32, qk_rope_head_dim=0)
+BUSY, IDLE = (PoolSpec(n, GEOMETRY, 4, size_tokens=4 * 32) for n in ("busy", "idle"))
+PB = BUSY.page_bytes
+BUDGET = 2 * _tables(BUSY) + 40 * PB  # 40 pages of KV besides the pools' tables
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, HiCacheClient, Path]]:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = ServerConfig(
+        listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), state_dir="",
+        metrics_listen="", memory_budget_bytes=BUDGET, reserve_bytes=0, grace_seconds=2,
+        budget=BudgetConfig(elastic=True, interval_seconds=0.05, grow_step_bytes=PB,
+                            step_fraction=0.1, pools=(
+                                PoolShare("busy", floor_bytes=4 * PB, tenant="a"),
+                                PoolShare("idle", floor_bytes=8 * PB, tenant="b")),
+                            tenants=(TenantQuota("b", guaranteed_bytes=8 * PB),)))
+    server, bound = create_server(cfg)
+    client = HiCacheClient(bound[0], reconnect_seconds=0.5)
+    yield server, client, shm
+    client.close()
+    server.drain_and_stop(1.0)
+
+
+def sample(server: HiCacheServer, name: str, **labels: str) -> float:
+    v = server.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def fill(bufs: ShmDeviceBuffers, rows: torch.Tensor, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in bufs.all_tensors():
+        raw = t.view(torch.uint8)
+        raw[rows] = torch.randint(0, 256, raw[rows].shape, dtype=torch.uint8, generator=g)
+
+
+def until(check, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.02)
+
+
+def test_pools_share_the_budget_by_demand_through_the_server(served) -> None:  # type: ignore[no-untyped-def]
+    server, client, shm = served
+    client.create_pool(BUSY)
+    client.create_pool(IDLE)
+    assert sample(server, "hicache_pool_share_bytes", pool="busy") == 4 * PB  # floors
+    assert sample(server, "hicache_pool_share_bytes", pool="idle") == 8 * PB
+    with ShmDeviceBuffers.create(BUSY, 4 * 32, str(shm)) as bufs, \
+            client.open_session("busy", "w", bufs.descriptors, heartbeat=True) as s:
+        stored = {}
+        for i in range(30):  # one page per key, each from its own device rows
+            rows = torch.arange(4 * i, 4 * i + 4) % (4 * 32)
+            fill(bufs, rows, seed=i)
+            saved = [t.view(torch.uint8)[rows].clone() for t in bufs.all_tensors()]
+            assert s.store([b"k%03d" % i], rows).status == b"\x01"
+            stored[b"k%03d" % i] = (rows, saved)
+        # 32 - 8 = 24 pages were the slack and the floor: the busy pool grew past its floor
+        share = sample(server, "hicache_pool_share_bytes", pool="busy")
+        assert share == 30 * PB and client.get_pool("busy").keys == 30
+        assert sample(server, "hicache_tenant_share_bytes", tenant="a") == 30 * PB
+        assert sample(server, "hicache_budget_slack_bytes") == 2 * PB
+        # the idle pool gets busy: its Stores want more than its floor, the thread moves the
+        # budget's memory from the busy pool's oldest keys
+        with ShmDeviceBuffers.create(IDLE, 4 * 32, str(shm)) as ib, \
+                client.open_session("idle", "w", ib.descriptors, heartbeat=True) as t:
+            r = 0
+
+            def grown() -> bool:
+                nonlocal r
+                r += 1
+                t.store([b"i%03d-%d" % (i, r) for i in range(8)], torch.arange(32))
+                return sample(server, "hicache_pool_share_bytes", pool="idle") >= 16 * PB
+
+            until(grown)
+        assert sample(server, "hicache_cache_evictions_total", pool="busy", reason="budget") > 0
+        assert sample(server, "hicache_budget_rounds_total") > 0
+        assert (sample(server, "hicache_pool_share_bytes", pool="busy")
+                + sample(server, "hicache_pool_share_bytes", pool="idle")) <= 40 * PB
+        # what the busy pool still holds loads back exact into zeroed rows
+        held = client.lookup("busy", list(stored))
+        kept = [k for k, tier in zip(stored, held.tiers, strict=True) if tier == 1]
+        assert kept and len(kept) < 30
+        for key in kept:
+            rows, saved = stored[key]
+            for tensor in bufs.all_tensors():
+                tensor.view(torch.uint8)[rows] = 0
+            s.load_keys([key], rows)
+            for tensor, want in zip(bufs.all_tensors(), saved, strict=True):
+                assert torch.equal(tensor.view(torch.uint8)[rows], want), key
+
+
+def test_the_budget_table_is_read_from_toml() -> None:
+    cfg = config_from_mapping({"budget": {
+        "elastic": True, "interval_seconds": 0.5, "grow_step_bytes": "1MiB",
+        "pools": [{"pools": "llama-*", "floor_bytes": "1GiB", "ceiling_bytes": "8GiB",
+                   "tenant": "team-a"}],
+        "tenants": [{"name": "team-a", "quota_bytes": "16GiB", "guaranteed_bytes": "2GiB"}]}})
+    b = cfg.budget
+    assert b.elastic and b.interval_seconds == 0.5 and b.grow_step_bytes == 1 << 20
+    assert b.pools == (PoolShare("llama-*", 1 << 30, 8 << 30, "team-a"),)
+    assert b.tenants == (TenantQuota("team-a", 16 << 30, 2 << 30),)
+    for bad in ({"elastic": True, "bogus": 1},
+                {"pools": [{"pools": "x", "floor_bytes": "2GiB", "ceiling_bytes": "1GiB"}]},
+                {"tenants": [{"name": "t", "quota_bytes": 1, "guaranteed_bytes": 2}]},
+                {"tenants": [{"name": "t"}, {"name": "t"}]},
+                {"interval_seconds": 0}):
+        with pytest.raises(SpecInvalid):
+            config_from_mapping({"budget": bad})
