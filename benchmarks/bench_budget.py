@@ -36,7 +36,7 @@ OPTIONS = MemoryOptions(hugepages=False, prefault_threads=1, reserve_bytes=0)
 
 def load(path: Path, n: int) -> list[tuple[float, list[int]]]:
     """(seconds, block ids) of the first ``n`` requests."""
-    out = []
+    out: list[tuple[float, list[int]]] = []
     with open(path) as f:
         for line in f:
             r = json.loads(line)
