@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,3 +135,57 @@ def test_the_budget_table_is_read_from_toml() -> None:
                 {"interval_seconds": 0}):
         with pytest.raises(SpecInvalid):
             config_from_mapping({"budget": bad})
+
+
+@pytest.mark.parametrize("point", ["store.taken", "store.copied"])
+def test_a_shrink_while_a_store_writes_leaves_its_pages_and_its_bytes(
+        served, point: str) -> None:  # type: ignore[no-untyped-def]
+    """The budget's round shrinks a pool while one of its Stores is stopped between taking
+    its pages and keeping them: those pages are neither moved nor given back (the share stays
+    above them); the key lands whole, and the next round shrinks the pool."""
+    import threading
+
+    from hicache import seams
+
+    server, client, shm = served
+    client.create_pool(BUSY)
+    budget = server.daemon.pools.budget
+    assert budget is not None
+    pool = server.daemon.pools.get("busy")
+    with ShmDeviceBuffers.create(BUSY, 4 * 32, str(shm)) as bufs, \
+            client.open_session("busy", "w", bufs.descriptors, heartbeat=True) as s:
+        for i in range(20):  # pages 0..19, then the Store under test takes page 20
+            s.store([b"old%02d" % i], torch.arange(4))
+        rows = torch.arange(8, 12)
+        fill(bufs, rows, seed=99)
+        want = [t.view(torch.uint8)[rows].clone() for t in bufs.all_tensors()]
+        errors: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                assert s.store([b"racer"], rows).status == b"\x01"
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        with seams.Pause(point) as stop:
+            t = threading.Thread(target=write)
+            t.start()
+            assert stop.wait_reached(10)
+            writing = np.flatnonzero(pool.allocator._writer).tolist()
+            assert writing == [20], writing  # the racer's page, being written
+            budget._shrink(budget._members["busy"], 4)  # a round takes the pool down
+            assert pool.allocator.limit == 21, "the page being written stays inside the share"
+            assert pool.allocator.used_pages <= pool.allocator.limit
+            stop.release()
+            t.join(10)
+        assert not errors, errors
+        for tensor in bufs.all_tensors():
+            tensor.view(torch.uint8)[rows] = 0
+        s.load_keys([b"racer"], rows)
+        for tensor, saved in zip(bufs.all_tensors(), want, strict=True):
+            assert torch.equal(tensor.view(torch.uint8)[rows], saved)
+        budget._shrink(budget._members["busy"], 4)  # now it is free to go down
+        assert pool.allocator.limit == 4
+        s.load_keys([b"racer"], rows)  # moved below, still whole
+        for tensor, saved in zip(bufs.all_tensors(), want, strict=True):
+            assert torch.equal(tensor.view(torch.uint8)[rows], saved)
