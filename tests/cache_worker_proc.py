@@ -9,6 +9,9 @@ Modes (each prints JSON lines; the last one is the result; exit 1 on any mismatc
   the universe and verify it.
 - ``store-forever SEED``: alloc owned raw pages, then store fresh keys in batches forever,
   printing every acknowledged batch (the test kills it).
+- ``churn SEED SECONDS``: store fresh keys in batches for SECONDS; after each batch, load
+  back the most recent keys still in host memory into zeroed rows and verify them (a key
+  evicted meanwhile is skipped); report how many were verified and how many were gone.
 - ``instance TOKENS_SEED NTOKENS store|hit``: keys of a token sequence as SGLang computes them;
   ``store`` stores its pages, ``hit`` looks them up and loads them (another process, another
   "instance" of the model).
@@ -114,6 +117,30 @@ def store_forever(w: Worker, session: WorkerSession, args: list[str]) -> dict[st
         i += 1
 
 
+def churn(w: Worker, session: WorkerSession, args: list[str]) -> dict[str, object]:
+    from hicache.errors import KeyNotFound
+
+    base, seconds = int(args[0]) * 1_000_000, float(args[1])
+    end = time.monotonic() + seconds
+    stored: list[bytes] = []
+    gone = 0
+    i = 0
+    while time.monotonic() < end:
+        batch = [key_of(base + i * BATCH + j) for j in range(BATCH)]
+        i += 1
+        w.fill(batch)
+        r = session.store(batch, w.dev(len(batch)))
+        stored += [k for k, st in zip(batch, r.status, strict=True) if st == 1]
+        recent = stored[-4 * BATCH:]
+        found = w.client.lookup(w.pool, recent, session_id=session.session_id)
+        here = [k for k, t in zip(recent, found.tiers, strict=True) if t == 1][:BATCH]
+        try:
+            w.load_and_verify(session, here)
+        except KeyNotFound:
+            gone += 1  # evicted between the Lookup and the load: nothing was loaded
+    return {"stored": len(stored), "gone": gone}
+
+
 def instance(w: Worker, session: WorkerSession, args: list[str]) -> dict[str, object]:
     seed, ntokens, what = args
     tokens = np.random.default_rng(int(seed)).integers(0, 152_064, size=int(ntokens))
@@ -139,7 +166,7 @@ def main() -> int:
         with client.open_session(pool, f"{mode}-{os.getpid()}", bufs.descriptors,
                                  lease_ms=1000) as session:
             result = {"overlap": overlap, "store-forever": store_forever,
-                      "instance": instance}[mode](w, session, args)
+                      "churn": churn, "instance": instance}[mode](w, session, args)
     result.update(verified=w.verified, mismatches=w.mismatches)
     print(json.dumps(result), flush=True)
     client.close()

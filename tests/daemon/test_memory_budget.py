@@ -191,6 +191,34 @@ def test_floors_are_admitted_while_they_fit_and_a_new_floor_is_taken_back(node) 
     assert err.value.metadata["committed_bytes"] == str(16 * PB)
 
 
+def test_no_pool_grows_into_the_dip_of_a_shrink_in_progress(node) -> None:  # type: ignore[no-untyped-def]
+    """While a pool is being shrunk its limit dips to the size asked for, then comes back up
+    above its pages still in use; another pool's Store growing in between must not take that
+    dip (the budget would end over-committed). Stopped at the seam between the two."""
+    import threading
+
+    from hicache import seams
+
+    n = node(24, config(PB))
+    a = n.add("a")
+    n.add("b")
+    n.store("a", 20)
+    n.store("b", 4)
+    reading = a.begin_load([max(a._ready, key=lambda k: a._ready[k])])  # page 19 in use
+    with seams.Pause("resize.moved") as stop:
+        t = threading.Thread(target=n.budget._shrink, args=(n.budget._members["a"], 8))
+        t.start()
+        assert stop.wait_reached(10)
+        assert n.pools["a"].allocator.limit == 8  # the dip
+        n.store("b", 12)  # b's Stores grow from the slack only
+        assert n.share("b") <= 24 - 20, "b grew into a's dip"
+        stop.release()
+        t.join(10)
+    assert n.share("a") == 20  # page 19 is still read: the share stays above it
+    assert n.share("a") + n.share("b") <= 24
+    a.finish_load(reading)
+
+
 class BudgetMachine(RuleBasedStateMachine):
     """Stores into four pools of two tenants, time passing, rounds; the budget's promises
     and every key's bytes hold after each step."""

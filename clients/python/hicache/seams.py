@@ -36,6 +36,8 @@ POINTS = {
     "lookup.chunk": "a long Lookup: a chunk of its keys checked, the pool's lock let go before "
                     "the next",
     "kv_events.turn": "the KV event publisher: awake, its queue not yet published",
+    "resize.moved": "a pool being shrunk: its keys evicted and moved, its limit not yet set "
+                    "where it ends (above the size asked for where pages are in use)",
 }
 
 _hooks: dict[str, Callable[[], None]] = {}

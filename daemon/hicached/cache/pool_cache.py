@@ -664,6 +664,7 @@ class PoolCache:
                 if moved >= max_moves:
                     break
                 moved += self._move(page)
+            seams.reached("resize.moved")
             limit = alloc.set_limit(max(target, alloc.top()))
             released = self.pool.release_pages(limit, old)
             return Resized(limit, evicted, moved, released)

@@ -24,7 +24,9 @@ The shares of all pools add up to the budget at most; what no pool holds is *sla
   from pools above theirs when the slack is short (``join``).
 
 Locks: the budget's lock is taken inside a pool cache's (``grow``), never the other way
-round; ``rebalance`` resizes pools with no lock of the budget held.
+round; ``rebalance`` resizes pools with no lock of the budget held, a pool being shrunk
+counting at its share before until the shrink ended (its limit dips while its pages move, and
+may end above the size asked for where pages are in use: nothing grows into that dip).
 
 Primitives: ``MemoryBudget(budget_bytes, config, clock)``: ``admit(spec)``, ``join(cache)``,
 ``leave(name)``, ``grow(name, pages)``, ``rebalance()``, ``start()`` / ``close()`` (the
@@ -87,8 +89,8 @@ class BudgetStats:
 
 
 class _Member:
-    __slots__ = ("cache", "ceiling", "evictions", "fixed", "floor", "name", "page_bytes",
-                 "tenant", "wanted")
+    __slots__ = ("cache", "ceiling", "evictions", "fixed", "floor", "holding", "name",
+                 "page_bytes", "tenant", "wanted")
 
     def __init__(self, cache: PoolCache, floor: int, ceiling: int, tenant: str,
                  fixed: int) -> None:
@@ -101,6 +103,9 @@ class _Member:
         self.evictions = _pressure(cache)
         self.wanted = 0
         """Pages asked for and not granted since the last round."""
+        self.holding = 0
+        """While the pool is being shrunk: its share before (what it counts for until the
+        shrink ends: the limit dips below what it ends at while its pages move)."""
 
     @property
     def limit(self) -> int:
@@ -298,8 +303,13 @@ class MemoryBudget:
             nbytes -= (before - d.limit) * d.page_bytes
 
     def _shrink(self, m: _Member, pages: int) -> None:
-        before = m.limit
-        r = m.cache.resize(pages)
+        with self._lock:
+            before = m.holding = m.limit
+        try:
+            r = m.cache.resize(pages)
+        finally:
+            with self._lock:
+                m.holding = 0
         with self._lock:
             self.stats.shrunk_bytes += max(before - r.limit, 0) * m.page_bytes
             self.stats.released_bytes += r.released_bytes
@@ -308,7 +318,7 @@ class MemoryBudget:
     # -- the books (the budget's lock held, or a snapshot) ---------------------------------
 
     def _slack_bytes(self) -> int:
-        return self.budget_bytes - sum(m.limit * m.page_bytes + m.fixed
+        return self.budget_bytes - sum(max(m.limit, m.holding) * m.page_bytes + m.fixed
                                        for m in self._members.values())
 
     @property
