@@ -86,6 +86,10 @@ def test_pools_share_the_budget_by_demand_through_the_server(served) -> None:  #
         # 32 - 8 = 24 pages were the slack and the floor: the busy pool grew past its floor
         share = sample(server, "hicache_pool_share_bytes", pool="busy")
         assert share == 30 * PB and client.get_pool("busy").keys == 30
+        info = client.get_pool("busy")  # GetPool says it too
+        assert (info.share_bytes, info.floor_bytes, info.ceiling_bytes, info.tenant) == (
+            30 * PB, 4 * PB, 32 * PB, "a")
+        assert info.used_pages == 30 and info.free_pages == 0
         assert sample(server, "hicache_tenant_share_bytes", tenant="a") == 30 * PB
         assert sample(server, "hicache_budget_slack_bytes") == 2 * PB
         # the idle pool gets busy: its Stores want more than its floor, the thread moves the

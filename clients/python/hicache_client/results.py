@@ -61,6 +61,11 @@ class PoolInfo:
     """The pool's own KV event stream ("" = none): register the engine instances that load
     from this pool with it."""
     kv_events_replay_endpoint: str = ""
+    share_bytes: int = 0
+    """With an elastic budget: the bytes the pool may hold now (0: a pool of fixed size)."""
+    floor_bytes: int = 0
+    ceiling_bytes: int = 0
+    tenant: str = ""
 
     @classmethod
     def from_proto(cls, p: pb.Pool) -> PoolInfo:
@@ -74,7 +79,8 @@ class PoolInfo:
                    # a daemon from before the cluster_* names fills only the remote_* ones
                    p.cluster_namespace or p.remote_namespace, p.cluster_puts or p.remote_puts,
                    p.cluster_pending or p.remote_pending, p.busy_pages or p.pinned_pages,
-                   p.kv_events_endpoint, p.kv_events_replay_endpoint)
+                   p.kv_events_endpoint, p.kv_events_replay_endpoint, p.share_bytes,
+                   p.floor_bytes, p.ceiling_bytes, p.tenant)
 
     @property
     def remote_namespace(self) -> str:

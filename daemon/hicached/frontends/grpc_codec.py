@@ -62,7 +62,9 @@ def pool_message(v: PoolView) -> pb.Pool:
                    # the deprecated names of the three above
                    remote_namespace=v.cluster_namespace, remote_puts=v.cluster_puts,
                    remote_pending=v.cluster_pending, kv_events_endpoint=v.kv_events_endpoint,
-                   kv_events_replay_endpoint=v.kv_events_replay_endpoint)
+                   kv_events_replay_endpoint=v.kv_events_replay_endpoint,
+                   share_bytes=v.share_bytes, floor_bytes=v.floor_bytes,
+                   ceiling_bytes=v.ceiling_bytes, tenant=v.tenant)
 
 
 def _info(v: InfoView) -> pb.GetInfoResponse:

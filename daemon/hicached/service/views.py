@@ -79,6 +79,12 @@ class PoolView:
     kv_events_endpoint: str = ""
     """The pool's own KV event stream ("" = none)."""
     kv_events_replay_endpoint: str = ""
+    share_bytes: int = 0
+    """With an elastic budget: what the pool may hold now, always keeps, may hold at most,
+    and its tenant (0 / "" for a pool of fixed size)."""
+    floor_bytes: int = 0
+    ceiling_bytes: int = 0
+    tenant: str = ""
 
 
 def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | None
@@ -117,7 +123,14 @@ def _building(b: PoolBuild) -> PoolView:
 
 
 def _streamed(d: Daemon, v: PoolView) -> PoolView:
-    """``v`` with where its pool's own KV event stream is."""
+    """``v`` with where its pool's own KV event stream is, and its share of an elastic
+    budget."""
+    budget = d.pools.budget
+    share = next((s for s in budget.shares() if s.pool == v.spec.name), None) \
+        if budget is not None else None
+    if share is not None:
+        v = dataclasses.replace(v, share_bytes=share.share_bytes, floor_bytes=share.floor_bytes,
+                                ceiling_bytes=share.ceiling_bytes, tenant=share.tenant)
     endpoint, replay = d.pool_streams(v.spec.name)
     if not endpoint:
         return v

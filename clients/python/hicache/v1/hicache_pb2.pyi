@@ -185,7 +185,7 @@ class PoolSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., page_size: _Optional[int] = ..., layer_num: _Optional[int] = ..., head_num: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., quant_block_size: _Optional[int] = ..., size_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., side_pools: _Optional[_Iterable[_Union[SidePool, _Mapping]]] = ..., canary_read_bytes: _Optional[int] = ..., row_bytes: _Optional[int] = ..., key_format: _Optional[_Union[KeyFormat, str]] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions", "keys", "keyed_pages", "raw_pages", "pinned_pages", "metadata_bytes", "state", "progress", "error", "error_reason", "attach_outcome", "generation", "recovered_keys", "disk_keys", "disk_capacity_pages", "remote_namespace", "remote_puts", "remote_pending", "busy_pages", "kv_events_endpoint", "kv_events_replay_endpoint", "cluster_namespace", "cluster_puts", "cluster_pending")
+    __slots__ = ("spec", "size_tokens", "page_num", "page_bytes", "used_pages", "free_pages", "capacity_bytes", "used_bytes", "pinned_bytes", "sessions", "keys", "keyed_pages", "raw_pages", "pinned_pages", "metadata_bytes", "state", "progress", "error", "error_reason", "attach_outcome", "generation", "recovered_keys", "disk_keys", "disk_capacity_pages", "remote_namespace", "remote_puts", "remote_pending", "busy_pages", "kv_events_endpoint", "kv_events_replay_endpoint", "cluster_namespace", "cluster_puts", "cluster_pending", "share_bytes", "floor_bytes", "ceiling_bytes", "tenant")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_NUM_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,10 @@ class Pool(_message.Message):
     CLUSTER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_PUTS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_PENDING_FIELD_NUMBER: _ClassVar[int]
+    SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CEILING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     spec: PoolSpec
     size_tokens: int
     page_num: int
@@ -252,7 +256,11 @@ class Pool(_message.Message):
     cluster_namespace: str
     cluster_puts: int
     cluster_pending: int
-    def __init__(self, spec: _Optional[_Union[PoolSpec, _Mapping]] = ..., size_tokens: _Optional[int] = ..., page_num: _Optional[int] = ..., page_bytes: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., keys: _Optional[int] = ..., keyed_pages: _Optional[int] = ..., raw_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., state: _Optional[_Union[PoolState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., error_reason: _Optional[str] = ..., attach_outcome: _Optional[str] = ..., generation: _Optional[int] = ..., recovered_keys: _Optional[int] = ..., disk_keys: _Optional[int] = ..., disk_capacity_pages: _Optional[int] = ..., remote_namespace: _Optional[str] = ..., remote_puts: _Optional[int] = ..., remote_pending: _Optional[int] = ..., busy_pages: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., cluster_namespace: _Optional[str] = ..., cluster_puts: _Optional[int] = ..., cluster_pending: _Optional[int] = ...) -> None: ...
+    share_bytes: int
+    floor_bytes: int
+    ceiling_bytes: int
+    tenant: str
+    def __init__(self, spec: _Optional[_Union[PoolSpec, _Mapping]] = ..., size_tokens: _Optional[int] = ..., page_num: _Optional[int] = ..., page_bytes: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., keys: _Optional[int] = ..., keyed_pages: _Optional[int] = ..., raw_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., state: _Optional[_Union[PoolState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., error_reason: _Optional[str] = ..., attach_outcome: _Optional[str] = ..., generation: _Optional[int] = ..., recovered_keys: _Optional[int] = ..., disk_keys: _Optional[int] = ..., disk_capacity_pages: _Optional[int] = ..., remote_namespace: _Optional[str] = ..., remote_puts: _Optional[int] = ..., remote_pending: _Optional[int] = ..., busy_pages: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., cluster_namespace: _Optional[str] = ..., cluster_puts: _Optional[int] = ..., cluster_pending: _Optional[int] = ..., share_bytes: _Optional[int] = ..., floor_bytes: _Optional[int] = ..., ceiling_bytes: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
