@@ -253,6 +253,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.a.used_pages == len(self._live()), \
             "used pages are those handed out, or freed while a copy still reads them"
         assert self.a.top() == max(self._live(), default=-1) + 1
+        assert self.a.in_use_from(3).tolist() == sorted(p for p in self._live() if p >= 3)
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase

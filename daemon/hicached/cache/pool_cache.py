@@ -92,6 +92,9 @@ from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
 from hicached.core.pool import HostPool
 
+MOVE_BYTES = 64 << 20
+"""Page bytes one ``resize`` copies below a shrinking pool's new size under the pool's lock
+(a few milliseconds); the rest move on the next call."""
 LOOKUP_CHUNK = 2048
 """Keys a Lookup checks per turn of the pool's lock (about 0.2 ms): a long batch lets the
 other calls on the pool go in between."""
@@ -641,10 +644,12 @@ class PoolCache:
             last = self._lru.oldest_use()
         return max(now - last, 0.0) if last is not None else 0.0
 
-    def resize(self, pages: int, max_moves: int = 256) -> Resized:
+    def resize(self, pages: int, max_moves: int | None = None) -> Resized:
         """Let the pool use ``pages`` pages (see the module's docstring); at most
-        ``max_moves`` pages are copied under the lock in one call (call again for the rest:
-        the limit stays above the keys not moved yet)."""
+        ``max_moves`` pages (default: ``MOVE_BYTES`` of them) are copied under the lock in
+        one call (call again for the rest: the limit stays above the keys not moved yet)."""
+        if max_moves is None:
+            max_moves = max(MOVE_BYTES // max(self.pool.spec.page_bytes, 1), 1)
         now = self._clock()
         with self._lock:
             alloc = self._alloc
@@ -660,10 +665,11 @@ class PoolCache:
             evicted = self.stats.evicted - evicted
             alloc.set_limit(target)
             moved = 0
-            for page in sorted(p for p in self._page_key if p >= target):
+            for page in alloc.in_use_from(target).tolist():
                 if moved >= max_moves:
                     break
-                moved += self._move(page)
+                if page in self._page_key:  # (a raw page stays)
+                    moved += self._move(page)
             seams.reached("resize.moved")
             limit = alloc.set_limit(max(target, alloc.top()))
             released = self.pool.release_pages(limit, old)

@@ -155,6 +155,12 @@ class PageAllocator:
                 self._parked -= n
             return pages
 
+    def in_use_from(self, first: int) -> np.ndarray:
+        """The pages from ``first`` on that are not free, ascending (vectorized: a shrink
+        asks this instead of walking its keys)."""
+        with self._lock:
+            return first + np.flatnonzero(self._state[first:] != FREE)
+
     def top(self) -> int:
         """One past the highest page that is not free (0 when every page is)."""
         with self._lock:
