@@ -30,8 +30,8 @@ may end above the size asked for where pages are in use: nothing grows into that
 
 Primitives: ``MemoryBudget(budget_bytes, config, clock)``: ``admit(spec)``, ``join(cache)``,
 ``leave(name)``, ``grow(name, pages)``, ``rebalance()``, ``start()`` / ``close()`` (the
-thread), ``shares()`` (``PoolShareView`` per pool), ``tenants()`` (``TenantView``),
-``stats`` (``BudgetStats``).
+thread), ``shares()`` / ``share(name)`` (``PoolShareView`` per pool), ``tenants()``
+(``TenantView``), ``stats`` (``BudgetStats``).
 """
 
 from __future__ import annotations
@@ -110,6 +110,12 @@ class _Member:
     @property
     def limit(self) -> int:
         return self.cache.pool.allocator.limit
+
+
+def _view(m: _Member) -> PoolShareView:
+    return PoolShareView(m.name, m.tenant, m.limit * m.page_bytes,
+                         m.cache.pool.allocator.used_pages * m.page_bytes,
+                         m.floor * m.page_bytes, m.ceiling * m.page_bytes)
 
 
 def _pressure(cache: PoolCache) -> int:
@@ -193,17 +199,9 @@ class MemoryBudget:
             m = self._members.get(name)
             if m is None or pages <= 0:
                 return 0
-            room = min(m.ceiling - m.limit, self._slack_bytes() // m.page_bytes,
-                       self._quota_room(m.tenant) // m.page_bytes)
-            step = max(pages, -(-self.config.grow_step_bytes // m.page_bytes))
-            got = max(min(step, room), 0)
-            if got and not m.cache.pool.reserve_pages(m.limit, m.limit + got):
-                got = 0  # the pool's file system is full: it evicts its own
+            got = self._grant(m, max(pages, -(-self.config.grow_step_bytes // m.page_bytes)))
             if got < pages:
                 m.wanted += pages - got
-            if got:
-                m.cache.pool.allocator.set_limit(m.limit + got)
-                self.stats.grown_bytes += got * m.page_bytes
             return got
 
     # -- rebalancing -----------------------------------------------------------------------
@@ -246,15 +244,19 @@ class MemoryBudget:
 
     def _give(self, m: _Member, pages: int) -> int:
         with self._lock:
-            if m.name not in self._members:
-                return 0
-            got = max(min(pages, m.ceiling - m.limit, self._slack_bytes() // m.page_bytes,
-                          self._quota_room(m.tenant) // m.page_bytes), 0)
-            if got and not m.cache.pool.reserve_pages(m.limit, m.limit + got):
-                got = 0
-            if got:  # raising a limit needs no lock of the pool's: it only adds free pages
-                m.cache.pool.allocator.set_limit(m.limit + got)
-                self.stats.grown_bytes += got * m.page_bytes
+            return self._grant(m, pages) if m.name in self._members else 0
+
+    def _grant(self, m: _Member, pages: int) -> int:
+        """Raise ``m``'s limit by up to ``pages``, within its ceiling, the slack and its
+        tenant's quota, the pages reserved first (the budget's lock held); how many. Raising
+        a limit needs no lock of the pool's: it only adds free pages."""
+        got = max(min(pages, m.ceiling - m.limit, self._slack_bytes() // m.page_bytes,
+                      self._quota_room(m.tenant) // m.page_bytes), 0)
+        if got and not m.cache.pool.reserve_pages(m.limit, m.limit + got):
+            return 0  # the pool's file system is full: it evicts its own
+        if got:
+            m.cache.pool.allocator.set_limit(m.limit + got)
+            self.stats.grown_bytes += got * m.page_bytes
         return got
 
     def _reclaim(self, nbytes: int, taker: _Member, ages: dict[str, float] | None = None,
@@ -356,10 +358,13 @@ class MemoryBudget:
     def shares(self) -> list[PoolShareView]:
         with self._lock:
             members = list(self._members.values())
-        return [PoolShareView(m.name, m.tenant, m.limit * m.page_bytes,
-                              m.cache.pool.allocator.used_pages * m.page_bytes,
-                              m.floor * m.page_bytes, m.ceiling * m.page_bytes)
-                for m in members]
+        return [_view(m) for m in members]
+
+    def share(self, name: str) -> PoolShareView | None:
+        """``name``'s share (None: the pool does not share the budget)."""
+        with self._lock:
+            m = self._members.get(name)
+        return _view(m) if m is not None else None
 
     def tenants(self) -> list[TenantView]:
         out: dict[str, list[PoolShareView]] = {}

@@ -274,10 +274,7 @@ class PoolTable:
 
     def _check_budget(self, spec: PoolSpec) -> None:
         if self.budget is not None:  # the floors fit, with the floors of the builds under way
-            with self._lock:
-                building = sum(self._floor_charge(b.spec) for b in self._builds.values()
-                               if b.error is None and b.spec.name not in self._pools)
-            self.budget.admit(spec, _tables(spec), building)
+            self.budget.admit(spec, _tables(spec), self._building_floors())
             return
         need = charge(spec)
         used = self.used_bytes
@@ -362,17 +359,18 @@ class PoolTable:
         """Charges of the pools and of the builds under way (reserved when they start); with
         an elastic budget, the pools' shares and tables, and the builds' floors."""
         if self.budget is not None:
-            with self._lock:
-                building = sum(self._floor_charge(b.spec) for b in self._builds.values()
-                               if b.error is None and b.spec.name not in self._pools)
-            return self.budget.used_bytes + building
+            return self.budget.used_bytes + self._building_floors()
         with self._lock:
             return sum(charge(p.spec) for p in self._pools.values()) + sum(
                 charge(b.spec) for b in self._builds.values() if b.error is None)
 
-    def _floor_charge(self, spec: PoolSpec) -> int:
+    def _building_floors(self) -> int:
+        """What the builds under way are charged under an elastic budget: floors and tables."""
         assert self.budget is not None
-        return self.budget.bounds(spec)[0] * spec.page_bytes + _tables(spec)
+        with self._lock:
+            specs = [b.spec for b in self._builds.values()
+                     if b.error is None and b.spec.name not in self._pools]
+        return sum(self.budget.bounds(s)[0] * s.page_bytes + _tables(s) for s in specs)
 
     def close_all(self, wait_seconds: float = 10.0) -> None:
         """Close every pool, waiting at most ``wait_seconds`` in all for copies in flight."""

@@ -126,8 +126,7 @@ def _streamed(d: Daemon, v: PoolView) -> PoolView:
     """``v`` with where its pool's own KV event stream is, and its share of an elastic
     budget."""
     budget = d.pools.budget
-    share = next((s for s in budget.shares() if s.pool == v.spec.name), None) \
-        if budget is not None else None
+    share = budget.share(v.spec.name) if budget is not None else None
     if share is not None:
         v = dataclasses.replace(v, share_bytes=share.share_bytes, floor_bytes=share.floor_bytes,
                                 ceiling_bytes=share.ceiling_bytes, tenant=share.tenant)
