@@ -1,5 +1,5 @@
 """``hicache-bench trace TRACE.jsonl``: a request trace's prefix hit rate through a real daemon,
-beside LRU, ARC, S3-FIFO and the offline optimum computed on the same stream.
+beside LRU, ARC, S3-FIFO, the offline optimum and the rate oracle computed on the same stream.
 
 The trace is one JSON object per line with ``hash_ids`` (the prompt's blocks as chained ids:
 two requests share an id only where they share the whole prefix up to it); ``timestamp`` and
@@ -12,8 +12,11 @@ of the rest. The
 reference policies (``hicached.trace_policies``) replay the same stream in-process. Printed per
 capacity: each one's hit rate (hit blocks over prompt blocks) and the daemon's stores and
 evictions; ``--json`` prints one object per capacity instead, with ``capacity``, ``daemon``,
-``lru``, ``arc``, ``s3fifo``, ``belady`` (hit rates, fractions) and ``blocks``, ``stores``,
-``evictions`` (the daemon's).
+``lru``, ``arc``, ``s3fifo``, ``belady``, ``rate_oracle`` (hit rates, fractions) and
+``blocks``, ``stores``, ``evictions`` (the daemon's). ``rate_oracle`` is what perfect
+knowledge of each block's reuse rate, without the timing of its reuses, hits
+(``trace_policies.RateOracle``): the ceiling of policies that predict how often a block comes
+back.
 
 With ``--disk CAP`` each capacity is replayed once more through a daemon with a disk tier of
 ``CAP`` blocks below host memory (``[tier.disk]``, its evictions spilled there as they are in
@@ -52,7 +55,7 @@ from hicache_client.client import HiCacheClient
 from hicache_client.shm import ShmDeviceBuffers
 from hicached.bench_daemon import start_daemon
 from hicached.core.pool import region_layout
-from hicached.trace_policies import POLICIES, Tally, next_uses, replay
+from hicached.trace_policies import POLICIES, RateOracle, Tally, lifetime_rates, next_uses, replay
 
 PAGE = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=1, head_num=1, head_dim=8)
 """A block's stand-in: one token of 32 bytes (the policy sees pages, not their size)."""
@@ -199,6 +202,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     caps = capacities(args.capacity, distinct)
     disk = capacities(args.disk, distinct)[0][1] if args.disk else 0
     uses = next_uses(requests)
+    rates = lifetime_rates(requests)
     work = proc = None
     target = args.target
     try:
@@ -211,6 +215,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                    "distinct_blocks": distinct, "requests": len(requests)}
             for pname, cls in POLICIES.items():
                 row[pname] = replay(cls(blocks), requests, uses).rate
+            row["rate_oracle"] = replay(RateOracle(blocks, rates), requests, uses).rate
             if not args.no_daemon:
                 assert target is not None
                 got = replay_daemon(target, requests, blocks, f"trace-{i}")
@@ -240,12 +245,14 @@ def _print(rows: list[dict[str, Any]]) -> None:
     r0 = rows[0]
     print(f"{r0['requests']} requests, {r0['distinct_blocks']} distinct blocks; prefix hit "
           "rate (hit blocks / prompt blocks):")
-    names = ["daemon", *POLICIES] if "daemon" in r0 else list(POLICIES)
-    print(f"{'capacity':>10} {'blocks':>8} " + " ".join(f"{n:>8}" for n in names)
+    names = [*(["daemon"] if "daemon" in r0 else []), *POLICIES, "rate_oracle"]
+    width = [max(8, len(n)) for n in names]
+    print(f"{'capacity':>10} {'blocks':>8} " + " ".join(f"{n:>{w}}" for n, w in
+                                                        zip(names, width, strict=True))
           + (f" {'stores':>9} {'evictions':>9}" if "daemon" in r0 else ""))
     for r in rows:
         line = f"{r['capacity']:>10} {r['blocks']:>8} " + " ".join(
-            f"{100 * r[n]:>7.1f}%" for n in names)
+            f"{100 * r[n]:>{w - 1}.1f}%" for n, w in zip(names, width, strict=True))
         if "daemon" in r:
             line += f" {r['stores']:>9} {r['evictions']:>9}"
         print(line)

@@ -20,9 +20,16 @@ Policies, block-granular, ``capacity`` blocks:
 - ``Belady``: the offline optimum of the block stream: evict the block used again farthest in
   the future, and store no block used later than every held one (it is told each access's
   next use). Optimal for block hits, an upper reference for prefix hits.
+- ``RateOracle``: what a policy that predicted every block's reuse rate perfectly, but not when
+  each reuse comes, could do (the independent reference model's optimum, A0): it keeps the
+  blocks of highest lifetime rate (``lifetime_rates``: uses after the first over the requests
+  from its first use to its last), stores none whose rate is below every held one's, and none
+  past its last use. Not a policy anyone can run (the rates are the future's); the ceiling of
+  online policies whose knowledge of a block is how often it comes back.
 
 Primitives: ``Policy`` (``holds(block)``, ``access(block, next_use)``, ``len()``,
-``stores``, ``evictions``), the four classes, ``POLICIES`` (name -> class), ``next_uses(requests)``,
+``stores``, ``evictions``), the five classes, ``POLICIES`` (name -> class, the three online
+ones and the optimum), ``next_uses(requests)``, ``lifetime_rates(requests)``,
 ``replay(policy, requests, uses) -> Tally``, ``Tally`` (hit and prompt blocks, stores,
 evictions, ``rate``).
 """
@@ -242,6 +249,57 @@ class Belady(Policy):
             if self._next.get(block) == -neg:
                 return -neg, block
             heapq.heappop(self._heap)
+
+
+class RateOracle(Policy):
+    def __init__(self, capacity: int, rates: dict[int, float]) -> None:
+        super().__init__(capacity)
+        self._rates = rates
+        self._rank: dict[int, float] = {}
+        self._heap: list[tuple[float, int]] = []
+        """(rank, block), stale entries skipped: the held block of lowest rank on top (a
+        block past its last use ranks -1)."""
+
+    def holds(self, block: int) -> bool:
+        return block in self._rank
+
+    def __len__(self) -> int:
+        return len(self._rank)
+
+    def access(self, block: int, next_use: int = NEVER) -> None:
+        rank = -1.0 if next_use == NEVER else self._rates.get(block, 0.0)
+        if block not in self._rank:
+            if len(self._rank) >= self.capacity:
+                low, victim = self._lowest()
+                if rank <= low:  # no more worth a place than anything held
+                    return
+                del self._rank[victim]
+                heapq.heappop(self._heap)
+                self.evictions += 1
+            self.stores += 1
+        self._rank[block] = rank
+        heapq.heappush(self._heap, (rank, block))
+
+    def _lowest(self) -> tuple[float, int]:
+        while True:
+            rank, block = self._heap[0]
+            if self._rank.get(block) == rank:
+                return rank, block
+            heapq.heappop(self._heap)
+
+
+def lifetime_rates(requests: Sequence[Sequence[int]]) -> dict[int, float]:
+    """Each block's reuse rate over its life: the requests using it after its first, over
+    the requests from its first use to its last (0 for a block used once)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for i, blocks in enumerate(requests):
+        for b in blocks:
+            first.setdefault(b, i)
+            last[b] = i
+            count[b] = count.get(b, 0) + 1
+    return {b: (n - 1) / (last[b] - first[b]) if n > 1 else 0.0 for b, n in count.items()}
 
 
 POLICIES: dict[str, type[Policy]] = {"lru": Lru, "arc": Arc, "s3fifo": S3Fifo,

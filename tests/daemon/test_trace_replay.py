@@ -18,7 +18,16 @@ from hypothesis import strategies as st
 
 from hicache.errors import SpecInvalid
 from hicached.bench_trace import capacities, read_trace
-from hicached.trace_policies import NEVER, POLICIES, Belady, Lru, next_uses, replay
+from hicached.trace_policies import (
+    NEVER,
+    POLICIES,
+    Belady,
+    Lru,
+    RateOracle,
+    lifetime_rates,
+    next_uses,
+    replay,
+)
 
 streams = st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=12, unique=True),
                    min_size=1, max_size=40)
@@ -52,6 +61,35 @@ def test_every_policy_keeps_its_capacity_and_its_counts(
             assert len(cache) <= capacity
             assert len(cache) == cache.stores - cache.evictions
             assert cache.holds(b) or name == "belady"
+
+
+@given(streams, st.integers(1, 12))
+def test_the_rate_oracle_keeps_the_blocks_of_highest_rate(
+        requests: list[list[int]], capacity: int) -> None:
+    """Capacity and counts kept; a block past its last use ranks below every living one; a
+    block left out (evicted or refused) ranks no higher than anything held at that moment,
+    against a model that ranks every block from the stream itself."""
+    rates = lifetime_rates(requests)
+    cache = RateOracle(capacity, rates)
+    uses = next_uses(requests)
+    rank: dict[int, float] = {}
+    for blocks, nexts in zip(requests, uses, strict=True):
+        for b, n in zip(blocks, nexts, strict=True):
+            before = {x for x in rank if cache.holds(x)}
+            rank[b] = -1.0 if n == NEVER else rates[b]
+            cache.access(b, n)
+            assert len(cache) <= capacity and len(cache) == cache.stores - cache.evictions
+            held = {x for x in rank if cache.holds(x)}
+            assert held <= before | {b}
+            for out in (before | {b}) - held:
+                assert all(rank[out] <= rank[x] for x in held), (out, held)
+    uses_of: dict[int, list[int]] = {}
+    for i, blocks in enumerate(requests):
+        for b in blocks:
+            uses_of.setdefault(b, []).append(i)
+    for b, seen in uses_of.items():
+        want = (len(seen) - 1) / (seen[-1] - seen[0]) if len(seen) > 1 else 0.0
+        assert rates[b] == pytest.approx(want)
 
 
 @given(streams, st.integers(1, 12))
@@ -144,11 +182,11 @@ def test_the_daemon_hits_exactly_what_lru_hits(tmp_path: Path) -> None:
     requests = [r["hash_ids"] for r in map(json.loads, trace.read_text().splitlines())]
     assert min(r["blocks"] for r in rows) >= max(map(len, requests))
     for r in rows:
-        assert set(r) >= {"capacity", "daemon", "lru", "arc", "s3fifo", "belady"}
+        assert set(r) >= {"capacity", "daemon", "lru", "arc", "s3fifo", "belady", "rate_oracle"}
         assert r["daemon"] == pytest.approx(r["lru"], abs=1e-12), r
         lru = replay(Lru(r["blocks"]), requests)
         assert r["stores"] == lru.stores and r["evictions"] == lru.evictions
-        assert 0 < r["lru"] <= r["belady"] < 1
+        assert 0 < r["lru"] <= r["belady"] < 1 and 0 < r["rate_oracle"] < 1
 
 
 def test_a_bad_trace_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
