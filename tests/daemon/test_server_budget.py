@@ -19,6 +19,8 @@ import torch
 from hicache.errors import SpecInvalid
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
+from hicache_client.cli import _size
+from hicache_client.cli import main as hicachectl
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig, config_from_mapping
 from hicached.service.budget_config import BudgetConfig, PoolShare, TenantQuota
@@ -68,7 +70,7 @@ def until(check, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
         time.sleep(0.02)
 
 
-def test_pools_share_the_budget_by_demand_through_the_server(served) -> None:  # type: ignore[no-untyped-def]
+def test_pools_share_the_budget_by_demand_through_the_server(served, capsys) -> None:  # type: ignore[no-untyped-def]
     server, client, shm = served
     client.create_pool(BUSY)
     client.create_pool(IDLE)
@@ -90,6 +92,13 @@ def test_pools_share_the_budget_by_demand_through_the_server(served) -> None:  #
         assert (info.share_bytes, info.floor_bytes, info.ceiling_bytes, info.tenant) == (
             30 * PB, 4 * PB, 32 * PB, "a")
         assert info.used_pages == 30 and info.free_pages == 0
+        capsys.readouterr()  # hicachectl's table says it as well, by pool
+        assert hicachectl(["--target", client.target, "pools"]) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert "share (floor..ceiling)" in table[0] and "tenant" in table[0]
+        busy_row = next(line for line in table if line.startswith("busy "))
+        want = f"{_size(30 * PB)} ({_size(4 * PB)}..{_size(32 * PB)})"
+        assert want in busy_row and " a " in busy_row, busy_row
         assert sample(server, "hicache_tenant_share_bytes", tenant="a") == 30 * PB
         assert sample(server, "hicache_budget_slack_bytes") == 2 * PB
         # the idle pool gets busy: its Stores want more than its floor, the thread moves the

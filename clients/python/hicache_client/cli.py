@@ -139,10 +139,19 @@ def _pool_row(p: pb.Pool) -> tuple[object, ...]:
     return (spec.name, kinds, spec.geometry.dtype.value.lower(), spec.layout.value,
             spec.page_size, p.page_num,
             f"{p.used_pages} ({100 * p.used_pages / max(p.page_num, 1):.0f}%)",
-            _size(p.capacity_bytes), p.sessions, p.keys,
+            _size(p.capacity_bytes), _share(p), p.tenant or "-", p.sessions, p.keys,
             f"{p.disk_keys}/{p.disk_capacity_pages}" if p.disk_capacity_pages else "-",
             f"{p.cluster_puts} put, {p.cluster_pending} waiting" if p.cluster_namespace else "-",
             p.raw_pages, p.busy_pages or p.pinned_pages, _state(p), p.attach_outcome or "-")
+
+
+def _share(p: pb.Pool) -> str:
+    """An elastic pool's share of the memory budget with its floor and ceiling ("-" for a pool
+    of fixed size)."""
+    if not p.share_bytes:
+        return "-"
+    return (f"{_size(p.share_bytes)} ({_size(p.floor_bytes)}.."
+            f"{_size(p.ceiling_bytes)})")
 
 
 def _state(p: pb.Pool) -> str:
@@ -209,8 +218,8 @@ def _run(client: HiCacheClient, args: argparse.Namespace) -> int:
                               for p in resp.pools]))
             return 0
         print(_table(["pool", "kind", "dtype", "layout", "page", "pages", "used", "capacity",
-                      "sessions", "keys", "disk", "cluster", "raw", "busy", "state",
-                      "attach"],
+                      "share (floor..ceiling)", "tenant", "sessions", "keys", "disk",
+                      "cluster", "raw", "busy", "state", "attach"],
                      [_pool_row(p) for p in resp.pools]))
         for p in resp.pools:  # where a router follows the instances of each pool
             if p.kv_events_endpoint:
