@@ -97,8 +97,8 @@ def test_pools_share_the_budget_by_demand_through_the_server(served, capsys) -> 
         table = capsys.readouterr().out.splitlines()
         assert "share (floor..ceiling)" in table[0] and "tenant" in table[0]
         busy_row = next(line for line in table if line.startswith("busy "))
-        want = f"{_size(30 * PB)} ({_size(4 * PB)}..{_size(32 * PB)})"
-        assert want in busy_row and " a " in busy_row, busy_row
+        shown = f"{_size(30 * PB)} ({_size(4 * PB)}..{_size(32 * PB)})"
+        assert shown in busy_row and " a " in busy_row, busy_row
         assert sample(server, "hicache_tenant_share_bytes", tenant="a") == 30 * PB
         assert sample(server, "hicache_budget_slack_bytes") == 2 * PB
         # the idle pool gets busy: its Stores want more than its floor, the thread moves the
