@@ -28,10 +28,11 @@ Policies, block-granular, ``capacity`` blocks:
   online policies whose knowledge of a block is how often it comes back.
 
 Primitives: ``Policy`` (``holds(block)``, ``access(block, next_use)``, ``len()``,
-``stores``, ``evictions``), the five classes, ``POLICIES`` (name -> class, the three online
-ones and the optimum), ``next_uses(requests)``, ``lifetime_rates(requests)``,
-``replay(policy, requests, uses) -> Tally``, ``Tally`` (hit and prompt blocks, stores,
-evictions, ``rate``).
+``stores``, ``evictions``), the five classes (the optimum and the rate oracle one ranked
+heap, ``_Ranked``: the lowest held block goes first, none ranking no higher is stored),
+``POLICIES`` (name -> class, the three online ones and the optimum), ``next_uses(requests)``,
+``lifetime_rates(requests)``, ``replay(policy, requests, uses) -> Tally``, ``Tally`` (hit and
+prompt blocks, stores, evictions, ``rate``).
 """
 
 from __future__ import annotations
@@ -216,49 +217,18 @@ class S3Fifo(Policy):
             return
 
 
-class Belady(Policy):
+class _Ranked(Policy):
+    """Keeps the blocks of highest rank (``rank(block, next_use)``): the lowest held goes
+    first, and a block that ranks no higher than it is not stored at all."""
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._next: dict[int, int] = {}
-        self._heap: list[tuple[int, int]] = []
-        """(-next use, block), stale entries skipped: the held block used farthest ahead on
-        top."""
-
-    def holds(self, block: int) -> bool:
-        return block in self._next
-
-    def __len__(self) -> int:
-        return len(self._next)
-
-    def access(self, block: int, next_use: int = NEVER) -> None:
-        if block not in self._next:
-            if len(self._next) >= self.capacity:
-                far, victim = self._farthest()
-                if next_use >= far:  # used later than anything held: not worth a place
-                    return
-                del self._next[victim]
-                heapq.heappop(self._heap)
-                self.evictions += 1
-            self.stores += 1
-        self._next[block] = next_use
-        heapq.heappush(self._heap, (-next_use, block))
-
-    def _farthest(self) -> tuple[int, int]:
-        while True:
-            neg, block = self._heap[0]
-            if self._next.get(block) == -neg:
-                return -neg, block
-            heapq.heappop(self._heap)
-
-
-class RateOracle(Policy):
-    def __init__(self, capacity: int, rates: dict[int, float]) -> None:
-        super().__init__(capacity)
-        self._rates = rates
         self._rank: dict[int, float] = {}
         self._heap: list[tuple[float, int]] = []
-        """(rank, block), stale entries skipped: the held block of lowest rank on top (a
-        block past its last use ranks -1)."""
+        """(rank, block), stale entries skipped: the held block of lowest rank on top."""
+
+    def rank(self, block: int, next_use: int) -> float:
+        raise NotImplementedError
 
     def holds(self, block: int) -> bool:
         return block in self._rank
@@ -267,7 +237,7 @@ class RateOracle(Policy):
         return len(self._rank)
 
     def access(self, block: int, next_use: int = NEVER) -> None:
-        rank = -1.0 if next_use == NEVER else self._rates.get(block, 0.0)
+        rank = self.rank(block, next_use)
         if block not in self._rank:
             if len(self._rank) >= self.capacity:
                 low, victim = self._lowest()
@@ -286,6 +256,20 @@ class RateOracle(Policy):
             if self._rank.get(block) == rank:
                 return rank, block
             heapq.heappop(self._heap)
+
+
+class Belady(_Ranked):
+    def rank(self, block: int, next_use: int) -> float:
+        return -next_use  # the block used farthest ahead ranks lowest
+
+
+class RateOracle(_Ranked):
+    def __init__(self, capacity: int, rates: dict[int, float]) -> None:
+        super().__init__(capacity)
+        self._rates = rates
+
+    def rank(self, block: int, next_use: int) -> float:
+        return -1.0 if next_use == NEVER else self._rates.get(block, 0.0)
 
 
 def lifetime_rates(requests: Sequence[Sequence[int]]) -> dict[int, float]:
