@@ -7,6 +7,7 @@ import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ from hicached import (
     WorkerBuffers,
 )
 from hicached.copy import native
+
+if TYPE_CHECKING:
+    from hicached.server.app import HiCacheServer
 
 SMALL = MemoryOptions(hugepages=False, prefault_threads=1, reserve_bytes=0)
 
@@ -134,3 +138,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def sample(server: HiCacheServer, name: str, **labels: str) -> float:
+    """An in-process server's metric sample (0 where it has none yet)."""
+    v = server.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v

@@ -25,6 +25,7 @@ from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig, config_from_mapping
 from hicached.service.budget_config import BudgetConfig, PoolShare, TenantQuota
 from hicached.service.pool_table import _tables
+from tests.helpers import sample
 
 GEOMETRY = KVGeometry(PoolKind.MLA, DType.BFLOAT16, 2, kv_lora_rank=32, qk_rope_head_dim=0)
 BUSY, IDLE = (PoolSpec(n, GEOMETRY, 4, size_tokens=4 * 32) for n in ("busy", "idle"))
@@ -49,11 +50,6 @@ def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, HiCacheClient, Path]
     yield server, client, shm
     client.close()
     server.drain_and_stop(1.0)
-
-
-def sample(server: HiCacheServer, name: str, **labels: str) -> float:
-    v = server.registry.get_sample_value(name, labels)
-    return 0.0 if v is None else v
 
 
 def fill(bufs: ShmDeviceBuffers, rows: torch.Tensor, seed: int) -> None:

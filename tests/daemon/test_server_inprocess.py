@@ -17,6 +17,7 @@ from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig
 from hicached.server.metrics import REASONS
+from tests.helpers import sample
 
 SPEC = PoolSpec("m", KVGeometry(PoolKind.MLA, DType.BFLOAT16, 2, kv_lora_rank=32,
                                 qk_rope_head_dim=0), 4, size_tokens=256)
@@ -35,11 +36,6 @@ def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, HiCacheClient, Path]
     yield server, client, shm
     client.close()
     server.drain_and_stop(1.0)
-
-
-def sample(server: HiCacheServer, name: str, **labels: str) -> float:
-    v = server.registry.get_sample_value(name, labels)
-    return 0.0 if v is None else v
 
 
 def test_declared_pool_exists_from_startup(served) -> None:  # type: ignore[no-untyped-def]
