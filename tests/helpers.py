@@ -144,3 +144,39 @@ def sample(server: HiCacheServer, name: str, **labels: str) -> float:
     """An in-process server's metric sample (0 where it has none yet)."""
     v = server.registry.get_sample_value(name, labels)
     return 0.0 if v is None else v
+
+
+class StrictPinner:
+    """Host registration by cuMemHostRegister's rules, on plain memory: a range overlapping
+    one registered is refused, only a registration's base unregisters it, and an optional
+    byte limit refuses what would exceed it (the locked-memory limit)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.ranges: dict[int, int] = {}
+
+    def register(self, address: int, nbytes: int) -> None:
+        if any(a < address + nbytes and address < a + n for a, n in self.ranges.items()):
+            raise RuntimeError("CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED")
+        if self.limit is not None and sum(self.ranges.values()) + nbytes > self.limit:
+            raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY")
+        self.ranges[address] = nbytes
+
+    def unregister(self, address: int) -> None:
+        if address not in self.ranges:
+            raise RuntimeError("CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED")
+        del self.ranges[address]
+
+    def covers(self, address: int, nbytes: int) -> bool:
+        """Whether every byte of ``[address, address + nbytes)`` is registered."""
+        end = address + nbytes
+        for a, n in sorted(self.ranges.items()):
+            if a <= address < a + n:
+                address = a + n
+            if address >= end:
+                return True
+        return address >= end
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.ranges.values())

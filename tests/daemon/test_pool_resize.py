@@ -222,7 +222,9 @@ def test_a_file_backed_pool_punches_its_released_pages_and_reserves_them_again()
 
         assert blocks() == 16 * s.page_bytes, "only the resident pages are in the file"
         cache = PoolCache(p)
+        assert p.allocator.limit == 16, "nothing above its resident pages before it grows"
         assert p.reserve_pages(16, 64)
+        p.allocator.set_limit(64)  # as the budget grows it: reserved, then handed out
         store(cache, K[:64])
         assert blocks() == 64 * s.page_bytes
         r = cache.resize(16)

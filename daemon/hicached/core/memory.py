@@ -10,7 +10,10 @@ Primitives:
   CUDA driver's ``cuMemHostRegister`` where it has a GPU, ``hicached.cuda.pinner``). Pinning is
   chunked, rolled back on failure (``PIN_FAILED``, naming the cause: the locked-memory limit,
   or a ``FILE`` backing on a disk filesystem, whose pages the kernel never page-locks) and
-  undone on close. Without a pinner nothing attempts to pin.
+  undone on close. Without a pinner nothing attempts to pin. ``pin_range`` / ``unpin_range``
+  lock and unlock one OS-page-aligned range at a time (a pool whose locked part follows its
+  share of the memory budget, ``core.pin_units``); ``release`` never gives back a byte that is
+  locked (the device would keep reading and writing the old pages).
 - ``naive_first_touch(nbytes)``: the single-threaded first touch benchmarks compare against.
 
 Knows nothing of pools, RPC or drivers.
@@ -99,7 +102,9 @@ class HostMemory:
         self.path = path
         self.keep = keep
         self._fd = -1
-        self._pinned: list[int] = []
+        self._pinned: dict[int, int] = {}
+        """Each registration's base address and length."""
+        self._pinned_bytes = 0
         self._pinner = pinner
         self._closed = False
         self._on_progress = on_progress
@@ -219,64 +224,110 @@ class HostMemory:
         t0 = time.perf_counter()
         try:
             for off in range(0, self.nbytes, PIN_CHUNK):
-                addr = self.address + off
-                pinner.register(addr, min(PIN_CHUNK, self.nbytes - off))
-                self._pinned.append(addr)
+                self._register(pinner, self.address + off, min(PIN_CHUNK, self.nbytes - off))
         except Exception as exc:
-            done = len(self._pinned) * PIN_CHUNK
+            done = self._pinned_bytes
             self._unpin()
-            soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-            refusal = (lock_refusal(os.path.dirname(self.path))
-                       if self.backing is Backing.FILE and self.path else None)
-            cause = (f"{refusal}: put the pool's directory (state_dir) on one" if refusal
-                     else f"the locked-memory limit is {limit} bytes (raise LimitMEMLOCK / "
-                          f"ulimit -l, or grant IPC_LOCK)")
-            raise PinFailed(f"page-locking {self.nbytes} bytes for DMA failed after {done}: "
-                            f"{exc}; {cause}",
-                            metadata={"nbytes": self.nbytes, "pinned_before_failure": done,
-                                      "memlock_limit": limit, "error": str(exc),
-                                      **({"filesystem": refusal} if refusal else {})}) from None
+            raise self._pin_failed(self.nbytes, done, exc) from None
         except BaseException:
             self._unpin()
             raise
         self.pin_seconds = time.perf_counter() - t0
         log.info("pinned %d bytes in %.3f s", self.nbytes, self.pin_seconds)
 
+    def _register(self, pinner: Pinner, address: int, nbytes: int) -> None:
+        pinner.register(address, nbytes)
+        self._pinned[address] = nbytes
+        self._pinned_bytes += nbytes
+
+    def _pin_failed(self, nbytes: int, done: int, exc: Exception) -> PinFailed:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+        refusal = (lock_refusal(os.path.dirname(self.path))
+                   if self.backing is Backing.FILE and self.path else None)
+        cause = (f"{refusal}: put the pool's directory (state_dir) on one" if refusal
+                 else f"the locked-memory limit is {limit} bytes (raise LimitMEMLOCK / "
+                      f"ulimit -l, or grant IPC_LOCK)")
+        return PinFailed(f"page-locking {nbytes} bytes for DMA failed after {done}: "
+                         f"{exc}; {cause}",
+                         metadata={"nbytes": nbytes, "pinned_before_failure": done,
+                                   "memlock_limit": limit, "error": str(exc),
+                                   **({"filesystem": refusal} if refusal else {})})
+
     def _unpin(self) -> None:
         pinner = self._pinner
         while self._pinned and pinner is not None:
-            addr = self._pinned.pop()
+            addr, nbytes = self._pinned.popitem()
+            self._pinned_bytes -= nbytes
             try:
                 pinner.unregister(addr)
             except Exception as exc:  # keep unregistering the rest
                 log.warning("unregistering host memory at %#x failed: %s", addr, exc)
 
+    def pin_range(self, pinner: Pinner, offset: int, length: int) -> None:
+        """Page-lock ``[offset, offset + length)`` of the region as one registration through
+        ``pinner`` (the one every range of the region uses; offset and length OS-page
+        aligned, overlapping no range locked before; its memory is faulted in first).
+        ``PinFailed`` names the cause; nothing of the range stays locked then. ``close``
+        unlocks what is still locked."""
+        if self._closed or (self._pinner is not None and self._pinner is not pinner):
+            raise RuntimeError("host memory closed, or locked through another pinner")
+        self._pinner = pinner
+        if offset % OS_PAGE or length % OS_PAGE or length <= 0 or offset < 0 \
+                or offset + length > self.mapped_bytes:
+            raise ValueError(f"a pinned range is whole OS pages of the region: {offset}+{length}")
+        t0 = time.perf_counter()
+        self.populate([(offset, min(length, self.nbytes - offset))])
+        try:
+            self._register(pinner, self.address + offset, length)
+        except Exception as exc:
+            raise self._pin_failed(length, 0, exc) from None
+        finally:
+            self.pin_seconds += time.perf_counter() - t0
+
+    def unpin_range(self, offset: int) -> None:
+        """Unlock the registration ``pin_range`` made at ``offset`` (no copy may be using it).
+        Where the driver refuses, it raises and the range stays locked (and kept)."""
+        address = self.address + offset
+        nbytes = self._pinned[address]
+        assert self._pinner is not None
+        self._pinner.unregister(address)
+        del self._pinned[address]
+        self._pinned_bytes -= nbytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        """The region's size rounded up to whole OS pages (what its mapping covers)."""
+        return -(-self.nbytes // OS_PAGE) * OS_PAGE
+
     @property
     def pinned_bytes(self) -> int:
-        return self.nbytes if self._pinned else 0
+        """Bytes page-locked now."""
+        return self._pinned_bytes
 
     def release(self, ranges: list[tuple[int, int]]) -> int:
         """Give the memory of ``ranges`` ((offset, length) in the region) back to the system:
         the whole OS pages inside each (the edges of a range that share an OS page with bytes
-        outside it stay). They read as zeros afterwards and are faulted in again when written.
-        Page-locked memory stays (0 bytes released): it is locked for DMA as one. The caller
-        makes sure nothing reads or writes those bytes meanwhile. Returns the bytes released."""
-        if self._pinned or self._closed:
+        outside it stay) that no registration locks (locked memory stays: the device keeps
+        the pages it was given). They read as zeros afterwards and are faulted in again when
+        written. The caller makes sure nothing reads or writes those bytes meanwhile. Returns
+        the bytes released."""
+        if self._closed:
             return 0
         advice = mmap.MADV_DONTNEED if self.backing is Backing.ANONYMOUS else mmap.MADV_REMOVE
+        locked = sorted((a - self.address, a - self.address + n)
+                        for a, n in self._pinned.items())
         done = 0
         for off, length in ranges:
             start = -(-off // OS_PAGE) * OS_PAGE
             end = (off + length) // OS_PAGE * OS_PAGE
-            if end <= start:
-                continue
-            if _libc.madvise(self.address + start, end - start, advice) != 0:
-                err = ctypes.get_errno()
-                log.warning("releasing %d bytes of host memory failed: %s", end - start,
-                            os.strerror(err))
-                continue
-            done += end - start
+            for lo, hi in _outside(start, end, locked):
+                if _libc.madvise(self.address + lo, hi - lo, advice) != 0:
+                    err = ctypes.get_errno()
+                    log.warning("releasing %d bytes of host memory failed: %s", hi - lo,
+                                os.strerror(err))
+                    continue
+                done += hi - lo
         return done
 
     @property
@@ -303,6 +354,23 @@ class HostMemory:
         if self.backing is Backing.FILE and self.path and not self.keep:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+def _outside(start: int, end: int, locked: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[start, end)`` outside the sorted, disjoint ``locked`` intervals."""
+    out = []
+    at = start
+    for lo, hi in locked:
+        if hi <= at:
+            continue
+        if lo >= end:
+            break
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < end:
+        out.append((at, end))
+    return out
 
 
 def naive_first_touch(nbytes: int) -> float:

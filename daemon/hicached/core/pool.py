@@ -12,7 +12,8 @@ Primitives:
   ``page_views`` (where one page's bytes lie, for tiers below host memory), ``copy_page(src,
   dst)`` (one page's bytes onto another, within the pool), ``release_pages(first, end)`` (the
   memory of a run of pages given back to the system) and ``reserve_pages`` (their backing
-  taken again), ``fingerprints``
+  taken again, and page-locked where the pool's locked part follows its share: ``pin_units``),
+  ``fingerprints``
   (the kv-canary hash of host pages), occupancy figures, ``begin_copy`` / ``end_copy`` (copies
   in flight: ``close(wait_seconds)`` waits for them and never unmaps under one). Pinning is done
   by the
@@ -37,12 +38,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.errors import PoolClosed, SpecInvalid
+from hicache.errors import PinFailed, PoolClosed, SpecInvalid
 from hicache.specs import Component, KVGeometry, Layout, PoolSpec, Role
 from hicached.core.allocator import PageAllocator, table_specs
 from hicached.core.canary import CanaryTable, fingerprints
 from hicached.core.host_layout import HostAddressing, host_shape
-from hicached.core.memory import Backing, HostMemory, Pinner
+from hicached.core.memory import OS_PAGE, Backing, HostMemory, Pinner
+from hicached.core.pin_units import PinUnits
 from hicached.core.state_file import Outcome, StateFiles, TableSpec
 from hicached.core.system import check_budget
 
@@ -67,6 +69,9 @@ class MemoryOptions:
     """Ask for transparent huge pages (MADV_HUGEPAGE)."""
     prefault_threads: int = 0
     """Threads that fault the pool in at creation (0 = one per usable CPU)."""
+    pin_unit_bytes: int = 2 << 20
+    """Page-locked pools whose share follows the memory budget are locked in units of about
+    this many bytes or more (``core.pin_units``; at most 4,096 units a pool)."""
     reserve_bytes: int = 1 << 30
     """Memory left to the rest of the host: a pool may not exceed MemAvailable minus this."""
     state_dir: str = ""
@@ -76,6 +81,9 @@ class MemoryOptions:
     def __post_init__(self) -> None:
         if self.prefault_threads < 0 or self.reserve_bytes < 0:
             raise SpecInvalid("prefault_threads and reserve_bytes must be >= 0")
+        if self.pin_unit_bytes < OS_PAGE:
+            raise SpecInvalid(f"pin_unit_bytes must be at least an OS page ({OS_PAGE})",
+                              metadata={"field": "pin_unit_bytes"})
 
 
 @dataclass
@@ -132,7 +140,9 @@ class HostPool:
         """Map, prefault and (with a ``pinner``) page-lock the pool's memory;
         ``on_progress(nbytes)`` follows the prefault. ``resident_pages``: only the memory of
         that many first pages is faulted in (and checked against the host's), the rest as it
-        is written (a pool whose share of the memory budget grows with its demand). With
+        is written (a pool whose share of the memory budget grows with its demand); with a
+        ``pinner`` only they are page-locked, the rest as ``reserve_pages`` hands them out
+        (``core.pin_units``; a re-attached pool is locked whole until its share shrinks). With
         ``options.state_dir`` the memory and the tables (the allocator's, the canary's,
         ``extra_tables`` of the layers above) live in its files: saved ones that match are
         re-attached as they are (``outcome`` REATTACHED: the caller recovers the allocator
@@ -163,8 +173,10 @@ class HostPool:
         """How the state files were found (None without a state directory)."""
         reuse = self.outcome is Outcome.REATTACHED
         self.allocator = PageAllocator(self.page_num, spec.page_size, layers, tables)
+        self._pin_units: PinUnits | None = None
+        """Where the pool is page-locked by units that follow its share (elastic, pinned)."""
         if self.nbytes:
-            partial = resident_pages is not None and not reuse and pinner is None
+            partial = resident_pages is not None and not reuse
             if not reuse:  # re-attached memory is in use already: nothing new to fit
                 check_budget(self.nbytes if not partial else
                              min(resident_pages or 0, self.page_num) * spec.page_bytes,
@@ -177,7 +189,8 @@ class HostPool:
             try:
                 self.memory = HostMemory(
                     self.nbytes, backing=backing, path=path, hugepages=options.hugepages,
-                    prefault_threads=options.prefault_threads, pinner=pinner, name=spec.name,
+                    prefault_threads=options.prefault_threads,
+                    pinner=pinner if resident_pages is None else None, name=spec.name,
                     on_progress=on_progress, reuse=reuse, keep=self.state is not None,
                     prefault=not partial,
                 )
@@ -202,6 +215,18 @@ class HostPool:
         if self.memory is not None and partial:
             self.memory.populate(self.page_run_ranges(0, min(resident_pages or 0,
                                                              self.page_num)))
+        if partial and resident_pages is not None:  # nothing above it before the budget says
+            self.allocator.set_limit(resident_pages)
+        if self.memory is not None and pinner is not None and resident_pages is not None:
+            self._pin_units = PinUnits(self.memory, pinner, self.page_run_ranges(0, self.page_num),
+                                       self.page_num, options.pin_unit_bytes)
+            # re-attached memory holds keys anywhere: all of it, until the budget's shrink
+            locked = self.page_num if reuse else min(resident_pages, self.page_num)
+            if not self._pin_units.pin_below(locked):
+                self.close(0, remove_state=not reuse)
+                raise PinFailed(f"page-locking the first {locked} pages of pool {spec.name} "
+                                f"for DMA failed (see the log for the cause)",
+                                metadata={"pool": spec.name, "pages": locked})
         self.canary: CanaryTable | None = None
         if spec.canary is not None and self.components:
             self.canary = CanaryTable(self.page_num, spec.max_layers, spec.canary.read_bytes,
@@ -318,19 +343,30 @@ class HostPool:
 
     def reserve_pages(self, first: int, end: int) -> bool:
         """Reserve the backing of pages ``first .. end - 1`` before they are handed out (a
-        file-backed pool whose memory was given back, or never faulted in); False: the file
-        system is full."""
+        file-backed pool whose memory was given back, or never faulted in), and page-lock
+        them where the pool is locked by units; False: the file system is full, or the
+        locked-memory limit reached (nothing more is locked then)."""
         if self.memory is None or end <= first:
             return True
+        if self._pin_units is not None:
+            return self._pin_units.pin_below(end)
         return self.memory.reserve(self.page_run_ranges(first, end))
 
     def release_pages(self, first: int, end: int) -> int:
         """Give the memory of pages ``first .. end - 1`` back to the system (none of them may
         be in use: the allocator's limit is at or below ``first``); returns the bytes
-        released (0 for page-locked pools, or without a region)."""
+        released (0 for a pool locked whole, or without a region). A pool locked by units
+        unlocks and gives back every unit all of whose pages are at or above ``first``."""
         if self.memory is None:
             return 0
+        if self._pin_units is not None:
+            return self._pin_units.unpin_from(first)
         return self.memory.release(self.page_run_ranges(first, end))
+
+    @property
+    def pin_units(self) -> PinUnits | None:
+        """The units locking the pool where its share follows the budget on a GPU host."""
+        return self._pin_units
 
     def page_views(self, page: int) -> list[memoryview]:
         """The page's bytes as writable views of the pool's memory (``page_segments``)."""
