@@ -9,7 +9,8 @@
 #   1 env          nvidia-smi, Python, torch and CUDA, the versions of what we import
 #   2 native       the copy kernel and the poll helper built there (scripts/gpu/build_native.py)
 #   3 cuda-tests   pytest -m cuda tests/procs/test_cuda_gpu.py: CUDA IPC export and attach, pinned
-#                  pools, D2H/H2D exact, layer events, a dead worker's device memory released
+#                  pools, D2H/H2D exact, layer events, a dead worker's device memory released,
+#                  an elastic budget's locked memory moving between two pools (keys exact)
 #   4 bench-short  bench_cuda.py --short: D2H/H2D GB/s beside a pinned copy_ of the same bytes,
 #                  page sizes 1/16/64, the enqueue rate of a random 64-page batch
 #   5 sglang       pytest -m cuda tests/integrations/sglang/test_sglang_gpu.py: the linker on SGLang's CUDA KV
@@ -43,7 +44,7 @@ out="${1:-/tmp/hicache-gpu-check}"
 # seconds per part, each a ceiling; part 6 (extra) gets at least its share and at most what the
 # others left of TOTAL
 TOTAL=465
-declare -A BUDGET=([wheels]=40 [env]=45 [native]=40 [cuda-tests]=100 [bench-short]=80
+declare -A BUDGET=([wheels]=40 [env]=45 [native]=40 [cuda-tests]=115 [bench-short]=80
                    [sglang]=85 [vllm]=60)
 PARTS=(wheels env native cuda-tests bench-short sglang vllm extra)
 fixed=0

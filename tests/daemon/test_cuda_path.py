@@ -17,10 +17,11 @@ import torch
 
 from hicache.cuda_driver import CudaDriver, driver_problem, format_uuid, load_driver, normalize_uuid
 from hicache.errors import BufferNotShareable, DeviceNotFound, IpcHandleInvalid, SpecInvalid
-from hicache.specs import DType, Layout, PoolKind, PoolSpec, Role
+from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache_client.cuda import CudaDeviceBuffers, export_region
-from hicached.copy.engine import TransferEngine
-from hicached.core.pool import HostPool
+from hicached.cache.pool_cache import PoolCache
+from hicached.copy.engine import Op, TransferEngine
+from hicached.core.pool import HostPool, MemoryOptions
 from hicached.cuda import segments
 from hicached.cuda.pinner import DriverPinner
 from hicached.cuda.runner import CudaRunner
@@ -457,4 +458,107 @@ def test_a_pool_that_cannot_be_pinned_is_refused_with_nothing_left_pinned(
     finally:
         fake.set_pin_limit(-1)
     assert info.value.metadata["pinned_before_failure"] == str(1 << 20)
+    assert fake.stat("registered_bytes") == 0
+
+
+# -- a pool whose locked memory follows its share of the budget ------------------------------
+
+ELASTIC = MemoryOptions(hugepages=False, prefault_threads=1, reserve_bytes=0,
+                        pin_unit_bytes=4096)
+
+
+@pytest.mark.parametrize("layout", list(Layout), ids=lambda x: x.value)
+def test_an_elastic_pinned_pool_copies_only_through_locked_memory(
+        driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport,
+        layout: Layout) -> None:
+    """The GPU copies of a pool whose share shrinks and grows reach locked memory only (the
+    fake refuses any other: strict mode), a Store stopped between taking its page and
+    copying into it while the pool shrinks keeps that page's memory locked, and every key
+    loads back exact into zeroed device pages."""
+    s = spec(KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 8, 128), page_size=16, layout=layout,
+             size_tokens=16 * 48)  # a page's bytes of one layer: 8 OS pages, a unit each
+    pool = HostPool(s, ELASTIC, pinner=DriverPinner(driver), resident_pages=8)
+    cache = PoolCache(pool)
+    src = make_gpu_kv(driver, s, 16 * 64, seed=3)
+    dst = make_gpu_kv(driver, s, 16 * 64, seed=4)
+    a = transport.attach(src.descriptors.descriptors)
+    b = transport.attach(dst.descriptors.descriptors)
+    layers = range(s.max_layers)
+    unpinned = fake.stat("unpinned_copies")
+    fake.set_strict_pinned(True)
+
+    def backup(ticket_pages: np.ndarray, dev: list[int]) -> None:
+        assert a.buffers is not None
+        ENGINE.transfer_pages(Op.BACKUP, pool, a.buffers, ticket_pages,
+                              np.asarray(dev, dtype=np.int64), layers, a.runner)
+
+    def store(keys: list[bytes], dev: list[int]) -> None:
+        ticket = cache.begin_store(keys)
+        try:
+            backup(ticket.pages, dev)
+        finally:
+            cache.finish_store(ticket, True)
+
+    def load_all_exact(stored: dict[bytes, int]) -> None:
+        assert b.buffers is not None
+        for v in dst.all_views():
+            v.zero_()
+        keys = sorted(stored)
+        held = cache.begin_load(keys)
+        try:
+            ENGINE.transfer_pages(Op.LOAD, pool, b.buffers, held,
+                                  np.arange(len(keys), dtype=np.int64), layers, b.runner)
+        finally:
+            cache.finish_load(held)
+        for x, y in zip(rows(src, s, np.asarray([stored[k] for k in keys])),
+                        rows(dst, s, np.arange(len(keys))), strict=True):
+            assert torch.equal(x, y)
+
+    try:
+        assert fake.stat("registered_bytes") == pool.pinned_bytes < pool.nbytes
+        # the budget grants 40 pages: locked before they are handed out
+        assert pool.reserve_pages(8, 40)
+        pool.allocator.set_limit(40)
+        stored = {b"k%02d" % i: i for i in range(40)}
+        store(list(stored), list(range(40)))
+        locked = pool.pinned_bytes
+        top = max(cache._ready.values())
+        top_key = cache._page_key[top]
+        cache.remove([top_key])
+        del stored[top_key]
+        # a Store takes the freed top page, and stops there while the pool shrinks
+        ticket = cache.begin_store([b"late"])
+        assert ticket.pages.tolist() == [top]
+        for k in [k for k, p in cache._ready.items() if p < 30][4:]:
+            cache.remove([k])
+            del stored[k]
+        r = cache.resize(16)
+        assert r.limit == top + 1 and pool.pinned_bytes == locked, \
+            "the page being written keeps the pool's top, and its memory locked"
+        backup(ticket.pages, [40])
+        cache.finish_store(ticket, True)
+        stored[b"late"] = 40
+        r = cache.resize(16)
+        assert r.limit == 16 and r.released_bytes > 0
+        assert fake.stat("registered_bytes") == pool.pinned_bytes < locked
+        fill = {b"f%02d" % i: 41 + i for i in range(16 - len(stored))}
+        store(list(fill), list(fill.values()))  # every page below the share in use
+        stored.update(fill)
+        assert sorted(cache._ready.values()) == list(range(16))
+        load_all_exact(stored)
+        # and it grows again
+        assert pool.reserve_pages(16, 48)
+        pool.allocator.set_limit(48)
+        more = {b"m%02d" % i: 41 + len(fill) + i for i in range(7)}
+        store(list(more), list(more.values()))
+        stored.update(more)
+        load_all_exact(stored)
+        assert fake.stat("unpinned_copies") == unpinned and fake.stat("deferred_errors") == 0
+    finally:
+        fake.set_strict_pinned(False)
+        a.release()
+        b.release()
+        free_gpu_kv(driver, src)
+        free_gpu_kv(driver, dst)
+        pool.close()
     assert fake.stat("registered_bytes") == 0

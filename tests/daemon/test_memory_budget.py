@@ -19,32 +19,42 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hicache.errors import HostMemoryInsufficient
 from hicached.cache.pool_cache import PoolCache
-from hicached.core.pool import HostPool
+from hicached.core.pool import HostPool, MemoryOptions
 from hicached.service.budget_config import BudgetConfig, PoolShare, TenantQuota
 from hicached.service.memory_budget import MemoryBudget
 from tests.cache_pages import pattern, read, store
-from tests.helpers import make_pool, mha, spec
+from tests.helpers import StrictPinner, make_pool, mha, spec
 
 PAGES = 32  # per pool
+PINNED = MemoryOptions(hugepages=False, prefault_threads=1, reserve_bytes=0, pin_unit_bytes=4096)
 
 
 class Node:
-    """Pools of 32 pages under one budget, on one hand-moved clock."""
+    """Pools of 32 pages under one budget, on one hand-moved clock. With a ``pinner`` (a GPU
+    host's page-locking, by the driver's rules) the pools are larger (a page's bytes of one
+    layer fill two OS pages), and each locks the units its share needs."""
 
-    def __init__(self, budget_pages: int, config: BudgetConfig) -> None:
+    def __init__(self, budget_pages: int, config: BudgetConfig,
+                 pinner: StrictPinner | None = None) -> None:
         self.now = 1000.0
         self.pools: dict[str, HostPool] = {}
         self.caches: dict[str, PoolCache] = {}
-        probe = spec(mha(layers=2), page_size=4, size_tokens=4 * PAGES)
+        self.pinner = pinner
+        self.geometry = mha(layers=2) if pinner is None else mha(layers=2, heads=8, dim=128)
+        probe = spec(self.geometry, page_size=4, size_tokens=4 * PAGES)
         self.page_bytes = probe.page_bytes
         self.budget = MemoryBudget(budget_pages * self.page_bytes, config,
                                    clock=lambda: self.now)
         self.n = 0
 
     def add(self, name: str) -> PoolCache:
-        s = spec(mha(layers=2), page_size=4, size_tokens=4 * PAGES, name=name)
+        s = spec(self.geometry, page_size=4, size_tokens=4 * PAGES, name=name)
         self.budget.admit(s, 0)
-        pool = make_pool(s)
+        if self.pinner is None:
+            pool = make_pool(s)
+        else:
+            pool = HostPool(s, PINNED, pinner=self.pinner,
+                            resident_pages=self.budget.bounds(s)[0])
         cache = PoolCache(pool, clock=lambda: self.now)
         self.pools[name], self.caches[name] = pool, cache
         self.budget.join(cache)
@@ -78,8 +88,9 @@ def pages(n: int, node: Node) -> int:
 def node() -> Iterator[Node]:
     made: list[Node] = []
 
-    def make(budget_pages: int, config: BudgetConfig) -> Node:
-        made.append(Node(budget_pages, config))
+    def make(budget_pages: int, config: BudgetConfig, pinner: StrictPinner | None = None
+             ) -> Node:
+        made.append(Node(budget_pages, config, pinner))
         return made[-1]
 
     yield make  # type: ignore[misc]
@@ -115,6 +126,26 @@ def test_the_busy_pool_grows_and_the_idle_one_shrinks_to_its_floor_and_no_furthe
     a.clear()
     n.budget.rebalance()
     assert n.share("a") == 6  # its floor (above a step of room: an eighth of the budget)
+
+
+def test_a_pool_that_cannot_lock_more_evicts_its_own_and_grows_once_it_can(node) -> None:  # type: ignore[no-untyped-def]
+    pinner = StrictPinner()
+    pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes
+    n = node(64, config(pb, pools=(PoolShare("*", floor_bytes=4 * pb),)), pinner)
+    a = n.add("a")
+    units = n.pools["a"].pin_units
+    assert units is not None and n.share("a") == 4
+    pinner.limit = pinner.nbytes  # the locked-memory limit reached
+    n.store("a", 10)
+    assert n.share("a") == 4 and a.stats.evicted_by["store"] == 6
+    assert units.frontier >= 4 and pinner.nbytes == pinner.limit
+    pinner.limit = None
+    n.store("a", 1)
+    assert n.share("a") == 4, "no unit is tried again while the refusal is recent"
+    units._refused_until = 0.0
+    n.store("a", 4)
+    assert n.share("a") >= 8 and units.frontier >= n.share("a")
+    assert all(np.array_equal(read(n.pools["a"], p), pattern(k, pb)) for k, p in a._ready.items())
 
 
 def test_memory_goes_to_the_pool_whose_pages_are_worth_more(node) -> None:  # type: ignore[no-untyped-def]
@@ -223,13 +254,19 @@ class BudgetMachine(RuleBasedStateMachine):
     """Stores into four pools of two tenants, time passing, rounds; the budget's promises
     and every key's bytes hold after each step."""
 
+    pinned = False
+    """Pools page-locked by units that follow their shares (a GPU host)."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.pinner = StrictPinner() if self.pinned else None
+        pb = spec(mha(layers=2, heads=8, dim=128) if self.pinned else mha(layers=2),
+                  page_size=4, size_tokens=4 * PAGES).page_bytes
         self.node = Node(48, config(
-            PB, pools=(PoolShare("t-*", floor_bytes=4 * PB, ceiling_bytes=24 * PB, tenant="t"),
-                       PoolShare("u-*", floor_bytes=2 * PB, tenant="u")),
-            tenants=(TenantQuota("t", quota_bytes=36 * PB),
-                     TenantQuota("u", guaranteed_bytes=12 * PB))))
+            pb, pools=(PoolShare("t-*", floor_bytes=4 * pb, ceiling_bytes=24 * pb, tenant="t"),
+                       PoolShare("u-*", floor_bytes=2 * pb, tenant="u")),
+            tenants=(TenantQuota("t", quota_bytes=36 * pb),
+                     TenantQuota("u", guaranteed_bytes=12 * pb))), pinner=self.pinner)
         for name in ("t-1", "t-2", "u-1", "u-2"):
             self.node.add(name)
         self.removed: set[bytes] = set()
@@ -268,7 +305,8 @@ class BudgetMachine(RuleBasedStateMachine):
     def promises(self) -> None:
         node = self.node
         shares = {v.pool: v for v in node.budget.shares()}
-        assert sum(v.share_bytes for v in shares.values()) <= 48 * PB, "over the budget"
+        pb = node.page_bytes
+        assert sum(v.share_bytes for v in shares.values()) <= 48 * pb, "over the budget"
         for v in shares.values():
             assert v.floor_bytes <= v.share_bytes <= v.ceiling_bytes, v
             assert v.used_bytes <= v.share_bytes, v
@@ -277,9 +315,39 @@ class BudgetMachine(RuleBasedStateMachine):
             node.pools[name].allocator.memcheck()
             for key, page in cache._ready.items():
                 assert key not in self.removed
-                assert np.array_equal(read(node.pools[name], page), pattern(key, PB)), key
+                assert np.array_equal(read(node.pools[name], page), pattern(key, pb)), key
+
+    @invariant()
+    def locked_memory_follows_the_shares(self) -> None:
+        if self.pinner is None:
+            return
+        locked = dict(self.pinner.ranges)
+        for pool in self.node.pools.values():
+            units, base = pool.pin_units, pool.memory.address  # type: ignore[union-attr]
+            assert units is not None
+            limit = pool.allocator.limit
+            need = units._first < limit
+            mine = {int(a) + base: int(b - a) for a, b in
+                    zip(units._starts[need], units._ends[need], strict=True)}
+            assert {a: locked.pop(a) for a in mine if a in locked} == mine, \
+                f"{pool.spec.name}: a page below its share is not locked"
+            assert units.locked == int(need.sum()), f"{pool.spec.name}: more locked than needed"
+            assert pool.pinned_bytes == sum(mine.values())
+        assert not locked, "memory locked for no pool"
 
 
 BudgetMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40,
                                            deadline=None)
 TestBudgetMachine = BudgetMachine.TestCase
+
+
+class PinnedBudgetMachine(BudgetMachine):
+    """The same, on a GPU host: each pool's locked memory is exactly what its share needs,
+    after every step (``core.pin_units``)."""
+
+    pinned = True
+
+
+PinnedBudgetMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40,
+                                                 deadline=None)
+TestPinnedBudgetMachine = PinnedBudgetMachine.TestCase

@@ -8,6 +8,7 @@ server's own registry. The ``[budget]`` table is read from TOML as an operator w
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,23 +26,31 @@ from hicached.server.app import HiCacheServer, create_server
 from hicached.server.config import ServerConfig, config_from_mapping
 from hicached.service.budget_config import BudgetConfig, PoolShare, TenantQuota
 from hicached.service.pool_table import _tables
+from tests.fakecuda import UUID_A, UUID_B, FakeCuda, library
 from tests.helpers import sample
 
-GEOMETRY = KVGeometry(PoolKind.MLA, DType.BFLOAT16, 2, kv_lora_rank=32, qk_rope_head_dim=0)
+GEOMETRY = KVGeometry(PoolKind.MLA, DType.BFLOAT16, 2, kv_lora_rank=512, qk_rope_head_dim=0)
+"""A page's bytes of one layer are one OS page: on a GPU host, a unit of locked memory each."""
 BUSY, IDLE = (PoolSpec(n, GEOMETRY, 4, size_tokens=4 * 32) for n in ("busy", "idle"))
 PB = BUSY.page_bytes
 BUDGET = 2 * _tables(BUSY) + 40 * PB  # 40 pages of KV besides the pools' tables
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, HiCacheClient, Path]]:
+@pytest.fixture(params=["cpu", "gpu"])
+def served(request: pytest.FixtureRequest, tmp_path: Path
+           ) -> Iterator[tuple[HiCacheServer, HiCacheClient, Path]]:
+    """The server on a host without a GPU, and on one with (the fake driver: pools
+    page-locked, by units that follow their shares)."""
     shm = tmp_path / "shm"
     shm.mkdir()
+    if request.param == "gpu":
+        os.environ.setdefault("FAKECUDA_DEVICES", f"{UUID_A},{UUID_B}")
     cfg = ServerConfig(
         listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), state_dir="",
         metrics_listen="", memory_budget_bytes=BUDGET, reserve_bytes=0, grace_seconds=2,
+        cuda_driver=library() if request.param == "gpu" else "",
         budget=BudgetConfig(elastic=True, interval_seconds=0.05, grow_step_bytes=PB,
-                            step_fraction=0.1, pools=(
+                            step_fraction=0.1, pin_unit_bytes=4096, pools=(
                                 PoolShare("busy", floor_bytes=4 * PB, tenant="a"),
                                 PoolShare("idle", floor_bytes=8 * PB, tenant="b")),
                             tenants=(TenantQuota("b", guaranteed_bytes=8 * PB),)))
@@ -50,6 +59,13 @@ def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, HiCacheClient, Path]
     yield server, client, shm
     client.close()
     server.drain_and_stop(1.0)
+    if request.param == "gpu":
+        assert FakeCuda(library()).stat("registered_bytes") == 0, "stopped: all unlocked"
+
+
+def locked(server: HiCacheServer, pool: str) -> int:
+    """The pool's page-locked bytes (0 on a host without a GPU)."""
+    return int(sample(server, "hicache_pool_pinned_bytes", pool=pool))
 
 
 def fill(bufs: ShmDeviceBuffers, rows: torch.Tensor, seed: int) -> None:
@@ -66,8 +82,9 @@ def until(check, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
         time.sleep(0.02)
 
 
-def test_pools_share_the_budget_by_demand_through_the_server(served, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_pools_share_the_budget_by_demand_through_the_server(served, capsys, request) -> None:  # type: ignore[no-untyped-def]
     server, client, shm = served
+    gpu = request.node.callspec.params["served"] == "gpu"
     client.create_pool(BUSY)
     client.create_pool(IDLE)
     assert sample(server, "hicache_pool_share_bytes", pool="busy") == 4 * PB  # floors
@@ -97,6 +114,11 @@ def test_pools_share_the_budget_by_demand_through_the_server(served, capsys) -> 
         assert shown in busy_row and " a " in busy_row, busy_row
         assert sample(server, "hicache_tenant_share_bytes", tenant="a") == 30 * PB
         assert sample(server, "hicache_budget_slack_bytes") == 2 * PB
+        assert (locked(server, "idle") > 0) == gpu, "pools are locked where a GPU is"
+        if gpu:  # every page of the share locked, and about nothing more (a unit a page)
+            assert 30 * PB <= locked(server, "busy") <= 31 * PB
+            assert 8 * PB <= locked(server, "idle") <= 9 * PB
+        busy_locked = locked(server, "busy")
         # the idle pool gets busy: its Stores want more than its floor, the thread moves the
         # budget's memory from the busy pool's oldest keys
         with ShmDeviceBuffers.create(IDLE, 4 * 32, str(shm)) as ib, \
@@ -114,6 +136,12 @@ def test_pools_share_the_budget_by_demand_through_the_server(served, capsys) -> 
         assert sample(server, "hicache_budget_rounds_total") > 0
         assert (sample(server, "hicache_pool_share_bytes", pool="busy")
                 + sample(server, "hicache_pool_share_bytes", pool="idle")) <= 40 * PB
+        if gpu:  # the locked memory moved with the shares
+            busy_share = sample(server, "hicache_pool_share_bytes", pool="busy")
+            assert busy_share <= locked(server, "busy") <= busy_share + PB < busy_locked
+            assert locked(server, "idle") >= 16 * PB
+            assert locked(server, "busy") + locked(server, "idle") \
+                == FakeCuda(library()).stat("registered_bytes")
         # what the busy pool still holds loads back exact into zeroed rows
         held = client.lookup("busy", list(stored))
         kept = [k for k, tier in zip(stored, held.tiers, strict=True) if tier == 1]

@@ -55,6 +55,11 @@ class FakeCuda:
         """Refuse host registrations beyond ``nbytes`` in total (-1: no limit)."""
         self.lib.fakecuda_set_pin_limit(ctypes.c_long(nbytes))
 
+    def set_strict_pinned(self, on: bool) -> None:
+        """Refuse (and count, as ``unpinned_copies`` always does) a copy whose host side is
+        not registered memory, when it is enqueued and when it runs (a deferred error)."""
+        self.lib.fakecuda_set_strict_pinned(ctypes.c_int(int(on)))
+
     def stat(self, name: str) -> int:
         value = int(self.lib.fakecuda_stat(name.encode()))
         assert value >= 0, f"unknown fake CUDA counter {name}"

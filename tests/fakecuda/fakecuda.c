@@ -64,7 +64,7 @@ typedef struct {
 #define MAX_DEV 8
 #define MAX_ALLOC 4096
 #define MAX_EVENT 4096
-#define MAX_REG 256
+#define MAX_REG 8192
 #define LOG_MAX (1 << 20)
 
 enum { K_DEVICE = 1, K_VMM = 2, K_MANAGED = 3, K_IMPORTED = 4 };
@@ -459,10 +459,38 @@ static int inside(uint64_t p, uint64_t n) {
     return a && p + n <= a->base + a->size;
 }
 
+/* 1 when every byte of [p, p+n) lies in registered host memory (registrations may adjoin). */
+static int registered(uint64_t p, uint64_t n) {
+    uint64_t end = p + n;
+    while (p < end) {
+        int found = 0;
+        for (int i = 0; i < MAX_REG; i++)
+            if (regs[i].size && regs[i].base <= p && p < regs[i].base + regs[i].size) {
+                p = regs[i].base + regs[i].size;
+                found = 1;
+                break;
+            }
+        if (!found) return 0;
+    }
+    return 1;
+}
+
+/* With fakecuda_set_strict_pinned(1) the host side of every copy must be registered memory,
+ * when it is enqueued and when it runs: a pool that gave back locked memory the device still
+ * copies to fails here (a refused enqueue, or a deferred error). unpinned_copies counts the
+ * copies that were not (strict or not). */
+static int strict_pinned;
+static long n_unpinned_copies;
+void fakecuda_set_strict_pinned(int on) { pthread_mutex_lock(&mu); strict_pinned = on; pthread_mutex_unlock(&mu); }
+
 static CUresult check_copy(uint64_t dst, uint64_t src, uint64_t n) {
     int d = find_alloc(dst) != NULL, s = find_alloc(src) != NULL;
     if (!d && !s) return INVALID_VALUE;
     if ((d && !inside(dst, n)) || (s && !inside(src, n))) return INVALID_VALUE;
+    if ((!d && !registered(dst, n)) || (!s && !registered(src, n))) {
+        n_unpinned_copies++;
+        if (strict_pinned) return INVALID_VALUE;
+    }
     return OK;
 }
 
@@ -695,6 +723,11 @@ long fakecuda_stat(const char *what) {
     if (!strcmp(what, "open_handles")) out = n_open_handles;
     else if (!strcmp(what, "streams")) out = n_streams;
     else if (!strcmp(what, "registered_bytes")) out = n_registered_bytes;
+    else if (!strcmp(what, "unpinned_copies")) out = n_unpinned_copies;
+    else if (!strcmp(what, "registrations")) {
+        out = 0;
+        for (int i = 0; i < MAX_REG; i++) out += regs[i].size != 0;
+    }
     else if (!strcmp(what, "copies")) out = ncopies;
     else if (!strcmp(what, "calls")) out = ncalls;
     else if (!strcmp(what, "seq")) out = seq_counter;

@@ -150,3 +150,95 @@ def test_pool_files_on_a_disk_filesystem_are_refused_with_the_cause(tmp_path) ->
                    pinner=DriverPinner(driver))
     assert m.pinned_bytes == 8 << 20
     m.close()
+
+
+ELASTIC_TOML = """
+[budget]
+elastic = true
+interval_seconds = 0.2
+grow_step_bytes = "8MiB"
+step_fraction = 0.25
+pin_unit_bytes = "1MiB"
+
+[[budget.pools]]
+pools = "el-*"
+floor_bytes = "16MiB"
+"""
+
+
+def test_an_elastic_budget_moves_locked_memory_and_keys_load_back_exact(
+        module_daemons: Daemons, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two pools share 384 MiB by demand on a GPU host: the busy one's locked memory grows
+    with its share, the other's Stores take memory back from it (its oldest keys evicted,
+    the rest moved below its new share, the units above unlocked and given back), and the
+    keys it kept load back exact into zeroed GPU pages."""
+    from tests.cuda_worker_proc import real_buffers
+
+    config = tmp_path / "elastic.toml"
+    config.write_text(ELASTIC_TOML)
+    d = module_daemons.start("--config", str(config), "--memory-budget", "384MiB",
+                             workdir=tmp_path)
+    geometry = GEOMETRIES["mha"]  # a page: 8 layers x K/V x 16 x 8 x 128 x 2 = 512 KiB
+    specs = [PoolSpec(f"el-{n}", geometry, 16, Layout.LAYER_FIRST, size_tokens=16 * 448)
+             for n in "ab"]
+    with HiCacheClient(d.target) as c:
+        for s in specs:
+            info = c.create_pool(s)
+            assert 0 < info.pinned_bytes < info.capacity_bytes, "locked: its floor, not all"
+        saved: dict[bytes, list[torch.Tensor]] = {}
+        tokens = 16 * 448
+
+        def fill_and_store(s: PoolSpec, n: int, tag: str) -> None:
+            bufs, views = real_buffers(s, tokens)
+            ordered = [views[k] for k in sorted(views, key=lambda k: (k[0], k[1].value, k[2]))]
+            with c.open_session(s.name, tag, bufs.descriptors, lease_ms=1000) as sess:
+                for b in range(0, n, 16):
+                    pages = torch.arange(b, b + 16)
+                    for v in ordered:
+                        v.view(-1, 16 * v.shape[1])[pages] = torch.randint(
+                            0, 256, v.view(-1, 16 * v.shape[1])[pages].shape,
+                            dtype=torch.uint8, device="cuda")
+                    torch.cuda.synchronize()
+                    keys = [f"{tag}/{p}".encode() for p in range(b, b + 16)]
+                    assert sess.store(keys, (pages[:, None] * 16 + torch.arange(16)).reshape(-1)
+                                      ).stored == 16
+                    if s is specs[0]:
+                        for p, key in zip(range(b, b + 16), keys, strict=True):
+                            saved[key] = [v.view(-1, 16 * v.shape[1])[p].cpu() for v in ordered]
+
+        fill_and_store(specs[0], 400, "a")  # 200 MiB: a grows from the slack
+        a = c.get_pool("el-a")
+        assert a.share_bytes >= 400 * specs[0].page_bytes
+        assert a.share_bytes <= a.pinned_bytes <= a.share_bytes + (1 << 20) * 16, \
+            "every page of the share locked, and little more"
+        locked_before = a.pinned_bytes
+        fill_and_store(specs[1], 400, "b")  # b's demand takes memory from a's oldest keys
+        deadline = time.monotonic() + 30
+        while c.get_pool("el-a").pinned_bytes >= locked_before:
+            assert time.monotonic() < deadline, "a's locked memory did not shrink"
+            time.sleep(0.2)
+        a = c.get_pool("el-a")
+        assert a.pinned_bytes < locked_before and a.share_bytes <= a.pinned_bytes
+        # what a kept loads back exact into zeroed GPU pages
+        bufs, views = real_buffers(specs[0], tokens)
+        ordered = [views[k] for k in sorted(views, key=lambda k: (k[0], k[1].value, k[2]))]
+        keys = list(saved)
+        held = c.lookup("el-a", keys)
+        kept = [k for k, tier in zip(keys, held.tiers, strict=True) if tier == 1]
+        assert 0 < len(kept) < len(keys)
+        with c.open_session("el-a", "check", bufs.descriptors, lease_ms=1000) as sess:
+            for v in ordered:
+                v.zero_()
+            torch.cuda.synchronize()
+            for b in range(0, len(kept), 16):
+                batch = kept[b:b + 16]
+                pages = torch.tensor([int(k.split(b"/")[1]) for k in batch])
+                sess.load_keys(batch, (pages[:, None] * 16 + torch.arange(16)).reshape(-1))
+            torch.cuda.synchronize()
+            for key in kept:
+                p = int(key.split(b"/")[1])
+                for v, want in zip(ordered, saved[key], strict=True):
+                    assert torch.equal(v.view(-1, 16 * v.shape[1])[p].cpu(), want), key
+        for s in specs:
+            c.delete_pool(s.name)
+    assert "CUDA_ERROR" not in d.log()

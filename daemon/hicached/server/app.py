@@ -85,7 +85,8 @@ class HiCacheServer:
                                   on_end=lambda s: self.daemon.session_ended(s),
                                   on_tick=lambda: self.daemon.expire_holds())
         options = MemoryOptions(hugepages=config.hugepages, reserve_bytes=config.reserve_bytes,
-                                state_dir=config.state_dir)
+                                state_dir=config.state_dir,
+                                pin_unit_bytes=config.budget.pin_unit_bytes)
         driver = load_driver(config.cuda_driver or None)
         if driver is None:
             log.info("CUDA IPC off: %s", driver_problem(config.cuda_driver or None))

@@ -84,11 +84,18 @@ class BudgetConfig:
     """``[[budget.pools]]``: floors, ceilings and tenants by pool name."""
     tenants: tuple[TenantQuota, ...] = ()
     """``[[budget.tenants]]``: quotas and guaranteed shares."""
+    pin_unit_bytes: int = 2 << 20
+    """On a host that page-locks pools for CUDA, a pool's locked memory follows its share in
+    units of about this many bytes or more (at most 4,096 a pool): smaller units lock and give
+    back closer to the share, larger ones make fewer driver registrations."""
 
     def __post_init__(self) -> None:
         if not (0 < self.interval_seconds < math.inf):
             raise SpecInvalid("budget interval_seconds is a positive number of seconds",
                               metadata={"field": "interval_seconds"})
+        if self.pin_unit_bytes < 4096:
+            raise SpecInvalid("budget pin_unit_bytes is at least 4096 (an OS page)",
+                              metadata={"field": "pin_unit_bytes"})
         if self.grow_step_bytes < 0 or not (0 < self.step_fraction <= 1):
             raise SpecInvalid("budget grow_step_bytes >= 0 and 0 < step_fraction <= 1",
                               metadata={"field": "step_fraction"})
@@ -131,6 +138,7 @@ class BudgetConfig:
                 interval_seconds=float(d.get("interval_seconds", 1.0)),  # type: ignore[arg-type]
                 grow_step_bytes=parse_size(d.get("grow_step_bytes", 64 << 20)),
                 step_fraction=float(d.get("step_fraction", 0.05)),  # type: ignore[arg-type]
+                pin_unit_bytes=parse_size(d.get("pin_unit_bytes", 2 << 20)),
                 pools=table(PoolShare, d.get("pools", []),
                             ("floor_bytes", "ceiling_bytes")),  # type: ignore[arg-type]
                 tenants=table(TenantQuota, d.get("tenants", []),

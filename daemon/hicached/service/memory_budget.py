@@ -19,6 +19,12 @@ The shares of all pools add up to the budget at most; what no pool holds is *sla
   tenant below its guaranteed share takes from tenants above theirs whatever their ages;
   no pool goes below its floor, and no tenant is taken below its guaranteed share by
   another. One round moves at most ``step_fraction`` of the budget from a pool.
+- **Locked memory** (a GPU host, where pools are page-locked for DMA): a pool's locked part
+  follows its share (``core.pin_units``): pages are locked before its limit rises over them
+  (a Store's growth locks its step, ``grow_step_bytes``, while it waits; a rebalance locks
+  what it gives before taking the budget's lock) and unlocked after it fell below them,
+  before their memory goes back. A pool that cannot lock more (the locked-memory limit)
+  is not granted more: it evicts its own.
 - **Admission** (``admit``): a new pool is charged its floor; the floors of all pools fit the
   budget (``HOST_MEMORY_INSUFFICIENT`` otherwise), and a joining pool's floor is taken back
   from pools above theirs when the slack is short (``join``).
@@ -243,15 +249,31 @@ class MemoryBudget:
         self.stats.rounds += 1
 
     def _give(self, m: _Member, pages: int) -> int:
+        """``_grant`` from the budget's thread, the memory reserved (on a GPU host: locked,
+        gigabytes at a time) before the budget's lock is taken, so that no Store's growth
+        waits behind it; what was reserved and not granted in the end is given back."""
         with self._lock:
-            return self._grant(m, pages) if m.name in self._members else 0
+            if m.name not in self._members:
+                return 0
+            start, room = m.limit, self._room(m, pages)
+        if room and not m.cache.pool.reserve_pages(start, start + room):
+            return 0
+        with self._lock:
+            got = self._grant(m, pages) if m.name in self._members else 0
+            if m.limit < start + room:  # pages above the limit are free: none in use
+                m.cache.pool.release_pages(m.limit, start + room)
+            return got
+
+    def _room(self, m: _Member, pages: int) -> int:
+        """Pages ``m`` may add now, of ``pages``: its ceiling, the slack, its tenant's quota."""
+        return max(min(pages, m.ceiling - m.limit, self._slack_bytes() // m.page_bytes,
+                       self._quota_room(m.tenant) // m.page_bytes), 0)
 
     def _grant(self, m: _Member, pages: int) -> int:
         """Raise ``m``'s limit by up to ``pages``, within its ceiling, the slack and its
         tenant's quota, the pages reserved first (the budget's lock held); how many. Raising
         a limit needs no lock of the pool's: it only adds free pages."""
-        got = max(min(pages, m.ceiling - m.limit, self._slack_bytes() // m.page_bytes,
-                      self._quota_room(m.tenant) // m.page_bytes), 0)
+        got = self._room(m, pages)
         if got and not m.cache.pool.reserve_pages(m.limit, m.limit + got):
             return 0  # the pool's file system is full: it evicts its own
         if got:

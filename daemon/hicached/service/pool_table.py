@@ -13,11 +13,12 @@ Primitives:
 - ``charge(spec)``: what a pool costs the budget: its pages and, per page, its tables and key
   index. ``used_bytes``: the charges of all pools; a pool that would exceed the budget is
   ``HOST_MEMORY_INSUFFICIENT`` naming every number.
-- With a ``MemoryBudget`` whose config is elastic (``[budget] elastic = true``) and pools that
-  are not page-locked, a pool is charged its floor and its tables, only its floor's memory is
-  faulted in, and it joins the budget once built (``memory_budget``): its share then grows
-  and shrinks with its demand. Page-locked pools (a CUDA host) keep their fixed size: their
-  memory cannot be given back while it is locked.
+- With a ``MemoryBudget`` whose config is elastic (``[budget] elastic = true``), a pool is
+  charged its floor and its tables, only its floor's memory is faulted in (and, on a host
+  that page-locks pools for CUDA, locked), and it joins the budget once built
+  (``memory_budget``): its share then grows and shrinks with its demand, its locked memory
+  with it (``core.pin_units``: locked before pages are handed out, unlocked before it is
+  given back).
 - With a state directory (``options.state_dir``) pools live in files that outlive the daemon:
   a pool whose saved state matches is re-attached and its cache recovered
   (``PoolCache.recover``) while it builds; ``recover_saved(declared)`` starts that for every
@@ -102,12 +103,9 @@ class PoolTable:
         self.hold_policy = hold_policy or HoldPolicy()
         self.chain_bytes = chain_bytes
         self.listener = listener
-        self.budget = budget if budget is not None and budget.config.elastic \
-            and pinner is None else None
-        """The shared budget pools join (None: every pool keeps its size)."""
-        if budget is not None and budget.config.elastic and pinner is not None:
-            log.warning("[budget] elastic: pools here are page-locked for CUDA, and locked "
-                        "memory cannot be given back; every pool keeps its fixed size")
+        self.budget = budget if budget is not None and budget.config.elastic else None
+        """The shared budget pools join (None: every pool keeps its size). Page-locked
+        pools are locked by units that follow their shares (``core.pin_units``)."""
         self._stacks: dict[str, TierStack] = {}
         self._recovered: dict[str, PoolCache] = {}
         self._sessions_of = sessions_of
