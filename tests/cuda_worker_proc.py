@@ -1,9 +1,10 @@
 """A GPU worker process: CUDA IPC device buffers, a session, backup / load / verify rounds.
 
 Usage: python -m tests.cuda_worker_proc TARGET POOL WORKER_ID SEED ROUNDS TOKENS [--forever]
-       [--layer-events] [--fake] [--keyed]
+       [--layer-events] [--fake] [--keyed] [--keep]
 
-``--keyed`` moves the pages as cache keys (Store / LoadKeys) instead of raw host pages.
+``--keyed`` moves the pages as cache keys (Store / LoadKeys) instead of raw host pages;
+``--keep`` leaves each round's keys in the pool (it fills, and evicts or grows).
 
 With ``--fake`` the buffers live in the fake driver's memory (``$HICACHED_CUDA_DRIVER``) and are
 checked through host views; otherwise they are torch CUDA tensors and loads with layer events
@@ -57,6 +58,7 @@ def main() -> int:
     target, pool, worker, seed, rounds, tokens = sys.argv[1:7]
     forever, fake = "--forever" in sys.argv, "--fake" in sys.argv
     use_events, keyed = "--layer-events" in sys.argv, "--keyed" in sys.argv
+    keep = "--keep" in sys.argv
     client = HiCacheClient(target)
     spec = client.get_pool(pool).spec
     ps = spec.page_size
@@ -150,7 +152,8 @@ def main() -> int:
                 else:
                     mismatches += 1
             if host is None:
-                client.remove_keys(pool, keys)
+                if not keep:
+                    client.remove_keys(pool, keys)
             else:
                 client.free(pool, host)
             if forever:

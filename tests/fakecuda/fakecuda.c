@@ -92,6 +92,8 @@ static copy_t *copy_log;
 static long ncopies, ncalls, seq_counter, next_id = 1;
 static long n_streams, n_open_handles, n_registered_bytes, n_ctx_retained;
 static int defer_mode; /* FAKECUDA_DEFER=1 or fakecuda_set_defer */
+static int strict_pinned; /* FAKECUDA_STRICT_PINNED=1 or fakecuda_set_strict_pinned */
+static long n_unpinned_copies;
 static __thread int ctx_stack[16];
 static __thread int ctx_depth;
 
@@ -107,6 +109,8 @@ static void init_devices(void) {
     const char *env = getenv("FAKECUDA_DEVICES");
     const char *defer = getenv("FAKECUDA_DEFER");
     defer_mode = defer && *defer == '1';
+    const char *strict = getenv("FAKECUDA_STRICT_PINNED");
+    strict_pinned = strict && *strict == '1';
     if (!env || !*env) env = "fa4ec0da000000000000000000000001";
     ndev = 0;
     const char *p = env;
@@ -479,8 +483,6 @@ static int registered(uint64_t p, uint64_t n) {
  * when it is enqueued and when it runs: a pool that gave back locked memory the device still
  * copies to fails here (a refused enqueue, or a deferred error). unpinned_copies counts the
  * copies that were not (strict or not). */
-static int strict_pinned;
-static long n_unpinned_copies;
 void fakecuda_set_strict_pinned(int on) { pthread_mutex_lock(&mu); strict_pinned = on; pthread_mutex_unlock(&mu); }
 
 static CUresult check_copy(uint64_t dst, uint64_t src, uint64_t n) {
