@@ -175,8 +175,8 @@ class HostPool:
         self.allocator = PageAllocator(self.page_num, spec.page_size, layers, tables)
         self._pin_units: PinUnits | None = None
         """Where the pool is page-locked by units that follow its share (elastic, pinned)."""
+        partial = resident_pages is not None and not reuse
         if self.nbytes:
-            partial = resident_pages is not None and not reuse
             if not reuse:  # re-attached memory is in use already: nothing new to fit
                 check_budget(self.nbytes if not partial else
                              min(resident_pages or 0, self.page_num) * spec.page_bytes,
