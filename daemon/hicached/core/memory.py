@@ -21,9 +21,11 @@ Knows nothing of pools, RPC or drivers.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import enum
+import itertools
 import logging
 import mmap
 import os
@@ -317,11 +319,12 @@ class HostMemory:
         advice = mmap.MADV_DONTNEED if self.backing is Backing.ANONYMOUS else mmap.MADV_REMOVE
         locked = sorted((a - self.address, a - self.address + n)
                         for a, n in self._pinned.items())
+        ends = [hi for _, hi in locked]
         done = 0
         for off, length in ranges:
             start = -(-off // OS_PAGE) * OS_PAGE
             end = (off + length) // OS_PAGE * OS_PAGE
-            for lo, hi in _outside(start, end, locked):
+            for lo, hi in _outside(start, end, locked, ends):
                 if _libc.madvise(self.address + lo, hi - lo, advice) != 0:
                     err = ctypes.get_errno()
                     log.warning("releasing %d bytes of host memory failed: %s", hi - lo,
@@ -356,13 +359,13 @@ class HostMemory:
                 os.unlink(self.path)
 
 
-def _outside(start: int, end: int, locked: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``[start, end)`` outside the sorted, disjoint ``locked`` intervals."""
+def _outside(start: int, end: int, locked: list[tuple[int, int]], ends: list[int]
+             ) -> list[tuple[int, int]]:
+    """The parts of ``[start, end)`` outside the sorted, disjoint ``locked`` intervals
+    (``ends``: their ends, ascending too; the first one past ``start`` is found by bisection)."""
     out = []
     at = start
-    for lo, hi in locked:
-        if hi <= at:
-            continue
+    for lo, hi in itertools.islice(locked, bisect.bisect_right(ends, start), None):
         if lo >= end:
             break
         if lo > at:

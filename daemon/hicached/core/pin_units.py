@@ -164,7 +164,7 @@ class PinUnits:
             return self._unlock_down_to(keep)
 
     def _unlock_down_to(self, keep: int) -> int:
-        released = 0
+        unlocked = []
         while self._locked > keep:
             i = self._locked - 1
             start, end = int(self._starts[i]), int(self._ends[i])
@@ -173,6 +173,6 @@ class PinUnits:
             except Exception as exc:  # it stays locked, and its memory stays too
                 log.warning("unlocking %d bytes of a pool's memory failed: %s", end - start, exc)
                 break
-            released += self._memory.release([(start, end - start)])
+            unlocked.append((start, end - start))
             self._locked -= 1
-        return released
+        return self._memory.release(unlocked)  # one pass over what stays locked
