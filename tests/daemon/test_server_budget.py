@@ -165,11 +165,14 @@ def test_the_budget_table_is_read_from_toml() -> None:
     assert b.elastic and b.interval_seconds == 0.5 and b.grow_step_bytes == 1 << 20
     assert b.pools == (PoolShare("llama-*", 1 << 30, 8 << 30, "team-a"),)
     assert b.tenants == (TenantQuota("team-a", 16 << 30, 2 << 30),)
+    assert b.pin_unit_bytes == 2 << 20
+    assert config_from_mapping({"budget": {"pin_unit_bytes": "64MiB"}}).budget.pin_unit_bytes \
+        == 64 << 20
     for bad in ({"elastic": True, "bogus": 1},
                 {"pools": [{"pools": "x", "floor_bytes": "2GiB", "ceiling_bytes": "1GiB"}]},
                 {"tenants": [{"name": "t", "quota_bytes": 1, "guaranteed_bytes": 2}]},
                 {"tenants": [{"name": "t"}, {"name": "t"}]},
-                {"interval_seconds": 0}):
+                {"interval_seconds": 0}, {"pin_unit_bytes": 512}):
         with pytest.raises(SpecInvalid):
             config_from_mapping({"budget": bad})
 
