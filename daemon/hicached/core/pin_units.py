@@ -26,8 +26,8 @@ registrations, each a driver call that locks its pages).
 
 Primitives: ``tile(runs, page_num, nbytes, unit_bytes)`` (the units: starts, ends, first
 pages, in locking order); ``PinUnits(memory, pinner, runs, page_num, unit_bytes)``:
-``pin_below(pages)``, ``unpin_from(pages)``, ``frontier``, ``pinned_bytes``, ``units``,
-``locked``.
+``pin_below(pages)``, ``unpin_from(pages)``, ``frontier``, ``units``, ``locked`` (the bytes
+locked are the region's: ``HostMemory.pinned_bytes``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def tile(runs: list[tuple[int, int]], page_num: int, nbytes: int, unit_bytes: in
     per_run = max(max_units // max(len(runs), 1), 1)
     for off, length in runs:
         pitch = length // page_num
-        splits = max(min(per_run, length // max(unit_bytes, 1), page_num), 1)
+        splits = max(min(per_run, length // unit_bytes, page_num), 1)
         for j in range(splits):
             cuts.add((off + (j * page_num // splits) * pitch) // OS_PAGE * OS_PAGE)
     bounds = sorted(c for c in cuts if 0 <= c <= mapped)
@@ -119,13 +119,9 @@ class PinUnits:
             return self._frontier()
 
     def _frontier(self) -> int:
-        if self._locked < self._first.size:
-            return min(int(self._first[self._locked]), self._page_num)
-        return self._page_num
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self._memory.pinned_bytes
+        # a unit's first page is page_num at most (one holding no page's byte)
+        return int(self._first[self._locked]) if self._locked < self._first.size \
+            else self._page_num
 
     def pin_below(self, pages: int) -> bool:
         """Lock every unit holding a byte of a page below ``pages`` (their memory faulted in
