@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.cuda_driver import CudaDriver, driver_problem, format_uuid, load_driver, normalize_uuid
 from hicache.errors import BufferNotShareable, DeviceNotFound, IpcHandleInvalid, SpecInvalid
@@ -313,6 +315,106 @@ def test_plan_segments_split_pitches_over_the_2d_limit(monkeypatch: pytest.Monke
     assert sorted(rows_only.dst.tolist()) == sorted(
         (segs.dst[:, None] + np.arange(4) * segs.dpitch[:, None]).ravel().tolist())
 
+
+
+def _bytes_moved(segs: segments.Segments, host_is_dst: bool) -> list[list[tuple[int, int]]]:
+    """Each layer's (host byte, device byte) pairs in the order the copies move them."""
+    out: list[list[tuple[int, int]]] = []
+    for i in range(segs.layers):
+        seg = segs.layer(i)
+        pairs = []
+        for d, s, dp, sp, w, h in zip(*(getattr(seg, f).tolist() for f in segments._FIELDS),
+                                      strict=True):
+            for r in range(h):
+                for b in range(w):
+                    dst, src = d + r * dp + b, s + r * sp + b
+                    pairs.append((dst, src) if host_is_dst else (src, dst))
+        out.append(pairs)
+    return out
+
+
+@st.composite
+def _segments_and_cuts(draw: st.DrawFn) -> tuple[segments.Segments, np.ndarray, bool]:
+    n = draw(st.integers(1, 6))
+    cols: list[list[int]] = [[] for _ in range(6)]
+    for i in range(n):
+        w = draw(st.integers(1, 48))
+        row = (draw(st.integers(0, 600)), 100_000 + 1_000 * i, w + draw(st.integers(0, 40)),
+               w + draw(st.integers(0, 40)), w, draw(st.integers(1, 4)))
+        for c, v in zip(cols, row, strict=True):
+            c.append(v)
+    host_is_dst = draw(st.booleans())
+    host, dev, hp, dp, width, height = (np.asarray(c, dtype=np.int64) for c in cols)
+    layers = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=2)) if n > 1 else []))
+    ends = np.asarray([*layers, n], dtype=np.int64)
+    segs = (segments.Segments(host, dev, hp, dp, width, height, ends) if host_is_dst
+            else segments.Segments(dev, host, dp, hp, width, height, ends))
+    cuts = np.asarray(sorted(set(draw(st.lists(st.integers(0, 800), max_size=8)))),
+                      dtype=np.int64)
+    return segs, cuts, host_is_dst
+
+
+@settings(max_examples=300, deadline=None)
+@given(_segments_and_cuts())
+def test_split_at_moves_the_same_bytes_and_no_copy_crosses_a_cut(
+        case: tuple[segments.Segments, np.ndarray, bool]) -> None:
+    """The driver refuses a copy whose host side spans two registrations: every copy
+    ``split_at`` returns stays between two cuts on its host side, and the copies move the
+    same bytes to the same places in the same order, layer by layer."""
+    segs, cuts, host_is_dst = case
+    out = segments.split_at(segs, cuts, host_is_dst)
+    assert out.layers == segs.layers and out.nbytes == segs.nbytes
+    assert _bytes_moved(out, host_is_dst) == _bytes_moved(segs, host_is_dst)
+    host, pitch = (out.dst, out.dpitch) if host_is_dst else (out.src, out.spitch)
+    last = host + (out.height - 1) * pitch + out.width - 1
+    assert (np.searchsorted(cuts, host, "right") == np.searchsorted(cuts, last, "right")).all()
+    assert (out.width > 0).all() and (out.height > 0).all()
+    assert ((out.height == 1) | ((out.width <= out.dpitch) & (out.width <= out.spitch))).all()
+    if not _crossing(segs, cuts, host_is_dst):
+        assert out is segs, "nothing crosses: the same copies, no work"
+
+
+def _crossing(segs: segments.Segments, cuts: np.ndarray, host_is_dst: bool) -> bool:
+    host, pitch = (segs.dst, segs.dpitch) if host_is_dst else (segs.src, segs.spitch)
+    last = host + (segs.height - 1) * pitch + segs.width - 1
+    return bool((np.searchsorted(cuts, host, "right")
+                 != np.searchsorted(cuts, last, "right")).any())
+
+
+@pytest.mark.parametrize("layout", list(Layout), ids=lambda x: x.value)
+def test_copies_over_a_pool_locked_in_chunks_are_cut_at_each_chunk(
+        driver: CudaDriver, fake: FakeCuda, transport: CudaIpcTransport, layout: Layout,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool larger than one registration (1 GiB chunks; 3 OS pages here) is locked in
+    several, and the driver refuses a copy over two: runs of pages that cross a chunk are
+    cut there, and every page round-trips exact into zeroed device rows."""
+    monkeypatch.setattr("hicached.core.memory.PIN_CHUNK", 3 * 4096)
+    s = spec(KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 128), page_size=4, layout=layout,
+             size_tokens=4 * 40)  # a page of one layer: 2 KiB, so a chunk ends inside pages
+    pool = pinned_pool(driver, s)
+    src = make_gpu_kv(driver, s, 4 * 40, seed=5)
+    dst = make_gpu_kv(driver, s, 4 * 40, seed=6)
+    a = transport.attach(src.descriptors.descriptors)
+    b = transport.attach(dst.descriptors.descriptors)
+    straddling = fake.stat("straddling_copies")
+    try:
+        assert pool.registration_cuts.size == pool.nbytes // (3 * 4096) > 1
+        assert a.buffers is not None and b.buffers is not None
+        host = pool.alloc(36 * 4)
+        pages = np.arange(36)  # one run: every copy crosses chunks
+        ENGINE.backup(pool, a.buffers, host, page_indices(pages, 4), runner=a.runner)
+        for v in dst.all_views():
+            v.zero_()
+        ENGINE.load(pool, b.buffers, host, page_indices(pages, 4), runner=b.runner)
+        for x, y in zip(rows(src, s, pages), rows(dst, s, pages), strict=True):
+            assert torch.equal(x, y)
+        assert fake.stat("straddling_copies") == straddling
+    finally:
+        a.release()
+        b.release()
+        free_gpu_kv(driver, src)
+        free_gpu_kv(driver, dst)
+        pool.close()
 
 # -- per-layer events and asynchronous completion -----------------------------------------------
 

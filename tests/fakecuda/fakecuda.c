@@ -93,7 +93,7 @@ static long ncopies, ncalls, seq_counter, next_id = 1;
 static long n_streams, n_open_handles, n_registered_bytes, n_ctx_retained;
 static int defer_mode; /* FAKECUDA_DEFER=1 or fakecuda_set_defer */
 static int strict_pinned; /* FAKECUDA_STRICT_PINNED=1 or fakecuda_set_strict_pinned */
-static long n_unpinned_copies;
+static long n_unpinned_copies, n_straddling_copies;
 static __thread int ctx_stack[16];
 static __thread int ctx_depth;
 
@@ -463,20 +463,17 @@ static int inside(uint64_t p, uint64_t n) {
     return a && p + n <= a->base + a->size;
 }
 
-/* 1 when every byte of [p, p+n) lies in registered host memory (registrations may adjoin). */
+/* The host side [p, p+n) of a copy, as the driver sees it: 1 when it lies in one registration,
+ * 0 when no byte of it is registered (pageable), -1 when it spans two registrations or
+ * registered and unregistered memory, which the driver refuses (CUDA_ERROR_INVALID_VALUE:
+ * "memory regions spanning over allocations that are both registered and not registered are
+ * not supported"; two adjoining registrations are two allocations). */
 static int registered(uint64_t p, uint64_t n) {
     uint64_t end = p + n;
-    while (p < end) {
-        int found = 0;
-        for (int i = 0; i < MAX_REG; i++)
-            if (regs[i].size && regs[i].base <= p && p < regs[i].base + regs[i].size) {
-                p = regs[i].base + regs[i].size;
-                found = 1;
-                break;
-            }
-        if (!found) return 0;
-    }
-    return 1;
+    for (int i = 0; i < MAX_REG; i++)
+        if (regs[i].size && regs[i].base < end && p < regs[i].base + regs[i].size)
+            return regs[i].base <= p && end <= regs[i].base + regs[i].size ? 1 : -1;
+    return 0;
 }
 
 /* With fakecuda_set_strict_pinned(1) the host side of every copy must be registered memory,
@@ -489,7 +486,9 @@ static CUresult check_copy(uint64_t dst, uint64_t src, uint64_t n) {
     int d = find_alloc(dst) != NULL, s = find_alloc(src) != NULL;
     if (!d && !s) return INVALID_VALUE;
     if ((d && !inside(dst, n)) || (s && !inside(src, n))) return INVALID_VALUE;
-    if ((!d && !registered(dst, n)) || (!s && !registered(src, n))) {
+    int host = d && s ? 1 : !d ? registered(dst, n) : registered(src, n);
+    if (host < 0) { n_straddling_copies++; return INVALID_VALUE; }
+    if (host == 0) {
         n_unpinned_copies++;
         if (strict_pinned) return INVALID_VALUE;
     }
@@ -707,6 +706,15 @@ CUresult cuMemcpy2DAsync_v2(const memcpy2d_t *c, void *stream) {
     pthread_mutex_lock(&mu);
     ncalls++;
     CUresult rc = OK;
+    if (c->Height > 0) {  /* the host side's whole extent, as one range (see registered) */
+        int dhost = find_alloc(c->dstDevice) == NULL, shost = find_alloc(c->srcDevice) == NULL;
+        uint64_t p = dhost ? c->dstDevice : c->srcDevice;
+        uint64_t pitch = dhost ? c->dstPitch : c->srcPitch;
+        if ((dhost || shost) && registered(p, (c->Height - 1) * pitch + c->WidthInBytes) < 0) {
+            n_straddling_copies++;
+            rc = INVALID_VALUE;
+        }
+    }
     for (size_t r = 0; r < c->Height && rc == OK; r++)
         rc = check_copy(c->dstDevice + r * c->dstPitch, c->srcDevice + r * c->srcPitch,
                         c->WidthInBytes);
@@ -726,6 +734,7 @@ long fakecuda_stat(const char *what) {
     else if (!strcmp(what, "streams")) out = n_streams;
     else if (!strcmp(what, "registered_bytes")) out = n_registered_bytes;
     else if (!strcmp(what, "unpinned_copies")) out = n_unpinned_copies;
+    else if (!strcmp(what, "straddling_copies")) out = n_straddling_copies;
     else if (!strcmp(what, "registrations")) {
         out = 0;
         for (int i = 0; i < MAX_REG; i++) out += regs[i].size != 0;

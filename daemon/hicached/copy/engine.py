@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from hicache import seams
 from hicache.indices import PageIds
 from hicached.copy.cpu import BACKUP_STREAMING_BYTES, STREAMING_BYTES, execute
@@ -69,10 +71,11 @@ class TransferResult:
 
 class PlanRunner(Protocol):
     def run(self, loading: bool, plans: Sequence[CopyPlan], layers: range, layer_num: int,
-            wait: bool, done: Callable[[], None]) -> None:
+            wait: bool, done: Callable[[], None], host_cuts: np.ndarray) -> None:
         """Run ``plans`` and call ``done`` once the bytes landed: before returning when
         ``wait``, otherwise later from another thread. When it raises, ``done`` never runs and
-        nothing is left in flight."""
+        nothing is left in flight. ``host_cuts``: the host pool's ``registration_cuts`` (no
+        copy may cross one: the driver refuses a copy over two page-locked registrations)."""
         ...
 
 
@@ -227,7 +230,7 @@ class TransferEngine:
             else:
                 nbytes = sum(p.nbytes for p in plans)
                 runner.run(not writes, plans, batch.layers, pool.spec.max_layers, blocking,
-                           done)
+                           done, pool.registration_cuts)
         except BaseException:
             release(False)
             raise

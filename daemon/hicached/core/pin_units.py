@@ -26,8 +26,8 @@ registrations, each a driver call that locks its pages).
 
 Primitives: ``tile(runs, page_num, nbytes, unit_bytes)`` (the units: starts, ends, first
 pages, in locking order); ``PinUnits(memory, pinner, runs, page_num, unit_bytes)``:
-``pin_below(pages)``, ``unpin_from(pages)``, ``frontier``, ``units``, ``locked`` (the bytes
-locked are the region's: ``HostMemory.pinned_bytes``).
+``pin_below(pages)``, ``unpin_from(pages)``, ``frontier``, ``units``, ``cuts`` (where no GPU
+copy may cross), ``locked`` (the bytes locked are the region's: ``HostMemory.pinned_bytes``).
 """
 
 from __future__ import annotations
@@ -106,6 +106,12 @@ class PinUnits:
     @property
     def units(self) -> int:
         return int(self._starts.size)
+
+    @property
+    def cuts(self) -> np.ndarray:
+        """Where one unit ends and the next begins (addresses, ascending): no copy may cross
+        one, each unit being a registration of its own."""
+        return self._memory.address + np.sort(self._starts)[1:]
 
     @property
     def locked(self) -> int:

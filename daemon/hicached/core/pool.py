@@ -13,7 +13,7 @@ Primitives:
   dst)`` (one page's bytes onto another, within the pool), ``release_pages(first, end)`` (the
   memory of a run of pages given back to the system) and ``reserve_pages`` (their backing
   taken again, and page-locked where the pool's locked part follows its share: ``pin_units``),
-  ``fingerprints``
+  ``registration_cuts`` (where no GPU copy may cross), ``fingerprints``
   (the kv-canary hash of host pages), occupancy figures, ``begin_copy`` / ``end_copy`` (copies
   in flight: ``close(wait_seconds)`` waits for them and never unmaps under one). Pinning is done
   by the
@@ -227,6 +227,12 @@ class HostPool:
                 raise PinFailed(f"page-locking the first {locked} pages of pool {spec.name} "
                                 f"for DMA failed (see the log for the cause)",
                                 metadata={"pool": spec.name, "pages": locked})
+        self.registration_cuts = (
+            self._pin_units.cuts if self._pin_units is not None
+            else self.memory.pin_cuts if self.memory is not None else np.zeros(0, np.int64))
+        """Where one page-locked registration of the region may end and the next begin
+        (addresses, ascending; none where it is not locked): the driver refuses a copy over
+        two, so copies to and from a GPU are cut there (``cuda.segments.split_at``)."""
         self.canary: CanaryTable | None = None
         if spec.canary is not None and self.components:
             self.canary = CanaryTable(self.page_num, spec.max_layers, spec.canary.read_bytes,

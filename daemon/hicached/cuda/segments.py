@@ -6,16 +6,24 @@ rows sit at a fixed pitch on both sides (a ``page_first`` host page of one layer
 instead of one copy per row. The native module submits the batch in one call (GIL released);
 without it a ctypes loop does the same, slower.
 
+The driver refuses a copy whose host side spans two page-locked registrations, or locked and
+unlocked memory (``CUDA_ERROR_INVALID_VALUE``), and a pool is locked in several (1 GiB chunks,
+or the units an elastic pool's locked part follows its share by): ``split_at`` cuts each copy
+that crosses a place where one registration may end and the next begin.
+
 Primitives:
 
-- ``Segments``: copies (dst, src, dst pitch, src pitch, width, height), layer-major, with the
-  number per layer.
+- ``Segments``: copies (dst, src, dst pitch, src pitch, width, height), layer-major, with where
+  each layer's end.
 - ``plan_segments(plan)``: the segments of one ``CopyPlan``.
+- ``split_at(segments, cuts, host_is_dst)``: the same copies, none crossing an address of
+  ``cuts`` on its host side.
 - ``submit(driver, stream, segments)``: enqueue them; a driver error is ``CudaCallFailed``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,32 +45,39 @@ class Segments:
     spitch: np.ndarray
     width: np.ndarray
     height: np.ndarray
-    per_layer: int
-    """Segments of each layer (every layer of a plan has the same number)."""
-    layers: int
+    layer_ends: np.ndarray
+    """One past each layer's last segment (int64, one entry per layer, ascending)."""
 
     @property
     def count(self) -> int:
         return int(self.dst.size)
 
     @property
+    def layers(self) -> int:
+        return int(self.layer_ends.size)
+
+    @property
     def nbytes(self) -> int:
         return int((self.width * self.height).sum())
 
     def layer(self, i: int) -> Segments:
-        sl = slice(i * self.per_layer, (i + 1) * self.per_layer)
+        lo, hi = (int(self.layer_ends[i - 1]) if i else 0), int(self.layer_ends[i])
+        sl = slice(lo, hi)
         return Segments(self.dst[sl], self.src[sl], self.dpitch[sl], self.spitch[sl],
-                        self.width[sl], self.height[sl], self.per_layer, 1)
+                        self.width[sl], self.height[sl], np.asarray([hi - lo], np.int64))
 
     @staticmethod
     def concat(parts: Sequence[Segments]) -> Segments:
         parts = [p for p in parts if p.count]
         if not parts:
             z = np.zeros(0, dtype=np.int64)
-            return Segments(z, z, z, z, z, z, 0, 0)
+            return Segments(z, z, z, z, z, z, z)
         d, s, dp, sp, w, h = (np.concatenate([getattr(p, f) for p in parts])
-                              for f in ("dst", "src", "dpitch", "spitch", "width", "height"))
-        return Segments(d, s, dp, sp, w, h, per_layer=int(d.size), layers=1)
+                              for f in _FIELDS)
+        return Segments(d, s, dp, sp, w, h, np.asarray([d.size], np.int64))
+
+
+_FIELDS = ("dst", "src", "dpitch", "spitch", "width", "height")
 
 
 def plan_segments(plan: CopyPlan) -> Segments:
@@ -104,7 +119,64 @@ def plan_segments(plan: CopyPlan) -> Segments:
     dst = (plan.dst_base.astype(np.int64)[:, None] + doff[None, :]).ravel()
     src = (plan.src_base.astype(np.int64)[:, None] + soff[None, :]).ravel()
     return Segments(dst, src, np.tile(dp, nl), np.tile(sp, nl), np.tile(width, nl),
-                    np.tile(height, nl), per_layer=per, layers=nl)
+                    np.tile(height, nl), np.arange(1, nl + 1, dtype=np.int64) * per)
+
+
+def split_at(segs: Segments, cuts: np.ndarray, host_is_dst: bool) -> Segments:
+    """``segs`` with each copy whose host side (``dst`` when ``host_is_dst``, else ``src``)
+    crosses an address of ``cuts`` (sorted int64: where one page-locked registration may end
+    and the next begin) cut there, in the same order: a 2-D copy's rows grouped by the
+    registration they lie in, a row that crosses one in 1-D pieces. Copies that cross none
+    stay as they are (the common case costs two binary searches per copy)."""
+    if cuts.size == 0 or segs.count == 0:
+        return segs
+    host, hpitch = (segs.dst, segs.dpitch) if host_is_dst else (segs.src, segs.spitch)
+    last = host + (segs.height - 1) * hpitch + segs.width - 1
+    crossing = np.flatnonzero(np.searchsorted(cuts, host, "right")
+                              != np.searchsorted(cuts, last, "right"))
+    if crossing.size == 0:
+        return segs
+    cols = [getattr(segs, f) for f in _FIELDS]
+    out: list[list[np.ndarray]] = [[] for _ in _FIELDS]
+    counts = np.ones(segs.count, dtype=np.int64)
+    prev = 0
+    for i in crossing.tolist():
+        one = [int(c[i]) for c in cols]
+        pieces = _cut(one[0], one[1], one[2], one[3], one[4], one[5], cuts, host_is_dst)
+        counts[i] = pieces[0].size
+        for o, c, piece in zip(out, cols, pieces, strict=True):
+            o.append(c[prev:i])
+            o.append(piece)
+        prev = i + 1
+    for o, c in zip(out, cols, strict=True):
+        o.append(c[prev:])
+    d, s, dp, sp, w, h = (np.concatenate(o) for o in out)
+    return Segments(d, s, dp, sp, w, h, np.cumsum(counts)[segs.layer_ends - 1])
+
+
+def _cut(dst: int, src: int, dpitch: int, spitch: int, width: int, height: int,
+         cuts: np.ndarray, host_is_dst: bool) -> tuple[np.ndarray, ...]:
+    """One copy as pieces whose host side crosses no cut (``split_at``)."""
+    rows = np.arange(height, dtype=np.int64)
+    start = (dst + rows * dpitch) if host_is_dst else (src + rows * spitch)
+    first = np.searchsorted(cuts, start, "right")
+    end = np.searchsorted(cuts, start + width - 1, "right")
+    # a run of whole rows in one registration is one piece; a row crossing cuts is its own
+    key = np.where(first == end, first, -1 - rows)
+    brk = np.flatnonzero(np.diff(key)) + 1
+    starts = np.concatenate(([0], brk)).tolist()
+    stops = [*starts[1:], height]
+    pieces: list[tuple[int, int, int, int, int, int]] = []
+    for r0, r1 in zip(starts, stops, strict=True):
+        d0, s0 = dst + r0 * dpitch, src + r0 * spitch
+        if first[r0] == end[r0]:
+            pieces.append((d0, s0, dpitch, spitch, width, r1 - r0))
+            continue
+        h0 = int(start[r0])
+        offs = [0, *(int(c) - h0 for c in cuts[first[r0]:end[r0]]), width]
+        for a, b in itertools.pairwise(offs):
+            pieces.append((d0 + a, s0 + a, b - a, b - a, b - a, 1))
+    return tuple(np.asarray(col, dtype=np.int64) for col in zip(*pieces, strict=True))
 
 
 def _rows(doff: np.ndarray, soff: np.ndarray, width: np.ndarray, dp: np.ndarray,
