@@ -13,8 +13,14 @@ tensors exported over CUDA IPC) and measures side by side in one run, alternatin
    (its copy segments) per second of enqueueing, which tells whether thousands of small async
    copies starve the copy engines (then: a gather kernel or batched memcpy).
 
-Run on a host with a GPU: ``python benchmarks/bench_cuda.py [--short] [--json FILE]``
-(``--short``: one layout, 5 repetitions, for scripts/gpu_check.sh).
+3. With ``--elastic``: the same batches on a pool under ``[budget] elastic``, whose floor is its
+   whole size: locked in 2 MiB units (``core.pin_units``, one registration each, so copies are
+   cut where one ends) rather than one registration, measured alternating with the fixed
+   pool's rows, as a ratio to them; and what a growth step's registration costs (64 MiB
+   locked as 32 units of 2 MiB vs as one registration, and unlocked again).
+
+Run on a host with a GPU: ``python benchmarks/bench_cuda.py [--short] [--elastic]
+[--json FILE]`` (``--short``: one layout, 5 repetitions, for scripts/gpu_check.sh).
 ``--plan-only`` runs anywhere: the daemon's control plane for the same batches (validation,
 copy plans, driver-call segments) with a runner that copies nothing, reporting how many driver
 calls each layout needs and what building them costs.
@@ -43,7 +49,7 @@ from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, Tr
 from hicached.bench_daemon import start_daemon
 from hicached.core.pool import MemoryOptions
 from hicached.core.worker_buffers import Device, RawBuffer, WorkerBuffers
-from hicached.cuda.segments import plan_segments
+from hicached.cuda.segments import plan_segments, split_at
 
 PCIE_GBPS = 55.0
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, 32, 8, 128)
@@ -88,9 +94,10 @@ class _CountingRunner:
         self.seconds = 0.0
 
     def run(self, loading: bool, plans: Any, layers: range, layer_num: int, wait: bool,
-            done: Any) -> None:
+            done: Any, host_cuts: Any) -> None:
         t0 = time.perf_counter()
-        self.calls += sum(plan_segments(p).count for p in plans)
+        self.calls += sum(split_at(plan_segments(p), host_cuts, not loading).count
+                          for p in plans)
         self.seconds += time.perf_counter() - t0
         done()
 
@@ -208,22 +215,103 @@ def measure(client: HiCacheClient, layout: Layout, page_size: int, reps: int,
     return rows
 
 
+ELASTIC_TOML = """
+[budget]
+elastic = true
+pin_unit_bytes = "2MiB"
+
+[[budget.pools]]
+pools = "bench-cuda-*"
+floor_bytes = "2GiB"
+"""
+"""Every bench pool's share its whole size (1 GiB at most), locked in 2 MiB units."""
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="hicache-bench-cuda-")
-    proc, target = start_daemon(work, "/dev/shm", "24GiB")
-    client = HiCacheClient(target, timeout=600)
+    daemons = [("fixed", *start_daemon(work, "/dev/shm", "24GiB"))]
+    if args.elastic:
+        config = os.path.join(work, "elastic.toml")
+        with open(config, "w") as f:
+            f.write(ELASTIC_TOML)
+        eldir = tempfile.mkdtemp(prefix="hicache-bench-cuda-el-")
+        daemons.append(("elastic", *start_daemon(eldir, "/dev/shm", "24GiB", "",
+                                                 "--config", config)))
+    clients = {name: HiCacheClient(target, timeout=600) for name, _, target in daemons}
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "rows": []}
     try:
+        if args.elastic:
+            results["registration"] = registration_cost()
+            print_registration(results["registration"])
         for layout in args.layouts:
             for page_size in args.page_sizes:
                 calls = plan_only(1, page_size, [layout], ["random"])[0]["driver_calls"]
-                results["rows"] += measure(client, layout, page_size, args.reps, calls)
-                print_row_group(results["rows"][-3:])
+                group: dict[str, list[dict[str, Any]]] = {}
+                for name, client in clients.items():
+                    group[name] = measure(client, layout, page_size, args.reps, calls)
+                    for row in group[name]:
+                        row["pool"] = name
+                    results["rows"] += group[name]
+                print_row_group(group["fixed"])
+                if args.elastic:
+                    print_elastic(group["elastic"], group["fixed"])
     finally:
-        client.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        for c in clients.values():
+            c.close()
+        for _, proc, _ in daemons:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
     return results
+
+
+def registration_cost(step: int = 64 << 20, unit: int = 2 << 20, reps: int = 5
+                      ) -> dict[str, float]:
+    """What locking a growth step costs: ``step`` bytes of a prefaulted region registered as
+    units of ``unit`` and as one, then unregistered; medians of ``reps``, alternating."""
+    from hicache.cuda_driver import load_driver
+    from hicached.core.memory import HostMemory
+    from hicached.cuda.pinner import DriverPinner
+
+    driver = load_driver()
+    assert driver is not None
+    pinner = DriverPinner(driver)
+    mem = HostMemory(step, hugepages=False, prefault_threads=1)
+    out: dict[str, list[float]] = {"units_lock_ms": [], "units_unlock_ms": [],
+                                   "one_lock_ms": [], "one_unlock_ms": []}
+    try:
+        for _ in range(reps):
+            for name, size in (("units", unit), ("one", step)):
+                t0 = time.perf_counter()
+                for off in range(0, step, size):
+                    mem.pin_range(pinner, off, size)
+                t1 = time.perf_counter()
+                for off in range(0, step, size):
+                    mem.unpin_range(off)
+                t2 = time.perf_counter()
+                out[f"{name}_lock_ms"].append(1e3 * (t1 - t0))
+                out[f"{name}_unlock_ms"].append(1e3 * (t2 - t1))
+    finally:
+        mem.close()
+    return {"step_bytes": step, "unit_bytes": unit,
+            **{k: statistics.median(v) for k, v in out.items()}}
+
+
+def print_registration(r: dict[str, float]) -> None:
+    step, unit = int(r["step_bytes"]), int(r["unit_bytes"])
+    print(f"growth step of {step >> 20} MiB: locked as {step // unit}"
+          f" units of {unit >> 20} MiB {r['units_lock_ms']:.2f} ms (unlocked "
+          f"{r['units_unlock_ms']:.2f} ms), as one registration {r['one_lock_ms']:.2f} ms "
+          f"(unlocked {r['one_unlock_ms']:.2f} ms)", flush=True)
+
+
+def print_elastic(rows: list[dict[str, Any]], fixed: list[dict[str, Any]]) -> None:
+    for row, base in zip(rows, fixed, strict=True):
+        where = f"{row['layout']:>18} p{row['page_size']:<3}"
+        if "daemon_gbps" in row:
+            print(f"{where} {row['op']:<13} elastic {row['daemon_gbps']:6.1f} GB/s  "
+                  f"fixed {base['daemon_gbps']:6.1f} GB/s  ratio "
+                  f"{row['daemon_gbps'] / base['daemon_gbps']:.2f}  (2 MiB units, all locked:"
+                  f" {row['pool_pinned']})", flush=True)
 
 
 def print_row_group(rows: list[dict[str, Any]]) -> None:
@@ -248,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)))
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--elastic", action="store_true",
+                   help="also on a pool locked in 2 MiB units (elastic), and the registration cost")
     p.add_argument("--plan-only", action="store_true",
                    help="control plane only (no GPU needed): driver calls and their cost")
     args = p.parse_args(argv)

@@ -19,7 +19,8 @@
 #                  canonical CUDA KV tensors, a store behind a kernel still writing, a load
 #                  back exact (vLLM's offloading interfaces from .vllm-gpu: carry it with .whl;
 #                  the dry run makes it, scripts/gpu/vllm_subset.py)
-#   7 extra        whatever time is left: bench_cuda.py over every layout
+#   7 extra        whatever time is left: bench_cuda.py over every layout, beside a pool locked
+#                  in 2 MiB units (elastic), and what a growth step's registration costs
 #
 # Everything lands in OUTDIR (default /tmp/hicache-gpu-check), at most 9 files: summary.txt
 # (printed at the end), env.txt, native.txt, cuda-tests.txt, bench-short.txt, bench-short.json,
@@ -188,7 +189,7 @@ if [ "$mode" = run ]; then
         || { echo "no .vllm-gpu (scripts/gpu/vllm_subset.py; carry it)"; exit 1; }
         PYTHONPATH="$repo/.vllm-gpu:$PYTHONPATH" exec python3 -m pytest "$@"' vllm \
         "${pytest_args[@]}" tests/integrations/vllm/test_vllm_gpu.py
-    part extra extra.txt python3 benchmarks/bench_cuda.py --reps 5
+    part extra extra.txt python3 benchmarks/bench_cuda.py --reps 5 --elastic
 else
     part wheels env.txt bash -c install_wheels
     part env env.txt bash -c env_report
@@ -207,7 +208,7 @@ else
         && PYTHONPATH="$repo/.vllm-gpu:$repo/clients/python" python3 -c "import hicache_vllm.worker" \
         && PYTHONPATH="$repo/.vllm-gpu" exec python3 -m pytest "$@"' vllm \
         "${pytest_args[@]}" --collect-only tests/integrations/vllm/test_vllm_gpu.py
-    echo "extra: on a GPU, bench_cuda.py over every layout with what time is left" \
+    echo "extra: on a GPU, bench_cuda.py --elastic over every layout with what time is left" \
         | tee "$out/extra.txt"
 fi
 printf 'done in %d s of %d; files in %s\n' $((SECONDS - start)) "$TOTAL" "$out" | tee -a "$summary"
