@@ -242,3 +242,49 @@ def test_an_elastic_budget_moves_locked_memory_and_keys_load_back_exact(
         for s in specs:
             c.delete_pool(s.name)
     assert "CUDA_ERROR" not in d.log()
+
+
+def test_the_driver_refuses_a_copy_over_two_registrations_and_cut_copies_land() -> None:
+    """What ``segments.split_at`` is for, on the real driver: host memory locked as two
+    adjoining registrations; one copy over both is refused (CUDA_ERROR_INVALID_VALUE), the
+    same copy cut at the seam lands exact in host bytes zeroed first."""
+    import numpy as np
+
+    from hicache.cuda_driver import CudaCallFailed, load_driver
+    from hicached.core.memory import HostMemory
+    from hicached.cuda import segments
+    from hicached.cuda.pinner import DriverPinner
+
+    driver = load_driver()
+    assert driver is not None
+    n, edge = 1 << 20, 4096
+    mem = HostMemory(n, hugepages=False, prefault_threads=1)
+    try:
+        pinner = DriverPinner(driver)
+        mem.pin_range(pinner, 0, n // 2)
+        mem.pin_range(pinner, n // 2, n // 2)
+        dev = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        one = segments.Segments(*(np.asarray([v], dtype=np.int64) for v in (
+            mem.address + edge, dev.data_ptr() + edge, n - 2 * edge, n - 2 * edge,
+            n - 2 * edge, 1, 1)))
+        with driver.context(0):
+            stream = driver.stream_create()
+            try:
+                with pytest.raises(CudaCallFailed) as refused:
+                    segments.submit(driver, stream, one, use_native=False)
+                    driver.stream_synchronize(stream)
+                assert refused.value.name == "CUDA_ERROR_INVALID_VALUE"
+                mem.array()[:] = 0
+                cut = segments.split_at(one, np.asarray([mem.address + n // 2]), True)
+                assert cut.count == 2 and cut.nbytes == one.nbytes
+                segments.submit(driver, stream, cut)
+                driver.stream_synchronize(stream)
+            finally:
+                driver.stream_destroy(stream)
+        got = mem.array()
+        want = dev.cpu().numpy()
+        assert np.array_equal(got[edge:n - edge], want[edge:n - edge])
+        assert not got[:edge].any() and not got[n - edge:].any()
+    finally:
+        mem.close()
