@@ -94,9 +94,9 @@ class _CountingRunner:
         self.seconds = 0.0
 
     def run(self, loading: bool, plans: Any, layers: range, layer_num: int, wait: bool,
-            done: Any, host_cuts: Any) -> None:
+            done: Any, registrations: Any) -> None:
         t0 = time.perf_counter()
-        self.calls += sum(split_at(plan_segments(p), host_cuts, not loading).count
+        self.calls += sum(split_at(plan_segments(p), registrations, not loading).count
                           for p in plans)
         self.seconds += time.perf_counter() - t0
         done()

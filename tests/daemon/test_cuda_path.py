@@ -24,6 +24,7 @@ from hicache_client.cuda import CudaDeviceBuffers, export_region
 from hicached.cache.pool_cache import PoolCache
 from hicached.copy.engine import Op, TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
+from hicached.core.registrations import Registrations
 from hicached.cuda import segments
 from hicached.cuda.pinner import DriverPinner
 from hicached.cuda.runner import CudaRunner
@@ -334,7 +335,7 @@ def _bytes_moved(segs: segments.Segments, host_is_dst: bool) -> list[list[tuple[
 
 
 @st.composite
-def _segments_and_cuts(draw: st.DrawFn) -> tuple[segments.Segments, np.ndarray, bool]:
+def _segments_and_cuts(draw: st.DrawFn) -> tuple[segments.Segments, Registrations, bool]:
     n = draw(st.integers(1, 6))
     cols: list[list[int]] = [[] for _ in range(6)]
     for i in range(n):
@@ -349,20 +350,21 @@ def _segments_and_cuts(draw: st.DrawFn) -> tuple[segments.Segments, np.ndarray, 
     ends = np.asarray([*layers, n], dtype=np.int64)
     segs = (segments.Segments(host, dev, hp, dp, width, height, ends) if host_is_dst
             else segments.Segments(dev, host, dp, hp, width, height, ends))
-    cuts = np.asarray(sorted(set(draw(st.lists(st.integers(0, 800), max_size=8)))),
-                      dtype=np.int64)
-    return segs, cuts, host_is_dst
+    seams = np.asarray(sorted(set(draw(st.lists(st.integers(1, 1000), max_size=8)))),
+                       dtype=np.int64)
+    return segs, Registrations(seams, 0, 1024), host_is_dst
 
 
 @settings(max_examples=300, deadline=None)
 @given(_segments_and_cuts())
 def test_split_at_moves_the_same_bytes_and_no_copy_crosses_a_cut(
-        case: tuple[segments.Segments, np.ndarray, bool]) -> None:
+        case: tuple[segments.Segments, Registrations, bool]) -> None:
     """The driver refuses a copy whose host side spans two registrations: every copy
     ``split_at`` returns stays between two cuts on its host side, and the copies move the
     same bytes to the same places in the same order, layer by layer."""
-    segs, cuts, host_is_dst = case
-    out = segments.split_at(segs, cuts, host_is_dst)
+    segs, regs, host_is_dst = case
+    cuts = regs.seams
+    out = segments.split_at(segs, regs, host_is_dst)
     assert out.layers == segs.layers and out.nbytes == segs.nbytes
     assert _bytes_moved(out, host_is_dst) == _bytes_moved(segs, host_is_dst)
     host, pitch = (out.dst, out.dpitch) if host_is_dst else (out.src, out.spitch)
@@ -398,7 +400,7 @@ def test_copies_over_a_pool_locked_in_chunks_are_cut_at_each_chunk(
     b = transport.attach(dst.descriptors.descriptors)
     straddling = fake.stat("straddling_copies")
     try:
-        assert pool.registration_cuts.size == pool.nbytes // (3 * 4096) > 1
+        assert pool.registrations.seams.size == pool.nbytes // (3 * 4096) > 1
         assert a.buffers is not None and b.buffers is not None
         host = pool.alloc(36 * 4)
         pages = np.arange(36)  # one run: every copy crosses chunks

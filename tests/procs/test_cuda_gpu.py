@@ -252,6 +252,7 @@ def test_the_driver_refuses_a_copy_over_two_registrations_and_cut_copies_land() 
 
     from hicache.cuda_driver import CudaCallFailed, load_driver
     from hicached.core.memory import HostMemory
+    from hicached.core.registrations import Registrations
     from hicached.cuda import segments
     from hicached.cuda.pinner import DriverPinner
 
@@ -276,7 +277,8 @@ def test_the_driver_refuses_a_copy_over_two_registrations_and_cut_copies_land() 
                     driver.stream_synchronize(stream)
                 assert refused.value.name == "CUDA_ERROR_INVALID_VALUE"
                 mem.array()[:] = 0
-                cut = segments.split_at(one, np.asarray([mem.address + n // 2]), True)
+                seam = np.asarray([mem.address + n // 2])
+                cut = segments.split_at(one, Registrations(seam, mem.address, n), True)
                 assert cut.count == 2 and cut.nbytes == one.nbytes
                 segments.submit(driver, stream, cut)
                 driver.stream_synchronize(stream)

@@ -30,8 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from hicache import seams
 from hicache.indices import PageIds
 from hicached.copy.cpu import BACKUP_STREAMING_BYTES, STREAMING_BYTES, execute
@@ -39,6 +37,7 @@ from hicached.copy.native import KERNEL
 from hicached.copy.page_batch import scan, validate_keyed_pages, validate_page_transfer
 from hicached.copy.plan import CopyPlan, PlanTemplate, Side
 from hicached.core.pool import ComponentStorage, HostPool
+from hicached.core.registrations import Registrations
 from hicached.core.system import default_copy_threads
 from hicached.core.validation import (
     IndexArray,
@@ -71,11 +70,11 @@ class TransferResult:
 
 class PlanRunner(Protocol):
     def run(self, loading: bool, plans: Sequence[CopyPlan], layers: range, layer_num: int,
-            wait: bool, done: Callable[[], None], host_cuts: np.ndarray) -> None:
+            wait: bool, done: Callable[[], None], registrations: Registrations) -> None:
         """Run ``plans`` and call ``done`` once the bytes landed: before returning when
         ``wait``, otherwise later from another thread. When it raises, ``done`` never runs and
-        nothing is left in flight. ``host_cuts``: the host pool's ``registration_cuts`` (no
-        copy may cross one: the driver refuses a copy over two page-locked registrations)."""
+        nothing is left in flight. ``registrations``: the host pool's (the driver refuses a
+        copy whose host side spans two page-locked registrations)."""
         ...
 
 
@@ -230,7 +229,7 @@ class TransferEngine:
             else:
                 nbytes = sum(p.nbytes for p in plans)
                 runner.run(not writes, plans, batch.layers, pool.spec.max_layers, blocking,
-                           done, pool.registration_cuts)
+                           done, pool.registrations)
         except BaseException:
             release(False)
             raise

@@ -108,7 +108,7 @@ class HostMemory:
         """Each registration's base address and length."""
         self._pinned_bytes = 0
         self._pinner = pinner
-        self.pin_cuts = np.zeros(0, dtype=np.int64)
+        self.pin_seams = np.zeros(0, dtype=np.int64)
         """Where one registration of the whole region's (``pinner`` given: 1 GiB chunks) ends
         and the next begins (addresses, ascending): no copy may cross one."""
         self._closed = False
@@ -230,8 +230,8 @@ class HostMemory:
         try:
             for off in range(0, self.nbytes, PIN_CHUNK):
                 self._register(pinner, self.address + off, min(PIN_CHUNK, self.nbytes - off))
-            self.pin_cuts = self.address + np.arange(PIN_CHUNK, self.nbytes, PIN_CHUNK,
-                                                     dtype=np.int64)
+            self.pin_seams = self.address + np.arange(PIN_CHUNK, self.nbytes, PIN_CHUNK,
+                                                      dtype=np.int64)
         except Exception as exc:
             done = self._pinned_bytes
             self._unpin()

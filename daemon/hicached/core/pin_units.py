@@ -26,8 +26,8 @@ registrations, each a driver call that locks its pages).
 
 Primitives: ``tile(runs, page_num, nbytes, unit_bytes)`` (the units: starts, ends, first
 pages, in locking order); ``PinUnits(memory, pinner, runs, page_num, unit_bytes)``:
-``pin_below(pages)``, ``unpin_from(pages)``, ``frontier``, ``units``, ``cuts`` (where no GPU
-copy may cross), ``locked`` (the bytes locked are the region's: ``HostMemory.pinned_bytes``).
+``pin_below(pages)``, ``unpin_from(pages)``, ``frontier``, ``units``, ``seams`` (where two
+units meet), ``locked`` (the bytes locked are the region's: ``HostMemory.pinned_bytes``).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class PinUnits:
         return int(self._starts.size)
 
     @property
-    def cuts(self) -> np.ndarray:
+    def seams(self) -> np.ndarray:
         """Where one unit ends and the next begins (addresses, ascending): no copy may cross
         one, each unit being a registration of its own."""
         return self._memory.address + np.sort(self._starts)[1:]

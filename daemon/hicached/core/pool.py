@@ -13,7 +13,7 @@ Primitives:
   dst)`` (one page's bytes onto another, within the pool), ``release_pages(first, end)`` (the
   memory of a run of pages given back to the system) and ``reserve_pages`` (their backing
   taken again, and page-locked where the pool's locked part follows its share: ``pin_units``),
-  ``registration_cuts`` (where no GPU copy may cross), ``fingerprints``
+  ``registrations`` (where its locked memory's registrations meet), ``fingerprints``
   (the kv-canary hash of host pages), occupancy figures, ``begin_copy`` / ``end_copy`` (copies
   in flight: ``close(wait_seconds)`` waits for them and never unmaps under one). Pinning is done
   by the
@@ -45,6 +45,7 @@ from hicached.core.canary import CanaryTable, fingerprints
 from hicached.core.host_layout import HostAddressing, host_shape
 from hicached.core.memory import OS_PAGE, Backing, HostMemory, Pinner
 from hicached.core.pin_units import PinUnits
+from hicached.core.registrations import Registrations
 from hicached.core.state_file import Outcome, StateFiles, TableSpec
 from hicached.core.system import check_budget
 
@@ -227,12 +228,13 @@ class HostPool:
                 raise PinFailed(f"page-locking the first {locked} pages of pool {spec.name} "
                                 f"for DMA failed (see the log for the cause)",
                                 metadata={"pool": spec.name, "pages": locked})
-        self.registration_cuts = (
-            self._pin_units.cuts if self._pin_units is not None
-            else self.memory.pin_cuts if self.memory is not None else np.zeros(0, np.int64))
-        """Where one page-locked registration of the region may end and the next begin
-        (addresses, ascending; none where it is not locked): the driver refuses a copy over
-        two, so copies to and from a GPU are cut there (``cuda.segments.split_at``)."""
+        seams = (self._pin_units.seams if self._pin_units is not None
+                 else self.memory.pin_seams if self.memory is not None else None)
+        self.registrations = (Registrations(seams, self.memory.address, self.memory.nbytes)
+                              if seams is not None and self.memory is not None and seams.size
+                              else Registrations.none())
+        """Where the region's page-locked registrations may meet: the driver refuses a copy
+        over two, so copies to and from a GPU are cut there (``cuda.segments.split_at``)."""
         self.canary: CanaryTable | None = None
         if spec.canary is not None and self.components:
             self.canary = CanaryTable(self.page_num, spec.max_layers, spec.canary.read_bytes,

@@ -18,12 +18,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from hicache import layer_groups
 from hicache.cuda_driver import CudaCallFailed, CudaDriver
 from hicache.errors import CudaFailure
 from hicached.copy.plan import CopyPlan
+from hicached.core.registrations import Registrations
 from hicached.cuda.segments import Segments, plan_segments, split_at, submit
 
 log = logging.getLogger(__name__)
@@ -85,12 +84,12 @@ class CudaRunner:
         return layer_groups.group_of(layer, layer_num, len(self.layer_events))
 
     def run(self, loading: bool, plans: Sequence[CopyPlan], layers: range, layer_num: int,
-            wait: bool, done: Callable[[], None], host_cuts: np.ndarray) -> None:
+            wait: bool, done: Callable[[], None], registrations: Registrations) -> None:
         """Enqueue ``plans`` (their layers start at ``layers.start``); ``done`` runs here after
         a stream synchronize when ``wait``, else on the completer thread. No copy's host side
-        crosses an address of ``host_cuts`` (``segments.split_at``)."""
+        spans two of the host pool's ``registrations`` (``segments.split_at``)."""
         stream = self.load_stream if loading else self.backup_stream
-        segs = [split_at(plan_segments(p), host_cuts, not loading) for p in plans]
+        segs = [split_at(plan_segments(p), registrations, not loading) for p in plans]
         try:
             with self.driver.context(self.ordinal):
                 if self.ready_event:

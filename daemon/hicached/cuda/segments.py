@@ -16,8 +16,8 @@ Primitives:
 - ``Segments``: copies (dst, src, dst pitch, src pitch, width, height), layer-major, with where
   each layer's end.
 - ``plan_segments(plan)``: the segments of one ``CopyPlan``.
-- ``split_at(segments, cuts, host_is_dst)``: the same copies, none crossing an address of
-  ``cuts`` on its host side.
+- ``split_at(segments, registrations, host_is_dst)``: the same copies, none whose host side
+  spans two registrations.
 - ``submit(driver, stream, segments)``: enqueue them; a driver error is ``CudaCallFailed``.
 """
 
@@ -32,6 +32,7 @@ import numpy as np
 from hicache.cuda_driver import CudaCallFailed, CudaDriver
 from hicached.copy import native
 from hicached.copy.plan import CopyPlan
+from hicached.core.registrations import Registrations
 
 MAX_PITCH = (1 << 31) - 1
 """Pitches above this go row by row (CUDA's 2-D copies cap the pitch)."""
@@ -122,63 +123,6 @@ def plan_segments(plan: CopyPlan) -> Segments:
                     np.tile(height, nl), np.arange(1, nl + 1, dtype=np.int64) * per)
 
 
-def split_at(segs: Segments, cuts: np.ndarray, host_is_dst: bool) -> Segments:
-    """``segs`` with each copy whose host side (``dst`` when ``host_is_dst``, else ``src``)
-    crosses an address of ``cuts`` (sorted int64: where one page-locked registration may end
-    and the next begin) cut there, in the same order: a 2-D copy's rows grouped by the
-    registration they lie in, a row that crosses one in 1-D pieces. Copies that cross none
-    stay as they are (the common case costs two binary searches per copy)."""
-    if cuts.size == 0 or segs.count == 0:
-        return segs
-    host, hpitch = (segs.dst, segs.dpitch) if host_is_dst else (segs.src, segs.spitch)
-    last = host + (segs.height - 1) * hpitch + segs.width - 1
-    crossing = np.flatnonzero(np.searchsorted(cuts, host, "right")
-                              != np.searchsorted(cuts, last, "right"))
-    if crossing.size == 0:
-        return segs
-    cols = [getattr(segs, f) for f in _FIELDS]
-    out: list[list[np.ndarray]] = [[] for _ in _FIELDS]
-    counts = np.ones(segs.count, dtype=np.int64)
-    prev = 0
-    for i in crossing.tolist():
-        one = [int(c[i]) for c in cols]
-        pieces = _cut(one[0], one[1], one[2], one[3], one[4], one[5], cuts, host_is_dst)
-        counts[i] = pieces[0].size
-        for o, c, piece in zip(out, cols, pieces, strict=True):
-            o.append(c[prev:i])
-            o.append(piece)
-        prev = i + 1
-    for o, c in zip(out, cols, strict=True):
-        o.append(c[prev:])
-    d, s, dp, sp, w, h = (np.concatenate(o) for o in out)
-    return Segments(d, s, dp, sp, w, h, np.cumsum(counts)[segs.layer_ends - 1])
-
-
-def _cut(dst: int, src: int, dpitch: int, spitch: int, width: int, height: int,
-         cuts: np.ndarray, host_is_dst: bool) -> tuple[np.ndarray, ...]:
-    """One copy as pieces whose host side crosses no cut (``split_at``)."""
-    rows = np.arange(height, dtype=np.int64)
-    start = (dst + rows * dpitch) if host_is_dst else (src + rows * spitch)
-    first = np.searchsorted(cuts, start, "right")
-    end = np.searchsorted(cuts, start + width - 1, "right")
-    # a run of whole rows in one registration is one piece; a row crossing cuts is its own
-    key = np.where(first == end, first, -1 - rows)
-    brk = np.flatnonzero(np.diff(key)) + 1
-    starts = np.concatenate(([0], brk)).tolist()
-    stops = [*starts[1:], height]
-    pieces: list[tuple[int, int, int, int, int, int]] = []
-    for r0, r1 in zip(starts, stops, strict=True):
-        d0, s0 = dst + r0 * dpitch, src + r0 * spitch
-        if first[r0] == end[r0]:
-            pieces.append((d0, s0, dpitch, spitch, width, r1 - r0))
-            continue
-        h0 = int(start[r0])
-        offs = [0, *(int(c) - h0 for c in cuts[first[r0]:end[r0]]), width]
-        for a, b in itertools.pairwise(offs):
-            pieces.append((d0 + a, s0 + a, b - a, b - a, b - a, 1))
-    return tuple(np.asarray(col, dtype=np.int64) for col in zip(*pieces, strict=True))
-
-
 def _rows(doff: np.ndarray, soff: np.ndarray, width: np.ndarray, dp: np.ndarray,
           sp: np.ndarray, height: np.ndarray) -> tuple[np.ndarray, ...]:
     """Every 2-D copy as ``height`` 1-D copies."""
@@ -189,6 +133,80 @@ def _rows(doff: np.ndarray, soff: np.ndarray, width: np.ndarray, dp: np.ndarray,
     s = np.repeat(soff, rep) + r * np.repeat(sp, rep)
     w = np.repeat(width, rep)
     return d, s, w, w.copy(), w.copy(), np.ones_like(w)
+
+
+def split_at(segs: Segments, regs: Registrations, host_is_dst: bool) -> Segments:
+    """``segs`` with each copy whose host side (``dst`` when ``host_is_dst``, else ``src``)
+    spans two of ``regs``' registrations cut at their seams, in the same order: a 1-D copy in
+    pieces (vectorized), a 2-D copy's rows grouped by the registration they lie in and a row
+    that spans two in 1-D pieces. Copies within one registration stay as they are."""
+    if not regs or segs.count == 0:
+        return segs
+    host, hpitch = (segs.dst, segs.dpitch) if host_is_dst else (segs.src, segs.spitch)
+    first = regs.index(host)
+    last = regs.index(host + (segs.height - 1) * hpitch + segs.width - 1)
+    crossing = first != last
+    if not crossing.any():
+        return segs
+    flat = np.flatnonzero(crossing & (segs.height == 1))
+    rows = np.flatnonzero(crossing & (segs.height > 1))
+    counts = np.ones(segs.count, dtype=np.int64)
+    counts[flat] = last[flat] - first[flat] + 1
+    two_d = [_cut_rows([int(getattr(segs, f)[i]) for f in _FIELDS], regs, host_is_dst)
+             for i in rows.tolist()]
+    for i, pieces in zip(rows.tolist(), two_d, strict=True):
+        counts[i] = pieces[0].size
+    ends = np.cumsum(counts)
+    at = ends - counts  # where each copy's first piece goes
+    cols = [getattr(segs, f) for f in _FIELDS]
+    out = [np.empty(int(ends[-1]), dtype=np.int64) for _ in _FIELDS]
+    keep = np.flatnonzero(~crossing)
+    for o, c in zip(out, cols, strict=True):
+        o[at[keep]] = c[keep]
+    if flat.size:  # piece j of copy i runs from seam first+j-1 (or its start) to the next
+        n = counts[flat]
+        which = np.repeat(np.arange(flat.size), n)
+        j = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        idx = flat[which]
+        seam = first[idx] + j
+        lo = np.where(j == 0, 0, regs.seams[np.maximum(seam - 1, 0)] - host[idx])
+        hi = np.where(j == n[which] - 1, segs.width[idx],
+                      regs.seams[np.minimum(seam, regs.seams.size - 1)] - host[idx])
+        pos = at[idx] + j
+        out[0][pos], out[1][pos] = segs.dst[idx] + lo, segs.src[idx] + lo
+        out[2][pos] = out[3][pos] = out[4][pos] = hi - lo
+        out[5][pos] = 1
+    for i, pieces in zip(rows.tolist(), two_d, strict=True):
+        for o, piece in zip(out, pieces, strict=True):
+            o[at[i]:at[i] + piece.size] = piece
+    d, s, dp, sp, w, h = out
+    return Segments(d, s, dp, sp, w, h, ends[segs.layer_ends - 1])
+
+
+def _cut_rows(copy: list[int], regs: Registrations, host_is_dst: bool
+              ) -> tuple[np.ndarray, ...]:
+    """One 2-D copy (dst, src, dst pitch, src pitch, width, height) as pieces each within one
+    registration (``split_at``)."""
+    dst, src, dpitch, spitch, width, height = copy
+    rows = np.arange(height, dtype=np.int64)
+    start = (dst + rows * dpitch) if host_is_dst else (src + rows * spitch)
+    first = regs.index(start)
+    end = regs.index(start + width - 1)
+    # a run of whole rows in one registration is one piece; a row spanning two is its own
+    key = np.where(first == end, first, -1 - rows)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(key)) + 1)).tolist()
+    stops = [*starts[1:], height]
+    pieces: list[tuple[int, int, int, int, int, int]] = []
+    for r0, r1 in zip(starts, stops, strict=True):
+        d0, s0 = dst + r0 * dpitch, src + r0 * spitch
+        if first[r0] == end[r0]:
+            pieces.append((d0, s0, dpitch, spitch, width, r1 - r0))
+            continue
+        h0 = int(start[r0])
+        offs = [0, *(int(c) - h0 for c in regs.seams[first[r0]:end[r0]]), width]
+        for a, b in itertools.pairwise(offs):
+            pieces.append((d0 + a, s0 + a, b - a, b - a, b - a, 1))
+    return tuple(np.asarray(col, dtype=np.int64) for col in zip(*pieces, strict=True))
 
 
 def submit(driver: CudaDriver, stream: int, segs: Segments, use_native: bool = True) -> None:
