@@ -6,6 +6,7 @@
 - ``canary``: kv-canary fingerprints per (page, layer).
 - ``memory``: mapped, prefaulted host memory; pinning through an injected ``Pinner``.
 - ``pin_units``: a pool pinned by units that follow its share of an elastic budget.
+- ``registrations``: where a pool's page-locked registrations meet (no GPU copy spans two).
 - ``host_layout``: where each row of a component lives for each host layout.
 - ``pool``: a host pool (members, components, allocator, canary).
 - ``worker_buffers``: a worker's KV buffers (CPU or GPU) checked against a pool's geometry.
