@@ -10,7 +10,8 @@
 #   2 native       the copy kernel and the poll helper built there (scripts/gpu/build_native.py)
 #   3 cuda-tests   pytest -m cuda tests/procs/test_cuda_gpu.py: CUDA IPC export and attach, pinned
 #                  pools, D2H/H2D exact, layer events, a dead worker's device memory released,
-#                  an elastic budget's locked memory moving between two pools (keys exact)
+#                  an elastic budget's locked memory moving between two pools (keys exact),
+#                  a copy over two registrations refused and cut, a pool over 1 GiB exact
 #   4 bench-short  bench_cuda.py --short: D2H/H2D GB/s beside a pinned copy_ of the same bytes,
 #                  page sizes 1/16/64, the enqueue rate of a random 64-page batch
 #   5 sglang       pytest -m cuda tests/integrations/sglang/test_sglang_gpu.py: the linker on SGLang's CUDA KV

@@ -152,6 +152,48 @@ def test_pool_files_on_a_disk_filesystem_are_refused_with_the_cause(tmp_path) ->
     m.close()
 
 
+
+def test_a_pool_over_1_gib_round_trips_runs_across_its_registration_seam(
+        daemon: DaemonProc) -> None:
+    """A pool over 1 GiB is locked in 1 GiB registrations, and the driver refuses a copy over
+    two: Stores of 48-page runs, one of them over the seam at 1 GiB (page 512 of layer 6's V,
+    in this layer-first pool), and every key loads back exact into zeroed GPU pages."""
+    from tests.cuda_worker_proc import real_buffers
+
+    spec = PoolSpec("gpu-seam", GEOMETRIES["mha"], 16, Layout.LAYER_FIRST,
+                    size_tokens=16 * 2304)  # 2,304 pages of 512 KiB: 1.125 GiB
+    tokens, n = 16 * 576, 528
+    with HiCacheClient(daemon.target) as c:
+        info = c.create_pool(spec)
+        assert info.capacity_bytes > 1 << 30 and info.pinned_bytes == info.capacity_bytes
+        try:
+            bufs, views = real_buffers(spec, tokens)
+            ordered = [views[k] for k in sorted(views, key=lambda k: (k[0], k[1].value, k[2]))]
+            for v in ordered:
+                v.view(torch.uint8).random_()
+            torch.cuda.synchronize()
+            saved = [v.view(-1, 16 * v.shape[1])[:n].cpu() for v in ordered]
+            keys = [f"seam/{p}".encode() for p in range(n)]
+            with c.open_session(spec.name, "seam", bufs.descriptors, lease_ms=1000) as sess:
+                for b in range(0, n, 48):
+                    pages = torch.arange(b, b + 48)
+                    assert sess.store(keys[b:b + 48],
+                                      (pages[:, None] * 16 + torch.arange(16)).reshape(-1)
+                                      ).stored == 48
+                for v in ordered:
+                    v.zero_()
+                torch.cuda.synchronize()
+                for b in range(0, n, 48):
+                    pages = torch.arange(b, b + 48)
+                    sess.load_keys(keys[b:b + 48],
+                                   (pages[:, None] * 16 + torch.arange(16)).reshape(-1))
+                torch.cuda.synchronize()
+            for v, want in zip(ordered, saved, strict=True):
+                assert torch.equal(v.view(-1, 16 * v.shape[1])[:n].cpu(), want)
+        finally:
+            c.delete_pool(spec.name)
+    assert "CUDA_ERROR" not in daemon.log()
+
 ELASTIC_TOML = """
 [budget]
 elastic = true
