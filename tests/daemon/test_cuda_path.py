@@ -78,6 +78,25 @@ def pinned_pool(driver: CudaDriver, s: PoolSpec) -> HostPool:
     return HostPool(s, SMALL, pinner=DriverPinner(driver))
 
 
+def attached_pair(driver: CudaDriver, transport: CudaIpcTransport, s: PoolSpec, tokens: int,
+                  seeds: tuple[int, int]
+                  ) -> tuple[FakeGpuKV, FakeGpuKV, CudaAttachment, CudaAttachment]:
+    """Two device KV buffers (random bytes by ``seeds``), each attached as a session."""
+    src = make_gpu_kv(driver, s, tokens, seed=seeds[0])
+    dst = make_gpu_kv(driver, s, tokens, seed=seeds[1])
+    return src, dst, transport.attach(src.descriptors.descriptors), \
+        transport.attach(dst.descriptors.descriptors)
+
+
+def release_pair(driver: CudaDriver, src: FakeGpuKV, dst: FakeGpuKV, a: CudaAttachment,
+                 b: CudaAttachment) -> None:
+    """``attached_pair`` undone: both sessions released, both buffers freed."""
+    a.release()
+    b.release()
+    free_gpu_kv(driver, src)
+    free_gpu_kv(driver, dst)
+
+
 # -- driver -----------------------------------------------------------------------------------
 
 def test_driver_enumerates_devices_by_uuid(driver: CudaDriver) -> None:
@@ -239,10 +258,7 @@ def test_round_trip_through_ipc_is_exact(driver: CudaDriver, fake: FakeCuda,
     s = spec(geometry_for(kind, dtype), page_size=page_size, layout=layout,
              size_tokens=16 * page_size)
     pool = pinned_pool(driver, s)
-    src = make_gpu_kv(driver, s, 12 * page_size, seed=1)
-    dst = make_gpu_kv(driver, s, 12 * page_size, seed=2)
-    a = transport.attach(src.descriptors.descriptors)
-    b = transport.attach(dst.descriptors.descriptors)
+    src, dst, a, b = attached_pair(driver, transport, s, 12 * page_size, (1, 2))
     try:
         assert pool.pinned_bytes == pool.nbytes and fake.stat("registered_bytes") >= pool.nbytes
         assert a.buffers is not None and b.buffers is not None
@@ -260,10 +276,7 @@ def test_round_trip_through_ipc_is_exact(driver: CudaDriver, fake: FakeCuda,
             assert torch.equal(x, y)
         pool.allocator.memcheck()
     finally:
-        a.release()
-        b.release()
-        free_gpu_kv(driver, src)
-        free_gpu_kv(driver, dst)
+        release_pair(driver, src, dst, a, b)
         pool.close()
     assert fake.stat("registered_bytes") == 0, "pool closed: host memory unregistered"
 
@@ -394,10 +407,7 @@ def test_copies_over_a_pool_locked_in_chunks_are_cut_at_each_chunk(
     s = spec(KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 128), page_size=4, layout=layout,
              size_tokens=4 * 40)  # a page of one layer: 2 KiB, so a chunk ends inside pages
     pool = pinned_pool(driver, s)
-    src = make_gpu_kv(driver, s, 4 * 40, seed=5)
-    dst = make_gpu_kv(driver, s, 4 * 40, seed=6)
-    a = transport.attach(src.descriptors.descriptors)
-    b = transport.attach(dst.descriptors.descriptors)
+    src, dst, a, b = attached_pair(driver, transport, s, 4 * 40, (5, 6))
     straddling = fake.stat("straddling_copies")
     try:
         assert pool.registrations.seams.size == pool.nbytes // (3 * 4096) > 1
@@ -412,11 +422,9 @@ def test_copies_over_a_pool_locked_in_chunks_are_cut_at_each_chunk(
             assert torch.equal(x, y)
         assert fake.stat("straddling_copies") == straddling
     finally:
-        a.release()
-        b.release()
-        free_gpu_kv(driver, src)
-        free_gpu_kv(driver, dst)
+        release_pair(driver, src, dst, a, b)
         pool.close()
+
 
 # -- per-layer events and asynchronous completion -----------------------------------------------
 
@@ -583,10 +591,7 @@ def test_an_elastic_pinned_pool_copies_only_through_locked_memory(
              size_tokens=16 * 48)  # a page's bytes of one layer: 8 OS pages, a unit each
     pool = HostPool(s, ELASTIC, pinner=DriverPinner(driver), resident_pages=8)
     cache = PoolCache(pool)
-    src = make_gpu_kv(driver, s, 16 * 64, seed=3)
-    dst = make_gpu_kv(driver, s, 16 * 64, seed=4)
-    a = transport.attach(src.descriptors.descriptors)
-    b = transport.attach(dst.descriptors.descriptors)
+    src, dst, a, b = attached_pair(driver, transport, s, 16 * 64, (3, 4))
     layers = range(s.max_layers)
     unpinned = fake.stat("unpinned_copies")
     fake.set_strict_pinned(True)
@@ -660,9 +665,6 @@ def test_an_elastic_pinned_pool_copies_only_through_locked_memory(
         assert fake.stat("unpinned_copies") == unpinned and fake.stat("deferred_errors") == 0
     finally:
         fake.set_strict_pinned(False)
-        a.release()
-        b.release()
-        free_gpu_kv(driver, src)
-        free_gpu_kv(driver, dst)
+        release_pair(driver, src, dst, a, b)
         pool.close()
     assert fake.stat("registered_bytes") == 0
