@@ -137,6 +137,7 @@ def plan_only(reps: int, page_size: int, layouts: Sequence[Layout],
                              "driver_calls": runner.calls // reps,
                              "segments_ms": 1e3 * runner.seconds / reps,
                              "control_plane_ms": 1e3 * statistics.median(totals)})
+        device.plan_cache.clear()  # its plans hold views of the pool's memory
         pool.close()
     return rows_out
 
