@@ -359,11 +359,12 @@ def _segments_and_cuts(draw: st.DrawFn) -> tuple[segments.Segments, Registration
             c.append(v)
     host_is_dst = draw(st.booleans())
     host, dev, hp, dp, width, height = (np.asarray(c, dtype=np.int64) for c in cols)
-    layers = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=2)) if n > 1 else []))
-    ends = np.asarray([*layers, n], dtype=np.int64)
+    # layer ends, ascending; a layer may be empty (equal ends), the first one too
+    ends = np.asarray(sorted([*draw(st.lists(st.integers(0, n), max_size=3)), n]),
+                      dtype=np.int64)
     segs = (segments.Segments(host, dev, hp, dp, width, height, ends) if host_is_dst
             else segments.Segments(dev, host, dp, hp, width, height, ends))
-    seams = np.asarray(sorted(set(draw(st.lists(st.integers(1, 1000), max_size=8)))),
+    seams = np.asarray(sorted(set(draw(st.lists(st.integers(0, 1100), max_size=8)))),
                        dtype=np.int64)
     return segs, Registrations(seams, 0, 1024), host_is_dst
 

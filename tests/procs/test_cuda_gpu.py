@@ -330,5 +330,24 @@ def test_the_driver_refuses_a_copy_over_two_registrations_and_cut_copies_land() 
         want = dev.cpu().numpy()
         assert np.array_equal(got[edge:n - edge], want[edge:n - edge])
         assert not got[:edge].any() and not got[n - edge:].any()
+        # a 2-D copy whose last row ends at the seam while its pitch runs past it is taken:
+        # the driver spans (height - 1) * pitch + width, what split_at keeps in one
+        rows, width, pitch = 4, 4096, 8192
+        host = mem.address + n // 2 - (rows - 1) * pitch - width
+        two_d = segments.Segments(*(np.asarray([v], dtype=np.int64) for v in (
+            host, dev.data_ptr(), pitch, width, width, rows, 1)))
+        assert segments.split_at(two_d, Registrations(seam, mem.address, n), True) is two_d
+        mem.array()[:] = 0
+        with driver.context(0):
+            stream = driver.stream_create()
+            try:
+                segments.submit(driver, stream, two_d)
+                driver.stream_synchronize(stream)
+            finally:
+                driver.stream_destroy(stream)
+        off = host - mem.address
+        for r in range(rows):
+            row = mem.array()[off + r * pitch:off + r * pitch + width]
+            assert np.array_equal(row, want[r * width:(r + 1) * width]), r
     finally:
         mem.close()

@@ -180,7 +180,7 @@ def split_at(segs: Segments, regs: Registrations, host_is_dst: bool) -> Segments
         for o, piece in zip(out, pieces, strict=True):
             o[at[i]:at[i] + piece.size] = piece
     d, s, dp, sp, w, h = out
-    return Segments(d, s, dp, sp, w, h, ends[segs.layer_ends - 1])
+    return Segments(d, s, dp, sp, w, h, np.concatenate(([0], ends))[segs.layer_ends])
 
 
 def _cut_rows(copy: list[int], regs: Registrations, host_is_dst: bool
