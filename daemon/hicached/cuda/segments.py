@@ -13,8 +13,8 @@ that crosses a place where one registration may end and the next begin.
 
 Primitives:
 
-- ``Segments``: copies (dst, src, dst pitch, src pitch, width, height), layer-major, with where
-  each layer's end.
+- ``Segments``: copies (dst, src, dst pitch, src pitch, width, height), layer-major, with
+  where each layer's copies end.
 - ``plan_segments(plan)``: the segments of one ``CopyPlan``.
 - ``split_at(segments, registrations, host_is_dst)``: the same copies, none whose host side
   spans two registrations.
