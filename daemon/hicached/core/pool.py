@@ -229,9 +229,9 @@ class HostPool:
                                 f"for DMA failed (see the log for the cause)",
                                 metadata={"pool": spec.name, "pages": locked})
         seams = (self._pin_units.seams if self._pin_units is not None
-                 else self.memory.pin_seams if self.memory is not None else None)
+                 else self.memory.pin_seams if self.memory is not None else np.zeros(0, np.int64))
         self.registrations = (Registrations(seams, self.memory.address, self.memory.nbytes)
-                              if seams is not None and self.memory is not None and seams.size
+                              if self.memory is not None and seams.size
                               else Registrations.none())
         """Where the region's page-locked registrations may meet: the driver refuses a copy
         over two, so copies to and from a GPU are cut there (``cuda.segments.split_at``)."""
