@@ -23,7 +23,6 @@ Primitives:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,8 +137,9 @@ def _rows(doff: np.ndarray, soff: np.ndarray, width: np.ndarray, dp: np.ndarray,
 def split_at(segs: Segments, regs: Registrations, host_is_dst: bool) -> Segments:
     """``segs`` with each copy whose host side (``dst`` when ``host_is_dst``, else ``src``)
     spans two of ``regs``' registrations cut at their seams, in the same order: a 1-D copy in
-    pieces (vectorized), a 2-D copy's rows grouped by the registration they lie in and a row
-    that spans two in 1-D pieces. Copies within one registration stay as they are."""
+    pieces (vectorized), a 2-D copy's rows grouped by the registration they lie in, a row that
+    spans two as a 1-D copy cut the same way. Copies within one registration stay as they
+    are."""
     if not regs or segs.count == 0:
         return segs
     host, hpitch = (segs.dst, segs.dpitch) if host_is_dst else (segs.src, segs.spitch)
@@ -180,13 +180,15 @@ def split_at(segs: Segments, regs: Registrations, host_is_dst: bool) -> Segments
         for o, piece in zip(out, pieces, strict=True):
             o[at[i]:at[i] + piece.size] = piece
     d, s, dp, sp, w, h = out
-    return Segments(d, s, dp, sp, w, h, np.concatenate(([0], ends))[segs.layer_ends])
+    cut = Segments(d, s, dp, sp, w, h, np.concatenate(([0], ends))[segs.layer_ends])
+    # rows of 2-D copies that span a seam came out as 1-D copies: cut them like the others
+    return split_at(cut, regs, host_is_dst) if rows.size else cut
 
 
 def _cut_rows(copy: list[int], regs: Registrations, host_is_dst: bool
               ) -> tuple[np.ndarray, ...]:
-    """One 2-D copy (dst, src, dst pitch, src pitch, width, height) as pieces each within one
-    registration (``split_at``)."""
+    """One 2-D copy (dst, src, dst pitch, src pitch, width, height) as runs of rows each
+    within one registration, and each row that spans two as a 1-D copy (``split_at``)."""
     dst, src, dpitch, spitch, width, height = copy
     rows = np.arange(height, dtype=np.int64)
     start = (dst + rows * dpitch) if host_is_dst else (src + rows * spitch)
@@ -201,11 +203,8 @@ def _cut_rows(copy: list[int], regs: Registrations, host_is_dst: bool
         d0, s0 = dst + r0 * dpitch, src + r0 * spitch
         if first[r0] == end[r0]:
             pieces.append((d0, s0, dpitch, spitch, width, r1 - r0))
-            continue
-        h0 = int(start[r0])
-        offs = [0, *(int(c) - h0 for c in regs.seams[first[r0]:end[r0]]), width]
-        for a, b in itertools.pairwise(offs):
-            pieces.append((d0 + a, s0 + a, b - a, b - a, b - a, 1))
+        else:
+            pieces.append((d0, s0, width, width, width, 1))
     return tuple(np.asarray(col, dtype=np.int64) for col in zip(*pieces, strict=True))
 
 
