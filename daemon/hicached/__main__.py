@@ -60,6 +60,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--grace-seconds": ("grace_seconds", "drain time on SIGTERM (10)"),
     "--max-hold-ms": ("max_hold_ms", "longest a Lookup's hold lasts (30000)"),
     "--max-held-fraction": ("max_held_fraction", "share of a pool one session may hold (0.25)"),
+    "--eviction": ("eviction", "which pages a full pool evicts first: reuse or lru (reuse)"),
     "--tls-cert": ("tls_cert", "PEM certificate for TCP listeners"),
     "--tls-key": ("tls_key", "PEM key for TCP listeners"),
     "--tls-client-ca": ("tls_client_ca", "PEM CA that signs TCP clients' certificates (mTLS)"),

@@ -12,7 +12,9 @@ of the rest. The
 reference policies (``hicached.trace_policies``) replay the same stream in-process. Printed per
 capacity: each one's hit rate (hit blocks over prompt blocks) and the daemon's stores and
 evictions; ``--json`` prints one object per capacity instead, with ``capacity``, ``daemon``,
-``lru``, ``arc``, ``s3fifo``, ``belady``, ``rate_oracle`` (hit rates, fractions) and
+``lru``, ``arc``, ``s3fifo``, ``reuse`` (the daemon's default policy replayed in-process: what a
+daemon started with ``--eviction reuse``, the default, hits exactly), ``belady``,
+``rate_oracle`` (hit rates, fractions) and
 ``blocks``, ``stores``, ``evictions`` (the daemon's). ``rate_oracle`` is what perfect
 knowledge of each block's reuse rate, without the timing of its reuses, hits
 (``trace_policies.RateOracle``): the ceiling of policies that predict how often a block comes
@@ -54,8 +56,17 @@ from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client.client import HiCacheClient
 from hicache_client.shm import ShmDeviceBuffers
 from hicached.bench_daemon import start_daemon
+from hicached.cache.pool_cache import EVICTION
 from hicached.core.pool import region_layout
-from hicached.trace_policies import POLICIES, RateOracle, Tally, lifetime_rates, next_uses, replay
+from hicached.trace_policies import (
+    POLICIES,
+    RateOracle,
+    Tally,
+    block_key,
+    lifetime_rates,
+    next_uses,
+    replay,
+)
 
 PAGE = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=1, head_num=1, head_dim=8)
 """A block's stand-in: one token of 32 bytes (the policy sees pages, not their size)."""
@@ -108,10 +119,6 @@ def capacities(spec: str, distinct: int) -> list[tuple[str, int]]:
     return out
 
 
-def _key(block: int) -> bytes:
-    return b"trace-block-" + block.to_bytes(8, "big")
-
-
 HOLD_MS = 30_000
 """How long a replayed Lookup holds its hit for the LoadKeys right after it."""
 
@@ -137,7 +144,7 @@ def replay_daemon(target: str, requests: Sequence[Sequence[int]], capacity: int,
             session = client.open_session(name, "trace", bufs.descriptors, fds=bufs.fds)
             slots = np.arange(longest, dtype=np.int64)
             for blocks in requests:
-                keys = [_key(b) for b in blocks]
+                keys = [block_key(b) for b in blocks]
                 found = session.lookup(keys, HOLD_MS if hold else 0, touch=True)
                 hit = int(found.promised if hold else found.hit_prefix)
                 if hit:
@@ -208,7 +215,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         if target is None and not args.no_daemon:
             work = tempfile.mkdtemp(prefix="hicache-trace-")
-            proc, target = start_daemon(work, args.shm_dir, args.memory_budget)
+            proc, target = start_daemon(work, args.shm_dir, args.memory_budget, "",
+                                        "--eviction", args.eviction)
         rows = []
         for i, (label, blocks) in enumerate(caps):
             row: dict[str, Any] = {"capacity": label, "blocks": blocks,
@@ -285,6 +293,8 @@ def main(argv: list[str]) -> int:
                     help="with --disk: ms between requests (the spill to disk runs behind "
                          "the stores; back to back, evictions outrun it)")
     ap.add_argument("--shm-dir", default="/dev/shm", help="for a daemon started here")
+    ap.add_argument("--eviction", default="reuse", choices=EVICTION,
+                    help="for a daemon started here: its pools' eviction policy")
     ap.add_argument("--memory-budget", default="4GiB", help="for a daemon started here")
     ap.add_argument("--json", action="store_true", help="one JSON object per capacity")
     args = ap.parse_args(argv)

@@ -1,5 +1,5 @@
-"""Reference caches a trace's hit rate is measured against: LRU, ARC, S3-FIFO and the offline
-optimum, each replaying a prefix cache's request stream.
+"""Reference caches a trace's hit rate is measured against: LRU, ARC, S3-FIFO, the daemon's own
+policy and the offline optimum, each replaying a prefix cache's request stream.
 
 A request is its prompt's blocks in order (chained ids: two requests share an id only where
 they share the whole prefix up to it). Its hit is the leading run of its blocks the cache holds
@@ -17,6 +17,9 @@ Policies, block-granular, ``capacity`` blocks:
 - ``S3Fifo``: Yang et al.'s S3-FIFO (a small FIFO of a tenth of the capacity, a main FIFO with
   two-bit reinsertion, a ghost FIFO the size of the main one; an object accessed in the small
   queue moves to the main one).
+- ``Reuse``: the daemon's ``reuse`` eviction policy (``hicached.cache.reuse_lru``), driven
+  through the calls a pool makes when an engine serves a request, so that a daemon replay
+  hits exactly what it hits.
 - ``Belady``: the offline optimum of the block stream: evict the block used again farthest in
   the future, and store no block used later than every held one (it is told each access's
   next use). Optimal for block hits, an upper reference for prefix hits.
@@ -30,7 +33,7 @@ Policies, block-granular, ``capacity`` blocks:
 Primitives: ``Policy`` (``holds(block)``, ``access(block, next_use)``, ``len()``,
 ``stores``, ``evictions``), the five classes (the optimum and the rate oracle one ranked
 heap, ``_Ranked``: the lowest held block goes first, none ranking no higher is stored),
-``POLICIES`` (name -> class, the three online ones and the optimum), ``next_uses(requests)``,
+``POLICIES`` (name -> class, the four online ones and the optimum), ``next_uses(requests)``,
 ``lifetime_rates(requests)``, ``replay(policy, requests, uses) -> Tally``, ``Tally`` (hit and
 prompt blocks, stores, evictions, ``rate``).
 """
@@ -41,6 +44,8 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from hicached.cache.reuse_lru import ReuseLRU
 
 NEVER = 1 << 62
 """The next use of a block never used again."""
@@ -71,6 +76,18 @@ class Policy:
         """``block`` is used now (touched if held, else stored); ``next_use``: when it is
         used next (``next_uses``), which only the offline optimum reads."""
         raise NotImplementedError
+
+    def serve(self, blocks: Sequence[int], nexts: Sequence[int]) -> None:
+        """One request after its hit was counted: the held blocks touched, then the missing
+        ones stored, each in order, as one Store of the request's pages touches those there
+        before it evicts for the others."""
+        held = [self.holds(b) for b in blocks]
+        for b, n, h in zip(blocks, nexts, held, strict=True):
+            if h:
+                self.access(b, n)
+        for b, n, h in zip(blocks, nexts, held, strict=True):
+            if not h:
+                self.access(b, n)
 
 
 class Lru(Policy):
@@ -286,8 +303,53 @@ def lifetime_rates(requests: Sequence[Sequence[int]]) -> dict[int, float]:
     return {b: (n - 1) / (last[b] - first[b]) if n > 1 else 0.0 for b, n in count.items()}
 
 
+class Reuse(Policy):
+    """The daemon's ``reuse`` eviction (``hicached.cache.reuse_lru.ReuseLRU``), driven as a
+    pool drives it when an engine serves a request: a touching Lookup of every block, a
+    load of the hit (its blocks out of the policy, then back: used), a Store of the rest
+    (those held touched, room made for the missing, which are then added)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.policy = ReuseLRU(lambda: capacity)
+
+    def holds(self, block: int) -> bool:
+        return block_key(block) in self.policy
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def access(self, block: int, next_use: int = NEVER) -> None:
+        self.serve([block], [next_use])
+
+    def serve(self, blocks: Sequence[int], nexts: Sequence[int]) -> None:
+        p = self.policy
+        keys = [block_key(b) for b in blocks]
+        there = [k in p for k in keys]
+        p.touch([k for k, t in zip(keys, there, strict=True) if t], 0.0)
+        hit = there.index(False) if False in there else len(keys)
+        for k in keys[:hit]:
+            p.discard(k)
+        p.back(keys[:hit], 0.0)
+        rest = keys[hit:]
+        present = [k for k in rest if k in p]
+        p.touch(present, 0.0)
+        new = list(dict.fromkeys(k for k in rest if k not in p))
+        short = len(p) + len(new) - self.capacity
+        if short > 0:
+            self.evictions += len(p.pop_oldest(short))
+        new = new[:self.capacity - len(p)]
+        p.add(new, 0.0)
+        self.stores += len(new)
+
+
+def block_key(block: int) -> bytes:
+    """The key a daemon replay stores for ``block``."""
+    return b"trace-block-" + block.to_bytes(8, "big")
+
+
 POLICIES: dict[str, type[Policy]] = {"lru": Lru, "arc": Arc, "s3fifo": S3Fifo,
-                                     "belady": Belady}
+                                     "reuse": Reuse, "belady": Belady}
 
 
 def next_uses(requests: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -335,14 +397,6 @@ def replay(policy: Policy, requests: Sequence[Sequence[int]],
             hit += 1
         tally.hit_blocks += hit
         tally.prompt_blocks += len(blocks)
-        # the held ones are touched first, then the missing ones stored, each in order: one
-        # Store of the request's pages touches those there before it evicts for the others
-        held = [policy.holds(b) for b in blocks]
-        for b, n, h in zip(blocks, nexts, held, strict=True):
-            if h:
-                policy.access(b, n)
-        for b, n, h in zip(blocks, nexts, held, strict=True):
-            if not h:
-                policy.access(b, n)
+        policy.serve(blocks, nexts)
     tally.stores, tally.evictions = policy.stores, policy.evictions
     return tally

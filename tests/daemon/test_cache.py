@@ -38,9 +38,9 @@ def store(cache: PoolCache, keys: list[bytes], ok: bool = True) -> bytes:
 def test_lru_policy_orders_by_last_use() -> None:
     lru = LRU()
     for i, k in enumerate(K[:4]):
-        lru.add(k, float(i))
-    lru.touch(K[0], 5.0)
-    lru.touch(b"absent", 6.0)
+        lru.add([k], float(i))
+    lru.touch([K[0]], 5.0)
+    lru.touch([b"absent"], 6.0)
     lru.discard(K[2])
     assert lru.pop_oldest(2) == [K[1], K[3]] and len(lru) == 1 and K[0] in lru
     assert lru.pop_oldest(5) == [K[0]] and lru.pop_oldest(1) == []
@@ -49,8 +49,8 @@ def test_lru_policy_orders_by_last_use() -> None:
 def test_lru_tells_each_popped_keys_last_use() -> None:
     lru = LRU()
     for i, k in enumerate(K[:4]):
-        lru.add(k, float(i))
-    lru.touch(K[0], 10.0)
+        lru.add([k], float(i))
+    lru.touch([K[0]], 10.0)
     used: list[float] = []
     assert lru.pop_oldest(2, used=used) == [K[1], K[2]] and used == [1.0, 2.0]
     used.clear()  # a busy key passed over, then taken last: its own time follows it
@@ -131,7 +131,7 @@ def test_a_touching_lookup_makes_its_hits_the_most_recently_used(pool: HostPool,
     evicted = [K[2], K[3]] if touch else [K[0], K[1]]
     assert cache.lookup(evicted)[0] == 0
     assert cache.lookup([k for k in K[:4] if k not in evicted])[0] == 2
-    assert cache.lookup(K[9:10], touch=True) == (0, b"\x00") and K[9] not in cache._lru
+    assert cache.lookup(K[9:10], touch=True) == (0, b"\x00") and K[9] not in cache._evictable
     pool.allocator.memcheck()
 
 

@@ -50,7 +50,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     ENV.server, bound = create_server(ServerConfig(
         listen=(f"unix:{tmp}/s.sock",), shm_dir=str(tmp / "shm"), metrics_listen="",
         state_dir="",
-        memory_budget_bytes=64 << 20, reserve_bytes=0, lease_seconds=600))
+        memory_budget_bytes=64 << 20, reserve_bytes=0, lease_seconds=600,
+        eviction="lru"))  # the model's order (the reuse policy's: test_reuse_lru.py)
     ENV.client = HiCacheClient(bound[0])
     spec = PoolSpec("shape", GEOMETRY, PS, size_tokens=PAGES * PS)
     ENV.bufs = ShmDeviceBuffers.create(spec, DEV_PAGES * PS, str(tmp / "shm"))

@@ -1,6 +1,6 @@
 """``hicache-bench trace``: the reference policies against small models of themselves, the trace
-reader's refusals, and the replay through a real daemon, whose pools (LRU) must hit exactly
-what the LRU reference hits on the same stream.
+reader's refusals, and the replay through a real daemon, whose pools must hit exactly what the
+reference of their eviction policy (LRU, or the default ``reuse``) hits on the same stream.
 """
 
 from __future__ import annotations
@@ -165,16 +165,18 @@ def _conversations(n: int, seed: int) -> list[dict[str, object]]:
     return out
 
 
-def test_the_daemon_hits_exactly_what_lru_hits(tmp_path: Path) -> None:
-    """A real daemon started by the command, at three capacities: its pools evict least
-    recently used pages, so on the same stream it hits what the LRU reference hits, block
-    for block, and stores what it stores. (Each capacity holds the longest request: a
-    request longer than the pool is stored as far as it fits, the first pages of it, where
-    the reference keeps its last ones.)"""
+@pytest.mark.parametrize("eviction", ["lru", "reuse"])
+def test_the_daemon_hits_exactly_what_its_policy_hits(tmp_path: Path, eviction: str) -> None:
+    """A real daemon started by the command, at three capacities: on the same stream its
+    pools hit what the in-process reference of their eviction policy hits (``lru``: the LRU
+    reference; ``reuse``, the default: ``Reuse``, the same policy driven through the calls a
+    pool makes), block for block, and store what it stores. (Each capacity holds the longest
+    request: a request longer than the pool is stored as far as it fits, the first pages of
+    it, where the reference keeps its last ones.)"""
     trace = tmp_path / "conv.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in _conversations(300, 7)))
     run = subprocess.run([sys.executable, "-m", "hicached.bench", "trace", str(trace),
-                          "--capacity", "10%,30%,100", "--json"],
+                          "--capacity", "10%,30%,100", "--json", "--eviction", eviction],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in run.stdout.splitlines()]
@@ -182,11 +184,13 @@ def test_the_daemon_hits_exactly_what_lru_hits(tmp_path: Path) -> None:
     requests = [r["hash_ids"] for r in map(json.loads, trace.read_text().splitlines())]
     assert min(r["blocks"] for r in rows) >= max(map(len, requests))
     for r in rows:
-        assert set(r) >= {"capacity", "daemon", "lru", "arc", "s3fifo", "belady", "rate_oracle"}
-        assert r["daemon"] == pytest.approx(r["lru"], abs=1e-12), r
-        lru = replay(Lru(r["blocks"]), requests)
-        assert r["stores"] == lru.stores and r["evictions"] == lru.evictions
+        assert set(r) >= {"capacity", "daemon", "lru", "arc", "s3fifo", "reuse", "belady",
+                          "rate_oracle"}
+        assert r["daemon"] == pytest.approx(r[eviction], abs=1e-12), r
+        ref = replay(POLICIES[eviction](r["blocks"]), requests)
+        assert r["stores"] == ref.stores and r["evictions"] == ref.evictions
         assert 0 < r["lru"] <= r["belady"] < 1 and 0 < r["rate_oracle"] < 1
+        assert r["reuse"] >= r["lru"], r  # this stream's conversations come back
 
 
 def test_a_bad_trace_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:

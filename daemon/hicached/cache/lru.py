@@ -2,11 +2,13 @@
 
 Primitives:
 
-- ``LRU``: ``add(key, now)`` (most recently used), ``touch(key, now)``, ``discard(key)``,
+- ``LRU``: ``add(keys, now)`` (newly ready: most recently used), ``back(keys, now)`` (evictable
+  again after being read: the same), ``touch(keys, now)``, ``discard(key)``,
   ``pop_oldest(n, busy, used)`` (keys in ``busy`` passed over while others remain; ``used``
   gets each popped key's last use), ``oldest(n)`` (left in place), ``len``, ``in``. Every
   operation is O(1) per key (``pop_oldest``: plus the busy keys it passes). ``now`` is the
-  caller's clock (``time.monotonic``), read once per batch.
+  caller's clock (``time.monotonic``), read once per batch; a batch's keys are in chain order
+and the last becomes the most recent. ``reuse_lru.ReuseLRU`` keeps the same contract.
 
 It holds only the keys that may be evicted now (ready, and not busy: no copy is using their
 pages); the cache adds a key when it becomes evictable and discards it when it stops being so.
@@ -15,7 +17,7 @@ pages); the cache adds a key when it becomes evictable and discards it when it s
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 
 class LRU:
@@ -23,10 +25,14 @@ class LRU:
         self._order: OrderedDict[bytes, float] = OrderedDict()
         """Evictable keys, least recently used first, each with the time of its last use."""
 
-    def add(self, key: bytes, now: float) -> None:
-        """Make ``key`` evictable, as the most recently used (at ``now``)."""
-        self._order[key] = now
-        self._order.move_to_end(key)
+    def add(self, keys: Sequence[bytes], now: float) -> None:
+        """Make ``keys`` evictable, as the most recently used (at ``now``)."""
+        order = self._order
+        for key in keys:
+            order[key] = now
+            order.move_to_end(key)
+
+    back = add
 
     def oldest(self, n: int) -> list[bytes]:
         """Up to ``n`` least recently used keys, oldest first, left in place."""
@@ -43,11 +49,13 @@ class LRU:
             return last
         return None
 
-    def touch(self, key: bytes, now: float) -> None:
-        """Mark ``key`` used at ``now``, if it is evictable."""
-        if key in self._order:
-            self._order.move_to_end(key)
-            self._order[key] = now
+    def touch(self, keys: Sequence[bytes], now: float) -> None:
+        """Mark ``keys`` used at ``now``, those that are evictable."""
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
+                order[key] = now
 
     def discard(self, key: bytes) -> None:
         self._order.pop(key, None)

@@ -7,8 +7,12 @@ a reader never sees a torn page. The copies themselves run elsewhere: the daemon
 
 Primitives:
 
-- ``PoolCache(pool, events, policy, clock)``: over a ``HostPool``, sharing its allocator with
-  the raw pages; ``policy``: the limits on holds (``holds.HoldPolicy``).
+- ``PoolCache(pool, events, policy, clock, eviction)``: over a ``HostPool``, sharing its
+  allocator with the raw pages; ``policy``: the limits on holds (``holds.HoldPolicy``);
+  ``eviction``: which ready keys go first when room is needed (``EVICTION``: ``"lru"``, least
+  recently used, ``lru.LRU``; ``"reuse"``, pages used again outlive pages used once by a
+  margin the pool learns, a batch's deepest first, ``reuse_lru.ReuseLRU``). "Least recently
+  used" below means the policy's first victims.
 - ``lookup(keys, below, touch)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3
   cluster (``below``, asked outside the lock), 0 absent); with ``touch`` the keys host memory
   has become the most recently used (else a Lookup leaves recency alone); ``LOOKUP_CHUNK`` keys
@@ -90,11 +94,14 @@ from hicached.cache.index_types import (
 )
 from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
+from hicached.cache.reuse_lru import ReuseLRU
 from hicached.core.pool import HostPool
 
 MOVE_BYTES = 64 << 20
 """Page bytes one ``resize`` copies below a shrinking pool's new size under the pool's lock
 (a few milliseconds); the rest move on the next call."""
+EVICTION = ("lru", "reuse")
+"""The eviction policies a pool may use: ``lru.LRU``, ``reuse_lru.ReuseLRU``."""
 LOOKUP_CHUNK = 2048
 """Keys a Lookup checks per turn of the pool's lock (about 0.2 ms): a long batch lets the
 other calls on the pool go in between."""
@@ -105,7 +112,9 @@ class PoolCache:
 
     def __init__(self, pool: HostPool, events: EventLog | None = None,
                  policy: HoldPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, eviction: str = "lru") -> None:
+        if eviction not in EVICTION:
+            raise ValueError(f"no eviction policy {eviction!r} (one of {sorted(EVICTION)})")
         self.pool = pool
         self.policy = policy or HoldPolicy()
         """Limits on holds (``max_held_fraction`` of this pool's pages per session)."""
@@ -140,7 +149,9 @@ class PoolCache:
         self._page_key: dict[int, bytes] = {}
         self._reading: dict[int, int] = {}
         """Readers per page that keep it out of the LRU: loads in flight and holds."""
-        self._lru = LRU()
+        self._evictable: LRU | ReuseLRU = (
+            LRU() if eviction == "lru" else ReuseLRU(lambda: self._alloc.limit))
+        """The evictable keys, in the order the pool's eviction policy takes them."""
         self._spilling: Counter[bytes] = Counter()
         """Keys a spiller is writing below (two spillers may write one key)."""
         self._removal_seq = 0
@@ -168,11 +179,10 @@ class PoolCache:
                 if old is not None:  # a move cut short by a crash; keep the newest
                     self.slots.clear(np.asarray([old], dtype=np.int64))
                     del self._page_key[old]
-                    self._lru.discard(key)
                     dupes += 1
                 self._ready[key] = page
                 self._page_key[page] = key
-                self._lru.add(key, now)
+            self._evictable.add(list(self._ready), now)
             kept = self._alloc.recover(np.asarray(list(self._page_key), dtype=np.int64))
             if self.pool.canary is not None:  # fingerprints of the pages kept stay
                 every = np.arange(self.pool.page_num, dtype=np.int64)
@@ -220,9 +230,8 @@ class PoolCache:
                 chunk = keys[at:at + LOOKUP_CHUNK]
                 found = bytearray(map(self._ready.__contains__, chunk))
                 if touch:
-                    now = self._clock()
-                    for key in itertools.compress(chunk, found):
-                        self._lru.touch(key, now)
+                    self._evictable.touch(list(itertools.compress(chunk, found)),
+                                          self._clock())
                 if lower is not None and found.count(0):
                     for i in (i for i, f in enumerate(found) if not f):
                         if lower.contains(chunk[i]):
@@ -254,14 +263,17 @@ class PoolCache:
         now = self._clock()
         with self._lock:
             new: list[int] = []
+            there: list[bytes] = []
             for i, k in enumerate(keys):
                 if k in self._ready:
                     status[i] = PRESENT
-                    self._lru.touch(k, now)
+                    there.append(k)
                 elif k in self._writing:
                     status[i] = PRESENT
                 else:
                     new.append(i)
+            if there:
+                self._evictable.touch(there, now)
             short = len(new) - self._alloc.free_pages
             if short > 0 and self.grow is not None and self.grow(short):
                 short = len(new) - self._alloc.free_pages
@@ -299,7 +311,6 @@ class PoolCache:
                 del self._writing[key]
                 if good:
                     self._ready[key] = page
-                    self._lru.add(key, now)
                     ticket.status[i] = STORED
                     stored.append(key)
                     stored_pages.append(page)
@@ -313,6 +324,7 @@ class PoolCache:
                 done = np.asarray(oks, dtype=bool)
                 self._alloc.release(ticket.pages[done], write=True, layers=self._all_layers)
                 self._alloc.release(ticket.pages[~done], write=True)
+            self._evictable.add(stored, now)
             self.slots.ready(stored_pages, stored)  # their bytes are complete: a restart keeps them
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
@@ -375,8 +387,7 @@ class PoolCache:
     def finish_load(self, pages: np.ndarray) -> None:
         with self._lock:
             self._alloc.release(pages, write=False, unique=False)
-            for page in pages.tolist():
-                self._read_less(page)
+            self._evictable.back(self._read_less(pages.tolist()), self._clock())
 
     # -- readers (internals, lock held) -------------------------------------------------------
 
@@ -384,20 +395,25 @@ class PoolCache:
         """One more reader of ``page``: out of the LRU while it has any."""
         n = self._reading.get(page, 0)
         if n == 0:
-            self._lru.discard(key)
+            self._evictable.discard(key)
         self._reading[page] = n + 1
 
-    def _read_less(self, page: int) -> None:
-        """One reader of ``page`` ended (the allocator's already released): evictable
-        again, most recently used, once none is left and its key still names it."""
-        n = self._reading[page] - 1
-        if n:
-            self._reading[page] = n
-            return
-        del self._reading[page]
-        key = self._page_key.get(page)
-        if key is not None and self._ready.get(key) == page:
-            self._lru.add(key, self._clock())
+    def _read_less(self, pages: list[int]) -> list[bytes]:
+        """One reader of each of ``pages`` ended (the allocator's already released): the
+        keys, in order, that are evictable again now (none is left and the key still names
+        the page), for the policy's ``back``."""
+        out: list[bytes] = []
+        reading, page_key, ready = self._reading, self._page_key, self._ready
+        for page in pages:
+            n = reading[page] - 1
+            if n:
+                reading[page] = n
+                continue
+            del reading[page]
+            key = page_key.get(page)
+            if key is not None and ready.get(key) == page:
+                out.append(key)
+        return out
 
     # -- holds: what a Lookup promised a session ------------------------------------------
 
@@ -504,8 +520,7 @@ class PoolCache:
             return
         pages = np.asarray([h.page for h in gone], dtype=np.int64)
         self._alloc.release(pages, write=False, unique=False)
-        for page in pages.tolist():
-            self._read_less(page)
+        self._evictable.back(self._read_less(pages.tolist()), self._clock())
 
     # -- lending: what the tiers below borrow -------------------------------------------
 
@@ -558,7 +573,7 @@ class PoolCache:
         drops the key from host memory, but its page is not reused until ``finish_spill``),
         and the epoch to check removals against."""
         with self._lock:
-            keys = [k for k in self._lru.oldest(window)
+            keys = [k for k in self._evictable.oldest(window)
                     if k not in self._spilling and not written(k)][:n]
             if not keys:
                 return [], np.zeros(0, np.int64), self._removal_seq
@@ -641,7 +656,7 @@ class PoolCache:
         """How long ago the least recently used evictable key was used (0 without one): what
         the pool's next eviction would cost, the memory budget's value rule."""
         with self._lock:
-            last = self._lru.oldest_use()
+            last = self._evictable.oldest_use()
         return max(now - last, 0.0) if last is not None else 0.0
 
     def resize(self, pages: int, max_moves: int | None = None) -> Resized:
@@ -661,7 +676,7 @@ class PoolCache:
             evicted = self.stats.evicted
             short = alloc.used_pages - target
             if short > 0:
-                self._evict(min(short, len(self._lru)), "budget", now)
+                self._evict(min(short, len(self._evictable)), "budget", now)
             evicted = self.stats.evicted - evicted
             alloc.set_limit(target)
             moved = 0
@@ -721,7 +736,7 @@ class PoolCache:
             if page is None:
                 self._writing.pop(k, None)  # finish_store frees its page
                 continue
-            self._lru.discard(k)
+            self._evictable.discard(k)
             del self._page_key[page]
             pages.append(page)
         self._drop_pages(np.asarray(pages, dtype=np.int64))
@@ -731,7 +746,7 @@ class PoolCache:
         # a key being spilled frees its page only when its spill ends: the oldest keys whose
         # pages free at once go first (the spill's own keys stay, the next to go)
         used: list[float] = []
-        keys = self._lru.pop_oldest(n, self._spilling, used)
+        keys = self._evictable.pop_oldest(n, self._spilling, used)
         st = self.stats
         st.evicted_by[reason] += len(keys)
         for last in used:
@@ -768,6 +783,6 @@ class PoolCache:
             if (short > 0 and self.grow is not None and num_tokens % self.pool.page_size == 0
                     and self.grow(short)):
                 short = need - self._alloc.free_pages
-            if 0 < short <= len(self._lru) and num_tokens % self.pool.page_size == 0:
+            if 0 < short <= len(self._evictable) and num_tokens % self.pool.page_size == 0:
                 self._evict(short, "alloc", self._clock())
             return self._alloc.alloc(num_tokens, owner)

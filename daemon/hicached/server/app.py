@@ -126,6 +126,7 @@ class HiCacheServer:
                           observe_disk=lambda op, s: self.metrics.disk_seconds.labels(
                               op).observe(s),
                           cluster_store=cluster_store, hold_policy=config.hold_policy(),
+                          eviction=config.eviction,
                           chain_bytes=config.kv_events.chain_bytes, listener=self.kv_events,
                           budget=self.budget)
         self.metrics = metrics = Metrics(self.registry, ScrapeState(

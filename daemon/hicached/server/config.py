@@ -30,6 +30,7 @@ from hicache.specs import (
     PoolSpec,
 )
 from hicached.cache.holds import HoldPolicy
+from hicached.cache.pool_cache import EVICTION
 from hicached.core.system import available_bytes
 from hicached.publish.kv_event_config import KvEventsConfig
 from hicached.service.budget_config import BudgetConfig
@@ -138,6 +139,11 @@ class ServerConfig:
     max_held_fraction: float = 0.25
     """The share of a pool's pages one session may hold at once; past it a Lookup holds
     fewer (``held``), never fails."""
+    eviction: str = "reuse"
+    """Which ready pages a full pool evicts first: ``reuse`` (pages used again outlive pages
+    used once by a margin each pool learns from its own traffic, and of one batch the
+    deepest pages go first: ``hicached.cache.reuse_lru``) or ``lru`` (least recently
+    used)."""
     max_message_bytes: int = 64 << 20
     """Largest request accepted (index batches travel as bytes: 8 per index)."""
     tls_cert: str = ""
@@ -245,6 +251,9 @@ class ServerConfig:
             raise SpecInvalid("shm_dir must be an absolute path",
                               metadata={"shm_dir": self.shm_dir})
         self.hold_policy()  # validates max_hold_ms and max_held_fraction
+        if self.eviction not in EVICTION:
+            raise SpecInvalid(f"eviction is one of {', '.join(EVICTION)}, not "
+                              f"{self.eviction!r}", metadata={"eviction": self.eviction})
         names = [p.name for p in self.pools]
         if len(names) != len(set(names)):
             raise SpecInvalid("declared pool names must be unique")

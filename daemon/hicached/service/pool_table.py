@@ -86,10 +86,11 @@ class PoolTable:
                  observe_disk: Callable[[str, float], None] = lambda op, s: None,
                  cluster_store: MooncakeStore | None = None,
                  hold_policy: HoldPolicy | None = None, chain_bytes: int = 0,
-                 listener: PoolListener | None = None,
+                 eviction: str = "lru", listener: PoolListener | None = None,
                  budget: MemoryBudget | None = None) -> None:
         """``pinner`` page-locks every pool it creates (the CUDA driver's, on GPU hosts);
-        ``hold_policy``: the limits on every pool's holds;
+        ``hold_policy``: the limits on every pool's holds; ``eviction``: every pool's
+        eviction policy (``PoolCache``'s);
         ``disk`` gives every pool a disk tier below it (its share of the capacity),
         ``cluster_store`` a part of the cluster store."""
         self.budget_bytes = budget_bytes
@@ -102,6 +103,7 @@ class PoolTable:
         self.cluster_store = cluster_store
         self.hold_policy = hold_policy or HoldPolicy()
         self.chain_bytes = chain_bytes
+        self.eviction = eviction
         self.listener = listener
         self.budget = budget if budget is not None and budget.config.elastic else None
         """The shared budget pools join (None: every pool keeps its size). Page-locked
@@ -166,7 +168,8 @@ class PoolTable:
 
     def _new_cache(self, pool: HostPool) -> PoolCache:
         chains = ChainTable(self.chain_bytes, pool.page_size)
-        return PoolCache(pool, EventLog(chains=chains), policy=self.hold_policy)
+        return PoolCache(pool, EventLog(chains=chains), policy=self.hold_policy,
+                         eviction=self.eviction)
 
     def _close_tiers(self, name: str, remove: bool = False) -> None:
         with self._lock:

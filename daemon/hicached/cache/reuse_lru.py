@@ -1,0 +1,307 @@
+"""The eviction policy made for prefix caches: pages used again outlive pages used once by a
+margin the pool learns, and of one batch the deepest pages go first.
+
+What a prefix cache's pages are worth is not independent, and most are never used again: a
+prompt's new pages are reused only when another request continues its prefix, while a page
+already used twice (a shared system prompt's, a document asked again) comes back far more
+often. And a page is worth nothing once the page before it in its chain is gone, so of one
+request's pages the deepest should go first. Plain LRU ignores both. This policy keeps two
+queues, each least recently used first:
+
+- *once*: pages stored and not used since;
+- *reused*: pages used again (a load, a touching Lookup, a Store naming them again) or stored
+  again soon after their eviction (their key is in the *ghost*: the ids of the last
+  ``GHOST`` x capacity keys evicted).
+
+Time is the count of pages stored or used (the pool's own clock, not the wall's); every page of
+one batch gets the batch's time and enters its queue deepest first, so the batch's head is
+its most recent. The victim is the older of the two queues' heads, where a reused page counts
+``theta`` x capacity younger than it is. ``theta`` 0 is LRU with a batch's tail first; a
+larger one shields reused pages from a flood of pages used once. Which ``theta`` is right
+depends on the workload and on the pool's size, so the pool learns it online: ``_Shadows``
+replays a sample of the keys (a hash below a limit: ``SAMPLE_PAGES`` of them at a time,
+whatever the pool's size) through one small copy of the policy per candidate ``THETAS``,
+each scoring its hits on the sample's loads and stores with a decay; the pool moves to the
+best only when it leads the current one by ``SWITCH_Z`` standard deviations of the counts,
+so it starts as LRU and leaves it only on evidence.
+
+Measured on public request traces (benchmarks/RESULTS.md, "An eviction policy made for prefix
+caches"): above LRU, ARC and S3-FIFO at every capacity on the shared Mooncake trace and its
+conversation trace, and not below LRU on any trace tried.
+
+Primitives:
+
+- ``ReuseLRU(capacity)``: ``capacity()`` the pool's pages now. ``add(keys, now)`` (keys newly
+  ready), ``back(keys, now)`` (keys whose readers ended: they were used), ``touch(keys, now)``
+  (keys used while evictable), ``discard(key)``, ``pop_oldest(n, busy, used)``, ``oldest(n)``,
+  ``oldest_use()``, ``len``, ``in`` (the same contract as ``lru.LRU``'s, batches in chain
+  order); ``theta`` (the margin now, in capacities). O(1) per key, plus, for the sampled
+  keys only, O(1) per candidate.
+- ``THETAS``, ``SAMPLE_PAGES``, ``GHOST``, ``HALF_LIFE``, ``SWITCH_Z``: the constants above.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator, Sequence
+
+THETAS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
+"""The margins (in capacities) a pool chooses among; the first is where it starts."""
+SAMPLE_PAGES = 1024
+"""About how many pages each candidate's copy holds (all of a smaller pool's)."""
+GHOST = 4
+"""Evicted keys remembered, as a multiple of the capacity (their ids only)."""
+HALF_LIFE = 64.0
+"""A candidate's hits lose half their weight after this many capacities of sampled
+accesses."""
+SWITCH_Z = 4.0
+"""How many standard deviations a candidate's score must lead the current one's by."""
+_HASH_SPACE = 1 << 32
+
+
+class ReuseLRU:
+    """One pool's evictable keys (see the module's docstring); the pool's lock guards it."""
+
+    def __init__(self, capacity: Callable[[], int]) -> None:
+        self._capacity = capacity
+        self._once: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        """Keys not used since stored: (time, wall time of the last use), oldest first."""
+        self._reused: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        """Keys used again, the same way."""
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+        """``hash(key)`` of the keys evicted last, oldest first."""
+        self._time = 0
+        self._shadows = _Shadows()
+
+    @property
+    def theta(self) -> float:
+        return self._shadows.theta
+
+    def __len__(self) -> int:
+        return len(self._once) + len(self._reused)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._once or key in self._reused
+
+    # -- uses ------------------------------------------------------------------------------
+
+    def _clock(self, n: int) -> int:
+        t = self._time
+        self._time = t + n
+        return t
+
+    def add(self, keys: Sequence[bytes], now: float) -> None:
+        """``keys`` (in chain order) became ready: evictable, as used once, unless evicted
+        lately (then as reused)."""
+        t = self._clock(len(keys))
+        ghost = self._ghost
+        for key in reversed(keys):
+            self.discard(key)
+            h = hash(key)
+            if h in ghost:
+                del ghost[h]
+                self._reused[key] = (t, now)
+            else:
+                self._once[key] = (t, now)
+        self._shadows.feed(keys, self._capacity())
+
+    def back(self, keys: Sequence[bytes], now: float) -> None:
+        """``keys`` (in chain order) are evictable again after being read: used."""
+        t = self._clock(len(keys))
+        for key in reversed(keys):
+            self.discard(key)
+            self._reused[key] = (t, now)
+        self._shadows.feed(keys, self._capacity())
+
+    def touch(self, keys: Sequence[bytes], now: float) -> None:
+        """``keys`` (in chain order) were used; those evictable become the most recent."""
+        t = self._clock(len(keys))
+        once, reused = self._once, self._reused
+        for key in reversed(keys):
+            if key in once:
+                del once[key]
+            elif key in reused:
+                del reused[key]
+            else:
+                continue
+            reused[key] = (t, now)
+
+    def discard(self, key: bytes) -> None:
+        """``key`` is no longer evictable (being read, or gone)."""
+        if self._once.pop(key, None) is None:
+            self._reused.pop(key, None)
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def _margin(self) -> float:
+        return self._shadows.theta * self._capacity()
+
+    def _order(self) -> Iterator[tuple[bytes, float]]:
+        """Every evictable key, first victim first, with its last wall time."""
+        margin = self._margin()
+        once = iter(self._once.items())
+        reused = iter(self._reused.items())
+        a = next(once, None)
+        b = next(reused, None)
+        while a is not None or b is not None:
+            if b is None or (a is not None and a[1][0] <= b[1][0] + margin):
+                assert a is not None
+                yield a[0], a[1][1]
+                a = next(once, None)
+            else:
+                yield b[0], b[1][1]
+                b = next(reused, None)
+
+    def oldest(self, n: int) -> list[bytes]:
+        """Up to ``n`` keys in the order they would be evicted, left in place."""
+        out: list[bytes] = []
+        for key, _ in self._order():
+            if len(out) == n:
+                break
+            out.append(key)
+        return out
+
+    def oldest_use(self) -> float | None:
+        """When the next victim was last used (None when there is none)."""
+        for _, last in self._order():
+            return last
+        return None
+
+    def pop_oldest(self, n: int, busy: Collection[bytes] = (),
+                   used: list[float] | None = None) -> list[bytes]:
+        """Up to ``n`` victims, removed from the policy, their ids into the ghost. Keys in
+        ``busy`` (being spilled) are passed over while others remain, and taken last in
+        victim order. ``used``, if given, gets each popped key's last wall time."""
+        out: list[bytes] = []
+        lasts: list[float] = []
+        passed: list[tuple[bytes, float]] = []
+        for key, last in self._order():
+            if len(out) == n:
+                break
+            if busy and key in busy:
+                passed.append((key, last))
+                continue
+            out.append(key)
+            lasts.append(last)
+        for key, last in passed[:n - len(out)]:
+            out.append(key)
+            lasts.append(last)
+        ghost = self._ghost
+        for key in out:
+            self.discard(key)
+            ghost[hash(key)] = None
+        over = len(ghost) - GHOST * max(self._capacity(), 1)
+        for _ in range(max(over, 0)):
+            ghost.popitem(last=False)
+        if used is not None:
+            used += lasts
+        return out
+
+
+class _Shadow:
+    """The policy with one fixed margin, over sampled key ids, holding ``capacity`` ids."""
+
+    def __init__(self, theta: float) -> None:
+        self.theta = theta
+        self.capacity = 1
+        self._once: OrderedDict[int, int] = OrderedDict()
+        self._reused: OrderedDict[int, int] = OrderedDict()
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+        self._time = 0
+
+    def access(self, ids: list[int]) -> int:
+        """One batch's sampled ids (chain order) used: held ones count as hits, the others
+        are stored; returns the hits."""
+        t = self._time
+        self._time = t + len(ids)
+        once, reused, ghost = self._once, self._reused, self._ghost
+        hits = 0
+        for i in reversed(ids):
+            if i in once:
+                del once[i]
+            elif i in reused:
+                del reused[i]
+            else:
+                while len(once) + len(reused) >= self.capacity:
+                    self._evict()
+                if i in ghost:
+                    del ghost[i]
+                    reused[i] = t
+                else:
+                    once[i] = t
+                continue
+            hits += 1
+            reused[i] = t
+        return hits
+
+    def _evict(self) -> None:
+        once, reused = self._once, self._reused
+        if once and (not reused
+                     or next(iter(once.values())) <= next(iter(reused.values()))
+                     + self.theta * self.capacity):
+            victim, _ = once.popitem(last=False)
+        else:
+            victim, _ = reused.popitem(last=False)
+        ghost = self._ghost
+        ghost[victim] = None
+        if len(ghost) > GHOST * self.capacity:
+            ghost.popitem(last=False)
+
+
+class _Shadows:
+    """One ``_Shadow`` per candidate margin over a sample of the keys, and the margin the
+    pool uses now (``theta``)."""
+
+    def __init__(self) -> None:
+        self.theta = THETAS[0]
+        self._current = 0
+        self._rate = 0.0
+        """The share of keys sampled (0: not sized yet)."""
+        self._capacity = 0
+        """The pool's pages the copies are sized for."""
+        self._limit = 0
+        self._shadows: list[_Shadow] = []
+        self._scores: list[float] = []
+        self._decay = 1.0
+
+    def _resize(self, capacity: int) -> None:
+        """Size the copies for a pool of ``capacity`` pages; resample (and start the scores
+        over) when the sample would leave half to twice ``SAMPLE_PAGES`` (or a whole pool's
+        sample would pass twice that)."""
+        capacity = max(capacity, 1)
+        self._capacity = capacity
+        held = capacity * self._rate
+        if self._rate and held <= 2 * SAMPLE_PAGES and (
+                self._rate == 1.0 or held >= SAMPLE_PAGES / 2):
+            for s in self._shadows:
+                s.capacity = max(round(held), 1)
+            return
+        self._rate = min(1.0, SAMPLE_PAGES / capacity)
+        self._limit = int(self._rate * _HASH_SPACE)
+        size = max(round(capacity * self._rate), 1)
+        self._shadows = [_Shadow(theta) for theta in THETAS]
+        for s in self._shadows:
+            s.capacity = size
+        self._scores = [0.0] * len(THETAS)
+        self._decay = 0.5 ** (1.0 / (HALF_LIFE * size))
+
+    def feed(self, keys: Sequence[bytes], capacity: int) -> None:
+        """``keys`` (chain order) were stored or loaded in a pool of ``capacity`` pages."""
+        if capacity != self._capacity:
+            self._resize(capacity)
+        limit = self._limit
+        ids = [h for h in map(zlib.crc32, keys) if h < limit]
+        if not ids:
+            return
+        scores = self._scores
+        fade = self._decay ** len(ids)
+        for i, s in enumerate(self._shadows):
+            scores[i] = scores[i] * fade + s.access(ids)
+        best = max(range(len(scores)), key=scores.__getitem__)
+        now = self._current
+        lead = scores[best] - scores[now]
+        if lead > 0 and lead > SWITCH_Z * math.sqrt(scores[best] + scores[now]):
+            self._current = best
+            self.theta = THETAS[best]
