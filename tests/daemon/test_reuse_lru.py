@@ -326,7 +326,7 @@ def test_where_recency_is_all_it_stays_at_lru() -> None:
 
 def test_the_sample_follows_the_pool_size() -> None:
     """A pool larger than the sample replays a share of its keys; resized past twice the
-    sample, the copies are resampled."""
+    sample, the shadows are resampled."""
     p = ReuseLRU(lambda: size)
     size = 100 * reuse_lru.SAMPLE_PAGES
     keys = [b"s%06d" % i for i in range(20_000)]

@@ -190,10 +190,11 @@ def test_cache_metrics_follow_stores_lookups_and_evictions(served) -> None:  # t
     with ShmDeviceBuffers.create(small, 16, str(shm)) as bufs:
         with client.open_session("small", "w", bufs.descriptors, heartbeat=False) as s:
             assert s.store([b"a", b"b", b"c"], torch.arange(12)).status == b"\x01\x01\x03"
-            assert s.store([b"c"], torch.arange(4)).status == b"\x01"  # evicts a
+            # evicts b: of one batch the deepest goes first (the default reuse eviction)
+            assert s.store([b"c"], torch.arange(4)).status == b"\x01"
             client.lookup("small", [b"a", b"b", b"c", b"d"])
             with pytest.raises(HiCacheError):
-                s.load_keys([b"a"], torch.arange(4))
+                s.load_keys([b"b"], torch.arange(4))
             s.load_keys([b"c"], torch.arange(4))
     for status, n in (("stored", 3), ("no_space", 1), ("already_present", 0)):
         assert sample(server, "hicache_cache_store_keys_total", pool="small", status=status) == n
@@ -209,6 +210,7 @@ def test_cache_metrics_follow_stores_lookups_and_evictions(served) -> None:  # t
     assert sample(server, "hicache_cache_lookup_keys_total", pool="small", result="miss") == 2
     assert sample(server, "hicache_cache_load_misses_total", pool="small") == 1
     assert sample(server, "hicache_cache_keys", pool="small") == 2
+    assert sample(server, "hicache_cache_eviction_margin", pool="small") == 0  # LRU so far
     assert sample(server, "hicache_rejected_requests_total", reason="KEY_NOT_FOUND") == 1
     assert sample(server, "hicache_transfer_pages_total", pool="small", op="store") == 3
     assert sample(server, "hicache_transfer_pages_total", pool="small", op="load_keys") == 1

@@ -71,11 +71,11 @@ def test_eviction_removal_and_clear_leave_the_stream_equal_to_the_pool(
         a, _ = chain(2, 6)
         b, _ = chain(3, 4)
         w.store(a)
-        w.store(b)  # 10 pages into 8: the two oldest are evicted
+        w.store(b)  # 10 pages into 8: the older chain's two deepest go, its tail first
         f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 8)
-        assert f.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in a[2:] + b}
+        assert f.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in a[:4] + b}
         evicted = [h for e in f.removed(SPEC.name, "CPU_PINNED") for h in e.block_hashes]
-        assert evicted == [sglang_hash(k) for k in a[:2]]
+        assert evicted == [sglang_hash(k) for k in (a[5], a[4])]
         assert w.client.remove_keys(SPEC.name, b[:2]) == 2
         f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 6)
         assert w.client.clear_pool(SPEC.name) == 6
@@ -234,19 +234,19 @@ def test_spill_eviction_promotion_and_removal_below_host_memory(tmp_path: Path) 
         b, _ = chain(12, 4)
         w.store(a, tokens)
         f.until(lambda: len(f.held(SPEC.name, "DISK")) == 6)  # spilled ahead of eviction
-        w.store(b)  # the two oldest leave host memory: the disk keeps them
+        w.store(b)  # a's two deepest leave host memory (its tail first): the disk keeps them
         f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 8)
-        assert f.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in a[2:] + b}
+        assert f.held(SPEC.name, "CPU_PINNED") == {sglang_hash(k) for k in a[:4] + b}
         assert {sglang_hash(k) for k in a} <= f.held(SPEC.name, "DISK")
-        w.load(a[:2])  # promoted: stored in host memory again, with what the Store said
-        f.until(lambda: sglang_hash(a[0]) in f.held(SPEC.name, "CPU_PINNED"))
+        w.load(a[4:])  # promoted: stored in host memory again, with what the Store said
+        f.until(lambda: sglang_hash(a[4]) in f.held(SPEC.name, "CPU_PINNED"))
         again = [e for e in f.stored(SPEC.name, "CPU_PINNED")
-                 if sglang_hash(a[0]) in e.block_hashes][-1]
-        assert again.block_hashes[:2] == [sglang_hash(k) for k in a[:2]]
-        assert again.token_ids[:2 * PS] == tokens[:2 * PS].tolist()
-        assert w.client.remove_keys(SPEC.name, a[:1]) == 1
-        f.until(lambda: sglang_hash(a[0]) not in f.held(SPEC.name, "DISK"))
-        assert sglang_hash(a[0]) not in f.held(SPEC.name, "CPU_PINNED")
+                 if sglang_hash(a[4]) in e.block_hashes][-1]
+        assert again.block_hashes[:2] == [sglang_hash(k) for k in a[4:]]
+        assert again.token_ids[:2 * PS] == tokens[4 * PS:6 * PS].tolist()
+        assert w.client.remove_keys(SPEC.name, a[4:5]) == 1
+        f.until(lambda: sglang_hash(a[4]) not in f.held(SPEC.name, "DISK"))
+        assert sglang_hash(a[4]) not in f.held(SPEC.name, "CPU_PINNED")
         tiers = w.client.lookup(SPEC.name, a + b).tiers
         host, disk = f.held(SPEC.name, "CPU_PINNED"), f.held(SPEC.name, "DISK")
         for k, t in zip(a + b, tiers, strict=True):  # the stream says what Lookup says

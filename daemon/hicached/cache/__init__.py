@@ -1,6 +1,8 @@
 """The cache: pages named by content keys, found again by every worker and instance.
 
-- ``lru``: the eviction policy (least recently used ready keys no copy is using).
+- ``lru``: ``LRU``, an eviction policy: least recently used ready keys no copy is using first.
+- ``reuse_lru``: ``ReuseLRU``, the default eviction policy: reused pages outlive pages used
+  once by a margin each pool learns, a batch's deepest first.
 - ``events``: the STORED / REMOVED / EVICTED log routers follow.
 - ``pool_cache``: ``PoolCache``: keys -> pages, writing / ready states, store / load / remove /
   clear, eviction, statistics.

@@ -48,8 +48,8 @@ Primitives:
   free pages below it (a key keeps its bytes, its recency and every tier's view of it; a
   page a copy, a hold or a spill is using, or a raw page, stays where it is and the limit
   stays above it), then gives the memory above the limit back to the system.
-- ``stats``: counters for metrics; ``key_count``; ``snapshot()``: the ready keys (what a
-  KV event resync announces).
+- ``stats``: counters for metrics; ``key_count``; ``eviction_margin`` (what the ``reuse``
+  policy learnt); ``snapshot()``: the ready keys (what a KV event resync announces).
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
   only it holds, ``remove`` / ``clear`` reach it, eviction counts whether each evicted key was
   below already; ``on_stored(keys)`` is the cue of its writers.
@@ -198,6 +198,13 @@ class PoolCache:
     def key_count(self) -> int:
         """Ready keys (read without the lock: one dict length, for metrics too)."""
         return len(self._ready)
+
+    @property
+    def eviction_margin(self) -> float:
+        """How many capacities longer a reused page is kept than one used once (the
+        ``reuse`` policy's learnt ``theta``; 0 under ``lru``). Read without the lock."""
+        ev = self._evictable
+        return ev.theta if isinstance(ev, ReuseLRU) else 0.0
 
     def snapshot(self) -> list[bytes]:
         with self._lock:

@@ -20,7 +20,7 @@ its most recent. The victim is the older of the two queues' heads, where a reuse
 larger one shields reused pages from a flood of pages used once. Which ``theta`` is right
 depends on the workload and on the pool's size, so the pool learns it online: ``_Shadows``
 replays a sample of the keys (a hash below a limit: ``SAMPLE_PAGES`` of them at a time,
-whatever the pool's size) through one small copy of the policy per candidate ``THETAS``,
+whatever the pool's size) through one small shadow of the policy per candidate ``THETAS``,
 each scoring its hits on the sample's loads and stores with a decay; the pool moves to the
 best only when it leads the current one by ``SWITCH_Z`` standard deviations of the counts,
 so it starts as LRU and leaves it only on evidence.
@@ -50,7 +50,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 THETAS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
 """The margins (in capacities) a pool chooses among; the first is where it starts."""
 SAMPLE_PAGES = 1024
-"""About how many pages each candidate's copy holds (all of a smaller pool's)."""
+"""About how many pages each candidate's shadow holds (all of a smaller pool's)."""
 GHOST = 4
 """Evicted keys remembered, as a multiple of the capacity (their ids only)."""
 HALF_LIFE = 64.0
@@ -260,14 +260,14 @@ class _Shadows:
         self._rate = 0.0
         """The share of keys sampled (0: not sized yet)."""
         self._capacity = 0
-        """The pool's pages the copies are sized for."""
+        """The pool's pages the shadows are sized for."""
         self._limit = 0
         self._shadows: list[_Shadow] = []
         self._scores: list[float] = []
         self._decay = 1.0
 
     def _resize(self, capacity: int) -> None:
-        """Size the copies for a pool of ``capacity`` pages; resample (and start the scores
+        """Size the shadows for a pool of ``capacity`` pages; resample (and start the scores
         over) when the sample would leave half to twice ``SAMPLE_PAGES`` (or a whole pool's
         sample would pass twice that)."""
         capacity = max(capacity, 1)

@@ -256,7 +256,10 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
         ("cache_keys", "Ready keys."),
         ("cache_keyed_bytes", "Host bytes of the pages of ready keys."),
         ("held_pages", "Pages held for a session's coming LoadKeys (Lookup with hold_ms); a "
-                       "page two sessions hold counts twice."))}
+                       "page two sessions hold counts twice."),
+        ("cache_eviction_margin", "How much longer a reused page is kept than a page used "
+                                  "once, in pool capacities, as the pool's reuse eviction "
+                                  "learnt it from its traffic (0: least recently used)."))}
     c = {n: CounterMetricFamily(f"hicache_{n}", h, labels=pool_l) for n, h in (
         ("cache_lookups", "Lookup requests."),
         ("cache_evicted_pages", "Ready keyed pages evicted to make room."),
@@ -294,7 +297,8 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
                               ("pool_metadata_bytes", pool.metadata_bytes),
                               ("cache_keys", ready),
                               ("cache_keyed_bytes", ready * pool.spec.page_bytes),
-                              ("held_pages", cache.holds.total)):
+                              ("held_pages", cache.holds.total),
+                              ("cache_eviction_margin", cache.eviction_margin)):
             g[metric].add_metric([name], value)
         for metric, value in (("cache_lookups", st.lookups), ("cache_evicted_pages", st.evicted),
                               ("cache_removed_keys", st.removed),
