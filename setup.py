@@ -3,9 +3,11 @@
 - ``hicached.copy._copykernel``, the daemon's copy kernel: optional at run time (hicached falls
   back to a slow pure-Python executor and logs a warning);
 - ``hicache._poll``, the fast path's poll-before-sleep wait (daemon and client): without it
-  they sleep in ``recv`` at once.
+  they sleep in ``recv`` at once;
+- ``hicached.cache._shadows``, the reuse eviction policy's shadows: without it they run in
+  Python, several times slower per sampled key.
 
-The build always tries both and the test suite asserts they loaded. ``NATIVE`` is also read
+The build always tries all three and the test suite asserts they loaded. ``NATIVE`` is also read
 (as a literal) by scripts/gpu/build_native.py, which builds the same modules without setuptools.
 """
 
@@ -18,6 +20,8 @@ NATIVE = [
      ["daemon/hicached/copy/csrc/kernel.h"], ["-O3", "-pthread", "-std=c11"], ["-pthread"]),
     ("hicache._poll", ["clients/python/hicache/csrc/poll.c"], [],
      ["-O2", "-pthread", "-std=c11"], ["-pthread"]),
+    ("hicached.cache._shadows", ["daemon/hicached/cache/csrc/shadows.c"], [],
+     ["-O2", "-std=c11"], []),
 ]
 
 if __name__ == "__main__":

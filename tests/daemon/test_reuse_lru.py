@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -165,7 +165,8 @@ def test_a_batch_goes_deepest_first_and_a_reused_page_outlives_a_newer_one() -> 
     p = ReuseLRU(lambda: 4)
     p.add([b"a", b"b", b"c"], 1.0)  # one request's chain
     assert p.oldest(3) == [b"c", b"b", b"a"]  # its head the most recent
-    p.back([b"a"], 2.0)  # a was loaded: reused
+    p.discard(b"a")  # a load takes it out ...
+    p.back([b"a"], 2.0)  # ... and gives it back: reused
     p.add([b"x"], 3.0)
     assert p.oldest(4) == [b"c", b"b", b"a", b"x"]  # theta 0: plain recency between queues
     p._shadows.theta = 1.0  # a reused page counts a capacity (4) younger
@@ -333,11 +334,61 @@ def test_the_sample_follows_the_pool_size() -> None:
     p.add(keys, 0.0)
     shadows = p._shadows
     assert shadows._rate == pytest.approx(0.01)
-    held = len(shadows._shadows[0]._once)
+    held = sum(shadows._shadows.held(0))
     assert 100 < held < 400  # about 1 % of 20,000
     size = 2 * reuse_lru.SAMPLE_PAGES
     p.add([b"t"], 0.0)
-    assert shadows._rate == 0.5 and not shadows._shadows[0]._once
+    assert shadows._rate == 0.5 and shadows._shadows.held(0) == (0, 0)
+
+
+def test_the_native_shadows_are_built() -> None:
+    assert reuse_lru.Shadows.__module__ == "hicached.cache._shadows"  # setup.py builds it
+
+
+@given(st.lists(st.lists(st.integers(0, 40), max_size=8), max_size=60),
+       st.lists(st.integers(1, 12), min_size=1, max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_the_native_shadows_hit_what_the_python_ones_hit(batches: list[list[int]],
+                                                         capacities: list[int]) -> None:
+    """The C shadows against their Python reference, batch by batch, on small id sets (hits,
+    evictions and ghost returns all happen), capacities changing between batches."""
+    native = reuse_lru.Shadows(THETAS, 12)
+    python = reuse_lru.PyShadows(THETAS, 12)
+    for n, ids in enumerate(batches):
+        capacity = capacities[n % len(capacities)]
+        native.set_capacity(capacity)
+        python.set_capacity(capacity)
+        assert native.access(ids) == python.access(ids), n
+        for i in range(len(THETAS)):
+            assert native.held(i) == python.held(i)
+
+
+@given(st.lists(st.binary(max_size=40), max_size=30), st.integers(0, 1 << 32))
+@settings(max_examples=200, deadline=None)
+def test_the_native_shadows_sample_keys_as_the_python_ones(keys: list[bytes],
+                                                          limit: int) -> None:
+    """The same id per key, the same keys below the limit, the same hits."""
+    native = reuse_lru.Shadows(THETAS, 12)
+    python = reuse_lru.PyShadows(THETAS, 12)
+    assert [native.key_id(k) for k in keys] == [python.key_id(k) for k in keys]
+    for _ in range(2):
+        assert native.access_keys(keys, limit) == python.access_keys(keys, limit)
+
+
+def test_the_native_shadows_refuse_what_they_cannot_hold() -> None:
+    native = reuse_lru.Shadows(THETAS, 8)
+    for bad in (0, 9):
+        with pytest.raises(ValueError):
+            native.set_capacity(bad)
+    with pytest.raises(OverflowError):
+        native.access([1 << 32])
+    with pytest.raises(TypeError):
+        native.access(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        native.access_keys([b"k", "not bytes"], 1 << 32)  # type: ignore[list-item]
+    big = list(range(1000))  # a batch larger than the stack buffer
+    assert native.access(big) == (0,) * len(THETAS)
+    assert native.access(big[:8]) == (8,) * len(THETAS)  # deepest first: the head stays
 
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
