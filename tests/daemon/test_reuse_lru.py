@@ -341,6 +341,23 @@ def test_the_sample_follows_the_pool_size() -> None:
     assert shadows._rate == 0.5 and shadows._shadows.held(0) == (0, 0)
 
 
+def test_a_small_pool_is_replayed_whole_and_its_shadows_grow_with_it() -> None:
+    """Below the sample every key is replayed, in shadows made for twice the pool (small
+    tables); grown past that, they are made again for the new size."""
+    size = 100
+    p = ReuseLRU(lambda: size)
+    p.add([b"a%d" % i for i in range(150)], 0.0)
+    shadows = p._shadows
+    assert shadows._rate == 1.0 and shadows._room == 200
+    assert sum(shadows._shadows.held(0)) == 100
+    size = 200  # within the room: kept, the same ids held
+    p.add([b"b"], 0.0)
+    assert sum(shadows._shadows.held(0)) == 101 and shadows._room == 200
+    size = 300  # past it: made again
+    p.add([b"c"], 0.0)
+    assert shadows._room == 600 and sum(shadows._shadows.held(0)) == 1
+
+
 def test_the_native_shadows_are_built() -> None:
     assert reuse_lru.Shadows.__module__ == "hicached.cache._shadows"  # setup.py builds it
 

@@ -46,6 +46,7 @@ Primitives:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -183,21 +184,60 @@ class ReuseLRU:
         victim order. ``used``, if given, gets each popped key's last wall time."""
         out: list[bytes] = []
         lasts: list[float] = []
-        passed: list[tuple[bytes, float]] = []
-        for key, last in self._order():
-            if len(out) == n:
-                break
-            if busy and key in busy:
-                passed.append((key, last))
-                continue
-            out.append(key)
-            lasts.append(last)
-        for key, last in passed[:n - len(out)]:
-            out.append(key)
-            lasts.append(last)
+        if busy:
+            passed: list[tuple[bytes, float]] = []
+            for key, last in self._order():
+                if len(out) == n:
+                    break
+                if key in busy:
+                    passed.append((key, last))
+                    continue
+                out.append(key)
+                lasts.append(last)
+            for key, last in passed[:n - len(out)]:
+                out.append(key)
+                lasts.append(last)
+            for key in out:
+                self.discard(key)
+        else:  # the two queues merged from their heads, then the taken heads popped
+            once, reused = self._once, self._reused
+            margin = self._margin()
+            first = list(itertools.islice(once.items(), n))
+            if len(first) == n and (not reused or first[-1][1][0]
+                                    <= next(iter(reused.values()))[0] + margin):
+                # all from the once queue (the common case): no merge
+                for _ in range(n):
+                    once.popitem(last=False)
+                out = [k for k, _ in first]
+                lasts = [e[1] for _, e in first]
+                return self._evicted(out, lasts, used)
+            it_a, it_b = iter(once.items()), iter(reused.items())
+            a, b = next(it_a, None), next(it_b, None)
+            from_once = 0
+            while len(out) < n:
+                if a is not None and (b is None or a[1][0] <= b[1][0] + margin):
+                    out.append(a[0])
+                    lasts.append(a[1][1])
+                    from_once += 1
+                    a = next(it_a, None)
+                elif b is not None:
+                    out.append(b[0])
+                    lasts.append(b[1][1])
+                    b = next(it_b, None)
+                else:
+                    break
+            for _ in range(from_once):
+                once.popitem(last=False)
+            for _ in range(len(out) - from_once):
+                reused.popitem(last=False)
+        return self._evicted(out, lasts, used)
+
+    def _evicted(self, out: list[bytes], lasts: list[float],
+                 used: list[float] | None) -> list[bytes]:
+        """``out`` left the policy: their ids into the ghost (its oldest out past its
+        bound)."""
         ghost = self._ghost
         for key in out:
-            self.discard(key)
             ghost[hash(key)] = None
         over = len(ghost) - GHOST * max(self._capacity(), 1)
         for _ in range(max(over, 0)):
@@ -313,6 +353,8 @@ class _Shadows:
         """The share of keys sampled (0: not sized yet)."""
         self._capacity = 0
         """The pool's pages the shadows are sized for."""
+        self._room = 1
+        """The most ids each shadow can hold (more: resampled)."""
         self._limit = 0
         self._shadows: Shadows | PyShadows = Shadows(THETAS, 1)
         self._scores: list[float] = []
@@ -320,19 +362,21 @@ class _Shadows:
 
     def _resize(self, capacity: int) -> None:
         """Size the shadows for a pool of ``capacity`` pages; resample (and start the scores
-        over) when the sample would leave half to twice ``SAMPLE_PAGES`` (or a whole pool's
-        sample would pass twice that)."""
+        over) when the sample would leave half to twice ``SAMPLE_PAGES`` or outgrow the
+        shadows' room (twice what they were made for)."""
         capacity = max(capacity, 1)
         self._capacity = capacity
         held = capacity * self._rate
-        if self._rate and held <= 2 * SAMPLE_PAGES and (
+        if self._rate and max(round(held), 1) <= self._room and (
                 self._rate == 1.0 or held >= SAMPLE_PAGES / 2):
             self._shadows.set_capacity(max(round(held), 1))
             return
         self._rate = min(1.0, SAMPLE_PAGES / capacity)
         self._limit = int(self._rate * _HASH_SPACE)
         size = max(round(capacity * self._rate), 1)
-        self._shadows = Shadows(THETAS, 2 * SAMPLE_PAGES)
+        # room to double (a growing pool), not more: small tables stay in the CPU's caches
+        self._room = min(2 * size, 2 * SAMPLE_PAGES)
+        self._shadows = Shadows(THETAS, self._room)
         self._shadows.set_capacity(size)
         self._scores = [0.0] * len(THETAS)
         self._decay = 0.5 ** (1.0 / (HALF_LIFE * size))

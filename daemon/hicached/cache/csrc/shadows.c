@@ -20,11 +20,16 @@
 #define GHOST 4
 #define NIL (-1)
 
-/* id -> int64 value, open addressing with linear probing and backward-shift deletion */
+/* id -> int64 value, open addressing with linear probing and backward-shift deletion; a
+ * slot is one 16-byte record, so a probe touches one cache line */
 typedef struct {
-    uint32_t *keys;
-    int64_t *vals;
-    uint8_t *used;
+    int64_t val;
+    uint32_t key;
+    uint32_t used;
+} Slot;
+
+typedef struct {
+    Slot *slots;
     uint32_t mask;
 } Map;
 
@@ -35,45 +40,44 @@ static uint32_t mix(uint32_t x) {
 
 static int map_init(Map *m, uint32_t slots) {
     m->mask = slots - 1;
-    m->keys = calloc(slots, sizeof(uint32_t));
-    m->vals = calloc(slots, sizeof(int64_t));
-    m->used = calloc(slots, 1);
-    return m->keys && m->vals && m->used ? 0 : -1;
+    m->slots = calloc(slots, sizeof(Slot));
+    return m->slots ? 0 : -1;
 }
 
-static void map_free(Map *m) { free(m->keys); free(m->vals); free(m->used); }
+static void map_free(Map *m) { free(m->slots); }
 
 static int64_t *map_get(Map *m, uint32_t k) {
     for (uint32_t i = mix(k) & m->mask;; i = (i + 1) & m->mask) {
-        if (!m->used[i]) return NULL;
-        if (m->keys[i] == k) return &m->vals[i];
+        Slot *x = &m->slots[i];
+        if (!x->used) return NULL;
+        if (x->key == k) return &x->val;
     }
 }
 
 static void map_put(Map *m, uint32_t k, int64_t v) {
     uint32_t i = mix(k) & m->mask;
-    while (m->used[i] && m->keys[i] != k) i = (i + 1) & m->mask;
-    m->used[i] = 1; m->keys[i] = k; m->vals[i] = v;
+    while (m->slots[i].used && m->slots[i].key != k) i = (i + 1) & m->mask;
+    m->slots[i].used = 1; m->slots[i].key = k; m->slots[i].val = v;
 }
 
 static void map_del(Map *m, uint32_t k) {
     uint32_t i = mix(k) & m->mask;
     while (1) {
-        if (!m->used[i]) return;
-        if (m->keys[i] == k) break;
+        if (!m->slots[i].used) return;
+        if (m->slots[i].key == k) break;
         i = (i + 1) & m->mask;
     }
     uint32_t j = i;
     while (1) {  /* backward shift: keep every later probe chain unbroken */
         j = (j + 1) & m->mask;
-        if (!m->used[j]) break;
-        uint32_t home = mix(m->keys[j]) & m->mask;
+        if (!m->slots[j].used) break;
+        uint32_t home = mix(m->slots[j].key) & m->mask;
         /* move j into the hole i unless its home lies cyclically in (i, j] */
         if ((i <= j) ? (home <= i || home > j) : (home <= i && home > j)) {
-            m->keys[i] = m->keys[j]; m->vals[i] = m->vals[j]; i = j;
+            m->slots[i] = m->slots[j]; i = j;
         }
     }
-    m->used[i] = 0;
+    m->slots[i].used = 0;
 }
 
 typedef struct {
