@@ -337,9 +337,11 @@ class PyShadows:
 
 
 try:
-    from hicached.cache._shadows import Shadows as Shadows
+    from hicached.cache import _shadows
 except ImportError:  # not built: the same in Python
-    Shadows = PyShadows  # type: ignore[misc,assignment]
+    Shadows: type[_shadows.Shadows] | type[PyShadows] = PyShadows
+else:
+    Shadows = _shadows.Shadows
 
 
 class _Shadows:
@@ -356,7 +358,7 @@ class _Shadows:
         self._room = 1
         """The most ids each shadow can hold (more: resampled)."""
         self._limit = 0
-        self._shadows: Shadows | PyShadows = Shadows(THETAS, 1)
+        self._shadows: _shadows.Shadows | PyShadows = Shadows(THETAS, 1)
         self._scores: list[float] = []
         self._decay = 1.0
 
