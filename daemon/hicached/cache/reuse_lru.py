@@ -46,7 +46,6 @@ Primitives:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -184,52 +183,20 @@ class ReuseLRU:
         victim order. ``used``, if given, gets each popped key's last wall time."""
         out: list[bytes] = []
         lasts: list[float] = []
-        if busy:
-            passed: list[tuple[bytes, float]] = []
-            for key, last in self._order():
-                if len(out) == n:
-                    break
-                if key in busy:
-                    passed.append((key, last))
-                    continue
-                out.append(key)
-                lasts.append(last)
-            for key, last in passed[:n - len(out)]:
-                out.append(key)
-                lasts.append(last)
-            for key in out:
-                self.discard(key)
-        else:  # the two queues merged from their heads, then the taken heads popped
-            once, reused = self._once, self._reused
-            margin = self._margin()
-            first = list(itertools.islice(once.items(), n))
-            if len(first) == n and (not reused or first[-1][1][0]
-                                    <= next(iter(reused.values()))[0] + margin):
-                # all from the once queue (the common case): no merge
-                for _ in range(n):
-                    once.popitem(last=False)
-                out = [k for k, _ in first]
-                lasts = [e[1] for _, e in first]
-                return self._evicted(out, lasts, used)
-            it_a, it_b = iter(once.items()), iter(reused.items())
-            a, b = next(it_a, None), next(it_b, None)
-            from_once = 0
-            while len(out) < n:
-                if a is not None and (b is None or a[1][0] <= b[1][0] + margin):
-                    out.append(a[0])
-                    lasts.append(a[1][1])
-                    from_once += 1
-                    a = next(it_a, None)
-                elif b is not None:
-                    out.append(b[0])
-                    lasts.append(b[1][1])
-                    b = next(it_b, None)
-                else:
-                    break
-            for _ in range(from_once):
-                once.popitem(last=False)
-            for _ in range(len(out) - from_once):
-                reused.popitem(last=False)
+        passed: list[tuple[bytes, float]] = []
+        for key, last in self._order():
+            if len(out) == n:
+                break
+            if busy and key in busy:
+                passed.append((key, last))
+                continue
+            out.append(key)
+            lasts.append(last)
+        for key, last in passed[:n - len(out)]:
+            out.append(key)
+            lasts.append(last)
+        for key in out:
+            self.discard(key)
         return self._evicted(out, lasts, used)
 
     def _evicted(self, out: list[bytes], lasts: list[float],
