@@ -433,3 +433,24 @@ def test_on_the_shared_trace_it_is_above_lru_arc_and_s3fifo() -> None:
             best = max(lru, replay(Arc(cap), requests, uses).rate,
                        replay(S3Fifo(cap), requests, uses).rate)
             assert ours > best, (share, ours, best)
+
+
+def test_a_promoted_page_enters_as_used_and_outlives_the_pool_s_older_pages(
+        pool: HostPool) -> None:
+    """A promotion reads a page up for a load: it enters as used, the most recent, so that
+    with a large margin a Store right after does not evict it before its load (or its hold)
+    takes it, as it would a page stored and not used since."""
+    cache = PoolCache(pool, eviction="reuse")
+    old = [b"old%d" % i for i in range(CAP - 2)]
+    for k in old:  # stored, then loaded: reused
+        t = cache.begin_store([k])
+        cache.finish_store(t, True)
+        cache.finish_load(cache.begin_load([k]))
+    cache._evictable._shadows.theta = THETAS[-1]  # used pages kept far longer
+    up = cache.begin_store([b"up0", b"up1"], "promotion")
+    cache.finish_store(up, True)
+    t = cache.begin_store([b"new"])  # the pool is full: one page must go
+    cache.finish_store(t, True)
+    ready = set(cache.snapshot())
+    assert {b"up0", b"up1", b"new"} <= ready
+    assert len(ready - set(old)) == 3 and len(set(old) - ready) == 1

@@ -36,6 +36,9 @@ class StoreTicket:
     chain: bool = True
     """Whether ``keys`` are one chain in order (a Store's; a promotion's are not): what the
     STORED event says of keys the pool's chain table does not know."""
+    reason: str = "store"
+    """What asked for the pages (``begin_store``'s ``reason``): a promotion's keys are read
+    up for a load, so they enter the eviction policy as used (``back``), not as new."""
 
 
 class LowerTier(Protocol):

@@ -295,7 +295,8 @@ class PoolCache:
                 status[i] = NO_SPACE
             self.stats.already_present += status.count(PRESENT)
             self.stats.no_space += len(new) - grant
-        return StoreTicket(keys, status, np.asarray(new[:grant], dtype=np.int64), pages)
+        return StoreTicket(keys, status, np.asarray(new[:grant], dtype=np.int64), pages,
+                           reason=reason)
 
     def finish_store(self, ticket: StoreTicket, ok: bool | Sequence[bool]) -> None:
         """The copy of ``ticket.pages`` completed (``ok``) or failed; or, one bool per page,
@@ -331,7 +332,10 @@ class PoolCache:
                 done = np.asarray(oks, dtype=bool)
                 self._alloc.release(ticket.pages[done], write=True, layers=self._all_layers)
                 self._alloc.release(ticket.pages[~done], write=True)
-            self._evictable.add(stored, now)
+            if ticket.reason == "promotion":  # read up for a load: used, the most recent
+                self._evictable.back(stored, now)
+            else:
+                self._evictable.add(stored, now)
             self.slots.ready(stored_pages, stored)  # their bytes are complete: a restart keeps them
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
