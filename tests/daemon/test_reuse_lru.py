@@ -446,7 +446,9 @@ def test_a_promoted_page_enters_as_used_and_outlives_the_pool_s_older_pages(
         t = cache.begin_store([k])
         cache.finish_store(t, True)
         cache.finish_load(cache.begin_load([k]))
-    cache._evictable._shadows.theta = THETAS[-1]  # used pages kept far longer
+    policy = cache._evictable
+    assert isinstance(policy, ReuseLRU)
+    policy._shadows.theta = THETAS[-1]  # used pages kept far longer
     up = cache.begin_store([b"up0", b"up1"], "promotion")
     cache.finish_store(up, True)
     t = cache.begin_store([b"new"])  # the pool is full: one page must go
