@@ -21,7 +21,7 @@ NATIVE = [
     ("hicache._poll", ["clients/python/hicache/csrc/poll.c"], [],
      ["-O2", "-pthread", "-std=c11"], ["-pthread"]),
     ("hicached.cache._shadows", ["daemon/hicached/cache/csrc/shadows.c"], [],
-     ["-O2", "-std=c11"], []),
+     ["-O2", "-pthread", "-std=c11"], ["-pthread"]),
 ]
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ of the candidates.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -363,21 +367,84 @@ def test_the_native_shadows_are_built() -> None:
 
 
 @given(st.lists(st.lists(st.integers(0, 40), max_size=8), max_size=60),
-       st.lists(st.integers(1, 12), min_size=1, max_size=4))
+       st.lists(st.integers(1, 12), min_size=1, max_size=4), st.sampled_from([0, 1, 5]))
 @settings(max_examples=300, deadline=None)
 def test_the_native_shadows_hit_what_the_python_ones_hit(batches: list[list[int]],
-                                                         capacities: list[int]) -> None:
-    """The C shadows against their Python reference, batch by batch, on small id sets (hits,
-    evictions and ghost returns all happen), capacities changing between batches."""
-    native = reuse_lru.Shadows(THETAS, 12)
-    python = reuse_lru.PyShadows(THETAS, 12)
+                                                         capacities: list[int],
+                                                         lag: int) -> None:
+    """The C shadows (on their thread when lag > 0) against their Python reference, batch by
+    batch, on small id sets (hits, evictions and ghost returns all happen), capacities
+    changing between batches: the same results, returned at the same submits."""
+    native = reuse_lru.Shadows(THETAS, 12, lag)
+    python = reuse_lru.PyShadows(THETAS, 12, lag)
+    assert native.lag == python.lag == lag
     for n, ids in enumerate(batches):
         capacity = capacities[n % len(capacities)]
         native.set_capacity(capacity)
         python.set_capacity(capacity)
-        assert native.access(ids) == python.access(ids), n
+        got = native.submit(ids)
+        assert got == python.submit(ids), n
+        assert len(got) == (n + 1 > lag)
         for i in range(len(THETAS)):
             assert native.held(i) == python.held(i)
+
+
+@given(st.lists(st.lists(st.integers(0, 200), max_size=16), min_size=1, max_size=200))
+@settings(max_examples=40, deadline=None)
+def test_the_shadows_thread_returns_what_replaying_inline_returns(
+        batches: list[list[int]]) -> None:
+    """A lag changes when results come back, never what they are: a thread's run against
+    the inline one, with no look at the state between submits (the thread runs free)."""
+    inline = reuse_lru.Shadows(THETAS, 64)
+    threaded = reuse_lru.Shadows(THETAS, 64, 7)
+    want = [r for ids in batches for r in inline.submit(ids)]
+    got = [r for ids in batches for r in threaded.submit(ids)]
+    assert got == want[:len(got)] and len(got) == max(len(batches) - 7, 0)
+    assert [threaded.held(i) for i in range(len(THETAS))] == \
+        [inline.held(i) for i in range(len(THETAS))]
+
+
+def test_a_submit_waits_for_a_thread_lag_batches_behind_and_no_longer() -> None:
+    """The thread stopped between batches: submits within the lag return at once, the one
+    past it waits (other threads run meanwhile), and returns what is due once the thread
+    goes on."""
+    shadows = reuse_lru.Shadows(THETAS, 16, 2)
+    assert shadows.pause(True)
+    assert shadows.submit([1, 2]) == [] and shadows.submit([3]) == []
+    got: list[list[tuple[int, ...]]] = []
+    waiter = threading.Thread(target=lambda: got.append(shadows.submit([1])))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and got == []  # waiting, and this thread ran meanwhile
+    assert shadows.pause(False)
+    waiter.join(10)
+    assert got == [[(2,) + (0,) * len(THETAS)]]
+    assert shadows.submit([2]) == [(1,) + (0,) * len(THETAS)]
+    assert shadows.submit([9]) == [(1,) + (1,) * len(THETAS)]  # 1 was held: a hit
+
+
+def test_the_shadows_start_over_inline_in_a_forked_child() -> None:
+    """A fork leaves the thread behind, perhaps in the middle of a batch: the child's
+    shadows start over, empty, replayed on its own thread, the batches queued before the fork
+    returned as results of no ids; the parent's thread goes on as before."""
+    shadows = reuse_lru.Shadows(THETAS, 16, 1)
+    assert shadows.submit([1, 2]) == []
+    pid = os.fork()
+    if pid == 0:  # the child
+        ok = shadows.submit([1]) == [(0,) * (len(THETAS) + 1)] and \
+            shadows.submit([5]) == [(1,) + (0,) * len(THETAS)] and \
+            shadows.held(0) == (2, 0) and not shadows.pause(True)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:  # the child hangs (waiting for a thread it has not)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert shadows.submit([1]) == [(2,) + (0,) * len(THETAS)]
+    assert shadows.held(0) == (1, 1)
 
 
 @given(st.lists(st.binary(max_size=40), max_size=30), st.integers(0, 1 << 32))
@@ -389,23 +456,28 @@ def test_the_native_shadows_sample_keys_as_the_python_ones(keys: list[bytes],
     python = reuse_lru.PyShadows(THETAS, 12)
     assert [native.key_id(k) for k in keys] == [python.key_id(k) for k in keys]
     for _ in range(2):
-        assert native.access_keys(keys, limit) == python.access_keys(keys, limit)
+        assert native.submit_keys(keys, limit) == python.submit_keys(keys, limit)
 
 
 def test_the_native_shadows_refuse_what_they_cannot_hold() -> None:
+    for make in (reuse_lru.Shadows, reuse_lru.PyShadows):
+        for bad_args in ((THETAS, 0), (THETAS, 1 << 25), (THETAS, 8, -1), (THETAS, 8, 5000)):
+            with pytest.raises(ValueError):
+                make(*bad_args)
     native = reuse_lru.Shadows(THETAS, 8)
     for bad in (0, 9):
         with pytest.raises(ValueError):
             native.set_capacity(bad)
     with pytest.raises(OverflowError):
-        native.access([1 << 32])
+        native.submit([1 << 32])
     with pytest.raises(TypeError):
-        native.access(5)  # type: ignore[arg-type]
+        native.submit(5)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        native.access_keys([b"k", "not bytes"], 1 << 32)  # type: ignore[list-item]
-    big = list(range(1000))  # a batch larger than the stack buffer
-    assert native.access(big) == (0,) * len(THETAS)
-    assert native.access(big[:8]) == (8,) * len(THETAS)  # deepest first: the head stays
+        native.submit_keys([b"k", "not bytes"], 1 << 32)  # type: ignore[list-item]
+    assert native.submit_keys([b"k"], 0) == []  # nothing sampled: no batch
+    big = list(range(1000))  # a large batch
+    assert native.submit(big) == [(1000,) + (0,) * len(THETAS)]
+    assert native.submit(big[:8]) == [(8,) + (8,) * len(THETAS)]  # deepest first: head stays
 
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / \

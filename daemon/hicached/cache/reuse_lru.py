@@ -23,7 +23,9 @@ replays a sample of the keys (a 32-bit hash of the key below a limit: ``SAMPLE_P
 them at a time, whatever the pool's size) through one small shadow of the policy per
 candidate in ``THETAS``, each scoring its hits on the sample's loads and stores with a decay;
 the pool moves to the best only when it leads the current one by ``SWITCH_Z`` standard
-deviations of the counts, so it starts as LRU and leaves it only on evidence.
+deviations of the counts, so it starts as LRU and leaves it only on evidence. The shadows
+run off the calls' path: a call hashes its keys and queues the sampled ids, a thread replays
+them, and the scores take each batch's result ``LAG`` sampled batches later.
 
 Measured on public request traces (benchmarks/RESULTS.md, "An eviction policy made for prefix
 caches"): above LRU, ARC and S3-FIFO at every capacity on the shared Mooncake trace, twice
@@ -38,16 +40,21 @@ Primitives:
   ``oldest_use()``, ``len``, ``in`` (the same contract as ``lru.LRU``'s, batches in chain
   order); ``theta`` (the margin now, in capacities). O(1) per key, plus, for the sampled
   keys only, O(1) per candidate.
-- ``Shadows(thetas, max_capacity)``: one shadow per margin (``set_capacity``, ``access(ids)``
-  -> hits per shadow, ``held(i)``), in C (``_shadows``, a few hash probes per sampled key and
-  shadow) or, where that is not built, ``PyShadows``, the same in Python and its reference.
-- ``THETAS``, ``SAMPLE_PAGES``, ``GHOST``, ``HALF_LIFE``, ``SWITCH_Z``: the constants above.
+- ``Shadows(thetas, max_capacity, lag)``: one shadow per margin, a stream of
+  ``set_capacity(c)`` and batches (``submit(ids)``, ``submit_keys(keys, limit)``), each
+  submit returning the results (ids, hits per shadow) of the batches ``lag`` before it, and
+  ``held(i)``; in C (``_shadows``: replayed on a thread of its own, a few hash probes per
+  sampled key and shadow) or, where that is not built, ``PyShadows``, the same in Python (on
+  the caller's thread) and its reference. The results trail by a fixed count of batches, not
+  by the thread's pace, so what a pool learns, and when, is the same either way.
+- ``THETAS``, ``SAMPLE_PAGES``, ``GHOST``, ``HALF_LIFE``, ``SWITCH_Z``, ``LAG``: the constants
+  above.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 THETAS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -61,6 +68,10 @@ HALF_LIFE = 64.0
 accesses."""
 SWITCH_Z = 4.0
 """How many standard deviations a candidate's score must lead the current one's by."""
+LAG = 64
+"""How many sampled batches the shadows' results may trail the pool's calls by: they are
+replayed on a thread of their own, off the calls' path, and a call waits for that thread only
+when it is this far behind (a call's keys are then hashed and queued, no more)."""
 _HASH_SPACE = 1 << 32
 
 
@@ -266,12 +277,20 @@ class _Shadow:
 
 class PyShadows:
     """``_shadows.Shadows`` in Python (its reference, and where the C module is missing): one
-    ``_Shadow`` per margin."""
+    ``_Shadow`` per margin, replayed on the caller's thread, its results returned ``lag``
+    batches late as the C ones are."""
 
-    def __init__(self, thetas: Sequence[float], max_capacity: int) -> None:
+    def __init__(self, thetas: Sequence[float], max_capacity: int, lag: int = 0) -> None:
+        if not 1 <= max_capacity <= 1 << 24:
+            raise ValueError("max_capacity is 1 to 2**24")
+        if not 0 <= lag <= 4096:
+            raise ValueError("lag is 0 to 4096 batches")
         self._max = max_capacity
+        self.lag = lag
         self._shadows = [_Shadow(theta) for theta in thetas]
-        self.set_capacity(max_capacity)
+        self._pending: deque[tuple[int, ...]] = deque()
+        for s in self._shadows:
+            s.capacity = max_capacity
 
     def set_capacity(self, capacity: int) -> None:
         if not 1 <= capacity <= self._max:
@@ -279,12 +298,17 @@ class PyShadows:
         for s in self._shadows:
             s.capacity = capacity
 
-    def access(self, ids: Sequence[int]) -> tuple[int, ...]:
-        return tuple(s.access(list(ids)) for s in self._shadows)
+    def submit(self, ids: Sequence[int]) -> list[tuple[int, ...]]:
+        ids = list(ids)
+        if any(not 0 <= i < _HASH_SPACE for i in ids):
+            raise OverflowError("an id over 32 bits")
+        self._pending.append((len(ids), *(s.access(ids) for s in self._shadows)))
+        due = len(self._pending) - self.lag
+        return [self._pending.popleft() for _ in range(max(due, 0))]
 
-    def access_keys(self, keys: Sequence[bytes], limit: int) -> tuple[int, ...] | None:
+    def submit_keys(self, keys: Sequence[bytes], limit: int) -> list[tuple[int, ...]]:
         ids = [i for i in map(self.key_id, keys) if i < limit]
-        return (len(ids), *self.access(ids)) if ids else None
+        return self.submit(ids) if ids else []
 
     @staticmethod
     def key_id(key: bytes) -> int:
@@ -297,6 +321,10 @@ class PyShadows:
         h ^= h >> 15
         h = (h * 0x846CA68B) & 0xFFFFFFFF
         return h ^ (h >> 16)
+
+    def pause(self, on: bool) -> bool:
+        """No thread to pause: False."""
+        return False
 
     def held(self, i: int) -> tuple[int, int]:
         s = self._shadows[i]
@@ -326,6 +354,7 @@ class _Shadows:
         """The most ids each shadow can hold (more: resampled)."""
         self._limit = 0
         self._shadows: _shadows.Shadows | PyShadows = Shadows(THETAS, 1)
+        """Made again (with a thread of its own) at the first ``feed``."""
         self._scores: list[float] = []
         self._decay = 1.0
 
@@ -345,7 +374,7 @@ class _Shadows:
         size = max(round(capacity * self._rate), 1)
         # room to double (a growing pool), not more: small tables stay in the CPU's caches
         self._room = min(2 * size, 2 * SAMPLE_PAGES)
-        self._shadows = Shadows(THETAS, self._room)
+        self._shadows = Shadows(THETAS, self._room, LAG)
         self._shadows.set_capacity(size)
         self._scores = [0.0] * len(THETAS)
         self._decay = 0.5 ** (1.0 / (HALF_LIFE * size))
@@ -354,9 +383,11 @@ class _Shadows:
         """``keys`` (chain order) were stored or loaded in a pool of ``capacity`` pages."""
         if capacity != self._capacity:
             self._resize(capacity)
-        got = self._shadows.access_keys(keys, self._limit)
-        if got is None:
-            return
+        for got in self._shadows.submit_keys(keys, self._limit):
+            self._score(got)
+
+    def _score(self, got: tuple[int, ...]) -> None:
+        """One batch's result: ``got[0]`` ids sampled, then each candidate's hits."""
         scores = self._scores
         fade = self._decay ** got[0]
         for i, hits in enumerate(got[1:]):

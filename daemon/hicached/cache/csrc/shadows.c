@@ -1,21 +1,35 @@
 /* hicached.cache._shadows: the reuse eviction policy's shadows (reuse_lru._Shadow), several
- * margins at once, in C: a sampled key costs each shadow a few hash probes here instead of a
- * few dictionary updates in Python.
+ * margins at once, in C, on a thread of their own: a pool's call only hashes its keys and
+ * queues the sampled ids; the shadows replay them off the call's path, with the GIL free.
  *
- * Shadows(thetas, max_capacity): one shadow per margin, each holding at most max_capacity
- * ids. set_capacity(c) (1 <= c <= max_capacity: evicts lazily, on the next store, as the
- * Python shadow does); access(ids) -> tuple of hits, one per shadow. Semantics are exactly
- * reuse_lru._Shadow's (tests/daemon/test_reuse_lru.py compares them on random streams): two
- * queues, oldest first (used once, reused); a batch's ids get the batch's time and are taken
- * deepest first; a held id is a hit and moves to reused; a missing one is stored (evicting
- * while full: the once head unless the reused head plus theta * capacity is older), as reused
- * if its id is in the ghost (the last GHOST * capacity ids evicted), else as used once.
+ * Shadows(thetas, max_capacity, lag=0): one shadow per margin, each holding at most
+ * max_capacity ids. A stream of events, replayed in order: set_capacity(c) (1 <= c <=
+ * max_capacity: evicts lazily, on the next store, as the Python shadow does) and batches,
+ * submit(ids) or submit_keys(keys, limit) (the keys' ids below limit; none: no batch). Each
+ * batch's result is (ids, hits per shadow...); a submit returns, oldest first, the results of
+ * every batch up to lag batches before it not yet returned, waiting (the GIL released) while
+ * the thread has not replayed them: so what a caller learns is the same whatever the
+ * thread's pace, and the thread trails the calls by at most lag batches. With lag 0 there is
+ * no thread: a submit replays its batch and returns its result. held(i) waits until every
+ * batch is replayed. Where the thread cannot start the batches are replayed inline, with the
+ * same results. A child process after a fork has no thread (and the parent's may have been
+ * in the middle of a batch): its shadows start over, empty, replayed inline, and the batches
+ * queued before the fork come back as results of no ids.
+ *
+ * The shadow's semantics are exactly reuse_lru._Shadow's (tests/daemon/test_reuse_lru.py
+ * compares them on random streams, and PyShadows is this object in Python): two queues,
+ * oldest first (used once, reused); a batch's ids get the batch's time and are taken deepest
+ * first; a held id is a hit and moves to reused; a missing one is stored (evicting while
+ * full: the once head unless the reused head plus theta * capacity is older), as reused if its
+ * id is in the ghost (the last GHOST * capacity ids evicted), else as used once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #define GHOST 4
 #define NIL (-1)
@@ -101,13 +115,6 @@ typedef struct {
     int64_t *ring_stamp;
     int64_t ring_size, ring_head, ring_len, live, stamp;
 } Shadow;
-
-typedef struct {
-    PyObject_HEAD
-    Py_ssize_t count;
-    int64_t capacity, max_capacity;
-    Shadow *shadows;
-} ShadowsObject;
 
 static uint32_t pow2_at_least(int64_t n) {
     uint32_t p = 16;
@@ -223,25 +230,201 @@ static int64_t shadow_access(Shadow *s, const uint32_t *ids, Py_ssize_t n, int64
     return hits;
 }
 
+/* One queued event: a batch of n sampled ids, or (n < 0) a new capacity. */
+typedef struct Batch {
+    struct Batch *next;
+    Py_ssize_t n;
+    int64_t capacity;
+    uint32_t ids[];
+} Batch;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t count;
+    int64_t max_capacity;
+    int64_t capacity;           /* the replay's: set by the events, in order */
+    int64_t last_capacity;      /* the stream's: the last set_capacity */
+    int64_t lag;
+    Shadow *shadows;
+    /* the queue and the results, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t work, done_cv;
+    Batch *qhead, *qtail;
+    int64_t submitted;          /* batches queued so far */
+    int64_t done;               /* batches replayed */
+    int64_t returned;           /* batches whose results went back */
+    int64_t *results;           /* ring of ring_len results, count + 1 values each */
+    int64_t ring_len;
+    int stop, paused, threaded, sync_init;
+    pthread_t thread;
+    pid_t pid;
+} ShadowsObject;
+
+static void replay(ShadowsObject *self, Batch *b) {
+    if (b->n < 0) { self->capacity = b->capacity; return; }
+    int64_t *r = &self->results[(self->done % self->ring_len) * (self->count + 1)];
+    r[0] = b->n;
+    for (Py_ssize_t i = 0; i < self->count; i++)
+        r[i + 1] = shadow_access(&self->shadows[i], b->ids, b->n, self->capacity);
+}
+
+static void *worker(void *arg) {
+    ShadowsObject *self = arg;
+    pthread_mutex_lock(&self->mu);
+    while (1) {
+        while ((!self->qhead || self->paused) && !self->stop)
+            pthread_cond_wait(&self->work, &self->mu);
+        if (!self->qhead) break;  /* stopped, nothing left */
+        Batch *b = self->qhead;
+        self->qhead = b->next;
+        if (!self->qhead) self->qtail = NULL;
+        pthread_mutex_unlock(&self->mu);
+        replay(self, b);  /* the shadows and capacity are this thread's alone */
+        pthread_mutex_lock(&self->mu);
+        if (b->n >= 0) { self->done++; pthread_cond_broadcast(&self->done_cv); }
+        free(b);
+    }
+    pthread_mutex_unlock(&self->mu);
+    return NULL;
+}
+
+/* Replay whatever is queued on the calling thread (no worker runs). */
+static void drain_inline(ShadowsObject *self) {
+    while (self->qhead) {
+        Batch *b = self->qhead;
+        self->qhead = b->next;
+        if (!self->qhead) self->qtail = NULL;
+        replay(self, b);
+        if (b->n >= 0) self->done++;
+        free(b);
+    }
+}
+
+/* After a fork the worker is gone, perhaps in the middle of a batch (mu held, a shadow half
+ * updated): the child's shadows start over, empty, replayed inline from here; the batches
+ * queued before the fork and not yet returned come back as results of no ids. 0, or -1
+ * with a Python error set. */
+static int adopt_after_fork(ShadowsObject *self) {
+    if (!self->threaded || self->pid == getpid()) return 0;
+    pthread_mutex_init(&self->mu, NULL);
+    pthread_cond_init(&self->work, NULL);
+    pthread_cond_init(&self->done_cv, NULL);
+    self->threaded = 0; self->paused = 0; self->pid = getpid();
+    self->qhead = self->qtail = NULL;  /* the parent's: left to it */
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        double theta = self->shadows[i].theta;
+        shadow_free(&self->shadows[i]);
+        if (shadow_init(&self->shadows[i], theta, self->max_capacity) < 0) {
+            for (Py_ssize_t j = 0; j <= i; j++) shadow_free(&self->shadows[j]);
+            free(self->shadows);
+            self->shadows = NULL; self->count = 0;
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    for (int64_t k = self->returned; k < self->submitted; k++)
+        memset(&self->results[(k % self->ring_len) * (self->count + 1)], 0,
+               (size_t)(self->count + 1) * sizeof(int64_t));
+    self->done = self->submitted;
+    self->capacity = self->last_capacity;
+    return 0;
+}
+
+static void enqueue(ShadowsObject *self, Batch *b) {
+    b->next = NULL;
+    if (!self->threaded) {
+        int batch = b->n >= 0;
+        self->qhead = self->qtail = b;
+        drain_inline(self);  /* frees b */
+        if (batch) self->submitted++;
+        return;
+    }
+    pthread_mutex_lock(&self->mu);
+    if (self->qtail) self->qtail->next = b; else self->qhead = b;
+    self->qtail = b;
+    if (b->n >= 0) self->submitted++;
+    /* Waking a sleeping thread costs the caller microseconds (an interrupt to another CPU,
+     * dearer still in a VM): it is woken once half the lag is queued, and then replays all
+     * there is; a submit waiting on it, or held(), wakes it at once. */
+    if (self->submitted - self->done >= (self->lag + 1) / 2) pthread_cond_signal(&self->work);
+    pthread_mutex_unlock(&self->mu);
+}
+
+/* Wait until batch `upto` (exclusive count) is replayed; the GIL is released while waiting. */
+static void wait_done(ShadowsObject *self, int64_t upto) {
+    if (!self->threaded) return;
+    pthread_mutex_lock(&self->mu);
+    if (self->done < upto) {
+        pthread_cond_signal(&self->work);
+        Py_BEGIN_ALLOW_THREADS
+        while (self->done < upto) pthread_cond_wait(&self->done_cv, &self->mu);
+        Py_END_ALLOW_THREADS
+    }
+    pthread_mutex_unlock(&self->mu);
+}
+
+/* The results of the batches due (up to `submitted - lag`), oldest first, as a list. */
+static PyObject *collect(ShadowsObject *self) {
+    int64_t due = self->submitted - self->lag;
+    if (due < self->returned) due = self->returned;
+    wait_done(self, due);
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (; self->returned < due; self->returned++) {
+        const int64_t *r = &self->results[(self->returned % self->ring_len) * (self->count + 1)];
+        PyObject *t = PyTuple_New(self->count + 1);
+        if (!t) { Py_DECREF(out); return NULL; }
+        for (Py_ssize_t i = 0; i <= self->count; i++) {
+            PyObject *v = PyLong_FromLongLong(r[i]);
+            if (!v) { Py_DECREF(t); Py_DECREF(out); return NULL; }
+            PyTuple_SET_ITEM(t, i, v);
+        }
+        if (PyList_Append(out, t) < 0) { Py_DECREF(t); Py_DECREF(out); return NULL; }
+        Py_DECREF(t);
+    }
+    return out;
+}
+
 static void Shadows_dealloc(ShadowsObject *self) {
+    if (self->threaded && self->pid == getpid()) {
+        pthread_mutex_lock(&self->mu);
+        self->stop = 1;
+        pthread_cond_signal(&self->work);
+        pthread_mutex_unlock(&self->mu);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(self->thread, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    while (self->qhead) { Batch *b = self->qhead; self->qhead = b->next; free(b); }
+    if (self->sync_init && !(self->threaded && self->pid != getpid())) {
+        pthread_mutex_destroy(&self->mu);
+        pthread_cond_destroy(&self->work);
+        pthread_cond_destroy(&self->done_cv);
+    }
     if (self->shadows) {
         for (Py_ssize_t i = 0; i < self->count; i++) shadow_free(&self->shadows[i]);
         free(self->shadows);
     }
+    free(self->results);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int Shadows_init(ShadowsObject *self, PyObject *args, PyObject *kwds) {
-    (void)kwds;
+    static char *kwlist[] = {"thetas", "max_capacity", "lag", NULL};
     PyObject *thetas;
-    long long maxcap;
-    if (!PyArg_ParseTuple(args, "OL", &thetas, &maxcap)) return -1;
+    long long maxcap, lag = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OL|L", kwlist, &thetas, &maxcap, &lag))
+        return -1;
     if (self->shadows) {
         PyErr_SetString(PyExc_RuntimeError, "Shadows are initialized once");
         return -1;
     }
     if (maxcap < 1 || maxcap > (1LL << 24)) {
         PyErr_SetString(PyExc_ValueError, "max_capacity is 1 to 2**24");
+        return -1;
+    }
+    if (lag < 0 || lag > 4096) {
+        PyErr_SetString(PyExc_ValueError, "lag is 0 to 4096 batches");
         return -1;
     }
     PyObject *seq = PySequence_Fast(thetas, "thetas: a sequence of floats");
@@ -260,7 +443,20 @@ static int Shadows_init(ShadowsObject *self, PyObject *args, PyObject *kwds) {
     }
     Py_DECREF(seq);
     self->max_capacity = maxcap;
-    self->capacity = maxcap;
+    self->capacity = self->last_capacity = maxcap;
+    self->lag = lag;
+    self->ring_len = lag + 2;  /* results not yet returned: at most lag + 1 */
+    self->results = calloc((size_t)self->ring_len * (size_t)(count + 1), sizeof(int64_t));
+    if (!self->results) { PyErr_NoMemory(); return -1; }
+    if (pthread_mutex_init(&self->mu, NULL) || pthread_cond_init(&self->work, NULL)
+        || pthread_cond_init(&self->done_cv, NULL)) {
+        PyErr_SetString(PyExc_OSError, "cannot make the shadows' lock");
+        return -1;
+    }
+    self->sync_init = 1;
+    self->pid = getpid();
+    /* lag 0, or no thread to be had: replayed inline, the same results */
+    self->threaded = lag > 0 && pthread_create(&self->thread, NULL, worker, self) == 0;
     return 0;
 }
 
@@ -271,36 +467,41 @@ static PyObject *Shadows_set_capacity(ShadowsObject *self, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "capacity is 1 to max_capacity");
         return NULL;
     }
-    self->capacity = c;
+    Batch *b = malloc(sizeof(Batch));
+    if (!b) return PyErr_NoMemory();
+    b->n = -1; b->capacity = c;
+    if (adopt_after_fork(self) < 0) { free(b); return NULL; }
+    self->last_capacity = c;
+    enqueue(self, b);
     Py_RETURN_NONE;
 }
 
-static PyObject *Shadows_access(ShadowsObject *self, PyObject *arg) {
+static Batch *new_batch(Py_ssize_t n) {
+    Batch *b = malloc(sizeof(Batch) + (size_t)(n ? n : 1) * sizeof(uint32_t));
+    if (b) { b->n = n; b->capacity = 0; }
+    return b;
+}
+
+static PyObject *Shadows_submit(ShadowsObject *self, PyObject *arg) {
     PyObject *seq = PySequence_Fast(arg, "ids: a sequence of 32-bit ints");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    uint32_t stack[256];
-    uint32_t *ids = n <= 256 ? stack : malloc((size_t)n * sizeof(uint32_t));
-    if (!ids) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    Batch *b = new_batch(n);
+    if (!b) { Py_DECREF(seq); return PyErr_NoMemory(); }
     for (Py_ssize_t k = 0; k < n; k++) {
         unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, k));
         if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xffffffffUL) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "an id over 32 bits");
-            if (ids != stack) free(ids);
+            free(b);
             Py_DECREF(seq);
             return NULL;
         }
-        ids[k] = (uint32_t)v;
+        b->ids[k] = (uint32_t)v;
     }
     Py_DECREF(seq);
-    PyObject *out = PyTuple_New(self->count);
-    if (!out) { if (ids != stack) free(ids); return NULL; }
-    for (Py_ssize_t i = 0; i < self->count; i++) {
-        int64_t h = shadow_access(&self->shadows[i], ids, n, self->capacity);
-        PyTuple_SET_ITEM(out, i, PyLong_FromLongLong(h));
-    }
-    if (ids != stack) free(ids);
-    return out;
+    if (adopt_after_fork(self) < 0) { free(b); return NULL; }
+    enqueue(self, b);
+    return collect(self);
 }
 
 /* FNV-1a over the key's bytes, then mix: the id a key is sampled and known by */
@@ -310,38 +511,32 @@ static uint32_t key_hash(const unsigned char *p, Py_ssize_t n) {
     return mix(h);
 }
 
-static PyObject *Shadows_access_keys(ShadowsObject *self, PyObject *args) {
+static PyObject *Shadows_submit_keys(ShadowsObject *self, PyObject *args) {
     PyObject *keys;
     unsigned long long limit;
     if (!PyArg_ParseTuple(args, "OK", &keys, &limit)) return NULL;
     PyObject *seq = PySequence_Fast(keys, "keys: a sequence of bytes");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), m = 0;
-    uint32_t stack[256];
-    uint32_t *ids = n <= 256 ? stack : malloc((size_t)n * sizeof(uint32_t));
-    if (!ids) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    Batch *b = new_batch(n);
+    if (!b) { Py_DECREF(seq); return PyErr_NoMemory(); }
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *key = PySequence_Fast_GET_ITEM(seq, k);
         if (!PyBytes_Check(key)) {
             PyErr_SetString(PyExc_TypeError, "keys are bytes");
-            if (ids != stack) free(ids);
+            free(b);
             Py_DECREF(seq);
             return NULL;
         }
         uint32_t h = key_hash((const unsigned char *)PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
-        if ((unsigned long long)h < limit) ids[m++] = h;
+        if ((unsigned long long)h < limit) b->ids[m++] = h;
     }
     Py_DECREF(seq);
-    if (!m) { if (ids != stack) free(ids); Py_RETURN_NONE; }
-    PyObject *out = PyTuple_New(self->count + 1);
-    if (!out) { if (ids != stack) free(ids); return NULL; }
-    PyTuple_SET_ITEM(out, 0, PyLong_FromSsize_t(m));
-    for (Py_ssize_t i = 0; i < self->count; i++) {
-        int64_t h = shadow_access(&self->shadows[i], ids, m, self->capacity);
-        PyTuple_SET_ITEM(out, i + 1, PyLong_FromLongLong(h));
-    }
-    if (ids != stack) free(ids);
-    return out;
+    if (!m) { free(b); return PyList_New(0); }  /* nothing sampled: no batch */
+    b->n = m;
+    if (adopt_after_fork(self) < 0) { free(b); return NULL; }
+    enqueue(self, b);
+    return collect(self);
 }
 
 static PyObject *Shadows_key_id(PyObject *cls, PyObject *arg) {
@@ -355,22 +550,51 @@ static PyObject *Shadows_held(ShadowsObject *self, PyObject *arg) {
     Py_ssize_t i = PyLong_AsSsize_t(arg);
     if (i == -1 && PyErr_Occurred()) return NULL;
     if (i < 0 || i >= self->count) { PyErr_SetString(PyExc_IndexError, "no such shadow"); return NULL; }
+    if (adopt_after_fork(self) < 0) return NULL;
+    wait_done(self, self->submitted);
     Shadow *s = &self->shadows[i];
     return Py_BuildValue("(LL)", (long long)s->n[0], (long long)s->n[1]);
 }
 
+static PyObject *Shadows_pause(ShadowsObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    if (adopt_after_fork(self) < 0) return NULL;
+    if (!self->threaded) Py_RETURN_FALSE;
+    pthread_mutex_lock(&self->mu);
+    self->paused = on;
+    pthread_cond_signal(&self->work);
+    pthread_mutex_unlock(&self->mu);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Shadows_get_lag(ShadowsObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->lag);
+}
+
+static PyGetSetDef Shadows_getset[] = {
+    {"lag", (getter)Shadows_get_lag, NULL,
+     "How many batches a submit's results trail it by.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef Shadows_methods[] = {
-    {"access", (PyCFunction)Shadows_access, METH_O,
-     "access(ids) -> hits per shadow: one batch's sampled ids (chain order) used."},
+    {"submit", (PyCFunction)Shadows_submit, METH_O,
+     "submit(ids) -> [(ids, hits per shadow...)]: one batch's sampled ids (chain order) "
+     "queued; the results due (of the batches up to lag before it), oldest first."},
+    {"submit_keys", (PyCFunction)Shadows_submit_keys, METH_VARARGS,
+     "submit_keys(keys, limit) -> results due: submit() of the ids below limit of the keys, "
+     "or nothing queued and [] when there is none."},
     {"set_capacity", (PyCFunction)Shadows_set_capacity, METH_O,
-     "set_capacity(c): every shadow holds at most c ids from its next store."},
-    {"access_keys", (PyCFunction)Shadows_access_keys, METH_VARARGS,
-     "access_keys(keys, limit) -> None when no key's id is below limit, else (ids sampled, "
-     "hits per shadow...): access() of the sampled keys' ids."},
+     "set_capacity(c): every shadow holds at most c ids from the next batch on."},
     {"key_id", (PyCFunction)Shadows_key_id, METH_O | METH_STATIC,
      "key_id(key) -> the 32-bit id a key is sampled and known by."},
+    {"pause", (PyCFunction)Shadows_pause, METH_O,
+     "pause(on) -> whether there is a thread: it takes no batch while paused (tests use it "
+     "to stop it between batches)."},
     {"held", (PyCFunction)Shadows_held, METH_O,
-     "held(i) -> (used once, reused): the ids shadow i holds."},
+     "held(i) -> (used once, reused): the ids shadow i holds once every batch is replayed."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -380,8 +604,9 @@ static PyTypeObject ShadowsType = {
     .tp_basicsize = sizeof(ShadowsObject),
     .tp_dealloc = (destructor)Shadows_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Shadows(thetas, max_capacity): the reuse policy's shadows, one per margin.",
+    .tp_doc = "Shadows(thetas, max_capacity, lag=0): the reuse policy's shadows, one per margin.",
     .tp_methods = Shadows_methods,
+    .tp_getset = Shadows_getset,
     .tp_init = (initproc)Shadows_init,
     .tp_new = PyType_GenericNew,
 };
