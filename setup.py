@@ -5,9 +5,11 @@
 - ``hicache._poll``, the fast path's poll-before-sleep wait (daemon and client): without it
   they sleep in ``recv`` at once;
 - ``hicached.cache._shadows``, the reuse eviction policy's shadows: without it they run in
-  Python, several times slower per sampled key.
+  Python, on the caller's thread, several times slower per sampled key;
+- ``hicached.cache._queues``, the reuse eviction policy's queues and ghost: without them it
+  keeps its keys in Python dictionaries, slower per key.
 
-The build always tries all three and the test suite asserts they loaded. ``NATIVE`` is also read
+The build always tries all four and the test suite asserts they loaded. ``NATIVE`` is also read
 (as a literal) by scripts/gpu/build_native.py, which builds the same modules without setuptools.
 """
 
@@ -22,6 +24,8 @@ NATIVE = [
      ["-O2", "-pthread", "-std=c11"], ["-pthread"]),
     ("hicached.cache._shadows", ["daemon/hicached/cache/csrc/shadows.c"], [],
      ["-O2", "-pthread", "-std=c11"], ["-pthread"]),
+    ("hicached.cache._queues", ["daemon/hicached/cache/csrc/queues.c"], [], ["-O2", "-std=c11"],
+     []),
 ]
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache.errors import KeyNotFound
-from hicached.cache import reuse_lru
+from hicached.cache import _queues, reuse_lru
 from hicached.cache.holds import Holder, HoldPolicy
 from hicached.cache.index_types import NO_SPACE, STORED
 from hicached.cache.pool_cache import PoolCache
@@ -163,6 +163,122 @@ class PolicyMachine(RuleBasedStateMachine):
 PolicyMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60,
                                            deadline=None)
 test_the_policy_orders_victims_as_its_rule_says = PolicyMachine.TestCase
+
+
+QUEUE_KEYS = [b"q%02d" % i for i in range(30)]
+
+
+class QueuesMachine(RuleBasedStateMachine):
+    """The C queues and ghost against ``PyQueues``, call by call, also out of the pool's
+    contract (keys already held, a key twice in a batch) and with the ghost's bound moving
+    (its tables grow, squeeze and shrink)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.native = _queues.Queues()
+        self.python = reuse_lru.PyQueues()
+        self.wall = 0.0
+
+    def _both(self, verb: str, *args: object) -> object:
+        got = getattr(self.native, verb)(*args)
+        assert got == getattr(self.python, verb)(*args), verb
+        return got
+
+    @rule(verb=st.sampled_from(["add", "back", "touch"]),
+          keys=st.lists(st.sampled_from(QUEUE_KEYS), max_size=8))
+    def batch(self, verb: str, keys: list[bytes]) -> None:
+        self.wall += 0.5
+        self._both(verb, keys, self.wall)
+
+    @rule(key=st.sampled_from(QUEUE_KEYS))
+    def discard(self, key: bytes) -> None:
+        self._both("discard", key)
+
+    @rule(n=st.integers(0, 12), margin=st.sampled_from([0.0, 1.5, 7.0, 1e9]),
+          busy=st.sets(st.sampled_from(QUEUE_KEYS), max_size=6), ask=st.booleans(),
+          bound=st.integers(0, 80))
+    def pop(self, n: int, margin: float, busy: set[bytes], ask: bool, bound: int) -> None:
+        used: tuple[list[float], list[float]] | tuple[None, None] = \
+            ([0.25], [0.25]) if ask else (None, None)
+        got = self.native.pop(n, margin, busy, used[0], bound)
+        assert got == self.python.pop(n, margin, busy, used[1], bound)
+        assert used[0] == used[1]
+        assert self.native.ghost_len() <= bound
+
+    @rule(bad=st.sampled_from([[b"ok", "str"], [b"ok", 5], 7]))
+    def bad_batch_changes_nothing(self, bad: object) -> None:
+        before = self.native.oldest(100, 0.0), self.native.held()
+        for q in (self.native, self.python):
+            with pytest.raises(TypeError):
+                q.add(bad, 0.0)  # type: ignore[arg-type]
+        assert (self.native.oldest(100, 0.0), self.native.held()) == before
+
+    @invariant()
+    def the_same(self) -> None:
+        for margin in (0.0, 3.0, 1e9):
+            assert self.native.oldest(100, margin) == self.python.oldest(100, margin)
+            assert self.native.oldest_use(margin) == self.python.oldest_use(margin)
+        assert self.native.oldest(3, 0.0) == self.python.oldest(3, 0.0)
+        assert self.native.held() == self.python.held()
+        assert self.native.ghost_len() == self.python.ghost_len()
+        assert len(self.native) == len(self.python)
+        for k in QUEUE_KEYS[:6]:
+            assert (k in self.native) == (k in self.python)
+
+
+QueuesMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=80,
+                                           deadline=None)
+test_the_native_queues_do_what_the_python_ones_do = QueuesMachine.TestCase
+
+
+def test_the_native_queues_are_built() -> None:
+    assert reuse_lru.Queues.__module__ == "hicached.cache._queues"  # setup.py builds it
+
+
+def test_the_native_queues_match_python_on_a_long_stream_of_many_keys() -> None:
+    """Tens of thousands of calls over 3,000 keys, the ghost's bound rising and falling
+    (its tables grown, squeezed and given back), against the reference."""
+    rng = random.Random(7)
+    native, python = _queues.Queues(), reuse_lru.PyQueues()
+    keys = [b"k%05d" % i for i in range(3000)]
+    bound = 400
+    for step in range(20_000):
+        if step % 2000 == 0:
+            bound = rng.choice([0, 40, 400, 4000])
+        r = rng.random()
+        batch = rng.sample(keys, rng.randint(1, 64))
+        verb = "add" if r < 0.45 else "back" if r < 0.6 else "touch" if r < 0.75 else ""
+        if verb:
+            getattr(native, verb)(batch, float(step))
+            getattr(python, verb)(batch, float(step))
+        elif r < 0.8:
+            native.discard(batch[0])
+            python.discard(batch[0])
+        else:
+            n, margin = rng.randint(1, 80), rng.choice([0.0, 500.0, 5000.0])
+            busy = set(rng.sample(keys, 20))
+            assert native.pop(n, margin, busy, None, bound) == \
+                python.pop(n, margin, busy, None, bound)
+        if step % 500 == 0:
+            assert native.oldest(10_000, 100.0) == python.oldest(10_000, 100.0)
+            assert native.ghost_len() == python.ghost_len()
+    assert native.held() == python.held()
+    assert 0 < native.nbytes() < 600_000
+
+
+def test_the_native_queues_refuse_what_they_cannot_take() -> None:
+    for q in (_queues.Queues(), reuse_lru.PyQueues()):
+        q.add([b"a", b"b"], 1.0)
+        with pytest.raises(TypeError):
+            q.discard("a")  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            q.touch([b"a", None], 2.0)  # type: ignore[list-item]
+        with pytest.raises(ValueError):
+            q.pop(1, 0.0, (), None, -1)
+        assert q.held() == (2, 0) and q.oldest(5, 0.0) == [b"b", b"a"]
+        assert "a" not in q and b"a" in q
+    with pytest.raises(TypeError):
+        _queues.Queues().pop(1, 0.0, (), (), 4)  # type: ignore[arg-type]
 
 
 def test_a_batch_goes_deepest_first_and_a_reused_page_outlives_a_newer_one() -> None:

@@ -38,8 +38,14 @@ Primitives:
   ready), ``back(keys, now)`` (keys whose readers ended: they were used), ``touch(keys, now)``
   (keys used while evictable), ``discard(key)``, ``pop_oldest(n, busy, used)``, ``oldest(n)``,
   ``oldest_use()``, ``len``, ``in`` (the same contract as ``lru.LRU``'s, batches in chain
-  order); ``theta`` (the margin now, in capacities). O(1) per key, plus, for the sampled
-  keys only, O(1) per candidate.
+  order); ``theta`` (the margin now, in capacities); ``nbytes()``. O(1) per key, plus, for
+  the sampled keys only, O(1) per candidate on the shadows' thread.
+- ``Queues()``: the two queues and the ghost (32-bit ids: the low half of the key's hash),
+  keyed by bytes, with the policy's clock (``add`` / ``back`` / ``touch(keys, wall)``,
+  ``discard``, ``pop(n, margin, busy, used, ghost_bound)``, ``oldest(n, margin)``,
+  ``oldest_use(margin)``, ``held()``, ``ghost_len()``, ``nbytes()``, ``len``, ``in``): in C
+  (``_queues``) or, where that is not built, ``PyQueues``, the same in Python and its
+  reference.
 - ``Shadows(thetas, max_capacity, lag)``: one shadow per margin, a stream of
   ``set_capacity(c)`` and batches (``submit(ids)``, ``submit_keys(keys, limit)``), each
   submit returning the results (ids, hits per shadow) of the batches ``lag`` before it, and
@@ -54,6 +60,7 @@ Primitives:
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -75,67 +82,46 @@ when it is this far behind (a call's keys are then hashed and queued, no more)."
 _HASH_SPACE = 1 << 32
 
 
-class ReuseLRU:
-    """One pool's evictable keys (see the module's docstring); the pool's lock guards it."""
+class PyQueues:
+    """``_queues.Queues`` in Python (its reference, and where the C module is missing): the
+    two queues, each key with (time, wall time), and the ghost of 32-bit ids."""
 
-    def __init__(self, capacity: Callable[[], int]) -> None:
-        self._capacity = capacity
+    def __init__(self) -> None:
         self._once: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         """Keys not used since stored: (time, wall time of the last use), oldest first."""
         self._reused: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         """Keys used again, the same way."""
         self._ghost: OrderedDict[int, None] = OrderedDict()
-        """``hash(key)`` of the keys evicted last, oldest first."""
+        """The ids of the keys evicted last, oldest first."""
         self._time = 0
-        self._shadows = _Shadows()
 
-    @property
-    def theta(self) -> float:
-        return self._shadows.theta
-
-    def __len__(self) -> int:
-        return len(self._once) + len(self._reused)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._once or key in self._reused
-
-    # -- uses ------------------------------------------------------------------------------
-
-    def _clock(self, n: int) -> int:
+    def _entry(self, keys: Sequence[bytes], wall: float) -> tuple[int, float]:
+        if not all(isinstance(k, bytes) for k in keys):
+            raise TypeError("keys are bytes")
         t = self._time
-        self._time = t + n
-        return t
+        self._time = t + len(keys)
+        return t, wall
 
-    def add(self, keys: Sequence[bytes], now: float) -> None:
-        """``keys`` (in chain order, none of them evictable now) became ready: evictable, as
-        used once, unless evicted lately (then as reused)."""
-        entry = (self._clock(len(keys)), now)
+    def add(self, keys: Sequence[bytes], wall: float) -> None:
+        entry = self._entry(keys, wall)
         ghost, once, reused = self._ghost, self._once, self._reused
-        if ghost:
-            for key in reversed(keys):
-                h = hash(key)
-                if h in ghost:
-                    del ghost[h]
-                    reused[key] = entry
-                else:
-                    once[key] = entry
-        else:
-            for key in reversed(keys):
-                once[key] = entry
-        self._shadows.feed(keys, self._capacity())
-
-    def back(self, keys: Sequence[bytes], now: float) -> None:
-        """``keys`` (in chain order, none of them evictable now) are evictable again after
-        being read: used."""
-        entry = (self._clock(len(keys)), now)
-        reused = self._reused
         for key in reversed(keys):
-            reused[key] = entry
-        self._shadows.feed(keys, self._capacity())
+            self.discard(key)
+            h = hash(key) & 0xFFFFFFFF
+            if h in ghost:
+                del ghost[h]
+                reused[key] = entry
+            else:
+                once[key] = entry
 
-    def touch(self, keys: Sequence[bytes], now: float) -> None:
-        """``keys`` (in chain order) were used; those evictable become the most recent."""
-        entry = (self._clock(len(keys)), now)
+    def back(self, keys: Sequence[bytes], wall: float) -> None:
+        entry = self._entry(keys, wall)
+        for key in reversed(keys):
+            self.discard(key)
+            self._reused[key] = entry
+
+    def touch(self, keys: Sequence[bytes], wall: float) -> None:
+        entry = self._entry(keys, wall)
         once, reused = self._once, self._reused
         for key in reversed(keys):
             if key in once:
@@ -147,18 +133,13 @@ class ReuseLRU:
             reused[key] = entry
 
     def discard(self, key: bytes) -> None:
-        """``key`` is no longer evictable (being read, or gone)."""
+        if not isinstance(key, bytes):
+            raise TypeError("keys are bytes")
         if self._once.pop(key, None) is None:
             self._reused.pop(key, None)
 
-    # -- eviction --------------------------------------------------------------------------
-
-    def _margin(self) -> float:
-        return self._shadows.theta * self._capacity()
-
-    def _order(self) -> Iterator[tuple[bytes, float]]:
-        """Every evictable key, first victim first, with its last wall time."""
-        margin = self._margin()
+    def _order(self, margin: float) -> Iterator[tuple[bytes, float]]:
+        """Every key, first victim first, with its wall time."""
         once = iter(self._once.items())
         reused = iter(self._reused.items())
         a = next(once, None)
@@ -172,57 +153,138 @@ class ReuseLRU:
                 yield b[0], b[1][1]
                 b = next(reused, None)
 
-    def oldest(self, n: int) -> list[bytes]:
-        """Up to ``n`` keys in the order they would be evicted, left in place."""
+    def oldest(self, n: int, margin: float) -> list[bytes]:
         out: list[bytes] = []
-        for key, _ in self._order():
-            if len(out) == n:
+        for key, _ in self._order(margin):
+            if len(out) >= n:
                 break
             out.append(key)
         return out
 
+    def oldest_use(self, margin: float) -> float | None:
+        for _, wall in self._order(margin):
+            return wall
+        return None
+
+    def pop(self, n: int, margin: float, busy: Collection[bytes], used: list[float] | None,
+            ghost_bound: int) -> list[bytes]:
+        if ghost_bound < 0:
+            raise ValueError("ghost_bound is not negative")
+        out: list[bytes] = []
+        walls: list[float] = []
+        passed: list[tuple[bytes, float]] = []
+        for key, wall in self._order(margin):
+            if len(out) >= n:
+                break
+            if busy and key in busy:
+                passed.append((key, wall))
+                continue
+            out.append(key)
+            walls.append(wall)
+        for key, wall in passed[:max(n - len(out), 0)]:
+            out.append(key)
+            walls.append(wall)
+        ghost = self._ghost
+        for key in out:
+            self.discard(key)
+            ghost[hash(key) & 0xFFFFFFFF] = None
+        for _ in range(max(len(ghost) - ghost_bound, 0)):
+            ghost.popitem(last=False)
+        if used is not None:
+            used += walls
+        return out
+
+    def held(self) -> tuple[int, int]:
+        return len(self._once), len(self._reused)
+
+    def ghost_len(self) -> int:
+        return len(self._ghost)
+
+    def nbytes(self) -> int:
+        """What its dictionaries hold (not the keys), as ``sys.getsizeof`` counts them."""
+        return sum(sys.getsizeof(d) for d in (self._once, self._reused, self._ghost))
+
+    def __len__(self) -> int:
+        return len(self._once) + len(self._reused)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._once or key in self._reused
+
+
+try:
+    from hicached.cache import _queues
+except ImportError:  # not built: the same in Python
+    Queues: type[_queues.Queues] | type[PyQueues] = PyQueues
+else:
+    Queues = _queues.Queues
+
+
+class ReuseLRU:
+    """One pool's evictable keys (see the module's docstring); the pool's lock guards it."""
+
+    def __init__(self, capacity: Callable[[], int]) -> None:
+        self._capacity = capacity
+        self._queues: _queues.Queues | PyQueues = Queues()
+        self._shadows = _Shadows()
+
+    @property
+    def theta(self) -> float:
+        return self._shadows.theta
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._queues
+
+    # -- uses ------------------------------------------------------------------------------
+
+    def add(self, keys: Sequence[bytes], now: float) -> None:
+        """``keys`` (in chain order, none of them evictable now) became ready: evictable, as
+        used once, unless evicted lately (then as reused)."""
+        self._queues.add(keys, now)
+        self._shadows.feed(keys, self._capacity())
+
+    def back(self, keys: Sequence[bytes], now: float) -> None:
+        """``keys`` (in chain order, none of them evictable now) are evictable again after
+        being read: used."""
+        self._queues.back(keys, now)
+        self._shadows.feed(keys, self._capacity())
+
+    def touch(self, keys: Sequence[bytes], now: float) -> None:
+        """``keys`` (in chain order) were used; those evictable become the most recent."""
+        self._queues.touch(keys, now)
+
+    def discard(self, key: bytes) -> None:
+        """``key`` is no longer evictable (being read, or gone)."""
+        self._queues.discard(key)
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def _margin(self) -> float:
+        return self._shadows.theta * self._capacity()
+
+    def oldest(self, n: int) -> list[bytes]:
+        """Up to ``n`` keys in the order they would be evicted, left in place."""
+        return self._queues.oldest(n, self._margin())
+
     def oldest_use(self) -> float | None:
         """When the next victim was last used (None when there is none)."""
-        for _, last in self._order():
-            return last
-        return None
+        return self._queues.oldest_use(self._margin())
 
     def pop_oldest(self, n: int, busy: Collection[bytes] = (),
                    used: list[float] | None = None) -> list[bytes]:
         """Up to ``n`` victims, removed from the policy, their ids into the ghost. Keys in
         ``busy`` (being spilled) are passed over while others remain, and taken last in
         victim order. ``used``, if given, gets each popped key's last wall time."""
-        out: list[bytes] = []
-        lasts: list[float] = []
-        passed: list[tuple[bytes, float]] = []
-        for key, last in self._order():
-            if len(out) == n:
-                break
-            if busy and key in busy:
-                passed.append((key, last))
-                continue
-            out.append(key)
-            lasts.append(last)
-        for key, last in passed[:n - len(out)]:
-            out.append(key)
-            lasts.append(last)
-        for key in out:
-            self.discard(key)
-        return self._evicted(out, lasts, used)
+        capacity = self._capacity()
+        return self._queues.pop(n, self._shadows.theta * capacity, busy, used,
+                                GHOST * max(capacity, 1))
 
-    def _evicted(self, out: list[bytes], lasts: list[float],
-                 used: list[float] | None) -> list[bytes]:
-        """``out`` left the policy: their ids into the ghost (its oldest out past its
-        bound)."""
-        ghost = self._ghost
-        for key in out:
-            ghost[hash(key)] = None
-        over = len(ghost) - GHOST * max(self._capacity(), 1)
-        for _ in range(max(over, 0)):
-            ghost.popitem(last=False)
-        if used is not None:
-            used += lasts
-        return out
+    def nbytes(self) -> int:
+        """The memory its queues, ghost and shadows hold (the keys themselves not counted:
+        the pool holds them)."""
+        return self._queues.nbytes() + self._shadows.nbytes()
 
 
 class _Shadow:
@@ -326,6 +388,11 @@ class PyShadows:
         """No thread to pause: False."""
         return False
 
+    def nbytes(self) -> int:
+        """What its dictionaries hold, as ``sys.getsizeof`` counts them."""
+        return sum(sys.getsizeof(d) for s in self._shadows
+                   for d in (s._once, s._reused, s._ghost))
+
     def held(self, i: int) -> tuple[int, int]:
         s = self._shadows[i]
         return len(s._once), len(s._reused)
@@ -378,6 +445,9 @@ class _Shadows:
         self._shadows.set_capacity(size)
         self._scores = [0.0] * len(THETAS)
         self._decay = 0.5 ** (1.0 / (HALF_LIFE * size))
+
+    def nbytes(self) -> int:
+        return self._shadows.nbytes()
 
     def feed(self, keys: Sequence[bytes], capacity: int) -> None:
         """``keys`` (chain order) were stored or loaded in a pool of ``capacity`` pages."""

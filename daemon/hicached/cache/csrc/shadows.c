@@ -568,6 +568,18 @@ static PyObject *Shadows_pause(ShadowsObject *self, PyObject *arg) {
     Py_RETURN_TRUE;
 }
 
+static PyObject *Shadows_nbytes(ShadowsObject *self, PyObject *unused) {
+    (void)unused;
+    size_t b = sizeof(*self) + (size_t)self->ring_len * (size_t)(self->count + 1) * sizeof(int64_t);
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        const Shadow *x = &self->shadows[i];
+        b += (size_t)(self->max_capacity + 1) * (sizeof(Entry) + sizeof(int32_t))
+            + (size_t)x->ring_size * (sizeof(uint32_t) + sizeof(int64_t))
+            + ((size_t)x->held.mask + 1 + (size_t)x->ghost.mask + 1) * sizeof(Slot);
+    }
+    return PyLong_FromSize_t(b);
+}
+
 static PyObject *Shadows_get_lag(ShadowsObject *self, void *closure) {
     (void)closure;
     return PyLong_FromLongLong(self->lag);
@@ -593,6 +605,8 @@ static PyMethodDef Shadows_methods[] = {
     {"pause", (PyCFunction)Shadows_pause, METH_O,
      "pause(on) -> whether there is a thread: it takes no batch while paused (tests use it "
      "to stop it between batches)."},
+    {"nbytes", (PyCFunction)Shadows_nbytes, METH_NOARGS,
+     "nbytes() -> the bytes its tables hold."},
     {"held", (PyCFunction)Shadows_held, METH_O,
      "held(i) -> (used once, reused): the ids shadow i holds once every batch is replayed."},
     {NULL, NULL, 0, NULL},
