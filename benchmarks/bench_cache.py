@@ -8,8 +8,9 @@
    handed to a raw Alloc (untimed; the allocator gives the pages freed last first).
 3. Eviction: the cost of a Store that must evict, per evicted page, beside one that finds free
    pages (the index alone).
-4. Index bytes per key (tracemalloc over an index of 100,000 keys), against the estimate the
-   pool table charges the memory budget (``KEY_INDEX_BYTES``).
+4. Index bytes per key (tracemalloc over an index of 100,000 keys, plus the native tables'
+   own count), for each eviction policy, filled and after five more poolfuls stored through
+   it, against the estimate the pool table charges the memory budget (``KEY_INDEX_BYTES``).
 5. Allocator free of 64 pages from a 7M-page pool (target <= 0.1 ms), beside the previous
    allocator's way of freeing (concatenating the whole free list), on the same pool size.
 
@@ -40,6 +41,7 @@ from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec
 from hicached.bench_daemon import start_daemon
 from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
+from hicached.cache.reuse_lru import ReuseLRU
 from hicached.core.allocator import PageAllocator
 from hicached.core.pool import MemoryOptions
 
@@ -62,10 +64,10 @@ def keys_of(prefix: str, n: int) -> list[bytes]:
     return [f"{prefix}-{i:08d}".encode().ljust(32, b".") for i in range(n)]
 
 
-def index_pool(pages: int) -> tuple[HostPool, PoolCache]:
+def index_pool(pages: int, eviction: str = "lru") -> tuple[HostPool, PoolCache]:
     spec = PoolSpec("index", SMALL, 1, Layout.LAYER_FIRST, size_tokens=pages)
     pool = HostPool(spec, MemoryOptions(hugepages=False, reserve_bytes=0))
-    return pool, PoolCache(pool)
+    return pool, PoolCache(pool, eviction=eviction)
 
 
 def fill(cache: PoolCache, keys: list[bytes]) -> None:
@@ -166,15 +168,29 @@ def eviction(reps: int) -> dict[str, Any]:
 
 
 def index_bytes(n: int) -> dict[str, Any]:
-    pool, cache = index_pool(n)
-    keys = keys_of("m", n)  # the keys arrive from the wire either way; not counted
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    fill(cache, keys)
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    pool.close()
-    return {"keys": n, "bytes_per_key": (after - before) / n, "charged": KEY_INDEX_BYTES}
+    """Per key of a full pool of ``n`` pages, for each eviction policy: what filling it
+    costs, and what it holds after five more poolfuls were stored through it (every Store
+    evicting; the ``reuse`` ghost full). Python's allocations by tracemalloc, the native
+    tables' by their own count (``nbytes``: tracemalloc does not see them)."""
+    out: dict[str, Any] = {"keys": n, "charged": KEY_INDEX_BYTES}
+    for name in ("lru", "reuse"):
+        pool, cache = index_pool(n, name)
+        keys = keys_of("m", 6 * n)  # the keys arrive from the wire either way; not counted
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        fill(cache, keys[:n])
+        filled = tracemalloc.get_traced_memory()[0]
+        fill(cache, keys[n:])
+        steady = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        policy = cache._evictable
+        native = policy.nbytes() if isinstance(policy, ReuseLRU) else 0
+        pool.close()
+        out[name] = {"fill_bytes_per_key": (filled - before) / n,
+                         "steady_bytes_per_key": (steady - before + native) / n,
+                         "native_bytes_per_key": native / n}
+    out["bytes_per_key"] = out["lru"]["fill_bytes_per_key"]
+    return out
 
 
 def previous_free(free_list: np.ndarray, head: int, pages: np.ndarray) -> tuple[np.ndarray, int]:
@@ -238,8 +254,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{e['store_free_ms']:.3f} ms into free pages -> {e['eviction_us_per_page']:.2f} us "
           f"per evicted page (index alone)")
     i = report["index"]
-    print(f"index: {i['bytes_per_key']:.0f} bytes per key over {i['keys']:,} keys "
-          f"(the budget charges {i['charged']})")
+    for name in ("lru", "reuse"):
+        r = i[name]
+        print(f"index ({name}): {r['fill_bytes_per_key']:.0f} bytes per key filling "
+              f"{i['keys']:,} pages, {r['steady_bytes_per_key']:.0f} after five poolfuls more "
+              f"(native tables {r['native_bytes_per_key']:.0f}); the budget charges "
+              f"{i['charged']}")
     a = report["allocator"]
     print(f"allocator, {a['pages']:,} pages: free of 64 pages {a['free_64_ms']:.4f} ms vs "
           f"{a['previous_free_64_ms']:.4f} ms for the previous way (concatenating the free "

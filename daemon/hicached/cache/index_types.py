@@ -16,10 +16,13 @@ import numpy as np
 STORED, PRESENT, NO_SPACE = 1, 2, 3
 """Store status bytes: written now, already present (or being written), no page to be had."""
 
-KEY_INDEX_BYTES = 400
-"""Host bytes the index spends per key (dict entries, the key object, LRU node), charged to the
-memory budget for every page of a pool: benchmarks/bench_cache.py measures ~280 with
-tracemalloc for 32-byte keys; longer keys (up to 64 bytes) and dict growth take the rest."""
+KEY_INDEX_BYTES = 560
+"""Host bytes the index spends per key (dict entries, the key object, the eviction policy's
+node and ghost), charged to the memory budget for every page of a pool:
+benchmarks/bench_cache.py measures, per key of a full 100,000-page pool with 32-byte keys,
+283 (LRU) and 177 (reuse) filling it, and 475 and 541 once five more poolfuls went through
+it (the dictionaries at their high-water size; reuse's native queues, ghost of four
+poolfuls' ids and shadows, 245, in that). Longer keys (up to 64 bytes) take the rest."""
 
 
 @dataclass
