@@ -539,6 +539,20 @@ def test_a_submit_waits_for_a_thread_lag_batches_behind_and_no_longer() -> None:
     assert shadows.submit([9]) == [(1,) + (1,) * len(THETAS)]  # 1 was held: a hit
 
 
+def test_the_shadows_thread_blocks_the_process_s_signals() -> None:
+    """A signal to the daemon goes to a thread that handles it, never to the shadows'."""
+    tasks = set(os.listdir("/proc/self/task"))
+    shadows = reuse_lru.Shadows(THETAS, 16, 4)
+    new = set(os.listdir("/proc/self/task")) - tasks
+    assert len(new) == 1
+    status = Path(f"/proc/self/task/{new.pop()}/status").read_text()
+    blocked = int(next(line for line in status.splitlines()
+                       if line.startswith("SigBlk:")).split()[1], 16)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+        assert blocked >> (sig - 1) & 1, sig
+    del shadows
+
+
 def test_the_shadows_start_over_inline_in_a_forked_child() -> None:
     """A fork leaves the thread behind, perhaps in the middle of a batch: the child's
     shadows start over, empty, replayed on its own thread, the batches queued before the fork

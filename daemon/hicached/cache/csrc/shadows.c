@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #define GHOST 4
@@ -455,8 +456,15 @@ static int Shadows_init(ShadowsObject *self, PyObject *args, PyObject *kwds) {
     }
     self->sync_init = 1;
     self->pid = getpid();
-    /* lag 0, or no thread to be had: replayed inline, the same results */
-    self->threaded = lag > 0 && pthread_create(&self->thread, NULL, worker, self) == 0;
+    /* lag 0, or no thread to be had: replayed inline, the same results. The thread blocks
+     * every signal: the process's signals go to the threads that handle them. */
+    if (lag > 0) {
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        self->threaded = pthread_create(&self->thread, NULL, worker, self) == 0;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
     return 0;
 }
 
