@@ -553,6 +553,48 @@ def test_the_shadows_thread_blocks_the_process_s_signals() -> None:
     del shadows
 
 
+def test_a_policy_under_threads_and_resizes_keeps_its_keys() -> None:
+    """Stress: threads drive one policy under a lock (as a pool's calls do) while its size
+    swings past the shadows' room, so shadows (each with its thread) are made and dropped
+    while earlier ones still replay; every key is accounted for at the end."""
+    size = [64]
+    policy = ReuseLRU(lambda: size[0])
+    lock = threading.Lock()
+    held: set[bytes] = set()
+    errors: list[BaseException] = []
+
+    def drive(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for step in range(3000):
+                keys = [b"%d-%d-%d" % (seed, step, i) for i in range(rng.randint(1, 48))]
+                with lock:
+                    if step % 97 == 0:
+                        size[0] = rng.choice([16, 64, 3000, 50_000])
+                    new = [k for k in keys if k not in held]
+                    policy.add(new, float(step))
+                    held.update(new)
+                    over = len(held) - size[0]
+                    if over > 0:
+                        for k in policy.pop_oldest(over):
+                            held.discard(k)
+                    if held and rng.random() < 0.3:
+                        k = next(iter(held))
+                        policy.discard(k)
+                        policy.back([k], float(step))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=drive, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert len(policy) == len(held) and all(k in policy for k in held)
+    assert policy.theta in THETAS
+
+
 def test_the_shadows_start_over_inline_in_a_forked_child() -> None:
     """A fork leaves the thread behind, perhaps in the middle of a batch: the child's
     shadows start over, empty, replayed on its own thread, the batches queued before the fork
