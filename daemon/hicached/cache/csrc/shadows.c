@@ -462,7 +462,11 @@ static int Shadows_init(ShadowsObject *self, PyObject *args, PyObject *kwds) {
         sigset_t all, old;
         sigfillset(&all);
         pthread_sigmask(SIG_SETMASK, &all, &old);
-        self->threaded = pthread_create(&self->thread, NULL, worker, self) == 0;
+        pthread_attr_t attr;  /* a small stack: the replay uses a few hundred bytes */
+        int attr_ok = pthread_attr_init(&attr) == 0;
+        if (attr_ok) pthread_attr_setstacksize(&attr, 256 << 10);
+        self->threaded = pthread_create(&self->thread, attr_ok ? &attr : NULL, worker, self) == 0;
+        if (attr_ok) pthread_attr_destroy(&attr);
         pthread_sigmask(SIG_SETMASK, &old, NULL);
     }
     return 0;
