@@ -22,10 +22,11 @@ NATIVE = [
      ["daemon/hicached/copy/csrc/kernel.h"], ["-O3", "-pthread", "-std=c11"], ["-pthread"]),
     ("hicache._poll", ["clients/python/hicache/csrc/poll.c"], [],
      ["-O2", "-pthread", "-std=c11"], ["-pthread"]),
-    ("hicached.cache._shadows", ["daemon/hicached/cache/csrc/shadows.c"], [],
+    ("hicached.cache._shadows", ["daemon/hicached/cache/csrc/shadows.c"],
+     ["daemon/hicached/cache/csrc/hashing.h"],
      ["-O2", "-pthread", "-std=c11"], ["-pthread"]),
-    ("hicached.cache._queues", ["daemon/hicached/cache/csrc/queues.c"], [], ["-O2", "-std=c11"],
-     []),
+    ("hicached.cache._queues", ["daemon/hicached/cache/csrc/queues.c"],
+     ["daemon/hicached/cache/csrc/hashing.h"], ["-O2", "-std=c11"], []),
 ]
 
 if __name__ == "__main__":

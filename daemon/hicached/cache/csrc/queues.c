@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hashing.h"
+
 #define NIL (-1)
 #define EMPTY UINT32_MAX
 
@@ -57,11 +59,6 @@ typedef struct {
     uint32_t *ring;             /* ghost ids in eviction order; dead ones skipped */
     uint32_t ring_size, ring_head, ring_len, live;
 } QueuesObject;
-
-static uint32_t mix(uint32_t x) {
-    x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
-    return x;
-}
 
 static uint32_t home(Py_hash_t h, uint32_t mask) {
     uint64_t u = (uint64_t)h;
@@ -175,12 +172,6 @@ static void remove_node(QueuesObject *self, int32_t e) {
 }
 
 /* ---- the ghost ------------------------------------------------------------------------ */
-
-static uint32_t pow2_at_least(uint64_t n) {
-    uint32_t p = 16;
-    while ((uint64_t)p < n) p <<= 1;
-    return p;
-}
 
 static GSlot *ghost_find(QueuesObject *self, uint32_t id) {
     if (!self->gslots) return NULL;

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "hashing.h"
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -47,11 +49,6 @@ typedef struct {
     Slot *slots;
     uint32_t mask;
 } Map;
-
-static uint32_t mix(uint32_t x) {
-    x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
-    return x;
-}
 
 static int map_init(Map *m, uint32_t slots) {
     m->mask = slots - 1;
@@ -116,12 +113,6 @@ typedef struct {
     int64_t *ring_stamp;
     int64_t ring_size, ring_head, ring_len, live, stamp;
 } Shadow;
-
-static uint32_t pow2_at_least(int64_t n) {
-    uint32_t p = 16;
-    while ((int64_t)p < n) p <<= 1;
-    return p;
-}
 
 static int shadow_init(Shadow *s, double theta, int64_t maxcap) {
     memset(s, 0, sizeof(*s));
