@@ -342,6 +342,14 @@ static void enqueue(ShadowsObject *self, Batch *b) {
     pthread_mutex_unlock(&self->mu);
 }
 
+/* b into the stream (after a fork: into the child's); 0, or -1 with a Python error set and b
+ * freed. */
+static int push(ShadowsObject *self, Batch *b) {
+    if (adopt_after_fork(self) < 0) { free(b); return -1; }
+    enqueue(self, b);
+    return 0;
+}
+
 /* Wait until batch `upto` (exclusive count) is replayed; the GIL is released while waiting. */
 static void wait_done(ShadowsObject *self, int64_t upto) {
     if (!self->threaded) return;
@@ -473,9 +481,8 @@ static PyObject *Shadows_set_capacity(ShadowsObject *self, PyObject *arg) {
     Batch *b = malloc(sizeof(Batch));
     if (!b) return PyErr_NoMemory();
     b->n = -1; b->capacity = c;
-    if (adopt_after_fork(self) < 0) { free(b); return NULL; }
+    if (push(self, b) < 0) return NULL;
     self->last_capacity = c;
-    enqueue(self, b);
     Py_RETURN_NONE;
 }
 
@@ -502,8 +509,7 @@ static PyObject *Shadows_submit(ShadowsObject *self, PyObject *arg) {
         b->ids[k] = (uint32_t)v;
     }
     Py_DECREF(seq);
-    if (adopt_after_fork(self) < 0) { free(b); return NULL; }
-    enqueue(self, b);
+    if (push(self, b) < 0) return NULL;
     return collect(self);
 }
 
@@ -537,8 +543,7 @@ static PyObject *Shadows_submit_keys(ShadowsObject *self, PyObject *args) {
     Py_DECREF(seq);
     if (!m) { free(b); return PyList_New(0); }  /* nothing sampled: no batch */
     b->n = m;
-    if (adopt_after_fork(self) < 0) { free(b); return NULL; }
-    enqueue(self, b);
+    if (push(self, b) < 0) return NULL;
     return collect(self);
 }
 
