@@ -39,7 +39,9 @@ _hicached_env() {
         return 1
     fi
     if [ "${HICACHED_USE_ACTIVE_PYTHON:-0}" = 1 ]; then
-        _hicached_say "installing into the active Python: $(command -v "$py")"
+        _hicached_say "installing into the active Python: $(command -v "$py") (its own versions" \
+            "kept where they satisfy pyproject.toml; scripts/constraints.txt not applied)"
+        _hicached_pins=()
         return 0
     fi
     if [ ! -x .venv/bin/python3 ]; then
@@ -51,7 +53,9 @@ _hicached_env() {
     fi
     # shellcheck disable=SC1091
     . .venv/bin/activate
-    _hicached_say "installing into $PWD/.venv (HICACHED_USE_ACTIVE_PYTHON=1: the active Python)"
+    _hicached_say "installing into $PWD/.venv (HICACHED_USE_ACTIVE_PYTHON=1: the active Python)" \
+        "at the versions hicached is tested with (scripts/constraints.txt)"
+    _hicached_pins=(-c scripts/constraints.txt)
 }
 
 _hicached_torch() {
@@ -98,7 +102,8 @@ setup_hicached() {
     [ -z "$extras" ] || what="$what; the extras of pyproject.toml: test tools, SGLang's cache-path imports, Mooncake's wheel, Dynamo's KV indexer"
     _hicached_say "pip install -e .${extras} (hicached, hicache, hicache_client, hicache_sglang:" \
         "$what)"
-    python3 -m pip install -q --disable-pip-version-check -e ".${extras}"
+    python3 -m pip install -q --disable-pip-version-check ${_hicached_pins[@]+"${_hicached_pins[@]}"} \
+        -e ".${extras}"
     if [ "${1:-}" = "--test" ]; then
         # SGLang's own code is what the linker's and the real server's tests run against; its
         # own dependencies are the GPU serving stack, so the package comes without them and
