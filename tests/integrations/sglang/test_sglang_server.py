@@ -2,11 +2,17 @@
 (tests/sglang_server_harness.py), with the README's linker config (only ``target``) and the
 daemon's default lease: what a user who follows the README gets.
 
-Two server instances share one daemon. Every hit is checked against the miss run of the same
-prompt (tokens and logprobs equal; a prompt whose first token differs gives others, so the
-check sees the prefix). Covered: a prompt SGLang's device cache evicted comes back from the
-daemon; a second instance hits the first's pages on its first request; a flush on one instance
-leaves every instance's hits; requests SGLang cannot admit yet cost at most two Lookups each;
+Two server instances share one daemon. Every hit is checked against a device hit of the same
+prompt (tokens and the first logprob equal bit for bit; a prompt whose first token differs
+gives others, so the check sees the prefix). Across the two instances that holds only where
+both processes compute alike: CPU kernels are chosen per process (instruction set, matrix
+units) and a prompt computed by different ones differs in its last bits. The fixture probes
+that once (``kernels_agree``); where they differ, a check across instances is held to
+``DECODE_LOGPROB_TOLERANCE`` and says so, and checks within one instance stay exact.
+
+Covered: a prompt SGLang's device cache evicted comes back from the daemon; a second instance
+hits the first's pages on its first request; a flush on one instance leaves every instance's
+hits; requests SGLang cannot admit yet cost at most two Lookups each;
 the daemon SIGSTOPped past its lease while serving (every request completes, none waits past
 the lookup deadline, hits return after SIGCONT) and SIGKILLed while serving (requests complete,
 hits return after a restart). The daemon gives each pool its own KV event stream, and a real
@@ -19,6 +25,7 @@ import os
 import random
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,6 +87,11 @@ class Node:
     daemon: DaemonProc
     a: SGLangServer
     b: SGLangServer
+    exact: bool = True
+    """Whether ``a`` and ``b`` compute a prompt bit for bit alike (``kernels_agree``): checks
+    across the two instances are exact where they do."""
+    probe: str = ""
+    """What the probe saw, for the messages of checks across instances."""
 
     def count(self, name: str, **labels: str) -> float:
         return metric(self.daemon.metrics(), name, **labels)
@@ -100,6 +112,21 @@ class Node:
         self.daemon = start_daemon(self.work, *daemon_flags(self.work))
 
 
+def kernels_agree(a: SGLangServer, b: SGLangServer) -> tuple[bool, str]:
+    """Both instances compute one 1K-token prompt at the same moment, each as a miss (both
+    look it up before either has stored a page of it; a probe where either hit is tried again
+    with another prompt): whether their outputs are equal bit for bit, and what they were."""
+    for seed in (91, 92, 93):
+        ids = prompt(1024, seed)
+        with ThreadPoolExecutor(2) as pool:
+            ga, gb = pool.map(lambda s, ids=ids: s.generate(ids), (a, b))
+        if ga.cached_tokens == 0 and gb.cached_tokens == 0:
+            alike = ga.output_ids == gb.output_ids and ga.logprobs == gb.logprobs
+            return alike, (f"the probe's logprobs: a {ga.logprobs[:3]}, b {gb.logprobs[:3]}"
+                           f" ({'alike' if alike else 'the kernels differ'})")
+    raise AssertionError("no probe prompt was computed whole by both instances")
+
+
 def daemon_flags(work: Path) -> tuple[str, ...]:
     return (*DAEMON_FLAGS, *pool_stream_args(work))  # a KV event stream per pool
 
@@ -116,6 +143,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         with ThreadPoolExecutor(2) as pool:  # both start at once: a minute, not two
             for f in [pool.submit(a.start), pool.submit(b.start)]:
                 f.result()
+        n.exact, n.probe = kernels_agree(a, b)
+        if not n.exact:
+            warnings.warn(f"the two SGLang instances compute with different kernels; checks "
+                          f"across them are held to a tolerance: {n.probe}", stacklevel=1)
         yield n
     finally:
         for s in (a, b):
@@ -123,9 +154,25 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         n.daemon.stop(signal.SIGKILL)
 
 
-def same(got: Generation, want: Generation, server: SGLangServer, what: str) -> None:
+def same(got: Generation, want: Generation, server: SGLangServer, what: str,
+         node: Node | None = None) -> None:
+    """``got`` computed as ``want`` was: equal bit for bit. ``node``: ``want`` is the other
+    instance's, exact only where the two compute alike (``Node.exact``), else the first token
+    equal and its logprob within ``DECODE_LOGPROB_TOLERANCE``."""
+    if node is not None and not node.exact:
+        return near(got, want, server, f"{what} ({node.probe})")
     assert got.output_ids == want.output_ids, server.explain(f"{what}: tokens differ")
     assert got.logprobs == want.logprobs, server.explain(f"{what}: logprobs differ")
+
+
+def near(got: Generation, want: Generation, server: SGLangServer, what: str) -> None:
+    """Computed by different kernels: the first token is the same and its logprob close (a
+    greedy token later on may flip where the random model's distribution is flat)."""
+    assert got.output_ids[0] == want.output_ids[0], server.explain(
+        f"{what}: the first token differs")
+    gap = abs(got.logprobs[0] - want.logprobs[0])
+    assert gap < DECODE_LOGPROB_TOLERANCE, server.explain(
+        f"{what}: the first token's logprob differs by {gap:.2e}")
 
 
 def device_hit(server: SGLangServer, ids: list[int], miss: Generation) -> Generation:
@@ -142,8 +189,10 @@ DECODE_LOGPROB_TOLERANCE = 0.05
 prefill: up to 7.6e-3 apart in the logprobs of the random test model on an AMX host."""
 
 
-def same_hit(got: Generation, ref: Generation, server: SGLangServer, what: str) -> None:
+def same_hit(got: Generation, ref: Generation, server: SGLangServer, what: str,
+             node: Node | None = None) -> None:
     """A hit from the daemon against a device hit of the same prompt (``device_hit``).
+    ``node``: ``ref`` is the other instance's (see ``same``).
 
     The first token's logprob is bit for bit the device hit's: both compute the prompt's last
     page over the same cached pages, so it reads every layer of every page the daemon loaded.
@@ -153,6 +202,8 @@ def same_hit(got: Generation, ref: Generation, server: SGLangServer, what: str) 
     request decodes over the last prompt page of its own tree, which a device hit took from
     the prefill that first computed it and a hit from the daemon computes (SGLang computes
     the last prompt token, so it never loads that page)."""
+    if node is not None and not node.exact:
+        return near(got, ref, server, f"{what} ({node.probe})")
     assert got.output_ids == ref.output_ids, server.explain(f"{what}: tokens differ")
     assert got.logprobs[0] == ref.logprobs[0], server.explain(
         f"{what}: the first token's logprob differs: {got.logprobs[0]!r} != {ref.logprobs[0]!r}")
@@ -192,7 +243,7 @@ def test_a_second_instance_hits_the_first_ones_pages(node: Node) -> None:
     lookups = node.lookups()
     first = node.b.generate(ids)
     assert first.host_hits == matched(ids), node.b.explain(str(first.meta_info))
-    same_hit(first, ref, node.b, "another instance's pages")
+    same_hit(first, ref, node.b, "another instance's pages", node)
     assert node.lookups() - lookups == 1
 
 
@@ -219,7 +270,8 @@ def test_a_flush_on_one_instance_leaves_every_instances_hits(node: Node) -> None
     for server in (node.b, node.a):
         got = server.generate(ids)
         assert got.host_hits == matched(ids), server.explain(f"after a/flush: {got.meta_info}")
-        same_hit(got, ref, server, "a hit after the other instance's flush")
+        same_hit(got, ref, server, "a hit after the other instance's flush",
+                 node if server is node.b else None)
 
 
 @pytest.mark.skipif(bool(router_unavailable()), reason=router_unavailable() or "available")
@@ -264,7 +316,7 @@ def test_a_daemon_stopped_past_its_lease_while_serving(node: Node) -> None:
         for ids, ref in zip((stored, fresh, stored), (*refs, refs[0]), strict=True):
             got = a.generate(ids)
             assert got.host_hits == 0
-            same(got, ref, a, "computed while the daemon is stopped")
+            same(got, ref, a, "computed while the daemon is stopped", node)
             assert got.latency_s < base + LOOKUP_TIMEOUT_S + 3.0, a.explain(
                 f"a request waited {got.latency_s:.2f} s on a stopped daemon (computing "
                 f"alone took {base:.2f} s)")
@@ -280,7 +332,7 @@ def test_a_daemon_stopped_past_its_lease_while_serving(node: Node) -> None:
         assert time.monotonic() - back < 15, a.explain("no hits since SIGCONT")
         a.flush()
     assert got.host_hits == matched(stored), a.explain(str(got.meta_info))
-    same_hit(got, stored_hit, a, "a hit after SIGCONT")
+    same_hit(got, stored_hit, a, "a hit after SIGCONT", node)
 
 
 def test_a_daemon_killed_while_serving(node: Node) -> None:
@@ -296,8 +348,8 @@ def test_a_daemon_killed_while_serving(node: Node) -> None:
         running = pool.submit(a.generate, during)
         time.sleep(0.3)  # admitted: its lookup was answered; it computes
         node.daemon.stop(signal.SIGKILL)
-        same(running.result(), refs[1], a, "a request the daemon died under")
-    same(a.generate(after), refs[2], a, "a request with no daemon")
+        same(running.result(), refs[1], a, "a request the daemon died under", node)
+    same(a.generate(after), refs[2], a, "a request with no daemon", node)
     node.restart_daemon()
     back = time.monotonic()
     while True:
@@ -307,4 +359,4 @@ def test_a_daemon_killed_while_serving(node: Node) -> None:
             break
         assert time.monotonic() - back < 15, a.explain("no hits since the restart")
     assert got.host_hits == matched(kept), a.explain(str(got.meta_info))
-    same_hit(got, kept_hit, a, "a hit from the restarted daemon")
+    same_hit(got, kept_hit, a, "a hit from the restarted daemon", node)
