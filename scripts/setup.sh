@@ -53,8 +53,8 @@ _hicached_env() {
     fi
     # shellcheck disable=SC1091
     . .venv/bin/activate
-    _hicached_say "installing into $PWD/.venv (HICACHED_USE_ACTIVE_PYTHON=1: the active Python)" \
-        "at the versions hicached is tested with (scripts/constraints.txt)"
+    _hicached_say "installing into $PWD/.venv at the versions hicached is tested with" \
+        "(scripts/constraints.txt; HICACHED_USE_ACTIVE_PYTHON=1: the active Python instead)"
     _hicached_pins=(-c scripts/constraints.txt)
 }
 
