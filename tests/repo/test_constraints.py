@@ -16,9 +16,11 @@ file, the environment and the files that restate versions in agreement:
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import tomllib
-from importlib import metadata
 
 from packaging.requirements import Requirement
 
@@ -53,12 +55,24 @@ def pins() -> dict[str, str]:
 PINS = pins()
 
 
+INSTALLED = """
+import json, sys
+from importlib import metadata
+print(json.dumps({d.metadata["Name"]: metadata.version(d.metadata["Name"])
+                  for d in metadata.distributions()}))
+"""
+"""Run in a fresh interpreter: a test process may see distributions that are not installed
+(a vendored copy inside setuptools, once something put its directory on sys.path)."""
+
+
 def test_every_pinned_distribution_installed_here_has_its_pinned_version() -> None:
+    out = subprocess.run([sys.executable, "-c", INSTALLED], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
     wrong = {}
-    for dist in metadata.distributions():
-        name = norm(dist.metadata["Name"])
-        if name in PINS and dist.version != PINS[name]:
-            wrong[name] = f"{dist.version} installed, {PINS[name]} pinned"
+    for raw, version in json.loads(out).items():
+        name = norm(raw)
+        if name in PINS and version != PINS[name]:
+            wrong[name] = f"{version} installed, {PINS[name]} pinned"
     assert not wrong, f"run scripts/setup.sh again (it installs under the constraints): {wrong}"
 
 
