@@ -25,6 +25,7 @@ import tomllib
 from packaging.requirements import Requirement
 
 from tests.daemon_proc import REPO
+from tests.repo.test_gpu_check import WHEELS, listing, norm
 
 FILE = REPO / "scripts" / "constraints.txt"
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -34,21 +35,13 @@ NOT_PINNED = {"torch", "sglang"}
 """Installed apart, each at its own pin (scripts/setup.sh)."""
 
 
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def pins() -> dict[str, str]:
+    """name -> version, every line ``name==version`` (``listing``: each name once)."""
     out: dict[str, str] = {}
-    for raw in FILE.read_text().splitlines():
-        line = raw.partition("#")[0].strip()
-        if not line:
-            continue
-        name, sep, version = line.partition("==")
-        assert sep and name and version and not set(version) & set(" ;<>=!~,"), \
-            f"constraints.txt: {raw!r} is not name==version"
-        assert norm(name) not in out, f"constraints.txt: {name} pinned twice"
-        out[norm(name)] = version
+    for name, (version, _) in listing(FILE).items():
+        assert version and not set(version) & set(" ;<>=!~,"), \
+            f"constraints.txt: {name} is not pinned as name==version"
+        out[name] = version
     return out
 
 
@@ -94,16 +87,13 @@ def test_nothing_installed_apart_is_pinned() -> None:
 
 
 def test_the_carried_wheels_are_the_pinned_versions() -> None:
-    for raw in (REPO / "scripts" / "gpu" / "wheels.txt").read_text().splitlines():
-        line, _, comment = raw.partition("#")
-        name, _, version = line.strip().partition("==")
-        if not name or norm(name) in NOT_PINNED:
+    for name, (version, comment) in WHEELS.items():
+        if name in NOT_PINNED:
             continue
-        if comment.strip().startswith("differs:"):
-            assert PINS.get(norm(name)) != version, f"{name}: marked as differing but pinned"
+        if comment.startswith("differs:"):
+            assert PINS.get(name) != version, f"{name}: marked as differing but pinned"
         else:
-            assert PINS.get(norm(name)) == version, \
-                f"{name}: carried {version}, pinned {PINS.get(norm(name))}"
+            assert PINS.get(name) == version, f"{name}: carried {version}, pinned {PINS.get(name)}"
 
 
 def test_grpcio_tools_is_pinned_at_the_version_that_generated_the_stubs() -> None:
