@@ -25,7 +25,7 @@ import tomllib
 from packaging.requirements import Requirement
 
 from tests.daemon_proc import REPO
-from tests.repo.test_gpu_check import WHEELS, listing, norm
+from tests.pin_lists import WHEELS, listing, norm
 
 FILE = REPO / "scripts" / "constraints.txt"
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]

@@ -24,31 +24,9 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.daemon_proc import REPO
+from tests.pin_lists import IMAGE, WHEELS, norm
 
-GPU = REPO / "scripts" / "gpu"
 PROJECT = {"hicached"}  # the repository's own packages travel as source
-
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def listing(path: Path) -> dict[str, tuple[str | None, str]]:
-    """name -> (pinned version or None, the line's comment)."""
-    out: dict[str, tuple[str | None, str]] = {}
-    for raw in path.read_text().splitlines():
-        line, _, comment = raw.partition("#")
-        line = line.strip()
-        if not line:
-            continue
-        name, _, version = line.partition("==")
-        assert norm(name) not in out, f"{path.name}: {name} listed twice"
-        out[norm(name)] = (version or None, comment.strip())
-    return out
-
-
-IMAGE = listing(GPU / "image-packages.txt")
-WHEELS = listing(GPU / "wheels.txt")
 
 
 def test_the_budget_adds_up_to_under_eight_minutes() -> None:
