@@ -92,12 +92,11 @@ static int32_t find(QueuesObject *self, PyObject *key, Py_hash_t h) {
 
 static void slot_del(QueuesObject *self, uint32_t i) {
     uint32_t j = i, mask = self->mask;
-    while (1) {  /* backward shift */
+    while (1) {  /* backward shift (fills_hole) */
         j = (j + 1) & mask;
         int32_t e = self->slots[j];
         if (e == NIL) break;
-        uint32_t k = home(self->nodes[e].hash, mask);
-        if ((i <= j) ? (k <= i || k > j) : (k <= i && k > j)) {
+        if (fills_hole(i, j, home(self->nodes[e].hash, mask))) {
             self->slots[i] = e; i = j;
         }
     }
@@ -190,11 +189,10 @@ static void ghost_put(QueuesObject *self, uint32_t id, uint32_t at) {
 
 static void ghost_del(QueuesObject *self, GSlot *x) {
     uint32_t i = (uint32_t)(x - self->gslots), j = i, mask = self->gmask;
-    while (1) {
+    while (1) {  /* backward shift (fills_hole) */
         j = (j + 1) & mask;
         if (self->gslots[j].at == EMPTY) break;
-        uint32_t k = mix(self->gslots[j].id) & mask;
-        if ((i <= j) ? (k <= i || k > j) : (k <= i && k > j)) {
+        if (fills_hole(i, j, mix(self->gslots[j].id) & mask)) {
             self->gslots[i] = self->gslots[j]; i = j;
         }
     }

@@ -80,12 +80,10 @@ static void map_del(Map *m, uint32_t k) {
         i = (i + 1) & m->mask;
     }
     uint32_t j = i;
-    while (1) {  /* backward shift: keep every later probe chain unbroken */
+    while (1) {  /* backward shift (fills_hole) */
         j = (j + 1) & m->mask;
         if (!m->slots[j].used) break;
-        uint32_t home = mix(m->slots[j].key) & m->mask;
-        /* move j into the hole i unless its home lies cyclically in (i, j] */
-        if ((i <= j) ? (home <= i || home > j) : (home <= i && home > j)) {
+        if (fills_hole(i, j, mix(m->slots[j].key) & m->mask)) {
             m->slots[i] = m->slots[j]; i = j;
         }
     }
