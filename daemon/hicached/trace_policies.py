@@ -28,14 +28,19 @@ Policies, block-granular, ``capacity`` blocks:
   blocks of highest lifetime rate (``lifetime_rates``: uses after the first over the requests
   from its first use to its last), stores none whose rate is below every held one's, and none
   past its last use. Not a policy anyone can run (the rates are the future's); the ceiling of
-  online policies whose knowledge of a block is how often it comes back.
+  online policies whose knowledge of a block is how often it comes back. With
+  ``last_use=False`` it is not told when a block dies: a block keeps its rate after its last
+  use, so what the last use is worth can be told apart from what the rate is.
+- ``CountOracle``: keeps the blocks that will be used most in all (``use_counts``: the
+  requests using each block over the whole trace), stores none used less than every held one.
+  Another oracle: how far knowing how popular each block will be goes.
 
 Primitives: ``Policy`` (``holds(block)``, ``access(block, next_use)``, ``len()``,
-``stores``, ``evictions``), the five classes (the optimum and the rate oracle one ranked
+``stores``, ``evictions``), the seven classes (the optimum and the two oracles one ranked
 heap, ``_Ranked``: the lowest held block goes first, none ranking no higher is stored),
 ``POLICIES`` (name -> class, the four online ones and the optimum), ``next_uses(requests)``,
-``lifetime_rates(requests)``, ``replay(policy, requests, uses) -> Tally``, ``Tally`` (hit and
-prompt blocks, stores, evictions, ``rate``).
+``lifetime_rates(requests)``, ``use_counts(requests)``, ``replay(policy, requests, uses) ->
+Tally``, ``Tally`` (hit and prompt blocks, stores, evictions, ``rate``).
 """
 
 from __future__ import annotations
@@ -281,12 +286,24 @@ class Belady(_Ranked):
 
 
 class RateOracle(_Ranked):
-    def __init__(self, capacity: int, rates: dict[int, float]) -> None:
+    def __init__(self, capacity: int, rates: dict[int, float], last_use: bool = True) -> None:
         super().__init__(capacity)
         self._rates = rates
+        self._last_use = last_use
 
     def rank(self, block: int, next_use: int) -> float:
-        return -1.0 if next_use == NEVER else self._rates.get(block, 0.0)
+        if self._last_use and next_use == NEVER:
+            return -1.0
+        return self._rates.get(block, 0.0)
+
+
+class CountOracle(_Ranked):
+    def __init__(self, capacity: int, counts: dict[int, int]) -> None:
+        super().__init__(capacity)
+        self._counts = counts
+
+    def rank(self, block: int, next_use: int) -> float:
+        return float(self._counts.get(block, 0))
 
 
 def lifetime_rates(requests: Sequence[Sequence[int]]) -> dict[int, float]:
@@ -301,6 +318,15 @@ def lifetime_rates(requests: Sequence[Sequence[int]]) -> dict[int, float]:
             last[b] = i
             count[b] = count.get(b, 0) + 1
     return {b: (n - 1) / (last[b] - first[b]) if n > 1 else 0.0 for b, n in count.items()}
+
+
+def use_counts(requests: Sequence[Sequence[int]]) -> dict[int, int]:
+    """How many requests use each block, over the whole trace."""
+    count: dict[int, int] = {}
+    for blocks in requests:
+        for b in blocks:
+            count[b] = count.get(b, 0) + 1
+    return count
 
 
 class Reuse(Policy):

@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,15 @@ from hicached.trace_policies import (
     NEVER,
     POLICIES,
     Belady,
+    CountOracle,
     Lru,
     RateOracle,
     lifetime_rates,
     next_uses,
     replay,
+    use_counts,
 )
+from tests.daemon_proc import REPO
 
 streams = st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=12, unique=True),
                    min_size=1, max_size=40)
@@ -63,33 +67,85 @@ def test_every_policy_keeps_its_capacity_and_its_counts(
             assert cache.holds(b) or name == "belady"
 
 
-@given(streams, st.integers(1, 12))
-def test_the_rate_oracle_keeps_the_blocks_of_highest_rate(
-        requests: list[list[int]], capacity: int) -> None:
-    """Capacity and counts kept; a block past its last use ranks below every living one; a
-    block left out (evicted or refused) ranks no higher than anything held at that moment,
-    against a model that ranks every block from the stream itself."""
-    rates = lifetime_rates(requests)
-    cache = RateOracle(capacity, rates)
+ORACLES = ("rate", "rate_no_last_use", "count")
+
+
+def oracle(name: str, capacity: int, requests: list[list[int]]
+           ) -> tuple[RateOracle | CountOracle, Callable[[int, int], float]]:
+    """The oracle ``name`` and, as a model, the rank it should give (block, next use)."""
+    rates, counts = lifetime_rates(requests), use_counts(requests)
+    if name == "rate":
+        return (RateOracle(capacity, rates),
+                lambda b, n: -1.0 if n == NEVER else rates[b])
+    if name == "rate_no_last_use":
+        return RateOracle(capacity, rates, last_use=False), lambda b, n: rates[b]
+    return CountOracle(capacity, counts), lambda b, n: float(counts[b])
+
+
+@pytest.mark.parametrize("name", ORACLES)
+@given(requests=streams, capacity=st.integers(1, 12))
+def test_an_oracle_keeps_the_blocks_it_ranks_highest(
+        name: str, requests: list[list[int]], capacity: int) -> None:
+    """Capacity and counts kept; a block left out (evicted or refused) ranks no higher than
+    anything held at that moment, against a model that ranks every block from the stream
+    itself (the rate oracle: a block past its last use below every living one)."""
+    cache, model = oracle(name, capacity, requests)
     uses = next_uses(requests)
     rank: dict[int, float] = {}
     for blocks, nexts in zip(requests, uses, strict=True):
         for b, n in zip(blocks, nexts, strict=True):
             before = {x for x in rank if cache.holds(x)}
-            rank[b] = -1.0 if n == NEVER else rates[b]
+            rank[b] = model(b, n)
             cache.access(b, n)
             assert len(cache) <= capacity and len(cache) == cache.stores - cache.evictions
             held = {x for x in rank if cache.holds(x)}
             assert held <= before | {b}
             for out in (before | {b}) - held:
                 assert all(rank[out] <= rank[x] for x in held), (out, held)
+
+
+@given(streams)
+def test_rates_and_counts_are_the_streams_own(requests: list[list[int]]) -> None:
     uses_of: dict[int, list[int]] = {}
     for i, blocks in enumerate(requests):
         for b in blocks:
             uses_of.setdefault(b, []).append(i)
+    rates, counts = lifetime_rates(requests), use_counts(requests)
+    assert set(rates) == set(counts) == set(uses_of)
     for b, seen in uses_of.items():
         want = (len(seen) - 1) / (seen[-1] - seen[0]) if len(seen) > 1 else 0.0
         assert rates[b] == pytest.approx(want)
+        assert counts[b] == len(seen)
+
+
+def test_what_the_last_use_is_worth_to_the_rate_oracle() -> None:
+    """Block 1 is used three times running, then never; block 2 every other request after.
+    Told the last use, the oracle drops 1 for 2 and hits 2's reuses too; not told, 1's higher
+    rate keeps it, dead, and 2 is never stored. The count oracle keeps the most used."""
+    requests = [[1], [1], [1], [2], [3], [2], [4], [2]]
+    rates, uses = lifetime_rates(requests), next_uses(requests)
+    assert replay(RateOracle(1, rates), requests, uses).hit_blocks == 4
+    assert replay(RateOracle(1, rates, last_use=False), requests, uses).hit_blocks == 2
+    assert replay(Lru(1), requests, uses).hit_blocks == 2  # 3 and 4 push 2 out
+    popular = [[1], [2], [1], [3], [1], [2]]
+    assert replay(CountOracle(1, use_counts(popular)), popular).hit_blocks == 2
+    assert replay(Lru(1), popular).hit_blocks == 0
+
+
+def test_the_bounds_benchmark_prints_every_row_per_capacity(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"hash_ids": r}) + "\n"
+                             for r in ([1, 2, 3], [1, 2, 4], [5], [1, 2, 3])))
+    out = subprocess.run([sys.executable, "benchmarks/bench_trace_bounds.py", str(trace),
+                          "--capacity", "2,4", "--json"], cwd=REPO, capture_output=True,
+                         text=True, check=True, timeout=60).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["capacity"] for r in rows] == ["2", "4"]
+    for r in rows:
+        assert set(r) == {"capacity", "blocks", "lru", "reuse", "count_oracle",
+                          "rate_no_last_use", "rate_oracle", "belady", "goal"}
+        assert r["belady"] >= max(r["lru"], r["reuse"], r["count_oracle"], r["rate_oracle"])
+        assert r["goal"] == pytest.approx(r["lru"] + (r["belady"] - r["lru"]) / 3)
 
 
 @given(streams, st.integers(1, 12))
