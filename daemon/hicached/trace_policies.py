@@ -306,20 +306,6 @@ class CountOracle(_Ranked):
         return float(self._counts.get(block, 0))
 
 
-def lifetime_rates(requests: Sequence[Sequence[int]]) -> dict[int, float]:
-    """Each block's reuse rate over its life: the requests using it after its first, over
-    the requests from its first use to its last (0 for a block used once)."""
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    count: dict[int, int] = {}
-    for i, blocks in enumerate(requests):
-        for b in blocks:
-            first.setdefault(b, i)
-            last[b] = i
-            count[b] = count.get(b, 0) + 1
-    return {b: (n - 1) / (last[b] - first[b]) if n > 1 else 0.0 for b, n in count.items()}
-
-
 def use_counts(requests: Sequence[Sequence[int]]) -> dict[int, int]:
     """How many requests use each block, over the whole trace."""
     count: dict[int, int] = {}
@@ -327,6 +313,19 @@ def use_counts(requests: Sequence[Sequence[int]]) -> dict[int, int]:
         for b in blocks:
             count[b] = count.get(b, 0) + 1
     return count
+
+
+def lifetime_rates(requests: Sequence[Sequence[int]]) -> dict[int, float]:
+    """Each block's reuse rate over its life: the requests using it after its first, over
+    the requests from its first use to its last (0 for a block used once)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, blocks in enumerate(requests):
+        for b in blocks:
+            first.setdefault(b, i)
+            last[b] = i
+    return {b: (n - 1) / (last[b] - first[b]) if n > 1 else 0.0
+            for b, n in use_counts(requests).items()}
 
 
 class Reuse(Policy):
