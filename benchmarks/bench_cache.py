@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_bench.daemon import start_daemon
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec
-from hicached.bench_daemon import start_daemon
 from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
 from hicached.cache.reuse_lru import ReuseLRU

@@ -43,10 +43,10 @@ import numpy as np
 import torch
 
 from hicache.specs import Role
+from hicache_bench.daemon import start_daemon
 from hicache_client import HiCacheClient
 from hicache_client.cuda import CudaDeviceBuffers, LayerEvents, ReadyEvent
 from hicached import DType, HostPool, KVGeometry, Layout, PoolKind, PoolSpec, TransferEngine
-from hicached.bench_daemon import start_daemon
 from hicached.core.pool import MemoryOptions
 from hicached.core.worker_buffers import Device, RawBuffer, WorkerBuffers
 from hicached.cuda.segments import plan_segments, split_at

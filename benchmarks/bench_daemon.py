@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_bench.daemon import start_daemon
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from hicached import (
     DType,
@@ -44,7 +45,6 @@ from hicached import (
     TransferEngine,
     WorkerBuffers,
 )
-from hicached.bench_daemon import start_daemon
 from hicached.core.pool import MemoryOptions
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=32, head_num=8, head_dim=128)

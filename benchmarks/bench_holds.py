@@ -30,8 +30,8 @@ import torch
 
 from hicache.errors import KeyNotFound
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_bench.daemon import start_daemon
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.bench_daemon import start_daemon
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=4, head_num=2, head_dim=64)
 PS = 16

@@ -53,8 +53,8 @@ from typing import Any
 import torch
 
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_bench.daemon import start_daemon
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.bench_daemon import start_daemon
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=4, head_num=2, head_dim=64)
 PS = 16

@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
-from hicached.bench_daemon import start_daemon
+from hicache_bench.daemon import start_daemon
 
 GEOMETRY = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=8, head_num=2, head_dim=64)
 PS = 16

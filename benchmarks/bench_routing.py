@@ -54,8 +54,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
+from hicache_bench.daemon import start_daemon
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.bench_daemon import start_daemon
 from tests.dynamo_indexer import DynamoIndexer, unavailable
 from tests.mooncake_env import Netns
 

@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicached.bench_daemon import start_daemon
+from hicache_bench.daemon import start_daemon
 from tests.sglang_harness import SGLangCache, install_stand_ins
 
 PAGES = 64

@@ -33,7 +33,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hicached.bench_daemon import start_daemon
+from hicache_bench.daemon import start_daemon
 
 
 def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:

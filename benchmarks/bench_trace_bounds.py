@@ -2,7 +2,7 @@
 policy and the offline optimum.
 
 Each oracle is told in advance what an online policy could at best estimate from the uses it
-has seen (``hicached.trace_policies``): every block's reuse rate over its life and when it is
+has seen (``hicache_bench.trace_policies``): every block's reuse rate over its life and when it is
 used for the last time (``rate_oracle``, what ``hicache-bench trace`` prints), the same rates
 without the last use (``rate_no_last_use``), and how many requests will use each block in all
 (``count_oracle``). Each keeps the blocks of highest rank and stores none that ranks no higher
@@ -21,8 +21,8 @@ import argparse
 import json
 from pathlib import Path
 
-from hicached.bench_trace import capacities, read_trace
-from hicached.trace_policies import (
+from hicache_bench.trace import capacities, read_trace
+from hicache_bench.trace_policies import (
     Belady,
     CountOracle,
     Lru,

@@ -291,7 +291,7 @@ def main() -> None:
     if not os.environ.get("HICACHED_BENCH_VLLM"):
         _reexec()
     sys.path.insert(0, str(REPO))
-    from hicached.bench_daemon import start_daemon
+    from hicache_bench.daemon import start_daemon
     from tests.vllm_harness import model_dir
 
     work = tempfile.mkdtemp(prefix="hicache-bench-vllm-")

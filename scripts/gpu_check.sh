@@ -177,7 +177,7 @@ if [ "$mode" = dry ]; then  # where a registry is reachable: the set, before the
     start=$SECONDS
 fi
 if [ "$mode" = run ]; then
-    export PYTHONPATH="$site:$repo/daemon:$repo/clients/python:$repo${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$site:$repo/daemon:$repo/clients/python:$repo/tools:$repo${PYTHONPATH:+:$PYTHONPATH}"
     part wheels env.txt bash -c install_wheels
     part env env.txt bash -c env_report
     part native native.txt python3 scripts/gpu/build_native.py

@@ -18,9 +18,8 @@ Layers, top uses bottom (import rules in pyproject.toml, checked by import-linte
 - ``core``: validation, allocator, canary, host memory, pools, worker buffers.
 - ``hicache`` (a separate, light package both sides import): stubs, errors, specs, codec.
 
-``bench``, ``bench_compare``, ``bench_latency``, ``bench_daemon`` and ``bench_trace`` are the
-``hicache-bench`` tool; ``trace_policies`` the reference caches its trace replay compares
-with (LRU, ARC, S3-FIFO, the offline optimum).
+The ``hicache-bench`` tool is a package of its own (``hicache_bench``), which the daemon never
+imports.
 
 The engine's main names are importable from here (loaded on first use, so that importing one
 subpackage does not load the others): ``HostPool``, ``MemoryOptions``, ``WorkerBuffers``,

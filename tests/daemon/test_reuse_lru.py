@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache.errors import KeyNotFound
+from hicache_bench.trace_policies import Lru, Reuse, replay
 from hicached.cache import _queues, reuse_lru
 from hicached.cache.holds import Holder, HoldPolicy
 from hicached.cache.index_types import NO_SPACE, STORED
 from hicached.cache.pool_cache import PoolCache
 from hicached.cache.reuse_lru import GHOST, THETAS, ReuseLRU
 from hicached.core.pool import HostPool
-from hicached.trace_policies import Lru, Reuse, replay
 from tests.helpers import make_pool, mha, spec
 
 CAP = 8
@@ -662,8 +662,8 @@ def test_on_the_shared_trace_it_is_above_lru_arc_and_s3fifo() -> None:
     """The issue's trace at 1-20 % of its blocks, in-process (what the daemon hits exactly:
     test_trace_replay.py): above LRU everywhere, above the best of LRU, ARC and S3-FIFO at
     1-5 %."""
-    from hicached.bench_trace import read_trace
-    from hicached.trace_policies import Arc, S3Fifo, next_uses
+    from hicache_bench.trace import read_trace
+    from hicache_bench.trace_policies import Arc, S3Fifo, next_uses
 
     requests = read_trace(str(TRACE))
     distinct = len({b for r in requests for b in r})

@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.errors import SpecInvalid
-from hicached.bench_trace import capacities, read_trace
-from hicached.trace_policies import (
+from hicache_bench.trace import capacities, read_trace
+from hicache_bench.trace_policies import (
     NEVER,
     POLICIES,
     Belady,
@@ -231,7 +231,7 @@ def test_the_daemon_hits_exactly_what_its_policy_hits(tmp_path: Path, eviction: 
     it, where the reference keeps its last ones.)"""
     trace = tmp_path / "conv.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in _conversations(300, 7)))
-    run = subprocess.run([sys.executable, "-m", "hicached.bench", "trace", str(trace),
+    run = subprocess.run([sys.executable, "-m", "hicache_bench", "trace", str(trace),
                           "--capacity", "10%,30%,100", "--json", "--eviction", eviction],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -252,7 +252,7 @@ def test_the_daemon_hits_exactly_what_its_policy_hits(tmp_path: Path, eviction: 
 def test_a_bad_trace_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"hash_ids": [1]}\n{"hash_ids": [2, "x"]}\n')
-    run = subprocess.run([sys.executable, "-m", "hicached.bench", "trace", str(trace),
+    run = subprocess.run([sys.executable, "-m", "hicache_bench", "trace", str(trace),
                           "--no-daemon"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "bad.jsonl:2" in run.stderr
     assert "Traceback" not in run.stderr
@@ -268,7 +268,7 @@ def test_a_disk_tier_below_keeps_every_promise_and_adds_hits(tmp_path: Path) -> 
     trace = tmp_path / "conv.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in _conversations(300, 11)))
     for pace in ("0", "2"):
-        run = subprocess.run([sys.executable, "-m", "hicached.bench", "trace", str(trace),
+        run = subprocess.run([sys.executable, "-m", "hicache_bench", "trace", str(trace),
                               "--capacity", "5%", "--disk", "25%", "--pace-ms", pace,
                               "--json"], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]

@@ -5,7 +5,7 @@ to the daemon it finds. The earlier daemon here is e694450's (the last commit be
 carried a deadline): its fast path took ``FLAG_DEADLINE`` for loads alone and refused a Store
 frame with one (``INDICES_MALFORMED``: 8 bytes left over), which every Store of this client
 sent until the daemon's ``GetInfo.fast_path_flags`` had to say ``STORE_DEADLINE`` first. Its
-tree is checked out and built beside this one (``hicached.bench_compare.checkout``); skipped
+tree is checked out and built beside this one (``hicache_bench.compare.checkout``); skipped
 where the clone lacks that commit.
 """
 
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from hicache.specs import DType, PoolKind
+from hicache_bench.compare import Tree, checkout, remove
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from hicached.bench_compare import Tree, checkout, remove
 from tests.daemon_proc import REPO, wait_serving
 from tests.helpers import geometry_for, spec
 

@@ -19,7 +19,7 @@ def ours_in_shm() -> set[str]:
 
 
 def bench(tmp: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "hicached.bench", "--memory-budget", "1GiB",
+    return subprocess.Popen([sys.executable, "-m", "hicache_bench", "--memory-budget", "1GiB",
                              "--workers", "1", "--page-size", "16", *args], cwd=REPO,
                             env=dict(os.environ, TMPDIR=str(tmp)), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicached.bench_compare import ratio_interval, summarize
+from hicache_bench.compare import ratio_interval, summarize
 from tests.daemon_proc import REPO
 
 SLOW_LOOKUP = '''
@@ -65,7 +65,7 @@ def stand_in(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
 def compare(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TMPDIR"] = str(tmp)
-    return subprocess.run([sys.executable, "-m", "hicached.bench", "compare", *args],
+    return subprocess.run([sys.executable, "-m", "hicache_bench", "compare", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -160,7 +160,7 @@ def test_sigterm_in_the_middle_leaves_nothing_behind(stand_in: tuple[Path, str, 
     before = daemon_pids()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TMPDIR"] = str(tmp_path)
-    p = subprocess.Popen([sys.executable, "-m", "hicached.bench", "compare", base, "--head",
+    p = subprocess.Popen([sys.executable, "-m", "hicache_bench", "compare", base, "--head",
                           slow, "--repo", str(clone), "--rounds", "50", "--calls", "50",
                           "--paths", "fast-nopoll", "--pages", "small"], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

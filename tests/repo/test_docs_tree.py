@@ -1,7 +1,7 @@
-"""The docs name the tree as it is: every module of the daemon and the Python clients appears
-at its own path in docs/architecture.md's layer tree, every subpackage of ``hicached`` in the
-package's own docstring, and every module of a package in that package's docstring (a module
-added without its line, or a package described as it once was, fails)."""
+"""The docs name the tree as it is: every module of the daemon, the Python clients and the tools
+appears at its own path in docs/architecture.md's layer tree, every subpackage of ``hicached``
+in the package's own docstring, and every module of a package in that package's docstring (a
+module added without its line, or a package described as it once was, fails)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def architecture_paths() -> set[str]:
 
 def test_every_module_has_its_line_in_the_architecture() -> None:
     modules = [p for p in tracked("daemon/hicached/*.py") + tracked("clients/python/*.py")
-               if p.name != "__init__.py" and "_pb2" not in p.name]
+               + tracked("tools/*.py") if p.name != "__init__.py" and "_pb2" not in p.name]
     assert len(modules) > 100
     named = architecture_paths()
     missing = [str(p) for p in modules if str(p) not in named]
@@ -54,7 +54,8 @@ def test_every_module_has_its_line_in_the_architecture() -> None:
 
 def packages() -> list[Path]:
     return [p.parent for p in tracked("daemon/hicached/*__init__.py")
-            + tracked("clients/python/*__init__.py") if "v1" not in p.parts]
+            + tracked("clients/python/*__init__.py") + tracked("tools/*__init__.py")
+            if "v1" not in p.parts]
 
 
 def test_each_packages_docstring_names_its_modules() -> None:

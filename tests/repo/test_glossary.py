@@ -65,7 +65,8 @@ def test_tier_3_is_called_the_cluster_everywhere() -> None:
     """No module, metric, field or doc line calls tier 3 "remote", but for the deprecated
     names kept beside the cluster ones, said so where they appear."""
     found: list[str] = []
-    roots = [REPO / "daemon", REPO / "clients" / "python", REPO / "docs", REPO / "deploy"]
+    roots = [REPO / "daemon", REPO / "clients" / "python", REPO / "tools", REPO / "docs",
+             REPO / "deploy"]
     files = [f for r in roots for f in r.rglob("*")
              if f.suffix in (".py", ".md", ".yml", ".json", ".toml") and "_pb2" not in f.name]
     files += [REPO / "README.md", REPO / "protos" / "hicache" / "v1" / "hicache.proto"]
@@ -92,7 +93,7 @@ COPY_HOLDS = re.compile(r"held by a copy|copy holds|a copy's hold|counts\(\)\[.h
 
 
 def test_a_copys_page_lock_is_busy_never_a_hold_or_a_pin() -> None:
-    roots = [REPO / "daemon", REPO / "clients" / "python", REPO / "docs"]
+    roots = [REPO / "daemon", REPO / "clients" / "python", REPO / "tools", REPO / "docs"]
     files = [f for r in roots for f in r.rglob("*")
              if f.suffix in (".py", ".md") and "_pb2" not in f.name]
     found = [f"{f.relative_to(REPO)}:{n}: {line.strip()}" for f in files

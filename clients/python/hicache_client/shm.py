@@ -2,7 +2,7 @@
 
 ``ShmDeviceBuffers.create(spec, device_tokens)`` makes one file per member and role (mode 0600,
 prefaulted), laid out as SGLang's device pool (``hicache.buffers.layer_shapes``): per layer a
-(rows, *unit) tensor. Two kinds:
+(rows, *unit) buffer. Two kinds:
 
 - ``sealed=True``: a memfd (``memfd_create``) sealed against shrinking and further sealing
   (F_SEAL_SHRINK | F_SEAL_SEAL), handed to the daemon by fd (``.fds``, passed with
@@ -10,9 +10,11 @@ prefaulted), laid out as SGLang's device pool (``hicache.buffers.layer_shapes``)
   truncate it under a copy. What production workers use.
 - ``sealed=False``: a named file under the shared-memory directory, handed over by path.
 
-``.tensors`` holds the views (``layers(member, role)``, ``all_tensors()``), ``.descriptors`` is
-what ``OpenSession`` sends, ``.close()`` unmaps and removes the files (closes the fds). torch is
-imported when buffers are created.
+``.descriptors`` is what ``OpenSession`` sends; ``.rows(member, role, layer)`` is a layer's
+bytes as a numpy (rows, row bytes) array, no torch needed; ``.tensors`` holds torch views
+(``layers(member, role)``, ``all_tensors()``), made on first use, which imports torch (a
+torch-free process, ``hicache-bench trace``, never asks for them). ``.close()`` unmaps and
+removes the files (closes the fds).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import mmap
 import os
 import uuid
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from hicache.buffers import DeviceBufferSpec, layer_shapes, unmap_all
 from hicache.specs import PoolSpec, Role
@@ -46,13 +50,19 @@ def _sealed_memfd(label: str, size: int) -> int:
 
 
 class ShmDeviceBuffers:
-    def __init__(self, tensors: dict[str, dict[Role, list[torch.Tensor]]],
-                 descriptors: list[DeviceBufferSpec], maps: list[mmap.mmap],
+    def __init__(self, descriptors: list[DeviceBufferSpec], maps: list[mmap.mmap],
                  paths: list[str], fds: list[int] | None = None) -> None:
-        self.tensors = tensors
-        """``tensors[member][role][layer]``: the worker's view of the buffers."""
         self.descriptors = descriptors
+        """One per layer of each member and role, in order; ``descriptors[i]`` lies in the
+        mapping ``maps[i // layers of its member]`` at its ``offset``."""
         self._maps = maps
+        self._views: dict[tuple[str, Role, int], tuple[mmap.mmap, DeviceBufferSpec]] = {}
+        index = {key: i for i, key in enumerate(dict.fromkeys((d.member, d.role)
+                                                              for d in descriptors))}
+        assert len(index) == len(maps), "one mapping per member and role"
+        for d in descriptors:
+            self._views[(d.member, d.role, d.layer)] = (maps[index[(d.member, d.role)]], d)
+        self._tensors: dict[str, dict[Role, list[torch.Tensor]]] | None = None
         self.paths = paths
         self.fds = fds or []
         """Sealed memfds, in ``fd_index`` order (``sealed=True``); pass to ``open_session``."""
@@ -64,10 +74,7 @@ class ShmDeviceBuffers:
         """``mode`` 0o660 lets a daemon running as another user of the file's group map the
         files (a worker in the service's group); the default keeps them the worker's own.
         ``sealed``: sealed memfds passed by fd instead of files named by path."""
-        import torch
-
         tag = uuid.uuid4().hex[:12]
-        tensors: dict[str, dict[Role, list[torch.Tensor]]] = {}
         descriptors: list[DeviceBufferSpec] = []
         maps: list[mmap.mmap] = []
         paths: list[str] = []
@@ -95,17 +102,12 @@ class ShmDeviceBuffers:
                     finally:
                         os.close(fd)
                 maps.append(m)
-                layers = []
                 for layer in range(geometry.layer_num):
-                    raw = torch.frombuffer(m, dtype=torch.uint8, count=layer_bytes,
-                                           offset=layer * pitch)
-                    layers.append(raw.view(comp.dtype.torch_dtype).view(shape))
                     descriptors.append(DeviceBufferSpec(
                         member=name, role=comp.role, layer=layer, shape=shape,
                         dtype=comp.dtype, strides=(), offset=layer * pitch, nbytes=layer_bytes,
                         **({"transport": "memfd", "fd_index": len(fds) - 1} if sealed
                            else {"transport": "shm", "path": path})))
-                tensors.setdefault(name, {})[comp.role] = layers
         except BaseException:
             unmap_all(maps)
             for p in paths:
@@ -113,7 +115,29 @@ class ShmDeviceBuffers:
             for fd in fds:
                 os.close(fd)
             raise
-        return cls(tensors, descriptors, maps, paths, fds)
+        return cls(descriptors, maps, paths, fds)
+
+    def rows(self, member: str, role: Role, layer: int) -> np.ndarray:
+        """One layer's bytes, a (rows, bytes per row) uint8 array over the shared memory (a
+        view: writing it writes what the daemon copies from; no torch)."""
+        m, d = self._views[(member, role, layer)]
+        flat = np.frombuffer(m, dtype=np.uint8, count=d.nbytes, offset=d.offset)
+        return flat.reshape(d.shape[0], -1)
+
+    @property
+    def tensors(self) -> dict[str, dict[Role, list[torch.Tensor]]]:
+        """``tensors[member][role][layer]``: the worker's torch views of the buffers (made
+        on first use: this imports torch)."""
+        if self._tensors is None:
+            import torch
+
+            out: dict[str, dict[Role, list[torch.Tensor]]] = {}
+            for (member, role, _), (m, d) in self._views.items():
+                raw = torch.frombuffer(m, dtype=torch.uint8, count=d.nbytes, offset=d.offset)
+                out.setdefault(member, {}).setdefault(role, []).append(
+                    raw.view(d.dtype.torch_dtype).view(d.shape))
+            self._tensors = out
+        return self._tensors
 
     def layers(self, member: str, role: Role) -> list[torch.Tensor]:
         """The per-layer tensors of one member's component."""
@@ -125,7 +149,8 @@ class ShmDeviceBuffers:
                 for t in layers]
 
     def close(self) -> None:
-        self.tensors = {}
+        self._tensors = {}
+        self._views = {}
         unmap_all(self._maps)
         self._maps = []
         for p in self.paths:

@@ -1,19 +1,22 @@
 """``hicache-bench compare BASE``: the data calls' latency of a base revision and this tree, side
 by side in one run.
 
-BASE (any git revision) is checked out in a temporary worktree beside the checkout and its
-native modules built there; both trees then run the same latency run (``bench_latency.py``,
-this tree's copy, under each tree's own Python path: the same interpreter and installed
-dependencies, each tree's sources and native modules), interleaved: every round runs each path
-once per tree, a fresh daemon each time, the tree that goes first alternating by round. The
-worktree and every temporary file are removed at the end, also on failure, Ctrl-C or SIGTERM
-(each run is a process group of its own, killed whole when interrupted).
+BASE (any git revision) is checked out in a temporary worktree beside the checkout, the head
+(the working tree, or ``--head REV``) copied or checked out beside it, and the native modules
+of each built there (the checkout itself is never written to); both trees then run the same
+latency run (``latency.py``, this tree's copy, under each tree's own Python path: the same
+interpreter and installed dependencies, each tree's sources and native modules), interleaved:
+every round runs each path once per tree, a fresh daemon each time, the tree that goes first
+alternating by round. The worktrees and every temporary file are removed at the end, also on
+failure, Ctrl-C or SIGTERM (each run is a process group of its own, killed whole when
+interrupted).
 
 Primitives:
 
 - ``Tree``: a source tree to measure (``path``, ``label``, ``env()``: its Python path).
 - ``checkout(repo, rev, where)``: a detached worktree of ``rev`` with its native modules
-  built in place; ``remove(repo, tree)`` takes it away.
+  built in place; ``working_tree(repo, where)``: a copy of the working tree, built likewise;
+  ``remove(repo, tree)`` takes either away.
 - ``measure(trees, rounds, calls, paths, ops, pages, runner)``: the interleaved runs; samples
   per (path, op) and tree, one list of call latencies per round.
 - ``summarize(samples, base, head)``: per path and op the two medians (of every call of every
@@ -50,16 +53,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hicached import bench_latency
-
-REPO = Path(__file__).resolve().parents[2]
-"""The checkout this code runs from: its working tree is the default head."""
+from hicache_bench import latency as bench_latency
 
 
 @dataclass(frozen=True)
 class Tree:
     path: Path
-    """The tree's root (``daemon/``, ``clients/python/`` under it)."""
+    """The tree's root (``daemon/``, ``clients/python/``, ``tools/`` under it)."""
     label: str
     """What the report calls it: a short commit id, or ``working tree``."""
 
@@ -68,7 +68,7 @@ class Tree:
         nothing of another tree's)."""
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["PYTHONPATH"] = os.pathsep.join(str(self.path / p)
-                                            for p in ("daemon", "clients/python", "."))
+                                            for p in ("daemon", "clients/python", "tools", "."))
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         return env
 
@@ -128,11 +128,27 @@ def checkout(repo: Path, rev: str, where: Path) -> Tree:
     """A detached worktree of ``rev`` at ``where``, its native modules built in place."""
     commit = _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}")
     _git(repo, "worktree", "add", "--detach", "--force", str(where), commit)
-    tree = Tree(where, commit[:9])
+    return _built(Tree(where, commit[:9]), rev)
+
+
+def working_tree(repo: Path, where: Path) -> Tree:
+    """A copy of ``repo``'s working tree at ``where`` (its tracked files and the untracked
+    ones git does not ignore, as they are now), its native modules built in place: the
+    checkout itself is never written to."""
+    names = _git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    for name in filter(None, names.split("\0")):
+        src = repo / name
+        if src.is_file():  # a deleted, not yet staged file is listed but gone
+            (where / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, where / name)
+    return _built(Tree(where, "working tree"), "the working tree")
+
+
+def _built(tree: Tree, what: str) -> Tree:
     build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
-                           cwd=where, env=tree.env(), capture_output=True, text=True)
+                           cwd=tree.path, env=tree.env(), capture_output=True, text=True)
     if build.returncode != 0:
-        raise RuntimeError(f"building {rev}'s native modules failed:\n{build.stderr[-2000:]}")
+        raise RuntimeError(f"building {what}'s native modules failed:\n{build.stderr[-2000:]}")
     return tree
 
 
@@ -154,8 +170,7 @@ def check_native(tree: Tree) -> None:
                          capture_output=True, text=True)
     if got.returncode != 0:
         raise RuntimeError(f"{tree.label} ({tree.path}): its native modules do not load, or "
-                           f"its packages are not the ones imported (pip install -e . builds "
-                           f"them in place): {got.stderr.strip()[-500:]}")
+                           f"its packages are not the ones imported: {got.stderr.strip()[-500:]}")
 
 
 Samples = dict[tuple[str, str], dict[str, list[list[float]]]]
@@ -241,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("base", help="the git revision to compare with (e.g. the last landed "
                                  "commit, origin/main, e694450)")
     ap.add_argument("--head", help="a revision to measure instead of the working tree")
-    ap.add_argument("--repo", type=Path, default=REPO,
-                    help="the git checkout (default: the one this hicached comes from)")
+    ap.add_argument("--repo", type=Path, default=Path.cwd(),
+                    help="the git checkout (default: the one the current directory is in)")
     ap.add_argument("--rounds", type=int, default=6, help="runs per path and tree")
     ap.add_argument("--calls", type=int, default=200, help="timed calls per op in each run")
     ap.add_argument("--paths", default=",".join(bench_latency.PATHS))
@@ -280,9 +295,10 @@ def _compare(args: argparse.Namespace, paths: list[str], ops: list[str], pages: 
         made.append(base)
         if args.head:
             head = checkout(repo, args.head, work / "head")
-            made.append(head)
         else:
-            head = Tree(repo, "working tree")
+            print(f"building the working tree in {work / 'head'}", file=sys.stderr)
+            head = working_tree(repo, work / "head")
+        made.append(head)
         for t in (base, head):
             check_native(t)
         samples = measure([base, head], args.rounds, args.calls, paths, ops, pages, runner,

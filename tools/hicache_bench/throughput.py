@@ -1,4 +1,4 @@
-"""``hicache-bench``: drive backup/load traffic through a daemon and compare with in-process.
+"""``hicache-bench`` (its default run): Backup / Load traffic through a daemon, beside in-process.
 
 Starts a daemon (or connects to ``--target``), creates a pool from a preset or flags, spawns N
 worker processes with shm device buffers and, for each batch size, has every worker set up,
@@ -10,9 +10,9 @@ in-process engine in this process (baseline), their ratio, client latency percen
 control-plane overhead (client latency minus the daemon's own validation + copy time).
 
 Output: a table (or ``--json``), a progress bar on stderr, and ``--plot FILE.png`` (needs
-matplotlib) of throughput against batch size. It lives with the daemon, not the worker client,
-because its baseline runs the daemon's engine in-process; it starts its daemon with
-``hicached.bench_daemon``, as benchmarks/ do.
+matplotlib) of throughput against batch size. Its baseline runs the daemon's engine in-process
+(``hicached.copy.engine``); it starts its daemon with ``hicache_bench.daemon``, as benchmarks/
+do.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
+from hicache_bench.daemon import start_daemon
 from hicache_client.client import HiCacheClient
 from hicache_client.shm import ShmDeviceBuffers
-from hicached.bench_daemon import start_daemon
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.worker_buffers import WorkerBuffers
@@ -246,14 +246,6 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["compare"]:  # latency of a base revision beside this tree
-        from hicached.bench_compare import main as compare
-
-        return compare(argv[1:])
-    if argv[:1] == ["trace"]:  # a trace's prefix hit rate, the daemon's beside references
-        from hicached.bench_trace import main as trace
-
-        return trace(argv[1:])
     ap = argparse.ArgumentParser(prog="hicache-bench",
                                  description=__doc__.splitlines()[0] if __doc__ else None,
                                  epilog="'hicache-bench compare BASE' compares data-call "

@@ -1,6 +1,6 @@
 """One latency run of one source tree: a fresh daemon, each data call timed, one JSON line out.
 
-``hicache-bench compare`` (``hicached.bench_compare``) runs this file as a script, copied out of
+``hicache-bench compare`` (``hicache_bench.compare``) runs this file as a script, copied out of
 the tree it belongs to, under the Python path of either tree it compares, so it must work
 against the older tree too: it uses only the daemon's command line and the client API both
 have had since the fast path's adaptive polling (e694450): ``hicached serve`` with
@@ -19,7 +19,7 @@ Primitives:
   stored keys.
 - ``run(path, calls, work)``: start a daemon for ``path``, time ``calls`` calls of every op
   (after a few untimed ones), stop it; returns {``"<page>/<op>"``: [seconds per call]}.
-- ``main()``: ``python bench_latency.py --path P [--calls N] [--ops A,B] [--pages small]
+- ``main()``: ``python latency.py --path P [--calls N] [--ops A,B] [--pages small]
   [--shm-root DIR]`` prints that mapping as one JSON line.
 """
 

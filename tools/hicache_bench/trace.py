@@ -9,7 +9,7 @@ distinct blocks, or a number of blocks), the daemon replay creates a pool of tha
 ``--target``) and does per request what an engine does: a ``Lookup`` of its blocks (touching
 the hit, and holding it), a ``LoadKeys`` of the hit into this process's buffers, a ``Store``
 of the rest. The
-reference policies (``hicached.trace_policies``) replay the same stream in-process. Printed per
+reference policies (``hicache_bench.trace_policies``) replay the same stream in-process. Printed per
 capacity: each one's hit rate (hit blocks over prompt blocks) and the daemon's stores and
 evictions; ``--json`` prints one object per capacity instead, with ``capacity``, ``daemon``,
 ``lru``, ``arc``, ``s3fifo``, ``reuse`` (the daemon's default policy replayed in-process: what a
@@ -53,12 +53,8 @@ import numpy as np
 
 from hicache.errors import KeyNotFound, SpecInvalid
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
-from hicache_client.client import HiCacheClient
-from hicache_client.shm import ShmDeviceBuffers
-from hicached.bench_daemon import start_daemon
-from hicached.cache.pool_cache import EVICTION
-from hicached.core.pool import region_layout
-from hicached.trace_policies import (
+from hicache_bench.daemon import start_daemon
+from hicache_bench.trace_policies import (
     POLICIES,
     RateOracle,
     Tally,
@@ -67,6 +63,10 @@ from hicached.trace_policies import (
     next_uses,
     replay,
 )
+from hicache_client.client import HiCacheClient
+from hicache_client.shm import ShmDeviceBuffers
+from hicached.cache.pool_cache import EVICTION
+from hicached.core.pool import region_layout
 
 PAGE = KVGeometry(PoolKind.MHA, DType.BFLOAT16, layer_num=1, head_num=1, head_dim=8)
 """A block's stand-in: one token of 32 bytes (the policy sees pages, not their size)."""
