@@ -71,13 +71,11 @@ def main() -> None:
             c.create_pool(SPEC)
         time.sleep(2)
         alone = window(d.proc.pid, args.seconds)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(REPO / "clients" / "python"), os.environ.get("PYTHONPATH", "")]))
         busy: dict[str, float] = {}
         for path in ("grpc", "fast"):  # heartbeats over gRPC, then over the fast path
             for i in range(args.workers):
                 w = subprocess.Popen([sys.executable, "-c", WORKER, d.target, str(i), path],
-                                     text=True, stdout=subprocess.PIPE, env=env)
+                                     text=True, stdout=subprocess.PIPE)
                 workers.append(w)
             for w in workers:
                 assert w.stdout is not None and w.stdout.readline().split() == ["open", path]

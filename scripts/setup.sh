@@ -100,10 +100,12 @@ setup_hicached() {
     fi
     local what="numpy, grpcio, protobuf, prometheus-client, xxhash, pyzmq, msgspec"
     [ -z "$extras" ] || what="$what; the extras of pyproject.toml: test tools, SGLang's cache-path imports, Mooncake's wheel, Dynamo's KV indexer"
-    _hicached_say "pip install -e .${extras} (hicached, hicache, hicache_client, hicache_sglang:" \
-        "$what)"
+    # not editable: the environment runs what a user's `pip install .` installs (a wheel built
+    # from this tree); the tests refuse to run while it differs from the checkout
+    _hicached_say "pip install .${extras} (hicached, hicache, hicache_client, hicache_sglang," \
+        "hicache_vllm, hicache_bench: $what)"
     python3 -m pip install -q --disable-pip-version-check ${_hicached_pins[@]+"${_hicached_pins[@]}"} \
-        -e ".${extras}"
+        ".${extras}"
     if [ "${1:-}" = "--test" ]; then
         # SGLang's own code is what the linker's and the real server's tests run against; its
         # own dependencies are the GPU serving stack, so the package comes without them and

@@ -26,6 +26,20 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests run what is installed (non-editable, as users have it: scripts/setup.sh),
+    so they refuse to run an install that is not this checkout: an edit not yet installed
+    would pass or fail unseen."""
+    from tests.installed import drift
+
+    stale = drift()
+    if stale:
+        shown = "; ".join(stale[:5]) + (f"; and {len(stale) - 5} more" if len(stale) > 5 else "")
+        raise pytest.UsageError(
+            f"the hicached installed here is not this checkout ({shown}): reinstall it "
+            "(bash scripts/test.sh does; or pip install . in this environment)")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
     from tests.reliability.figures import FIGURES
 

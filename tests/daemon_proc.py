@@ -113,22 +113,23 @@ def state_dir_of(workdir: Path) -> Path:
 
 def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
                  wait: bool = True, prefix: Sequence[str] = (),
-                 env: dict[str, str] | None = None) -> DaemonProc:
+                 env: dict[str, str] | None = None, python: str = sys.executable,
+                 cwd: Path = REPO) -> DaemonProc:
     """A daemon on ``workdir`` (its socket, shm and state directories), started through
     ``prefix`` if given (e.g. ``nsenter`` into a network namespace), with ``env`` added to
-    this process's environment."""
+    this process's environment; ``python``: the interpreter (another environment's)."""
     shm = workdir / "shm"
     shm.mkdir(exist_ok=True)
     sock = socket or str(workdir / "hicached.sock")
     log_path = workdir / f"daemon-{time.monotonic_ns()}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     state = state_dir_of(workdir)  # pools outlive a daemon here; the next one finds them
-    cmd = [*prefix, sys.executable, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
+    cmd = [*prefix, python, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
            "--shm-dir", str(shm), "--state-dir", str(state), "--metrics-listen", "127.0.0.1:0",
            "--lease-seconds", "1",
            "--memory-budget", "2GiB", "--reserve", "0", "--grace-seconds", "5", *extra]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     d = DaemonProc(proc, sock, str(shm), log_path)
     if wait:
         try:

@@ -193,9 +193,10 @@ class SGLangServer:
         return [*cmd, *self.args]
 
     def environment(self) -> dict[str, str]:
-        """The stand-ins first on ``PYTHONPATH``, then this checkout's client packages (the
-        linker under test) and the repository; SGLang on its CPU paths; no Hugging Face hub."""
-        path = [str(STAND_INS), str(REPO / "clients" / "python"), str(REPO)]
+        """The stand-ins first on ``PYTHONPATH``, then the repository (the tests' helpers); the
+        linker under test is the one installed in this environment, non-editable, as a user
+        has it (scripts/setup.sh); SGLang on its CPU paths; no Hugging Face hub."""
+        path = [str(STAND_INS), str(REPO)]
         if os.environ.get("PYTHONPATH"):
             path.append(os.environ["PYTHONPATH"])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), SGLANG_USE_CPU_ENGINE="1",
