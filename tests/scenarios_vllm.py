@@ -346,7 +346,14 @@ def parse_serve(argv: list[str], model: str) -> dict[str, Any]:
     spec_cls = OffloadingSpecFactory.get_spec_cls(kv.kv_connector_extra_config)
     SpecConfig.from_extra(kv.kv_connector_extra_config)  # our part of it is valid
     conn_cls = KVConnectorFactory.get_connector_class(kv)  # as vLLM's factory finds it
+    import inspect
+    from importlib import metadata
+
+    import vllm
+
     return {"model": named, "spec": f"{spec_cls.__module__}.{spec_cls.__name__}",
+            "spec_file": inspect.getfile(spec_cls), "connector_file": inspect.getfile(conn_cls),
+            "vllm": metadata.version("vllm"), "vllm_file": vllm.__file__,
             "kv_connector": kv.kv_connector,
             "connector_class": f"{conn_cls.__module__}.{conn_cls.__name__}",
             "failure_policy": kv.kv_load_failure_policy,

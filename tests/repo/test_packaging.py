@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_proc import REPO
+from tests.installed import clean_copy
 
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 EXTRAS: dict[str, list[str]] = PROJECT["optional-dependencies"]
@@ -33,20 +33,8 @@ def _tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
-def _checkout(tmp_path: Path) -> Path:
-    """A copy of the checkout as a fresh clone has it (tracked and not-ignored files)."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                           check=True, capture_output=True).stdout.decode().split("\0")
-    src = tmp_path / "src"
-    for name in filter(None, files):
-        if (REPO / name).is_file():
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, src / name)
-    return src
-
-
 def test_pip_install_leaves_the_checkout_as_it_was(tmp_path: Path) -> None:
-    src = _checkout(tmp_path)
+    src = clean_copy(tmp_path / "src")
     before = _tree(src)
     site = tmp_path / "site"
     out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
