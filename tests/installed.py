@@ -52,7 +52,7 @@ def _native() -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 NATIVE = _native()
-CARRIED_SUFFIXES = (".py", ".pyi")
+CARRIED_SUFFIXES = (".py", ".pyi", ".cu")
 CARRIED_NAMES = ("py.typed",)
 
 

@@ -68,12 +68,14 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--log-format": ("log_format", "text or json"),
     "--log-level": ("log_level", "DEBUG, INFO, WARNING, ..."),
     "--cuda-driver": ("cuda_driver", "CUDA driver library for IPC and pinning (libcuda.so.1)"),
+    "--cuda-copy-paths": ("cuda_copy_paths", "ways GPU copies may go, chosen per batch by "
+                                             "measurement: dma[,batch][,kernel] (dma)"),
 }
 _FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds", "max_held_fraction",
            "fast_path_body_timeout_s"}
 _INTS = {"copy_threads", "copy_spin_us", "fast_path_spin_us", "grpc_threads", "max_watchers",
          "max_data_rpcs", "max_pending_rpcs", "max_hold_ms", "max_keys_per_call"}
-_LISTS = {"listen", "health_listen"}
+_LISTS = {"listen", "health_listen", "cuda_copy_paths"}
 _BOOLS = {"hugepages", "insecure_tcp", "accept_shm_paths", "fast_path"}
 
 

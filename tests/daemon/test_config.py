@@ -192,3 +192,24 @@ def test_the_cluster_tier_answers_within_the_linkers_lookup_deadline() -> None:
 
     assert MooncakeTierConfig("m:1", "h").timeout_seconds < LinkerConfig().lookup_timeout_s
     assert MooncakeTierConfig("m:1", "h").timeout_seconds < SpecConfig().lookup_timeout_s
+
+
+def test_the_ways_gpu_copies_may_go(tmp_path: Path) -> None:
+    """dma alone by default; a flag, the environment or the file set it, comma-separated or
+    as a list (one way alone forces it: the GPU check and bench_cuda.py do); never empty,
+    nothing unknown."""
+    assert ServerConfig().cuda_copy_paths == ("dma",)
+    assert build_config(args(cuda_copy_paths=["dma,kernel"]), {}).cuda_copy_paths == \
+        ("dma", "kernel")
+    assert build_config(args(cuda_copy_paths=["dma", "batch"]), {}).cuda_copy_paths == \
+        ("dma", "batch")
+    env = {"HICACHED_CUDA_COPY_PATHS": "dma,batch,kernel"}
+    assert build_config(args(), env).cuda_copy_paths == ("dma", "batch", "kernel")
+    cfg = tmp_path / "h.toml"
+    cfg.write_text('cuda_copy_paths = ["dma", "kernel"]\n')
+    assert build_config(args(config=str(cfg)), {}).cuda_copy_paths == ("dma", "kernel")
+    assert config_from_mapping({"cuda_copy_paths": "kernel"}).cuda_copy_paths == ("kernel",)
+    for bad in (["dma", "zero-copy"], [], ""):
+        with pytest.raises(SpecInvalid, match="cuda_copy_paths") as info:
+            config_from_mapping({"cuda_copy_paths": bad})
+        assert info.value.reason == "SPEC_INVALID"

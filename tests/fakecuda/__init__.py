@@ -1,14 +1,18 @@
 """Build and inspect the fake CUDA driver (``fakecuda.c``) that CPU-only CI runs the CUDA path on.
 
-``library()`` compiles it once per source version into a cache directory and returns its path
-(pass it as ``HICACHED_CUDA_DRIVER`` or to ``load_driver``); ``FakeCuda(path)`` reads its
-counters and logs and makes the allocations CUDA IPC cannot share.
+``library(batch_abi=13)`` compiles it once per source version into a cache directory and
+returns its path (pass it as ``HICACHED_CUDA_DRIVER`` or to ``load_driver``), with the
+daemon's page kernel (``pages.cu``, as the installed hicached has it) compiled in as C++ on
+``kernel_emulation.h``, and the ``cuMemcpyBatchAsync`` of CUDA 13 (``batch_abi`` 12: CUDA
+12.8's; 0: none); ``FakeCuda(path)`` reads its counters and logs, sets device attributes and
+makes the allocations CUDA IPC cannot share.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.resources
 import os
 import subprocess
 import tempfile
@@ -19,15 +23,34 @@ UUID_A = "fa4ec0da000000000000000000000001"
 UUID_B = "fa4ec0da0000000000000000000000b2"
 
 
-def library() -> str:
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / f"hicache-fakecuda-{tag}" / "libfakecuda.so"
+EMULATION = Path(__file__).with_name("kernel_emulation.h")
+
+
+def kernel_source() -> Path:
+    """The page kernel's source as the installed hicached has it."""
+    return Path(str(importlib.resources.files("hicached.cuda").joinpath("pages.cu")))
+
+
+def library(batch_abi: int = 13) -> str:
+    kernel = kernel_source()
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), EMULATION.read_bytes(), kernel.read_bytes(),
+                 str(batch_abi).encode()):
+        h.update(hashlib.sha256(part).digest())
+    out = Path(tempfile.gettempdir()) / f"hicache-fakecuda-{h.hexdigest()[:16]}" / "libfakecuda.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-o", str(tmp), str(SOURCE),
-                        "-lpthread"], check=True)
+        objs = [tmp.with_suffix(".c.o"), tmp.with_suffix(".cu.o")]
+        subprocess.run(["gcc", "-c", "-fPIC", "-O1", "-Wall", f"-DFAKECUDA_BATCH_ABI={batch_abi}",
+                        "-o", str(objs[0]), str(SOURCE)], check=True)
+        subprocess.run(["g++", "-c", "-fPIC", "-O1", "-Wall", "-fno-strict-aliasing", "-x",
+                        "c++", "-std=c++17", "-include", str(EMULATION), "-o", str(objs[1]),
+                        str(kernel)], check=True)
+        subprocess.run(["g++", "-shared", "-o", str(tmp), *map(str, objs), "-lpthread"],
+                       check=True)
+        for o in objs:
+            o.unlink()
         os.replace(tmp, out)
     return str(out)
 
@@ -46,6 +69,10 @@ class FakeCuda:
         self.lib.fakecuda_event_seq.argtypes = [ctypes.c_void_p]
         self.lib.fakecuda_copy_at.restype = ctypes.c_long
         self.lib.fakecuda_copy_at.argtypes = [ctypes.c_long] + [ctypes.POINTER(ctypes.c_uint64)] * 3
+
+    def set_attribute(self, attribute: int, value: int) -> None:
+        """A device attribute as cuDeviceGetAttribute reports it (every device)."""
+        self.lib.fakecuda_set_attribute(ctypes.c_int(attribute), ctypes.c_int(value))
 
     def set_defer(self, on: bool) -> None:
         """Queue stream work until something synchronizes with it (default: run at enqueue)."""

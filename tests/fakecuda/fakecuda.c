@@ -21,6 +21,17 @@
  *
  * Devices: FAKECUDA_DEVICES="uuid,uuid" (32 hex digits each) in this process's numbering, as
  * CUDA_VISIBLE_DEVICES would reorder them; default one device.
+ *
+ * Kernels: the daemon's page kernel (hicached/cuda/pages.cu) is compiled into this library as
+ * C++ (kernel_emulation.h), and cuModuleGetFunction hands it out for any loaded module;
+ * cuLaunchKernel runs it on the CPU when its stream runs: every block, each as up to
+ * EMU_THREADS threads one after another (the kernel strides by blockDim, so the bytes are the
+ * same). Each fragment it copies is checked first (fakecuda_fragment): the device side inside
+ * one allocation, the host side inside one registration mapped into the device (DEVICEMAP, or
+ * cuMemHostAlloc); a fragment that is not is skipped and counted (kernel_faults), where a GPU
+ * would fault. cuMemcpyBatchAsync is the CUDA 13 one (exported as _v2; FAKECUDA_BATCH_ABI=12
+ * builds the 12.8 one instead, FAKECUDA_BATCH_ABI=0 none): each copy checked as cuMemcpyAsync
+ * checks it. Timed events stamp the time their record ran, for cuEventElapsedTime.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -32,6 +43,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/vfs.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -78,8 +90,8 @@ typedef struct {
 
 /* state[0] = records enqueued but not run, state[1] = sequence number of the last run; shared
  * (a memfd page) for interprocess events, so the exporter sees records made by an importer */
-typedef struct { int used, interprocess, imported, fd; long stream; long *state; long local[2]; } event_t;
-typedef struct { uint64_t base, size; } reg_t;
+typedef struct { int used, interprocess, imported, fd, timed; long stream; long *state; long local[2]; double at; } event_t;
+typedef struct { uint64_t base, size; int mapped, hostalloc; } reg_t;
 typedef struct { long seq; uint64_t dst, src, n; } copy_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -371,9 +383,14 @@ static int unpinnable_file_mapping(uint64_t p) {
     return refused;
 }
 
+static CUresult register_host(void *p, size_t n, int mapped, int hostalloc);
+
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
-    (void)flags;
     if (current_dev() < 0) return INVALID_CONTEXT;
+    return register_host(p, n, (flags & 2) != 0 /* DEVICEMAP */, 0);
+}
+
+static CUresult register_host(void *p, size_t n, int mapped, int hostalloc) {
     if (unpinnable_file_mapping((uint64_t)(uintptr_t)p)) return INVALID_VALUE;
     uint64_t b = (uint64_t)(uintptr_t)p;
     pthread_mutex_lock(&mu);
@@ -391,6 +408,7 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
     }
     if (slot < 0) { pthread_mutex_unlock(&mu); return OUT_OF_MEMORY; }
     regs[slot].base = b; regs[slot].size = n;
+    regs[slot].mapped = mapped; regs[slot].hostalloc = hostalloc;
     n_registered_bytes += (long)n;
     pthread_mutex_unlock(&mu);
     return OK;
@@ -401,7 +419,7 @@ CUresult cuMemHostUnregister(void *p) {
     uint64_t b = (uint64_t)(uintptr_t)p;
     pthread_mutex_lock(&mu);
     for (int i = 0; i < MAX_REG; i++)
-        if (regs[i].size && regs[i].base == b) {
+        if (regs[i].size && regs[i].base == b && !regs[i].hostalloc) {
             n_registered_bytes -= (long)regs[i].size;
             regs[i].size = 0;
             pthread_mutex_unlock(&mu);
@@ -419,7 +437,7 @@ CUresult cuMemHostUnregister(void *p) {
  * (the sticky error a real GPU would raise). */
 
 #define MAX_STREAM 1024
-enum { OP_COPY = 1, OP_RECORD = 2, OP_WAIT = 3 };
+enum { OP_COPY = 1, OP_RECORD = 2, OP_WAIT = 3, OP_LAUNCH = 4 };
 typedef struct { int kind; uint64_t dst, src, n; long ev, other; } op_t;
 typedef struct { int used; op_t *ops; long len, cap, head; } stream_t;
 static stream_t streams[MAX_STREAM];
@@ -508,13 +526,23 @@ static void run_copy(uint64_t dst, uint64_t src, uint64_t n) {
 }
 
 static void drain(stream_t *st);
+static void run_launch(const op_t *op);
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
 
 static void run_op(const op_t *op) {
     if (op->kind == OP_COPY) {
         run_copy(op->dst, op->src, op->n);
+    } else if (op->kind == OP_LAUNCH) {
+        run_launch(op);
     } else if (op->kind == OP_RECORD) {
         event_t *ev = ev_of((void *)(intptr_t)op->ev);
         if (ev) {
+            ev->at = now_s();
             __atomic_store_n(&ev->state[1], ++seq_counter, __ATOMIC_SEQ_CST);
             __atomic_sub_fetch(&ev->state[0], 1, __ATOMIC_SEQ_CST);
         }
@@ -603,7 +631,9 @@ static CUresult new_event(void **out, int interprocess, int imported, int fd) {
 CUresult cuEventCreate(void **e, unsigned flags) {
     if (current_dev() < 0) return INVALID_CONTEXT;
     if ((flags & 4) && !(flags & 2)) return INVALID_VALUE; /* interprocess needs no timing */
-    return new_event(e, (flags & 4) != 0, 0, -1);
+    CUresult rc = new_event(e, (flags & 4) != 0, 0, -1);
+    if (rc == OK) ev_of(*e)->timed = !(flags & 2);
+    return rc;
 }
 CUresult cuEventRecord(void *e, void *s) {
     pthread_mutex_lock(&mu);
@@ -725,6 +755,213 @@ CUresult cuMemcpy2DAsync_v2(const memcpy2d_t *c, void *stream) {
     return rc;
 }
 
+CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
+    pthread_mutex_lock(&mu);
+    event_t *a = ev_of(start), *b = ev_of(end);
+    CUresult rc = !a || !b ? INVALID_HANDLE
+                  : !a->timed || !b->timed ? INVALID_HANDLE
+                  : pending_of(a) || pending_of(b) ? 600 /* NOT_READY */ : OK;
+    if (rc == OK) *ms = (float)((b->at - a->at) * 1e3);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* -- attributes, mapped host memory, modules, launches, batches ---------------------------- */
+
+static int attributes[128];
+static int attributes_set;
+
+static void default_attributes(void) {
+    if (attributes_set) return;
+    attributes[16] = 8;   /* MULTIPROCESSOR_COUNT */
+    attributes[41] = 1;   /* UNIFIED_ADDRESSING */
+    attributes[75] = 9;   /* COMPUTE_CAPABILITY_MAJOR */
+    attributes[76] = 0;   /* COMPUTE_CAPABILITY_MINOR */
+    attributes[91] = 1;   /* CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM */
+    attributes_set = 1;
+}
+
+void fakecuda_set_attribute(int attr, int value) {
+    pthread_mutex_lock(&mu);
+    default_attributes();
+    if (attr >= 0 && attr < 128) attributes[attr] = value;
+    pthread_mutex_unlock(&mu);
+}
+
+CUresult cuDeviceGetAttribute(int *out, int attr, int dev) {
+    if (dev < 0 || dev >= ndev) return INVALID_DEVICE;
+    if (attr < 0 || attr >= 128) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    default_attributes();
+    *out = attributes[attr];
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    void *m = aligned_alloc(4096, (n + 4095) & ~(size_t)4095);
+    if (!m) return OUT_OF_MEMORY;
+    memset(m, 0, n);
+    CUresult rc = register_host(m, n, (flags & 2) != 0, 1);
+    if (rc != OK) { free(m); return rc; }
+    *p = m;
+    return OK;
+}
+
+CUresult cuMemFreeHost(void *p) {
+    uint64_t b = (uint64_t)(uintptr_t)p;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_REG; i++)
+        if (regs[i].size && regs[i].base == b && regs[i].hostalloc) {
+            n_registered_bytes -= (long)regs[i].size;
+            regs[i].size = 0;
+            pthread_mutex_unlock(&mu);
+            free(p);
+            return OK;
+        }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
+static reg_t *reg_of(uint64_t p, uint64_t n) {
+    for (int i = 0; i < MAX_REG; i++)
+        if (regs[i].size && regs[i].base <= p && p + n <= regs[i].base + regs[i].size)
+            return &regs[i];
+    return NULL;
+}
+
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *out, void *p, unsigned flags) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (flags) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    reg_t *r = reg_of((uint64_t)(uintptr_t)p, 1);
+    CUresult rc = r && r->mapped ? OK : INVALID_VALUE;
+    if (rc == OK) *out = (CUdeviceptr)(uintptr_t)p; /* unified addressing: the same address */
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+static long n_modules, n_launches, n_kernel_fragments, n_kernel_faults;
+#define FAKE_MODULE 0x6001
+#define FAKE_PAGES_FN 0x7001
+
+CUresult cuModuleLoadData(void **m, const void *image) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (!image || memcmp(image, "\177ELF", 4) != 0) return 200; /* INVALID_IMAGE */
+    pthread_mutex_lock(&mu);
+    n_modules++;
+    pthread_mutex_unlock(&mu);
+    *m = (void *)(intptr_t)FAKE_MODULE;
+    return OK;
+}
+
+CUresult cuModuleUnload(void *m) {
+    if ((intptr_t)m != FAKE_MODULE) return INVALID_HANDLE;
+    pthread_mutex_lock(&mu);
+    n_modules--;
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
+    if ((intptr_t)m != FAKE_MODULE) return INVALID_HANDLE;
+    if (strcmp(name, "hicache_copy_pages") != 0) return NOT_FOUND;
+    *f = (void *)(intptr_t)FAKE_PAGES_FN;
+    return OK;
+}
+
+/* The emulated kernel's check of one fragment (called with mu held, from run_launch): the
+ * device side inside one allocation, the host side inside one mapped registration. */
+int fakecuda_fragment(const void *dst, long long dst_bytes, const void *src,
+                      long long src_bytes, unsigned thread) {
+    const void *side[2] = {dst, src};
+    long long bytes[2] = {dst_bytes, src_bytes};
+    if (thread == 0) n_kernel_fragments++;  /* each thread checks; one counts */
+    for (int k = 0; k < 2; k++) {
+        uint64_t p = (uint64_t)(uintptr_t)side[k], n = (uint64_t)bytes[k];
+        if (find_alloc(p) ? inside(p, n) : (reg_of(p, n) && reg_of(p, n)->mapped)) continue;
+        if (thread == 0) n_kernel_faults++;
+        return 0;
+    }
+    return 1;
+}
+
+void fakecuda_run_pages(const long long *table, long long lo, long long hi,
+                        unsigned grid, unsigned block);
+
+static void run_launch(const op_t *op) {
+    const long long *table = (const long long *)(uintptr_t)op->dst;
+    /* the table itself must be readable by the device: mapped host memory or device memory */
+    uint64_t t = op->dst;
+    if (!(find_alloc(t) ? inside(t, 32) : (reg_of(t, 32) && reg_of(t, 32)->mapped))) {
+        n_kernel_faults++;
+        return;
+    }
+    n_launches++;
+    fakecuda_run_pages(table, (long long)op->src, (long long)op->n, (unsigned)op->ev,
+                       (unsigned)op->other);
+    seq_counter++;
+}
+
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned shmem, void *stream, void **params,
+                        void **extra) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if ((intptr_t)f != FAKE_PAGES_FN) return INVALID_HANDLE;
+    if (!gx || !bx || gy != 1 || gz != 1 || by != 1 || bz != 1 || bx > 1024 || shmem || extra
+            || !params)
+        return INVALID_VALUE;
+    uint64_t table = *(uint64_t *)params[0];
+    long long lo = *(long long *)params[1], hi = *(long long *)params[2];
+    pthread_mutex_lock(&mu);
+    ncalls++;
+    CUresult rc = submit(stream, (op_t){OP_LAUNCH, table, (uint64_t)lo, (uint64_t)hi,
+                                        (long)gx, (long)bx});
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+#ifndef FAKECUDA_BATCH_ABI
+#define FAKECUDA_BATCH_ABI 13
+#endif
+
+static long n_batches;
+
+#if FAKECUDA_BATCH_ABI
+static CUresult batch_copy(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                           const void *attrs, size_t *idxs, size_t nattrs, void *stream) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (!stream || !count || !attrs || !idxs || nattrs < 1 || idxs[0] != 0)
+        return INVALID_VALUE;  /* no legacy stream; the first attribute applies from copy 0 */
+    pthread_mutex_lock(&mu);
+    ncalls++;
+    n_batches++;
+    CUresult rc = OK;
+    for (size_t i = 0; i < count && rc == OK; i++) rc = check_copy(dsts[i], srcs[i], sizes[i]);
+    for (size_t i = 0; i < count && rc == OK; i++)
+        rc = submit(stream, (op_t){OP_COPY, dsts[i], srcs[i], sizes[i], 0, 0});
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+#endif
+
+#if FAKECUDA_BATCH_ABI == 13
+CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                               size_t count, const void *attrs, size_t *idxs, size_t nattrs,
+                               void *stream) {
+    return batch_copy(dsts, srcs, sizes, count, attrs, idxs, nattrs, stream);
+}
+#elif FAKECUDA_BATCH_ABI == 12
+CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                            const void *attrs, size_t *idxs, size_t nattrs, size_t *fail,
+                            void *stream) {
+    CUresult rc = batch_copy(dsts, srcs, sizes, count, attrs, idxs, nattrs, stream);
+    if (rc != OK && fail) *fail = 0;
+    return rc;
+}
+#endif
+
 /* -- inspection for tests ------------------------------------------------------------------ */
 
 long fakecuda_stat(const char *what) {
@@ -743,6 +980,11 @@ long fakecuda_stat(const char *what) {
     else if (!strcmp(what, "calls")) out = ncalls;
     else if (!strcmp(what, "seq")) out = seq_counter;
     else if (!strcmp(what, "deferred_errors")) out = deferred_errors;
+    else if (!strcmp(what, "modules")) out = n_modules;
+    else if (!strcmp(what, "launches")) out = n_launches;
+    else if (!strcmp(what, "kernel_fragments")) out = n_kernel_fragments;
+    else if (!strcmp(what, "kernel_faults")) out = n_kernel_faults;
+    else if (!strcmp(what, "batches")) out = n_batches;
     else if (!strcmp(what, "queued")) {
         out = 0;
         for (int i = 0; i < MAX_STREAM; i++) out += streams[i].used ? streams[i].len - streams[i].head : 0;

@@ -12,10 +12,13 @@ Primitives:
 - ``load_driver(path=None)``: the process-wide ``CudaDriver`` for a library path (argument, else
   ``$HICACHED_CUDA_DRIVER``, else ``libcuda.so.1``), or ``None`` when it cannot be loaded or
   initialised (hosts without a GPU). ``driver_problem(path)`` says why.
-- ``CudaDriver``: devices (ordinal <-> UUID), ``context(ordinal)`` (pushes the device's primary
-  context for the calling thread), IPC memory handles (get / open / close), pointer attributes,
-  streams, events (interprocess handles too), asynchronous 1-D and 2-D copies, host memory
-  registration, device allocation.
+- ``CudaDriver``: devices (ordinal <-> UUID, attributes, ``arch``), ``context(ordinal)`` (pushes
+  the device's primary context for the calling thread), IPC memory handles (get / open /
+  close), pointer attributes, streams, events (interprocess handles too, timed ones),
+  asynchronous 1-D and 2-D copies and batches of 1-D copies (``memcpy_batch_async``, where the
+  driver has ``cuMemcpyBatchAsync``), host memory registration (mapped into the device's
+  address space) and page-locked allocations, device allocation, modules and kernel
+  launches.
 - ``CudaCallFailed``: a driver call returned an error: the call, the ``CUresult`` and its name.
 - ``format_uuid`` / ``normalize_uuid``: ``GPU-xxxxxxxx-xxxx-...`` as ``nvidia-smi`` prints it.
 """
@@ -42,13 +45,27 @@ ATTR_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 ATTR_RANGE_START_ADDR = 11
 ATTR_RANGE_SIZE = 12
 # flags
+# CUdevice_attribute
+DEV_ATTR_MULTIPROCESSOR_COUNT = 16
+DEV_ATTR_UNIFIED_ADDRESSING = 41
+DEV_ATTR_COMPUTE_CAPABILITY_MAJOR = 75
+DEV_ATTR_COMPUTE_CAPABILITY_MINOR = 76
+DEV_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 EVENT_BLOCKING_SYNC = 0x1
 EVENT_DISABLE_TIMING = 0x2
 EVENT_INTERPROCESS = 0x4
 STREAM_NON_BLOCKING = 0x1
 IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+ERROR_NOT_READY = 600
 MEMHOSTREGISTER_PORTABLE = 0x1
+MEMHOSTREGISTER_DEVICEMAP = 0x2
+MEMHOSTALLOC_PORTABLE = 0x1
+MEMHOSTALLOC_DEVICEMAP = 0x2
 MEMORYTYPE_UNIFIED = 4
+# CUmemcpyAttributes of cuMemcpyBatchAsync
+MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
+MEM_LOCATION_TYPE_DEVICE = 0x1
+MEM_LOCATION_TYPE_HOST = 0x2
 
 
 class CudaCallFailed(RuntimeError):
@@ -94,6 +111,19 @@ class Memcpy2D(ctypes.Structure):
         ("dstPitch", ctypes.c_size_t),
         ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
     ]
+
+
+class MemLocation(ctypes.Structure):
+    """CUmemLocation."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """CUmemcpyAttributes (CUDA 12.8)."""
+
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", MemLocation),
+                ("dstLocHint", MemLocation), ("flags", ctypes.c_uint)]
 
 
 def format_uuid(raw: bytes) -> str:
@@ -186,6 +216,24 @@ class CudaDriver:
                                   total.value))
         return tuple(out)
 
+    def attribute(self, attribute: int, ordinal: int) -> int:
+        """A ``CUdevice_attribute`` of a device."""
+        dev, out = ctypes.c_int(), ctypes.c_int()
+        self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+        self._call("cuDeviceGetAttribute", ctypes.byref(out), ctypes.c_int(attribute), dev)
+        return out.value
+
+    def arch(self, ordinal: int) -> str:
+        """The device's architecture as compilers name it: ``sm_90`` for compute 9.0."""
+        return (f"sm_{self.attribute(DEV_ATTR_COMPUTE_CAPABILITY_MAJOR, ordinal)}"
+                f"{self.attribute(DEV_ATTR_COMPUTE_CAPABILITY_MINOR, ordinal)}")
+
+    def version(self) -> int:
+        """The driver's CUDA version (12080 for 12.8)."""
+        out = ctypes.c_int()
+        self._call("cuDriverGetVersion", ctypes.byref(out))
+        return out.value
+
     def ordinal_of(self, uuid: str) -> int | None:
         want = normalize_uuid(uuid)
         for d in self.devices:
@@ -253,11 +301,55 @@ class CudaDriver:
         self._call("cuMemFree", ctypes.c_uint64(address))
 
     def host_register(self, address: int, nbytes: int) -> None:
+        """Page-lock ``[address, address + nbytes)`` for every context, mapped into the
+        devices' address space (kernels may read and write it)."""
         self._call("cuMemHostRegister", ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
-                   ctypes.c_uint(MEMHOSTREGISTER_PORTABLE))
+                   ctypes.c_uint(MEMHOSTREGISTER_PORTABLE | MEMHOSTREGISTER_DEVICEMAP))
 
     def host_unregister(self, address: int) -> None:
         self._call("cuMemHostUnregister", ctypes.c_void_p(address))
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Page-locked host memory, portable and mapped (``host_free`` gives it back)."""
+        p = ctypes.c_void_p()
+        self._call("cuMemHostAlloc", ctypes.byref(p), ctypes.c_size_t(nbytes),
+                   ctypes.c_uint(MEMHOSTALLOC_PORTABLE | MEMHOSTALLOC_DEVICEMAP))
+        return int(p.value or 0)
+
+    def host_free(self, address: int) -> None:
+        self._call("cuMemFreeHost", ctypes.c_void_p(address))
+
+    def host_device_pointer(self, address: int) -> int:
+        """The device's address of mapped page-locked host memory (the current context's)."""
+        out = ctypes.c_uint64()
+        self._call("cuMemHostGetDevicePointer", ctypes.byref(out), ctypes.c_void_p(address),
+                   ctypes.c_uint(0))
+        return out.value
+
+    # -- modules and launches ----------------------------------------------------------------
+
+    def module_load(self, image: bytes) -> int:
+        """A module from a cubin, in the current context."""
+        m = ctypes.c_void_p()
+        self._call("cuModuleLoadData", ctypes.byref(m), ctypes.c_char_p(image))
+        return int(m.value or 0)
+
+    def module_unload(self, module: int) -> None:
+        self._call("cuModuleUnload", ctypes.c_void_p(module))
+
+    def module_function(self, module: int, name: str) -> int:
+        f = ctypes.c_void_p()
+        self._call("cuModuleGetFunction", ctypes.byref(f), ctypes.c_void_p(module),
+                   name.encode())
+        return int(f.value or 0)
+
+    def launch(self, function: int, grid: int, block: int, stream: int,
+               params: ctypes.Array[ctypes.c_void_p]) -> None:
+        """A 1-D launch; ``params`` holds a pointer to each argument (kept alive by the
+        caller until this returns: the driver copies them)."""
+        self._call("cuLaunchKernel", ctypes.c_void_p(function), ctypes.c_uint(grid),
+                   ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(block), ctypes.c_uint(1),
+                   ctypes.c_uint(1), ctypes.c_uint(0), ctypes.c_void_p(stream), params, None)
 
     # -- streams and events ------------------------------------------------------------------
 
@@ -276,10 +368,13 @@ class CudaDriver:
         self._call("cuStreamWaitEvent", ctypes.c_void_p(stream), ctypes.c_void_p(event),
                    ctypes.c_uint(0))
 
-    def event_create(self, interprocess: bool = False, blocking: bool = False) -> int:
-        """``blocking``: a thread synchronizing on it sleeps instead of spinning."""
+    def event_create(self, interprocess: bool = False, blocking: bool = False,
+                     timed: bool = False) -> int:
+        """``blocking``: a thread synchronizing on it sleeps instead of spinning; ``timed``:
+        ``event_elapsed_ms`` can read it (not with ``interprocess``)."""
         e = ctypes.c_void_p()
-        flags = (EVENT_DISABLE_TIMING | (EVENT_INTERPROCESS if interprocess else 0)
+        flags = ((0 if timed else EVENT_DISABLE_TIMING)
+                 | (EVENT_INTERPROCESS if interprocess else 0)
                  | (EVENT_BLOCKING_SYNC if blocking else 0))
         self._call("cuEventCreate", ctypes.byref(e), ctypes.c_uint(flags))
         return int(e.value or 0)
@@ -292,6 +387,22 @@ class CudaDriver:
 
     def event_destroy(self, event: int) -> None:
         self._call("cuEventDestroy", ctypes.c_void_p(event))
+
+    def event_query(self, event: int) -> bool:
+        """Whether the work before the event's record has completed."""
+        rc = int(self.fn("cuEventQuery")(ctypes.c_void_p(event)))
+        if rc == ERROR_NOT_READY:
+            return False
+        if rc != 0:
+            raise CudaCallFailed("cuEventQuery", rc, self.error_name(rc))
+        return True
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        """Milliseconds between two completed records of ``timed`` events."""
+        out = ctypes.c_float()
+        self._call("cuEventElapsedTime", ctypes.byref(out), ctypes.c_void_p(start),
+                   ctypes.c_void_p(end))
+        return float(out.value)
 
     def ipc_get_event_handle(self, event: int) -> bytes:
         h = IpcHandle()
@@ -315,6 +426,36 @@ class CudaDriver:
                      dstMemoryType=MEMORYTYPE_UNIFIED, dstDevice=dst, dstPitch=dpitch,
                      WidthInBytes=width, Height=height)
         self._call("cuMemcpy2DAsync", ctypes.byref(c), ctypes.c_void_p(stream))
+
+    def batch_copy_abi(self) -> int:
+        """Which ``cuMemcpyBatchAsync`` the driver has: 13 (CUDA 13's, exported as
+        ``cuMemcpyBatchAsync_v2``: no failure index), 12 (CUDA 12.8's, with one), 0 (none)."""
+        for symbol, abi in (("cuMemcpyBatchAsync_v2", 13), ("cuMemcpyBatchAsync", 12)):
+            if hasattr(self._lib, symbol):
+                return abi
+        return 0
+
+    def memcpy_batch_async(self, dsts: int, srcs: int, sizes: int, count: int,
+                           stream: int) -> None:
+        """``count`` 1-D copies in one call: ``dsts``, ``srcs`` and ``sizes`` are addresses of
+        arrays of that many 64-bit values (kept alive by the caller until this returns). The
+        copies of one batch run in no particular order among themselves, in stream order as
+        a whole; each source is read in stream order."""
+        abi = self.batch_copy_abi()
+        if not abi:
+            raise CudaCallFailed("cuMemcpyBatchAsync", -1, "not exported by " + self.path)
+        attrs = MemcpyAttributes(srcAccessOrder=MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        index = ctypes.c_size_t(0)
+        fn = getattr(self._lib, "cuMemcpyBatchAsync_v2" if abi == 13 else "cuMemcpyBatchAsync")
+        fn.restype = ctypes.c_int
+        head = (ctypes.c_void_p(dsts), ctypes.c_void_p(srcs), ctypes.c_void_p(sizes),
+                ctypes.c_size_t(count), ctypes.byref(attrs), ctypes.byref(index),
+                ctypes.c_size_t(1))
+        failed = ctypes.c_size_t(0)
+        rc = int(fn(*head, ctypes.c_void_p(stream)) if abi == 13
+                 else fn(*head, ctypes.byref(failed), ctypes.c_void_p(stream)))
+        if rc != 0:
+            raise CudaCallFailed("cuMemcpyBatchAsync", rc, self.error_name(rc))
 
 
 _drivers: dict[str, CudaDriver | None] = {}

@@ -2,10 +2,15 @@
 
 Primitives:
 
+- ``DeviceCopies``: what one device offers a batch: the DMA path always, ``cuMemcpyBatchAsync``
+  where the driver has it, the page kernel where it loaded (``kernels``), and the rates the
+  ways measured there (``paths.CopyPaths``); shared by the device's sessions.
 - ``CudaRunner``: the ``PlanRunner`` the copy engine calls for a session on a GPU: waits for
-  the worker's ready event, enqueues every plan on the backup or load stream (``segments``),
-  records the worker's per-layer events (loads, by ``hicache.layer_groups``), then either
-  synchronizes or hands completion to the ``Completer``.
+  the worker's ready event, enqueues a batch on the backup or load stream by the way its
+  device's ``CopyPaths`` chooses, records the worker's per-layer events after each layer
+  group of a load (``hicache.layer_groups``: each group's copies are enqueued, or launched,
+  before its event), then either synchronizes or hands completion to the ``Completer``.
+  Where ways compete, or the kernel runs, two timed events around the batch measure it.
 - ``Completer``: one thread that waits for enqueued work to finish, then runs its callback
   (releasing busy host pages, letting a session release its mappings).
 """
@@ -16,16 +21,26 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from hicache import layer_groups
 from hicache.cuda_driver import CudaCallFailed, CudaDriver
 from hicache.errors import CudaFailure
 from hicached.copy.plan import CopyPlan
 from hicached.core.registrations import Registrations
+from hicached.cuda.launch import PageKernel, TableRing, build_table, fragments
+from hicached.cuda.paths import CopyPaths, Path
 from hicached.cuda.segments import Segments, plan_segments, split_at, submit
 
 log = logging.getLogger(__name__)
+
+TABLE_SLOTS = 2
+"""Launch tables a session's runner has in flight at most (a slot waits for its launches)."""
+TABLE_SLOT_BYTES = 256 << 10
+"""One launch table's most bytes: a batch of about 16,000 pages of two components; a larger
+one takes another way."""
 
 
 class Completer:
@@ -67,6 +82,29 @@ class Completer:
 
 
 @dataclass
+class DeviceCopies:
+    """The ways one device moves a batch, and what they measured."""
+
+    paths: CopyPaths = field(default_factory=lambda: CopyPaths((Path.DMA,)))
+    kernel: PageKernel | None = None
+    batch: bool = False
+    """The driver has ``cuMemcpyBatchAsync``."""
+
+    @property
+    def usable(self) -> tuple[Path, ...]:
+        return (Path.DMA, *((Path.BATCH,) if self.batch else ()),
+                *((Path.KERNEL,) if self.kernel is not None else ()))
+
+    @property
+    def measured(self) -> bool:
+        """Whether batches are timed: more than one allowed way is usable here (the choice
+        reads the rates), or the kernel is (its rate is the SM time it takes from the
+        engine's own kernels, a metric)."""
+        ways = [p for p in self.paths.allowed if p in self.usable]
+        return len(ways) > 1 or Path.KERNEL in ways
+
+
+@dataclass
 class CudaRunner:
     """Runs copy plans for one session on its device."""
 
@@ -79,6 +117,9 @@ class CudaRunner:
     """Imported worker events, recorded after each layer group of a load."""
     ready_event: int = 0
     """Imported worker event the daemon's streams wait on before each copy (0 = none)."""
+    device: DeviceCopies = field(default_factory=DeviceCopies)
+    _tables: dict[int, TableRing] = field(default_factory=dict)
+    """A table ring per stream, made on the stream's first kernel batch."""
 
     def group_of(self, layer: int, layer_num: int) -> int:
         return layer_groups.group_of(layer, layer_num, len(self.layer_events))
@@ -86,18 +127,34 @@ class CudaRunner:
     def run(self, loading: bool, plans: Sequence[CopyPlan], layers: range, layer_num: int,
             wait: bool, done: Callable[[], None], registrations: Registrations) -> None:
         """Enqueue ``plans`` (their layers start at ``layers.start``); ``done`` runs here after
-        a stream synchronize when ``wait``, else on the completer thread. No copy's host side
-        spans two of the host pool's ``registrations`` (``segments.split_at``)."""
+        a stream synchronize when ``wait``, else on the completer thread. No DMA copy's host
+        side spans two of the host pool's ``registrations`` (``segments.split_at``)."""
         stream = self.load_stream if loading else self.backup_stream
-        segs = [split_at(plan_segments(p), registrations, not loading) for p in plans]
+        plans = [p for p in plans if p.dst_pages.size and p.dst_base.size]
+        fragment = plans[0].unit_bytes * plans[0].units if plans else 0
+        path = self.device.paths.choose(loading, fragment, self.device.usable)
+        table = build_table(plans) if path is Path.KERNEL and plans else None
+        if table is not None and table.nbytes > TABLE_SLOT_BYTES:
+            path, table = Path.DMA, None
+        groups = self._groups(loading, plans, layers, layer_num)
+        timed = self.device.measured and bool(plans)
+        start = end = event = 0
         try:
             with self.driver.context(self.ordinal):
                 if self.ready_event:
                     self.driver.stream_wait_event(stream, self.ready_event)
-                if loading and self.layer_events:
-                    self._by_layer(stream, segs, layers, layer_num)
+                if timed:
+                    start = self.driver.event_create(timed=True)
+                    end = self.driver.event_create(timed=True, blocking=True)
+                    self.driver.event_record(start, stream)
+                if table is not None:
+                    self._launch(stream, table, groups)
                 else:
-                    submit(self.driver, stream, Segments.concat(segs))
+                    segs = [split_at(plan_segments(p), registrations, not loading)
+                            for p in plans]
+                    self._enqueue(stream, segs, groups, path is Path.BATCH)
+                if timed:
+                    self.driver.event_record(end, stream)
                 if wait:
                     self.driver.stream_synchronize(stream)
                 else:
@@ -106,21 +163,104 @@ class CudaRunner:
                     self.driver.event_record(event, stream)
         except CudaCallFailed as exc:
             self._drain(stream)
+            self._destroy(start, end)
             raise CudaFailure(f"GPU copy failed: {exc}",
-                              metadata={"call": exc.call, "cuda_error": exc.name}) from None
-        if wait:
-            done()
-        else:
-            self.completer.add(self.ordinal, event, done)
+                              metadata={"call": exc.call, "cuda_error": exc.name,
+                                        "path": path.value}) from None
+        nbytes = sum(p.nbytes for p in plans)
+        self.device.paths.count(path, loading, nbytes)
 
-    def _by_layer(self, stream: int, segs: list[Segments], layers: range,
-                  layer_num: int) -> None:
+        def landed() -> None:
+            if timed:
+                self._measure(path, loading, fragment, nbytes, start, end)
+            done()
+
+        if wait:
+            landed()
+        else:
+            self.completer.add(self.ordinal, event, landed)
+
+    def _groups(self, loading: bool, plans: Sequence[CopyPlan], layers: range,
+                layer_num: int) -> list[tuple[int, int, int]]:
+        """(first, last + 1 (relative to ``layers.start``), the event to record after them or
+        -1): one group, or a load's layer groups where it signals per-layer events."""
+        count = max((int(p.dst_base.size) for p in plans), default=0)
+        if not (loading and self.layer_events):
+            return [(0, count, -1)]
+        out: list[tuple[int, int, int]] = []
+        lo = 0
         for i, layer in enumerate(layers):
-            submit(self.driver, stream,
-                   Segments.concat([s.layer(i) for s in segs if i < s.layers]))
             g = self.group_of(layer, layer_num)
             if layer == layers.stop - 1 or self.group_of(layer + 1, layer_num) != g:
-                self.driver.event_record(self.layer_events[g], stream)
+                out.append((lo, i + 1, g))
+                lo = i + 1
+        return out
+
+    def _record(self, stream: int, event: int) -> None:
+        if event >= 0:
+            self.driver.event_record(self.layer_events[event], stream)
+
+    def _enqueue(self, stream: int, segs: list[Segments],
+                 groups: list[tuple[int, int, int]], batched: bool) -> None:
+        for lo, hi, event in groups:
+            part = Segments.concat([s.layer(i) for i in range(lo, hi) for s in segs
+                                    if i < s.layers])
+            if batched:
+                self._batch(stream, part)
+            else:
+                submit(self.driver, stream, part)
+            self._record(stream, event)
+
+    def _batch(self, stream: int, segs: Segments) -> None:
+        """Every copy of ``segs`` (its 2-D copies as their rows) in one batch call."""
+        if not segs.count:
+            return
+        rep = segs.height
+        first = np.repeat(np.cumsum(rep) - rep, rep)
+        r = np.arange(int(rep.sum()), dtype=np.int64) - first
+        dst = np.ascontiguousarray(np.repeat(segs.dst, rep) + r * np.repeat(segs.dpitch, rep),
+                                   dtype=np.uint64)
+        src = np.ascontiguousarray(np.repeat(segs.src, rep) + r * np.repeat(segs.spitch, rep),
+                                   dtype=np.uint64)
+        size = np.ascontiguousarray(np.repeat(segs.width, rep), dtype=np.uint64)
+        self.driver.memcpy_batch_async(dst.ctypes.data, src.ctypes.data, size.ctypes.data,
+                                       int(dst.size), stream)
+
+    def _launch(self, stream: int, table: np.ndarray,
+                groups: list[tuple[int, int, int]]) -> None:
+        kernel = self.device.kernel
+        assert kernel is not None
+        ring = self._tables.get(stream)
+        if ring is None:
+            ring = self._tables[stream] = TableRing(self.driver, TABLE_SLOTS, TABLE_SLOT_BYTES)
+        slot, address = ring.put(table)
+        try:
+            for lo, hi, event in groups:
+                kernel.launch(stream, address, lo, hi, fragments(table, lo, hi))
+                self._record(stream, event)
+        finally:
+            ring.done(slot, stream)
+
+    def _measure(self, path: Path, loading: bool, fragment: int, nbytes: int, start: int,
+                 end: int) -> None:
+        try:
+            with self.driver.context(self.ordinal):
+                self.driver.event_synchronize(end)
+                ms = self.driver.event_elapsed_ms(start, end)
+            self.device.paths.record(path, loading, fragment, nbytes, ms / 1e3)
+        except CudaCallFailed:
+            log.exception("timing a GPU copy failed")
+        finally:
+            self._destroy(start, end)
+
+    def _destroy(self, *events: int) -> None:
+        for e in events:
+            if e:
+                try:
+                    with self.driver.context(self.ordinal):
+                        self.driver.event_destroy(e)
+                except CudaCallFailed:
+                    log.exception("destroying a timing event failed")
 
     def _drain(self, stream: int) -> None:
         try:
@@ -128,3 +268,10 @@ class CudaRunner:
                 self.driver.stream_synchronize(stream)
         except CudaCallFailed:
             log.exception("GPU stream did not drain after a failed copy")
+
+    def close(self) -> None:
+        """Once the session's streams have drained: the launch tables' memory goes."""
+        rings, self._tables = list(self._tables.values()), {}
+        with self.driver.context(self.ordinal):
+            for ring in rings:
+                ring.close()

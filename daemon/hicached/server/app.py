@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
 import hicache
-from hicache.cuda_driver import driver_problem, load_driver
+from hicache.cuda_driver import CudaDriver, driver_problem, load_driver
 from hicache.errors import PinFailed, SpecInvalid
 from hicache.paths import default_socket_path
 from hicache.polling import sum_counts
@@ -41,6 +41,9 @@ from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.system import lock_refusal
 from hicached.core.trusted_paths import own_dir, socket_dir
+from hicached.cuda.kernels import KernelBinaries
+from hicached.cuda.nvrtc import load_nvrtc, nvrtc_problem
+from hicached.cuda.paths import Path as CopyPath
 from hicached.cuda.pinner import DriverPinner
 from hicached.frontends.envelope import Envelope
 from hicached.frontends.fast_path import FastPathServer
@@ -101,7 +104,7 @@ class HiCacheServer:
                                 f"default is /dev/shm/hicached-<uid>), or set it to \"\" "
                                 f"(pools in anonymous memory, lost when the daemon exits)",
                                 metadata={"state_dir": config.state_dir})
-        cuda = CudaIpcTransport(driver) if driver is not None else None
+        cuda = cuda_transport(driver, config) if driver is not None else None
         cluster_store = (MooncakeStore(config.mooncake, observe=lambda op, s: self.metrics
                                        .observe_cluster(op, s))
                          if config.mooncake is not None else None)
@@ -141,6 +144,7 @@ class HiCacheServer:
             fast_polls=lambda: sum_counts(*(f.poll_stats() for f in self.fast_paths)),
             kv_events=self.kv_events.stats if self.kv_events is not None else None,
             budget=pools.budget,
+            cuda_copies=cuda.copy_stats if cuda is not None else None,
         ), build={"version": hicache.__version__, "numpy": np.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
@@ -378,6 +382,21 @@ class HiCacheServer:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
+
+
+def cuda_transport(driver: CudaDriver, config: ServerConfig) -> CudaIpcTransport:
+    """CUDA IPC sessions, their copies by ``config.cuda_copy_paths``: the page kernel compiled
+    with NVRTC where it is allowed, cached under the state directory."""
+    paths = tuple(CopyPath(p) for p in config.cuda_copy_paths)
+    binaries, off = None, ""
+    if CopyPath.KERNEL in paths:
+        nvrtc = load_nvrtc()
+        if nvrtc is None:
+            off = nvrtc_problem()
+        else:
+            cache = os.path.join(config.state_dir, "kernels") if config.state_dir else ""
+            binaries = KernelBinaries(cache, nvrtc)
+    return CudaIpcTransport(driver, paths, binaries, off)
 
 
 def _read_token(config: ServerConfig) -> str:

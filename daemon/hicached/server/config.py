@@ -32,6 +32,7 @@ from hicache.specs import (
 from hicached.cache.holds import HoldPolicy
 from hicached.cache.pool_cache import EVICTION
 from hicached.core.system import available_bytes
+from hicached.cuda.paths import Path as CopyPath
 from hicached.publish.kv_event_config import KvEventsConfig
 from hicached.service.budget_config import BudgetConfig
 from hicached.service.identity import AccessRule
@@ -162,6 +163,15 @@ class ServerConfig:
     cuda_driver: str = ""
     """CUDA driver library for IPC attachment and pinning ('' = libcuda.so.1). Pools are
     pinned and cuda_ipc sessions accepted only when it loads and reports a device."""
+    cuda_copy_paths: tuple[str, ...] = ("dma",)
+    """The ways copies between a GPU and the pools may go, chosen per batch by the rate each
+    measured on that device (``hicached.cuda.paths``): ``dma`` (the copy engines, a driver
+    call per run of pages, layer and component: always allowed), ``batch`` (the same copies
+    in one ``cuMemcpyBatchAsync`` call, CUDA 12.8 drivers), ``kernel`` (the page kernel over
+    the mapped pool, one launch per batch or layer group; compiled with NVRTC, the
+    ``[cuda]`` extra). A way a device lacks is skipped and said once; a batch no allowed way
+    can take goes by ``dma``. Until the GPU check has measured the others on a GPU, only
+    ``dma`` is on by default."""
     pools: tuple[PoolSpec, ...] = field(default=())
     """Pools that exist from startup."""
     disk: DiskTierConfig | None = None
@@ -251,6 +261,11 @@ class ServerConfig:
             raise SpecInvalid("shm_dir must be an absolute path",
                               metadata={"shm_dir": self.shm_dir})
         self.hold_policy()  # validates max_hold_ms and max_held_fraction
+        if not self.cuda_copy_paths or set(self.cuda_copy_paths) - set(CUDA_COPY_PATHS):
+            raise SpecInvalid(f"cuda_copy_paths is a non-empty list of "
+                              f"{', '.join(CUDA_COPY_PATHS)}, not "
+                              f"{list(self.cuda_copy_paths)!r}",
+                              metadata={"cuda_copy_paths": ",".join(self.cuda_copy_paths)})
         if self.eviction not in EVICTION:
             raise SpecInvalid(f"eviction is one of {', '.join(EVICTION)}, not "
                               f"{self.eviction!r}", metadata={"eviction": self.eviction})
@@ -266,6 +281,8 @@ class ServerConfig:
             return self.memory_budget_bytes
         return max(available_bytes() - self.reserve_bytes, 0) // 2
 
+
+CUDA_COPY_PATHS = tuple(p.value for p in CopyPath)
 
 _SIZE_FIELDS = {"memory_budget_bytes", "reserve_bytes", "max_message_bytes",
                 "fast_path_inflight_bytes"}
@@ -353,5 +370,8 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
             value = tuple(access_rule(r) for r in value)  # type: ignore[attr-defined]
         elif key in ("listen", "health_listen"):
             value = (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
+        elif key == "cuda_copy_paths":  # a list, or comma-separated (flags, environment)
+            items = [value] if isinstance(value, str) else list(value)  # type: ignore[call-overload]
+            value = tuple(x.strip() for v in items for x in str(v).split(",") if x.strip())
         kwargs[key] = value
     return ServerConfig(**kwargs)  # type: ignore[arg-type]

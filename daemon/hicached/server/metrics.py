@@ -43,12 +43,17 @@ from hicache.polling import PollCounts
 from hicached.cache.index_types import EVICTED_AGE_BUCKETS
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.pool import HostPool
+from hicached.cuda.paths import Path as CopyPath
 from hicached.publish.kv_event_config import KvEventStats
 from hicached.server.metrics_tiers import CLUSTER_PREFIXES, tier_families
 from hicached.server.tallies import HistogramColumns, Row, Tally
 from hicached.service.memory_budget import MemoryBudget
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack
+
+CopyStats = tuple[dict[tuple[bool, CopyPath], tuple[int, int]],
+                  dict[tuple[bool, int, CopyPath], float]]
+"""GPU copies: (loading, way) -> (batches, bytes); (loading, size class, way) -> rate."""
 
 REASONS = sorted({c.reason for c in all_error_classes()})
 
@@ -86,6 +91,31 @@ class ScrapeState:
     """The KV event stream's counts, if it is on."""
     budget: MemoryBudget | None = None
     """The memory budget the pools share by demand, if it is elastic."""
+    cuda_copies: Callable[[], CopyStats] | None = None
+    """GPU copies by way (``hicached.cuda.paths``), where a CUDA driver loaded."""
+
+
+def _cuda_copy_families(counts: dict[tuple[bool, CopyPath], tuple[int, int]],
+                        rates: dict[tuple[bool, int, CopyPath], float]) -> Iterator[Metric]:
+    labels = ["op", "path"]
+    batches = CounterMetricFamily("hicache_cuda_copy_batches", "GPU copy batches by way "
+                                  "(dma, batch, kernel) and op (backup: to host; load).",
+                                  labels=labels)
+    moved = CounterMetricFamily("hicache_cuda_copy_bytes", "Bytes of GPU copy batches by way "
+                                "and op.", labels=labels)
+    for (loading, path), (n, b) in sorted(counts.items()):
+        op = "load" if loading else "backup"
+        batches.add_metric([op, path.value], n)
+        moved.add_metric([op, path.value], b)
+    yield batches
+    yield moved
+    rate = GaugeMetricFamily("hicache_cuda_copy_rate_bytes_per_second", "Each way's recent "
+                             "rate measured on the device, by op and fragment size class "
+                             "(log2 of a page's bytes of one layer and component): what "
+                             "the choice of way reads.", labels=[*labels, "size_class"])
+    for (loading, cls, path), r in sorted(rates.items()):
+        rate.add_metric(["load" if loading else "backup", path.value, str(cls)], r)
+    yield rate
 
 
 def _budget_families(b: MemoryBudget) -> Iterator[Metric]:
@@ -239,6 +269,8 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("hicache_cuda_ipc_mapped_bytes",
                                 "Bytes of worker GPU allocations mapped over CUDA IPC.",
                                 value=handle_bytes)
+        if self._state.cuda_copies is not None:
+            yield from _cuda_copy_families(*self._state.cuda_copies())
         yield GaugeMetricFamily("hicache_uptime_seconds", "Seconds since the daemon started.",
                                 value=time.monotonic() - self._started)
 

@@ -9,11 +9,14 @@ Primitives:
 
 - ``IpcMemoryCache``: each allocation is opened once per daemon process and closed when the last
   session using it lets go (CUDA refuses to open one handle twice in a process).
-- ``CudaIpcTransport(driver)``: ``attach(buffers, layer_events, ready_event)`` resolves the UUID
-  to this process's device, checks every buffer, opens the handles, imports the worker's
-  interprocess events and creates the session's two streams (backup D2H, load H2D). Any failure
-  closes whatever was opened and raises ``DEVICE_NOT_FOUND`` / ``IPC_HANDLE_INVALID`` /
-  ``GEOMETRY_MISMATCH`` naming the buffer and the CUDA error.
+- ``CudaIpcTransport(driver, copy_paths, kernels)``: ``attach(buffers, layer_events,
+  ready_event)`` resolves the UUID to this process's device, checks every buffer, opens the
+  handles, imports the worker's interprocess events and creates the session's two streams
+  (backup D2H, load H2D). Any failure closes whatever was opened and raises
+  ``DEVICE_NOT_FOUND`` / ``IPC_HANDLE_INVALID`` / ``GEOMETRY_MISMATCH`` naming the buffer and
+  the CUDA error. ``copies(ordinal)``: the device's ``DeviceCopies`` (the ways allowed by
+  ``copy_paths`` that it has: the page kernel loaded on its first session, from ``kernels``,
+  the reason it is off logged once), shared by its sessions.
 - ``CudaAttachment``: the session's ``WorkerBuffers`` (``RawBuffer``s on ``cuda``), its
   ``CudaRunner``, and ``release()``: drain both streams, destroy them, destroy the imported
   events, close the handles. Sessions call it when the worker closes the session or its lease
@@ -30,7 +33,9 @@ from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import IPC_HANDLE_SIZE, CudaCallFailed, CudaDriver, normalize_uuid
 from hicache.errors import DeviceNotFound, IpcHandleInvalid, SpecInvalid
 from hicached.core.worker_buffers import Device, RawBuffer, WorkerBuffers
-from hicached.cuda.runner import Completer, CudaRunner
+from hicached.cuda.kernels import KernelBinaries, load_page_kernel
+from hicached.cuda.paths import CopyPaths, Path
+from hicached.cuda.runner import Completer, CudaRunner, DeviceCopies
 from hicached.transport.base import Attachment, assemble, check_extent, check_strides
 
 log = logging.getLogger(__name__)
@@ -106,10 +111,61 @@ def _invalid(i: int, why: str, **meta: object) -> IpcHandleInvalid:
 
 
 class CudaIpcTransport:
-    def __init__(self, driver: CudaDriver) -> None:
+    def __init__(self, driver: CudaDriver, copy_paths: Sequence[Path] = (Path.DMA,),
+                 kernels: KernelBinaries | None = None, kernels_off: str = "") -> None:
+        """``kernels``: how the page kernel is compiled (None: it is off, ``kernels_off``
+        says why)."""
         self.driver = driver
         self.cache = IpcMemoryCache(driver)
         self.completer = Completer(driver)
+        self.copy_paths = tuple(copy_paths)
+        self._kernels = kernels
+        self._kernels_off = kernels_off
+        self._copies: dict[int, DeviceCopies] = {}
+        self._copies_lock = threading.Lock()
+
+    def copies(self, ordinal: int) -> DeviceCopies:
+        """The ways ``ordinal`` moves batches (made on its first session)."""
+        with self._copies_lock:
+            got = self._copies.get(ordinal)
+            if got is None:
+                got = self._copies[ordinal] = self._device_copies(ordinal)
+            return got
+
+    def copy_stats(self) -> tuple[dict[tuple[bool, Path], tuple[int, int]],
+                                  dict[tuple[bool, int, Path], float]]:
+        """Over every device: (loading, way) -> (batches, bytes) enqueued, and (loading,
+        size class, way) -> the mean rate measured (the best device's)."""
+        with self._copies_lock:
+            devices = list(self._copies.values())
+        counts: dict[tuple[bool, Path], tuple[int, int]] = {}
+        rates: dict[tuple[bool, int, Path], float] = {}
+        for d in devices:
+            for k, (n, b) in d.paths.counts().items():
+                m, c = counts.get(k, (0, 0))
+                counts[k] = (m + n, c + b)
+            for key, r in d.paths.rates().items():
+                rates[key] = max(rates.get(key, 0.0), r)
+        return counts, rates
+
+    def _device_copies(self, ordinal: int) -> DeviceCopies:
+        uuid = self.driver.devices[ordinal].uuid
+        kernel = None
+        if Path.KERNEL in self.copy_paths:
+            kernel, why = (load_page_kernel(self.driver, ordinal, self._kernels)
+                           if self._kernels is not None else (None, self._kernels_off))
+            if kernel is None:
+                log.warning("the page kernel is off on device %d (%s): %s; its batches take "
+                            "the other allowed ways", ordinal, uuid, why)
+        batch = Path.BATCH in self.copy_paths and self.driver.batch_copy_abi() > 0
+        if Path.BATCH in self.copy_paths and not batch:
+            log.warning("cuMemcpyBatchAsync is not in the CUDA driver (%s, CUDA %d): device "
+                        "%d's batches take the other allowed ways", self.driver.path,
+                        self.driver.version(), ordinal)
+        copies = DeviceCopies(CopyPaths(self.copy_paths), kernel, batch)
+        log.info("device %d (%s) copies by %s", ordinal, uuid,
+                 ", ".join(p.value for p in copies.paths.allowed if p in copies.usable))
+        return copies
 
     def close(self) -> None:
         self.completer.close()
@@ -150,12 +206,15 @@ class CudaIpcTransport:
         opened: dict[bytes, tuple[int, int]] = {}
         streams: list[int] = []
         events: list[int] = []
+        runners: list[CudaRunner] = []
         drv = self.driver
 
         def close() -> None:
             with drv.context(ordinal):
                 for s in streams:
                     _quietly(drv.stream_synchronize, s)
+                for r in runners:
+                    _quietly(r.close)
                 for s in streams:
                     _quietly(drv.stream_destroy, s)
                 for e in events:
@@ -195,7 +254,9 @@ class CudaIpcTransport:
             close()
             raise
         runner = CudaRunner(drv, ordinal, streams[0], streams[1], self.completer,
-                            layer_events=events[: len(layer_events)], ready_event=ready)
+                            layer_events=events[: len(layer_events)], ready_event=ready,
+                            device=self.copies(ordinal))
+        runners.append(runner)
         log.info("attached %d buffer(s) in %d CUDA IPC allocation(s) on device %d (%s)",
                  len(buffers), len(opened), ordinal, drv.devices[ordinal].uuid)
         return CudaAttachment(attached, sum(b.nbytes for b in buffers), runner, close)
