@@ -9,11 +9,14 @@
 #   1 env          nvidia-smi, Python, torch and CUDA, the versions of what we import
 #   2 native       the copy kernel and the poll helper built there (scripts/gpu/build_native.py)
 #   3 cuda-tests   pytest -m cuda tests/procs/test_cuda_gpu.py: CUDA IPC export and attach, pinned
-#                  pools, D2H/H2D exact, layer events, a dead worker's device memory released,
-#                  an elastic budget's locked memory moving between two pools (keys exact),
-#                  a copy over two registrations refused and cut, a pool over 1 GiB exact
-#   4 bench-short  bench_cuda.py --short: D2H/H2D GB/s beside a pinned copy_ of the same bytes,
-#                  page sizes 1/16/64, the enqueue rate of a random 64-page batch
+#                  pools, D2H/H2D exact, layer events, every copy way (dma, batch, kernel)
+#                  exact for every layout at page sizes 1/16/64 beside a neighbour's kernels,
+#                  a dead worker's device memory released, an elastic budget's locked memory
+#                  moving between two pools (keys exact), a copy over two registrations
+#                  refused and cut, a pool over 1 GiB exact
+#   4 bench-short  bench_cuda.py --short: per copy way, D2H/H2D GB/s beside a pinned copy_ of
+#                  the same bytes, page sizes 1/16/64, the daemon's CPU and the kernel's SM
+#                  time per batch, both directions at once, the enqueue rate of a 64-page batch
 #   5 sglang       pytest -m cuda tests/integrations/sglang/test_sglang_gpu.py: the linker on SGLang's CUDA KV
 #                  tensors with layer events, offload under set_sync_debug_mode("error")
 #   6 vllm         pytest -m cuda tests/integrations/vllm/test_vllm_gpu.py: the vLLM spec's worker on vLLM's
@@ -45,9 +48,9 @@ out="${1:-/tmp/hicache-gpu-check}"
 
 # seconds per part, each a ceiling; part 6 (extra) gets at least its share and at most what the
 # others left of TOTAL
-TOTAL=465
-declare -A BUDGET=([wheels]=40 [env]=45 [native]=40 [cuda-tests]=115 [bench-short]=80
-                   [sglang]=85 [vllm]=60)
+TOTAL=475
+declare -A BUDGET=([wheels]=35 [env]=35 [native]=35 [cuda-tests]=160 [bench-short]=85
+                   [sglang]=70 [vllm]=50)
 PARTS=(wheels env native cuda-tests bench-short sglang vllm extra)
 fixed=0
 for p in "${!BUDGET[@]}"; do fixed=$((fixed + BUDGET[$p])); done

@@ -67,6 +67,55 @@ def test_two_gpu_workers_round_trip_exactly(daemon: DaemonProc, layout: Layout,
         c.delete_pool(spec.name)
 
 
+NEIGHBOUR = """
+import sys, torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+print("busy", flush=True)
+while True:  # the engine's own kernels, beside the daemon's copies
+    a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize("way", ["dma", "batch", "kernel"])
+def test_every_copy_way_is_exact_beside_a_neighbours_kernels(module_daemons: Daemons,
+                                                              way: str) -> None:
+    """A daemon forced to one way of GPU copies (cuda_copy_paths), every layout at page sizes
+    1, 16 and 64: two workers per pool, all pools at once (backups and loads in both
+    directions at the same time), one loading with per-layer events checked group by group,
+    while another process keeps the GPU's SMs busy with matmuls; every buffer exact, and the
+    daemon's metrics say the batches went that way."""
+    import re
+
+    d = module_daemons.start("--memory-budget", "8GiB", "--cuda-copy-paths", way)
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE,
+                                 text=True)
+    specs = [PoolSpec(f"gpu-{way}-{layout.value}-p{ps}", GEOMETRIES["mha"], ps, layout,
+                      size_tokens=ps * 256) for layout in Layout for ps in (1, 16, 64)]
+    try:
+        assert neighbour.stdout is not None and neighbour.stdout.readline().strip() == "busy"
+        with HiCacheClient(d.target) as c:
+            for spec in specs:
+                c.create_pool(spec)
+            workers = [(spec.name, spawn(d, spec.name, f"w{i}", i + 1, 3,
+                                         spec.page_size * 64, *flags))
+                       for spec in specs for i, flags in enumerate([(), ("--layer-events",)])]
+            for name, w in workers:
+                out, err = w.communicate(timeout=300)
+                assert w.returncode == 0, (name, err[-3000:])
+                r = json.loads(out.strip().splitlines()[-1])
+                assert r["mismatches"] == 0 and r["verified_buffers"] > 0, (name, r)
+            for spec in specs:
+                c.delete_pool(spec.name)
+        took = {m.group(1) for m in re.finditer(
+            r'^hicache_cuda_copy_batches_total\{op="[a-z]+",path="([a-z]+)"\} [1-9]',
+            d.metrics(), re.M)}
+        assert took == {way}, (way, took, d.log()[-2000:])
+    finally:
+        neighbour.kill()
+        neighbour.wait(30)
+
+
 def test_killed_worker_gives_its_device_memory_back(daemon: DaemonProc) -> None:
     spec = PoolSpec("gpu-kill", GEOMETRIES["mha"], 16, Layout.LAYER_FIRST, size_tokens=16 * 64)
     tokens = 16 * 4096  # 8 layers x K/V x 4096 pages x 16 x 8 x 128 x 2 bytes = 2 GiB
