@@ -43,6 +43,8 @@ import pytest
 from tests.daemon_proc import start_daemon
 from tests.installed import (
     BUILD,
+    CARRIED_NAMES,
+    CARRIED_SUFFIXES,
     NATIVE,
     REPO,
     SOURCE_ROOTS,
@@ -122,7 +124,9 @@ def test_the_wheel_carries_the_source_tree_and_nothing_else_of_ours(dists: Dists
     for name in OURS:
         want.update(carried(dists.src / packages()[name].relative_to(REPO)))
     assert len(want) > 150 and "hicached/publish/kv_event_config.py" in want
-    have = {n: h for n, h in files.items() if n.endswith((".py", ".pyi", "py.typed"))}
+    have = {n: h for n, h in files.items()
+            if n.endswith((*CARRIED_SUFFIXES, *CARRIED_NAMES)) and ".dist-info/" not in n}
+    assert "hicached/cuda/pages.cu" in want
     assert {n for n in want if n not in have} == set(), "missing from the wheel"
     assert {n for n in have if n not in want} == set(), "in the wheel, not in the source tree"
     assert [n for n in want if want[n] != have[n]] == []
