@@ -130,15 +130,66 @@ def test_holds_expire_and_the_pages_become_evictable(pool: HostPool) -> None:
 def test_release_and_the_end_of_a_session(pool: HostPool) -> None:
     cache = PoolCache(pool, policy=HoldPolicy(max_held_fraction=1.0))
     store(cache, K[:4])
+    b_ended = [False]
+    b = Holder(B, 10, lambda: b_ended[0])  # as the service makes it: the session's flag
     cache.lookup_held(K[:4], Holder(A, 10))
-    cache.lookup_held(K[:4], Holder(B, 10))
+    cache.lookup_held(K[:4], b)
     assert cache.release_holds(A, [K[0], K[9]]) == 1
     assert cache.release_holds(A) == 3
+    b_ended[0] = True  # the session marks itself ended, then ends its holds
     assert cache.end_holds(B) == 4
-    assert cache.lookup_held(K[:4], Holder(B, 10))[2] == 0, "an ended session held again"
+    assert cache.lookup_held(K[:4], b)[2] == 0, "an ended session held again"
+    assert cache.hold_room(b) == 0 and cache.hold_promoted(b, K[:4]) == 0
     assert cache.stats.holds_released == 4 and cache.stats.holds_ended == 4
+    assert B not in cache.holds.owners() and B not in cache._last_holds
     store(cache, K[4:12])  # all evictable again
     assert cache.lookup(K[:4])[0] == 0
+    pool.allocator.memcheck()
+
+
+def test_a_lookup_stopped_while_its_session_ends_holds_nothing(pool: HostPool) -> None:
+    """The Lookup found its session live, then stops before it takes the pool's lock; the
+    session ends meanwhile (flag, then end_holds). Resumed, it holds nothing, and nothing
+    of that session stays in the cache's books."""
+    import threading
+
+    from hicache import seams
+
+    cache = PoolCache(pool, policy=HoldPolicy(max_held_fraction=1.0))
+    store(cache, K[:4])
+    ended = [False]
+    holder = Holder(B, 10, lambda: ended[0])
+    got: list[tuple[int, bytes, int]] = []
+    with seams.Pause("lookup.hold") as stop:
+        t = threading.Thread(target=lambda: got.append(cache.lookup_held(K[:4], holder)))
+        t.start()
+        assert stop.wait_reached(5)
+        ended[0] = True
+        cache.end_holds(B)
+        stop.release()
+        t.join(5)
+    assert got and got[0][0] == 4 and got[0][2] == 0, got
+    assert cache.holds.total == 0 and B not in cache.holds.owners()
+    assert B not in cache._last_holds
+    pool.allocator.memcheck()
+
+
+def test_sessions_that_come_and_go_leave_no_books_behind(pool: HostPool) -> None:
+    """Thousands of sessions each holding and ending: the hold table's and the cache's books
+    per session stay at the sessions alive."""
+    cache = PoolCache(pool, policy=HoldPolicy(max_held_fraction=1.0))
+    store(cache, K[:4])
+    alive: dict[int, list[bool]] = {}
+    for owner in range(1, 3001):
+        alive[owner] = [False]
+        h = Holder(owner, 10, lambda flag=alive[owner]: flag[0])
+        cache.lookup_held(K[:4], h)
+        if owner > 2:  # two stay open
+            cache.release_holds(owner, K[:1])
+            alive[owner][0] = True
+            cache.end_holds(owner)
+    assert cache.holds.owners() == {1, 2} and set(cache._last_holds) == {1, 2}
+    assert cache.holds.total == 8
     pool.allocator.memcheck()
 
 
@@ -161,7 +212,8 @@ def test_hold_table_books() -> None:
     t.add(B, b"y", 4, moved)
     moved.until = 3.0  # a Lookup of the same keys moved it on
     assert t.expire(2.0) == [] and t.total == 1
-    assert [h.page for h in t.end(B)] == [4] and t.ended(B) and t.total == 0
+    assert [h.page for h in t.end(B)] == [4] and t.total == 0
+    assert t.owners() == {A}, "an ended owner leaves nothing behind"
 
 
 def test_asking_the_same_keys_again_refreshes_all_holds(pool: HostPool) -> None:
@@ -217,7 +269,8 @@ class HoldsMachine(RuleBasedStateMachine):
     def lookup(self, owner: int, keys: list[bytes], seconds: float) -> None:
         self.cache.expire_holds()
         self._expire_model()
-        hit, _, held = self.cache.lookup_held(keys, Holder(owner, seconds))
+        hit, _, held = self.cache.lookup_held(
+            keys, Holder(owner, seconds, lambda: owner in self.ended))
         assert held <= hit
         if owner in self.ended:
             assert held == 0
@@ -276,9 +329,9 @@ class HoldsMachine(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from([A, B]))
     def end(self, owner: int) -> None:
+        self.ended.add(owner)  # the session marks itself ended, then ends its holds
         self.cache.end_holds(owner)
         self.held[owner].clear()
-        self.ended.add(owner)
 
     @rule(dt=st.sampled_from([0.3, 1.0]))
     def tick(self, dt: float) -> None:
@@ -296,6 +349,8 @@ class HoldsMachine(RuleBasedStateMachine):
     @invariant()
     def books_balance(self) -> None:
         self.pool.allocator.memcheck()
+        assert not self.ended & (self.cache.holds.owners() | set(self.cache._last_holds)), \
+            "an ended session's books stay"
         total = sum(len(h) for h in self.held.values())
         assert self.cache.holds.total >= total  # expired in the model, not yet in the cache
         counts = self.pool.allocator.counts()

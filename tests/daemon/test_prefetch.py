@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+from hicached.cache.holds import Holder
 from hicached.tiers.prefetch import Prefetcher
 
 
@@ -28,9 +29,9 @@ def wait(condition, seconds: float = 5.0) -> None:  # type: ignore[no-untyped-de
 
 def test_keys_held_after_the_promotion_are_released_below_at_once() -> None:
     released = threading.Event()
-    p = Prefetcher(lambda keys: len(keys), lambda owner, keys, s: len(keys), "t", Clock())
+    p = Prefetcher(lambda keys: len(keys), lambda holder, keys: len(keys), "t", Clock())
     try:
-        assert p.submit([b"a", b"b"], 1, 30.0, released.set)
+        assert p.submit([b"a", b"b"], Holder(1, 30.0), released.set)
         assert released.wait(5) and p.done == 1 and p.deferred == 0
     finally:
         p.close()
@@ -39,17 +40,17 @@ def test_keys_held_after_the_promotion_are_released_below_at_once() -> None:
 def test_a_key_evicted_before_its_hold_stays_below_until_the_promise_ends() -> None:
     clock, released = Clock(), threading.Event()
     # the promotion lands both keys; a Store evicts the second before the hold: one is held
-    p = Prefetcher(lambda keys: len(keys), lambda owner, keys, s: 1, "t", clock)
+    p = Prefetcher(lambda keys: len(keys), lambda holder, keys: 1, "t", clock)
     try:
-        assert p.submit([b"a", b"b"], 1, 30.0, released.set)
+        assert p.submit([b"a", b"b"], Holder(1, 30.0), released.set)
         wait(lambda: p.done == 1)
         assert p.deferred == 1
         assert not released.wait(0.2)  # the disk still keeps b for the session's load
         clock.now += 29.0
-        p.submit([], 2, 0.0, lambda: None)  # wakes the thread: not yet due
+        p.submit([], Holder(2, 0.0), lambda: None)  # wakes the thread: not yet due
         assert not released.wait(0.2)
         clock.now += 1.0
-        p.submit([], 2, 0.0, lambda: None)
+        p.submit([], Holder(2, 0.0), lambda: None)
         assert released.wait(5)  # the promise ended: released below
     finally:
         p.close()
@@ -61,8 +62,8 @@ def test_a_failed_promotion_keeps_its_keys_below_and_close_releases_what_is_due(
     def fail(keys):  # type: ignore[no-untyped-def]
         raise OSError("disk read failed")
 
-    p = Prefetcher(fail, lambda owner, keys, s: 0, "t", Clock())
-    assert p.submit([b"a"], 1, 30.0, released.set)
+    p = Prefetcher(fail, lambda holder, keys: 0, "t", Clock())
+    assert p.submit([b"a"], Holder(1, 30.0), released.set)
     wait(lambda: p.deferred == 1)
     assert not released.is_set()
     p.close()  # the daemon stops keeping promises: every release runs

@@ -237,10 +237,9 @@ class _Queued:
     def __init__(self, accept: bool) -> None:
         self.accept, self.jobs = accept, []  # type: ignore[var-annotated]
 
-    def submit(self, keys: list[bytes], owner: int, seconds: float,
-               release: Callable[[], None]) -> bool:
+    def submit(self, keys: list[bytes], holder: Holder, release: Callable[[], None]) -> bool:
         if self.accept:
-            self.jobs.append((keys, owner, seconds, release))
+            self.jobs.append((keys, holder, release))
         return self.accept
 
     def close(self) -> None:
@@ -275,9 +274,9 @@ def test_a_held_hit_on_disk_stays_there_until_its_promotion_ran() -> None:
         for i in range(m.disk.capacity):  # the disk filled twice over by other spills
             assert m.disk.write(b"other-%d" % i, m.pool.page_views(0))
         assert all(m.disk.contains(k) for k in KEYS[:4])
-        keys, owner, seconds, release = queued.jobs.pop()
+        keys, holder, release = queued.jobs.pop()
         stack.promote(keys)
-        m.cache.hold_promoted(owner, keys, seconds)
+        m.cache.hold_promoted(holder, keys)
         release()
         assert m.disk.held == 0
         pages = stack.hold_for_load(KEYS[:4], owner=7)

@@ -35,6 +35,8 @@ POINTS = {
     "cluster.put": "the cluster writer: a batch put, not yet recorded as put",
     "lookup.chunk": "a long Lookup: a chunk of its keys checked, the pool's lock let go before "
                     "the next",
+    "lookup.hold": "a Lookup that holds its hit: its session found live, the pool's lock not "
+                   "yet taken to hold",
     "kv_events.turn": "the KV event publisher: awake, its queue not yet published",
     "resize.moved": "a pool being shrunk: its keys evicted and moved, its limit not yet set "
                     "where it ends (above the size asked for where pages are in use)",

@@ -15,14 +15,18 @@ this table (no lock here).
 Primitives:
 
 - ``HoldPolicy(max_hold_ms, max_held_fraction)``: the daemon's limits (validated).
-- ``Holder``: who a Lookup holds its hit for (a session's owner number) and for how long.
+- ``Holder``: who a Lookup holds its hit for (a session's owner number), for how long, and
+  whether that session has ended (read under the pool cache's lock: a session marks itself
+  ended before it ends its holds, so a hold taken after that sees it; no table of ended
+  sessions is kept).
 - ``Hold``: a held page and its ``Deadline`` (shared by the holds one Lookup took).
 - ``HoldTable``: ``get(owner, key)``, ``count(owner)``, ``deadline(owner, until)`` (a new
   one), ``add(owner, key, page, deadline)`` (False for a refresh of a hold already there),
   ``take(owner, keys)`` (the holds a load consumes), ``drop(owner, keys)`` (``ReleaseHolds``;
-  no keys: all), ``end(owner)`` (the session ended: every hold, and no new ones for it),
-  ``expire(now)`` (holds past their deadline), ``version(owner)`` (bumped when its set of
-  holds changes), ``total``. Deadlines sit in a heap (a moved one is put back when it comes
+  no keys: all), ``end(owner)`` (the session ended: every hold, and what the table kept for
+  it), ``expire(now)`` (holds past their deadline), ``version(owner)`` (bumped when its set
+  of holds changes), ``owners()`` (owners it keeps anything for: live sessions only),
+  ``total``. Deadlines sit in a heap (a moved one is put back when it comes
   due): a Lookup that asks the same keys again refreshes all its holds in O(1).
 """
 
@@ -30,18 +34,24 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from hicache.errors import SpecInvalid
 
 
+def _never() -> bool:
+    return False
+
+
 class Holder(NamedTuple):
-    """Who a Lookup holds its hit for: a session (its owner number) and for how long."""
+    """Who a Lookup holds its hit for: a session (its owner number), for how long, and
+    whether it has ended since (``ended()``, read under the pool cache's lock)."""
 
     owner: int
     seconds: float
+    ended: Callable[[], bool] = _never
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,6 @@ class Hold:
 class HoldTable:
     def __init__(self) -> None:
         self._by_owner: dict[int, dict[bytes, Hold]] = {}
-        self._ended: set[int] = set()
         self._due: list[tuple[float, int, Deadline]] = []
         self._seq = itertools.count()
         self._version: dict[int, int] = {}
@@ -127,8 +136,7 @@ class HoldTable:
     def add(self, owner: int, key: bytes, page: int, deadline: Deadline) -> bool:
         """Hold ``page`` for ``key`` until ``deadline``: True for a new hold, False when the
         owner held it already (it then keeps the later of its deadline and this one). An
-        ended owner gets none (the caller checks ``ended`` first)."""
-        assert owner not in self._ended, "a hold for a session that ended"
+        ended owner gets none (the caller checks its ``Holder.ended`` first)."""
         held = self._by_owner.setdefault(owner, {})
         h = held.get(key)
         if h is not None:
@@ -141,9 +149,6 @@ class HoldTable:
         self.total += 1
         self._changed(owner)
         return True
-
-    def ended(self, owner: int) -> bool:
-        return owner in self._ended
 
     def take(self, owner: int, keys: Iterable[bytes]) -> dict[bytes, Hold]:
         """Remove and return the owner's holds of ``keys`` (a load consumes them)."""
@@ -163,14 +168,21 @@ class HoldTable:
         if keys is None:
             held = self._by_owner.pop(owner, {})
             self.total -= len(held)
-            self._changed(owner)
+            if held:  # (an owner with none keeps no version either)
+                self._changed(owner)
             return list(held.values())
         return list(self.take(owner, keys).values())
 
     def end(self, owner: int) -> list[Hold]:
-        """The owner (a session) ended: its holds go, and it gets no new ones."""
-        self._ended.add(owner)
-        return self.drop(owner)
+        """The owner (a session) ended: its holds go, and whatever the table kept for it
+        (its deadlines still in the heap find no holds and go when due)."""
+        gone = self.drop(owner)
+        self._version.pop(owner, None)
+        return gone
+
+    def owners(self) -> set[int]:
+        """The owners the table keeps anything for (holds or a version)."""
+        return set(self._by_owner) | set(self._version)
 
     def expire(self, now: float) -> list[Hold]:
         """Remove and return every hold whose deadline is at or before ``now``."""

@@ -233,6 +233,8 @@ class PoolCache:
             if at:
                 seams.reached("lookup.chunk")
                 time.sleep(0)  # and the interpreter: a waiting call's thread runs now
+            if holder is not None and at + LOOKUP_CHUNK >= len(keys):
+                seams.reached("lookup.hold")
             with self._lock:
                 chunk = keys[at:at + LOOKUP_CHUNK]
                 found = bytearray(map(self._ready.__contains__, chunk))
@@ -247,7 +249,7 @@ class PoolCache:
                 if holder is not None and at + LOOKUP_CHUNK >= len(keys):
                     # what an earlier chunk saw may have left since: holds stop at a key
                     # host memory no longer has (``_hold_locked``)
-                    held = self._hold_locked(holder.owner, keys, tiers,
+                    held = self._hold_locked(holder, keys, tiers,
                                              self._clock() + holder.seconds)
         if below is not None and 0 in tiers:
             absent = [i for i, t in enumerate(tiers) if not t]
@@ -437,29 +439,32 @@ class PoolCache:
         (``hold_promoted``)."""
         return self._lookup(keys, below, True, holder, touch)
 
-    def hold_room(self, owner: int) -> int:
-        """How many more pages ``owner`` may hold (its share of the pool, less its holds)."""
+    def hold_room(self, holder: Holder) -> int:
+        """How many more pages ``holder`` may hold (its share of the pool, less its holds)."""
         with self._lock:
-            if self.holds.ended(owner):
+            if holder.ended():
                 return 0
-            return max(self.policy.limit(self.pool.page_num) - self.holds.count(owner), 0)
+            return max(self.policy.limit(self.pool.page_num)
+                       - self.holds.count(holder.owner), 0)
 
-    def hold_promoted(self, owner: int, keys: Sequence[bytes], seconds: float) -> int:
-        """Hold for ``owner`` the leading ``keys`` host memory has now (the promotion its
+    def hold_promoted(self, holder: Holder, keys: Sequence[bytes]) -> int:
+        """Hold for ``holder`` the leading ``keys`` host memory has now (the promotion its
         Lookup started landed); returns how many."""
         with self._lock:
             tiers = bytearray(1 if k in self._ready else 0 for k in keys)
-            return self._hold_locked(owner, keys, tiers, self._clock() + seconds)
+            return self._hold_locked(holder, keys, tiers, self._clock() + holder.seconds)
 
-    def _hold_locked(self, owner: int, keys: Sequence[bytes], tiers: bytearray,
+    def _hold_locked(self, holder: Holder, keys: Sequence[bytes], tiers: bytearray,
                      until: float) -> int:
         """Hold the leading keys whose tier byte is 1 (host memory), up to the owner's quota,
         until ``until`` (the latest Lookup of a key sets its hold's deadline); returns how
-        many leading keys the owner holds now. The owner's Lookup of the very keys it held
-        last, with nothing changed since, refreshes them in one step."""
+        many leading keys the owner holds now; none once its session has ended (it marks
+        itself ended before ``end_holds`` takes this lock). The owner's Lookup of the very
+        keys it held last, with nothing changed since, refreshes them in one step."""
         holds = self.holds
-        if holds.ended(owner):
+        if holder.ended():
             return 0
+        owner = holder.owner
         lead = len(tiers) - len(tiers.lstrip(b"\x01"))
         last = self._last_holds.get(owner)
         if (last is not None and last[0] == lead and last[1] == holds.version(owner)
@@ -507,7 +512,8 @@ class PoolCache:
         return len(gone)
 
     def end_holds(self, owner: int) -> int:
-        """The owner's session ended: its holds end, and it gets no new ones."""
+        """The owner's session ended (and says so to its ``Holder``s, so it gets no new
+        holds): its holds end, and what the cache kept for it goes."""
         with self._lock:
             self._last_holds.pop(owner, None)
             gone = self.holds.end(owner)

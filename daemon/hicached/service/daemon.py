@@ -350,7 +350,8 @@ class Daemon:
             return stack.lookup(keys, touch=touch)
         s = self._session_of(session_id, pool)
         policy = self.pools.cache(pool).policy
-        return stack.lookup(keys, Holder(s.owner, policy.seconds(hold_ms)), touch=touch)
+        return stack.lookup(keys, Holder(s.owner, policy.seconds(hold_ms), lambda: s.ended),
+                            touch=touch)
 
     def release_holds(self, session_id: str, keys: list[bytes] | None) -> int:
         """End the session's holds of ``keys`` (none: all of them); returns how many."""

@@ -15,9 +15,9 @@ LoadKeys promotes them itself, from a disk that still has them.
 The queue is bounded (``MAX_QUEUED``): past it a prefetch is dropped and counted, and the
 LoadKeys promotes what it needs itself, as without holds.
 
-Primitives: ``Prefetcher(promote, hold, name, clock)``: ``submit(keys, owner, seconds,
-release)`` (False when dropped: ``release`` is then the caller's to call), ``close()`` (every
-release still due runs); ``done`` / ``dropped`` / ``deferred`` counts.
+Primitives: ``Prefetcher(promote, hold, name, clock)``: ``submit(keys, holder, release)``
+(False when dropped: ``release`` is then the caller's to call), ``close()`` (every release
+still due runs); ``done`` / ``dropped`` / ``deferred`` counts.
 """
 
 from __future__ import annotations
@@ -30,21 +30,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from hicached.cache.holds import Holder
+
 log = logging.getLogger(__name__)
 
 MAX_QUEUED = 64
 """Prefetches waiting for the thread; more are dropped (the load promotes for itself)."""
 
-_Job = tuple[list[bytes], int, float, Callable[[], None]]
+_Job = tuple[list[bytes], Holder, Callable[[], None]]
 
 
 class Prefetcher:
     def __init__(self, promote: Callable[[Sequence[bytes]], int],
-                 hold: Callable[[int, Sequence[bytes], float], int], name: str,
+                 hold: Callable[[Holder, Sequence[bytes]], int], name: str,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``promote(keys)`` reads what the lower tiers hold into host memory; ``hold(owner,
-        keys, seconds)`` then holds what host memory has for the session (how many leading
-        keys it holds)."""
+        """``promote(keys)`` reads what the lower tiers hold into host memory; ``hold(holder,
+        keys)`` then holds what host memory has for the session (how many leading keys it
+        holds; none once the session has ended)."""
         self._promote, self._hold, self._clock = promote, hold, clock
         self._q: queue.Queue[_Job | None] = queue.Queue(MAX_QUEUED)
         self._due: list[tuple[float, int, Callable[[], None]]] = []
@@ -59,12 +61,12 @@ class Prefetcher:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, keys: Sequence[bytes], owner: int, seconds: float,
+    def submit(self, keys: Sequence[bytes], holder: Holder,
                release: Callable[[], None] = lambda: None) -> bool:
-        """Promote then hold ``keys`` for ``owner``; ``release`` is called once that is over
+        """Promote then hold ``keys`` for ``holder``; ``release`` is called once that is over
         (whatever came of it)."""
         try:
-            self._q.put_nowait((list(keys), owner, seconds, release))
+            self._q.put_nowait((list(keys), holder, release))
             return True
         except queue.Full:
             self.dropped += 1
@@ -80,11 +82,11 @@ class Prefetcher:
                 continue
             if job is None:
                 return
-            keys, owner, seconds, release = job
+            keys, holder, release = job
             held = 0
             try:
                 self._promote(keys)
-                held = self._hold(owner, keys, seconds)
+                held = self._hold(holder, keys)
                 self.done += 1
             except Exception:  # a tier that failed: the load promotes (or refuses) itself
                 log.warning("prefetch of %d key(s) failed", len(keys), exc_info=True)
@@ -93,8 +95,8 @@ class Prefetcher:
                     release()
                 else:  # the disk keeps them for the load until the promise ends
                     self.deferred += 1
-                    heapq.heappush(self._due, (self._clock() + seconds, next(self._seq),
-                                               release))
+                    heapq.heappush(self._due, (self._clock() + holder.seconds,
+                                               next(self._seq), release))
 
     def _release_due(self) -> None:
         now = self._clock()
@@ -107,7 +109,7 @@ class Prefetcher:
         except queue.Full:
             pass
         self._thread.join(10)
-        for _, _, release in self._due:  # promises the daemon no longer keeps
+        for *_, release in self._due:  # promises the daemon no longer keeps
             release()
         self._due.clear()
         while True:  # jobs never run: their holds below end too
@@ -116,4 +118,4 @@ class Prefetcher:
             except queue.Empty:
                 return
             if job is not None:
-                job[3]()
+                job[2]()

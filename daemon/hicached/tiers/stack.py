@@ -163,7 +163,7 @@ class TierStack:
                                                          touch=touch)
         if held == hit_prefix or self.prefetcher is None or tiers[held] <= 1:
             return hit_prefix, tiers, held, held
-        room = self.cache.hold_room(holder.owner)
+        room = self.cache.hold_room(holder)
         end = held
         while end < hit_prefix and tiers[end] > 1 and end - held < room:
             end += 1
@@ -176,7 +176,7 @@ class TierStack:
                               if t == DISK])
         release = (functools.partial(disk.release, kept) if disk is not None and kept
                    else _nothing)
-        if not self.prefetcher.submit(below, holder.owner, holder.seconds, release):
+        if not self.prefetcher.submit(below, holder, release):
             release()  # the queue is full: the load promotes for itself, nothing promised
             return hit_prefix, tiers, held, held
         return hit_prefix, tiers, held, end
