@@ -9,6 +9,8 @@ of holds; a key twice in a load; and a model-based run against a small reference
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Iterator
 
 import numpy as np
@@ -181,8 +183,8 @@ def test_sessions_that_come_and_go_leave_no_books_behind(pool: HostPool) -> None
     store(cache, K[:4])
     alive: dict[int, list[bool]] = {}
     for owner in range(1, 3001):
-        alive[owner] = [False]
-        h = Holder(owner, 10, lambda flag=alive[owner]: flag[0])
+        flag = alive[owner] = [False]
+        h = Holder(owner, 10, functools.partial(operator.getitem, flag, 0))
         cache.lookup_held(K[:4], h)
         if owner > 2:  # two stay open
             cache.release_holds(owner, K[:1])
