@@ -219,3 +219,25 @@ def test_metadata_is_counted(pool: HostPool) -> None:
     per_page = HostPool.metadata_bytes_per_page(pool.spec)
     assert pool.metadata_bytes == per_page * pool.page_num
     assert np.all(pool.allocator.counts()["free"] == 4)
+
+
+def test_removals_while_writers_overlap_are_forgotten_once_no_writer_predates_them(
+        pool: HostPool) -> None:
+    """A spiller and a cluster writer whose loans always overlap (never none out): the
+    removals recorded for them are kept only while a writer that began before them is out,
+    and each writer still sees every removal made since it borrowed."""
+    cache = PoolCache(pool)
+    store(cache, K[:2])
+    _, pages, first = cache.borrow(K[:1])
+    for i in range(200):
+        _, pages2, second = cache.borrow(K[1:2])  # the next writer, before the first is done
+        cache.remove([b"gone-%d" % i])
+        assert cache.removed_since(b"gone-%d" % i, first)
+        assert cache.removed_since(b"gone-%d" % i, second)
+        cache.give_back(pages, first)
+        assert not cache.removed_since(b"gone-%d" % (i - 1), second) if i else True
+        pages, first = pages2, second
+        assert len(cache._removed_at) <= 1, len(cache._removed_at)
+    cache.give_back(pages, first)
+    assert cache._removed_at == {} and not cache._lent
+    pool.allocator.memcheck()

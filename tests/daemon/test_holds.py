@@ -9,9 +9,7 @@ of holds; a key twice in a load; and a model-based run against a small reference
 
 from __future__ import annotations
 
-import functools
-import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -176,6 +174,10 @@ def test_a_lookup_stopped_while_its_session_ends_holds_nothing(pool: HostPool) -
     pool.allocator.memcheck()
 
 
+def _reader(flag: list[bool]) -> Callable[[], bool]:
+    return lambda: flag[0]
+
+
 def test_sessions_that_come_and_go_leave_no_books_behind(pool: HostPool) -> None:
     """Thousands of sessions each holding and ending: the hold table's and the cache's books
     per session stay at the sessions alive."""
@@ -184,7 +186,7 @@ def test_sessions_that_come_and_go_leave_no_books_behind(pool: HostPool) -> None
     alive: dict[int, list[bool]] = {}
     for owner in range(1, 3001):
         flag = alive[owner] = [False]
-        h = Holder(owner, 10, functools.partial(operator.getitem, flag, 0))
+        h = Holder(owner, 10, _reader(flag))
         cache.lookup_held(K[:4], h)
         if owner > 2:  # two stay open
             cache.release_holds(owner, K[:1])

@@ -175,3 +175,24 @@ def test_a_load_with_layer_events_is_timed_to_completion() -> None:
                              lambda landed: TransferResult(Op.LOAD, 10, 1, 0.25, 0.25))
     assert not done.pending and held == []
     assert reg.get_sample_value("hicache_transfer_duration_seconds_sum", le) == total + 0.5
+
+
+def test_a_deleted_pools_series_go() -> None:
+    """Pools created and deleted for months: the exporter keeps series of the pools there
+    are, not of every pool there was."""
+    reg = CollectorRegistry()
+    m = Metrics(reg, ScrapeState(lambda: [], lambda: 0, lambda: 0, lambda: 0),
+                build={"version": "1"})
+    for i in range(50):
+        name = f"p{i}"
+        pool = make_pool(spec(mha(), page_size=4, size_tokens=16, name=name))
+        m.pool_attached(pool, {"keys": 3, "damaged": 1})
+        m.pool_dropped(name, "dropped_state_invalid")
+        m.promoted(name, 2)
+        m.transfer(name, "store", 100, 1, 0.001)
+        if i < 49:
+            m.pool_deleted(name)
+        pool.close()
+    names = {s.labels.get("pool") for f in reg.collect() for s in f.samples} - {None}
+    assert names == {"p49"}, sorted(names)[:5]
+    assert m._transfers.keys == 1

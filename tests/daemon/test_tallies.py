@@ -113,3 +113,29 @@ def test_histogram_columns_render_as_prometheus_client_does(values: list[float])
     for k, v in want.items():
         assert abs(got[k] - v) <= 1e-9 * max(1.0, abs(v)), k
     assert row[3] == len(values)
+
+
+def test_threads_that_come_and_go_unscraped_keep_one_table_each_alive() -> None:
+    """Nobody scrapes (metrics off): the tables of ended threads still fold, when the next
+    thread registers, so their number stays at the threads alive."""
+    t: Tally[str] = Tally(2)
+    for _ in range(300):
+        th = threading.Thread(target=_add, args=(t, "k", 1))
+        th.start()
+        th.join()
+    assert t.live_tables <= 1
+    assert t.totals() == {"k": [300.0, 600.0]}
+
+
+def test_forgotten_keys_go_from_every_table() -> None:
+    t: Tally[tuple[str, str]] = Tally(2)
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (_add(t, ("gone", "load"), 3),  # type: ignore[arg-type]
+                                          done.set()))
+    th.start()
+    th.join()
+    _add(t, ("gone", "backup"), 2)  # type: ignore[arg-type]
+    _add(t, ("kept", "backup"), 1)  # type: ignore[arg-type]
+    assert t.keys == 3
+    t.forget(lambda key: key[0] == "gone")
+    assert t.totals() == {("kept", "backup"): [1.0, 2.0]} and t.keys == 1

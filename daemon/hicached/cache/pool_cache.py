@@ -565,9 +565,14 @@ class PoolCache:
     def _end_lend(self, epoch: int) -> None:
         self._lent[epoch] -= 1
         if self._lent[epoch] <= 0:
+            oldest = min(self._lent)
             del self._lent[epoch]
             if not self._lent:  # no writer out: no commit can predate a removal now
                 self._removed_at.clear()
+            elif epoch == oldest:  # removals no writer out now predates are asked no more
+                first = min(self._lent)
+                for k in [k for k, at in self._removed_at.items() if at <= first]:
+                    del self._removed_at[k]
 
     def wait_landed(self, keys: Sequence[bytes], timeout: float) -> bool:
         """Wait until none of ``keys`` is being written (a promotion in flight); False at

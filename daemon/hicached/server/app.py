@@ -123,8 +123,9 @@ class HiCacheServer:
                           pinner=DriverPinner(driver) if driver is not None else None,
                           on_attach=lambda pool, rec: self.metrics.pool_attached(
                               pool, rec),
-                          on_drop=lambda name, outcome: self.metrics.pool_attach.labels(
-                              name, outcome).inc(),
+                          on_drop=lambda name, outcome: self.metrics.pool_dropped(
+                              name, outcome),
+                          on_delete=lambda name: self.metrics.pool_deleted(name),
                           disk=config.disk,
                           observe_disk=lambda op, s: self.metrics.disk_seconds.labels(
                               op).observe(s),

@@ -17,6 +17,7 @@ Names: prefix ``hicache_``, base units, ``_total`` for counters; labels ``pool``
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import selectors
@@ -410,6 +411,9 @@ class Metrics:
             "hicache_pool_recovery_dropped_slots",
             "Saved key slots dropped on re-attach because their checksum failed.", ["pool"],
             registry=registry)
+        self._outcomes: dict[str, set[str]] = {}
+        """Per pool, the outcomes ``pool_attach`` has series for (removed with the pool)."""
+        self._outcomes_lock = threading.Lock()
         registry.register(_StateCollector(state, time.monotonic()))
 
     def observe_cluster(self, op: str, seconds: float) -> None:
@@ -420,9 +424,31 @@ class Metrics:
     def pool_attached(self, pool: HostPool, recovered: dict[str, int]) -> None:
         name = pool.spec.name
         self.promotions.labels(name)  # exported at 0 from the start: rate() works at once
-        self.pool_attach.labels(name, pool.outcome.value if pool.outcome else "memory").inc()
+        self._attached(name, pool.outcome.value if pool.outcome else "memory")
         self.recovered_keys.labels(name).inc(recovered.get("keys", 0))
         self.recovery_dropped.labels(name).inc(recovered.get("damaged", 0))
+
+    def pool_dropped(self, name: str, outcome: str) -> None:
+        """A pool's saved state was not used (``outcome`` says why)."""
+        self._attached(name, outcome)
+
+    def _attached(self, name: str, outcome: str) -> None:
+        with self._outcomes_lock:
+            self._outcomes.setdefault(name, set()).add(outcome)
+        self.pool_attach.labels(name, outcome).inc()
+
+    def pool_deleted(self, name: str) -> None:
+        """Forget the pool's series: a daemon whose pools come and go for months keeps the
+        label sets of the pools it has, not of every pool it ever had."""
+        for family in (self.recovered_keys, self.promotions, self.recovery_dropped):
+            with contextlib.suppress(KeyError):
+                family.remove(name)
+        with self._outcomes_lock:
+            outcomes = self._outcomes.pop(name, set())
+        for outcome in outcomes:
+            with contextlib.suppress(KeyError):
+                self.pool_attach.remove(name, outcome)
+        self._transfers.forget(lambda key: key[0] == name)
 
     def promoted(self, pool: str, n: int) -> None:
         self.promotions.labels(pool).inc(n)

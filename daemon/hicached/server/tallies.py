@@ -6,14 +6,16 @@ prometheus_client's counters and histograms take a lock per value on every ``inc
 pages and duration per pool) pays 3-4 us for it, a few per cent of a 1-page call. Here a call's
 thread finds its own row for a label tuple (one dict lookup) and adds to it in place; only
 that thread writes the row, so nothing is lost and nothing is locked. A thread's table is
-registered once; a scrape sums every table, and folds the tables of threads that ended into
-one retired table (they write no more), so a daemon whose workers reconnect for weeks keeps
-one table per live thread.
+registered once; a scrape sums every table, and the tables of threads that ended are folded
+into one retired table (they write no more) at each scrape and whenever a new thread
+registers, so a daemon whose workers reconnect for weeks keeps one table per live thread,
+scraped or not.
 
 Primitives:
 
 - ``Tally(width)``: ``row(key)`` (this thread's row: a list of ``width`` numbers to add to),
-  ``totals()`` (key -> the rows of every thread, summed), ``live_tables``.
+  ``totals()`` (key -> the rows of every thread, summed), ``forget(which)`` (keys no one
+  counts again: a deleted pool's), ``live_tables``, ``keys``.
 - ``HistogramColumns(bounds)``: the columns of a duration histogram in a row: ``observe(row, at,
   value)`` adds a sample into ``row[at:at + width]``, ``render(family, labels, values)``
   adds it, cumulative, to a ``HistogramMetricFamily``.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client.core import HistogramMetricFamily
@@ -54,6 +56,7 @@ class Tally(Generic[K]):
         rows: dict[K, Row] | None = getattr(self._local, "rows", None)
         with self._lock:
             if rows is None:
+                self._fold_ended()
                 rows = self._local.rows = {}
                 self._tables.append((threading.current_thread(), rows))
             got = rows[key] = [0.0] * self.width
@@ -65,20 +68,38 @@ class Tally(Generic[K]):
         ``totals``)."""
         return len(self._tables)
 
+    @property
+    def keys(self) -> int:
+        """Distinct keys kept, over every table."""
+        with self._lock:
+            return len({k for _, rows in self._tables for k in rows} | set(self._retired))
+
+    def _fold_ended(self) -> None:
+        """Fold the tables of threads that ended into the retired one (under the lock)."""
+        live = []
+        for thread, rows in self._tables:
+            if thread.is_alive():
+                live.append((thread, rows))
+            else:  # it writes no more: fold it in once
+                _add_into(self._retired, rows)
+        self._tables = live
+
     def totals(self) -> dict[K, Row]:
         """Every key's row summed over all threads (a copy)."""
         with self._lock:
-            live = []
-            for thread, rows in self._tables:
-                if thread.is_alive():
-                    live.append((thread, rows))
-                else:  # it writes no more: fold it in once
-                    _add_into(self._retired, rows)
-            self._tables = live
+            self._fold_ended()
             out = {key: list(row) for key, row in self._retired.items()}
-            for _, rows in live:
+            for _, rows in self._tables:
                 _add_into(out, rows)
         return out
+
+    def forget(self, which: Callable[[K], bool]) -> None:
+        """Drop every key ``which`` names from every table (what its thread adds to a row it
+        still has in hand afterwards is lost: the key is counted no more)."""
+        with self._lock:
+            for rows in [r for _, r in self._tables] + [self._retired]:
+                for key in [k for k in list(rows) if which(k)]:
+                    rows.pop(key, None)
 
 
 def _add_into(into: dict[K, Row], rows: dict[K, Row]) -> None:

@@ -82,6 +82,7 @@ class PoolTable:
                  pinner: Pinner | None = None,
                  on_attach: Callable[[HostPool, dict[str, int]], None] = lambda p, r: None,
                  on_drop: Callable[[str, str], None] = lambda name, outcome: None,
+                 on_delete: Callable[[str], None] = lambda name: None,
                  disk: DiskTierConfig | None = None,
                  observe_disk: Callable[[str, float], None] = lambda op, s: None,
                  cluster_store: MooncakeStore | None = None,
@@ -92,12 +93,14 @@ class PoolTable:
         ``hold_policy``: the limits on every pool's holds; ``eviction``: every pool's
         eviction policy (``PoolCache``'s);
         ``disk`` gives every pool a disk tier below it (its share of the capacity),
-        ``cluster_store`` a part of the cluster store."""
+        ``cluster_store`` a part of the cluster store; ``on_delete(name)``: a pool was
+        deleted (what others keep per pool name goes)."""
         self.budget_bytes = budget_bytes
         self.options = options
         self.pinner = pinner
         self._on_attach = on_attach
         self._on_drop = on_drop
+        self._on_delete = on_delete
         self.disk = disk
         self._observe_disk = observe_disk
         self.cluster_store = cluster_store
@@ -354,6 +357,7 @@ class PoolTable:
             self.listener.deleting(name, stack)
         self._close_tiers(name, remove=True)
         pool.close(wait_seconds, remove_state=True)
+        self._on_delete(name)
 
     @property
     def used_bytes(self) -> int:
