@@ -41,3 +41,20 @@ def test_a_disabled_level_costs_nothing_and_counts_nothing() -> None:
     logger.setLevel(logging.ERROR)
     limited = LimitedLog(logger, 10.0, Clock())
     assert not limited.info("x", key="k") and limited.suppressed("k") == 0
+
+
+def test_keys_that_come_and_go_stay_bounded() -> None:
+    """Keys naming pools or peers that come and go: those with nothing held back and a last
+    line over an interval old are forgotten once many are kept; a key with lines held back
+    stays until it says how many."""
+    from hicache.log_limit import KEEP
+
+    clock = Clock()
+    limited = LimitedLog(logging.getLogger("test.limited.keys"), 10.0, clock)
+    limited.warning("x", key="busy")
+    assert not limited.warning("x", key="busy")  # one held back
+    for i in range(10 * KEEP):
+        assert limited.warning("pool %s gone", i, key=f"pool-{i}")
+        clock.now += 1.0
+    assert limited.kept <= KEEP + 11
+    assert limited.suppressed("busy") == 1

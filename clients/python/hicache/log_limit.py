@@ -5,7 +5,9 @@ Primitives: ``LimitedLog(logger, interval)``: ``log(level, msg, *args, key=...)`
 ``info`` / ``warning`` / ``error``) writes the first line of each ``key`` at once and then at
 most one per ``interval`` seconds; a line written after some were held back says how many
 ("N similar line(s) suppressed in the last S s"). ``suppressed(key)``: held back so far and
-not yet said.
+not yet said. A key whose last line is older than ``interval`` and has none held back is
+forgotten once more than ``KEEP`` keys are kept (its next line is written at once, as it would
+be anyway), so keys that name pools, peers or errors that come and go stay bounded.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+
+KEEP = 256
+"""Keys kept before those with nothing to say are pruned."""
 
 
 class LimitedLog:
@@ -36,12 +41,27 @@ class LimitedLog:
                 self._held[key] = self._held.get(key, 0) + 1
                 return False
             held = self._held.pop(key, 0)
+            if last is None and len(self._last) >= KEEP:
+                self._prune(now)
             self._last[key] = now
         if held:
             span = now - (last if last is not None else now)
             msg = f"{msg} ({held} similar line(s) suppressed in the last {span:.0f} s)"
         self.logger.log(level, msg, *args, exc_info=exc_info)
         return True
+
+    def _prune(self, now: float) -> None:
+        """Forget the keys whose last line is over ``interval`` old with none held back
+        (lock held)."""
+        for k in [k for k, t in self._last.items()
+                  if now - t >= self.interval and k not in self._held]:
+            del self._last[k]
+
+    @property
+    def kept(self) -> int:
+        """Keys kept now."""
+        with self._lock:
+            return len(self._last)
 
     def info(self, msg: str, *args: object, key: str) -> bool:
         return self.log(logging.INFO, msg, *args, key=key)

@@ -327,13 +327,13 @@ class DiskTier:
             digest = self._digest[slot]
             self._lru.move_to_end(key)
         t0 = time.perf_counter()
-        ok, why = False, ""
+        ok, why, kind = False, "", ""
         try:
             assert self._pages is not None, "open() first"
             ok = self._pages.read(slot, buffers) == digest
-            why = "" if ok else "checksum mismatch"
+            why = kind = "" if ok else "checksum mismatch"
         except OSError as exc:
-            why = str(exc)
+            why, kind = str(exc), type(exc).__name__  # the text names offsets: not a key
         with self._lock:
             n = self._reading[slot] - 1
             self._reading[slot] = n
@@ -350,7 +350,7 @@ class DiskTier:
                 self._forget(key)
         if not ok:
             _limited.warning("disk tier of pool %s: page of a key dropped (%s)", self.name, why,
-                             key=f"read {self.name} {why}")
+                             key=f"read {self.name} {kind}")
         self._observe("read", time.perf_counter() - t0)
         return ok
 
