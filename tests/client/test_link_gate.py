@@ -130,3 +130,22 @@ def test_a_stalled_reopen_costs_one_caller_its_deadline_once(
         assert link.call(time.monotonic() + 5, _lookup).hit_prefix == 0
     finally:
         go.set()
+
+
+def test_sessions_the_link_reopens_leave_nothing_in_the_client(
+        served: tuple[HiCacheServer, str, str], link: DaemonLink) -> None:
+    """The daemon ends the link's session again and again (a restart, a lease that lapsed):
+    each time the link opens a new one, and the client keeps what it needs for the session
+    in use only."""
+    target = served[1]
+    with HiCacheClient(target) as other:
+        for round_ in range(30):
+            old = link.session
+            assert old is not None
+            other.close_session(old.session_id)
+            link.call(time.monotonic() + 5, _lookup)  # asked again on the new one
+            assert link.generation == round_ + 2
+    link._stop_retired()
+    client, now = link._state.client, link.session
+    assert client is not None and now is not None
+    assert set(client._page_sizes) == {now.session_id}

@@ -334,8 +334,12 @@ class HiCacheClient:
         s: pb.Session = self.call("Heartbeat", SessionRequest(session_id), timeout=timeout)
         return s
 
-    def close_session(self, session_id: str) -> None:
+    def forget_session(self, session_id: str) -> None:
+        """What this client kept for a session it uses no more (no call)."""
         self._page_sizes.pop(session_id, None)
+
+    def close_session(self, session_id: str) -> None:
+        self.forget_session(session_id)
         self.call("CloseSession", SessionRequest(session_id),
                   pool=None if not is_public_id(session_id) else "")
 

@@ -414,7 +414,7 @@ class DaemonLink:
         with self._lock:
             retired, self._retired = self._retired, []
         for s in retired:
-            s.stop_heartbeat()
+            s.retire()
 
     def close(self) -> None:
         """End the session (its keys stay cached) and the channel; idempotent."""

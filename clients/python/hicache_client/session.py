@@ -47,6 +47,8 @@ class SessionCalls(Protocol):
 
     def close_session(self, session_id: str) -> None: ...
 
+    def forget_session(self, session_id: str) -> None: ...
+
 
 class WorkerSession:
     """An open session; heartbeats in a background thread at a third of the lease."""
@@ -152,6 +154,12 @@ class WorkerSession:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+
+    def retire(self) -> None:
+        """Stop using it without a call to the daemon (which ended it, or cannot be reached):
+        its heartbeat stops and the client forgets what it kept for it."""
+        self.stop_heartbeat()
+        self.client.forget_session(self.session_id)
 
     def close(self) -> None:
         self.stop_heartbeat()
