@@ -145,7 +145,9 @@ def test_sessions_the_link_reopens_leave_nothing_in_the_client(
             other.close_session(old.session_id)
             link.call(time.monotonic() + 5, _lookup)  # asked again on the new one
             assert link.generation == round_ + 2
-    link._stop_retired()
     client, now = link._state.client, link.session
     assert client is not None and now is not None
-    assert set(client._page_sizes) == {now.session_id}
+    deadline = time.monotonic() + 10  # the link's thread retires the last one after its call
+    while set(client._page_sizes) != {now.session_id}:
+        assert time.monotonic() < deadline, len(client._page_sizes)
+        time.sleep(0.01)

@@ -129,3 +129,46 @@ def test_the_reaper_sleeps_while_no_session_is_open(setup) -> None:  # type: ign
         assert reaped == [s.session_id]
     finally:
         m.close_all()
+
+
+@pytest.mark.parametrize("how", ["closed", "reaped"])
+def test_an_end_is_told_only_once_no_copy_of_the_session_runs(setup, how: str) -> None:  # type: ignore[no-untyped-def]
+    """A session ends (closed, or its lease ran out) while a copy of it runs: until that copy
+    ends every call naming it hears SESSION_ENDING (retry), never SESSION_NOT_FOUND, which a
+    worker reads as "nothing of it can land any more"; after it, SESSION_NOT_FOUND, and the
+    daemon keeps nothing of it."""
+    from hicache.errors import SessionEnding
+
+    pool, clock, m, _ = setup
+    a = CountingAttachment()
+    s = m.open("p", pool, "w", a, 16)
+    with m.transfer(s.session_id):  # a copy under way (a load on a paused daemon, resumed)
+        if how == "closed":
+            m.close(s.session_id)
+        else:
+            clock.t += 3.0
+            m.reap()
+        assert m.ending == 1 and a.releases == 0
+        for call in (m.get, m.heartbeat, m.close):
+            with pytest.raises(SessionEnding) as info:
+                call(s.session_id)
+            assert info.value.metadata["retry_after_ms"] == "50"
+            assert info.value.metadata["session_id"] == s.public_id
+        with pytest.raises(SessionEnding):  # no new copy begins on it either
+            m.begin_copy(s)
+    assert m.ending == 0 and a.releases == 1
+    for call in (m.get, m.heartbeat, m.close):
+        with pytest.raises(SessionNotFound):
+            call(s.session_id)
+    with pytest.raises(SessionNotFound):
+        m.begin_copy(s)
+
+
+def test_sessions_that_end_quietly_leave_no_ending_books(setup) -> None:  # type: ignore[no-untyped-def]
+    pool, _, m, _ = setup
+    for _ in range(1000):
+        s = m.open("p", pool, "w", CountingAttachment(), 16)
+        with m.transfer(s.session_id):
+            pass
+        m.close(s.session_id)
+    assert m.ending == 0 and m.count() == 0

@@ -57,6 +57,7 @@ Hierarchy::
     ├── DeadlinePassed                 DEADLINE_PASSED: too late to copy (DEADLINE_EXCEEDED)
     ├── Unavailable                    try again later / elsewhere
     │   ├── PoolNotReady                   POOL_NOT_READY
+    │   ├── SessionEnding                  SESSION_ENDING
     │   └── Draining                       DRAINING
     ├── DataIntegrityError             bytes are not what was stored
     │   └── CanaryMismatch                 CANARY_MISMATCH
@@ -350,6 +351,14 @@ class PoolNotReady(Unavailable):
     """The pool is still being created, or its creation failed (``state`` says which)."""
 
     reason = "POOL_NOT_READY"
+
+
+class SessionEnding(Unavailable):
+    """The session has ended (closed, reaped, its buffers faulted) and a copy of it is still
+    running: ``SESSION_NOT_FOUND`` comes only once none is, so a worker that hears it knows
+    no byte of that session can land any more; ask again (``retry_after_ms``)."""
+
+    reason = "SESSION_ENDING"
 
 
 class Draining(Unavailable):

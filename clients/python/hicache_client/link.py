@@ -24,8 +24,15 @@ it hung, a restart; a new session is opened at once, and callers may wait for it
   down; the daemon's own "gone" answers re-open it. A failure of a session the link has
   already replaced changes nothing (a call from before a re-open must not end the new one).
 - A late link is *fenced* before it is up again: a heartbeat must show no load of this session
-  still copying (``loads_in_flight == 0``), then ``on_fenced`` runs (the linker gives back the
-  device slots of loads that timed out) and the link is up.
+  still copying (``loads_in_flight == 0``), then ``on_fenced(session_id)`` runs (the linker
+  gives back the device slots of loads that timed out) and the link is up.
+- A session a load timed out on is *suspected* (``suspect``): a copy of it may still land.
+  The link's thread clears the suspicion on whichever way the link comes back: the probe
+  above (the same session), or, for a session it has dropped, the daemon's word that it is
+  gone (``SESSION_NOT_FOUND``: the daemon tells a session's end only once no copy of it
+  runs; ``SESSION_ENDING`` until then), a heartbeat of it showing no load in flight, or no
+  daemon listening at all (a process that is not there copies nothing). Then
+  ``on_fenced(session_id)`` runs and ``fenced(session_id)`` returns.
 
 Primitives: ``LinkSettings`` (what the link reads of an integration's config), ``Handover``
 (what ``OpenSession`` sends: descriptors, event handles, memfds), ``DaemonLink(config, spec,
@@ -38,7 +45,8 @@ failed call (True when it took the link down or made it late; ``session``: the o
 used); ``wait_usable(t, reopening_only)``: up to ``t`` seconds until usable (only while a
 re-open is under way, and once per re-open: one that stalls costs one caller ``t``);
 ``gate(t)`` / ``call(deadline, fn)``: the one gate both engine integrations' scheduler-side
-calls go through (see ``call``); ``close()``. ``Skipped``: the gate was closed.
+calls go through (see ``call``); ``suspect(session_id)`` / ``fenced(session_id, t)`` /
+``suspects``; ``close()``. ``Skipped``: the gate was closed.
 ``is_link_failure`` / ``is_late`` / ``is_gone``: the classification.
 """
 
@@ -59,6 +67,7 @@ from hicache.errors import (
     HiCacheError,
     PoolClosed,
     PoolNotFound,
+    SessionEnding,
     SessionNotFound,
     Unavailable,
 )
@@ -99,8 +108,10 @@ link looks at its session's heartbeats (a session the daemon says is gone is re-
 
 
 def is_late(exc: BaseException) -> bool:
-    """The call ran out of time: the daemon may be alive, only slow or paused."""
-    if isinstance(exc, DeadlinePassed):
+    """The call ran out of time (the daemon may be alive, only slow or paused), or named a
+    session that has ended while a copy of it still runs (``SESSION_ENDING``: "gone" comes
+    once none does)."""
+    if isinstance(exc, DeadlinePassed | SessionEnding):
         return True
     return (isinstance(exc, HiCacheError) and not exc.from_daemon
             and exc.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -150,7 +161,7 @@ class _State:
 
 class DaemonLink:
     def __init__(self, config: LinkSettings, spec: PoolSpec, handover: Handover,
-                 worker_id: str, on_fenced: Callable[[], object] = lambda: None,
+                 worker_id: str, on_fenced: Callable[[str], object] = lambda sid: None,
                  create_pool: bool = True, budget_share: BudgetShare | None = None) -> None:
         self.config = config
         self.create_pool = create_pool
@@ -175,6 +186,9 @@ class DaemonLink:
         """Notified when the link comes up or a re-open ends (``wait_usable``)."""
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._suspects: dict[str, bool] = {}
+        """Sessions a copy of which may still land (a load timed out on them), and whether
+        the daemon said they are gone (then no copy of them runs: fenced at once)."""
 
     # -- state (read on the scheduler's thread: no waiting) ---------------------------------
 
@@ -309,11 +323,15 @@ class DaemonLink:
             return True
         if not is_link_failure(exc):
             return False
-        return self._down(f"{type(exc).__name__}: {exc}", reopen=is_gone(exc))
+        return self._down(f"{type(exc).__name__}: {exc}", reopen=is_gone(exc),
+                          gone=isinstance(exc, SessionNotFound) and exc.from_daemon)
 
-    def _down(self, why: str, reopen: bool = False) -> bool:
+    def _down(self, why: str, reopen: bool = False, gone: bool = False) -> bool:
+        """``gone``: the daemon said the session is not there (it runs no copy of it)."""
         with self._lock:
             session, self._state.session = self._state.session, None
+            if gone and session is not None and session.session_id in self._suspects:
+                self._suspects[session.session_id] = True
             self._state.late_since = None
             if session is not None:
                 self._retired.append(session)
@@ -380,10 +398,7 @@ class DaemonLink:
             return
         if s.loads_in_flight:
             return  # a load that timed out may still be copying: not yet
-        try:
-            self._on_fenced()
-        except Exception:
-            log.exception("hicached link: giving back the slots of timed-out loads failed")
+        self._fence(session.session_id)
         with self._changed:
             if self._state.session is session:
                 self._state.late_since = None
@@ -408,7 +423,75 @@ class DaemonLink:
             elif self._state.late_since is not None:
                 self._probe()
                 took = time.monotonic() - start
+            self._fence_dropped()
             self._stop_retired()  # after: a new session does not wait for an old heartbeat
+
+    # -- fences ------------------------------------------------------------------------------
+
+    def suspect(self, session_id: str) -> None:
+        """A copy of ``session_id`` may still land (a load on it timed out): its fence is
+        owed (``on_fenced``), on whichever way the link comes back. Never waits."""
+        with self._lock:
+            self._suspects.setdefault(session_id, False)
+        self._wake.set()
+
+    @property
+    def suspects(self) -> int:
+        """Sessions whose fence is owed."""
+        return len(self._suspects)
+
+    def fenced(self, session_id: str, timeout: float | None = None) -> bool:
+        """Wait (up to ``timeout``; None: as long as it takes, or until the link is closed)
+        until no copy of ``session_id`` can land; True when none can."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while session_id in self._suspects:
+                left = None if end is None else end - time.monotonic()
+                if (left is not None and left <= 0) or self._closed.is_set():
+                    return False
+                self._changed.wait(left if left is not None else 1.0)
+        return True
+
+    def _fence(self, session_id: str) -> None:
+        """No copy of ``session_id`` can land any more: ``on_fenced``, then its waiters."""
+        try:
+            self._on_fenced(session_id)
+        except Exception:
+            log.exception("hicached link: giving back the slots of timed-out loads failed")
+        with self._changed:
+            self._suspects.pop(session_id, None)
+            self._changed.notify_all()
+
+    def _fence_dropped(self) -> None:
+        """The link's thread: fence the suspected sessions the link has dropped, where the
+        daemon's word allows (see the module's docstring)."""
+        with self._lock:
+            current = self._state.session
+            dropped = [(sid, gone) for sid, gone in self._suspects.items()
+                       if current is None or sid != current.session_id]
+            client = self._state.client
+        for sid, gone in dropped:
+            if gone:
+                self._fence(sid)
+                continue
+            if client is None:
+                continue
+            try:
+                s = client.heartbeat(sid, timeout=min(self.config.rpc_timeout_s, 1.0))
+            except SessionNotFound as exc:
+                if exc.from_daemon:
+                    self._fence(sid)
+                continue
+            except HiCacheError as exc:
+                if (not exc.from_daemon and exc.grpc_code == grpc.StatusCode.UNAVAILABLE):
+                    self._fence(sid)  # no daemon listens: nothing of it can be copying
+                continue  # SESSION_ENDING, a late or draining daemon: ask again later
+            if not s.loads_in_flight:
+                self._fence(sid)
+                try:  # a session the link dropped but the daemon keeps: end it now
+                    client.close_session(sid)
+                except HiCacheError:
+                    pass
 
     def _stop_retired(self) -> None:
         with self._lock:

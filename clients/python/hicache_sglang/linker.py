@@ -312,12 +312,15 @@ class HicachedLinker(UnifiedCacheLinker):
         except BaseException as exc:
             self.stats["load_failures"] += 1
             if isinstance(exc, HiCacheError):
-                if is_late(exc) and exc.reason != "DEADLINE_PASSED":
+                if (session is not None and is_late(exc)
+                        and exc.reason not in ("DEADLINE_PASSED", "SESSION_ENDING")):
                     # the daemon may still be copying into these slots: they go back to
-                    # SGLang once the link is fenced, not when it frees them now
-                    self.quarantine.withhold(slots)
+                    # SGLang once no copy of the session can land (its fence), not when it
+                    # frees them now
+                    self.quarantine.withhold(slots, session.session_id)
+                    self.link.suspect(session.session_id)
                     self.stats["load_slots_withheld"] += len(slots) // self.page_size
-                self.link.report(exc)
+                self.link.report(exc, session=session)
             log.warning("hicached load of %d pages failed (%s: %s); SGLang aborts the "
                         "batch's %d loading request(s)", len(keys), type(exc).__name__, exc,
                         requests)

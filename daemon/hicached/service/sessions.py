@@ -10,10 +10,14 @@ Primitives:
   (for GPU copies that outlive their RPC), ``reap()`` and a reaper thread (asleep while no
   session is open; each round also runs ``on_tick``: holds expire there).
 
-A closed or expired session leaves the table at once (new calls get ``SESSION_NOT_FOUND``); its
-mappings are released when its last in-flight transfer ends, so a copy never runs on unmapped
-memory and a dead worker never keeps its buffers mapped. Host pages belong to the pool, not the
-session: a restarted worker opens a new session and loads what its predecessor backed up.
+A closed or expired session leaves the table at once; its mappings are released when its last
+in-flight transfer ends, so a copy never runs on unmapped memory and a dead worker never keeps
+its buffers mapped. Its end is told only then: until its last copy ends, calls naming it get
+``SESSION_ENDING`` (retry), and ``SESSION_NOT_FOUND`` afterwards, so a worker that hears
+"gone" knows no byte of that session can still land in its buffers (the fence the engines'
+links rely on); the table of such sessions holds only those with a copy still running. Host
+pages belong to the pool, not the session: a restarted worker opens a new session and loads
+what its predecessor backed up.
 """
 
 from __future__ import annotations
@@ -27,13 +31,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from hicache.errors import BufferFault, SessionNotFound
+from hicache.errors import BufferFault, SessionEnding, SessionNotFound
 from hicache.identity import is_public_id, public_session_id
 from hicached.core.pool import HostPool
 from hicached.service.identity import Peer
 from hicached.transport.base import Attachment
 
 log = logging.getLogger(__name__)
+
+ENDING_RETRY_MS = 50
+"""What a ``SESSION_ENDING`` answer asks the caller to wait before asking again."""
 
 
 @dataclass
@@ -86,6 +93,10 @@ class SessionManager:
         self._on_tick = on_tick
         self._owners = itertools.count(1)
         self._sessions: dict[str, Session] = {}
+        self._ending: dict[str, Session] = {}
+        """Sessions that ended while a copy of theirs ran, until the last one ends: they are
+        answered ``SESSION_ENDING``, never ``SESSION_NOT_FOUND``, so "gone" tells a worker
+        that nothing of the session can land any more."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._opened = threading.Event()
@@ -121,9 +132,17 @@ class SessionManager:
         if s is None or s.expires_at < self._clock():
             if s is not None:
                 self.reap()
+            self._check_ending(session_id)
             raise SessionNotFound(f"no open session {session_id!r} (closed or lease expired)",
                                   metadata={"session_id": session_id})
         return s
+
+    def _check_ending(self, session_id: str) -> None:
+        """``SESSION_ENDING`` for a session that ended while a copy of it still runs."""
+        with self._lock:
+            s = self._ending.get(session_id)
+        if s is not None:
+            raise _ending(s)
 
     def heartbeat(self, session_id: str) -> Session:
         s = self.get(session_id)
@@ -139,6 +158,7 @@ class SessionManager:
                                    if v.public_id == session_id), session_id)
             s = self._sessions.pop(session_id, None)
         if s is None:
+            self._check_ending(session_id)
             raise SessionNotFound(f"no open session {session_id!r}",
                                   metadata={"session_id": session_id})
         self._end(s, "closed")
@@ -170,6 +190,8 @@ class SessionManager:
         running on a GPU after their RPC returned count too)."""
         with s.lock:
             if s.ended:
+                if s.in_flight:
+                    raise _ending(s)
                 raise SessionNotFound(f"session {s.session_id!r} ended",
                                       metadata={"session_id": s.session_id})
             s.in_flight += 1
@@ -177,9 +199,13 @@ class SessionManager:
     def end_copy(self, s: Session) -> None:
         with s.lock:
             s.in_flight -= 1
-            release = s.ended and s.in_flight == 0 and not s.released
+            drained = s.ended and s.in_flight == 0
+            release = drained and not s.released
             if release:
                 s.released = True
+            if drained:  # its end may be told now (lock order: a session's, then ours)
+                with self._lock:
+                    self._ending.pop(s.session_id, None)
         s.expires_at = max(s.expires_at, self._clock() + s.lease_seconds)
         if release:
             s.attachment.release()
@@ -190,6 +216,9 @@ class SessionManager:
             release = s.in_flight == 0 and not s.released
             if release:
                 s.released = True
+            if s.in_flight:  # told SESSION_ENDING until its last copy ends (end_copy)
+                with self._lock:
+                    self._ending[s.session_id] = s
         if release:
             s.attachment.release()
         try:
@@ -229,6 +258,12 @@ class SessionManager:
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.list())
 
+    @property
+    def ending(self) -> int:
+        """Sessions ended while a copy of theirs still runs."""
+        with self._lock:
+            return len(self._ending)
+
     # -- reaper ----------------------------------------------------------------------------
 
     def start_reaper(self, interval: float | None = None) -> None:
@@ -261,3 +296,10 @@ class SessionManager:
             self._end(s, "closed at shutdown")
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def _ending(s: Session) -> SessionEnding:
+    return SessionEnding(f"session {s.public_id} has ended and a copy of it is still running: "
+                         "SESSION_NOT_FOUND follows once none is",
+                         metadata={"session_id": s.public_id, "copies": s.in_flight,
+                                   "retry_after_ms": ENDING_RETRY_MS})

@@ -133,6 +133,59 @@ def test_a_load_in_flight_when_the_daemon_stops(daemon: DaemonProc) -> None:
         cache.close()
 
 
+def test_a_load_in_flight_when_the_daemon_stops_past_its_lease_gives_every_slot_back(
+        daemon: DaemonProc) -> None:
+    """The daemon stops with a load in flight long enough that the link goes down (not just
+    late) and the session's lease runs out: it comes back through a new session, not the
+    late link's probe. The slots withheld for the load still go back, once the daemon says
+    the old session is gone (it reaps it, answers SESSION_ENDING while the resumed load is
+    still under way, SESSION_NOT_FOUND after), and nothing lands in them."""
+    cache = SGLangCache(daemon.target, daemon.shm_dir, extra={
+        "lookup_timeout_s": LOOKUP_S, "rpc_timeout_s": RPC_S, "reconnect_interval_s": 0.2,
+        "down_after_s": 1.0, "lease_ms": 1000})
+    try:
+        first = tokens_of(1300, 16)
+        cache.offload_and_evict(first)
+        generation = cache.linker.link.generation
+        cache.zero_kv()
+        original = cache.linker._load_batch
+
+        def stop_during(index, batch):  # type: ignore[no-untyped-def]
+            import threading
+
+            threading.Timer(0.1, daemon.pause).start()
+            return original(index, batch)
+
+        cache.linker._load_batch = stop_during  # type: ignore[method-assign]
+        hits, failed, slots = cache.hit_and_load_batch([("x", first)])
+        cache.linker._load_batch = original  # type: ignore[method-assign]
+        assert hits == [16] and failed == ["x"]
+        assert cache.linker.quarantine.withheld == 4
+        deadline = time.monotonic() + 10
+        while cache.linker.link.up:  # late, then down after down_after_s of missed probes
+            assert time.monotonic() < deadline, "the link never went down"
+            time.sleep(0.05)
+        time.sleep(1.5)  # past the session's lease
+        daemon.resume()
+        wait_usable(cache, 20)
+        assert cache.linker.link.generation > generation, "it came back by a new session"
+        deadline = time.monotonic() + 20
+        while cache.linker.quarantine.withheld or cache.linker.link.suspects:
+            assert time.monotonic() < deadline, (
+                f"{cache.linker.quarantine.withheld} page(s) still withheld")
+            time.sleep(0.05)
+        assert cache.linker.quarantine.kept == 0
+        time.sleep(0.5)
+        for role in cache.roles:  # nothing of the late load landed
+            for layer in range(LAYERS):
+                assert not cache.layer_rows(role, layer, slots["x"]).any()
+        cache.zero_kv()
+        hit, failed, got = cache.hit_and_load(first, rid="again")
+        assert (hit, failed) == (16, []) and exact(cache, first, got)
+    finally:
+        cache.close()
+
+
 def test_offload_returns_at_once_while_the_store_is_slow(tmp_path: Path) -> None:
     """The Store takes 1 s in the daemon (half the linker's ``rpc_timeout_s``, so that it
     completes): the scheduler's thread does not wait for it, and it lands."""
@@ -175,12 +228,22 @@ def test_the_quarantine_keeps_withheld_pages_from_sglangs_allocator() -> None:
         slots = alloc.alloc(16)
         assert slots is not None
         free_before = alloc.available_size()
-        q.withhold(slots[:8])  # two pages of a load that timed out
+        q.withhold(slots[:8], "s1")  # two pages of a load that timed out on session s1
+        q.withhold(slots[4:12], "s2")  # one of them, and another, on s2
         alloc.free(slots)
-        assert alloc.available_size() == free_before + 8, "withheld pages were handed back"
-        assert q.kept == 2
-        assert q.release() == 2
+        assert alloc.available_size() == free_before + 4, "withheld pages were handed back"
+        assert q.kept == 3 and q.sessions == 2
+        assert q.release("s1") == 1  # the page only s1 withheld
+        assert alloc.available_size() == free_before + 8 and q.kept == 2
+        assert q.release("s2") == 2
         assert alloc.available_size() == free_before + 16
+        assert q.kept == 0 and q.withheld == 0 and q.sessions == 0
+        for _ in range(100):  # frees of pages nobody withholds keep nothing
+            q.withhold(slots[:4], "s3")
+            got = alloc.alloc(16)
+            assert got is not None
+            alloc.free(got)
+        assert q.kept <= 1
         q.close()
         assert alloc._release_page_ids == q._release_pages
     finally:
