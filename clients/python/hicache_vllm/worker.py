@@ -34,6 +34,12 @@ first try. A load given up never passes for loaded (its blocks hold what they he
   of ``load_retry_s`` and the hold (``lookup_hold_ms``), and then ``get_finished`` raises
   ``LoadFailed``: the engine's step fails and vLLM stops, rather than decode on those blocks.
 
+A load whose call timed out may still be copying on a paused daemon: the round (loaded on a
+later try, or given up) is reported done, and its staging slots used again, only once no copy
+of that session can land (the link's fence: ``DaemonLink.suspect`` / ``fenced``; counted in
+``load_fence_waits`` when it had to wait), so neither vLLM's recompute of those blocks nor
+the next round's bytes can be overwritten by it.
+
 Primitives: ``HicachedOffloadingWorker``, ``LoadFailed``, ``canonical_layers``.
 """
 
@@ -68,7 +74,7 @@ from hicache_vllm.namespace import Plan
 log = logging.getLogger("hicache_vllm")
 
 _STATS = ("stores", "store_pages", "stores_dropped", "store_no_space", "loads", "load_pages",
-          "load_retries", "load_failures", "load_error_blocks", "waits")
+          "load_retries", "load_failures", "load_error_blocks", "load_fence_waits", "waits")
 
 RETRY_PAUSE_S = 0.25
 """The longest a failed load waits for its link before it tries again."""
@@ -372,6 +378,24 @@ class HicachedOffloadingWorker(OffloadingWorker):
         why it was given up."""
         tokens = (self._device_tokens(r) if self.on_cuda
                   else self._tokens(self._slots, len(r.keys)))
+        suspects: set[str] = set()
+        """Sessions an attempt timed out on: a copy of theirs may still land in these blocks
+        (or staging slots), so neither goes back to use before their fence."""
+        try:
+            why = self._attempts(r, tokens, suspects)
+        finally:
+            self._await_fences(suspects)
+        if why is not None or self.on_cuda:
+            return why
+        base = self._slots * self.plan.blocks_per_chunk
+        lo = base + int(r.rows[0])
+        ids = torch.from_numpy(r.block_ids)
+        for canon, stage in zip(self.layers, self._stage, strict=True):
+            canon.index_copy_(0, ids, stage[lo:lo + len(r.block_ids)])
+        return None
+
+    def _attempts(self, r: JobRound, tokens: np.ndarray, suspects: set[str]) -> str | None:
+        """Try the round until it loads (None) or is given up (why)."""
         give_up = time.monotonic() + self.retry_window_s
         while True:
             session = self.link.session
@@ -381,8 +405,12 @@ class HicachedOffloadingWorker(OffloadingWorker):
             else:
                 try:
                     session.load_keys(r.keys, tokens, timeout=self.config.rpc_timeout_s)
-                    break
+                    return None
                 except HiCacheError as failed:
+                    if is_late(failed) and failed.reason not in ("DEADLINE_PASSED",
+                                                                 "SESSION_ENDING"):
+                        suspects.add(session.session_id)
+                        self.link.suspect(session.session_id)
                     self.link.report(failed, session=session)
                     exc = failed
             if not _retryable(exc):  # the keys are not there, or never will load
@@ -396,11 +424,18 @@ class HicachedOffloadingWorker(OffloadingWorker):
                 time.sleep(min(0.01, left))
             else:  # the link comes back (probed, re-opened, reconnected): try then
                 self.link.wait_usable(min(left, RETRY_PAUSE_S))
-        if self.on_cuda:
-            return None
-        base = self._slots * self.plan.blocks_per_chunk
-        lo = base + int(r.rows[0])
-        ids = torch.from_numpy(r.block_ids)
-        for canon, stage in zip(self.layers, self._stage, strict=True):
-            canon.index_copy_(0, ids, stage[lo:lo + len(r.block_ids)])
-        return None
+
+    def _await_fences(self, suspects: set[str]) -> None:
+        """Until no copy of ``suspects`` can land (``DaemonLink.fenced``), however long the
+        daemon takes to say so: blocks reported done, or staging used again, before that
+        could receive a late copy's bytes. Only the worker's closing cuts it short."""
+        for sid in suspects:
+            waited = False
+            while not self.link.fenced(sid, 0.5):
+                if self._closed:
+                    return
+                if not waited:
+                    waited = True
+                    self.stats["load_fence_waits"] += 1
+                    log.warning("hicached load on session %s timed out: its blocks wait until "
+                                "no copy of that session can land", sid[:8])
