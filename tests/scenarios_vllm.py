@@ -417,6 +417,51 @@ def lookup_deadline_across_pools(timeout: float = 0.3, slow: float = 0.2) -> dic
             "reported": [link.reported for link in links]}
 
 
+def manager_books_stay_bounded(followed: int = 70_000, threads: int = 4,
+                               each: int = 20_000) -> dict[str, Any]:
+    """The manager's books over a long life: requests followed but never reported finished
+    (the most recent ``MAX_FOLLOWED`` kept), and its counters added to from several threads
+    at once (the scheduler's and the hold book's) while read: none lost, none ever lower than
+    a read before."""
+    import itertools
+    import threading
+    from types import SimpleNamespace
+
+    from hicache_vllm.manager import _STATS, MAX_FOLLOWED, HicachedOffloadingManager
+
+    m = HicachedOffloadingManager.__new__(HicachedOffloadingManager)
+    m._requests = {}
+    m._stats_lock = threading.Lock()
+    m.stats = dict.fromkeys(_STATS, 0)
+    for i in range(followed):
+        m.follow(SimpleNamespace(request_id=f"r{i}"))
+    kept = list(m._requests)
+    reads: list[int] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            with m._stats_lock:
+                reads.append(m.stats["touches_dropped"])
+
+    def add() -> None:
+        for _ in range(each):
+            m._count("touches_dropped")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    adders = [threading.Thread(target=add) for _ in range(threads)]
+    for t in adders:
+        t.start()
+    for t in adders:
+        t.join()
+    stop.set()
+    reader.join()
+    return {"kept": len(kept), "max": MAX_FOLLOWED, "newest": kept[-1],
+            "oldest": kept[0], "count": m.stats["touches_dropped"],
+            "monotonic": all(a <= b for a, b in itertools.pairwise(reads))}
+
+
 # -- a daemon that hangs or loses the keys between a hit and its load ----------------------
 
 CLEAN = {"bad": [], "n_bad": 0}

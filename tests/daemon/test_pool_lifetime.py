@@ -77,3 +77,41 @@ def test_delete_during_a_running_copy_waits_then_frees() -> None:
     assert not pool.components and pool.copies_in_flight == 0
     with pytest.raises(PoolClosed):  # and nothing copies into it afterwards
         engine.backup(pool, src, host, torch.arange(16))
+
+
+def test_a_pool_whose_build_fails_late_leaves_nothing_behind() -> None:
+    """A build that fails after its tiers started (the attach hook, the listener, the budget
+    raising): no tiers, no listener entry, no budget member stay; the same name builds then."""
+    from hicached.service.budget_config import BudgetConfig
+    from hicached.service.memory_budget import MemoryBudget
+
+    calls: list[str] = []
+
+    class Listener:
+        def attached(self, name: str, stack: object) -> None:
+            calls.append(f"attached {name}")
+
+        def deleting(self, name: str, stack: object) -> None:
+            calls.append(f"deleting {name}")
+
+    fail = [True]
+
+    def on_attach(pool: object, recovered: object) -> None:
+        if fail[0]:
+            raise RuntimeError("metrics refused it")
+
+    budget = MemoryBudget(1 << 30, BudgetConfig(elastic=True))
+    table = PoolTable(1 << 30, MemoryOptions(reserve_bytes=0, hugepages=False),
+                      on_attach=on_attach, listener=Listener(),  # type: ignore[arg-type]
+                      budget=budget)
+    spec = PoolSpec("late", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 16), 4,
+                    size_tokens=64)
+    with pytest.raises(RuntimeError, match="metrics refused it"):
+        table.create(spec)
+    assert table.stacks() == [] and table._stacks == {}
+    assert calls == ["attached late", "deleting late"]
+    assert budget.shares() == []
+    fail[0] = False
+    _, created = table.create(spec)
+    assert created and [n for n, _ in table.stacks()] == ["late"]
+    table.delete("late")

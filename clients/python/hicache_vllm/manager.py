@@ -79,6 +79,8 @@ _STATS = ("stores_offered", "stores_dropped", "store_blocks", "loads", "load_blo
           "lookups_down", "resets", "reset_failures", "reset_holds_released",
           "touched_blocks", "touches_dropped")
 
+MAX_FOLLOWED = 65536
+"""vLLM requests whose tokens the manager keeps for their stores' events (``follow``)."""
 MAX_TOUCHES = 65536
 """The most touched blocks waiting to be sent; more are dropped (counted): a touch is a hint."""
 
@@ -110,6 +112,7 @@ class HicachedOffloadingManager(OffloadingManager):
         """Blocks touched since the last send, in order (sent by one ``_send_touches``)."""
         self._touch_queued = False
         self._requests: dict[str, Any] = {}
+        self._stats_lock = threading.Lock()
         """vLLM's ``Request`` of each request followed (``follow``), by id: its tokens and
         block hashes name what its stores are."""
         self._reporter = Reporter()
@@ -179,7 +182,7 @@ class HicachedOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self._ready():
-            self.stats["lookups_down"] += 1
+            self._count("lookups_down", 1)
             return LookupResult.MISS
         got = self.promises.answer(req_context.req_id, bytes(key),
                                    lambda: _following(req_context, key))
@@ -191,8 +194,8 @@ class HicachedOffloadingManager(OffloadingManager):
                      ) -> HicachedLoadStoreSpec:
         ks = [bytes(k) for k in keys]
         self.promises.loading(req_context.req_id, ks)
-        self.stats["loads"] += 1
-        self.stats["load_blocks"] += len(ks)
+        self._count("loads", 1)
+        self._count("load_blocks", len(ks))
         return HicachedLoadStoreSpec(ks)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -210,7 +213,7 @@ class HicachedOffloadingManager(OffloadingManager):
             for k in list(keys)[:max(room, 0)]:
                 self._touched[bytes(k)] = None
             if len(keys) > room:
-                self.stats["touches_dropped"] += len(keys) - max(room, 0)
+                self._count("touches_dropped", len(keys) - max(room, 0))
             if self._touch_queued:
                 return
             self._touch_queued = True
@@ -235,15 +238,15 @@ class HicachedOffloadingManager(OffloadingManager):
                 link.report(exc, session=session)
                 log.debug("touching %d block(s) in %s failed: %s", len(keys), session.pool,
                           exc)
-        self.stats["touched_blocks" if sent else "touches_dropped"] += len(keys)
+        self._count("touched_blocks" if sent else "touches_dropped", len(keys))
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext
                       ) -> PrepareStoreOutput | None:
         ks = [bytes(k) for k in keys]
-        self.stats["stores_offered"] += 1
+        self._count("stores_offered", 1)
         # a link being re-opened takes the store (the worker waits for its own link)
         if not all(link.usable or link.reopening for link in self.links):
-            self.stats["stores_dropped"] += 1
+            self._count("stores_dropped", 1)
             return None
         return PrepareStoreOutput(keys_to_store=list(keys),
                                   store_spec=HicachedLoadStoreSpec(ks, self._chain(ks,
@@ -252,8 +255,13 @@ class HicachedOffloadingManager(OffloadingManager):
 
     def follow(self, request: Any) -> None:
         """vLLM's ``Request`` (its connector's ``on_new_request``): the stores of it say what
-        their pages are (``Chain``), so that routers that match tokens find them."""
+        their pages are (``Chain``), so that routers that match tokens find them. At most
+        ``MAX_FOLLOWED`` are kept (a request vLLM never reports finished goes, oldest
+        first: its later stores carry no tokens)."""
         self._requests[request.request_id] = request
+        if len(self._requests) > MAX_FOLLOWED:
+            for req_id in list(self._requests)[:len(self._requests) - MAX_FOLLOWED]:
+                self._requests.pop(req_id, None)
 
     def _chain(self, keys: list[bytes], req_context: ReqContext) -> Chain | None:
         """The tokens of ``keys`` (consecutive pages of the request, each ending where vLLM
@@ -286,7 +294,7 @@ class HicachedOffloadingManager(OffloadingManager):
                        success: bool = True) -> None:
         if success:
             self.promises.stored()
-            self.stats["store_blocks"] += len(keys)
+            self._count("store_blocks", len(keys))
             self._event(list(keys), removed=False)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -299,10 +307,18 @@ class HicachedOffloadingManager(OffloadingManager):
     def has_pending_work(self) -> bool:
         return self.promises.pending
 
+    def _count(self, name: str, n: int = 1) -> None:
+        """Add to a counter: the scheduler's thread and the hold book's both count (one lock,
+        so no increment is lost and no counter ever reads lower than before)."""
+        with self._stats_lock:
+            self.stats[name] += n
+
     def get_stats(self) -> Any:
         """vLLM's ``OffloadingConnectorStats`` of what changed since the last call (counters)
         and the links up now (a gauge); read from local counts, no call to the daemon."""
-        return self._reporter.collect({**self.stats, **self.promises.stats},
+        with self._stats_lock:
+            mine = dict(self.stats)
+        return self._reporter.collect({**mine, **self.promises.stats},
                                       sum(link.usable for link in self.links))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -323,7 +339,7 @@ class HicachedOffloadingManager(OffloadingManager):
         flight claims (released off this thread: the daemon may be slow or down). The pools
         are every engine's: nothing is removed from them (``hicachectl clear-pool`` does)."""
         keys = self.promises.forget_all()
-        self.stats["resets"] += 1
+        self._count("resets", 1)
         if keys:
             self.holds.release(keys, self._reset_release)
 
@@ -334,9 +350,9 @@ class HicachedOffloadingManager(OffloadingManager):
                 continue
             try:
                 n = session.release_holds(keys, timeout=self.config.rpc_timeout_s)
-                self.stats["reset_holds_released"] += n
+                self._count("reset_holds_released", n)
             except HiCacheError as exc:  # holds expire by themselves
-                self.stats["reset_failures"] += 1
+                self._count("reset_failures", 1)
                 link.report(exc, session=session)
                 log.warning("releasing this engine's holds in %s failed: %s", session.pool,
                             exc)

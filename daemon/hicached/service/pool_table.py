@@ -158,15 +158,28 @@ class PoolTable:
             raise
         with self._lock:
             self._stacks[spec.name] = stack
-        if self.listener is not None:
-            self.listener.attached(spec.name, stack)
-        if recovered:
-            log.info("pool %s re-attached (generation %d): %d keys, %d raw pages kept, %d "
-                     "damaged slots dropped", spec.name, pool.state.generation if pool.state
-                     else 0, recovered["keys"], recovered["raw_pages"], recovered["damaged"])
-        self._on_attach(pool, recovered)
-        if self.budget is not None:
-            self.budget.join(cache, _tables(spec))
+        attached = joined = False
+        try:
+            if self.listener is not None:
+                self.listener.attached(spec.name, stack)
+                attached = True
+            if recovered:
+                log.info("pool %s re-attached (generation %d): %d keys, %d raw pages kept, "
+                         "%d damaged slots dropped", spec.name,
+                         pool.state.generation if pool.state else 0, recovered["keys"],
+                         recovered["raw_pages"], recovered["damaged"])
+            self._on_attach(pool, recovered)
+            if self.budget is not None:
+                self.budget.join(cache, _tables(spec))
+                joined = True
+        except BaseException:  # a build that fails here leaves nothing behind either
+            if joined and self.budget is not None:
+                self.budget.leave(spec.name)
+            if attached and self.listener is not None:
+                self.listener.deleting(spec.name, stack)
+            self._close_tiers(spec.name)
+            pool.close(0)
+            raise
         return pool, cache
 
     def _new_cache(self, pool: HostPool) -> PoolCache:

@@ -324,3 +324,10 @@ def test_one_lookup_deadline_covers_every_ranks_pool() -> None:
     # the first pool's hold of the 4 keys let go, off the caller's thread
     assert [(i, n) for i, n, _ in got["released"]] == [(0, 4)]
     assert got["released"][0][2] == "hicache-vllm-holds"
+
+
+def test_the_managers_books_stay_bounded_and_its_counters_exact() -> None:
+    got = run("manager_books_stay_bounded", followed=70_000, threads=4, each=20_000)
+    assert got["kept"] == got["max"] and got["newest"] == "r69999"
+    assert got["oldest"] == f"r{70_000 - got['max']}"
+    assert got["count"] == 4 * 20_000 and got["monotonic"]
