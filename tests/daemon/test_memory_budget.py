@@ -128,6 +128,43 @@ def test_the_busy_pool_grows_and_the_idle_one_shrinks_to_its_floor_and_no_furthe
     assert n.share("a") == 6  # its floor (above a step of room: an eighth of the budget)
 
 
+def test_a_growth_stalled_in_its_system_calls_holds_no_other_pools_store(node) -> None:  # type: ignore[no-untyped-def]
+    """Pool a's Store grows it and stops while its pages are being locked (the seam: no
+    budget lock held); pool b's Stores grow b meanwhile, and a's room already counts against
+    the slack, so b cannot take it. Then a's growth is published."""
+    import threading
+
+    from hicache import seams
+
+    n = node(24, config(PB, pools=(PoolShare("*", floor_bytes=4 * PB),)))
+    n.add("a")
+    n.add("b")
+    n.store("a", 4)
+    n.store("b", 4)  # both full at their floors
+    done = threading.Event()
+
+    def grow_a() -> None:
+        n.store("a", 1)
+        done.set()
+
+    with seams.Pause("budget.grow_reserving") as stop:
+        t = threading.Thread(target=grow_a)
+        t.start()
+        assert stop.wait_reached(5)
+        slack_before = n.budget.budget_bytes - n.budget.used_bytes
+        grown = threading.Thread(target=lambda: n.store("b", 20))
+        grown.start()
+        grown.join(5)
+        assert not grown.is_alive(), "b's Store waited behind a's growth"
+        assert n.share("b") == 4 + 15  # all the slack but a's room (a step: one page)
+        assert slack_before == (24 - 8 - 1) * PB and n.share("a") == 4
+        assert not done.is_set()
+        stop.release()
+        t.join(5)
+    assert done.is_set() and n.share("a") == 5
+    assert n.budget.used_bytes == 24 * PB
+
+
 def test_a_pool_that_cannot_lock_more_evicts_its_own_and_grows_once_it_can(node) -> None:  # type: ignore[no-untyped-def]
     pinner = StrictPinner()
     pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes

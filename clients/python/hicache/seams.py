@@ -35,6 +35,9 @@ POINTS = {
     "cluster.put": "the cluster writer: a batch put, not yet recorded as put",
     "lookup.chunk": "a long Lookup: a chunk of its keys checked, the pool's lock let go before "
                     "the next",
+    "budget.grow_reserving": "a Store's growth: its room taken from the budget's slack, its "
+                             "pages being reserved (locked, fallocated) with no budget lock "
+                             "held, its limit not yet raised",
     "lookup.hold": "a Lookup that holds its hit: its session found live, the pool's lock not "
                    "yet taken to hold",
     "kv_events.turn": "the KV event publisher: awake, its queue not yet published",

@@ -30,9 +30,11 @@ The shares of all pools add up to the budget at most; what no pool holds is *sla
   from pools above theirs when the slack is short (``join``).
 
 Locks: the budget's lock is taken inside a pool cache's (``grow``), never the other way
-round; ``rebalance`` resizes pools with no lock of the budget held, a pool being shrunk
-counting at its share before until the shrink ended (its limit dips while its pages move, and
-may end above the size asked for where pages are in use: nothing grows into that dip).
+round, and no system call runs under it (a growth reserves its room under it, locks and
+fallocates its pages outside it, publishes its limit under it); ``rebalance`` resizes pools
+with no lock of the budget held, a pool being shrunk counting at its share before until the
+shrink ended (its limit dips while its pages move, and may end above the size asked for where
+pages are in use: nothing grows into that dip).
 
 Primitives: ``MemoryBudget(budget_bytes, config, clock)``: ``admit(spec)``, ``join(cache)``,
 ``leave(name)``, ``grow(name, pages)``, ``rebalance()``, ``start()`` / ``close()`` (the
@@ -48,6 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hicache import seams
 from hicache.errors import HostMemoryInsufficient
 from hicache.specs import PoolSpec
 from hicached.cache.pool_cache import PoolCache
@@ -95,8 +98,8 @@ class BudgetStats:
 
 
 class _Member:
-    __slots__ = ("cache", "ceiling", "evictions", "fixed", "floor", "holding", "name",
-                 "page_bytes", "tenant", "wanted")
+    __slots__ = ("cache", "ceiling", "evictions", "fixed", "floor", "growing", "holding",
+                 "name", "page_bytes", "tenant", "wanted")
 
     def __init__(self, cache: PoolCache, floor: int, ceiling: int, tenant: str,
                  fixed: int) -> None:
@@ -109,6 +112,9 @@ class _Member:
         self.evictions = _pressure(cache)
         self.wanted = 0
         """Pages asked for and not granted since the last round."""
+        self.growing = 0
+        """Pages a Store's growth has taken from the slack and is reserving (outside the
+        budget's lock), not yet in its limit."""
         self.holding = 0
         """While the pool is being shrunk: its share before (what it counts for until the
         shrink ends: the limit dips below what it ends at while its pages move)."""
@@ -200,15 +206,37 @@ class MemoryBudget:
 
     def grow(self, name: str, pages: int) -> int:
         """Pages ``name`` may add to its share now (its limit is raised by as many before
-        this returns; 0: it evicts its own)."""
+        this returns; 0: it evicts its own). In three steps, so that the system calls of a
+        growth (``fallocate``, page locking, the driver's registration: milliseconds to
+        seconds) hold no lock another pool's Store needs: the room is reserved under the
+        budget's lock (it counts against the slack at once), the pages are reserved with no
+        lock of the budget's held (only this pool's, which the calling Store holds), and the
+        limit is published under the budget's lock again."""
         with self._lock:
             m = self._members.get(name)
             if m is None or pages <= 0:
                 return 0
-            got = self._grant(m, max(pages, -(-self.config.grow_step_bytes // m.page_bytes)))
-            if got < pages:
-                m.wanted += pages - got
-            return got
+            start = m.limit
+            room = self._room(m, max(pages, -(-self.config.grow_step_bytes // m.page_bytes)))
+            m.growing += room
+            if room < pages:
+                m.wanted += pages - room
+        if not room:
+            return 0
+        seams.reached("budget.grow_reserving")
+        reserved = m.cache.pool.reserve_pages(start, start + room)
+        with self._lock:
+            m.growing -= room
+            if not reserved or m.name not in self._members:
+                return 0  # the pool's file system is full, or it left: it evicts its own
+            if m.limit != start:  # a rebalance raised it meanwhile: take what is there
+                got = max(min(m.limit - start, room), 0)
+                if start + room > m.limit:  # reserved above the limit: free, none in use
+                    m.cache.pool.release_pages(m.limit, start + room)
+                return got
+            m.cache.pool.allocator.set_limit(start + room)
+            self.stats.grown_bytes += room * m.page_bytes
+            return room
 
     # -- rebalancing -----------------------------------------------------------------------
 
@@ -342,8 +370,9 @@ class MemoryBudget:
     # -- the books (the budget's lock held, or a snapshot) ---------------------------------
 
     def _slack_bytes(self) -> int:
-        return self.budget_bytes - sum(max(m.limit, m.holding) * m.page_bytes + m.fixed
-                                       for m in self._members.values())
+        return self.budget_bytes - sum(
+            (max(m.limit, m.holding) + m.growing) * m.page_bytes + m.fixed
+            for m in self._members.values())
 
     @property
     def used_bytes(self) -> int:
@@ -352,7 +381,7 @@ class MemoryBudget:
             return self.budget_bytes - self._slack_bytes()
 
     def _tenant_share(self, tenant: str) -> int:
-        return sum(m.limit * m.page_bytes for m in list(self._members.values())
+        return sum((m.limit + m.growing) * m.page_bytes for m in list(self._members.values())
                    if m.tenant == tenant)
 
     def _quota_room(self, tenant: str) -> int:
