@@ -26,7 +26,7 @@ Primitives:
   no keys: all), ``end(owner)`` (the session ended: every hold, and what the table kept for
   it), ``expire(now)`` (holds past their deadline), ``version(owner)`` (bumped when its set
   of holds changes), ``owners()`` (owners it keeps anything for: live sessions only),
-  ``total``. Deadlines sit in a heap (a moved one is put back when it comes
+  ``deadlines``, ``total``. Deadlines sit in a heap (a moved one is put back when it comes
   due): a Lookup that asks the same keys again refreshes all its holds in O(1).
 """
 
@@ -179,6 +179,11 @@ class HoldTable:
         gone = self.drop(owner)
         self._version.pop(owner, None)
         return gone
+
+    @property
+    def deadlines(self) -> int:
+        """Deadlines in the heap (stale ones included, until they come due)."""
+        return len(self._due)
 
     def owners(self) -> set[int]:
         """The owners the table keeps anything for (holds or a version)."""

@@ -511,6 +511,15 @@ class PoolCache:
             self.stats.holds_released += len(gone)
         return len(gone)
 
+    def books(self) -> dict[str, int]:
+        """The sizes of what the cache keeps per session and per removal (the soak and
+        ``hicache_table_entries`` watch them stay flat): holds, the sessions holding,
+        hold deadlines, last-Lookup books, removals kept for writers out."""
+        with self._lock:
+            return {"holds": self.holds.total, "hold_owners": len(self.holds.owners()),
+                    "hold_deadlines": self.holds.deadlines,
+                    "lookup_books": len(self._last_holds), "removals": len(self._removed_at)}
+
     def end_holds(self, owner: int) -> int:
         """The owner's session ended (and says so to its ``Holder``s, so it gets no new
         holds): its holds end, and what the cache kept for it goes."""

@@ -76,6 +76,12 @@ class IdentityChannel:
 
     # -- the loop --------------------------------------------------------------------------
 
+    @property
+    def grants(self) -> int:
+        """Tokens handed out and not yet used or expired."""
+        with self._lock:
+            return len(self._grants)
+
     def _loop(self) -> None:
         assert self._sock is not None
         sel = selectors.DefaultSelector()

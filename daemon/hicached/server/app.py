@@ -146,6 +146,7 @@ class HiCacheServer:
             kv_events=self.kv_events.stats if self.kv_events is not None else None,
             budget=pools.budget,
             cuda_copies=cuda.copy_stats if cuda is not None else None,
+            tables=lambda: self.tables(),
         ), build={"version": hicache.__version__, "numpy": np.__version__,
                   "cuda_available": str(driver is not None).lower(),
                   "python": platform.python_version()})
@@ -381,8 +382,28 @@ class HiCacheServer:
         self._locks = []
         self._stopped.set()
 
+    def tables(self) -> dict[str, int]:
+        """The sizes ``hicache_table_entries`` shows (see ``ScrapeState.tables``)."""
+        d = self.daemon
+        out = _sum_books([cache.books() for _, cache in d.pools.entries()])
+        out.update(self.metrics.tally_sizes())
+        out["sessions"] = d.sessions.count()
+        out["sessions_ending"] = d.sessions.ending
+        out["pools"] = len(d.pools.list())
+        out["fast_path_connections"] = sum(f.connections for f in self.fast_paths)
+        out["identity_grants"] = sum(c.grants for c in self.identity_channels)
+        return out
+
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
+
+
+def _sum_books(books: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for b in books:
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def cuda_transport(driver: CudaDriver, config: ServerConfig) -> CudaIpcTransport:

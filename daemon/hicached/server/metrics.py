@@ -94,6 +94,9 @@ class ScrapeState:
     """The memory budget the pools share by demand, if it is elastic."""
     cuda_copies: Callable[[], CopyStats] | None = None
     """GPU copies by way (``hicached.cuda.paths``), where a CUDA driver loaded."""
+    tables: Callable[[], dict[str, int]] = lambda: {}
+    """The sizes of what grows with sessions, connections, keys and requests (each must
+    stay bounded over months: ``hicache_table_entries``)."""
 
 
 def _cuda_copy_families(counts: dict[tuple[bool, CopyPath], tuple[int, int]],
@@ -272,6 +275,13 @@ class _StateCollector(Collector):
                                 value=handle_bytes)
         if self._state.cuda_copies is not None:
             yield from _cuda_copy_families(*self._state.cuda_copies())
+        tables = GaugeMetricFamily(
+            "hicache_table_entries", "Entries of what the daemon keeps per session, "
+            "connection, removal or thread (each bounded by what is open or in flight now: a "
+            "daemon that runs for months keeps them flat).", labels=["table"])
+        for table, n in sorted(self._state.tables().items()):
+            tables.add_metric([table], n)
+        yield tables
         yield GaugeMetricFamily("hicache_uptime_seconds", "Seconds since the daemon started.",
                                 value=time.monotonic() - self._started)
 
@@ -427,6 +437,11 @@ class Metrics:
         self._attached(name, pool.outcome.value if pool.outcome else "memory")
         self.recovered_keys.labels(name).inc(recovered.get("keys", 0))
         self.recovery_dropped.labels(name).inc(recovered.get("damaged", 0))
+
+    def tally_sizes(self) -> dict[str, int]:
+        """Per-thread tables and keys of the call and transfer tallies."""
+        return {"tally_tables": self._calls.live_tables + self._transfers.live_tables,
+                "tally_keys": self._calls.keys + self._transfers.keys}
 
     def pool_dropped(self, name: str, outcome: str) -> None:
         """A pool's saved state was not used (``outcome`` says why)."""
