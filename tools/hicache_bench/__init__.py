@@ -2,9 +2,9 @@
 
 The daemon never imports this package (an import rule); it imports the daemon's engine only
 where a baseline runs it in-process. torch is imported only by the commands whose workers make
-tensors (``throughput``, ``compare``): ``trace`` runs where the daemon's own set-up installed
-nothing more (``bash scripts/serve.sh``), and a command that needs torch where there is none
-says so in one line (``cli``).
+tensors (``throughput``, ``compare``): ``trace``, ``soak`` and ``torture`` run where the
+daemon's own set-up installed nothing more (``bash scripts/serve.sh``), and a command that
+needs torch where there is none says so in one line (``cli``).
 
 Modules:
 
@@ -20,4 +20,9 @@ Modules:
   the daemon, beside reference policies.
 - ``trace_policies``: the reference caches a trace replay compares with (LRU, ARC, S3-FIFO,
   the daemon's ``reuse``, the offline optimum, the oracles).
+- ``workload``: a worker process of the soak and the torture (pages whose bytes are a
+  function of their key, checked wherever they are loaded).
+- ``soak``: ``hicache-bench soak``: a daemon under a node's mix; does anything grow?
+- ``torture``: ``hicache-bench torture``: the daemon killed under load, its crash contract
+  checked after every restart.
 """

@@ -3,7 +3,10 @@
 - ``hicache-bench [flags]``: ``throughput`` (needs torch);
 - ``hicache-bench compare BASE``: ``compare`` (needs torch: its latency runs make tensors);
 - ``hicache-bench trace TRACE.jsonl``: ``trace`` (no torch: it runs after the daemon's own
-  set-up).
+  set-up);
+- ``hicache-bench soak``: ``soak`` (no torch): a daemon under a node's mix, its books sampled;
+- ``hicache-bench torture``: ``torture`` (no torch): a daemon killed again and again under
+  load, its crash contract checked after each restart.
 
 A command that needs torch where the interpreter has none ends with status 2 and one line that
 says what to install, before anything starts.
@@ -20,6 +23,8 @@ COMMANDS: dict[str, tuple[str, bool]] = {
     # first word -> (module of hicache_bench whose main(argv) runs it, whether it needs torch)
     "compare": ("compare", True),
     "trace": ("trace", False),
+    "soak": ("soak", False),
+    "torture": ("torture", False),
 }
 DEFAULT = ("throughput", True)
 """What runs when the first word is no command: the throughput run, its flags as given."""
