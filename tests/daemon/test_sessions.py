@@ -164,6 +164,36 @@ def test_an_end_is_told_only_once_no_copy_of_the_session_runs(setup, how: str) -
         m.begin_copy(s)
 
 
+@pytest.mark.parametrize("how", ["closed", "reaped", "closed_at_shutdown"])
+def test_no_call_hears_gone_between_a_sessions_removal_and_its_end(setup, how: str) -> None:  # type: ignore[no-untyped-def]
+    """The session leaves the table and stops there, its end not yet settled, while a copy
+    of it runs: a call naming it meanwhile hears SESSION_ENDING, not SESSION_NOT_FOUND (the
+    worker's fence), and once the copy ends, SESSION_NOT_FOUND."""
+    import threading
+
+    from hicache import seams
+    from hicache.errors import SessionEnding
+
+    pool, clock, m, _ = setup
+    s = m.open("p", pool, "w", CountingAttachment(), 16)
+    ends = {"closed": lambda: m.close(s.session_id), "closed_at_shutdown": m.close_all,
+            "reaped": m.reap}
+    with m.transfer(s.session_id):
+        if how == "reaped":
+            clock.t += 3.0
+        with seams.Pause("session.removed") as stop:
+            ender = threading.Thread(target=ends[how])
+            ender.start()
+            assert stop.wait_reached(5)
+            for call in (m.get, m.heartbeat, m.close):
+                with pytest.raises(SessionEnding):
+                    call(s.session_id)
+            stop.release()
+            ender.join(5)
+    with pytest.raises(SessionNotFound):
+        m.heartbeat(s.session_id)
+
+
 def test_sessions_that_end_quietly_leave_no_ending_books(setup) -> None:  # type: ignore[no-untyped-def]
     pool, _, m, _ = setup
     for _ in range(1000):

@@ -38,9 +38,13 @@ POINTS = {
     "budget.grow_reserving": "a Store's growth: its room taken from the budget's slack, its "
                              "pages being reserved (locked, fallocated) with no budget lock "
                              "held, its limit not yet raised",
+    "budget.reserved": "a growth (a Store's, a rebalance's): its pages reserved with no "
+                       "budget lock held, the limit not yet raised",
     "lookup.hold": "a Lookup that holds its hit: its session found live, the pool's lock not "
                    "yet taken to hold",
     "kv_events.turn": "the KV event publisher: awake, its queue not yet published",
+    "session.removed": "a session's end: out of the open sessions' table, its end (mappings, "
+                       "raw pages, whether a copy still runs) not yet settled",
     "resize.moved": "a pool being shrunk: its keys evicted and moved, its limit not yet set "
                     "where it ends (above the size asked for where pages are in use)",
 }

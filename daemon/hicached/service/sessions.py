@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from hicache import seams
 from hicache.errors import BufferFault, SessionEnding, SessionNotFound
 from hicache.identity import is_public_id, public_session_id
 from hicached.core.pool import HostPool
@@ -154,14 +155,24 @@ class SessionManager:
         ``hicachectl close-session``)."""
         with self._lock:
             if is_public_id(session_id):
-                session_id = next((k for k, v in self._sessions.items()
+                session_id = next((k for k, v in [*self._sessions.items(),
+                                                  *self._ending.items()]
                                    if v.public_id == session_id), session_id)
-            s = self._sessions.pop(session_id, None)
+            s = self._remove(session_id)
         if s is None:
             self._check_ending(session_id)
             raise SessionNotFound(f"no open session {session_id!r}",
                                   metadata={"session_id": session_id})
         self._end(s, "closed")
+
+    def _remove(self, session_id: str) -> Session | None:
+        """Take a session out of the table and into ``_ending`` in one step (our lock
+        held), so that no call in between hears it is gone; ``_end`` takes it out of
+        ``_ending`` again when no copy of it runs, else its last ``end_copy`` does."""
+        s = self._sessions.pop(session_id, None)
+        if s is not None:
+            self._ending[session_id] = s
+        return s
 
     @contextmanager
     def transfer(self, session_id: str) -> Iterator[Session]:
@@ -174,7 +185,7 @@ class SessionManager:
             yield s
         except BufferFault as exc:
             with self._lock:
-                ended = self._sessions.pop(s.session_id, None) is not None
+                ended = self._remove(s.session_id) is not None
             if ended:
                 log.warning("session %s (worker %s): %s", s.public_id, s.worker_id, exc)
                 self._end(s, "ended: its buffer memory vanished under a copy")
@@ -211,14 +222,15 @@ class SessionManager:
             s.attachment.release()
 
     def _end(self, s: Session, why: str) -> None:
+        seams.reached("session.removed")
         with s.lock:
             s.ended = True
             release = s.in_flight == 0 and not s.released
             if release:
                 s.released = True
-            if s.in_flight:  # told SESSION_ENDING until its last copy ends (end_copy)
+            if not s.in_flight:  # else told SESSION_ENDING until its last copy ends
                 with self._lock:
-                    self._ending[s.session_id] = s
+                    self._ending.pop(s.session_id, None)
         if release:
             s.attachment.release()
         try:
@@ -234,7 +246,7 @@ class SessionManager:
         with self._lock:
             dead = [s for s in self._sessions.values() if s.expires_at < now]
             for s in dead:
-                del self._sessions[s.session_id]
+                self._remove(s.session_id)
         for s in dead:
             self._end(s, f"reaped: no heartbeat for {s.lease_seconds:.1f}s")
             self.reaped_total += 1
@@ -291,7 +303,8 @@ class SessionManager:
         self._stop.set()
         self._opened.set()
         with self._lock:
-            sessions, self._sessions = list(self._sessions.values()), {}
+            sessions = [s for s in (self._remove(k) for k in list(self._sessions))
+                        if s is not None]
         for s in sessions:
             self._end(s, "closed at shutdown")
         if self._thread is not None:
