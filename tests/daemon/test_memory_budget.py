@@ -165,6 +165,57 @@ def test_a_growth_stalled_in_its_system_calls_holds_no_other_pools_store(node) -
     assert n.budget.used_bytes == 24 * PB
 
 
+def test_a_growth_that_ends_first_unlocks_no_page_another_growth_reserved(node) -> None:  # type: ignore[no-untyped-def]
+    """A rebalance grants pool a ten pages and stops with them locked, a's limit not raised
+    (the seam); a's Stores grow it meanwhile: one publishes, the next stops with its page
+    reserved. The grant ends first: a's limit moved, so it takes what is there, and what it
+    locked above the limit is free but for the page the other growth is about to publish;
+    nothing is unlocked while that one still reserves. When it ends, every page under the
+    limit is locked and what lies above is given back."""
+    import threading
+
+    from hicache import seams
+
+    pinner = StrictPinner()
+    pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes
+    n = node(64, config(pb, pools=(PoolShare("*", floor_bytes=4 * pb),)), pinner)
+    n.add("a")
+    units = n.pools["a"].pin_units
+    assert units is not None
+    n.store("a", 4)  # full at its floor
+    member = n.budget._members["a"]
+    stopped: dict[threading.Thread, threading.Event] = {}
+    arrived = threading.Semaphore(0)
+
+    def stop_chosen() -> None:
+        go = stopped.get(threading.current_thread())
+        if go is not None:
+            arrived.release()
+            go.wait(10)
+
+    with seams.hooked("budget.reserved", stop_chosen):
+        grant = threading.Thread(target=n.budget._give, args=(member, 10))  # a round's
+        stopped[grant] = threading.Event()
+        grant.start()
+        assert arrived.acquire(timeout=5)
+        assert units.frontier >= 14 and n.share("a") == 4  # locked, not yet published
+        n.store("a", 1)  # a Store's growth on this thread: published
+        assert n.share("a") == 5
+        grower = threading.Thread(target=n.store, args=("a", 1))
+        stopped[grower] = threading.Event()
+        grower.start()
+        assert arrived.acquire(timeout=5)
+        stopped[grant].set()
+        grant.join(5)
+        assert not grant.is_alive() and n.share("a") == 5
+        assert units.frontier >= 6, "a page another growth reserved was unlocked under it"
+        stopped[grower].set()
+        grower.join(5)
+    assert n.share("a") == 6
+    assert 6 <= units.frontier < 14, "what lies above the limit was not given back"
+    assert member.reserved_top == 0 and member.growing == 0
+
+
 def test_a_pool_that_cannot_lock_more_evicts_its_own_and_grows_once_it_can(node) -> None:  # type: ignore[no-untyped-def]
     pinner = StrictPinner()
     pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes

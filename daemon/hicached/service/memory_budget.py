@@ -99,7 +99,7 @@ class BudgetStats:
 
 class _Member:
     __slots__ = ("cache", "ceiling", "evictions", "fixed", "floor", "growing", "holding",
-                 "name", "page_bytes", "tenant", "wanted")
+                 "name", "page_bytes", "reserved_top", "tenant", "wanted")
 
     def __init__(self, cache: PoolCache, floor: int, ceiling: int, tenant: str,
                  fixed: int) -> None:
@@ -113,8 +113,11 @@ class _Member:
         self.wanted = 0
         """Pages asked for and not granted since the last round."""
         self.growing = 0
-        """Pages a Store's growth has taken from the slack and is reserving (outside the
-        budget's lock), not yet in its limit."""
+        """Pages growths (a Store's, a rebalance's) have taken from the slack and are
+        reserving (outside the budget's lock), not yet in its limit."""
+        self.reserved_top = 0
+        """The end of the highest run of pages a growth reserved: what lies above the limit
+        up to it is given back by the last growth to end."""
         self.holding = 0
         """While the pool is being shrunk: its share before (what it counts for until the
         shrink ends: the limit dips below what it ends at while its pages move)."""
@@ -206,37 +209,58 @@ class MemoryBudget:
 
     def grow(self, name: str, pages: int) -> int:
         """Pages ``name`` may add to its share now (its limit is raised by as many before
-        this returns; 0: it evicts its own). In three steps, so that the system calls of a
-        growth (``fallocate``, page locking, the driver's registration: milliseconds to
-        seconds) hold no lock another pool's Store needs: the room is reserved under the
-        budget's lock (it counts against the slack at once), the pages are reserved with no
-        lock of the budget's held (only this pool's, which the calling Store holds), and the
-        limit is published under the budget's lock again."""
+        this returns; 0: it evicts its own). In three steps (``_reserve``), so that the
+        system calls of a growth (``fallocate``, page locking, the driver's registration:
+        milliseconds to seconds) hold no lock another pool's Store needs."""
         with self._lock:
             m = self._members.get(name)
             if m is None or pages <= 0:
                 return 0
-            start = m.limit
             room = self._room(m, max(pages, -(-self.config.grow_step_bytes // m.page_bytes)))
-            m.growing += room
             if room < pages:
                 m.wanted += pages - room
-        if not room:
-            return 0
-        seams.reached("budget.grow_reserving")
-        reserved = m.cache.pool.reserve_pages(start, start + room)
+        return self._reserve(m, room, "budget.grow_reserving")
+
+    def _reserve(self, m: _Member, room: int, seam: str = "") -> int:
+        """Raise ``m``'s limit by up to ``room`` pages: the room taken from the slack under
+        the budget's lock (``growing``: it counts at once, so no other pool takes it), the
+        pages reserved (locked, fallocated) with no lock of the budget's held, the limit
+        published under it again; how many pages it rose by. Where another growth of the
+        same pool published first, what is there is taken; pages reserved above the limit
+        are given back by the last growth of the pool to end, never while another is still
+        reserving (a pool locked by units unlocks every unit above the point it is given:
+        the other's too)."""
         with self._lock:
-            m.growing -= room
-            if not reserved or m.name not in self._members:
-                return 0  # the pool's file system is full, or it left: it evicts its own
-            if m.limit != start:  # a rebalance raised it meanwhile: take what is there
-                got = max(min(m.limit - start, room), 0)
-                if start + room > m.limit:  # reserved above the limit: free, none in use
-                    m.cache.pool.release_pages(m.limit, start + room)
-                return got
-            m.cache.pool.allocator.set_limit(start + room)
-            self.stats.grown_bytes += room * m.page_bytes
-            return room
+            if m.name not in self._members:
+                return 0
+            start = m.limit
+            room = max(min(room, self._room(m, room)), 0)
+            if not room:
+                return 0
+            m.growing += room
+        reserved = False
+        try:
+            if seam:
+                seams.reached(seam)
+            reserved = m.cache.pool.reserve_pages(start, start + room)
+            seams.reached("budget.reserved")
+        finally:
+            with self._lock:
+                m.growing -= room
+                m.reserved_top = max(m.reserved_top, start + room)
+                got = 0
+                if reserved and m.name in self._members:
+                    if m.limit == start:
+                        m.cache.pool.allocator.set_limit(start + room)
+                        self.stats.grown_bytes += room * m.page_bytes
+                        got = room
+                    else:  # another growth published meanwhile: take what is there
+                        got = max(min(m.limit - start, room), 0)
+                if not m.growing and not m.holding:  # (a shrink frees its own)
+                    if m.reserved_top > m.limit:  # free: the limit is below, none in use
+                        m.cache.pool.release_pages(m.limit, m.reserved_top)
+                    m.reserved_top = 0
+        return got
 
     # -- rebalancing -----------------------------------------------------------------------
 
@@ -277,37 +301,15 @@ class MemoryBudget:
         self.stats.rounds += 1
 
     def _give(self, m: _Member, pages: int) -> int:
-        """``_grant`` from the budget's thread, the memory reserved (on a GPU host: locked,
-        gigabytes at a time) before the budget's lock is taken, so that no Store's growth
-        waits behind it; what was reserved and not granted in the end is given back."""
-        with self._lock:
-            if m.name not in self._members:
-                return 0
-            start, room = m.limit, self._room(m, pages)
-        if room and not m.cache.pool.reserve_pages(start, start + room):
-            return 0
-        with self._lock:
-            got = self._grant(m, pages) if m.name in self._members else 0
-            if m.limit < start + room:  # pages above the limit are free: none in use
-                m.cache.pool.release_pages(m.limit, start + room)
-            return got
+        """A rebalance's grant to ``m``: the same three steps as a Store's growth
+        (``_reserve``: gigabytes locked at a time on a GPU host, no Store waits behind
+        it)."""
+        return self._reserve(m, pages)
 
     def _room(self, m: _Member, pages: int) -> int:
         """Pages ``m`` may add now, of ``pages``: its ceiling, the slack, its tenant's quota."""
         return max(min(pages, m.ceiling - m.limit, self._slack_bytes() // m.page_bytes,
                        self._quota_room(m.tenant) // m.page_bytes), 0)
-
-    def _grant(self, m: _Member, pages: int) -> int:
-        """Raise ``m``'s limit by up to ``pages``, within its ceiling, the slack and its
-        tenant's quota, the pages reserved first (the budget's lock held); how many. Raising
-        a limit needs no lock of the pool's: it only adds free pages."""
-        got = self._room(m, pages)
-        if got and not m.cache.pool.reserve_pages(m.limit, m.limit + got):
-            return 0  # the pool's file system is full: it evicts its own
-        if got:
-            m.cache.pool.allocator.set_limit(m.limit + got)
-            self.stats.grown_bytes += got * m.page_bytes
-        return got
 
     def _reclaim(self, nbytes: int, taker: _Member, ages: dict[str, float] | None = None,
                  force: bool = False) -> None:
