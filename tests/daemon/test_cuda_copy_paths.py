@@ -278,6 +278,54 @@ def test_a_table_stores_equal_page_lists_once_and_refuses_uneven_plans() -> None
         build_table([plan, short])
 
 
+def test_a_table_slot_is_not_handed_to_another_call_until_its_launches_are_recorded(
+        driver: CudaDriver) -> None:
+    """Two calls of one session share a stream's ring (a retry beside the call it gave up
+    on): the one that finds every slot taken waits until the other's ``done``, and gets the
+    slot then, its table written over the old one only after that; a failed record frees the
+    slot too."""
+    import threading
+
+    with driver.context(0):
+        stream = driver.stream_create()
+        ring = TableRing(driver, 1, 1 << 12)
+        try:
+            first = np.arange(8, dtype=np.int64)
+            slot, address = ring.put(first)
+            got: list[tuple[int, int]] = []
+            second = threading.Thread(target=lambda: got.append(
+                ring.put(np.full(8, 7, dtype=np.int64))))
+            second.start()
+            second.join(0.3)
+            assert second.is_alive() and not got, "the slot was handed out while taken"
+            seen = np.ctypeslib.as_array((ctypes.c_int64 * 8).from_address(address))
+            assert seen.tolist() == first.tolist(), "the taken slot's table was overwritten"
+            ring.done(slot, stream)
+            second.join(5)
+            assert got == [(slot, address)] and seen.tolist() == [7] * 8
+            real = driver.event_record
+
+            def refused(event: int, s: int) -> None:
+                raise RuntimeError("the stream's launches failed")
+
+            driver.event_record = refused  # type: ignore[method-assign,assignment]
+            try:
+                with pytest.raises(RuntimeError):
+                    ring.done(slot, stream)
+            finally:
+                driver.event_record = real  # type: ignore[method-assign]
+            again: list[tuple[int, int]] = []
+            third = threading.Thread(target=lambda: again.append(ring.put(first)))
+            third.start()
+            third.join(5)
+            assert again == [(slot, address)], "a failed record kept the slot taken"
+            ring.done(slot, stream)
+            driver.stream_synchronize(stream)
+        finally:
+            ring.close()
+            driver.stream_destroy(stream)
+
+
 def test_a_kernel_fragment_outside_mapped_memory_is_a_fault_not_a_write(
         driver: CudaDriver, fake: FakeCuda, binaries: KernelBinaries) -> None:
     """The fake's check is real: host memory that is not registered (mapped) is refused."""
@@ -539,6 +587,45 @@ def test_a_rate_that_drops_moves_the_choice() -> None:
     for _ in range(20):  # the kernel slows down (another tenant's kernels share the SMs)
         paths.record(Path.KERNEL, False, 64, 1000, 1000 / 0.2e9)
     assert paths.choose(False, 64, usable) is Path.DMA
+
+
+def test_a_batch_whose_timing_fails_still_completes_and_its_bytes_land(
+        driver: CudaDriver, binaries: KernelBinaries) -> None:
+    """Reading a batch's two events fails (any error, not only the driver's): the failure
+    is logged, the batch is not measured, and the copies complete with their bytes in
+    place (into rows zeroed first)."""
+    s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=64)
+    t = CudaIpcTransport(driver, (Path.DMA, Path.KERNEL), binaries)
+    pool = HostPool(s, SMALL, pinner=DriverPinner(driver))
+    src = make_gpu_kv(driver, s, 48, seed=1)
+    dst = make_gpu_kv(driver, s, 48, seed=2)
+    a = t.attach(src.descriptors.descriptors)
+    b = t.attach(dst.descriptors.descriptors)
+    real = driver.event_elapsed_ms
+
+    def broken(start: int, end: int) -> float:
+        raise OverflowError("a clock that went backwards")
+
+    driver.event_elapsed_ms = broken  # type: ignore[method-assign]
+    try:
+        assert a.buffers is not None and b.buffers is not None
+        host = pool.alloc(16)
+        pages = np.array([5, 1, 8, 3])
+        ENGINE.backup(pool, a.buffers, host, page_indices(pages, 4), runner=a.runner)
+        for v in dst.all_views():
+            v.zero_()
+        ENGINE.load(pool, b.buffers, host, page_indices(pages, 4), runner=b.runner)
+        for x, y in zip(rows(src, s, pages), rows(dst, s, pages), strict=True):
+            assert torch.equal(x, y)
+        assert t.copies(0).paths.rates() == {}, "a failed timing was recorded"
+    finally:
+        driver.event_elapsed_ms = real  # type: ignore[method-assign]
+        a.release()
+        b.release()
+        free_gpu_kv(driver, src)
+        free_gpu_kv(driver, dst)
+        pool.close()
+        t.close()
 
 
 def test_batches_are_timed_on_the_device_where_ways_compete(

@@ -13,9 +13,10 @@ Primitives:
   lists are stored once.
 - ``fragments(table, lo, hi)``: the fragments (a page of a plan at a layer) a launch over
   ``[lo, hi)`` covers, what its grid is sized by.
-- ``TableRing(driver, slots, slot_bytes)``: page-locked, mapped slots for tables, each reused
-  only once the launches that read it are done (an event recorded after them);
-  ``put(table, stream)`` -> the device address of the table's copy, ``done(slot, stream)``.
+- ``TableRing(driver, slots, slot_bytes)``: page-locked, mapped slots for tables, each taken
+  from ``put`` to ``done`` and written again only once the launches that read it are done
+  (an event recorded after them); ``put(table)`` -> (slot, the device address of the
+  table's copy), ``done(slot, stream)``; safe for overlapping calls.
 - ``PageKernel(driver, ordinal, function)``: ``launch(stream, table_address, lo, hi,
   fragments)``: the grid and block the kernel runs with, one driver call.
 """
@@ -23,6 +24,7 @@ Primitives:
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,9 +86,11 @@ def fragments(table: np.ndarray, lo: int, hi: int) -> int:
 
 
 class TableRing:
-    """Page-locked, mapped memory for launch tables: ``slots`` slots of ``slot_bytes``, used
-    in turn; a slot is written again only once the launches that read it are done. One
-    stream's runner uses it (not thread-safe: the session's copies are serialized)."""
+    """Page-locked, mapped memory for launch tables: ``slots`` slots of ``slot_bytes``. A slot
+    is taken by ``put`` and stays taken until ``done`` has recorded the event after the
+    launches that read it; it is written again only once that event has completed. Several
+    threads may use one ring (a session's calls can overlap): one lock, and a ``put`` that
+    finds every slot taken waits for one."""
 
     def __init__(self, driver: CudaDriver, slots: int, slot_bytes: int) -> None:
         self._driver = driver
@@ -94,8 +98,12 @@ class TableRing:
         self._host = driver.host_alloc(slots * slot_bytes)
         self._device = driver.host_device_pointer(self._host)
         self._events = [driver.event_create() for _ in range(slots)]
-        self._used = [False] * slots
+        self._recorded = [False] * slots
+        """An event was recorded after the slot's last launches (wait for it to reuse)."""
+        self._taken = [False] * slots
+        """Between ``put`` and ``done``: no other batch may have it."""
         self._next = 0
+        self._cond = threading.Condition()
 
     def fits(self, table: np.ndarray) -> bool:
         return table.nbytes <= self.slot_bytes
@@ -106,16 +114,32 @@ class TableRing:
         if not self.fits(table):
             raise ValueError(f"a {table.nbytes}-byte table exceeds the {self.slot_bytes}-byte "
                              "slot")
-        slot = self._next
-        self._next = (slot + 1) % len(self._events)
-        if self._used[slot]:
+        n = len(self._events)
+        with self._cond:
+            while all(self._taken):
+                self._cond.wait()
+            slot = next(i % n for i in range(self._next, self._next + n)
+                        if not self._taken[i % n])
+            self._next = (slot + 1) % n
+            self._taken[slot] = True
+            wait = self._recorded[slot]
+        if wait:  # its last launches read it until this completes (usually long done)
             self._driver.event_synchronize(self._events[slot])
         ctypes.memmove(self._host + slot * self.slot_bytes, table.ctypes.data, table.nbytes)
         return slot, self._device + slot * self.slot_bytes
 
     def done(self, slot: int, stream: int) -> None:
-        self._driver.event_record(self._events[slot], stream)
-        self._used[slot] = True
+        try:
+            self._driver.event_record(self._events[slot], stream)
+            recorded = True
+        except Exception:  # the launches failed: the stream is drained before reuse
+            recorded = False
+            raise
+        finally:
+            with self._cond:
+                self._recorded[slot] = recorded
+                self._taken[slot] = False
+                self._cond.notify()
 
     def close(self) -> None:
         """Once every stream that read the tables has drained."""

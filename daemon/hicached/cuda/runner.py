@@ -120,6 +120,7 @@ class CudaRunner:
     device: DeviceCopies = field(default_factory=DeviceCopies)
     _tables: dict[int, TableRing] = field(default_factory=dict)
     """A table ring per stream, made on the stream's first kernel batch."""
+    _tables_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def group_of(self, layer: int, layer_num: int) -> int:
         return layer_groups.group_of(layer, layer_num, len(self.layer_events))
@@ -171,9 +172,11 @@ class CudaRunner:
         self.device.paths.count(path, loading, nbytes)
 
         def landed() -> None:
-            if timed:
-                self._measure(path, loading, fragment, nbytes, start, end)
-            done()
+            try:
+                if timed:
+                    self._measure(path, loading, fragment, nbytes, start, end)
+            finally:  # a failed measurement never keeps the batch from completing
+                done()
 
         if wait:
             landed()
@@ -230,9 +233,11 @@ class CudaRunner:
                 groups: list[tuple[int, int, int]]) -> None:
         kernel = self.device.kernel
         assert kernel is not None
-        ring = self._tables.get(stream)
-        if ring is None:
-            ring = self._tables[stream] = TableRing(self.driver, TABLE_SLOTS, TABLE_SLOT_BYTES)
+        with self._tables_lock:  # a session's calls may run at once (a retry beside the
+            ring = self._tables.get(stream)  # call it gave up on): one ring per stream
+            if ring is None:
+                ring = self._tables[stream] = TableRing(self.driver, TABLE_SLOTS,
+                                                        TABLE_SLOT_BYTES)
         slot, address = ring.put(table)
         try:
             for lo, hi, event in groups:
@@ -248,7 +253,7 @@ class CudaRunner:
                 self.driver.event_synchronize(end)
                 ms = self.driver.event_elapsed_ms(start, end)
             self.device.paths.record(path, loading, fragment, nbytes, ms / 1e3)
-        except CudaCallFailed:
+        except Exception:
             log.exception("timing a GPU copy failed")
         finally:
             self._destroy(start, end)
@@ -271,7 +276,8 @@ class CudaRunner:
 
     def close(self) -> None:
         """Once the session's streams have drained: the launch tables' memory goes."""
-        rings, self._tables = list(self._tables.values()), {}
+        with self._tables_lock:
+            rings, self._tables = list(self._tables.values()), {}
         with self.driver.context(self.ordinal):
             for ring in rings:
                 ring.close()
