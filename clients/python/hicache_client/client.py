@@ -338,9 +338,11 @@ class HiCacheClient:
         """What this client kept for a session it uses no more (no call)."""
         self._page_sizes.pop(session_id, None)
 
-    def close_session(self, session_id: str) -> None:
+    def close_session(self, session_id: str, *, timeout: float | None = None) -> None:
+        """End a session (``SESSION_ENDING`` while a copy of it still runs after an earlier
+        close; ``SESSION_NOT_FOUND`` once none does)."""
         self.forget_session(session_id)
-        self.call("CloseSession", SessionRequest(session_id),
+        self.call("CloseSession", SessionRequest(session_id), timeout=timeout,
                   pool=None if not is_public_id(session_id) else "")
 
     def list_sessions(self, pool: str = "") -> list[pb.Session]:

@@ -30,9 +30,12 @@ it hung, a restart; a new session is opened at once, and callers may wait for it
   The link's thread clears the suspicion on whichever way the link comes back: the probe
   above (the same session), or, for a session it has dropped, the daemon's word that it is
   gone (``SESSION_NOT_FOUND``: the daemon tells a session's end only once no copy of it
-  runs; ``SESSION_ENDING`` until then), a heartbeat of it showing no load in flight, or no
-  daemon listening at all (a process that is not there copies nothing). Then
-  ``on_fenced(session_id)`` runs and ``fenced(session_id)`` returns.
+  runs, nor can start; ``SESSION_ENDING`` until then; the link asks by closing it, which a
+  heartbeat would not), or no daemon listening for ``UNREACHABLE_FENCE_S`` without a break.
+  Then ``on_fenced(session_id)`` runs and ``fenced(session_id)`` returns. A word of the
+  daemon's fences only the suspicions recorded before it was asked (a load that times out
+  while the probe's heartbeat is under way is not fenced by its answer); ``suspect``'s
+  ``then`` and ``on_fenced`` never interleave.
 
 Primitives: ``LinkSettings`` (what the link reads of an integration's config), ``Handover``
 (what ``OpenSession`` sends: descriptors, event handles, memfds), ``DaemonLink(config, spec,
@@ -105,6 +108,10 @@ class LinkSettings(Protocol):
 PROBE_SECONDS = 0.1
 """How often a late link probes the daemon (a heartbeat, at most a second each), and an up
 link looks at its session's heartbeats (a session the daemon says is gone is re-opened)."""
+UNREACHABLE_FENCE_S = 10.0
+"""A suspected session the link dropped is fenced when no daemon has listened for this long
+without a break: a daemon that closed its sockets (the end of a drain) ends the copies it still
+runs and exits well within it."""
 
 
 def is_late(exc: BaseException) -> bool:
@@ -141,6 +148,19 @@ class Handover:
     ready_event: bytes = b""
     fds: Sequence[int] = ()
     """Sealed memfds of ``memfd`` buffers (passed over the identity socket on every open)."""
+
+
+@dataclass
+class _Suspicion:
+    """A session a copy of which may still land."""
+
+    mark: int
+    """The number of the latest ``suspect`` of it: a word of the daemon's asked for before
+    that (``_mark``) does not fence it."""
+    gone: bool = False
+    """The daemon said the session is not there: no copy of it runs, or ever will."""
+    unreachable_since: float | None = None
+    """Since when no daemon listened when its end was asked for (None: one did)."""
 
 
 @dataclass
@@ -186,9 +206,15 @@ class DaemonLink:
         """Notified when the link comes up or a re-open ends (``wait_usable``)."""
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
-        self._suspects: dict[str, bool] = {}
-        """Sessions a copy of which may still land (a load timed out on them), and whether
-        the daemon said they are gone (then no copy of them runs: fenced at once)."""
+        self._suspects: dict[str, _Suspicion] = {}
+        """Sessions a copy of which may still land (a load timed out on them)."""
+        self._marks = 0
+        """``suspect`` calls so far (under ``_lock``): each suspicion's ``mark``."""
+        self._fencing = threading.Lock()
+        """Held while a suspicion is recorded with what goes with it (``suspect``'s
+        ``then``) and while a fence is checked and given (``_fence``): neither sees half of
+        the other. Taken before ``_lock``, and before whatever ``then`` and ``on_fenced``
+        lock."""
 
     # -- state (read on the scheduler's thread: no waiting) ---------------------------------
 
@@ -331,7 +357,7 @@ class DaemonLink:
         with self._lock:
             session, self._state.session = self._state.session, None
             if gone and session is not None and session.session_id in self._suspects:
-                self._suspects[session.session_id] = True
+                self._suspects[session.session_id].gone = True
             self._state.late_since = None
             if session is not None:
                 self._retired.append(session)
@@ -390,6 +416,7 @@ class DaemonLink:
         client, session = self._state.client, self._state.session
         if client is None or session is None:
             return
+        mark = self._mark()
         try:
             s = client.heartbeat(session.session_id, timeout=min(self.config.rpc_timeout_s,
                                                                   1.0))
@@ -398,7 +425,8 @@ class DaemonLink:
             return
         if s.loads_in_flight:
             return  # a load that timed out may still be copying: not yet
-        self._fence(session.session_id)
+        if not self._fence(session.session_id, mark):
+            return  # a load timed out after the heartbeat was sent: ask again
         with self._changed:
             if self._state.session is session:
                 self._state.late_since = None
@@ -428,12 +456,29 @@ class DaemonLink:
 
     # -- fences ------------------------------------------------------------------------------
 
-    def suspect(self, session_id: str) -> None:
+    def suspect(self, session_id: str, then: Callable[[], object] | None = None) -> None:
         """A copy of ``session_id`` may still land (a load on it timed out): its fence is
-        owed (``on_fenced``), on whichever way the link comes back. Never waits."""
-        with self._lock:
-            self._suspects.setdefault(session_id, False)
+        owed (``on_fenced``), on whichever way the link comes back. ``then`` runs with the
+        suspicion recorded and before any fence can be given for it (the linker withholds
+        the load's device slots there: a fence given meanwhile cannot miss them). Waits for
+        nothing but a fence being given at that moment."""
+        with self._fencing:
+            with self._lock:
+                self._marks += 1
+                had = self._suspects.get(session_id)
+                if had is None:
+                    self._suspects[session_id] = _Suspicion(self._marks)
+                else:
+                    had.mark = self._marks
+            if then is not None:
+                then()
         self._wake.set()
+
+    def _mark(self) -> int:
+        """The latest suspicion's number: taken before the daemon is asked, so that its
+        answer fences only what was suspected when it was asked."""
+        with self._lock:
+            return self._marks
 
     @property
     def suspects(self) -> int:
@@ -452,46 +497,57 @@ class DaemonLink:
                 self._changed.wait(left if left is not None else 1.0)
         return True
 
-    def _fence(self, session_id: str) -> None:
-        """No copy of ``session_id`` can land any more: ``on_fenced``, then its waiters."""
-        try:
-            self._on_fenced(session_id)
-        except Exception:
-            log.exception("hicached link: giving back the slots of timed-out loads failed")
-        with self._changed:
-            self._suspects.pop(session_id, None)
-            self._changed.notify_all()
+    def _fence(self, session_id: str, mark: int | None = None) -> bool:
+        """No copy of ``session_id`` can land any more: ``on_fenced``, then its waiters.
+        ``mark``: the daemon's word was asked for then (``_mark``); a suspicion of the
+        session recorded after it is not fenced (False). None: the word holds whenever it
+        was asked (the session is gone)."""
+        with self._fencing:
+            had = self._suspects.get(session_id)
+            if had is not None and mark is not None and had.mark > mark:
+                return False
+            try:
+                self._on_fenced(session_id)
+            except Exception:
+                log.exception("hicached link: giving back the slots of timed-out loads failed")
+            with self._changed:
+                self._suspects.pop(session_id, None)
+                self._changed.notify_all()
+        return True
 
     def _fence_dropped(self) -> None:
         """The link's thread: fence the suspected sessions the link has dropped, where the
         daemon's word allows (see the module's docstring)."""
         with self._lock:
             current = self._state.session
-            dropped = [(sid, gone) for sid, gone in self._suspects.items()
+            dropped = [(sid, s) for sid, s in self._suspects.items()
                        if current is None or sid != current.session_id]
             client = self._state.client
-        for sid, gone in dropped:
-            if gone:
+            mark = self._marks
+        for sid, suspicion in dropped:
+            if suspicion.gone:
                 self._fence(sid)
                 continue
             if client is None:
                 continue
-            try:
-                s = client.heartbeat(sid, timeout=min(self.config.rpc_timeout_s, 1.0))
+            try:  # (not a heartbeat: that would keep the session alive)
+                client.close_session(sid, timeout=min(self.config.rpc_timeout_s, 1.0))
             except SessionNotFound as exc:
-                if exc.from_daemon:
+                if exc.from_daemon:  # told only once no copy of it runs, nor can start
                     self._fence(sid)
                 continue
             except HiCacheError as exc:
-                if (not exc.from_daemon and exc.grpc_code == grpc.StatusCode.UNAVAILABLE):
-                    self._fence(sid)  # no daemon listens: nothing of it can be copying
-                continue  # SESSION_ENDING, a late or draining daemon: ask again later
-            if not s.loads_in_flight:
-                self._fence(sid)
-                try:  # a session the link dropped but the daemon keeps: end it now
-                    client.close_session(sid)
-                except HiCacheError:
-                    pass
+                if not exc.from_daemon and exc.grpc_code == grpc.StatusCode.UNAVAILABLE:
+                    now = time.monotonic()
+                    since = suspicion.unreachable_since
+                    if since is None:
+                        suspicion.unreachable_since = now
+                    elif now - since >= UNREACHABLE_FENCE_S:
+                        self._fence(sid, mark)  # no daemon, for long: nothing copies
+                    continue
+                # SESSION_ENDING, a late or draining daemon: ask again later
+            suspicion.unreachable_since = None
+            # closed now (its copies end; then it is gone), or not answered: ask again
 
     def _stop_retired(self) -> None:
         with self._lock:

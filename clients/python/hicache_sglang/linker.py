@@ -317,8 +317,8 @@ class HicachedLinker(UnifiedCacheLinker):
                     # the daemon may still be copying into these slots: they go back to
                     # SGLang once no copy of the session can land (its fence), not when it
                     # frees them now
-                    self.quarantine.withhold(slots, session.session_id)
-                    self.link.suspect(session.session_id)
+                    sid = session.session_id
+                    self.link.suspect(sid, then=lambda: self.quarantine.withhold(slots, sid))
                     self.stats["load_slots_withheld"] += len(slots) // self.page_size
                 self.link.report(exc, session=session)
             log.warning("hicached load of %d pages failed (%s: %s); SGLang aborts the "
