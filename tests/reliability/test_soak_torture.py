@@ -30,6 +30,7 @@ def test_a_short_soak_runs_flat_without_errors_or_wrong_bytes(tmp_path: Path) ->
     tables = r["tables"]
     assert isinstance(tables, dict) and {"sessions", "hold_owners", "tally_tables"} <= set(tables)
     assert tables["sessions_ending"][1] == 0 and tables["hold_owners"][1] <= 4, tables
+    assert 0 < tables["event_keys"][1] <= tables["event_keys_max"][1], tables
     record("soak_short", sessions=r["sessions_opened"], calls=r["calls"],
            rss_mb_start=r["rss_mb_start"], rss_mb_end=r["rss_mb_end"])
 
@@ -41,3 +42,27 @@ def test_a_daemon_killed_again_and_again_keeps_its_crash_contract(tmp_path: Path
     assert r["keys_verified"] > 100 and r["removed"] > 0 and r["stored"] > 500, r
     record("torture_short", loops=r["loops"], verified=r["keys_verified"],
            in_flight_served=r["in_flight_served"], in_flight_absent=r["in_flight_absent"])
+
+
+def test_the_soak_judges_rings_by_their_size_and_other_tables_by_their_growth() -> None:
+    """``flat``: a ring (the event log's keys) filling up to its size is flat, one past it
+    is not; any other table that more than doubles (+8) is not; RSS, fds and threads by
+    their margins."""
+    from hicache_bench.soak import flat
+
+    base: dict[str, Any] = {"rss_mb_start": 100.0, "rss_mb_end": 105.0, "fds_start": 40,
+                            "fds_end": 42, "threads_start": 30, "threads_end": 30,
+                            "tables": {"event_keys": [1000, 262144],
+                                       "event_keys_max": [262144, 262144],
+                                       "holds": [10, 20], "sessions": [4, 4]}}
+    assert flat(base) == (True, [])
+    for change, why in (({"event_keys": [1000, 262145]}, "ring event_keys"),
+                        ({"holds": [10, 29]}, "table holds"),
+                        ({"sessions": [0, 9]}, "table sessions")):
+        r = {**base, "tables": {**base["tables"], **change}}
+        ok, reasons = flat(r)
+        assert not ok and reasons[0].startswith(why), reasons
+    for key, value, why in (("rss_mb_end", 127.0, "RSS"), ("fds_end", 45, "fds"),
+                            ("threads_end", 35, "threads")):
+        ok, reasons = flat({**base, key: value})
+        assert not ok and reasons[0].startswith(why), reasons

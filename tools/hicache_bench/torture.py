@@ -71,6 +71,20 @@ class Ledger:
         """Acknowledged since the last check."""
         self.fatal: list[str] = []
         self.errors = 0
+        self.lines = 0
+        """Lines read so far: stable once the stopped workers' pipes are drained."""
+
+    def quiesce(self, quiet: float = 0.2, limit: float = 10.0) -> None:
+        """Wait until no line came for ``quiet`` seconds (the workers are stopped)."""
+        end = time.monotonic() + limit
+        seen = -1
+        while time.monotonic() < end:
+            with self.lock:
+                now = self.lines
+            if now == seen:
+                return
+            seen = now
+            time.sleep(quiet)
 
     def read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -80,6 +94,7 @@ class Ledger:
             except ValueError:
                 continue
             with self.lock:
+                self.lines += 1
                 if "try" in msg:
                     self.tried.update(msg["try"])
                 elif "stored" in msg:
@@ -198,7 +213,7 @@ def run(loops: int, workers: int = 4, min_run: float = 0.3, max_run: float = 1.5
             out["kills"] += 1
             for p in procs:
                 p.send_signal(signal.SIGSTOP)
-            time.sleep(0.2)  # the lines they wrote before they stopped are read
+            ledger.quiesce()  # the lines they wrote before they stopped are read
             proc, _ = start_daemon(work, shm, "1GiB", "", *flags)
             _wait_pool(target, pool.name)
             _check(target, pool.name, ledger, rng, out)
@@ -240,6 +255,9 @@ def _check(target: str, pool: str, ledger: Ledger, rng: random.Random,
         flying = v.served(in_flight)
         out["in_flight_served"] += len(flying)
         out["in_flight_absent"] += len(in_flight) - len(flying)
+        with ledger.lock:  # judged once: a call in flight at this kill never answers
+            ledger.tried.difference_update(in_flight)
+            ledger.removing.difference_update(in_flight)
         older = [n for n in stored if n not in set(fresh)]
         sample = fresh + rng.sample(older, min(SAMPLE, len(older))) + sorted(flying)
         bad, loaded = v.wrong(sample)

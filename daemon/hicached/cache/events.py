@@ -18,9 +18,9 @@ Primitives:
   cut into chain runs, every event at most ``MAX_EVENT_KEYS`` keys; ``listener(event)`` is called
   for each, in order, under the log's lock: it must not block), ``after(seq)`` (the retained
   events after ``seq``), ``wait(seq, timeout)`` (the same, blocking until there is one),
-  ``last_seq``, ``chains`` (the pool's ``ChainTable``). It keeps the newest events holding
-  at most ``max_keys`` keys in all; a reader that fell further behind sees the gap as a jump
-  in ``seq`` and resyncs with Lookup.
+  ``last_seq``, ``kept_keys``, ``chains`` (the pool's ``ChainTable``). It keeps the newest
+  events holding at most ``max_keys`` keys in all (a ring: it fills to that and stays); a
+  reader that fell further behind sees the gap as a jump in ``seq`` and resyncs with Lookup.
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ class EventLog:
         self._cond = threading.Condition()
         self._waiting = 0
         """Readers in ``wait`` now: an append wakes them, and only then pays for a notify."""
+
+    @property
+    def kept_keys(self) -> int:
+        """Keys of the events kept for replay now (at most ``max_keys``)."""
+        with self._cond:
+            return self._keys
 
     @property
     def last_seq(self) -> int:

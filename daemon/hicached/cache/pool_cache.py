@@ -514,11 +514,17 @@ class PoolCache:
     def books(self) -> dict[str, int]:
         """The sizes of what the cache keeps per session and per removal (the soak and
         ``hicache_table_entries`` watch them stay flat): holds, the sessions holding,
-        hold deadlines, last-Lookup books, removals kept for writers out."""
+        hold deadlines, last-Lookup books, removals kept for writers out; and the event
+        log's keys kept for replay, a ring that fills to its size (``event_keys_max``)."""
         with self._lock:
-            return {"holds": self.holds.total, "hold_owners": len(self.holds.owners()),
-                    "hold_deadlines": self.holds.deadlines,
-                    "lookup_books": len(self._last_holds), "removals": len(self._removed_at)}
+            books = {"holds": self.holds.total, "hold_owners": len(self.holds.owners()),
+                     "hold_deadlines": self.holds.deadlines,
+                     "lookup_books": len(self._last_holds),
+                     "removals": len(self._removed_at)}
+        # a ring, bounded by its size: kept for WatchEvents' replay (its own lock)
+        books["event_keys"] = self.events.kept_keys
+        books["event_keys_max"] = self.events.max_keys
+        return books
 
     def end_holds(self, owner: int) -> int:
         """The owner's session ended (and says so to its ``Holder``s, so it gets no new
