@@ -216,6 +216,76 @@ def test_a_growth_that_ends_first_unlocks_no_page_another_growth_reserved(node) 
     assert member.reserved_top == 0 and member.growing == 0
 
 
+def _stopped_grant(n, member, pages: int):  # type: ignore[no-untyped-def]
+    """A rebalance's grant on a thread of its own, stopped with its pages reserved."""
+    import threading
+
+    from hicache import seams
+
+    go, there = threading.Event(), threading.Event()
+    grant = threading.Thread(target=n.budget._give, args=(member, pages))
+
+    def stop() -> None:
+        if threading.current_thread() is grant:
+            there.set()
+            go.wait(10)
+
+    hook = seams.hooked("budget.reserved", stop)
+    hook.__enter__()
+    grant.start()
+    assert there.wait(5)
+    return grant, go, hook
+
+
+def test_a_grant_does_not_publish_over_a_limit_that_went_down_and_back(node) -> None:  # type: ignore[no-untyped-def]
+    """A grant locks ten pages above a's limit and stops; a grows by two, then a round
+    shrinks it back to where the grant began (unlocking every unit above). The limit is
+    where it was, but what the grant locked is not: it must not publish it."""
+    pinner = StrictPinner()
+    pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes
+    n = node(64, config(pb, pools=(PoolShare("*", floor_bytes=4 * pb),)), pinner)
+    n.add("a")
+    units = n.pools["a"].pin_units
+    assert units is not None
+    n.store("a", 4)
+    member = n.budget._members["a"]
+    grant, go, hook = _stopped_grant(n, member, 10)
+    try:
+        n.store("a", 2)
+        assert n.share("a") == 6
+        n.budget._shrink(member, 4)
+        assert n.share("a") == 4 and units.frontier < 14  # the grant's pages unlocked
+    finally:
+        go.set()
+        grant.join(5)
+        hook.__exit__(None, None, None)
+    assert units.frontier >= n.share("a"), (
+        f"limit {n.share('a')} published over pages locked below {units.frontier} only")
+    assert member.growing == 0 and member.reserved_top == 0
+
+
+def test_leaving_waits_for_a_growth_still_reserving(node) -> None:  # type: ignore[no-untyped-def]
+    """A pool leaves the budget (it is being deleted) while a grant to it is reserving: the
+    leave returns only once that growth ended, which then publishes and frees nothing."""
+    import threading
+
+    n = node(24, config(PB, pools=(PoolShare("*", floor_bytes=4 * PB),)))
+    n.add("a")
+    member = n.budget._members["a"]
+    grant, go, hook = _stopped_grant(n, member, 4)
+    try:
+        leaving = threading.Thread(target=n.budget.leave, args=("a",))
+        leaving.start()
+        leaving.join(0.3)
+        assert leaving.is_alive(), "left while a growth of the pool was still reserving"
+    finally:
+        go.set()
+        grant.join(5)
+        hook.__exit__(None, None, None)
+    leaving.join(5)
+    assert not leaving.is_alive() and n.share("a") == 4 and member.growing == 0
+
+
 def test_a_pool_that_cannot_lock_more_evicts_its_own_and_grows_once_it_can(node) -> None:  # type: ignore[no-untyped-def]
     pinner = StrictPinner()
     pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes

@@ -58,6 +58,10 @@ from hicached.service.budget_config import BudgetConfig, share_for
 
 log = logging.getLogger(__name__)
 
+LEAVE_WAIT_S = 30.0
+"""How long ``leave`` waits for a growth of the pool still reserving (system calls: well
+under a second but for a stalled file system)."""
+
 PRESSURE_REASONS = ("store", "promotion", "alloc")
 """Evictions that say a pool needed more room than it had (``budget`` evictions do not)."""
 
@@ -99,7 +103,7 @@ class BudgetStats:
 
 class _Member:
     __slots__ = ("cache", "ceiling", "evictions", "fixed", "floor", "growing", "holding",
-                 "name", "page_bytes", "reserved_top", "tenant", "wanted")
+                 "moves", "name", "page_bytes", "reserved_top", "tenant", "wanted")
 
     def __init__(self, cache: PoolCache, floor: int, ceiling: int, tenant: str,
                  fixed: int) -> None:
@@ -117,7 +121,11 @@ class _Member:
         reserving (outside the budget's lock), not yet in its limit."""
         self.reserved_top = 0
         """The end of the highest run of pages a growth reserved: what lies above the limit
-        up to it is given back by the last growth to end."""
+        up to it is given back by the last growth (or shrink) to end (``_settle``)."""
+        self.moves = 0
+        """Bumped whenever the limit is published or a shrink begins or ends: a growth
+        publishes only where nothing moved it since it began (a limit that went down and
+        back up has unlocked what the growth locked)."""
         self.holding = 0
         """While the pool is being shrunk: its share before (what it counts for until the
         shrink ends: the limit dips below what it ends at while its pages move)."""
@@ -145,6 +153,8 @@ class MemoryBudget:
         self.config = config
         self._clock = clock
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
+        """Notified when a growth ends (``leave`` waits for a pool's last)."""
         self._members: dict[str, _Member] = {}
         self.stats = BudgetStats()
         self._stop = threading.Event()
@@ -200,8 +210,12 @@ class MemoryBudget:
                  "%r, starts at %d", m.name, floor, ceiling, m.page_bytes, tenant, start)
 
     def leave(self, name: str) -> None:
-        with self._lock:
+        """The pool no longer shares the budget; returns once no growth of it is still
+        reserving (its memory may be closed after this)."""
+        with self._settled:
             m = self._members.pop(name, None)
+            if m is not None:
+                self._settled.wait_for(lambda: not m.growing, LEAVE_WAIT_S)
         if m is not None:
             m.cache.grow = None
 
@@ -233,7 +247,7 @@ class MemoryBudget:
         with self._lock:
             if m.name not in self._members:
                 return 0
-            start = m.limit
+            start, moves = m.limit, m.moves
             room = max(min(room, self._room(m, room)), 0)
             if not room:
                 return 0
@@ -250,17 +264,26 @@ class MemoryBudget:
                 m.reserved_top = max(m.reserved_top, start + room)
                 got = 0
                 if reserved and m.name in self._members:
-                    if m.limit == start:
+                    if m.moves == moves:
                         m.cache.pool.allocator.set_limit(start + room)
+                        m.moves += 1
                         self.stats.grown_bytes += room * m.page_bytes
                         got = room
-                    else:  # another growth published meanwhile: take what is there
+                    elif not m.holding:  # another growth published: take what is there
                         got = max(min(m.limit - start, room), 0)
-                if not m.growing and not m.holding:  # (a shrink frees its own)
-                    if m.reserved_top > m.limit:  # free: the limit is below, none in use
-                        m.cache.pool.release_pages(m.limit, m.reserved_top)
-                    m.reserved_top = 0
+                self._settle(m)
+                self._settled.notify_all()
         return got
+
+    def _settle(self, m: _Member) -> None:
+        """The budget's lock held: once no growth or shrink of ``m`` is under way, what was
+        reserved above its limit is given back (free: the limit is below, none in use). A
+        pool that left gives back nothing: its memory is being closed."""
+        if m.growing or m.holding:
+            return
+        if m.reserved_top > m.limit and m.name in self._members:
+            m.cache.pool.release_pages(m.limit, m.reserved_top)
+        m.reserved_top = 0
 
     # -- rebalancing -----------------------------------------------------------------------
 
@@ -359,11 +382,14 @@ class MemoryBudget:
     def _shrink(self, m: _Member, pages: int) -> None:
         with self._lock:
             before = m.holding = m.limit
+            m.moves += 1
         try:
             r = m.cache.resize(pages)
         finally:
             with self._lock:
                 m.holding = 0
+                m.moves += 1
+                self._settle(m)
         with self._lock:
             self.stats.shrunk_bytes += max(before - r.limit, 0) * m.page_bytes
             self.stats.released_bytes += r.released_bytes
