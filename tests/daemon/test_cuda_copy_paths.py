@@ -320,6 +320,23 @@ def test_a_table_slot_is_not_handed_to_another_call_until_its_launches_are_recor
             third.join(5)
             assert again == [(slot, address)], "a failed record kept the slot taken"
             ring.done(slot, stream)
+            real_sync = driver.event_synchronize
+
+            def lost(event: int) -> None:
+                raise RuntimeError("the device fell off the bus")
+
+            driver.event_synchronize = lost  # type: ignore[method-assign,assignment]
+            try:
+                with pytest.raises(RuntimeError):
+                    ring.put(first)  # waits for the slot's event: fails, not handed out
+            finally:
+                driver.event_synchronize = real_sync  # type: ignore[method-assign]
+            last: list[tuple[int, int]] = []
+            fourth = threading.Thread(target=lambda: last.append(ring.put(first)))
+            fourth.start()
+            fourth.join(5)
+            assert last == [(slot, address)], "a failed put kept the slot taken"
+            ring.done(slot, stream)
             driver.stream_synchronize(stream)
         finally:
             ring.close()

@@ -123,17 +123,28 @@ class TableRing:
             self._next = (slot + 1) % n
             self._taken[slot] = True
             wait = self._recorded[slot]
-        if wait:  # its last launches read it until this completes (usually long done)
-            self._driver.event_synchronize(self._events[slot])
-        ctypes.memmove(self._host + slot * self.slot_bytes, table.ctypes.data, table.nbytes)
+        try:
+            if wait:  # its last launches read it until this completes (usually long done)
+                self._driver.event_synchronize(self._events[slot])
+            ctypes.memmove(self._host + slot * self.slot_bytes, table.ctypes.data,
+                           table.nbytes)
+        except BaseException:  # not handed out: free again, as it was
+            with self._cond:
+                self._taken[slot] = False
+                self._cond.notify()
+            raise
         return slot, self._device + slot * self.slot_bytes
 
     def done(self, slot: int, stream: int) -> None:
         try:
             self._driver.event_record(self._events[slot], stream)
             recorded = True
-        except Exception:  # the launches failed: the stream is drained before reuse
+        except Exception:  # no event to wait for: the slot is free once the stream is
             recorded = False
+            try:
+                self._driver.stream_synchronize(stream)
+            except Exception:  # a failed stream reads nothing more
+                pass
             raise
         finally:
             with self._cond:
