@@ -192,6 +192,7 @@ class HicachedLinker(UnifiedCacheLinker):
     # -- lookup ----------------------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        self.quarantine.hand_back()  # (the scheduler's thread: fenced slots go back here)
         kv = _kv(transfers)
         if kv is None or not kv.keys:
             return []
@@ -238,6 +239,7 @@ class HicachedLinker(UnifiedCacheLinker):
     # -- load ------------------------------------------------------------------------------
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        self.quarantine.hand_back()
         kv = _kv(transfers)
         answer = self._answers.take(rid)
         if (kv is None or not kv.keys or kv.device_indices is None or rid in self._pending
@@ -368,6 +370,7 @@ class HicachedLinker(UnifiedCacheLinker):
         return True
 
     def num_completed_offloads(self) -> int:
+        self.quarantine.hand_back()
         return self.offloads.completed()
 
     def pop_completed_offload(self) -> bool:

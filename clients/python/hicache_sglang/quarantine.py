@@ -12,15 +12,19 @@ fenced.
 
 The hook is the allocator's one place where freed pages return to its free list
 (``_release_page_ids`` of SGLang 0.5.23's ``PagedTokenToKVPoolAllocator``): while nothing is
-withheld it costs one attribute read per free.
+withheld it costs one attribute read per free. SGLang's allocator is the scheduler's alone
+(not thread-safe), and a fence comes on the link's thread: ``release`` only marks the pages
+due, and they go back on the scheduler's thread, at its next free (the hook) or next call
+into the linker (``hand_back``).
 
 Primitives: ``SlotQuarantine(allocator, page_size)``: ``withhold(token_indices,
-session_id)``, ``release(session_id)`` (that session's pages freed meanwhile go back, those
-another session still withholds stay; no id: every session's), ``withheld`` (pages withheld
-now), ``kept`` (pages SGLang freed and the quarantine still keeps), ``sessions`` (sessions
-withholding), ``close()``; ``installed`` is False when the allocator has no such hook (then a
-timed-out load's slots go back at once, as SGLang does without this, and the linker logs it
-once).
+session_id)``, ``release(session_id)`` (that session's pages freed meanwhile are due back, those
+another session still withholds stay; no id: every session's), ``hand_back()`` (the
+scheduler's thread: pages due go back to the free list), ``withheld`` (pages withheld now),
+``kept`` (pages SGLang freed and the quarantine still keeps), ``due`` (pages released and not
+yet handed back), ``sessions`` (sessions withholding), ``close()``; ``installed`` is False
+when the allocator has no such hook (then a timed-out load's slots go back at once, as SGLang
+does without this, and the linker logs it once).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class SlotQuarantine:
         self._withheld: torch.Tensor | None = None
         """Every session's together, or None: read without the lock on each free."""
         self._kept: list[torch.Tensor] = []
+        self._due: list[torch.Tensor] = []
+        """Pages whose fence came (on the link's thread), to go back on the scheduler's."""
+        self._any_due = False
+        """Read without the lock on each free and each linker call: anything due?"""
         self._release_pages = getattr(allocator, "_release_page_ids", None)
         self.installed = callable(self._release_pages)
         if self.installed:
@@ -61,6 +69,11 @@ class SlotQuarantine:
     @property
     def kept(self) -> int:
         return sum(int(t.numel()) for t in self._kept)
+
+    @property
+    def due(self) -> int:
+        with self._lock:
+            return sum(int(t.numel()) for t in self._due)
 
     @property
     def sessions(self) -> int:
@@ -81,6 +94,9 @@ class SlotQuarantine:
             self._withheld = torch.unique(torch.cat(list(self._by_session.values())))
 
     def _filtered(self, *page_ids: torch.Tensor) -> None:
+        """The allocator's free, on the scheduler's thread."""
+        if self._any_due:
+            self.hand_back()
         withheld = self._withheld
         if withheld is None:  # the common case: nothing withheld
             assert self._release_pages is not None
@@ -101,8 +117,9 @@ class SlotQuarantine:
 
     def release(self, session_id: str | None = None) -> int:
         """No copy of ``session_id`` (None: of any) can land any more: what SGLang freed of
-        its pages goes back, but for pages another session still withholds; returns how
-        many pages went back."""
+        its pages is due back (``hand_back``), but for pages another session still
+        withholds; returns how many pages are due. Any thread: the allocator is not
+        touched."""
         with self._lock:
             if session_id is None:
                 self._by_session.clear()
@@ -118,12 +135,29 @@ class SlotQuarantine:
                 if bool(still.any()):
                     self._kept.append(kept[still])
                 kept = kept[~still]
-        if kept is None or self._release_pages is None or not kept.numel():
-            return 0
-        self._release_pages(kept)
+            if kept is None or self._release_pages is None or not kept.numel():
+                return 0
+            self._due.append(kept)
+            self._any_due = True
         return int(kept.numel())
 
+    def hand_back(self) -> int:
+        """On the scheduler's thread: the pages due go back to SGLang's free list; how
+        many. One attribute read while none is due."""
+        if not self._any_due:
+            return 0
+        with self._lock:
+            due, self._due = self._due, []
+            self._any_due = False
+        if not due or self._release_pages is None:
+            return 0
+        pages = torch.cat(due)
+        self._release_pages(pages)
+        return int(pages.numel())
+
     def close(self) -> None:
+        """On the scheduler's thread (the linker's close): everything goes back."""
         self.release()
+        self.hand_back()
         if self.installed:
             self._allocator._release_page_ids = self._release_pages

@@ -175,6 +175,8 @@ def test_a_load_in_flight_when_the_daemon_stops_past_its_lease_gives_every_slot_
                 f"{cache.linker.quarantine.withheld} page(s) still withheld")
             time.sleep(0.05)
         assert cache.linker.quarantine.kept == 0
+        cache.linker.num_completed_offloads()  # the scheduler's next step: due slots go back
+        assert cache.linker.quarantine.due == 0
         time.sleep(0.5)
         for role in cache.roles:  # nothing of the late load landed
             for layer in range(LAYERS):
@@ -233,11 +235,21 @@ def test_the_quarantine_keeps_withheld_pages_from_sglangs_allocator() -> None:
         alloc.free(slots)
         assert alloc.available_size() == free_before + 4, "withheld pages were handed back"
         assert q.kept == 3 and q.sessions == 2
-        assert q.release("s1") == 1  # the page only s1 withheld
-        assert alloc.available_size() == free_before + 8 and q.kept == 2
+        import threading
+
+        free_list = alloc.free_pages
+        fence = threading.Thread(target=lambda: q.release("s1"))  # the link's thread
+        fence.start()
+        fence.join(5)
+        assert alloc.free_pages is free_list, "the link's thread touched SGLang's allocator"
+        assert q.due == 1 and q.kept == 2  # the page only s1 withheld: due back
+        assert alloc.available_size() == free_before + 4
+        assert q.hand_back() == 1  # the scheduler's thread
+        assert alloc.available_size() == free_before + 8 and q.due == 0
         assert q.release("s2") == 2
+        alloc.free(alloc.alloc(4))  # the scheduler's next free hands them back with it
         assert alloc.available_size() == free_before + 16
-        assert q.kept == 0 and q.withheld == 0 and q.sessions == 0
+        assert q.kept == 0 and q.withheld == 0 and q.sessions == 0 and q.due == 0
         for _ in range(100):  # frees of pages nobody withholds keep nothing
             q.withhold(slots[:4], "s3")
             got = alloc.alloc(16)
