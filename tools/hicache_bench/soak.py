@@ -92,7 +92,9 @@ class _Worker:
         self.reasons: dict[str, int] = {}
         self.crashes = 0
         self.generation = 0
-        self._last: dict[str, Any] = {}
+        self._box: dict[str, Any] = {}
+        """The running process's last line (``last``): each process has a box of its own,
+        so a reader that outlives its join writes into one nobody reads."""
         self._reader: threading.Thread | None = None
         self.proc = self._start()
 
@@ -101,17 +103,19 @@ class _Worker:
         self.generation += 1
         proc = _spawn(self.target, self.index * 1000 + self.generation, left,
                       grpc=self.index % 2 == 1)
-        self._last = {}
-        self._reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._box = {}
+        self._reader = threading.Thread(target=self._read, args=(proc, self._box),
+                                        daemon=True)
         self._reader.start()
         return proc
 
-    def _read(self, proc: subprocess.Popen[str]) -> None:
+    @staticmethod
+    def _read(proc: subprocess.Popen[str], box: dict[str, Any]) -> None:
         """Its lines as they come (a pipe never fills), the last one kept."""
         assert proc.stdout is not None
         for line in proc.stdout:
             try:
-                self._last = json.loads(line)
+                box["last"] = json.loads(line)
             except ValueError:
                 continue
 
@@ -134,7 +138,7 @@ class _Worker:
         if self._reader is not None:
             self._reader.join(10)
             self._reader = None
-        last, self._last = self._last, {}
+        last = self._box.pop("last", {})
         for k, v in last.items():
             if isinstance(v, int) and not isinstance(v, bool):
                 self.totals[k] = self.totals.get(k, 0) + v
@@ -237,8 +241,9 @@ def flat(r: dict[str, Any]) -> tuple[bool, list[str]]:
     tables = r["tables"]
     for name, (a, b) in tables.items():
         if name in RINGS:  # fills to its size, by design: flat when within it
-            if b > tables[RINGS[name]][1]:
-                why.append(f"ring {name} {b:.0f} past its size {tables[RINGS[name]][1]:.0f}")
+            size = tables.get(RINGS[name], [0, 0])[1]
+            if b > size:
+                why.append(f"ring {name} {b:.0f} past its size {size:.0f}")
         elif name not in RINGS.values() and b > 2 * a + 8:
             why.append(f"table {name} {a:.0f} -> {b:.0f}")
     return not why, why

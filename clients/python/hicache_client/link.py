@@ -108,10 +108,11 @@ class LinkSettings(Protocol):
 PROBE_SECONDS = 0.1
 """How often a late link probes the daemon (a heartbeat, at most a second each), and an up
 link looks at its session's heartbeats (a session the daemon says is gone is re-opened)."""
-UNREACHABLE_FENCE_S = 10.0
+UNREACHABLE_FENCE_S = 30.0
 """A suspected session the link dropped is fenced when no daemon has listened for this long
-without a break: a daemon that closed its sockets (the end of a drain) ends the copies it still
-runs and exits well within it."""
+without a break: a daemon closes its sockets at the end of its drain, then waits for the
+copies it still runs (at most 10 s per pool, the reaper's and budget's threads 5 s each) and
+exits well within it."""
 
 
 def is_late(exc: BaseException) -> bool:

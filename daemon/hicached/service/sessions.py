@@ -153,6 +153,7 @@ class SessionManager:
     def close(self, session_id: str) -> None:
         """End a session named by its capability, or by its public id (an operator's
         ``hicachectl close-session``)."""
+        asked = session_id  # (an error names what was asked: never a capability for it)
         with self._lock:
             if is_public_id(session_id):
                 session_id = next((k for k, v in [*self._sessions.items(),
@@ -161,8 +162,8 @@ class SessionManager:
             s = self._remove(session_id)
         if s is None:
             self._check_ending(session_id)
-            raise SessionNotFound(f"no open session {session_id!r}",
-                                  metadata={"session_id": session_id})
+            raise SessionNotFound(f"no open session {asked!r}",
+                                  metadata={"session_id": asked})
         self._end(s, "closed")
 
     def _remove(self, session_id: str) -> Session | None:
