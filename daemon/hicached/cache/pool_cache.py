@@ -40,7 +40,8 @@ Primitives:
   first would free nothing for the Store or promotion that asked); counted by ``reason``
   (``EVICTION_REASONS``: what needed the room) and by each key's idle time.
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
-- ``grow``: where a full pool asks the memory budget for pages before it evicts;
+- ``share_with(share)``: a ``Share`` (the memory budget's, by that name) a full pool asks
+  for pages before it evicts;
   ``coldest_age(now)``: the idle time of its least recently used key.
 - ``resize(pages, max_moves)`` -> ``Resized``: the pool's share of the memory budget. Growing
   lets the allocator hand out pages up to the new size; shrinking evicts the least recently
@@ -75,6 +76,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -107,6 +109,15 @@ LOOKUP_CHUNK = 2048
 other calls on the pool go in between."""
 
 
+class Share(Protocol):
+    """A pool's share of a memory budget, as its cache sees it."""
+
+    def grow(self, pages: int) -> int:
+        """Raise the pool allocator's limit by up to ``pages`` now (the cache's lock held);
+        how many it rose by (0: the pool evicts its own)."""
+        ...
+
+
 class PoolCache:
     """One pool's content index (see the module's docstring); one lock."""
 
@@ -134,10 +145,9 @@ class PoolCache:
         """Called with the keys that became ready (the cue of spillers and writers)."""
         self.recovered_keys = 0
         """Keys found again when the pool was re-attached (``recover``)."""
-        self.grow: Callable[[int], int] | None = None
-        """Where a full pool asks for more pages before it evicts (the memory budget's share
-        of this pool: ``grow(pages)`` raises the allocator's limit by what it grants, with
-        this cache's lock held); None: the pool's size is fixed."""
+        self._share: Share | None = None
+        """Where a full pool asks for more pages before it evicts (``share_with``); None:
+        the pool's size is fixed."""
         self.slots = KeySlots(pool.state.table("key_slots") if pool.state is not None
                               else None)
         self._alloc = pool.allocator
@@ -163,6 +173,12 @@ class PoolCache:
         self._lent: Counter[int] = Counter()
         """Epochs of the writers out now (how many of each)."""
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
+
+    def share_with(self, share: Share | None) -> None:
+        """Grow through ``share`` (a memory budget's) before evicting; None: the pool's size
+        is fixed again."""
+        with self._lock:
+            self._share = share
 
     def recover(self) -> dict[str, int]:
         """After the pool's state files were re-attached: every complete key is ready again
@@ -284,7 +300,7 @@ class PoolCache:
             if there:
                 self._evictable.touch(there, now)
             short = len(new) - self._alloc.free_pages
-            if short > 0 and self.grow is not None and self.grow(short):
+            if short > 0 and self._share is not None and self._share.grow(short):
                 short = len(new) - self._alloc.free_pages
             if short > 0:
                 self._evict(short, reason, now)
@@ -817,8 +833,8 @@ class PoolCache:
         with self._lock:
             need = max(num_tokens, 0) // self.pool.page_size
             short = need - self._alloc.free_pages
-            if (short > 0 and self.grow is not None and num_tokens % self.pool.page_size == 0
-                    and self.grow(short)):
+            if (short > 0 and self._share is not None
+                    and num_tokens % self.pool.page_size == 0 and self._share.grow(short)):
                 short = need - self._alloc.free_pages
             if 0 < short <= len(self._evictable) and num_tokens % self.pool.page_size == 0:
                 self._evict(short, "alloc", self._clock())

@@ -135,6 +135,18 @@ class _Member:
         return self.cache.pool.allocator.limit
 
 
+class _Share:
+    """A pool's share of the budget as its cache reaches it (``PoolCache.share_with``)."""
+
+    __slots__ = ("budget", "name")
+
+    def __init__(self, budget: MemoryBudget, name: str) -> None:
+        self.budget, self.name = budget, name
+
+    def grow(self, pages: int) -> int:
+        return self.budget.grow(self.name, pages)
+
+
 def _view(m: _Member) -> PoolShareView:
     return PoolShareView(m.name, m.tenant, m.limit * m.page_bytes,
                          m.cache.pool.allocator.used_pages * m.page_bytes,
@@ -205,7 +217,7 @@ class MemoryBudget:
             short = -self._slack_bytes()
         if short > 0:  # its floor comes first: a floor is what the others cannot keep
             self._reclaim(short, m, force=True)
-        cache.grow = lambda pages, name=m.name: self.grow(name, pages)
+        cache.share_with(_Share(self, m.name))
         log.info("pool %s shares the budget: floor %d, ceiling %d pages of %d bytes, tenant "
                  "%r, starts at %d", m.name, floor, ceiling, m.page_bytes, tenant, start)
 
@@ -217,7 +229,7 @@ class MemoryBudget:
             if m is not None:
                 self._settled.wait_for(lambda: not m.growing, LEAVE_WAIT_S)
         if m is not None:
-            m.cache.grow = None
+            m.cache.share_with(None)
 
     # -- growth on demand (a pool's lock held) ---------------------------------------------
 
