@@ -3,6 +3,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from hicache import errors
 from hicache.errors import HiCacheError, Violation, all_error_classes, raise_violations
 
@@ -38,3 +40,15 @@ def test_raise_violations_raises_first_and_keeps_all() -> None:
     else:
         raise AssertionError("nothing raised")
     raise_violations([])
+
+
+@pytest.mark.parametrize("said,wait", [("50", 0.05), ("0", 0.001), ("-5", 0.001),
+                                       ("1e9", 10.0), ("abc", 0.01), ("nan", 0.01),
+                                       ("", 0.01), (None, 0.01), ("2.5", 0.0025)])
+def test_a_retry_after_is_read_once_and_bounded(said: str | None, wait: float) -> None:
+    """What the daemon (or anything speaking for it) says to wait: honoured within
+    [1 ms, 10 s]; malformed or absent, the default, never an exception in a retry loop."""
+    from hicache.errors import Overloaded
+
+    exc = Overloaded("busy", metadata={} if said is None else {"retry_after_ms": said})
+    assert exc.retry_after() == pytest.approx(wait)

@@ -84,6 +84,10 @@ class Violation:
     metadata: Mapping[str, object] = _field(default_factory=dict)
 
 
+RETRY_AFTER_MAX_S = 10.0
+"""The longest wait a ``retry_after_ms`` asks for that a client honours."""
+
+
 class HiCacheError(Exception):
     """Base of every domain error. Subclasses fix ``reason``."""
 
@@ -100,6 +104,17 @@ class HiCacheError(Exception):
         self.message = message
         self.metadata: dict[str, str] = {str(k): str(v) for k, v in (metadata or {}).items()}
         self.violations: tuple[Violation, ...] = tuple(violations)
+
+    def retry_after(self, default_s: float = 0.01) -> float:
+        """Seconds the daemon asked to wait before a retry (``retry_after_ms``), or
+        ``default_s`` where it said nothing usable; within [1 ms, ``RETRY_AFTER_MAX_S``]."""
+        try:
+            ms = float(self.metadata.get("retry_after_ms", ""))
+        except ValueError:
+            return default_s
+        if ms != ms:  # NaN
+            return default_s
+        return min(max(ms / 1000, 0.001), RETRY_AFTER_MAX_S)
 
     def __str__(self) -> str:
         meta = ", ".join(f"{k}={v}" for k, v in sorted(self.metadata.items()))

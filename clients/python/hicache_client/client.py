@@ -213,7 +213,7 @@ class HiCacheClient:
                             metadata={"target": self.target}) from None
                     raise exc from None
                 if isinstance(exc, Overloaded):
-                    delay = max(int(exc.metadata.get("retry_after_ms", "10")) / 1000, 0.001)
+                    delay = exc.retry_after()
                 log.debug("daemon %s, retrying in %.3fs", exc.reason.lower(), delay)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, 1.0)
@@ -440,8 +440,7 @@ class HiCacheClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise
-                delay = max(int(exc.metadata.get("retry_after_ms", "10")) / 1000, 0.001)
-                time.sleep(min(delay, remaining))
+                time.sleep(min(exc.retry_after(), remaining))
 
     def _pages(self, session_id: str, indices: object) -> IndexArray | None:
         page_size = self._page_sizes.get(session_id, 0)
