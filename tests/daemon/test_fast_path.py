@@ -591,3 +591,40 @@ def test_a_touching_lookup_keeps_its_hits_from_eviction_on_both_paths(tmp_path: 
         assert (fast_count(server, "Lookup") > 0) is fast
     finally:
         server.drain_and_stop(1.0)
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "grpc"])
+def test_store_async_is_store_on_another_thread(served: tuple[HiCacheServer, str, str],
+                                                fast_path: bool) -> None:
+    """``store_async`` goes through the one call path on either wire: the same result as
+    ``store``, the same domain error (from the daemon, with its reason), and an Overloaded
+    data path answered as ``store`` answers it."""
+    from hicache.errors import SessionNotFound
+
+    server, target, shm = served
+    with HiCacheClient(target, fast_path=fast_path, reconnect_seconds=0.3) as c, \
+            ShmDeviceBuffers.create(SPEC, DEVICE_TOKENS, shm) as b:
+        s = c.open_session("fp", "w", b.descriptors, heartbeat=False)
+        assert c.data_path == ("fast" if fast_path else "grpc")
+        got = s.store_async([b"async-%d" % i for i in range(3)], torch.arange(12)).result(10)
+        want = s.store([b"sync-%d" % i for i in range(3)], torch.arange(12))
+        assert type(got) is type(want) and got.stored == want.stored == 3
+        again = c.store_async(s.session_id, [b"async-0"], torch.arange(4)).result(10)
+        assert again.stored == 0  # present already: the same answer store gives
+        with pytest.raises(SessionNotFound) as exc:
+            c.store_async("bogus", [b"x" * 32], torch.arange(4)).result(10)
+        assert exc.value.from_daemon
+        gate = server.admission
+        for _ in range(gate.limit):
+            gate.enter()
+        try:
+            errors = []
+            for call in (lambda: s.store([b"o" * 32], torch.arange(4)),
+                         lambda: s.store_async([b"o" * 32], torch.arange(4)).result(10)):
+                with pytest.raises(Overloaded) as over:
+                    call()
+                errors.append((type(over.value), over.value.metadata["limit"]))
+            assert errors[0] == errors[1]
+        finally:
+            for _ in range(gate.limit):
+                gate.leave()

@@ -96,6 +96,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+STORE_THREADS = 4
+"""Threads a client runs ``store_async`` calls on (at most as many Stores in flight)."""
 FAST_RETRY_SECONDS = 2.0
 """After the fast path failed (or was not offered), how long calls stay on gRPC before the
 client asks the daemon again."""
@@ -162,6 +164,7 @@ class HiCacheClient:
         self._fast_asked_at = -FAST_RETRY_SECONDS
         self._page_sizes: dict[str, int] = {}
         self._async: ThreadPoolExecutor | None = None
+        self._async_lock = threading.Lock()
         self._fast_lock = threading.Lock()
 
     # -- plumbing --------------------------------------------------------------------------
@@ -574,29 +577,16 @@ class HiCacheClient:
                     token_ids: Sequence[int] | np.ndarray | None = None,
                     parent_key: bytes | str = b"", lora_name: str = "",
                     cache_salt: str = "") -> Future[StoreResult]:
-        """``store`` without blocking the caller: a future of its result (or domain error)."""
-        if self._fast_path() is not None and self._pages(session_id, device_indices) is not None:
+        """``store`` without blocking the caller: a future of its result (or domain error).
+        It runs on one of ``STORE_THREADS`` threads through the one call path (fast path or
+        gRPC, the same deadline, credentials and errors as ``store``)."""
+        with self._async_lock:
             if self._async is None:
-                self._async = ThreadPoolExecutor(4, thread_name_prefix="hicache-store")
-            return self._async.submit(self.store, session_id, keys, device_indices,
-                                      token_ids=token_ids, parent_key=parent_key,
-                                      lora_name=lora_name, cache_salt=cache_salt)
-        out: Future[StoreResult] = Future()
-        codec = CODECS["Store"]
-        call = self._stub.Store.future(codec.message(self._store_request(
-            session_id, keys, device_indices, token_ids, parent_key, self._deadline_ns(None),
-            lora_name, cache_salt)), timeout=self.timeout)
-
-        def done(f: Any) -> None:
-            try:
-                out.set_result(codec.from_grpc(f.result()))
-            except grpc.RpcError as err:
-                out.set_exception(from_rpc_error(err))
-            except Exception as exc:  # cancelled, or the channel closed
-                out.set_exception(exc)
-
-        call.add_done_callback(done)
-        return out
+                self._async = ThreadPoolExecutor(STORE_THREADS,
+                                                 thread_name_prefix="hicache-store")
+            pool = self._async
+        return pool.submit(self.store, session_id, keys, device_indices, token_ids=token_ids,
+                           parent_key=parent_key, lora_name=lora_name, cache_salt=cache_salt)
 
     def load_keys(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
                   layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False,

@@ -1,7 +1,7 @@
 """The linker's write-through: ``Store`` calls that never make SGLang's scheduler wait.
 
 On CPU workers the device indices are host tensors already: the store goes out at once
-(``store_async``: the fast path's threads, or a gRPC future). On GPU workers the indices live
+(``store_async``: on the client's store threads). On GPU workers the indices live
 on the GPU and the KV being stored is still being written by the forward: a side stream waits
 for the forward (what it enqueued and SGLang's offload-ready events), records the session's
 ready event (the daemon's copy waits on it), and copies the indices to pinned host memory; a
