@@ -258,3 +258,28 @@ def test_alloc_owner_must_be_a_session_of_that_pool(served) -> None:  # type: ig
     with pytest.raises(HiCacheError) as exc:
         client.alloc("m", 4, session_id="gone")
     assert exc.value.reason == "SESSION_NOT_FOUND"
+
+
+def test_a_session_ending_under_a_copy_is_told_over_both_transports(served) -> None:  # type: ignore[no-untyped-def]
+    """A session closed while a copy of it runs: its calls hear SESSION_ENDING with a retry
+    delay over gRPC and over the fast path alike (the worker's fence waits on it), and
+    SESSION_NOT_FOUND once the copy has ended."""
+    from hicache.errors import SessionEnding
+
+    server, client, shm = served
+    with ShmDeviceBuffers.create(SPEC, 32, str(shm)) as bufs:
+        s = client.open_session("m", "w", bufs.descriptors, heartbeat=False)
+        sid = s.session_id
+        with server.daemon.sessions.transfer(sid):  # a copy under way
+            client.close_session(sid)
+            for ask in (lambda: client.heartbeat(sid, timeout=0.3), lambda: client.beat(sid)):
+                with pytest.raises(SessionEnding) as info:
+                    ask()
+                assert info.value.from_daemon
+                assert info.value.reason == "SESSION_ENDING"
+                assert info.value.retry_after() == 0.05
+        with pytest.raises(HiCacheError) as exc:
+            client.heartbeat(sid)
+        assert exc.value.reason == "SESSION_NOT_FOUND"
+        assert sample(server, "hicache_rpc_requests_total", method="Heartbeat",
+                      code="UNAVAILABLE") >= 1

@@ -5,12 +5,30 @@ import pytest
 from google.rpc import error_details_pb2
 
 from hicache import errors as e
-from hicache.error_mapping import DOMAIN, GRPC_CODES, from_rpc_error, to_rpc_status
+from hicache.error_mapping import (
+    DOMAIN,
+    GRPC_CODES,
+    from_rpc_error,
+    from_status_bytes,
+    to_rpc_status,
+)
 
 
 def test_every_domain_error_class_is_mapped_explicitly() -> None:
     missing = [c.__name__ for c in e.all_error_classes() if c not in GRPC_CODES]
-    assert not missing, f"add these to hicached.status.GRPC_CODES: {missing}"
+    assert not missing, f"add these to hicache.error_mapping.GRPC_CODES: {missing}"
+
+
+@pytest.mark.parametrize("cls", e.all_error_classes(), ids=lambda c: c.__name__)
+def test_every_domain_error_survives_the_status_round_trip(cls: type[e.HiCacheError]) -> None:
+    """What the daemon raises is what the worker catches, whichever class: each one has a
+    code, and its status rebuilds the same class with its reason and metadata."""
+    exc = cls("it failed", metadata={"retry_after_ms": "250", "pool_id": "p"})
+    st = to_rpc_status(exc)
+    back = from_status_bytes(st.SerializeToString())
+    assert type(back) is cls
+    assert back.reason == cls.reason and back.metadata == exc.metadata
+    assert back.message == "it failed" and back.from_daemon
 
 
 @pytest.mark.parametrize("cls,code", [
@@ -22,6 +40,7 @@ def test_every_domain_error_class_is_mapped_explicitly() -> None:
     (e.ShmPathRejected, grpc.StatusCode.PERMISSION_DENIED),
     (e.TransportUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (e.Draining, grpc.StatusCode.UNAVAILABLE),
+    (e.SessionEnding, grpc.StatusCode.UNAVAILABLE),
     (e.CanaryMismatch, grpc.StatusCode.DATA_LOSS),
 ])
 def test_table_entries(cls: type[e.HiCacheError], code: grpc.StatusCode) -> None:

@@ -80,6 +80,7 @@ GRPC_CODES: dict[type[e.HiCacheError], grpc.StatusCode] = {
     e.DeadlinePassed: C.DEADLINE_EXCEEDED,
     e.Unavailable: C.UNAVAILABLE,
     e.Draining: C.UNAVAILABLE,
+    e.SessionEnding: C.UNAVAILABLE,
     e.PoolNotReady: C.UNAVAILABLE,
     e.DataIntegrityError: C.DATA_LOSS,
     e.CanaryMismatch: C.DATA_LOSS,
