@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,11 +27,21 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+LOCK_ORDER_REPORT = Path(tempfile.mkdtemp(prefix="hicache-lock-order-"))
+"""Where this run's daemons write each lock taken against the written order."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The tests run what is installed (non-editable, as users have it: scripts/setup.sh),
     so they refuse to run an install that is not this checkout: an edit not yet installed
-    would pass or fail unseen."""
+    would pass or fail unseen. Every daemon lock, in this process and in every daemon the
+    tests start, is checked against ``hicached.core.locks.ORDER``: the run fails on an
+    inversion (``pytest_sessionfinish``)."""
+    from hicached.core import locks
     from tests.installed import drift
+
+    locks.check_order(LOCK_ORDER_REPORT)
+    os.environ["HICACHED_CHECK_LOCK_ORDER"] = str(LOCK_ORDER_REPORT)
 
     stale = drift()
     if stale:
@@ -40,8 +51,31 @@ def pytest_configure(config: pytest.Config) -> None:
             "(bash scripts/test.sh does; or pip install . in this environment)")
 
 
+def lock_order_inversions() -> list[str]:
+    """Every inversion this run's processes wrote, one text each."""
+    found = []
+    for report in sorted(LOCK_ORDER_REPORT.glob("lock-order-*.txt")):
+        pid = report.stem.rsplit("-", 1)[-1]
+        found += [f"process {pid}: {text.strip()}"
+                  for text in report.read_text(errors="replace").split("\f") if text.strip()]
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if lock_order_inversions() and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
     from tests.reliability.figures import FIGURES
+
+    inversions = lock_order_inversions()
+    if inversions:
+        terminalreporter.section("lock order inversions (docs/architecture.md, Lock order)",
+                                 red=True)
+        for text in inversions[:20]:
+            terminalreporter.write_line(text)
+        terminalreporter.write_line(f"{len(inversions)} inversion(s): the run fails")
 
     if not FIGURES:
         return

@@ -38,7 +38,6 @@ around one).
 from __future__ import annotations
 
 import itertools
-import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hicache.keys import NO_NAMESPACE, Namespace
+from hicached.core.locks import lock
 
 ENTRY_OVERHEAD_BYTES = 200
 """Bytes one key's entry costs beyond its parent and tokens (the key, its slot in the index,
@@ -108,7 +108,7 @@ class ChainTable:
         self._dead = 0
         """Batches in ``_batches`` with no live key left (dropped when they are half)."""
         self.bytes_used = 0
-        self._lock = threading.Lock()
+        self._lock = lock("chains")
 
     @property
     def entries(self) -> int:

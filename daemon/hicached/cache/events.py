@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -36,6 +35,7 @@ import numpy as np
 
 from hicache.keys import NO_NAMESPACE, Namespace
 from hicached.cache.chains import ChainTable, Run
+from hicached.core.locks import condition
 
 MAX_EVENT_KEYS = 4096
 """Keys per event: a ClearPool of millions of keys becomes many events, each a small message."""
@@ -85,7 +85,7 @@ class EventLog:
         self._events: deque[CacheEvent] = deque()
         self._keys = 0
         self._seq = 0
-        self._cond = threading.Condition()
+        self._cond = condition("events")
         self._waiting = 0
         """Readers in ``wait`` now: an append wakes them, and only then pays for a notify."""
 

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -97,6 +96,7 @@ from hicached.cache.index_types import (
 from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
 from hicached.cache.reuse_lru import ReuseLRU
+from hicached.core.locks import condition, lock
 from hicached.core.pool import HostPool
 
 MOVE_BYTES = 64 << 20
@@ -151,8 +151,8 @@ class PoolCache:
         self.slots = KeySlots(pool.state.table("key_slots") if pool.state is not None
                               else None)
         self._alloc = pool.allocator
-        self._lock = threading.Lock()
-        self._landed = threading.Condition(self._lock)
+        self._lock = lock("pool_cache")
+        self._landed = condition(self._lock)
         """Notified whenever keys stop being written (a LoadKeys waits for a promotion)."""
         self._ready: dict[bytes, int] = {}
         self._writing: dict[bytes, int] = {}

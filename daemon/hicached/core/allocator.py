@@ -40,7 +40,6 @@ Thread-safe: every public method holds the allocator's lock. Work is vectorized 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -54,6 +53,7 @@ from hicache.errors import (
     Violation,
     raise_violations,
 )
+from hicached.core.locks import lock
 from hicached.core.state_file import TableSpec
 from hicached.core.validation import (
     IndexArray,
@@ -98,7 +98,7 @@ class PageAllocator:
         self.page_num = page_num
         self.page_size = page_size
         self.layer_num = layer_num
-        self._lock = threading.Lock()
+        self._lock = lock("allocator")
         self._stack = np.arange(page_num - 1, -1, -1, dtype=np.int64)
         self._nfree = page_num
         t = tables or {}

@@ -15,12 +15,12 @@ Everything is numpy over the whole batch; nothing loops over tokens.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 
 import numpy as np
 
 from hicache.errors import CanaryMismatch
+from hicached.core.locks import lock
 from hicached.core.state_file import TableSpec
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -64,7 +64,7 @@ class CanaryTable:
         t = tables or {}
         self._fp = t.get("canary_fp", np.zeros((page_num, layer_num), dtype=np.uint64))
         self._valid = t.get("canary_valid", np.zeros((page_num, layer_num), dtype=bool))
-        self._lock = threading.Lock()
+        self._lock = lock("canary")
         self.verified_pages = 0
         self.mismatched_pages = 0
 

@@ -35,13 +35,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 from hicache.errors import PinFailed
+from hicached.core.locks import lock
 from hicached.core.memory import OS_PAGE, HostMemory, Pinner
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class PinUnits:
         self._refused_until = 0.0
         """After the driver refused a unit, none is tried again before this (monotonic)."""
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = lock("pin_units")
 
     @property
     def units(self) -> int:

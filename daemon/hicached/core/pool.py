@@ -30,7 +30,6 @@ therefore exactly SGLang's (2, ...) host buffer.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,6 +42,7 @@ from hicache.specs import Component, KVGeometry, Layout, PoolSpec, Role
 from hicached.core.allocator import PageAllocator, table_specs
 from hicached.core.canary import CanaryTable, fingerprints
 from hicached.core.host_layout import HostAddressing, host_shape
+from hicached.core.locks import condition, lock
 from hicached.core.memory import OS_PAGE, Backing, HostMemory, Pinner
 from hicached.core.pin_units import PinUnits
 from hicached.core.registrations import Registrations
@@ -154,8 +154,8 @@ class HostPool:
         self.size_tokens = spec.resolved_size_tokens()
         self.page_num = self.size_tokens // spec.page_size
         layers = max(spec.max_layers, 1)
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._lock = lock("pool")
+        self._idle = condition(self._lock)
         self._closed = False
         self._copies = 0
         layout, self.nbytes = region_layout(spec, self.size_tokens)

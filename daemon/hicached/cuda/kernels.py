@@ -32,6 +32,7 @@ from hicache.cuda_driver import (
     CudaCallFailed,
     CudaDriver,
 )
+from hicached.core.locks import lock
 from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir
 from hicached.cuda.launch import PageKernel
 from hicached.cuda.nvrtc import CompileFailed, Nvrtc
@@ -60,7 +61,7 @@ class KernelBinaries:
         self.cache_dir = cache_dir
         self._nvrtc = nvrtc
         self._source = source
-        self._lock = threading.Lock()
+        self._lock = lock("cuda.kernels")
         self._got: dict[str, bytes] = {}
         self.compiled = 0
         """Compiles this process ran (a binary found in the cache directory is none)."""

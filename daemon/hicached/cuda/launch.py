@@ -24,7 +24,6 @@ Primitives:
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import numpy as np
 
 from hicache.cuda_driver import DEV_ATTR_MULTIPROCESSOR_COUNT, CudaDriver
 from hicached.copy.plan import CopyPlan
+from hicached.core.locks import condition
 
 MAGIC = 0x3150434843
 """``HC_TABLE_MAGIC`` of pages.cu ("HCP1")."""
@@ -103,7 +103,7 @@ class TableRing:
         self._taken = [False] * slots
         """Between ``put`` and ``done``: no other batch may have it."""
         self._next = 0
-        self._cond = threading.Condition()
+        self._cond = condition("cuda.launch")
 
     def fits(self, table: np.ndarray) -> bool:
         return table.nbytes <= self.slot_bytes

@@ -24,7 +24,8 @@ import ctypes.util
 import glob
 import importlib.util
 import os
-import threading
+
+from hicached.core.locks import lock
 
 ENV_LIBRARY = "HICACHED_NVRTC"
 LOG_LIMIT = 4000
@@ -83,7 +84,7 @@ class Nvrtc:
                     break
         self._lib = ctypes.CDLL(path)
         self.path = path
-        self._lock = threading.Lock()
+        self._lock = lock("cuda.nvrtc")
         major, minor = ctypes.c_int(), ctypes.c_int()
         self._check(self._lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)),
                     "nvrtcVersion")
@@ -129,7 +130,7 @@ class Nvrtc:
 
 _loaded: list[Nvrtc | None] = []
 _problem: list[str] = []
-_load_lock = threading.Lock()
+_load_lock = lock("cuda.nvrtc.load")
 
 
 def load_nvrtc() -> Nvrtc | None:

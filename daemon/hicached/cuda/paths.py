@@ -26,8 +26,9 @@ enqueued), ``record(path, loading, fragment_bytes, nbytes, seconds)`` (a measure
 from __future__ import annotations
 
 import enum
-import threading
 from collections.abc import Iterable
+
+from hicached.core.locks import lock
 
 WARMUP = 3
 """Measurements of each allowed way per class before the fastest is taken."""
@@ -53,7 +54,7 @@ class CopyPaths:
 
     def __init__(self, allowed: Iterable[Path]) -> None:
         self.allowed = tuple(dict.fromkeys(allowed)) or (Path.DMA,)
-        self._lock = threading.Lock()
+        self._lock = lock("cuda.paths")
         self._rate: dict[tuple[bool, int, Path], float] = {}
         self._seen: dict[tuple[bool, int, Path], int] = {}
         self._batches: dict[tuple[bool, int], int] = {}

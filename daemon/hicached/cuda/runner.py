@@ -29,6 +29,7 @@ from hicache import layer_groups
 from hicache.cuda_driver import CudaCallFailed, CudaDriver
 from hicache.errors import CudaFailure
 from hicached.copy.plan import CopyPlan
+from hicached.core.locks import lock
 from hicached.core.registrations import Registrations
 from hicached.cuda.launch import PageKernel, TableRing, build_table, fragments
 from hicached.cuda.paths import CopyPaths, Path
@@ -120,7 +121,7 @@ class CudaRunner:
     device: DeviceCopies = field(default_factory=DeviceCopies)
     _tables: dict[int, TableRing] = field(default_factory=dict)
     """A table ring per stream, made on the stream's first kernel batch."""
-    _tables_lock: threading.Lock = field(default_factory=threading.Lock)
+    _tables_lock: threading.Lock = field(default_factory=lambda: lock("cuda.runner.tables"))
 
     def group_of(self, layer: int, layer_num: int) -> int:
         return layer_groups.group_of(layer, layer_num, len(self.layer_events))

@@ -55,6 +55,7 @@ from hicache.errors import (
 )
 from hicache.log_limit import LimitedLog
 from hicache.polling import PollCounts, sum_counts
+from hicached.core.locks import lock
 from hicached.frontends import fast_codec as fc
 from hicached.frontends.envelope import Call, Envelope, Refused
 from hicached.frontends.sockets import listen_beside, remove_if_there
@@ -92,7 +93,7 @@ class FastPathServer:
         self._sock: socket.socket | None = None
         self._conns: dict[socket.socket, w.FrameSocket | None] = {}
         self._closed_polls: PollCounts = (0, 0, 0, 0)  # of the connections gone
-        self._lock = threading.Lock()
+        self._lock = lock("fast_path")
         self._closing = False
         self._accepting: threading.Thread | None = None
         self._max_keys = self.daemon.max_keys_per_call
@@ -200,7 +201,8 @@ class FastPathServer:
                 if frames_gone is not None:
                     self._closed_polls = sum_counts(self._closed_polls,
                                                     frames_gone.poll.counts())
-                    frames_gone.close()
+            if frames_gone is not None:
+                frames_gone.close()  # its bytes go back to the budget, outside our lock
             conn.close()
 
     def _refuse(self, conn: socket.socket, bad: Exception, peer: Peer) -> None:

@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from hicached.core.locks import lock
 from hicached.frontends.sockets import listen_beside, remove_if_there
 from hicached.service.identity import Grant, Peer, close_all, peer_of
 
@@ -61,7 +62,7 @@ class IdentityChannel:
         self.path = path
         self._mode, self._gid = mode, gid
         self._grants: dict[str, Grant] = {}
-        self._lock = threading.Lock()
+        self._lock = lock("identity_channel")
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()

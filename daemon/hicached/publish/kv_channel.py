@@ -36,7 +36,6 @@ import logging
 import os
 import stat
 import struct
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from typing import Any
 import zmq
 
 from hicache.log_limit import LimitedLog
+from hicached.core.locks import lock
 from hicached.core.trusted_paths import UntrustedPath, socket_dir
 from hicached.publish.kv_event_config import KvEventsConfig
 
@@ -83,7 +83,7 @@ class Channel:
         self._buffer_bytes = 0
         self._snapshot: tuple[float, int, list[tuple[bytes, bytes]]] | None = None
         self._joined = False
-        self._lock = threading.Lock()
+        self._lock = lock("kv_channel")
         self.counts = dict.fromkeys(("messages", "replays", "bad_replays", "pub", "replay"), 0)
         """Messages sent, replay requests answered and refused, connections now."""
 

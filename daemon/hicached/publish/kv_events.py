@@ -55,6 +55,7 @@ import zmq
 from hicache import seams
 from hicache.log_limit import LimitedLog
 from hicached.cache.events import CacheEvent
+from hicached.core.locks import lock
 from hicached.core.trusted_paths import open_own
 from hicached.publish.kv_channel import END_SEQ, Channel
 from hicached.publish.kv_event_config import KvEventsConfig, KvEventStats
@@ -127,7 +128,7 @@ class KvEventPublisher:
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._seq_fd = -1
         self._next_seq = 0
-        self._lock = threading.Lock()
+        self._lock = lock("kv_events")
         self._resync = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)

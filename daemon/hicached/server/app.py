@@ -38,6 +38,7 @@ from hicache.polling import sum_counts
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
+from hicached.core.locks import lock
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.system import lock_refusal
 from hicached.core.trusted_paths import own_dir, socket_dir
@@ -159,7 +160,7 @@ class HiCacheServer:
         self.health = health.HealthServicer()
         self._locks: list[PidLock] = []
         self._stopped = threading.Event()
-        self._drain_lock = threading.Lock()
+        self._drain_lock = lock("server.drain")
         self.metrics_port = 0
         self._declared: list[HostPool | PoolBuild] = []
         self._ready = threading.Event()
@@ -377,8 +378,8 @@ class HiCacheServer:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None
-        for lock in self._locks:
-            lock.release()
+        for held in self._locks:
+            held.release()
         self._locks = []
         self._stopped.set()
 

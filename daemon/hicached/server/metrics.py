@@ -43,6 +43,7 @@ from hicache.errors import all_error_classes
 from hicache.polling import PollCounts
 from hicached.cache.index_types import EVICTED_AGE_BUCKETS
 from hicached.cache.pool_cache import PoolCache
+from hicached.core.locks import lock
 from hicached.core.pool import HostPool
 from hicached.cuda.paths import Path as CopyPath
 from hicached.publish.kv_event_config import KvEventStats
@@ -423,7 +424,7 @@ class Metrics:
             registry=registry)
         self._outcomes: dict[str, set[str]] = {}
         """Per pool, the outcomes ``pool_attach`` has series for (removed with the pool)."""
-        self._outcomes_lock = threading.Lock()
+        self._outcomes_lock = lock("metrics.outcomes")
         registry.register(_StateCollector(state, time.monotonic()))
 
     def observe_cluster(self, op: str, seconds: float) -> None:

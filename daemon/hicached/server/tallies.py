@@ -31,6 +31,8 @@ from typing import Generic, TypeVar
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from hicached.core.locks import lock
+
 Row = list[float]
 K = TypeVar("K", bound=Hashable)
 
@@ -40,7 +42,7 @@ class Tally(Generic[K]):
         """``width``: the numbers in a row (what one key counts)."""
         self.width = width
         self._local = threading.local()
-        self._lock = threading.Lock()  # the table list, a table's new rows, the retired rows
+        self._lock = lock("tallies")  # the table list, a table's new rows, the retired rows
         self._tables: list[tuple[threading.Thread, dict[K, Row]]] = []
         self._retired: dict[K, Row] = {}
 

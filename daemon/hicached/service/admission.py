@@ -14,10 +14,10 @@ Primitives:
 
 from __future__ import annotations
 
-import threading
 import time
 
 from hicache.errors import Overloaded
+from hicached.core.locks import condition, lock
 
 RETRY_AFTER_MS = 10
 """The retry hint of an OVERLOADED refusal: about one batch's time on a busy node."""
@@ -27,7 +27,7 @@ class DataGate:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.in_flight = 0
-        self._lock = threading.Lock()
+        self._lock = lock("admission")
 
     def enter(self) -> None:
         """Take a slot, or ``OVERLOADED`` when all ``limit`` are taken."""
@@ -50,7 +50,7 @@ class ByteBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.in_use = 0
-        self._cond = threading.Condition()
+        self._cond = condition("admission.bytes")
 
     def take(self, n: int, deadline: float) -> bool:
         """Reserve ``n`` bytes, waiting for others to give theirs back until ``deadline``

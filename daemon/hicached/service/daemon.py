@@ -57,6 +57,7 @@ from hicache.layer_groups import check_layer_events
 from hicached.cache.holds import Holder
 from hicached.cache.index_types import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
+from hicached.core.locks import lock
 from hicached.cuda.runner import CudaRunner
 from hicached.service.identity import AccessRule, Grant, Redeemer, check_access
 from hicached.service.pool_table import PoolTable
@@ -137,7 +138,7 @@ class Daemon:
     """The process's graceful shutdown, begun in the background (the Drain RPC): takes the
     grace period asked for (0: the configured one), returns the one that applies. None (a
     daemon without a process around it): a drain only refuses new work."""
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Lock = field(default_factory=lambda: lock("daemon.gate"))
 
     def identify(self, token: str) -> Grant | None:
         """What a token from an identity socket was issued for: the peer and the fds it handed
@@ -255,7 +256,7 @@ class Daemon:
         with s.lock:
             s.loads += 1
         t0 = time.perf_counter()
-        lock = threading.Lock()
+        landing = lock("daemon.landing")
         pending: list[TransferResult] = []
         landed_at: list[float] = []
 
@@ -266,7 +267,7 @@ class Daemon:
                 with s.lock:
                     s.loads -= 1
                 self.sessions.end_copy(s)
-                with lock:
+                with landing:
                     landed_at.append(time.perf_counter())
                     r = pending[0] if pending else None
                 if r is not None:
@@ -282,7 +283,7 @@ class Daemon:
             landed()
             self.metrics.transfer(s.pool_name, op, r.bytes, r.pages, r.seconds)
             return r
-        with lock:  # the GPU may have finished already: then record here
+        with landing:  # the GPU may have finished already: then record here
             pending.append(r)
             done = landed_at[0] if landed_at else None
         if done is not None:

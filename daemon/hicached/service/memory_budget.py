@@ -54,6 +54,7 @@ from hicache import seams
 from hicache.errors import HostMemoryInsufficient
 from hicache.specs import PoolSpec
 from hicached.cache.pool_cache import PoolCache
+from hicached.core.locks import condition, lock
 from hicached.service.budget_config import BudgetConfig, share_for
 
 log = logging.getLogger(__name__)
@@ -164,8 +165,8 @@ class MemoryBudget:
         self.budget_bytes = budget_bytes
         self.config = config
         self._clock = clock
-        self._lock = threading.Lock()
-        self._settled = threading.Condition(self._lock)
+        self._lock = lock("budget")
+        self._settled = condition(self._lock)
         """Notified when a growth ends (``leave`` waits for a pool's last)."""
         self._members: dict[str, _Member] = {}
         self.stats = BudgetStats()

@@ -33,7 +33,6 @@ Primitives:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection
 from typing import Protocol
@@ -52,6 +51,7 @@ from hicached.cache.events import EventLog
 from hicached.cache.holds import HoldPolicy
 from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
+from hicached.core.locks import lock
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.state_file import Outcome, remove_state, saved_specs
@@ -118,8 +118,8 @@ class PoolTable:
         self._caches: dict[str, PoolCache] = {}
         self._builds: dict[str, PoolBuild] = {}
         self._closed = False
-        self._lock = threading.Lock()
-        self._creating = threading.Lock()
+        self._lock = lock("pool_table")
+        self._creating = lock("pool_table.creating")
 
     def create(self, spec: PoolSpec) -> tuple[HostPool, bool]:
         """The pool for ``spec`` and whether it was created now (built in this thread)."""

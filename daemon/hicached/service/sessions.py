@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from hicache import seams
 from hicache.errors import BufferFault, SessionEnding, SessionNotFound
 from hicache.identity import is_public_id, public_session_id
+from hicached.core.locks import lock
 from hicached.core.pool import HostPool
 from hicached.service.identity import Peer
 from hicached.transport.base import Attachment
@@ -66,7 +67,7 @@ class Session:
     """Who opened it, when the worker identified itself (identity socket)."""
     ended: bool = False
     released: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=lambda: lock("session"))
 
     @property
     def public_id(self) -> str:
@@ -98,7 +99,7 @@ class SessionManager:
         """Sessions that ended while a copy of theirs ran, until the last one ends: they are
         answered ``SESSION_ENDING``, never ``SESSION_NOT_FOUND``, so "gone" tells a worker
         that nothing of the session can land any more."""
-        self._lock = threading.Lock()
+        self._lock = lock("sessions")
         self._stop = threading.Event()
         self._opened = threading.Event()
         """Set by ``open``: a reaper asleep for want of sessions wakes."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -48,6 +47,7 @@ from hicache import seams
 from hicache.specs import PoolSpec
 from hicached.cache.events import CLUSTER, EventKind, EventLog
 from hicached.cache.pool_cache import PoolCache
+from hicached.core.locks import lock
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
 from hicached.tiers.mooncake import MooncakeStore
@@ -89,7 +89,7 @@ class ClusterTier:
         """Keys removed whose removal has not reached the store for sure (it was down, or a
         put of the key was in flight): never reported or promoted, removed again later."""
         self._in_flight: Counter[bytes] = Counter()
-        self._lock = threading.Lock()
+        self._lock = lock("tier.cluster")
         self._digests = np.zeros(max(pool.page_num, 1), dtype="<u8")
         """One digest slot per page, registered beside the pool: a put sends the page's
         digest from its slot, a get brings the object's into it (a page is never put and got

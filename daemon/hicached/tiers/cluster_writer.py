@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from hicache.log_limit import LimitedLog
 from hicached.cache.pool_cache import PoolCache
+from hicached.core.locks import lock
 from hicached.tiers.cluster import ClusterTier, wanted
 from hicached.tiers.writer import IDLE, STOP, WROTE, Failed, Outcome, TierWriter
 
@@ -52,7 +52,7 @@ class ClusterWriter(TierWriter):
         self.dropped = 0
         self._queue: deque[tuple[bytes, float]] = deque()
         """(key, when it was first tried; 0: not yet)."""
-        self._lock = threading.Lock()
+        self._lock = lock("tier.cluster_writer")
 
     def offer(self, keys: Sequence[bytes]) -> None:
         with self._lock:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from typing import Any
 from hicache import seams
 from hicache.log_limit import LimitedLog
 from hicached.cache.events import DISK, EventKind, EventLog
+from hicached.core.locks import lock
 from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir, untrusted_file
 from hicached.tiers import disk_format as fmt
 from hicached.tiers.disk_io import DiskTierUnavailable, PageFile, reserve
@@ -82,7 +82,7 @@ class DiskTier:
         self.doc = {**doc, "page_bytes": page_bytes, "slots": capacity_pages}
         self.stats = DiskStats()
         self._observe = observe
-        self._lock = threading.Lock()
+        self._lock = lock("tier.disk")
         self._index: dict[bytes, int] = {}
         self._digest: dict[int, int] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hicached.core.locks import lock
 from hicached.tiers.mooncake_config import MooncakeTierConfig
 from hicached.tiers.mooncake_replicas import OBJECT_NOT_FOUND, ReplicaReader, Runs, master_failed
 
@@ -100,7 +101,7 @@ class MooncakeStore:
         self._up = False
         self._why = "not connected yet"
         self._registered: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._lock = lock("tier.mooncake")
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="mooncake")

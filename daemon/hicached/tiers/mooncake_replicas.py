@@ -28,13 +28,13 @@ Primitives:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache import seams
 from hicache.log_limit import LimitedLog
+from hicached.core.locks import lock
 
 log = logging.getLogger(__name__)
 _limited = LimitedLog(log, 30.0)
@@ -77,7 +77,7 @@ class ReplicaReader:
         self.forget_seconds = forget_seconds
         self._clock = clock
         self._failed_at: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self._lock = lock("tier.mooncake_replicas")
         self.served = 0
         self.failed_reads = 0
 

@@ -26,12 +26,12 @@ Primitives:
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 
 from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import IPC_HANDLE_SIZE, CudaCallFailed, CudaDriver, normalize_uuid
 from hicache.errors import DeviceNotFound, IpcHandleInvalid, SpecInvalid
+from hicached.core.locks import lock
 from hicached.core.worker_buffers import Device, RawBuffer, WorkerBuffers
 from hicached.cuda.kernels import KernelBinaries, load_page_kernel
 from hicached.cuda.paths import CopyPaths, Path
@@ -47,7 +47,7 @@ class IpcMemoryCache:
     def __init__(self, driver: CudaDriver) -> None:
         self._driver = driver
         self._open: dict[tuple[int, bytes], list[int]] = {}  # -> [address, size, refs]
-        self._lock = threading.Lock()
+        self._lock = lock("cuda_ipc.mappings")
 
     def acquire(self, ordinal: int, handle: bytes) -> tuple[int, int]:
         """(address, size) of the allocation; the caller holds the device's context."""
@@ -95,7 +95,7 @@ class CudaAttachment(Attachment):
         self.runner = runner
         self._close = close
         self._released = False
-        self._lock = threading.Lock()
+        self._lock = lock("cuda_ipc.attachment")
 
     def release(self) -> None:
         with self._lock:
@@ -122,7 +122,7 @@ class CudaIpcTransport:
         self._kernels = kernels
         self._kernels_off = kernels_off
         self._copies: dict[int, DeviceCopies] = {}
-        self._copies_lock = threading.Lock()
+        self._copies_lock = lock("cuda_ipc.copies")
 
     def copies(self, ordinal: int) -> DeviceCopies:
         """The ways ``ordinal`` moves batches (made on its first session)."""
