@@ -14,6 +14,7 @@ import pytest
 from hicache import fast_wire as w
 from hicache.buffers import DeviceBufferSpec
 from hicache.indices import PageIds
+from hicache.pools import PoolInfo
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec, Role
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -22,7 +23,6 @@ from hicached.copy.engine import Op, TransferResult
 from hicached.frontends import fast_codec, grpc_codec
 from hicached.frontends.grpc_service import HostCacheServicer
 from hicached.service import calls
-from hicached.service.views import PoolView
 
 SERVICE = pb.DESCRIPTOR.services_by_name["HostCache"]
 
@@ -317,7 +317,7 @@ def test_control_results_read_back_as_the_client_returns_them() -> None:
     assert cc["ClearPool"].from_grpc(gc["ClearPool"].encode(calls.Count(6))) == 6
     assert cc["Free"].from_grpc(gc["Free"].encode(calls.Count(2))) == 2
     assert np.array_equal(cc["Alloc"].from_grpc(gc["Alloc"].encode(PAGES)), PAGES)
-    view = PoolView(spec=SPEC, size_tokens=1024, page_bytes=SPEC.page_bytes, keys=3,
+    view = PoolInfo(spec=SPEC, size_tokens=1024, page_bytes=SPEC.page_bytes, keys=3,
                     busy_pages=2, cluster_puts=4)
     info = cc["GetPool"].from_grpc(gc["GetPool"].encode(view))
     assert (info.spec.name, info.keys, info.busy_pages, info.cluster_puts) == ("p", 3, 2, 4)

@@ -16,6 +16,8 @@ part of the daemon:
 - ``paths``: the default socket of a local daemon.
 - ``cuda_driver``: the CUDA driver API through ctypes, loaded on first use only (workers export
   IPC handles with it, the daemon opens them).
+- ``pools``: ``PoolInfo``, a pool as the service reports it, and its wire mapping (one
+  definition for the daemon and its clients; deprecated names derived).
 - ``calls``: the calls' typed requests, shared by the client's codecs and the daemon's method
   table.
 - ``fast_wire``: the fast path's framing: hello, headers, bodies, ``FrameSocket``.

@@ -74,6 +74,7 @@ from hicache.indices import IndexArray, PageIds
 from hicache.keys import check_namespace, encode_keys
 from hicache.paths import default_target
 from hicache.polling import DEFAULT_MAX_US
+from hicache.pools import pool_from_proto
 from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -286,7 +287,7 @@ class HiCacheClient:
         return info
 
     def list_pools(self) -> list[PoolInfo]:
-        return [PoolInfo.from_proto(p) for p in self.list_pools_raw().pools]
+        return [pool_from_proto(p) for p in self.list_pools_raw().pools]
 
     def list_pools_raw(self) -> pb.ListPoolsResponse:
         """The wire response, for tools that print it as is."""

@@ -23,9 +23,10 @@ from hicache import calls as c
 from hicache import fast_wire as w
 from hicache.codec import buffer_to_proto, spec_to_proto
 from hicache.indices import PageIds, indices_to_bytes, to_index_array
+from hicache.pools import pool_from_proto
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client import fast_path as fp
-from hicache_client.results import LookupResult, PoolInfo, StoreResult, TransferStats
+from hicache_client.results import LookupResult, StoreResult, TransferStats
 
 
 def _same(reply: Any) -> Any:
@@ -190,14 +191,14 @@ CODECS: dict[str, ClientCodec] = {
                                 _nothing, retry=False),
     "CreatePool": ClientCodec("CreatePool", lambda q: pb.CreatePoolRequest(
         spec=q.spec if isinstance(q.spec, pb.PoolSpec) else spec_to_proto(q.spec)),
-        PoolInfo.from_proto),  # (a caller's wire spec goes as it is: the daemon checks it)
+        pool_from_proto),  # (a caller's wire spec goes as it is: the daemon checks it)
     "OpenSession": ClientCodec("OpenSession", _open_session, retry=False),
     "WatchEvents": ClientCodec("WatchEvents", lambda q: pb.WatchEventsRequest(
         pool=q.pool, after_seq=q.after_seq, all_tiers=q.all_tiers)),
     "GetInfo": ClientCodec("GetInfo", lambda q: pb.GetInfoRequest()),
     "Ping": ClientCodec("Ping", lambda q: pb.PingRequest(), _nothing),
     "GetPool": ClientCodec("GetPool", lambda q: pb.GetPoolRequest(name=q.pool),
-                           PoolInfo.from_proto),
+                           pool_from_proto),
     "ListPools": ClientCodec("ListPools", lambda q: pb.ListPoolsRequest()),
     "ListSessions": ClientCodec("ListSessions", lambda q: pb.ListSessionsRequest(pool=q.pool),
                                 lambda r: list(r.sessions)),

@@ -1,101 +1,18 @@
 """What the client's calls return, as plain dataclasses (decoded from the wire replies).
 
-Primitives: ``PoolInfo``, ``TransferStats``, ``LookupResult``, ``StoreResult``, ``CacheEvent``.
+Primitives: ``PoolInfo`` (the API package's, ``hicache.pools``), ``TransferStats``,
+``LookupResult``, ``StoreResult``, ``CacheEvent``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hicache.codec import spec_from_proto
-from hicache.specs import PoolSpec
+from hicache.pools import PoolInfo as PoolInfo  # a reply of GetPool, ListPools, CreatePool
 from hicache.v1 import hicache_pb2 as pb
 
 STORED, ALREADY_PRESENT, NO_SPACE = 1, 2, 3
 """Per-key Store status."""
-
-
-@dataclass(frozen=True)
-class PoolInfo:
-    spec: PoolSpec
-    size_tokens: int
-    page_num: int
-    page_bytes: int
-    used_pages: int
-    free_pages: int
-    capacity_bytes: int
-    used_bytes: int
-    pinned_bytes: int
-    sessions: int
-    keys: int = 0
-    """Ready keys of the cache."""
-    keyed_pages: int = 0
-    raw_pages: int = 0
-    pinned_pages: int = 0
-    """Deprecated: ``busy_pages`` under its old name (the same number)."""
-    metadata_bytes: int = 0
-    state: str = "READY"
-    """``READY``, ``CREATING`` (memory still being faulted in / pinned) or ``FAILED``."""
-    progress: float = 1.0
-    """CREATING: how much of the memory is faulted in (0..1)."""
-    error: str = ""
-    error_reason: str = ""
-    attach_outcome: str = ""
-    """How the daemon found the pool's saved state: created, reattached, cold_version,
-    cold_mismatch, cold_corrupt, or memory (no state directory)."""
-    generation: int = 0
-    """How many times a daemon attached the pool's files."""
-    recovered_keys: int = 0
-    disk_keys: int = 0
-    """Keys the pool's disk tier holds (0 without one)."""
-    disk_capacity_pages: int = 0
-    cluster_namespace: str = ""
-    """The pool's key namespace in the cluster tier ('' without one)."""
-    cluster_puts: int = 0
-    """Keys this daemon wrote to the cluster tier."""
-    cluster_pending: int = 0
-    """Stored keys waiting to be written there."""
-    busy_pages: int = 0
-    """Pages a copy is reading or writing right now (never evicted)."""
-    kv_events_endpoint: str = ""
-    """The pool's own KV event stream ("" = none): register the engine instances that load
-    from this pool with it."""
-    kv_events_replay_endpoint: str = ""
-    share_bytes: int = 0
-    """With an elastic budget: the bytes the pool may hold now (0: a pool of fixed size)."""
-    floor_bytes: int = 0
-    ceiling_bytes: int = 0
-    tenant: str = ""
-
-    @classmethod
-    def from_proto(cls, p: pb.Pool) -> PoolInfo:
-        state = pb.PoolState.Name(p.state).removeprefix("POOL_STATE_")
-        return cls(spec_from_proto(p.spec), p.size_tokens, p.page_num, p.page_bytes,
-                   p.used_pages, p.free_pages, p.capacity_bytes, p.used_bytes, p.pinned_bytes,
-                   p.sessions, p.keys, p.keyed_pages, p.raw_pages, p.pinned_pages,
-                   p.metadata_bytes, state, p.progress if state != "READY" else 1.0,
-                   p.error, p.error_reason, p.attach_outcome, p.generation, p.recovered_keys,
-                   p.disk_keys, p.disk_capacity_pages,
-                   # a daemon from before the cluster_* names fills only the remote_* ones
-                   p.cluster_namespace or p.remote_namespace, p.cluster_puts or p.remote_puts,
-                   p.cluster_pending or p.remote_pending, p.busy_pages or p.pinned_pages,
-                   p.kv_events_endpoint, p.kv_events_replay_endpoint, p.share_bytes,
-                   p.floor_bytes, p.ceiling_bytes, p.tenant)
-
-    @property
-    def remote_namespace(self) -> str:
-        """Deprecated: ``cluster_namespace``."""
-        return self.cluster_namespace
-
-    @property
-    def remote_puts(self) -> int:
-        """Deprecated: ``cluster_puts``."""
-        return self.cluster_puts
-
-    @property
-    def remote_pending(self) -> int:
-        """Deprecated: ``cluster_pending``."""
-        return self.cluster_pending
 
 
 @dataclass(frozen=True)

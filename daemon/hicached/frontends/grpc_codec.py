@@ -6,7 +6,7 @@ response message (a server stream's: each message). The read models of ``service
 (pools, sessions, the daemon's info, events) are rendered here and nowhere else.
 
 Primitives: ``GrpcCodec`` (``decode(message)``, ``encode(result)``), ``CODECS`` (by method
-name), ``pool_message(view)``, ``session_message(session)``, ``transfer_response(result)``.
+name), ``pool_message(pool)``, ``session_message(session)``, ``transfer_response(result)``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from hicache.codec import buffer_from_proto, spec_from_proto, spec_to_proto
+from hicache.codec import buffer_from_proto, spec_from_proto
 from hicache.indices import indices_to_bytes, to_index_array
+from hicache.pools import fill_deprecated, pool_to_proto
 from hicache.v1 import hicache_pb2 as pb
 from hicached.service import calls as c
 from hicached.service.calls import TransferResult
 from hicached.service.sessions import Session
-from hicached.service.views import EventView, InfoView, PoolView, session_view
+from hicached.service.views import EventView, InfoView, session_view
 
 
 class GrpcCodec(NamedTuple):
@@ -43,43 +44,22 @@ def session_message(s: Session, capability: bool = True) -> pb.Session:
                       page_size=v.page_size, loads_in_flight=v.loads_in_flight)
 
 
-def pool_message(v: PoolView) -> pb.Pool:
-    state = {"creating": pb.POOL_STATE_CREATING, "failed": pb.POOL_STATE_FAILED}.get(
-        v.state, pb.POOL_STATE_READY)
-    return pb.Pool(spec=spec_to_proto(v.spec), size_tokens=v.size_tokens,
-                   page_bytes=v.page_bytes, state=state, progress=v.progress, error=v.error,
-                   error_reason=v.error_reason, page_num=v.page_num, used_pages=v.used_pages,
-                   free_pages=v.free_pages, capacity_bytes=v.capacity_bytes,
-                   used_bytes=v.used_bytes, pinned_bytes=v.pinned_bytes, sessions=v.sessions,
-                   keys=v.keys, keyed_pages=v.keyed_pages, raw_pages=v.raw_pages,
-                   busy_pages=v.busy_pages,
-                   pinned_pages=v.busy_pages,  # the deprecated name of busy_pages
-                   metadata_bytes=v.metadata_bytes, attach_outcome=v.attach_outcome,
-                   generation=v.generation, recovered_keys=v.recovered_keys,
-                   disk_keys=v.disk_keys, disk_capacity_pages=v.disk_capacity_pages,
-                   cluster_namespace=v.cluster_namespace, cluster_puts=v.cluster_puts,
-                   cluster_pending=v.cluster_pending,
-                   # the deprecated names of the three above
-                   remote_namespace=v.cluster_namespace, remote_puts=v.cluster_puts,
-                   remote_pending=v.cluster_pending, kv_events_endpoint=v.kv_events_endpoint,
-                   kv_events_replay_endpoint=v.kv_events_replay_endpoint,
-                   share_bytes=v.share_bytes, floor_bytes=v.floor_bytes,
-                   ceiling_bytes=v.ceiling_bytes, tenant=v.tenant)
+pool_message = pool_to_proto
 
 
 def _info(v: InfoView) -> pb.GetInfoResponse:
-    return pb.GetInfoResponse(
+    return fill_deprecated(pb.GetInfoResponse(  # type: ignore[no-any-return]
         version=v.version, transports=v.transports, memory_budget_bytes=v.memory_budget_bytes,
         memory_used_bytes=v.memory_used_bytes, memory_available_bytes=v.memory_available_bytes,
         shm_dir=v.shm_dir, cuda_available=v.cuda_available, serving=v.serving, pools=v.pools,
         sessions=v.sessions, metrics_port=v.metrics_port,
         cuda_devices=[pb.CudaDevice(uuid=x.uuid, ordinal=x.ordinal, name=x.name,
                                     total_bytes=x.total_bytes) for x in v.cuda_devices],
-        cluster_tier=v.cluster_tier, remote_tier=v.cluster_tier,  # remote_tier: deprecated
+        cluster_tier=v.cluster_tier,
         fast_path=v.fast_path, fast_path_version=v.fast_path_version,
         fast_path_flags=v.fast_path_flags, kv_events_endpoint=v.kv_events_endpoint,
         kv_events_replay_endpoint=v.kv_events_replay_endpoint,
-        kv_events_topic=v.kv_events_topic, max_keys_per_call=v.max_keys_per_call)
+        kv_events_topic=v.kv_events_topic, max_keys_per_call=v.max_keys_per_call))
 
 
 def _event(v: EventView) -> pb.CacheEvent:

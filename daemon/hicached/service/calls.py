@@ -59,12 +59,13 @@ from hicache.calls import (
 from hicache.errors import SpecInvalid
 from hicache.identity import is_public_id
 from hicache.indices import IndexArray
+from hicache.pools import PoolInfo
 from hicached.cache.index_types import NO_SPACE, PRESENT, STORED
 from hicached.copy.engine import Op, TransferResult
 from hicached.service import views
 from hicached.service.daemon import Daemon
 from hicached.service.sessions import Session
-from hicached.service.views import EventView, InfoView, PoolView
+from hicached.service.views import EventView, InfoView
 
 __all__ = [
     "CREATES_WORK", "DATA_METHODS", "METHODS", "AllocRequest", "Count", "CreatePoolRequest",
@@ -199,7 +200,7 @@ def get_info(d: Daemon, q: NoRequest) -> InfoView:
     return views.info_view(d)
 
 
-def create_pool(d: Daemon, q: CreatePoolRequest) -> PoolView:
+def create_pool(d: Daemon, q: CreatePoolRequest) -> PoolInfo:
     spec = q.spec
     _, started = d.pools.create_async(spec)
     if started:
@@ -207,11 +208,11 @@ def create_pool(d: Daemon, q: CreatePoolRequest) -> PoolView:
     return views.pool_view(d, spec.name)
 
 
-def get_pool(d: Daemon, q: PoolRequest) -> PoolView:
+def get_pool(d: Daemon, q: PoolRequest) -> PoolInfo:
     return views.pool_view(d, q.pool)
 
 
-def list_pools(d: Daemon, q: NoRequest) -> list[PoolView]:
+def list_pools(d: Daemon, q: NoRequest) -> list[PoolInfo]:
     return views.pool_views(d)
 
 
@@ -316,7 +317,7 @@ _TABLE = (
     Method("Free", FreeRequest, Count, free, pool_of=_pool),
     Method("CloseSession", SessionRequest, Count, close_session,
            pool_of=_close_session_pool),
-    Method("CreatePool", CreatePoolRequest, PoolView, create_pool, True,
+    Method("CreatePool", CreatePoolRequest, PoolInfo, create_pool, True,
            pool_of=lambda r, d: (str(r.spec.name), "")),
     # checks its peer itself, before anything is mapped
     Method("OpenSession", OpenSessionRequest, Session, open_session, True),
@@ -324,7 +325,7 @@ _TABLE = (
            stream=True),
     Method("GetInfo", NoRequest, InfoView, get_info),
     Method("Ping", NoRequest, Done, ping),
-    Method("GetPool", PoolRequest, PoolView, get_pool),
+    Method("GetPool", PoolRequest, PoolInfo, get_pool),
     Method("ListPools", NoRequest, list, list_pools),
     Method("ListSessions", PoolRequest, list, list_sessions),
     Method("Drain", DrainRequest, DrainResult, drain),

@@ -21,13 +21,12 @@ import time
 from collections.abc import Callable
 
 from hicache.errors import HiCacheError, PoolNotReady
+from hicache.pools import CREATING, FAILED
 from hicache.specs import PoolSpec
 from hicached.core.pool import HostPool
 
 log = logging.getLogger(__name__)
 
-CREATING = "CREATING"
-FAILED = "FAILED"
 
 
 class PoolBuild:

@@ -5,8 +5,8 @@ index or a tier's counters itself.
 
 Primitives:
 
-- ``PoolView`` and ``pool_view(daemon, name)`` / ``pool_views(daemon)``: a pool (ready,
-  building or failed), its pages, keys, sessions and tiers.
+- ``pool_view(daemon, name)`` / ``pool_views(daemon)``: a pool (ready, building or failed),
+  its pages, keys, sessions and tiers, as the API package's ``PoolInfo``.
 - ``SessionView`` and ``session_view(session)``: a session as its worker (or, without the
   capability, anyone) sees it.
 - ``EventView`` and ``watch_events(daemon, pool, after_seq, all_tiers, active)``: the events of
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import hicache
 from hicache import fast_wire
 from hicache.errors import PoolNotFound
-from hicache.specs import PoolSpec
+from hicache.pools import PoolInfo
 from hicached.cache.events import HOST, MEDIUM
 from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
@@ -34,68 +34,25 @@ from hicached.core.pool import HostPool
 from hicached.core.system import available_bytes
 from hicached.cuda.runner import CudaRunner
 from hicached.service.daemon import Daemon
-from hicached.service.pool_build import FAILED, PoolBuild
+from hicached.service.pool_build import PoolBuild
 from hicached.service.sessions import Session
 from hicached.tiers.stack import TierStack
 
 WATCH_POLL_SECONDS = 0.5
 """How often an idle event stream checks that its caller, its pool and the daemon are there."""
 
-READY, CREATING = "ready", "creating"
 
-
-@dataclass(frozen=True)
-class PoolView:
-    spec: PoolSpec
-    size_tokens: int
-    page_bytes: int
-    state: str = READY
-    """``ready``, ``creating`` (built in the background) or ``failed``."""
-    progress: float = 0.0
-    """Of a pool being built: 0..1 of its prefault."""
-    error: str = ""
-    error_reason: str = ""
-    page_num: int = 0
-    used_pages: int = 0
-    free_pages: int = 0
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    pinned_bytes: int = 0
-    sessions: int = 0
-    keys: int = 0
-    keyed_pages: int = 0
-    raw_pages: int = 0
-    busy_pages: int = 0
-    """Pages a copy or a hold has now (read- or write-held)."""
-    metadata_bytes: int = 0
-    attach_outcome: str = "memory"
-    generation: int = 0
-    recovered_keys: int = 0
-    disk_keys: int = 0
-    disk_capacity_pages: int = 0
-    cluster_namespace: str = ""
-    cluster_puts: int = 0
-    cluster_pending: int = 0
-    kv_events_endpoint: str = ""
-    """The pool's own KV event stream ("" = none)."""
-    kv_events_replay_endpoint: str = ""
-    share_bytes: int = 0
-    """With an elastic budget: what the pool may hold now, always keeps, may hold at most,
-    and its tenant (0 / "" for a pool of fixed size)."""
-    floor_bytes: int = 0
-    ceiling_bytes: int = 0
-    tenant: str = ""
 
 
 def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | None
-           ) -> PoolView:
+           ) -> PoolInfo:
     counts = pool.allocator.counts()
     used = pool.page_num - counts["free"] - counts["parked"]
     disk = tiers.disk if tiers is not None else None
     cluster = tiers.cluster if tiers is not None else None
     writer = tiers.writer if tiers is not None else None
     spiller = tiers.cluster_spiller if tiers is not None else None
-    return PoolView(
+    return PoolInfo(
         spec=pool.spec, size_tokens=pool.size_tokens, page_bytes=pool.spec.page_bytes,
         page_num=pool.page_num, used_pages=used, free_pages=counts["free"],
         capacity_bytes=pool.nbytes, used_bytes=used * pool.spec.page_bytes,
@@ -114,15 +71,15 @@ def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | N
         cluster_pending=writer.waiting if cluster is not None and writer is not None else 0)
 
 
-def _building(b: PoolBuild) -> PoolView:
-    return PoolView(spec=b.spec, size_tokens=b.spec.resolved_size_tokens(),
+def _building(b: PoolBuild) -> PoolInfo:
+    return PoolInfo(spec=b.spec, size_tokens=b.spec.resolved_size_tokens(),
                     page_bytes=b.spec.page_bytes,
-                    state="failed" if b.state == FAILED else CREATING, progress=b.progress,
+                    state=b.state, progress=b.progress,
                     error=b.error.message if b.error else "",
                     error_reason=b.error.reason if b.error else "")
 
 
-def _streamed(d: Daemon, v: PoolView) -> PoolView:
+def _streamed(d: Daemon, v: PoolInfo) -> PoolInfo:
     """``v`` with where its pool's own KV event stream is, and its share of an elastic
     budget."""
     budget = d.pools.budget
@@ -137,7 +94,7 @@ def _streamed(d: Daemon, v: PoolView) -> PoolView:
                                kv_events_replay_endpoint=replay)
 
 
-def pool_view(d: Daemon, name: str) -> PoolView:
+def pool_view(d: Daemon, name: str) -> PoolInfo:
     """``name`` as it is now (``POOL_NOT_FOUND`` when there is no such pool)."""
     build = d.pools.build(name)
     if build is not None:
@@ -146,7 +103,7 @@ def pool_view(d: Daemon, name: str) -> PoolView:
                                d.pools.stack(name)))
 
 
-def pool_views(d: Daemon) -> list[PoolView]:
+def pool_views(d: Daemon) -> list[PoolInfo]:
     """Every pool: the ready ones, then those being built (or whose build failed)."""
     stacks = dict(d.pools.stacks())
     return [*(_streamed(d, _ready(p, c, d.sessions.count(p.spec.name),
