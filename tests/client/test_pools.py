@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ from hicache.v1 import hicache_pb2 as pb
 SPEC = PoolSpec("p", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 8), 4, size_tokens=64)
 
 
-def _deprecated_on_the_wire(message: type) -> set[str]:
+def _deprecated_on_the_wire(message: Any) -> set[str]:
     return {f.name for f in message.DESCRIPTOR.fields if f.GetOptions().deprecated}
 
 
