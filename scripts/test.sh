@@ -1,10 +1,44 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite on a fresh machine: dependencies, the native copy kernel,
 # lint, type checks, import rules, tests. Usage: bash scripts/test.sh [extra pytest args]
+#
+# bash scripts/test.sh --quick: the same set-up, then the unit and model tests (tests/daemon,
+# tests/client, without those marked slow) and one end-to-end test per front end (the fast
+# path, gRPC) and per engine (SGLang, vLLM) with real daemon and worker processes, in two
+# pytest processes side by side: a few minutes, for the edit-test loop. The whole suite is
+# what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
 setup_hicached --test
+
+QUICK_E2E=(
+    # the fast path and gRPC, one real daemon each, holds and a disk tier below
+    "tests/procs/test_holds_e2e.py::test_a_hit_on_disk_is_promised_up_to_the_session_s_share"
+    # worker processes sharing a daemon, each page exact
+    "tests/procs/test_daemon_e2e.py::test_two_workers_back_up_and_load_their_own_pages_exactly"
+    # SGLang's cache classes through the linker, another instance hitting the first's pages
+    "tests/integrations/sglang/test_sglang_linker.py::test_another_instance_hits_what_the_first_stored"
+    # vLLM's own scheduler through the connector, a prompt coming back exact
+    "tests/integrations/vllm/test_vllm_offloading.py::test_a_prompt_stored_comes_back_exact_after_a_prefix_cache_reset"
+)
+
+if [[ "${1:-}" == "--quick" ]]; then
+    shift
+    started=$SECONDS
+    logs=$(mktemp -d)
+    python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/daemon "$@" \
+        > "$logs/units.log" 2>&1 &
+    units=$!
+    status=0
+    python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/client "${QUICK_E2E[@]}" \
+        "$@" > "$logs/rest.log" 2>&1 || status=$?
+    wait "$units" || status=$?
+    tail -n 15 "$logs/units.log"
+    tail -n 15 "$logs/rest.log"
+    echo "quick tier: $((SECONDS - started)) s of tests (logs: $logs), exit $status"
+    exit "$status"
+fi
 
 python3 -m ruff check .
 python3 -m mypy
@@ -12,4 +46,4 @@ lint-imports --no-cache  # the layer and import rules in pyproject.toml
 # the GPU check's steps without a GPU: its wheels fetched and installed for Python 3.12, the
 # native modules built with it, the GPU tests collected, its budget (docs/operations.md)
 bash scripts/gpu_check.sh --dry-run "${TMPDIR:-/tmp}/hicache-gpu-check-dry"
-python3 -m pytest -q -p no:cacheprovider --durations=25 "$@"
+python3 -m pytest -q -p no:cacheprovider --durations=20 "$@"

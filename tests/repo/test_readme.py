@@ -109,3 +109,13 @@ def test_every_link_of_the_readme_leads_somewhere() -> None:
     head = readme[:readme.index("## Fresh-machine commands")]
     assert "bash scripts/serve.sh" in head and "bash scripts/test.sh" in head
     assert len(head.splitlines()) <= 40, "the first screen stays a screen"
+
+
+def test_the_feature_table_has_one_short_line_per_row() -> None:
+    """What each part is and where to read: figures and caveats live in RESULTS.md."""
+    readme = (REPO / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) >= 10
+    for row in rows:
+        what = row.split(" | ")[1]
+        assert len(what) <= 100, f"{row.split(' | ')[0]}: {len(what)} characters"
