@@ -327,3 +327,18 @@ def test_control_results_read_back_as_the_client_returns_them() -> None:
     drained = gc["Drain"].encode(calls.DrainResult(3, 30.0, True))
     assert (drained.in_flight, drained.grace_seconds, drained.already_draining) == (3, 30, 1)
     assert cc["Ping"].from_grpc(gc["Ping"].encode(calls.Done())) is None
+
+
+def test_what_the_daemon_returns_is_the_type_the_client_returns() -> None:
+    """One definition per result: the API package's, used by the handlers and the client."""
+    import hicache.calls
+    import hicache.pools
+    from hicache_client import results
+
+    for name in ("LookupResult", "StoreResult"):
+        ours = getattr(hicache.calls, name)
+        assert getattr(results, name) is ours and calls.METHODS[name[:-6]].result is ours
+    assert results.PoolInfo is hicache.pools.PoolInfo
+    assert {calls.METHODS[m].result for m in ("GetPool", "CreatePool")} == {results.PoolInfo}
+    assert type(cfp.decode_store(fast_codec.CODECS[w.Method.STORE].encode(
+        calls.StoreResult(1, 0, 0, b"\x01", 8, 0.1), 0))) is results.StoreResult

@@ -1,4 +1,5 @@
-"""The requests of ``hicache.v1.HostCache``'s calls, typed once for both sides.
+"""The requests of ``hicache.v1.HostCache``'s calls and its data calls' results, typed once
+for both sides.
 
 The daemon's method table (``hicached.service.calls``) hands these to its handlers; each front
 end's codec decodes its wire into them (gRPC's protobuf, the fast path's frames), and the
@@ -9,7 +10,9 @@ Primitives: ``LookupRequest``, ``StoreRequest``, ``LoadKeysRequest``, ``Transfer
 (Backup, Load), ``SessionRequest`` (Heartbeat, CloseSession), ``ReleaseHoldsRequest``,
 ``KeysRequest`` (RemoveKeys), ``PoolRequest`` (ClearPool, DeletePool, GetPool, ListSessions),
 ``AllocRequest``, ``FreeRequest``, ``CreatePoolRequest``, ``OpenSessionRequest``,
-``DrainRequest``, ``WatchEventsRequest``, ``NoRequest`` (Ping, GetInfo, ListPools).
+``DrainRequest``, ``WatchEventsRequest``, ``NoRequest`` (Ping, GetInfo, ListPools);
+``LookupResult``, ``StoreResult`` (what the daemon's handlers return is what the client's
+calls return).
 """
 
 from __future__ import annotations
@@ -151,3 +154,45 @@ class WatchEventsRequest(NamedTuple):
     """Every tier's events, not only host memory's."""
     active: Callable[[], bool] = _forever
     """The daemon's side: whether the watcher is still there (its transport says)."""
+
+
+# -- results the daemon returns and the client reads, defined once --------------------------
+
+
+class LookupResult(NamedTuple):
+    hit_prefix: int
+    """Leading keys found in some tier: the prefix a worker can load instead of recomputing."""
+    tiers: bytes
+    """One byte per key: 0 absent, 1 host memory, 2 the node's disk, 3 the cluster."""
+    hits: int
+    """Keys present, wherever they are in the batch."""
+    held: int = 0
+    """Leading keys held for the session named (``session_id`` and ``hold_ms``): a LoadKeys
+    of that session cannot fail for them. Keys below host memory are held once promoted."""
+    promise: int = -1
+    """What the daemon said ``promised`` is; -1 from a daemon from before it said so."""
+
+    @property
+    def promised(self) -> int:
+        """The leading keys a load can count on: those held, then those below host memory
+        that the daemon keeps there, promotes and holds for the load, within the session's
+        share of the pool (as the daemon says; a daemon from before it said nothing: every
+        key below host memory after the held ones, which a hit past the share overstates)."""
+        if self.promise >= 0:
+            return self.promise
+        n = self.held
+        while n < self.hit_prefix and self.tiers[n] > 1:
+            n += 1
+        return n
+
+
+class StoreResult(NamedTuple):
+    stored: int
+    already_present: int
+    no_space: int
+    status: bytes
+    """One byte per key: STORED, ALREADY_PRESENT (or being written by another request),
+    NO_SPACE (the pool is full of pages no copy lets go: not cached, not an error)."""
+    bytes_moved: int
+    duration_seconds: float
+

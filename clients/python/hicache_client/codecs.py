@@ -120,6 +120,11 @@ def _raw(method: w.Method, name: str) -> ClientCodec:
         lambda data, q: fp.decode_transfer(data))
 
 
+def _store_result(r: pb.StoreResponse) -> StoreResult:
+    return StoreResult(r.stored, r.already_present, r.no_space, bytes(r.status), r.bytes_moved,
+                       r.duration_seconds)
+
+
 def _open_session(q: c.OpenSessionRequest) -> pb.OpenSessionRequest:
     assert not callable(q.buffers), "the daemon's decode, not a client's request"
     return pb.OpenSessionRequest(
@@ -143,7 +148,7 @@ CODECS: dict[str, ClientCodec] = {
                    | (w.FLAG_PROMISE if q.hold_ms and q.promise else 0)),
         lambda data, q: fp.decode_lookup(data, bool(q.hold_ms), q.promise)),
     "Store": ClientCodec(
-        "Store", _store_message, StoreResult.from_proto, True, w.Method.STORE,
+        "Store", _store_message, _store_result, True, w.Method.STORE,
         lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,
                                 q.deadline_ns, _chain(q), _namespace(q)),
         lambda q: ((w.FLAG_CHAIN if _chain(q) is not None else 0)

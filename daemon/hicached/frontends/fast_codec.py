@@ -65,7 +65,7 @@ def _store(r: w.Reader, flags: int, max_keys: int) -> c.StoreRequest:
 
 def _store_reply(res: c.StoreResult, flags: int) -> bytes:
     return (w.STORE_REPLY.pack(res.stored, res.already_present, res.no_space, res.bytes_moved,
-                               res.seconds)
+                               res.duration_seconds)
             + _U32.pack(len(res.status)) + res.status)
 
 

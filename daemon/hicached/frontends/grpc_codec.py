@@ -111,7 +111,7 @@ def _store(m: pb.StoreRequest) -> c.StoreRequest:
 def _store_response(r: c.StoreResult) -> pb.StoreResponse:
     return pb.StoreResponse(stored=r.stored, already_present=r.already_present,
                             no_space=r.no_space, status=r.status, bytes_moved=r.bytes_moved,
-                            duration_seconds=r.seconds)
+                            duration_seconds=r.duration_seconds)
 
 
 def _load_keys(m: pb.LoadKeysRequest) -> c.LoadKeysRequest:

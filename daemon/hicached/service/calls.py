@@ -16,7 +16,7 @@ an iterator of its messages.
 
 Primitives:
 
-- Requests (``hicache.calls``, shared with the client) and results:
+- Requests and the data calls' results (``hicache.calls``, shared with the client):
   ``LookupRequest``/``LookupResult``, ``StoreRequest``/``StoreResult``,
   ``LoadKeysRequest``, ``TransferRequest`` (Backup, Load; their result and LoadKeys' is
   ``TransferResult``, the copy engine's), ``SessionRequest`` (Heartbeat, CloseSession; Heartbeat's
@@ -47,12 +47,14 @@ from hicache.calls import (
     KeysRequest,
     LoadKeysRequest,
     LookupRequest,
+    LookupResult,
     NoRequest,
     OpenSessionRequest,
     PoolRequest,
     ReleaseHoldsRequest,
     SessionRequest,
     StoreRequest,
+    StoreResult,
     TransferRequest,
     WatchEventsRequest,
 )
@@ -79,30 +81,6 @@ log = logging.getLogger(__name__)
 
 
 # -- requests and results -------------------------------------------------------------------
-
-
-class LookupResult(NamedTuple):
-    hit_prefix: int
-    """Leading keys present in some tier."""
-    tiers: bytes
-    """One byte per key: 0 absent, else the tier that has it."""
-    hits: int
-    """Keys present, wherever they are in the batch."""
-    held: int
-    """Leading keys held for the session (0 without a hold)."""
-    promised: int = 0
-    """Leading keys the session's LoadKeys can count on: ``held``, then the keys below host
-    memory kept there and promoted for it within its share (0 without a hold)."""
-
-
-class StoreResult(NamedTuple):
-    stored: int
-    already_present: int
-    no_space: int
-    status: bytes
-    """One status byte per key (``STORED``, ``PRESENT``, ``NO_SPACE``)."""
-    bytes_moved: int
-    seconds: float
 
 
 class Count(NamedTuple):
