@@ -27,8 +27,8 @@ from hicached.server.config import ServerConfig, config_from_mapping
 ENV_PREFIX = "HICACHED_"
 ENV_CHECK_LOCK_ORDER = "HICACHED_CHECK_LOCK_ORDER"
 """A directory: check every lock taken against ``hicached.core.locks.ORDER`` and write each
-inversion there (the test suite sets it for the daemons it starts; it costs each lock a few
-microseconds, so not for production)."""
+inversion there (the test suite sets it for the daemons it starts; it costs each take about a
+microsecond, so not for production)."""
 SIGNAL_CHECK_SECONDS = 0.25
 """How often the main thread wakes to run a signal's handler that another thread received."""
 _FLAGS: dict[str, tuple[str, str]] = {
