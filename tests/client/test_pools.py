@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from hicache import pools
-from hicache.pools import DEPRECATED_FIELDS, PoolInfo, pool_from_proto, pool_to_proto
+from hicache.codec import pool_from_proto, pool_to_proto
+from hicache.pools import DEPRECATED_FIELDS, PoolInfo
 from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 

@@ -10,14 +10,14 @@ part of the daemon:
 - ``indices``: index batches and their little-endian int64 wire form.
 - ``keys``: cache keys (1..64 bytes, checked per batch) and SGLang's chained page hashes.
 - ``layer_groups``: which per-layer event covers which layers of a load.
-- ``codec``: wire messages <-> the domain objects above (imports protobuf).
+- ``codec``: wire messages <-> the domain objects above and ``PoolInfo`` (imports protobuf).
 - ``error_mapping``: the one table from domain errors to gRPC codes, and the rich
   ``google.rpc.Status`` they travel as (imports gRPC).
 - ``paths``: the default socket of a local daemon.
 - ``cuda_driver``: the CUDA driver API through ctypes, loaded on first use only (workers export
   IPC handles with it, the daemon opens them).
-- ``pools``: ``PoolInfo``, a pool as the service reports it, and its wire mapping (one
-  definition for the daemon and its clients; deprecated names derived).
+- ``pools``: ``PoolInfo``, a pool as the service reports it (one definition for the daemon
+  and its clients; deprecated names derived; ``codec`` maps it to the wire).
 - ``calls``: the calls' typed requests, shared by the client's codecs and the daemon's method
   table.
 - ``fast_wire``: the fast path's framing: hello, headers, bodies, ``FrameSocket``.

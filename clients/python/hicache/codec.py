@@ -8,6 +8,9 @@ Primitives:
   ``buffers.DeviceBufferSpec`` (the daemon's transports never see protos).
 - ``kind_from_proto`` / ``dtype_from_proto`` / ``layout_from_proto`` / ``role_from_proto`` /
   ``role_to_proto`` / ``dtype_to_proto``: wire enum values <-> domain enums.
+- ``pool_to_proto`` / ``pool_from_proto``: ``pools.PoolInfo`` <-> ``hicache.v1.Pool``, field
+  by field by name; ``fill_deprecated(msg)``: a message's deprecated fields repeat the fields
+  they were renamed to (``pools.DEPRECATED_FIELDS``).
 
 Index batches travel as little-endian int64 bytes (``indices``). Decoding failures raise
 domain errors (``SPEC_INVALID``).
@@ -15,8 +18,12 @@ domain errors (``SPEC_INVALID``).
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Any
+
 from hicache.buffers import DeviceBufferSpec
 from hicache.errors import SpecInvalid
+from hicache.pools import CREATING, DEPRECATED_FIELDS, FAILED, READY, PoolInfo
 from hicache.specs import (
     ANCHOR,
     CanarySpec,
@@ -173,3 +180,35 @@ def buffer_to_proto(b: DeviceBufferSpec) -> pb.DeviceBuffer:
         msg.cuda_ipc.handle, msg.cuda_ipc.device_uuid = b.ipc_handle, b.device_uuid
         msg.cuda_ipc.offset, msg.cuda_ipc.nbytes = b.offset, b.nbytes
     return msg
+
+
+# -- a pool as the service reports it (hicache.pools) -----------------------------------------
+
+_POOL_STATES = {READY: pb.POOL_STATE_READY, CREATING: pb.POOL_STATE_CREATING,
+                FAILED: pb.POOL_STATE_FAILED}
+_POOL_SCALARS = tuple(f.name for f in fields(PoolInfo) if f.name not in ("spec", "state"))
+"""The fields that go onto the wire as they are, each under its own name."""
+
+
+def fill_deprecated(msg: Any) -> Any:
+    """``msg`` with each of its deprecated fields repeating the field it was renamed to."""
+    for old, new in DEPRECATED_FIELDS.get(msg.DESCRIPTOR.name, {}).items():
+        setattr(msg, old, getattr(msg, new))
+    return msg
+
+
+def pool_to_proto(p: PoolInfo) -> pb.Pool:
+    msg = pb.Pool(spec=spec_to_proto(p.spec), state=_POOL_STATES[p.state],  # type: ignore[arg-type]
+                  **{name: getattr(p, name) for name in _POOL_SCALARS})
+    return fill_deprecated(msg)  # type: ignore[no-any-return]
+
+
+def pool_from_proto(msg: pb.Pool) -> PoolInfo:
+    """The pool a reply reports (from an older daemon too: the old names read through)."""
+    values = {name: getattr(msg, name) for name in _POOL_SCALARS}
+    for old, new in DEPRECATED_FIELDS["Pool"].items():
+        values[new] = values[new] or getattr(msg, old)
+    state = pb.PoolState.Name(msg.state).removeprefix("POOL_STATE_")
+    if state == READY:
+        values["progress"] = 1.0
+    return PoolInfo(spec=spec_from_proto(msg.spec), state=state, **values)

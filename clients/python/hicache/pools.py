@@ -1,27 +1,25 @@
 """A pool as the service reports it: its fields, written once for the daemon and its clients.
 
 The daemon builds a ``PoolInfo`` for each pool it reports (``GetPool``, ``ListPools``,
-``CreatePool``); its codec turns it into ``hicache.v1.Pool`` and the client's reads it back
-into the same class. A field added here is one field everywhere: the wire mapping goes by
-name (``pool_to_proto`` / ``pool_from_proto``), and a test holds the fields to the message's.
+``CreatePool``); ``hicache.codec`` turns it into ``hicache.v1.Pool`` and back into the same
+class for the client. A field added here is one field everywhere: the wire mapping goes by
+name (``codec.pool_to_proto`` / ``codec.pool_from_proto``), and a test holds the fields to the
+message's. No protobuf here: the daemon's service layer speaks no wire format.
 
 Renamed fields keep their old names on the wire for older clients: ``DEPRECATED_FIELDS``
 says which old name repeats which field, the codec fills the old from the new
-(``fill_deprecated``), a reply from an older daemon that filled only the old one is read
-through it, and ``PoolInfo`` answers the old names as the new ones' values.
+(``codec.fill_deprecated``), a reply from an older daemon that filled only the old one is
+read through it, and ``PoolInfo`` answers the old names as the new ones' values.
 
-Primitives: ``PoolInfo``, ``READY`` / ``CREATING`` / ``FAILED``, ``DEPRECATED_FIELDS``,
-``fill_deprecated``, ``pool_to_proto``, ``pool_from_proto``.
+Primitives: ``PoolInfo``, ``READY`` / ``CREATING`` / ``FAILED``, ``DEPRECATED_FIELDS``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from hicache.codec import spec_from_proto, spec_to_proto
 from hicache.specs import PoolSpec
-from hicache.v1 import hicache_pb2 as pb
 
 READY, CREATING, FAILED = "READY", "CREATING", "FAILED"
 """A pool's states: serving; being built in the background; its build failed."""
@@ -33,10 +31,6 @@ DEPRECATED_FIELDS: dict[str, dict[str, str]] = {
 }
 """By message: each deprecated field -> the field whose value it repeats (a test holds this
 to the proto's ``deprecated`` options)."""
-
-_STATES = {READY: pb.POOL_STATE_READY, CREATING: pb.POOL_STATE_CREATING,
-           FAILED: pb.POOL_STATE_FAILED}
-
 
 @dataclass(frozen=True, kw_only=True)
 class PoolInfo:
@@ -102,31 +96,3 @@ class PoolInfo:
         if new is None:
             raise AttributeError(f"{type(self).__name__} has no field {name!r}")
         return getattr(self, new)
-
-
-_SCALARS = tuple(f.name for f in fields(PoolInfo) if f.name not in ("spec", "state"))
-"""The fields that go onto the wire as they are, each under its own name."""
-
-
-def fill_deprecated(msg: Any) -> Any:
-    """``msg`` with each of its deprecated fields repeating the field it was renamed to."""
-    for old, new in DEPRECATED_FIELDS.get(msg.DESCRIPTOR.name, {}).items():
-        setattr(msg, old, getattr(msg, new))
-    return msg
-
-
-def pool_to_proto(p: PoolInfo) -> pb.Pool:
-    msg = pb.Pool(spec=spec_to_proto(p.spec), state=_STATES[p.state],  # type: ignore[arg-type]
-                  **{name: getattr(p, name) for name in _SCALARS})
-    return fill_deprecated(msg)  # type: ignore[no-any-return]
-
-
-def pool_from_proto(msg: pb.Pool) -> PoolInfo:
-    """The pool a reply reports (from an older daemon too: the old names read through)."""
-    values = {name: getattr(msg, name) for name in _SCALARS}
-    for old, new in DEPRECATED_FIELDS["Pool"].items():
-        values[new] = values[new] or getattr(msg, old)
-    state = pb.PoolState.Name(msg.state).removeprefix("POOL_STATE_")
-    if state == READY:
-        values["progress"] = 1.0
-    return PoolInfo(spec=spec_from_proto(msg.spec), state=state, **values)

@@ -59,6 +59,7 @@ from hicache.calls import (
     TransferRequest,
     WatchEventsRequest,
 )
+from hicache.codec import pool_from_proto
 from hicache.error_mapping import from_rpc_error
 from hicache.errors import (
     Draining,
@@ -74,7 +75,6 @@ from hicache.indices import IndexArray, PageIds
 from hicache.keys import check_namespace, encode_keys
 from hicache.paths import default_target
 from hicache.polling import DEFAULT_MAX_US
-from hicache.pools import pool_from_proto
 from hicache.specs import PoolSpec
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc

@@ -21,9 +21,8 @@ import numpy as np
 
 from hicache import calls as c
 from hicache import fast_wire as w
-from hicache.codec import buffer_to_proto, spec_to_proto
+from hicache.codec import buffer_to_proto, pool_from_proto, spec_to_proto
 from hicache.indices import PageIds, indices_to_bytes, to_index_array
-from hicache.pools import pool_from_proto
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client import fast_path as fp
 from hicache_client.results import LookupResult, StoreResult, TransferStats

@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from hicache.codec import buffer_from_proto, spec_from_proto
+from hicache.codec import buffer_from_proto, fill_deprecated, pool_to_proto, spec_from_proto
 from hicache.indices import indices_to_bytes, to_index_array
-from hicache.pools import fill_deprecated, pool_to_proto
 from hicache.v1 import hicache_pb2 as pb
 from hicached.service import calls as c
 from hicached.service.calls import TransferResult
