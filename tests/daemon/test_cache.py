@@ -237,7 +237,7 @@ def test_removals_while_writers_overlap_are_forgotten_once_no_writer_predates_th
         cache.give_back(pages, first)
         assert not cache.removed_since(b"gone-%d" % (i - 1), second) if i else True
         pages, first = pages2, second
-        assert len(cache._removed_at) <= 1, len(cache._removed_at)
+        assert cache.removals.kept <= 1, cache.removals.kept
     cache.give_back(pages, first)
-    assert cache._removed_at == {} and not cache._lent
+    assert cache.removals.kept == 0 and cache.removals.lent == 0
     pool.allocator.memcheck()

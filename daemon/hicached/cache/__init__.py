@@ -7,6 +7,8 @@
 - ``pool_cache``: ``PoolCache``: keys -> pages, writing / ready states, store / load / remove /
   clear, eviction, statistics.
 - ``holds``: ``Holder``, ``HoldPolicy``, ``HoldTable``: the books of the holds Lookups take.
+- ``removals``: ``RemovalLog``: removals numbered, and the epochs of the writers lent pages,
+  so a key removed never comes back through a tier below.
 - ``chains``: ``ChainTable``: each recent key's parent and tokens (a Store's chain).
 - ``index_types``: store tickets and status bytes, the ``LowerTier`` protocol, counters.
 - ``key_slots``: which key each page holds, in the state file (crash-ordered).

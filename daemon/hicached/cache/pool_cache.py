@@ -58,10 +58,8 @@ Primitives:
   pages, epoch) / ``finish_spill``: the oldest ready keys' pages, read-held for a spiller;
   ``borrow(keys)`` / ``give_back(pages, epoch)``: pages of given keys for a writer to another
   tier; ``not_ready(keys)`` (keys to promote), ``wait_landed(keys, timeout)``. A writer's
-  *epoch* makes removals final below: before it commits a key it asks
-  ``removed_since(key, epoch)`` (lock-free, under the tier's own lock), and a removal records
-  its keys (a clear, its sequence number) before any tier hears of it, so whichever comes
-  second sees the other. Removals are remembered only while some writer is out.
+  *epoch* makes removals final below: it asks ``removed_since(key, epoch)`` before it
+  commits a key (the books are a ``removals.RemovalLog``).
 - ``recover()``: after the pool's state files were re-attached, the complete keys again.
 
 Raw pages share the allocator, are never evicted, may evict keyed pages. Thread-safe: one
@@ -95,6 +93,7 @@ from hicached.cache.index_types import (
 )
 from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
+from hicached.cache.removals import RemovalLog
 from hicached.cache.reuse_lru import ReuseLRU
 from hicached.core.locks import condition, lock
 from hicached.core.pool import HostPool
@@ -164,14 +163,8 @@ class PoolCache:
         """The evictable keys, in the order the pool's eviction policy takes them."""
         self._spilling: Counter[bytes] = Counter()
         """Keys a spiller is writing below (two spillers may write one key)."""
-        self._removal_seq = 0
-        """Removals so far (a writer's epoch is the sequence when it borrowed)."""
-        self._removed_at: dict[bytes, int] = {}
-        """Keys removed while some writer is out, and when (``removed_since``)."""
-        self._cleared_at = -1
-        """When the pool was last cleared while a writer was out."""
-        self._lent: Counter[int] = Counter()
-        """Epochs of the writers out now (how many of each)."""
+        self.removals = RemovalLog()
+        """Removals and the epochs of the writers out (``removed_since``)."""
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
 
     def share_with(self, share: Share | None) -> None:
@@ -484,7 +477,7 @@ class PoolCache:
         lead = len(tiers) - len(tiers.lstrip(b"\x01"))
         last = self._last_holds.get(owner)
         if (last is not None and last[0] == lead and last[1] == holds.version(owner)
-                and last[2] == self._removal_seq and last[3] == keys[:lead]):
+                and last[2] == self.removals.seq and last[3] == keys[:lead]):
             last[5].until = until  # every hold it took points at this deadline
             return last[4]
         limit = self.policy.limit(self.pool.page_num)
@@ -515,7 +508,7 @@ class PoolCache:
                 holds.add(owner, k, page, deadline)
                 self._read_more(page, k)
             self.stats.holds_taken += len(new)
-        self._last_holds[owner] = (lead, holds.version(owner), self._removal_seq,
+        self._last_holds[owner] = (lead, holds.version(owner), self.removals.seq,
                                    list(keys[:lead]), held, deadline)
         return held
 
@@ -536,7 +529,7 @@ class PoolCache:
             books = {"holds": self.holds.total, "hold_owners": len(self.holds.owners()),
                      "hold_deadlines": self.holds.deadlines,
                      "lookup_books": len(self._last_holds),
-                     "removals": len(self._removed_at)}
+                     "removals": self.removals.kept}
         # a ring, bounded by its size: kept for WatchEvents' replay (its own lock)
         books["event_keys"] = self.events.kept_keys
         books["event_keys_max"] = self.events.max_keys
@@ -572,38 +565,10 @@ class PoolCache:
 
     # -- lending: what the tiers below borrow -------------------------------------------
 
-    def _record_removal(self, keys: Sequence[bytes] | None) -> None:
-        """A removal of ``keys`` (None: a clear), recorded before it reaches any tier (lock
-        held): every writer out now will see it."""
-        self._removal_seq += 1
-        if keys is None:
-            self._cleared_at = self._removal_seq
-            self._removed_at.clear()
-        elif self._lent:
-            for k in keys:
-                self._removed_at[k] = self._removal_seq
-
     def removed_since(self, key: bytes, epoch: int) -> bool:
         """Whether ``key`` was removed (or the pool cleared) after ``epoch``. No lock: a
         tier asks under its own, and a removal records its keys before it reaches a tier."""
-        return self._cleared_at > epoch or self._removed_at.get(key, -1) > epoch
-
-    def _lend(self) -> int:
-        epoch = self._removal_seq
-        self._lent[epoch] += 1
-        return epoch
-
-    def _end_lend(self, epoch: int) -> None:
-        self._lent[epoch] -= 1
-        if self._lent[epoch] <= 0:
-            oldest = min(self._lent)
-            del self._lent[epoch]
-            if not self._lent:  # no writer out: no commit can predate a removal now
-                self._removed_at.clear()
-            elif epoch == oldest:  # removals no writer out now predates are asked no more
-                first = min(self._lent)
-                for k in [k for k, at in self._removed_at.items() if at <= first]:
-                    del self._removed_at[k]
+        return self.removals.removed_since(key, epoch)
 
     def wait_landed(self, keys: Sequence[bytes], timeout: float) -> bool:
         """Wait until none of ``keys`` is being written (a promotion in flight); False at
@@ -629,11 +594,11 @@ class PoolCache:
             keys = [k for k in self._evictable.oldest(window)
                     if k not in self._spilling and not written(k)][:n]
             if not keys:
-                return [], np.zeros(0, np.int64), self._removal_seq
+                return [], np.zeros(0, np.int64), self.removals.seq
             pages = np.asarray([self._ready[k] for k in keys], dtype=np.int64)
             self._alloc.acquire(pages, write=False)
             self._spilling.update(keys)
-            return keys, pages, self._lend()
+            return keys, pages, self.removals.lend()
 
     def finish_spill(self, keys: list[bytes], pages: np.ndarray, epoch: int) -> None:
         """The lower tier has (or failed to take) these pages: release them."""
@@ -641,7 +606,7 @@ class PoolCache:
             self._alloc.release(pages, write=False)
             self._spilling.subtract(keys)
             self._spilling += Counter()  # drop the keys no spiller holds any more
-            self._end_lend(epoch)
+            self.removals.end_lend(epoch)
 
     def borrow(self, keys: Sequence[bytes]) -> tuple[list[bytes], np.ndarray, int]:
         """The keys of ``keys`` still ready, with their pages read-held for a writer to
@@ -652,14 +617,14 @@ class PoolCache:
             pages = np.asarray([self._ready[k] for k in held], dtype=np.int64)
             if pages.size:
                 self._alloc.acquire(pages, write=False, unique=False)
-            return held, pages, self._lend()
+            return held, pages, self.removals.lend()
 
     def give_back(self, pages: np.ndarray, epoch: int) -> None:
         """The writer to another tier is done with the pages ``borrow`` lent it."""
         with self._lock:
             if pages.size:
                 self._alloc.release(pages, write=False, unique=False)
-            self._end_lend(epoch)
+            self.removals.end_lend(epoch)
 
     # -- removal ---------------------------------------------------------------------------
 
@@ -672,7 +637,7 @@ class PoolCache:
         """``remove``, returning the keys that were there."""
         with self._lock:
             unique, lower = list(dict.fromkeys(keys)), self.lower
-            self._record_removal(unique)  # before any tier hears of it
+            self.removals.record(unique)  # before any tier hears of it
             gone = self._forget([k for k in unique
                                  if k in self._ready or k in self._writing])
             self.events.append(EventKind.REMOVED, gone)  # the tier below says its own
@@ -693,7 +658,7 @@ class PoolCache:
         rewritten after the pool's lock is let go (a clear of a million keys on disk does not
         stop the pool's other calls)."""
         with self._lock:
-            self._record_removal(None)  # before any tier hears of it
+            self.removals.record(None)  # before any tier hears of it
             gone = self._forget([*self._ready, *self._writing])
             lower = self.lower
             slots = lower.forget(None) if lower is not None else []
