@@ -2,11 +2,11 @@
 # Set up and run the whole test suite on a fresh machine: dependencies, the native copy kernel,
 # lint, type checks, import rules, tests. Usage: bash scripts/test.sh [extra pytest args]
 #
-# bash scripts/test.sh --quick: the same set-up, then the unit and model tests (tests/daemon,
-# tests/client, without those marked slow) and one end-to-end test per front end (the fast
-# path, gRPC) and per engine (SGLang, vLLM) with real daemon and worker processes, in two
-# pytest processes side by side: a few minutes, for the edit-test loop. The whole suite is
-# what CI runs.
+# bash scripts/test.sh --quick: the same set-up, lint and the import rules, then the unit and
+# model tests (tests/daemon, tests/client, without those marked slow) and one end-to-end test
+# per front end (the fast path, gRPC) and per engine (SGLang, vLLM) with real daemon and worker
+# processes, in two pytest processes side by side: a few minutes, for the edit-test loop. The
+# whole suite is what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
@@ -27,6 +27,9 @@ if [[ "${1:-}" == "--quick" ]]; then
     shift
     started=$SECONDS
     logs=$(mktemp -d)
+    python3 -m ruff check .
+    # the import rules, over what setup_hicached just installed from this checkout
+    lint-imports --no-cache > "$logs/imports.log" || { cat "$logs/imports.log"; exit 1; }
     python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/daemon "$@" \
         > "$logs/units.log" 2>&1 &
     units=$!
