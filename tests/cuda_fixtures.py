@@ -1,5 +1,6 @@
 """Fixtures for the CUDA path on the fake driver: a loaded driver with two GPUs, fake device
-buffers laid out like SGLang's device pool, exported and attached through the real code."""
+buffers laid out like SGLang's device pool, exported and attached through the real code, and
+the rows of given pages read back from them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +20,9 @@ from hicache.cuda_driver import CudaDriver, load_driver
 from hicache.specs import PoolSpec, Role
 from hicache_client.cuda import CudaDeviceBuffers
 from tests.fakecuda import UUID_A, UUID_B, FakeCuda, library
+
+if TYPE_CHECKING:
+    from hicached.transport.cuda_ipc import CudaAttachment, CudaIpcTransport
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +90,46 @@ def free_gpu_kv(driver: CudaDriver, kv: FakeGpuKV, ordinal: int = 0) -> None:
     with driver.context(ordinal):
         for a in kv.allocations:
             driver.mem_free(a)
+
+
+def page_indices(pages: list[int] | np.ndarray, ps: int) -> torch.Tensor:
+    p = np.asarray(pages, dtype=np.int64)
+    return torch.from_numpy((p[:, None] * ps + np.arange(ps)).reshape(-1))
+
+
+def rows(kv: FakeGpuKV, s: PoolSpec, pages: np.ndarray, layers: range | None = None
+         ) -> list[torch.Tensor]:
+    out = []
+    for name, geometry in s.members():
+        for comp in geometry.components(s.page_size):
+            for layer in layers if layers is not None else range(geometry.layer_num):
+                if layer >= geometry.layer_num:
+                    continue
+                v = kv.views[(name, comp.role, layer)].view(-1, comp.unit_bytes)
+                if comp.page_granular:
+                    out.append(v[torch.from_numpy(pages)].clone())
+                else:
+                    out.append(v[page_indices(pages, s.page_size)].clone())
+    return out
+
+
+def attached_pair(driver: CudaDriver, transport: CudaIpcTransport, s: PoolSpec, tokens: int,
+                  seeds: tuple[int, int]
+                  ) -> tuple[FakeGpuKV, FakeGpuKV, CudaAttachment, CudaAttachment]:
+    """Two device KV buffers (random bytes by ``seeds``), each attached as a session."""
+    src = make_gpu_kv(driver, s, tokens, seed=seeds[0])
+    dst = make_gpu_kv(driver, s, tokens, seed=seeds[1])
+    return src, dst, transport.attach(src.descriptors.descriptors), \
+        transport.attach(dst.descriptors.descriptors)
+
+
+def release_pair(driver: CudaDriver, src: FakeGpuKV, dst: FakeGpuKV, a: CudaAttachment,
+                 b: CudaAttachment) -> None:
+    """``attached_pair`` undone: both sessions released, both buffers freed."""
+    a.release()
+    b.release()
+    free_gpu_kv(driver, src)
+    free_gpu_kv(driver, dst)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -138,6 +139,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def served_in_process(tmp_path: Path, spec: PoolSpec) -> Iterator[tuple[HiCacheServer, str, str]]:
+    """A daemon in this process on a temp socket, declaring ``spec``, without a state
+    directory or metrics: (server, its target, its shm directory); drained when done."""
+    from hicached.server.app import create_server
+    from hicached.server.config import ServerConfig
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    config = ServerConfig(listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), state_dir="",
+                          metrics_listen="", memory_budget_bytes=64 << 20, reserve_bytes=0,
+                          pools=(spec,), grace_seconds=1)
+    server, bound = create_server(config)
+    try:
+        yield server, bound[0], str(shm)
+    finally:
+        server.drain_and_stop(1.0)
 
 
 def sample(server: HiCacheServer, name: str, **labels: str) -> float:

@@ -18,8 +18,8 @@ from hicache.specs import DType, KVGeometry, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, LookupResult, ShmDeviceBuffers, WorkerSession
 from hicache_client.engine_config import EngineConfig
 from hicache_client.link import DaemonLink, Handover, Skipped
-from hicached.server.app import HiCacheServer, create_server
-from hicached.server.config import ServerConfig
+from hicached.server.app import HiCacheServer
+from tests.helpers import served_in_process
 
 SPEC = PoolSpec("gate", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, head_num=1, head_dim=8),
                 4, size_tokens=4 * 64)
@@ -27,14 +27,8 @@ SPEC = PoolSpec("gate", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, head_num=1, 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[HiCacheServer, str, str]]:
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    config = ServerConfig(listen=(f"unix:{tmp_path}/s.sock",), shm_dir=str(shm), state_dir="",
-                          metrics_listen="", memory_budget_bytes=64 << 20, reserve_bytes=0,
-                          pools=(SPEC,), grace_seconds=1)
-    server, bound = create_server(config)
-    yield server, bound[0], str(shm)
-    server.drain_and_stop(1.0)
+    with served_in_process(tmp_path, SPEC) as daemon:
+        yield daemon
 
 
 @pytest.fixture

@@ -43,7 +43,14 @@ from hicached.cuda.paths import EXPLORE, WARMUP, CopyPaths, Path, size_class
 from hicached.cuda.pinner import DriverPinner
 from hicached.cuda.runner import CudaRunner
 from hicached.transport.cuda_ipc import CudaIpcTransport
-from tests.cuda_fixtures import FakeGpuKV, free_gpu_kv, make_gpu_kv
+from tests.cuda_fixtures import (
+    attached_pair,
+    free_gpu_kv,
+    make_gpu_kv,
+    page_indices,
+    release_pair,
+    rows,
+)
 from tests.fakecuda import FakeCuda
 from tests.helpers import SMALL, geometry_for, spec
 
@@ -71,22 +78,6 @@ def transport_for(driver: CudaDriver, way: Path, binaries: KernelBinaries
                   ) -> CudaIpcTransport:
     """A transport whose sessions copy by ``way`` alone (dma where the device lacks it)."""
     return CudaIpcTransport(driver, (way,), binaries)
-
-
-def page_indices(pages: np.ndarray, ps: int) -> torch.Tensor:
-    return torch.from_numpy((pages[:, None] * ps + np.arange(ps)).reshape(-1))
-
-
-def rows(kv: FakeGpuKV, s: object, pages: np.ndarray) -> list[torch.Tensor]:
-    out = []
-    for name, geometry in s.members():  # type: ignore[attr-defined]
-        for comp in geometry.components(s.page_size):  # type: ignore[attr-defined]
-            for layer in range(geometry.layer_num):
-                v = kv.views[(name, comp.role, layer)].view(-1, comp.unit_bytes)
-                idx = (torch.from_numpy(pages) if comp.page_granular
-                       else page_indices(pages, s.page_size))  # type: ignore[attr-defined]
-                out.append(v[idx].clone())
-    return out
 
 
 def counts(fake: FakeCuda) -> dict[str, int]:
@@ -395,10 +386,7 @@ def test_every_way_round_trips_exact_into_zeroed_rows(
     s = spec(geometry_for(kind, dtype), page_size=page_size, layout=layout,
              size_tokens=16 * page_size)
     pool = HostPool(s, SMALL, pinner=DriverPinner(driver))
-    src = make_gpu_kv(driver, s, 12 * page_size, seed=1)
-    dst = make_gpu_kv(driver, s, 12 * page_size, seed=2)
-    a = transport.attach(src.descriptors.descriptors)
-    b = transport.attach(dst.descriptors.descriptors)
+    src, dst, a, b = attached_pair(driver, transport, s, 12 * page_size, (1, 2))
     try:
         assert a.buffers is not None and b.buffers is not None
         host = pool.alloc(6 * page_size)
@@ -416,10 +404,7 @@ def test_every_way_round_trips_exact_into_zeroed_rows(
         for x in rows(dst, s, np.array([0, 4, 5, 8, 9, 11])):
             assert not x.any(), "a row no page names stays zero"
     finally:
-        a.release()
-        b.release()
-        free_gpu_kv(driver, src)
-        free_gpu_kv(driver, dst)
+        release_pair(driver, src, dst, a, b)
         pool.close()
 
 
@@ -434,10 +419,7 @@ def test_every_way_crosses_a_pool_locked_in_chunks(
     s = spec(KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 128), page_size=4, layout=layout,
              size_tokens=4 * 40)
     pool = HostPool(s, SMALL, pinner=DriverPinner(driver))
-    src = make_gpu_kv(driver, s, 4 * 40, seed=5)
-    dst = make_gpu_kv(driver, s, 4 * 40, seed=6)
-    a = transport.attach(src.descriptors.descriptors)
-    b = transport.attach(dst.descriptors.descriptors)
+    src, dst, a, b = attached_pair(driver, transport, s, 4 * 40, (5, 6))
     try:
         assert pool.registrations.seams.size > 1
         assert a.buffers is not None and b.buffers is not None
@@ -452,10 +434,7 @@ def test_every_way_crosses_a_pool_locked_in_chunks(
         for x, y in zip(rows(src, s, pages), rows(dst, s, pages), strict=True):
             assert torch.equal(x, y)
     finally:
-        a.release()
-        b.release()
-        free_gpu_kv(driver, src)
-        free_gpu_kv(driver, dst)
+        release_pair(driver, src, dst, a, b)
         pool.close()
 
 
@@ -512,10 +491,7 @@ def test_the_kernel_reaches_only_locked_memory_of_an_elastic_pool(
     s = spec(KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 8, 128), page_size=16,
              size_tokens=16 * 48)
     pool = HostPool(s, ELASTIC, pinner=DriverPinner(driver), resident_pages=8)
-    src = make_gpu_kv(driver, s, 16 * 16, seed=3)
-    dst = make_gpu_kv(driver, s, 16 * 16, seed=4)
-    a = transport.attach(src.descriptors.descriptors)
-    b = transport.attach(dst.descriptors.descriptors)
+    src, dst, a, b = attached_pair(driver, transport, s, 16 * 16, (3, 4))
     try:
         assert pool.pinned_bytes < pool.nbytes
         assert pool.reserve_pages(8, 12)
@@ -532,10 +508,7 @@ def test_the_kernel_reaches_only_locked_memory_of_an_elastic_pool(
         for x, y in zip(rows(src, s, pages), rows(dst, s, pages), strict=True):
             assert torch.equal(x, y)
     finally:
-        a.release()
-        b.release()
-        free_gpu_kv(driver, src)
-        free_gpu_kv(driver, dst)
+        release_pair(driver, src, dst, a, b)
         pool.close()
         transport.close()
 
@@ -614,10 +587,7 @@ def test_a_batch_whose_timing_fails_still_completes_and_its_bytes_land(
     s = spec(geometry_for(PoolKind.MHA, DType.BFLOAT16), page_size=4, size_tokens=64)
     t = CudaIpcTransport(driver, (Path.DMA, Path.KERNEL), binaries)
     pool = HostPool(s, SMALL, pinner=DriverPinner(driver))
-    src = make_gpu_kv(driver, s, 48, seed=1)
-    dst = make_gpu_kv(driver, s, 48, seed=2)
-    a = t.attach(src.descriptors.descriptors)
-    b = t.attach(dst.descriptors.descriptors)
+    src, dst, a, b = attached_pair(driver, t, s, 48, (1, 2))
     real = driver.event_elapsed_ms
 
     def broken(start: int, end: int) -> float:
@@ -637,10 +607,7 @@ def test_a_batch_whose_timing_fails_still_completes_and_its_bytes_land(
         assert t.copies(0).paths.rates() == {}, "a failed timing was recorded"
     finally:
         driver.event_elapsed_ms = real  # type: ignore[method-assign]
-        a.release()
-        b.release()
-        free_gpu_kv(driver, src)
-        free_gpu_kv(driver, dst)
+        release_pair(driver, src, dst, a, b)
         pool.close()
         t.close()
 

@@ -30,7 +30,14 @@ from hicached.cuda.pinner import DriverPinner
 from hicached.cuda.runner import CudaRunner
 from hicached.cuda.segments import plan_segments
 from hicached.transport.cuda_ipc import CudaAttachment, CudaIpcTransport
-from tests.cuda_fixtures import FakeGpuKV, free_gpu_kv, make_gpu_kv
+from tests.cuda_fixtures import (
+    attached_pair,
+    free_gpu_kv,
+    make_gpu_kv,
+    page_indices,
+    release_pair,
+    rows,
+)
 from tests.fakecuda import UUID_A, UUID_B, FakeCuda
 from tests.fakecuda import format_uuid as fmt
 from tests.helpers import SMALL, geometry_for, native_kernel, spec
@@ -53,48 +60,8 @@ def submitter(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
 
 
-def page_indices(pages: list[int] | np.ndarray, ps: int) -> torch.Tensor:
-    p = np.asarray(pages, dtype=np.int64)
-    return torch.from_numpy((p[:, None] * ps + np.arange(ps)).reshape(-1))
-
-
-def rows(kv: FakeGpuKV, s: PoolSpec, pages: np.ndarray, layers: range | None = None
-         ) -> list[torch.Tensor]:
-    out = []
-    for name, geometry in s.members():
-        for comp in geometry.components(s.page_size):
-            for layer in layers if layers is not None else range(geometry.layer_num):
-                if layer >= geometry.layer_num:
-                    continue
-                v = kv.views[(name, comp.role, layer)].view(-1, comp.unit_bytes)
-                if comp.page_granular:
-                    out.append(v[torch.from_numpy(pages)].clone())
-                else:
-                    out.append(v[page_indices(pages, s.page_size)].clone())
-    return out
-
-
 def pinned_pool(driver: CudaDriver, s: PoolSpec) -> HostPool:
     return HostPool(s, SMALL, pinner=DriverPinner(driver))
-
-
-def attached_pair(driver: CudaDriver, transport: CudaIpcTransport, s: PoolSpec, tokens: int,
-                  seeds: tuple[int, int]
-                  ) -> tuple[FakeGpuKV, FakeGpuKV, CudaAttachment, CudaAttachment]:
-    """Two device KV buffers (random bytes by ``seeds``), each attached as a session."""
-    src = make_gpu_kv(driver, s, tokens, seed=seeds[0])
-    dst = make_gpu_kv(driver, s, tokens, seed=seeds[1])
-    return src, dst, transport.attach(src.descriptors.descriptors), \
-        transport.attach(dst.descriptors.descriptors)
-
-
-def release_pair(driver: CudaDriver, src: FakeGpuKV, dst: FakeGpuKV, a: CudaAttachment,
-                 b: CudaAttachment) -> None:
-    """``attached_pair`` undone: both sessions released, both buffers freed."""
-    a.release()
-    b.release()
-    free_gpu_kv(driver, src)
-    free_gpu_kv(driver, dst)
 
 
 # -- driver -----------------------------------------------------------------------------------

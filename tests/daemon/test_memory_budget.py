@@ -165,6 +165,18 @@ def test_a_growth_stalled_in_its_system_calls_holds_no_other_pools_store(node) -
     assert n.budget.used_bytes == 24 * PB
 
 
+def _locked_pool_full_at_its_floor(node):  # type: ignore[no-untyped-def]
+    """A node on a GPU host (locked memory by cuMemHostRegister's rules) with pool a, its
+    floor four pages, full at it: (node, a's locked units, a's budget member)."""
+    pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes
+    n = node(64, config(pb, pools=(PoolShare("*", floor_bytes=4 * pb),)), StrictPinner())
+    n.add("a")
+    units = n.pools["a"].pin_units
+    assert units is not None
+    n.store("a", 4)  # full at its floor
+    return n, units, n.budget._members["a"]
+
+
 def test_a_growth_that_ends_first_unlocks_no_page_another_growth_reserved(node) -> None:  # type: ignore[no-untyped-def]
     """A rebalance grants pool a ten pages and stops with them locked, a's limit not raised
     (the seam); a's Stores grow it meanwhile: one publishes, the next stops with its page
@@ -176,14 +188,7 @@ def test_a_growth_that_ends_first_unlocks_no_page_another_growth_reserved(node) 
 
     from hicache import seams
 
-    pinner = StrictPinner()
-    pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes
-    n = node(64, config(pb, pools=(PoolShare("*", floor_bytes=4 * pb),)), pinner)
-    n.add("a")
-    units = n.pools["a"].pin_units
-    assert units is not None
-    n.store("a", 4)  # full at its floor
-    member = n.budget._members["a"]
+    n, units, member = _locked_pool_full_at_its_floor(node)
     stopped: dict[threading.Thread, threading.Event] = {}
     arrived = threading.Semaphore(0)
 
@@ -241,14 +246,7 @@ def test_a_grant_does_not_publish_over_a_limit_that_went_down_and_back(node) -> 
     """A grant locks ten pages above a's limit and stops; a grows by two, then a round
     shrinks it back to where the grant began (unlocking every unit above). The limit is
     where it was, but what the grant locked is not: it must not publish it."""
-    pinner = StrictPinner()
-    pb = spec(mha(layers=2, heads=8, dim=128), page_size=4, size_tokens=4 * PAGES).page_bytes
-    n = node(64, config(pb, pools=(PoolShare("*", floor_bytes=4 * pb),)), pinner)
-    n.add("a")
-    units = n.pools["a"].pin_units
-    assert units is not None
-    n.store("a", 4)
-    member = n.budget._members["a"]
+    n, units, member = _locked_pool_full_at_its_floor(node)
     grant, go, hook = _stopped_grant(n, member, 10)
     try:
         n.store("a", 2)
