@@ -213,3 +213,42 @@ def test_the_ways_gpu_copies_may_go(tmp_path: Path) -> None:
         with pytest.raises(SpecInvalid, match="cuda_copy_paths") as info:
             config_from_mapping({"cuda_copy_paths": bad})
         assert info.value.reason == "SPEC_INVALID"
+
+
+def _socket_path(length: int) -> str:
+    path = "/tmp/" + "d" * (length - len("/tmp/") - len("/h.sock")) + "/h.sock"
+    assert len(path) == length
+    return path
+
+
+def test_a_socket_path_with_no_room_for_the_sockets_beside_it_is_refused_at_start() -> None:
+    """Every socket beside an API socket (``.id``; ``.fast`` unless the fast path is off) must
+    fit a Unix socket path's 107 bytes: the daemon refuses at start, not with a bind error
+    after the gRPC server is up."""
+    ok = _socket_path(107 - len(".fast"))
+    assert ServerConfig(listen=(f"unix:{ok}",)).listen == (f"unix:{ok}",)
+    over = _socket_path(107 - len(".fast") + 1)
+    with pytest.raises(SpecInvalid) as err:
+        ServerConfig(listen=(f"unix://{over}",))
+    assert err.value.metadata["path_bytes"] == "108" and err.value.metadata["max_bytes"] == "107"
+    assert over + ".fast" in str(err.value) and "<socket>.id and <socket>.fast" in str(err.value)
+    assert ServerConfig(listen=(f"unix:{over}",), fast_path=False).fast_path is False
+    with pytest.raises(SpecInvalid, match=r"\.id"):
+        ServerConfig(listen=(f"unix:{_socket_path(107 - len('.id') + 1)}",), fast_path=False)
+    with pytest.raises(SpecInvalid, match="over the 107"):
+        ServerConfig(health_listen=(f"unix:{_socket_path(108)}",))
+    huge = "unix:/tmp/" + "x" * 100_000
+    with pytest.raises(SpecInvalid) as err:
+        ServerConfig(listen=(huge,))
+    assert len(str(err.value)) < 1000 and len(err.value.metadata["listen"]) <= 200
+
+
+def test_serve_with_a_socket_path_too_long_exits_2_saying_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hicached.__main__ import main
+
+    over = _socket_path(104)
+    assert main(["serve", "--listen", f"unix:{over}", "--state-dir", "",
+                 "--shm-dir", str(tmp_path), "--metrics-listen", ""]) == 2
+    err = capsys.readouterr().err
+    assert "over the 107" in err and "Traceback" not in err

@@ -5,13 +5,27 @@ thing it writes to stderr."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from tests.daemon_proc import REPO
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """The bench's TMPDIR, short: its daemon's socket and the sockets beside it must fit a
+    Unix socket's 107 bytes, which a test's own directory under a parallel run may not."""
+    d = Path(tempfile.mkdtemp(prefix="hb-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def ours_in_shm() -> set[str]:
@@ -57,3 +71,16 @@ def test_ctrl_c_cleans_up(tmp_path: Path) -> None:
     p.communicate(timeout=60)
     assert p.returncode != 0
     assert os.listdir(tmp_path) == [] and ours_in_shm() == before
+
+
+def test_a_daemon_that_cannot_start_is_reported_at_once_with_its_own_words(
+        tmp_path: Path) -> None:
+    from hicache_bench.daemon import DaemonDidNotStart, start_daemon
+
+    work = tmp_path / ("w" * (104 - len(str(tmp_path)) - len("//bench.sock")))
+    work.mkdir()
+    assert len(str(work / "bench.sock")) == 104  # its .fast socket would not fit
+    started = time.monotonic()
+    with pytest.raises(DaemonDidNotStart, match=r"exited with 2 .*over the 107"):
+        start_daemon(str(work), str(tmp_path), "64MiB")
+    assert time.monotonic() - started < 30

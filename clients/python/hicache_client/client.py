@@ -41,6 +41,7 @@ import grpc
 import numpy as np
 
 from hicache import fast_wire as w
+from hicache import paths
 from hicache.buffers import DeviceBufferSpec
 from hicache.calls import (
     AllocRequest,
@@ -404,7 +405,7 @@ class HiCacheClient:
         self._fast_flags = (info.fast_path_flags
                             or w.KNOWN_FLAGS & ~(w.FLAG_CHAIN | w.STORE_DEADLINE))
         # the socket beside ours (the daemon may see its sockets at another path), else its
-        mine = self.target[len("unix:"):].removeprefix("//") + ".fast"
+        mine = paths.beside(paths.unix_path(self.target), paths.FAST_PATH_SUFFIX)
         path = mine if os.path.exists(mine) else info.fast_path
         self._fast = fp.FastPath(path, self.timeout, self._spin_us, self._trusted)
         log.info("data calls to %s over the fast path %s", self.target, path)

@@ -26,6 +26,7 @@ import socket
 import struct
 from collections.abc import Collection, Sequence
 
+from hicache import paths
 from hicache.errors import DaemonUntrusted, FdRejected
 
 TIMEOUT_SECONDS = 5.0
@@ -34,7 +35,7 @@ TIMEOUT_SECONDS = 5.0
 def identity_path(target: str) -> str | None:
     if not target.startswith("unix:"):
         return None
-    return target[len("unix:"):].removeprefix("//") + ".id"
+    return paths.beside(paths.unix_path(target), paths.IDENTITY_SUFFIX)
 
 
 DAEMON_UID_ENV = "HICACHE_DAEMON_UID"

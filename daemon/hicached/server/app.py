@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 import hicache
 from hicache.cuda_driver import CudaDriver, driver_problem, load_driver
 from hicache.errors import PinFailed, SpecInvalid
-from hicache.paths import default_socket_path
+from hicache.paths import FAST_PATH_SUFFIX, IDENTITY_SUFFIX, beside, default_socket_path, unix_path
 from hicache.polling import sum_counts
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -53,7 +53,7 @@ from hicached.frontends.identity_channel import IdentityChannel
 from hicached.frontends.interceptors import server_interceptors
 from hicached.publish.kv_event_config import seq_file
 from hicached.server.config import ServerConfig
-from hicached.server.locks import PidLock, SocketLock, state_lock, unix_path
+from hicached.server.locks import PidLock, SocketLock, state_lock
 from hicached.server.metrics import Metrics, MetricsEndpoint, ScrapeState, serve
 from hicached.service.admission import ByteBudget, DataGate
 from hicached.service.daemon import Daemon
@@ -242,13 +242,14 @@ class HiCacheServer:
             for target in bound:
                 if target.startswith("unix:"):
                     self._secure_socket(unix_path(target))
-                    channel = IdentityChannel(unix_path(target) + ".id",
+                    channel = IdentityChannel(beside(unix_path(target), IDENTITY_SUFFIX),
                                               self.config.socket_mode, self._socket_gid())
                     channel.start()
                     self.identity_channels.append(channel)
                     self.daemon.identities.append(channel)
                     if self.config.fast_path:
-                        fast = FastPathServer(self.envelope, unix_path(target) + ".fast",
+                        fast = FastPathServer(self.envelope,
+                                              beside(unix_path(target), FAST_PATH_SUFFIX),
                                               mode=self.config.socket_mode,
                                               gid=self._socket_gid(),
                                               max_frame_bytes=self.config.max_message_bytes,

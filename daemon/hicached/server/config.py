@@ -17,7 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from hicache.errors import SpecInvalid
-from hicache.paths import DEFAULT_STATE_DIR, default_socket_path
+from hicache.paths import (
+    DEFAULT_STATE_DIR,
+    FAST_PATH_SUFFIX,
+    IDENTITY_SUFFIX,
+    UNIX_PATH_MAX,
+    default_socket_path,
+    too_long,
+    unix_path,
+)
 from hicache.polling import DEFAULT_MAX_US
 from hicache.specs import (
     CanarySpec,
@@ -244,6 +252,19 @@ class ServerConfig:
             if not target.startswith("unix:") and ":" not in target:
                 raise SpecInvalid(f"health_listen target {target!r} is neither unix:PATH nor "
                                   "HOST:PORT")
+        beside_api = (IDENTITY_SUFFIX, *((FAST_PATH_SUFFIX,) if self.fast_path else ()))
+        for target, suffixes in [*((t, beside_api) for t in self.listen),
+                                 *((t, ()) for t in self.health_listen)]:
+            long = too_long(unix_path(target), suffixes) if target.startswith("unix:") else None
+            if long is not None:
+                also = (f" (the daemon also listens on "
+                        f"{' and '.join('<socket>' + s for s in suffixes)})" if suffixes else "")
+                raise SpecInvalid(
+                    f"Unix socket path {long[:200]!r} is {len(os.fsencode(long))} bytes, over "
+                    f"the {UNIX_PATH_MAX} a Unix socket's path may have{also}: choose a "
+                    f"shorter path",
+                    metadata={"listen": target[:200], "path_bytes": len(os.fsencode(long)),
+                              "max_bytes": UNIX_PATH_MAX})
         if not 0 <= self.max_watchers < self.grpc_threads:
             raise SpecInvalid("max_watchers must be >= 0 and below grpc_threads (each stream "
                               "holds an RPC thread)",

@@ -3,7 +3,6 @@
 Primitives:
 
 - ``AlreadyServing``: another daemon holds the lock (its pid in the message).
-- ``unix_path(target)``: the file of a ``unix:`` target.
 - ``SocketLock(socket_path)``: ``<socket>.lock`` flock'ed for the daemon's life (opened
   without following a symlink, refused when not the daemon's own file: ``UntrustedPath``); a
   socket a killed daemon left is replaced; ``release()`` removes both.
@@ -25,13 +24,6 @@ log = logging.getLogger(__name__)
 
 class AlreadyServing(RuntimeError):
     """Another hicached holds the socket."""
-
-
-def unix_path(target: str) -> str:
-    path = target[len("unix:"):]
-    if path.startswith("//"):
-        path = path[2:]
-    return path
 
 
 class PidLock:
