@@ -27,8 +27,14 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-LOCK_ORDER_REPORT = Path(tempfile.mkdtemp(prefix="hicache-lock-order-"))
-"""Where this run's daemons write each lock taken against the written order."""
+RUN_DIR = Path(os.environ.get("HICACHE_TEST_RUN_DIR")
+               or tempfile.mkdtemp(prefix="hicache-test-run-"))
+"""What every process of this run shares (pytest-xdist's workers inherit it from the process
+that starts them): the lock-order reports and the reliability figures."""
+os.environ["HICACHE_TEST_RUN_DIR"] = str(RUN_DIR)
+
+LOCK_ORDER_REPORT = RUN_DIR
+"""Where this run's processes and daemons write each lock taken against the written order."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -67,7 +73,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
-    from tests.reliability.figures import FIGURES
+    from tests.reliability.figures import collected
 
     inversions = lock_order_inversions()
     if inversions:
@@ -77,10 +83,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
             terminalreporter.write_line(text)
         terminalreporter.write_line(f"{len(inversions)} inversion(s): the run fails")
 
-    if not FIGURES:
+    figures = collected()
+    if not figures:
         return
     terminalreporter.section("reliability figures")
-    for test, values in sorted(FIGURES.items()):
+    for test, values in sorted(figures.items()):
         shown = ", ".join(f"{k}={v:,.0f}" if float(v).is_integer() else f"{k}={v:,.2f}"
                           for k, v in values.items())
         terminalreporter.write_line(f"{test}: {shown}")

@@ -39,6 +39,12 @@ def ours_in_shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("hicache-lat-")}
 
 
+def compares_in_shm() -> set[str]:
+    """What compare and its latency runs make under /dev/shm (other tests' daemons, which may
+    run beside this one, have names of their own)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("hicache-compare-", "hicache-lat-"))}
+
+
 def daemon_pids() -> set[int]:
     got = subprocess.run(["pgrep", "-f", "hicached serve .*hicache-lat-"], capture_output=True,
                          text=True).stdout
@@ -156,7 +162,7 @@ def test_a_revision_that_is_not_one_is_refused_cleanly(tmp_path: Path) -> None:
 def test_sigterm_in_the_middle_leaves_nothing_behind(stand_in: tuple[Path, str, str],
                                                      tmp_path: Path) -> None:
     clone, base, slow = stand_in
-    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("hicache-")}
+    shm_before = compares_in_shm()
     before = daemon_pids()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TMPDIR"] = str(tmp_path)
@@ -179,5 +185,5 @@ def test_sigterm_in_the_middle_leaves_nothing_behind(stand_in: tuple[Path, str, 
     assert p.returncode == 128 + signal.SIGTERM
     assert git(clone, "worktree", "list").count("\n") == 0
     assert os.listdir(tmp_path) == []
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("hicache-")} == shm_before
+    assert compares_in_shm() == shm_before
     assert not daemon_pids() - before, "a daemon outlived compare"
