@@ -57,6 +57,25 @@ def pytest_configure(config: pytest.Config) -> None:
             "(bash scripts/test.sh does; or pip install . in this environment)")
 
 
+LONGEST_FILES = (
+    "tests/repo/test_packaging.py",
+    "tests/integrations/sglang/test_sglang_server.py",
+    "tests/reliability/test_leaks.py",
+    "tests/repo/test_bench_compare.py",
+    "tests/install/test_installed.py",
+    "tests/reliability/test_restart.py",
+    "tests/reliability/test_soak_torture.py",
+    "tests/integrations/vllm/test_router_vllm.py",
+)
+"""Test files that take a minute or more here, longest first: they start first, so a
+parallel run (scripts/test.sh) does not end on one of them alone. Only the order changes."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 def lock_order_inversions() -> list[str]:
     """Every inversion this run's processes wrote, one text each."""
     found = []

@@ -146,18 +146,32 @@ def test_the_engines_are_the_versions_the_tests_run() -> None:
         assert engine not in dict(map(_requirement, EXTRAS[f"{engine}-cpu-test"]))
 
 
+@pytest.fixture(scope="module")
+def resolver(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A new virtual environment with pip, and hicached's wheel built from a clean copy (its
+    metadata is what ``pip install .`` reads; built once, not once per extra)."""
+    root = tmp_path_factory.mktemp("resolver")
+    venv.create(root / "venv", with_pip=True)
+    src = clean_copy(root / "src")
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                          "--no-build-isolation", "--no-index", "-w", str(root / "dist"),
+                          str(src)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (wheel,) = (root / "dist").glob("hicached-*.whl")
+    return root / "venv" / "bin" / "python", wheel
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", sorted(EXTRAS))
-def test_every_extra_resolves_in_a_fresh_environment(tmp_path: Path, extra: str) -> None:
+def test_every_extra_resolves_in_a_fresh_environment(resolver: tuple[Path, Path],
+                                                     tmp_path: Path, extra: str) -> None:
     """pip's own resolver, in a new virtual environment, over the configured index: what a
     user's ``pip install ".[extra]"`` resolves (a dry run: nothing is installed)."""
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
+    python, wheel = resolver
     report = tmp_path / "report.json"
-    out = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q",
-                          "--dry-run", "--ignore-installed", "--report", str(report),
-                          f"{REPO}[{extra}]"], capture_output=True, text=True, timeout=1500,
-                         cwd=tmp_path)
+    out = subprocess.run([str(python), "-m", "pip", "install", "-q", "--dry-run",
+                          "--ignore-installed", "--report", str(report), f"{wheel}[{extra}]"],
+                         capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     assert out.returncode == 0, f".[{extra}] does not resolve:\n{out.stderr[-4000:]}"
     from packaging.utils import canonicalize_name
 

@@ -31,3 +31,9 @@ def test_the_quick_tier_names_one_existing_test_per_front_end_and_engine() -> No
         assert any(c.startswith(i) for c in collected), f"{i} collects nothing"
     fast_and_grpc = [c for c in collected if "test_holds_e2e" in c]
     assert {c.rsplit("[", 1)[-1] for c in fast_and_grpc} == {"fast]", "grpc]"}
+
+
+def test_the_files_the_suite_starts_first_exist() -> None:
+    from tests.conftest import LONGEST_FILES
+
+    assert LONGEST_FILES and all((REPO / f).is_file() for f in LONGEST_FILES), LONGEST_FILES
