@@ -183,7 +183,7 @@ def index_bytes(n: int) -> dict[str, Any]:
         fill(cache, keys[n:])
         steady = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
-        policy = cache._evictable
+        policy = cache.index._evictable
         native = policy.nbytes() if isinstance(policy, ReuseLRU) else 0
         pool.close()
         out[name] = {"fill_bytes_per_key": (filled - before) / n,

@@ -31,7 +31,6 @@ def read(pool: HostPool, page: int) -> np.ndarray:
 def store(cache: PoolCache, keys: list[bytes]) -> None:
     """A Store as the daemon runs it: pages taken, their bytes written, the keys ready."""
     ticket = cache.begin_store(keys)
-    for page in ticket.pages.tolist():
-        key = cache._page_key[page]
-        write(cache.pool, page, pattern(key, cache.pool.spec.page_bytes))
+    for i, page in zip(ticket.positions.tolist(), ticket.pages.tolist(), strict=True):
+        write(cache.pool, page, pattern(ticket.keys[i], cache.pool.spec.page_bytes))
     cache.finish_store(ticket, True)

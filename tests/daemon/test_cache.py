@@ -131,7 +131,8 @@ def test_a_touching_lookup_makes_its_hits_the_most_recently_used(pool: HostPool,
     evicted = [K[2], K[3]] if touch else [K[0], K[1]]
     assert cache.lookup(evicted)[0] == 0
     assert cache.lookup([k for k in K[:4] if k not in evicted])[0] == 2
-    assert cache.lookup(K[9:10], touch=True) == (0, b"\x00") and K[9] not in cache._evictable
+    assert cache.lookup(K[9:10], touch=True) == (0, b"\x00")
+    assert K[9] not in cache.index._evictable
     pool.allocator.memcheck()
 
 

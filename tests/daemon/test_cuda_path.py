@@ -599,14 +599,14 @@ def test_an_elastic_pinned_pool_copies_only_through_locked_memory(
         stored = {b"k%02d" % i: i for i in range(40)}
         store(list(stored), list(range(40)))
         locked = pool.pinned_bytes
-        top = max(cache._ready.values())
-        top_key = cache._page_key[top]
+        top = max(cache.index.ready.values())
+        (top_key,) = [k for k, p in cache.index.ready.items() if p == top]
         cache.remove([top_key])
         del stored[top_key]
         # a Store takes the freed top page, and stops there while the pool shrinks
         ticket = cache.begin_store([b"late"])
         assert ticket.pages.tolist() == [top]
-        for k in [k for k, p in cache._ready.items() if p < 30][4:]:
+        for k in [k for k, p in cache.index.ready.items() if p < 30][4:]:
             cache.remove([k])
             del stored[k]
         r = cache.resize(16)
@@ -621,7 +621,7 @@ def test_an_elastic_pinned_pool_copies_only_through_locked_memory(
         fill = {b"f%02d" % i: 41 + i for i in range(16 - len(stored))}
         store(list(fill), list(fill.values()))  # every page below the share in use
         stored.update(fill)
-        assert sorted(cache._ready.values()) == list(range(16))
+        assert sorted(cache.index.ready.values()) == list(range(16))
         load_all_exact(stored)
         # and it grows again
         assert pool.reserve_pages(16, 48)

@@ -358,7 +358,7 @@ class HoldsMachine(RuleBasedStateMachine):
         total = sum(len(h) for h in self.held.values())
         assert self.cache.holds.total >= total  # expired in the model, not yet in the cache
         counts = self.pool.allocator.counts()
-        assert counts["busy"] == len(self.cache._reading)  # every read-hold is accounted
+        assert counts["busy"] == len(self.cache.index._reading)  # every read-hold is accounted
         assert counts["free"] + counts["keyed"] + counts["raw"] + counts["releasing"] \
             == self.pool.page_num
 

@@ -120,8 +120,9 @@ def test_the_busy_pool_grows_and_the_idle_one_shrinks_to_its_floor_and_no_furthe
         n.budget.rebalance()
     assert n.share("b") == 6, "the idle pool gives way down to its floor and no further"
     assert n.share("a") == 30
-    assert len(b._ready) == 6 and b.stats.evicted_by["budget"] == 14  # its newest 6 stayed
-    assert all(np.array_equal(read(n.pools["b"], p), pattern(k, PB)) for k, p in b._ready.items())
+    assert len(b.index.ready) == 6 and b.stats.evicted_by["budget"] == 14  # its newest 6 stayed
+    assert all(np.array_equal(read(n.pools["b"], p), pattern(k, PB))
+               for k, p in b.index.ready.items())
     # idle memory goes back: a's keys removed, the next round takes its free pages
     a.clear()
     n.budget.rebalance()
@@ -301,7 +302,8 @@ def test_a_pool_that_cannot_lock_more_evicts_its_own_and_grows_once_it_can(node)
     units._refused_until = 0.0
     n.store("a", 4)
     assert n.share("a") >= 8 and units.frontier >= n.share("a")
-    assert all(np.array_equal(read(n.pools["a"], p), pattern(k, pb)) for k, p in a._ready.items())
+    assert all(np.array_equal(read(n.pools["a"], p), pattern(k, pb))
+               for k, p in a.index.ready.items())
 
 
 def test_memory_goes_to_the_pool_whose_pages_are_worth_more(node) -> None:  # type: ignore[no-untyped-def]
@@ -316,7 +318,7 @@ def test_memory_goes_to_the_pool_whose_pages_are_worth_more(node) -> None:  # ty
     assert n.caches["a"].stats.evicted_by["budget"] > 0
     before = n.share("b")
     n.now += 1
-    for k in list(n.caches["a"]._ready)[:2]:  # a's pages become the hot ones
+    for k in list(n.caches["a"].index.ready)[:2]:  # a's pages become the hot ones
         n.caches["a"].lookup([k], touch=True)
     n.store("a", 8)
     n.budget.rebalance()  # a's oldest page is now younger than b's: b gives
@@ -337,7 +339,7 @@ def test_a_tenant_at_its_quota_evicts_its_own_pages(node) -> None:  # type: igno
         n.budget.rebalance()
     assert n.tenant_pages("t") <= 20
     assert n.share("t-2") < 6, "its own other pool gave way"
-    assert n.caches["u"].stats.evicted == 0 and len(n.caches["u"]._ready) == 8
+    assert n.caches["u"].stats.evicted == 0 and len(n.caches["u"].index.ready) == 8
 
 
 def test_no_tenant_is_taken_below_its_guaranteed_share(node) -> None:  # type: ignore[no-untyped-def]
@@ -391,7 +393,7 @@ def test_no_pool_grows_into_the_dip_of_a_shrink_in_progress(node) -> None:  # ty
     n.add("b")
     n.store("a", 20)
     n.store("b", 4)
-    reading = a.begin_load([max(a._ready, key=lambda k: a._ready[k])])  # page 19 in use
+    reading = a.begin_load([max(a.index.ready, key=lambda k: a.index.ready[k])])  # page 19 in use
     with seams.Pause("resize.moved") as stop:
         t = threading.Thread(target=n.budget._shrink, args=(n.budget._members["a"], 8))
         t.start()
@@ -440,7 +442,7 @@ class BudgetMachine(RuleBasedStateMachine):
 
     @rule(pool=st.sampled_from(["t-1", "u-1"]), i=st.integers(0, 50))
     def remove(self, pool: str, i: int) -> None:
-        keys = sorted(self.node.caches[pool]._ready)
+        keys = sorted(self.node.caches[pool].index.ready)
         if keys:
             key = keys[i % len(keys)]
             self.node.caches[pool].remove([key])
@@ -469,7 +471,7 @@ class BudgetMachine(RuleBasedStateMachine):
         assert node.tenant_pages("t") <= 36, "over t's quota"
         for name, cache in node.caches.items():
             node.pools[name].allocator.memcheck()
-            for key, page in cache._ready.items():
+            for key, page in cache.index.ready.items():
                 assert key not in self.removed
                 assert np.array_equal(read(node.pools[name], page), pattern(key, pb)), key
 

@@ -30,7 +30,7 @@ K = [b"key-%03d" % i for i in range(64)]
 
 
 def page_of(cache: PoolCache, key: bytes) -> int:
-    return cache._ready[key]
+    return cache.index.ready[key]
 
 
 @pytest.fixture
@@ -47,19 +47,19 @@ def test_a_shrink_evicts_the_oldest_and_moves_the_rest_below_with_their_bytes(
     cache.lookup([K[0]], touch=True)  # now K1 is the oldest
     r = cache.resize(6)
     assert (r.limit, r.evicted) == (6, 6)
-    assert set(cache._ready) == {K[0], *K[7:12]}  # K1..K6 went, oldest first
+    assert set(cache.index.ready) == {K[0], *K[7:12]}  # K1..K6 went, oldest first
     assert r.moved == 5  # K7..K11 lived on pages 7..11
     n = pool.spec.page_bytes
-    for key in cache._ready:
+    for key in cache.index.ready:
         assert page_of(cache, key) < 6
         assert np.array_equal(read(pool, page_of(cache, key)), pattern(key, n)), key
     assert cache.stats.evicted_by["budget"] == 6
     pool.allocator.memcheck()
     # a Store after it stays below the limit: it evicts rather than grow
     store(cache, K[20:23])
-    assert all(p < 6 for p in cache._page_key) and pool.allocator.used_pages <= 6
+    assert all(p < 6 for p in cache.index.keyed_pages()) and pool.allocator.used_pages <= 6
     # a moved key loads, and the canary holds for the page it moved to
-    assert K[11] in cache._ready
+    assert K[11] in cache.index.ready
     pages = cache.begin_load([K[11]])
     assert pool.canary is not None
     pool.canary.verify(pages, range(3), pool.fingerprints(pages, range(3)))
@@ -74,8 +74,8 @@ def test_pages_in_use_stay_and_hold_the_limit_above_them_until_they_are_free(
     raw = cache.alloc_raw(2 * pool.page_size)  # pages 10, 11: a worker owns them
     r = cache.resize(4)
     assert r.limit == 12  # page 11 is the highest in use
-    assert page_of(cache, K[9]) == 9 and K[9] in cache._ready
-    assert all(p < 4 for k, p in cache._ready.items() if k != K[9])
+    assert page_of(cache, K[9]) == 9 and K[9] in cache.index.ready
+    assert all(p < 4 for k, p in cache.index.ready.items() if k != K[9])
     cache.finish_load(loading)
     pool.allocator.free(raw)
     r = cache.resize(4)
@@ -88,11 +88,11 @@ def test_a_growth_hands_the_pages_out_again(pool: HostPool) -> None:
     cache = PoolCache(pool)
     cache.resize(4)
     store(cache, K[:8])
-    assert len(cache._ready) == 4
+    assert len(cache.index.ready) == 4
     r = cache.resize(16)
     assert r == (16, 0, 0, 0)
     store(cache, K[8:20])
-    assert len(cache._ready) == 16 and pool.allocator.used_pages == 16
+    assert len(cache.index.ready) == 16 and pool.allocator.used_pages == 16
     pool.allocator.memcheck()
 
 
@@ -124,12 +124,12 @@ def test_the_memory_above_the_limit_goes_back_to_the_system() -> None:
         for off, n in p.page_run_ranges(16, 64):
             assert not raw[off:off + n].any(), "released pages read zero"
         del raw
-        for key in cache._ready:  # the 16 kept keys are whole
+        for key in cache.index.ready:  # the 16 kept keys are whole
             assert np.array_equal(read(p, page_of(cache, key)), pattern(key, p.spec.page_bytes))
         cache.resize(64)  # grown again: the pages fault back in as they are written
         store(cache, K[:64])
         assert all(np.array_equal(read(p, page_of(cache, k)), pattern(k, p.spec.page_bytes))
-                   for k in K[:64] if k in cache._ready)
+                   for k in K[:64] if k in cache.index.ready)
     finally:
         p.close()
 
@@ -158,7 +158,7 @@ class ResizeMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 30))
     def begin_load(self, i: int) -> None:
         key = K[i]
-        if key not in self.cache._ready:
+        if key not in self.cache.index.ready:
             return
         self.loading.append((key, self.cache.begin_load([key])))
 
@@ -187,13 +187,13 @@ class ResizeMachine(RuleBasedStateMachine):
         alloc.memcheck()
         limit = alloc.limit
         loading = {int(p[0]) for _, p in self.loading}
-        for key, page in self.cache._ready.items():
+        for key, page in self.cache.index.ready.items():
             assert key not in self.removed, "a removed key is still there"
             assert page < limit, "a key above the limit"
             if page not in loading:
                 assert np.array_equal(read(self.pool, page), pattern(key, self.n)), key
         for key, pages in self.loading:  # a page being read never moves
-            assert self.cache._ready.get(key, int(pages[0])) == int(pages[0]), key
+            assert self.cache.index.ready.get(key, int(pages[0])) == int(pages[0]), key
         assert alloc.used_pages <= limit
 
 

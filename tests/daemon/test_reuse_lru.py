@@ -381,7 +381,7 @@ class PoolMachine(RuleBasedStateMachine):
     def within_capacity_and_as_modelled(self) -> None:
         assert self.cache.key_count <= CAP
         assert set(self.cache.snapshot()) == self.ready
-        assert len(self.cache._evictable) == len(self.ready - self.held)
+        assert self.cache.index.evictable == len(self.ready - self.held)
 
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
@@ -690,7 +690,7 @@ def test_a_promoted_page_enters_as_used_and_outlives_the_pool_s_older_pages(
         t = cache.begin_store([k])
         cache.finish_store(t, True)
         cache.finish_load(cache.begin_load([k]))
-    policy = cache._evictable
+    policy = cache.index._evictable
     assert isinstance(policy, ReuseLRU)
     policy._shadows.theta = THETAS[-1]  # used pages kept far longer
     up = cache.begin_store([b"up0", b"up1"], "promotion")

@@ -159,7 +159,7 @@ def test_a_clear_erases_the_disk_after_letting_the_pools_lock_go(cache: PoolCach
     keys = [b"d%d" % i for i in range(6)]
     _store(cache, keys)
     for k in keys:
-        assert disk.write(k, cache.pool.page_views(int(cache._ready[k])))
+        assert disk.write(k, cache.pool.page_views(int(cache.index.ready[k])))
     cache.lower = disk
     real_erase, erasing, go = disk.erase, threading.Event(), threading.Event()
 

@@ -4,8 +4,10 @@
 - ``reuse_lru``: ``ReuseLRU``, the default eviction policy: reused pages outlive pages used
   once by a margin each pool learns, a batch's deepest first.
 - ``events``: the STORED / REMOVED / EVICTED log routers follow.
-- ``pool_cache``: ``PoolCache``: keys -> pages, writing / ready states, store / load / remove /
-  clear, eviction, statistics.
+- ``key_index``: ``KeyIndex``: keys -> pages, writing / ready states, readers, spills and the
+  eviction order of one pool (no lock: its pool cache's).
+- ``pool_cache``: ``PoolCache``: over a ``KeyIndex``: store / load / remove / clear, eviction,
+  holds, loans to the tiers below, resize, statistics.
 - ``holds``: ``Holder``, ``HoldPolicy``, ``HoldTable``: the books of the holds Lookups take.
 - ``removals``: ``RemovalLog``: removals numbered, and the epochs of the writers lent pages,
   so a key removed never comes back through a tier below.

@@ -63,7 +63,10 @@ Primitives:
 - ``recover()``: after the pool's state files were re-attached, the complete keys again.
 
 Raw pages share the allocator, are never evicted, may evict keyed pages. Thread-safe: one
-lock per pool cache, taken before the allocator's (and a lower tier's).
+lock per pool cache, taken before the allocator's (and a lower tier's). Its state is three
+books it owns, each changed only under that lock: ``index`` (``key_index.KeyIndex``: keys,
+pages, readers, spills, the eviction order), ``holds`` (``holds.HoldTable``) and ``removals``
+(``removals.RemovalLog``).
 """
 
 from __future__ import annotations
@@ -71,7 +74,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -91,6 +93,7 @@ from hicached.cache.index_types import (
     Resized,
     StoreTicket,
 )
+from hicached.cache.key_index import KeyIndex
 from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
 from hicached.cache.removals import RemovalLog
@@ -153,16 +156,9 @@ class PoolCache:
         self._lock = lock("pool_cache")
         self._landed = condition(self._lock)
         """Notified whenever keys stop being written (a LoadKeys waits for a promotion)."""
-        self._ready: dict[bytes, int] = {}
-        self._writing: dict[bytes, int] = {}
-        self._page_key: dict[int, bytes] = {}
-        self._reading: dict[int, int] = {}
-        """Readers per page that keep it out of the LRU: loads in flight and holds."""
-        self._evictable: LRU | ReuseLRU = (
-            LRU() if eviction == "lru" else ReuseLRU(lambda: self._alloc.limit))
-        """The evictable keys, in the order the pool's eviction policy takes them."""
-        self._spilling: Counter[bytes] = Counter()
-        """Keys a spiller is writing below (two spillers may write one key)."""
+        self.index = KeyIndex(LRU() if eviction == "lru"
+                              else ReuseLRU(lambda: self._alloc.limit))
+        """Keys -> pages, their states, readers and eviction order (under this lock)."""
         self.removals = RemovalLog()
         """Removals and the epochs of the writers out (``removed_since``)."""
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
@@ -183,22 +179,20 @@ class PoolCache:
         dupes = 0
         now = self._clock()
         with self._lock:
+            index = self.index
             for page, key, _seq in found:
-                old = self._ready.get(key)
+                old = index.recovered(key, page)
                 if old is not None:  # a move cut short by a crash; keep the newest
                     self.slots.clear(np.asarray([old], dtype=np.int64))
-                    del self._page_key[old]
                     dupes += 1
-                self._ready[key] = page
-                self._page_key[page] = key
-            self._evictable.add(list(self._ready), now)
-            kept = self._alloc.recover(np.asarray(list(self._page_key), dtype=np.int64))
+            index.landed(list(index.ready), now, used=False)
+            kept = self._alloc.recover(np.asarray(index.keyed_pages(), dtype=np.int64))
             if self.pool.canary is not None:  # fingerprints of the pages kept stay
                 every = np.arange(self.pool.page_num, dtype=np.int64)
                 kept_mask = self._alloc.is_allocated(every) | self._alloc.is_keyed(every)
                 self.pool.canary.forget(every[~kept_mask])
-        self.recovered_keys = len(self._ready)
-        return {"keys": len(self._ready), "raw_pages": kept["raw"], "damaged": damaged,
+        self.recovered_keys = len(self.index.ready)
+        return {"keys": len(self.index.ready), "raw_pages": kept["raw"], "damaged": damaged,
                 "duplicates": dupes}
 
     # -- queries ---------------------------------------------------------------------------
@@ -206,18 +200,17 @@ class PoolCache:
     @property
     def key_count(self) -> int:
         """Ready keys (read without the lock: one dict length, for metrics too)."""
-        return len(self._ready)
+        return len(self.index.ready)
 
     @property
     def eviction_margin(self) -> float:
         """How many capacities longer a reused page is kept than one used once (the
         ``reuse`` policy's learnt ``theta``; 0 under ``lru``). Read without the lock."""
-        ev = self._evictable
-        return ev.theta if isinstance(ev, ReuseLRU) else 0.0
+        return self.index.margin
 
     def snapshot(self) -> list[bytes]:
         with self._lock:
-            return list(self._ready)  # in the order they became ready: chains stay together
+            return list(self.index.ready)  # in the order they became ready: chains stay together
 
     def lookup(self, keys: Sequence[bytes],
                below: Callable[[list[bytes]], list[int]] | None = None,
@@ -234,7 +227,7 @@ class PoolCache:
                 ) -> tuple[int, bytes, int]:
         """``lookup``; with ``holder`` also holds what host memory has of the hit prefix,
         in the same step (``held.HeldKeys``): (hit prefix, tiers, keys held)."""
-        lower = self.lower
+        lower, index = self.lower, self.index
         held = 0
         tiers = bytearray()
         for at in range(0, max(len(keys), 1), LOOKUP_CHUNK):
@@ -246,10 +239,9 @@ class PoolCache:
                 seams.reached("lookup.hold")
             with self._lock:
                 chunk = keys[at:at + LOOKUP_CHUNK]
-                found = bytearray(map(self._ready.__contains__, chunk))
+                found = bytearray(map(index.ready.__contains__, chunk))
                 if touch:
-                    self._evictable.touch(list(itertools.compress(chunk, found)),
-                                          self._clock())
+                    index.touch(list(itertools.compress(chunk, found)), self._clock())
                 if lower is not None and found.count(0):
                     for i in (i for i, f in enumerate(found) if not f):
                         if lower.contains(chunk[i]):
@@ -279,19 +271,20 @@ class PoolCache:
         status = bytearray(len(keys))
         self.expire_holds()  # pages whose holds ran out are evictable again
         now = self._clock()
+        index = self.index
         with self._lock:
             new: list[int] = []
             there: list[bytes] = []
             for i, k in enumerate(keys):
-                if k in self._ready:
+                if k in index.ready:
                     status[i] = PRESENT
                     there.append(k)
-                elif k in self._writing:
+                elif k in index.writing:
                     status[i] = PRESENT
                 else:
                     new.append(i)
             if there:
-                self._evictable.touch(there, now)
+                index.touch(there, now)
             short = len(new) - self._alloc.free_pages
             if short > 0 and self._share is not None and self._share.grow(short):
                 short = len(new) - self._alloc.free_pages
@@ -300,8 +293,7 @@ class PoolCache:
             grant = min(len(new), self._alloc.free_pages)
             pages = self._alloc.alloc_pages(grant) if grant else np.zeros(0, np.int64)
             for i, page in zip(new[:grant], pages.tolist(), strict=True):
-                self._writing[keys[i]] = page
-                self._page_key[page] = keys[i]
+                index.write(keys[i], page)
             for i in new[grant:]:
                 status[i] = NO_SPACE
             self.stats.already_present += status.count(PRESENT)
@@ -323,18 +315,11 @@ class PoolCache:
             for i, page, good in zip(ticket.positions.tolist(), ticket.pages.tolist(), oks,
                                      strict=True):
                 key = ticket.keys[i]
-                if self._writing.get(key) != page:  # removed or cleared meanwhile
-                    del self._page_key[page]
-                    drop.append(page)
-                    continue
-                del self._writing[key]
-                if good:
-                    self._ready[key] = page
+                if self.index.written(key, page, good):
                     ticket.status[i] = STORED
                     stored.append(key)
                     stored_pages.append(page)
-                else:
-                    del self._page_key[page]
+                else:  # failed, or removed or cleared meanwhile
                     drop.append(page)
             if isinstance(ok, bool):  # one outcome for the whole copy (a Store's)
                 self._alloc.release(ticket.pages, write=True,
@@ -343,10 +328,8 @@ class PoolCache:
                 done = np.asarray(oks, dtype=bool)
                 self._alloc.release(ticket.pages[done], write=True, layers=self._all_layers)
                 self._alloc.release(ticket.pages[~done], write=True)
-            if ticket.reason == "promotion":  # read up for a load: used, the most recent
-                self._evictable.back(stored, now)
-            else:
-                self._evictable.add(stored, now)
+            # read up for a load: used, the most recent
+            self.index.landed(stored, now, used=ticket.reason == "promotion")
             self.slots.ready(stored_pages, stored)  # their bytes are complete: a restart keeps them
             self._drop_pages(np.asarray(drop, dtype=np.int64))
             self.stats.stored += len(stored)
@@ -368,7 +351,8 @@ class PoolCache:
             holds = self.holds
             held = {k: h for k in keys if (h := holds.get(owner, k)) is not None} \
                 if owner and holds.count(owner) else {}
-            pages = [held[k].page if k in held else self._ready.get(k, -1) for k in keys]
+            ready = self.index.ready
+            pages = [held[k].page if k in held else ready.get(k, -1) for k in keys]
             if -1 in pages:
                 first = pages.index(-1)
                 missing = pages.count(-1)
@@ -383,7 +367,7 @@ class PoolCache:
             if not held:
                 self._alloc.acquire(out, write=False, unique=False)
                 for k, page in zip(keys, pages, strict=True):
-                    self._read_more(page, k)
+                    self.index.read_more(page, k)
                 return out
             # each position gets one reader: a consumed hold's own for the first use of
             # its key, a shared one (the page may be released already: removed) for repeats
@@ -396,46 +380,20 @@ class PoolCache:
                 if k in unused:
                     unused.discard(k)
                     continue
-                (repeat if self._reading.get(page, 0) else fresh).append((k, page))
+                (repeat if self.index.readers(page) else fresh).append((k, page))
             if fresh:
                 self._alloc.acquire(np.asarray([p for _, p in fresh], dtype=np.int64),
                                     write=False, unique=False)
             if repeat:
                 self._alloc.share(np.asarray([p for _, p in repeat], dtype=np.int64))
             for k, page in fresh + repeat:
-                self._read_more(page, k)
+                self.index.read_more(page, k)
         return out
 
     def finish_load(self, pages: np.ndarray) -> None:
         with self._lock:
             self._alloc.release(pages, write=False, unique=False)
-            self._evictable.back(self._read_less(pages.tolist()), self._clock())
-
-    # -- readers (internals, lock held) -------------------------------------------------------
-
-    def _read_more(self, page: int, key: bytes) -> None:
-        """One more reader of ``page``: out of the LRU while it has any."""
-        n = self._reading.get(page, 0)
-        if n == 0:
-            self._evictable.discard(key)
-        self._reading[page] = n + 1
-
-    def _read_less(self, pages: list[int]) -> list[bytes]:
-        """One reader of each of ``pages`` ended (the allocator's already released): the
-        keys, in order, that are evictable again now (none is left and the key still names
-        the page), for the policy's ``back``."""
-        out: list[bytes] = []
-        reading, page_key, ready = self._reading, self._page_key, self._ready
-        for page in pages:
-            n = reading[page] - 1
-            if n:
-                reading[page] = n
-                continue
-            del reading[page]
-            key = page_key.get(page)
-            if key is not None and ready.get(key) == page:
-                out.append(key)
-        return out
+            self.index.read_less(pages.tolist(), self._clock())
 
     # -- holds: what a Lookup promised a session ------------------------------------------
 
@@ -460,7 +418,7 @@ class PoolCache:
         """Hold for ``holder`` the leading ``keys`` host memory has now (the promotion its
         Lookup started landed); returns how many."""
         with self._lock:
-            tiers = bytearray(1 if k in self._ready else 0 for k in keys)
+            tiers = bytearray(1 if k in self.index.ready else 0 for k in keys)
             return self._hold_locked(holder, keys, tiers, self._clock() + holder.seconds)
 
     def _hold_locked(self, holder: Holder, keys: Sequence[bytes], tiers: bytearray,
@@ -484,7 +442,7 @@ class PoolCache:
         deadline = holds.deadline(owner, until)
         new: dict[bytes, int] = {}
         held = 0
-        ready = self._ready
+        ready = self.index.ready
         for k in keys[:lead]:
             page = ready.get(k)
             if page is None:  # gone since a long Lookup's earlier chunk saw it
@@ -506,7 +464,7 @@ class PoolCache:
                                 unique=False)
             for k, page in new.items():
                 holds.add(owner, k, page, deadline)
-                self._read_more(page, k)
+                self.index.read_more(page, k)
             self.stats.holds_taken += len(new)
         self._last_holds[owner] = (lead, holds.version(owner), self.removals.seq,
                                    list(keys[:lead]), held, deadline)
@@ -561,7 +519,7 @@ class PoolCache:
             return
         pages = np.asarray([h.page for h in gone], dtype=np.int64)
         self._alloc.release(pages, write=False, unique=False)
-        self._evictable.back(self._read_less(pages.tolist()), self._clock())
+        self.index.read_less(pages.tolist(), self._clock())
 
     # -- lending: what the tiers below borrow -------------------------------------------
 
@@ -574,13 +532,13 @@ class PoolCache:
         """Wait until none of ``keys`` is being written (a promotion in flight); False at
         ``timeout``."""
         with self._landed:
-            return self._landed.wait_for(lambda: not any(k in self._writing for k in keys),
-                                         timeout)
+            writing = self.index.writing
+            return self._landed.wait_for(lambda: not any(k in writing for k in keys), timeout)
 
     def not_ready(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys host memory does not hold ready (to be promoted from a lower tier)."""
         with self._lock:
-            return [k for k in dict.fromkeys(keys) if k not in self._ready]
+            return [k for k in dict.fromkeys(keys) if k not in self.index.ready]
 
     # -- spill -----------------------------------------------------------------------------
 
@@ -591,21 +549,19 @@ class PoolCache:
         drops the key from host memory, but its page is not reused until ``finish_spill``),
         and the epoch to check removals against."""
         with self._lock:
-            keys = [k for k in self._evictable.oldest(window)
-                    if k not in self._spilling and not written(k)][:n]
+            keys = self.index.to_spill(n, window, written)
             if not keys:
                 return [], np.zeros(0, np.int64), self.removals.seq
-            pages = np.asarray([self._ready[k] for k in keys], dtype=np.int64)
+            pages = np.asarray([self.index.ready[k] for k in keys], dtype=np.int64)
             self._alloc.acquire(pages, write=False)
-            self._spilling.update(keys)
+            self.index.spill_begun(keys)
             return keys, pages, self.removals.lend()
 
     def finish_spill(self, keys: list[bytes], pages: np.ndarray, epoch: int) -> None:
         """The lower tier has (or failed to take) these pages: release them."""
         with self._lock:
             self._alloc.release(pages, write=False)
-            self._spilling.subtract(keys)
-            self._spilling += Counter()  # drop the keys no spiller holds any more
+            self.index.spill_ended(keys)
             self.removals.end_lend(epoch)
 
     def borrow(self, keys: Sequence[bytes]) -> tuple[list[bytes], np.ndarray, int]:
@@ -613,8 +569,9 @@ class PoolCache:
         another tier (an eviction meanwhile drops the key, its page waits for
         ``give_back``), and the epoch to check removals against."""
         with self._lock:
-            held = [k for k in dict.fromkeys(keys) if k in self._ready]
-            pages = np.asarray([self._ready[k] for k in held], dtype=np.int64)
+            ready = self.index.ready
+            held = [k for k in dict.fromkeys(keys) if k in ready]
+            pages = np.asarray([ready[k] for k in held], dtype=np.int64)
             if pages.size:
                 self._alloc.acquire(pages, write=False, unique=False)
             return held, pages, self.removals.lend()
@@ -638,8 +595,8 @@ class PoolCache:
         with self._lock:
             unique, lower = list(dict.fromkeys(keys)), self.lower
             self.removals.record(unique)  # before any tier hears of it
-            gone = self._forget([k for k in unique
-                                 if k in self._ready or k in self._writing])
+            index = self.index
+            gone = self._forget([k for k in unique if k in index.ready or k in index.writing])
             self.events.append(EventKind.REMOVED, gone)  # the tier below says its own
             slots: list[int] = []
             if lower is not None:
@@ -659,7 +616,7 @@ class PoolCache:
         stop the pool's other calls)."""
         with self._lock:
             self.removals.record(None)  # before any tier hears of it
-            gone = self._forget([*self._ready, *self._writing])
+            gone = self._forget([*self.index.ready, *self.index.writing])
             lower = self.lower
             slots = lower.forget(None) if lower is not None else []
             self.stats.removed += len(gone)
@@ -674,7 +631,7 @@ class PoolCache:
         """How long ago the least recently used evictable key was used (0 without one): what
         the pool's next eviction would cost, the memory budget's value rule."""
         with self._lock:
-            last = self._evictable.oldest_use()
+            last = self.index.oldest_use()
         return max(now - last, 0.0) if last is not None else 0.0
 
     def resize(self, pages: int, max_moves: int | None = None) -> Resized:
@@ -694,14 +651,14 @@ class PoolCache:
             evicted = self.stats.evicted
             short = alloc.used_pages - target
             if short > 0:
-                self._evict(min(short, len(self._evictable)), "budget", now)
+                self._evict(min(short, self.index.evictable), "budget", now)
             evicted = self.stats.evicted - evicted
             alloc.set_limit(target)
             moved = 0
             for page in alloc.in_use_from(target).tolist():
                 if moved >= max_moves:
                     break
-                if page in self._page_key:  # (a raw page stays)
+                if self.index.owner(page) is not None:  # (a raw page stays)
                     moved += self._move(page)
             seams.reached("resize.moved")
             limit = alloc.set_limit(max(target, alloc.top()))
@@ -711,8 +668,8 @@ class PoolCache:
     def _move(self, page: int) -> int:
         """Copy a ready key's page into a free page below the limit (1), or leave it where it
         is (0): being written, read, held or spilled, or no free page below."""
-        key = self._page_key[page]
-        if self._ready.get(key) != page or page in self._reading or key in self._spilling:
+        key = self.index.movable(page)
+        if key is None:
             return 0
         src = np.asarray([page], dtype=np.int64)
         alloc = self._alloc
@@ -736,9 +693,7 @@ class PoolCache:
             alloc.release_pages(dst)
             return 0
         new = int(dst[0])
-        self._ready[key] = new
-        self._page_key[new] = key
-        del self._page_key[page]
+        self.index.moved(key, page, new)
         self.slots.ready([new], [key])  # the newer slot wins if a crash leaves both
         alloc.release(dst, write=True, layers=layers)
         alloc.release(src, write=True)
@@ -748,23 +703,12 @@ class PoolCache:
     # -- internals (lock held) -------------------------------------------------------------
 
     def _forget(self, keys: list[bytes]) -> list[bytes]:
-        pages = []
-        for k in keys:
-            page = self._ready.pop(k, None)
-            if page is None:
-                self._writing.pop(k, None)  # finish_store frees its page
-                continue
-            self._evictable.discard(k)
-            del self._page_key[page]
-            pages.append(page)
-        self._drop_pages(np.asarray(pages, dtype=np.int64))
+        self._drop_pages(np.asarray(self.index.forget(keys), dtype=np.int64))
         return keys
 
     def _evict(self, n: int, reason: str, now: float) -> None:
-        # a key being spilled frees its page only when its spill ends: the oldest keys whose
-        # pages free at once go first (the spill's own keys stay, the next to go)
         used: list[float] = []
-        keys = self._evictable.pop_oldest(n, self._spilling, used)
+        keys, pages = self.index.evict(n, used)
         st = self.stats
         st.evicted_by[reason] += len(keys)
         for last in used:
@@ -773,14 +717,11 @@ class PoolCache:
             st.evicted_age[bisect.bisect_left(EVICTED_AGE_BUCKETS, age)] += 1
         kept = self.kept_below or (self.lower.contains if self.lower is not None else None)
         if kept is not None:  # being written below counts as below: it lands there
-            below = sum(k in self._spilling or kept(k) for k in keys)
-            self.stats.evicted_to_lower += below
-            self.stats.spill_dropped += len(keys) - below
-        pages = np.asarray([self._ready.pop(k) for k in keys], dtype=np.int64)
-        for page in pages.tolist():
-            del self._page_key[page]
-        self._drop_pages(pages)
-        self.stats.evicted += len(keys)
+            below = sum(self.index.spilling(k) or kept(k) for k in keys)
+            st.evicted_to_lower += below
+            st.spill_dropped += len(keys) - below
+        self._drop_pages(np.asarray(pages, dtype=np.int64))
+        st.evicted += len(keys)
         self.events.append(EventKind.EVICTED, keys)
 
     def _drop_pages(self, pages: np.ndarray) -> None:
@@ -801,6 +742,6 @@ class PoolCache:
             if (short > 0 and self._share is not None
                     and num_tokens % self.pool.page_size == 0 and self._share.grow(short)):
                 short = need - self._alloc.free_pages
-            if 0 < short <= len(self._evictable) and num_tokens % self.pool.page_size == 0:
+            if 0 < short <= self.index.evictable and num_tokens % self.pool.page_size == 0:
                 self._evict(short, "alloc", self._clock())
             return self._alloc.alloc(num_tokens, owner)
