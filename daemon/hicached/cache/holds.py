@@ -26,7 +26,9 @@ Primitives:
   no keys: all), ``end(owner)`` (the session ended: every hold, and what the table kept for
   it), ``expire(now)`` (holds past their deadline), ``version(owner)`` (bumped when its set
   of holds changes), ``owners()`` (owners it keeps anything for: live sessions only),
-  ``deadlines``, ``total``. Deadlines sit in a heap (a moved one is put back when it comes
+  ``deadlines``, ``total``; ``last(owner)`` / ``remember(owner, Holding)``: what the owner's
+  last Lookup held (the same Lookup again, nothing changed since, refreshes it in one step),
+  ``lookups`` (owners with one). Deadlines sit in a heap (a moved one is put back when it comes
   due): a Lookup that asks the same keys again refreshes all its holds in O(1).
 """
 
@@ -103,9 +105,23 @@ class Hold:
         return self.deadline.until
 
 
+class Holding(NamedTuple):
+    """What one Lookup held: its leading keys in host memory (``lead``, ``keys``), the
+    owner's holds ``version`` and the removal sequence then (``removals``), how many it held
+    and their ``deadline``."""
+
+    lead: int
+    version: int
+    removals: int
+    keys: list[bytes]
+    held: int
+    deadline: Deadline
+
+
 class HoldTable:
     def __init__(self) -> None:
         self._by_owner: dict[int, dict[bytes, Hold]] = {}
+        self._last: dict[int, Holding] = {}
         self._due: list[tuple[float, int, Deadline]] = []
         self._seq = itertools.count()
         self._version: dict[int, int] = {}
@@ -119,6 +135,18 @@ class HoldTable:
     def count(self, owner: int) -> int:
         held = self._by_owner.get(owner)
         return len(held) if held else 0
+
+    def last(self, owner: int) -> Holding | None:
+        """What the owner's last Lookup held (``remember``), if anything."""
+        return self._last.get(owner)
+
+    def remember(self, owner: int, holding: Holding) -> None:
+        self._last[owner] = holding
+
+    @property
+    def lookups(self) -> int:
+        """Owners whose last Lookup the table remembers."""
+        return len(self._last)
 
     def version(self, owner: int) -> int:
         """Bumped whenever the owner's set of holds changes (not when a deadline moves)."""
@@ -178,6 +206,7 @@ class HoldTable:
         (its deadlines still in the heap find no holds and go when due)."""
         gone = self.drop(owner)
         self._version.pop(owner, None)
+        self._last.pop(owner, None)
         return gone
 
     @property
@@ -186,8 +215,8 @@ class HoldTable:
         return len(self._due)
 
     def owners(self) -> set[int]:
-        """The owners the table keeps anything for (holds or a version)."""
-        return set(self._by_owner) | set(self._version)
+        """The owners the table keeps anything for (holds, a version, a last Lookup)."""
+        return set(self._by_owner) | set(self._version) | set(self._last)
 
     def expire(self, now: float) -> list[Hold]:
         """Remove and return every hold whose deadline is at or before ``now``."""

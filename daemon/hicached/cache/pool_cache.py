@@ -82,7 +82,7 @@ import numpy as np
 from hicache import seams
 from hicache.errors import CanaryMismatch, KeyNotFound, PageBusy
 from hicached.cache.events import EventKind, EventLog
-from hicached.cache.holds import Deadline, Hold, Holder, HoldPolicy, HoldTable
+from hicached.cache.holds import Hold, Holder, Holding, HoldPolicy, HoldTable
 from hicached.cache.index_types import (
     EVICTED_AGE_BUCKETS,
     NO_SPACE,
@@ -132,9 +132,6 @@ class PoolCache:
         self.policy = policy or HoldPolicy()
         """Limits on holds (``max_held_fraction`` of this pool's pages per session)."""
         self.holds = HoldTable()
-        self._last_holds: dict[int, tuple[int, int, int, list[bytes], int, Deadline]] = {}
-        """Per owner, its last Lookup's holding: (leading keys in host memory, its holds'
-        version, the removal sequence then, those keys, how many it held, their deadline)."""
         self._clock = clock
         self.events = events or EventLog()
         self.stats = CacheStats()
@@ -433,11 +430,11 @@ class PoolCache:
             return 0
         owner = holder.owner
         lead = len(tiers) - len(tiers.lstrip(b"\x01"))
-        last = self._last_holds.get(owner)
-        if (last is not None and last[0] == lead and last[1] == holds.version(owner)
-                and last[2] == self.removals.seq and last[3] == keys[:lead]):
-            last[5].until = until  # every hold it took points at this deadline
-            return last[4]
+        last = holds.last(owner)
+        if (last is not None and last.lead == lead and last.version == holds.version(owner)
+                and last.removals == self.removals.seq and last.keys == keys[:lead]):
+            last.deadline.until = until  # every hold it took points at this deadline
+            return last.held
         limit = self.policy.limit(self.pool.page_num)
         deadline = holds.deadline(owner, until)
         new: dict[bytes, int] = {}
@@ -466,8 +463,8 @@ class PoolCache:
                 holds.add(owner, k, page, deadline)
                 self.index.read_more(page, k)
             self.stats.holds_taken += len(new)
-        self._last_holds[owner] = (lead, holds.version(owner), self.removals.seq,
-                                   list(keys[:lead]), held, deadline)
+        holds.remember(owner, Holding(lead, holds.version(owner), self.removals.seq,
+                                      list(keys[:lead]), held, deadline))
         return held
 
     def release_holds(self, owner: int, keys: Sequence[bytes] | None = None) -> int:
@@ -486,7 +483,7 @@ class PoolCache:
         with self._lock:
             books = {"holds": self.holds.total, "hold_owners": len(self.holds.owners()),
                      "hold_deadlines": self.holds.deadlines,
-                     "lookup_books": len(self._last_holds),
+                     "lookup_books": self.holds.lookups,
                      "removals": self.removals.kept}
         # a ring, bounded by its size: kept for WatchEvents' replay (its own lock)
         books["event_keys"] = self.events.kept_keys
@@ -497,7 +494,6 @@ class PoolCache:
         """The owner's session ended (and says so to its ``Holder``s, so it gets no new
         holds): its holds end, and what the cache kept for it goes."""
         with self._lock:
-            self._last_holds.pop(owner, None)
             gone = self.holds.end(owner)
             self._unhold(gone)
             self.stats.holds_ended += len(gone)
