@@ -41,9 +41,9 @@ def pytest_configure(config: pytest.Config) -> None:
     """The tests run what is installed (non-editable, as users have it: scripts/setup.sh),
     so they refuse to run an install that is not this checkout: an edit not yet installed
     would pass or fail unseen. Every daemon lock, in this process and in every daemon the
-    tests start, is checked against ``hicached.core.locks.ORDER``: the run fails on an
+    tests start, is checked against ``hicache.locks.ORDER``: the run fails on an
     inversion (``pytest_sessionfinish``)."""
-    from hicached.core import locks
+    from hicache import locks
     from tests.installed import drift
 
     locks.check_order(LOCK_ORDER_REPORT)

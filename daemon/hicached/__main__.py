@@ -21,14 +21,9 @@ import tomllib
 from typing import Any
 
 from hicache.errors import HiCacheError
-from hicached.core import locks
 from hicached.server.config import ServerConfig, config_from_mapping
 
 ENV_PREFIX = "HICACHED_"
-ENV_CHECK_LOCK_ORDER = "HICACHED_CHECK_LOCK_ORDER"
-"""A directory: check every lock taken against ``hicached.core.locks.ORDER`` and write each
-inversion there (the test suite sets it for the daemons it starts; it costs each take about a
-microsecond, so not for production)."""
 SIGNAL_CHECK_SECONDS = 0.25
 """How often the main thread wakes to run a signal's handler that another thread received."""
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -238,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--no-fast-path", action="store_true",
                     help="serve the data calls over gRPC only (no <socket>.fast)")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if os.environ.get(ENV_CHECK_LOCK_ORDER):  # before any lock is made
-        locks.check_order(os.environ[ENV_CHECK_LOCK_ORDER])
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["serve", *argv]
     args = ap.parse_args(argv)

@@ -25,6 +25,8 @@ part of the daemon:
 - ``polling``: poll before sleeping: the fast path's adaptive window.
 - ``log_limit``: ``LimitedLog``: log lines rate-limited per reason, suppressions said.
 - ``seams``: named points between racing steps, where a test stops one side.
+- ``locks``: every lock of the daemon, the workers' libraries and this package, made by name
+  in one written order, and the checker of that order.
 """
 
 from hicache.errors import HiCacheError

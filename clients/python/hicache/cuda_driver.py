@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from hicache.locks import lock
 
 DEFAULT_LIBRARY = "libcuda.so.1"
 ENV_LIBRARY = "HICACHED_CUDA_DRIVER"
@@ -156,7 +157,7 @@ class CudaDriver:
         self.path = path
         self._fns: dict[str, Any] = {}
         self._ctx: dict[int, ctypes.c_void_p] = {}
-        self._lock = threading.Lock()
+        self._lock = lock("cuda_driver")
         self._call("cuInit", ctypes.c_uint(0))
         self.devices = self._enumerate()
 
@@ -460,7 +461,7 @@ class CudaDriver:
 
 _drivers: dict[str, CudaDriver | None] = {}
 _problems: dict[str, str] = {}
-_load_lock = threading.Lock()
+_load_lock = lock("cuda_driver.load")
 
 
 def _resolve(path: str | None) -> str:

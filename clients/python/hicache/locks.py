@@ -1,21 +1,23 @@
-"""The daemon's locks, made by name, and the checker of their written order.
+"""hicached's locks, made by name, and the checker of their written order.
 
-Every lock of the daemon is made here and named for what it guards; ``ORDER`` lists the
+Every lock of the daemon, of the workers' libraries (the client, the SGLang and vLLM
+linkers) and of this package is made here and named for what it guards; ``ORDER`` lists the
 names from outermost to innermost, and ``docs/architecture.md`` ("Lock order") explains it.
 A thread holding a lock may take only a lock listed after it: two threads can then never
 each wait for what the other holds.
 
 Normally a name costs nothing: ``lock(name)`` returns a plain ``threading.Lock``. After
-``check_order(report)`` (the entry point calls it when ``HICACHED_CHECK_LOCK_ORDER`` names a
-directory; the test suite does for its own process and every daemon it starts), each lock
-made is a ``CheckedLock``: it keeps, per thread, the locks held, and a blocking take of a
-lock not after each of them in ``ORDER`` is an inversion, recorded once per pair of names
-(with where it happened) in ``inversions()`` and in ``report`` at once (a daemon killed a
-moment later has still told it). The order is checked when it is broken, not only when a
-deadlock happens: Linux's lockdep and SQLite's written order do the same.
+``check_order(report)`` (called on import when ``HICACHED_CHECK_LOCK_ORDER`` names a
+directory, so in a daemon, a worker or an engine server alike; the test suite sets it for
+its own process and every process it starts), each lock made is a ``CheckedLock``: it keeps,
+per thread, the locks held, and a blocking take of a lock not after each of them in
+``ORDER`` is an inversion, recorded once per pair of names (with where it happened) in
+``inversions()`` and in ``report`` at once (a daemon killed a moment later has still told
+it). The order is checked when it is broken, not only when a deadlock happens: Linux's
+lockdep and SQLite's written order do the same.
 
 Primitives: ``ORDER``, ``lock(name)``, ``condition(name_or_lock)``, ``check_order(report)``,
-``checking()``, ``inversions()``, ``CheckedLock``.
+``checking()``, ``inversions()``, ``CheckedLock``, ``ENV_CHECK_LOCK_ORDER``.
 """
 
 from __future__ import annotations
@@ -71,12 +73,39 @@ ORDER: tuple[str, ...] = (
     "identity_channel",
     "kv_events",
     "kv_channel",
-    # leaves: counters nothing is taken under
+    # leaves of the daemon: counters nothing is taken under
     "daemon.landing",
     "metrics.outcomes",
     "tallies",
+    # the workers' libraries: a client's fast path set up once, its async calls' threads,
+    # then a session link's fence and its state
+    "client.fast_path",
+    "client.async",
+    "link.fencing",
+    "link",
+    # the engines' books: SGLang's quarantined slots, vLLM's transfer queues, promises and
+    # the manager's counters; the holds a client keeps
+    "sglang.quarantine",
+    "vllm.worker",
+    "vllm.promises",
+    "vllm.manager.events",
+    "vllm.manager.touch",
+    "vllm.manager.stats",
+    "hold_book",
+    "fast_path.client",
+    # this package's, taken by the daemon and the workers alike, under any of the above
+    "cuda_driver.load",
+    "cuda_driver",
+    "polling.load",
+    "seams.pause",
+    "log_limit",
 )
 """Every lock's name, outermost first: holding one, a thread takes only those after it."""
+
+ENV_CHECK_LOCK_ORDER = "HICACHED_CHECK_LOCK_ORDER"
+"""A directory: check every lock made from then on against ``ORDER`` and write each inversion
+there (the test suite sets it; a checked take costs about a microsecond, so not for
+production)."""
 
 _RANK = {name: i for i, name in enumerate(ORDER)}
 if len(_RANK) != len(ORDER):
@@ -188,7 +217,7 @@ class CheckedLock:
 def lock(name: str) -> threading.Lock:
     """The lock named ``name`` (one of ``ORDER``): a plain lock, or a checked one."""
     if name not in _RANK:
-        raise ValueError(f"lock {name!r} is not in hicached.core.locks.ORDER")
+        raise ValueError(f"lock {name!r} is not in hicache.locks.ORDER")
     if _checking:
         return CheckedLock(name)  # type: ignore[return-value]
     return threading.Lock()
@@ -197,3 +226,7 @@ def lock(name: str) -> threading.Lock:
 def condition(of: str | threading.Lock) -> threading.Condition:
     """A condition over ``of``: a lock made here, or the name of a new one."""
     return threading.Condition(lock(of) if isinstance(of, str) else of)
+
+
+if os.environ.get(ENV_CHECK_LOCK_ORDER):
+    check_order(os.environ[ENV_CHECK_LOCK_ORDER])

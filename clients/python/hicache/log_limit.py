@@ -13,9 +13,10 @@ be anyway), so keys that name pools, peers or errors that come and go stay bound
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
+
+from hicache.locks import lock
 
 KEEP = 256
 """Keys kept before those with nothing to say are pruned."""
@@ -27,7 +28,7 @@ class LimitedLog:
         self.logger, self.interval, self._clock = logger, interval, clock
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = lock("log_limit")
 
     def log(self, level: int, msg: str, *args: object, key: str,
             exc_info: BaseException | None = None) -> bool:

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from types import ModuleType
+
+from hicache.locks import lock
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def sum_counts(*counts: PollCounts) -> PollCounts:
 
 _native: ModuleType | None = None
 _loaded = False
-_load_lock = threading.Lock()
+_load_lock = lock("polling.load")
 
 
 def max_pollers() -> int:

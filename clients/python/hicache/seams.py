@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from hicache.locks import lock
+
 POINTS = {
     "raw.checked": "a raw Backup / Load: its pages validated, not yet held for the copy",
     "load_keys.resolved": "a LoadKeys: keys resolved and their pages held, the copy not begun",
@@ -94,7 +96,7 @@ class Pause:
     def __init__(self, name: str, times: int = 1) -> None:
         self.name = name
         self._left = times
-        self._lock = threading.Lock()
+        self._lock = lock("seams.pause")
         self._here = threading.Event()
         self._go = threading.Event()
         self._context = hooked(name, self._hook)

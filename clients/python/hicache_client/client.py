@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -74,6 +73,7 @@ from hicache.errors import (
 from hicache.identity import PEER_TOKEN_HEADER, SESSION_HEADER, is_public_id
 from hicache.indices import IndexArray, PageIds
 from hicache.keys import check_namespace, encode_keys
+from hicache.locks import lock
 from hicache.paths import default_target
 from hicache.polling import DEFAULT_MAX_US
 from hicache.specs import PoolSpec
@@ -166,8 +166,8 @@ class HiCacheClient:
         self._fast_asked_at = -FAST_RETRY_SECONDS
         self._page_sizes: dict[str, int] = {}
         self._async: ThreadPoolExecutor | None = None
-        self._async_lock = threading.Lock()
-        self._fast_lock = threading.Lock()
+        self._async_lock = lock("client.async")
+        self._fast_lock = lock("client.fast_path")
 
     # -- plumbing --------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from hicache import fast_wire as w
 from hicache.error_mapping import from_status, from_status_bytes
 from hicache.errors import DaemonUntrusted, HiCacheError
 from hicache.indices import IndexArray, to_index_array
+from hicache.locks import lock
 from hicache_client.identity import check_daemon, trusted_uids
 from hicache_client.results import LookupResult, StoreResult, TransferStats
 
@@ -80,7 +81,7 @@ class FastPath:
         self.spin_us = spin_us
         self._local = threading.local()
         self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()
-        self._lock = threading.Lock()
+        self._lock = lock("fast_path.client")
         self._ids = itertools.count(1)
         self.closed = False
         self._pid = os.getpid()
@@ -159,7 +160,7 @@ class FastPath:
         would interleave with the parent's); this process opens its own. Dropping the
         inherited ones closes this process's copies of their fds; the parent's streams stay."""
         self._pid = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = lock("fast_path.client")
         self._local = threading.local()
         self._conns = weakref.WeakSet()
 

@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import Any
 
+from hicache.locks import lock
+
 log = logging.getLogger("hicache_client.holds")
 
 FRESH_SHARE = 0.5
@@ -60,7 +62,7 @@ class HoldBook:
         self.window = hold_ms / 1000 * FRESH_SHARE
         """Seconds an answer is trusted."""
         self._release = release
-        self._lock = threading.Lock()
+        self._lock = lock("hold_book")
         self._by_request: dict[Hashable, set[Any]] = {}
         self._claims: dict[Any, int] = {}
         """key -> requests claiming its hold."""

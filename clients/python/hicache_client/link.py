@@ -74,6 +74,7 @@ from hicache.errors import (
     SessionNotFound,
     Unavailable,
 )
+from hicache.locks import condition, lock
 from hicache.specs import PoolSpec
 from hicache_client.client import HiCacheClient
 from hicache_client.pool_setup import BudgetShare, ensure_pool
@@ -198,12 +199,12 @@ class DaemonLink:
         self.handover = handover
         self.worker_id = worker_id
         self._on_fenced = on_fenced
-        self._lock = threading.Lock()
+        self._lock = lock("link")
         self._state = _State()
         self._retired: list[WorkerSession] = []
         """Sessions the link dropped; their heartbeats are stopped on the link's thread."""
         self._wake = threading.Event()
-        self._changed = threading.Condition(self._lock)
+        self._changed = condition(self._lock)
         """Notified when the link comes up or a re-open ends (``wait_usable``)."""
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -211,7 +212,7 @@ class DaemonLink:
         """Sessions a copy of which may still land (a load timed out on them)."""
         self._marks = 0
         """``suspect`` calls so far (under ``_lock``): each suspicion's ``mark``."""
-        self._fencing = threading.Lock()
+        self._fencing = lock("link.fencing")
         """Held while a suspicion is recorded with what goes with it (``suspect``'s
         ``then``) and while a fence is checked and given (``_fence``): neither sees half of
         the other. Taken before ``_lock``, and before whatever ``then`` and ``on_fenced``

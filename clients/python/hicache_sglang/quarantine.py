@@ -30,10 +30,11 @@ does without this, and the linker logs it once).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import torch
+
+from hicache.locks import lock
 
 log = logging.getLogger("hicache_sglang")
 
@@ -42,7 +43,7 @@ class SlotQuarantine:
     def __init__(self, allocator: Any, page_size: int) -> None:
         self._allocator = allocator
         self._page_size = page_size
-        self._lock = threading.Lock()
+        self._lock = lock("sglang.quarantine")
         self._by_session: dict[str, torch.Tensor] = {}
         """Page ids each session withholds (on the allocator's device)."""
         self._withheld: torch.Tensor | None = None

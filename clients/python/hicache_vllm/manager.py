@@ -46,7 +46,6 @@ import functools
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -64,6 +63,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hicache.errors import HiCacheError
+from hicache.locks import lock
 from hicache_client.hold_book import HoldBook
 from hicache_client.link import DaemonLink, Handover
 from hicache_client.shm import ShmDeviceBuffers
@@ -91,7 +91,7 @@ class HicachedOffloadingManager(OffloadingManager):
         self.plan = plan
         self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._events_lock = threading.Lock()
+        self._events_lock = lock("vllm.manager.events")
         sealed = config.target.startswith("unix:")
         self._buffers: list[ShmDeviceBuffers] = []
         self.links: list[DaemonLink] = []
@@ -107,12 +107,12 @@ class HicachedOffloadingManager(OffloadingManager):
         self.holds = HoldBook(config.lookup_hold_ms, self._release, "hicache-vllm-holds")
         """The holds this manager's lookups took, and the one thread that lets them go."""
         self.promises = Promises(self.holds, self._lookup)
-        self._touch_lock = threading.Lock()
+        self._touch_lock = lock("vllm.manager.touch")
         self._touched: dict[bytes, None] = {}
         """Blocks touched since the last send, in order (sent by one ``_send_touches``)."""
         self._touch_queued = False
         self._requests: dict[str, Any] = {}
-        self._stats_lock = threading.Lock()
+        self._stats_lock = lock("vllm.manager.stats")
         """vLLM's ``Request`` of each request followed (``follow``), by id: its tokens and
         block hashes name what its stores are."""
         self._reporter = Reporter()

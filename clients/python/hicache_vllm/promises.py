@@ -41,11 +41,11 @@ Primitives:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from hicache.locks import lock
 from hicache_client.hold_book import HoldBook
 
 log = logging.getLogger("hicache_vllm")
@@ -76,7 +76,7 @@ class Promises:
     def __init__(self, book: HoldBook, lookup: Callable[[list[bytes]], int]) -> None:
         self.book = book
         self._lookup = lookup
-        self._lock = threading.Lock()
+        self._lock = lock("vllm.promises")
         self._requests: dict[str, _Request] = {}
         self._asked: set[str] = set()
         self.generation = 0

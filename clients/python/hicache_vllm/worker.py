@@ -64,6 +64,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hicache.errors import Aborted, HiCacheError, Overloaded, SpecInvalid, Unavailable
+from hicache.locks import condition
 from hicache.specs import PoolSpec, Role
 from hicache_client.link import DaemonLink, Handover, is_gone, is_late, is_link_failure
 from hicache_client.pool_setup import BudgetShare
@@ -155,7 +156,7 @@ class HicachedOffloadingWorker(OffloadingWorker):
         self.link = DaemonLink(config, self.pool, handover, worker_id,
                                budget_share=BudgetShare(len(plan.pool_names))
                                if derived else None)
-        self._cv = threading.Condition()
+        self._cv = condition("vllm.worker")
         self._stores: collections.deque[tuple[int, Job]] = collections.deque()
         self._loads: collections.deque[tuple[int, Job]] = collections.deque()
         self._finished: list[TransferResult] = []

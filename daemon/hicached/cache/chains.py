@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hicache.keys import NO_NAMESPACE, Namespace
-from hicached.core.locks import lock
+from hicache.locks import lock
 
 ENTRY_OVERHEAD_BYTES = 200
 """Bytes one key's entry costs beyond its parent and tokens (the key, its slot in the index,

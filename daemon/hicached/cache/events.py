@@ -34,8 +34,8 @@ from typing import NamedTuple
 import numpy as np
 
 from hicache.keys import NO_NAMESPACE, Namespace
+from hicache.locks import condition
 from hicached.cache.chains import ChainTable, Run
-from hicached.core.locks import condition
 
 MAX_EVENT_KEYS = 4096
 """Keys per event: a ClearPool of millions of keys becomes many events, each a small message."""

@@ -81,6 +81,7 @@ import numpy as np
 
 from hicache import seams
 from hicache.errors import CanaryMismatch, KeyNotFound, PageBusy
+from hicache.locks import condition, lock
 from hicached.cache.events import EventKind, EventLog
 from hicached.cache.holds import Hold, Holder, Holding, HoldPolicy, HoldTable
 from hicached.cache.index_types import (
@@ -98,7 +99,6 @@ from hicached.cache.key_slots import KeySlots
 from hicached.cache.lru import LRU
 from hicached.cache.removals import RemovalLog
 from hicached.cache.reuse_lru import ReuseLRU
-from hicached.core.locks import condition, lock
 from hicached.core.pool import HostPool
 
 MOVE_BYTES = 64 << 20

@@ -11,7 +11,6 @@
 - ``pool``: a host pool (members, components, allocator, canary).
 - ``worker_buffers``: a worker's KV buffers (CPU or GPU) checked against a pool's geometry.
 - ``state_file``: a pool's files under the state directory: header, tables, outcomes.
-- ``locks``: every lock made by name, in one written order, and the checker of that order.
 - ``trusted_paths``: own directories made 0700 and verified, files opened without following
   links.
 """

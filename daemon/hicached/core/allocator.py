@@ -53,7 +53,7 @@ from hicache.errors import (
     Violation,
     raise_violations,
 )
-from hicached.core.locks import lock
+from hicache.locks import lock
 from hicached.core.state_file import TableSpec
 from hicached.core.validation import (
     IndexArray,

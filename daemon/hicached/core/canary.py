@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from hicache.errors import CanaryMismatch
-from hicached.core.locks import lock
+from hicache.locks import lock
 from hicached.core.state_file import TableSpec
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

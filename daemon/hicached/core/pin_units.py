@@ -41,7 +41,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hicache.errors import PinFailed
-from hicached.core.locks import lock
+from hicache.locks import lock
 from hicached.core.memory import OS_PAGE, HostMemory, Pinner
 
 log = logging.getLogger(__name__)

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hicache.errors import PinFailed, PoolClosed, SpecInvalid
+from hicache.locks import condition, lock
 from hicache.specs import Component, KVGeometry, Layout, PoolSpec, Role
 from hicached.core.allocator import PageAllocator, table_specs
 from hicached.core.canary import CanaryTable, fingerprints
 from hicached.core.host_layout import HostAddressing, host_shape
-from hicached.core.locks import condition, lock
 from hicached.core.memory import OS_PAGE, Backing, HostMemory, Pinner
 from hicached.core.pin_units import PinUnits
 from hicached.core.registrations import Registrations

@@ -32,7 +32,7 @@ from hicache.cuda_driver import (
     CudaCallFailed,
     CudaDriver,
 )
-from hicached.core.locks import lock
+from hicache.locks import lock
 from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir
 from hicached.cuda.launch import PageKernel
 from hicached.cuda.nvrtc import CompileFailed, Nvrtc

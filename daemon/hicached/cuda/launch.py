@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.cuda_driver import DEV_ATTR_MULTIPROCESSOR_COUNT, CudaDriver
+from hicache.locks import condition
 from hicached.copy.plan import CopyPlan
-from hicached.core.locks import condition
 
 MAGIC = 0x3150434843
 """``HC_TABLE_MAGIC`` of pages.cu ("HCP1")."""

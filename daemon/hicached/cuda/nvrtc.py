@@ -25,7 +25,7 @@ import glob
 import importlib.util
 import os
 
-from hicached.core.locks import lock
+from hicache.locks import lock
 
 ENV_LIBRARY = "HICACHED_NVRTC"
 LOG_LIMIT = 4000

@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from hicached.core.locks import lock
+from hicache.locks import lock
 
 WARMUP = 3
 """Measurements of each allowed way per class before the fastest is taken."""

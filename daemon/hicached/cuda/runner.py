@@ -28,8 +28,8 @@ import numpy as np
 from hicache import layer_groups
 from hicache.cuda_driver import CudaCallFailed, CudaDriver
 from hicache.errors import CudaFailure
+from hicache.locks import lock
 from hicached.copy.plan import CopyPlan
-from hicached.core.locks import lock
 from hicached.core.registrations import Registrations
 from hicached.cuda.launch import PageKernel, TableRing, build_table, fragments
 from hicached.cuda.paths import CopyPaths, Path

@@ -53,9 +53,9 @@ from hicache.errors import (
     ResourceExhausted,
     SpecInvalid,
 )
+from hicache.locks import lock
 from hicache.log_limit import LimitedLog
 from hicache.polling import PollCounts, sum_counts
-from hicached.core.locks import lock
 from hicached.frontends import fast_codec as fc
 from hicached.frontends.envelope import Call, Envelope, Refused
 from hicached.frontends.sockets import listen_beside, remove_if_there

@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from hicached.core.locks import lock
+from hicache.locks import lock
 from hicached.frontends.sockets import listen_beside, remove_if_there
 from hicached.service.identity import Grant, Peer, close_all, peer_of
 

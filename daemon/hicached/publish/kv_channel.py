@@ -43,8 +43,8 @@ from typing import Any
 
 import zmq
 
+from hicache.locks import lock
 from hicache.log_limit import LimitedLog
-from hicached.core.locks import lock
 from hicached.core.trusted_paths import UntrustedPath, socket_dir
 from hicached.publish.kv_event_config import KvEventsConfig
 

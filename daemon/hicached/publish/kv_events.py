@@ -53,9 +53,9 @@ from typing import Any
 import zmq
 
 from hicache import seams
+from hicache.locks import lock
 from hicache.log_limit import LimitedLog
 from hicached.cache.events import CacheEvent
-from hicached.core.locks import lock
 from hicached.core.trusted_paths import open_own
 from hicached.publish.kv_channel import END_SEQ, Channel
 from hicached.publish.kv_event_config import KvEventsConfig, KvEventStats

@@ -33,12 +33,12 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 import hicache
 from hicache.cuda_driver import CudaDriver, driver_problem, load_driver
 from hicache.errors import PinFailed, SpecInvalid
+from hicache.locks import lock
 from hicache.paths import FAST_PATH_SUFFIX, IDENTITY_SUFFIX, beside, default_socket_path, unix_path
 from hicache.polling import sum_counts
 from hicache.v1 import hicache_pb2 as pb
 from hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicached.copy.engine import TransferEngine
-from hicached.core.locks import lock
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.system import lock_refusal
 from hicached.core.trusted_paths import own_dir, socket_dir

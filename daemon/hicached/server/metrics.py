@@ -40,10 +40,10 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from hicache.errors import all_error_classes
+from hicache.locks import lock
 from hicache.polling import PollCounts
 from hicached.cache.index_types import EVICTED_AGE_BUCKETS
 from hicached.cache.pool_cache import PoolCache
-from hicached.core.locks import lock
 from hicached.core.pool import HostPool
 from hicached.cuda.paths import Path as CopyPath
 from hicached.publish.kv_event_config import KvEventStats

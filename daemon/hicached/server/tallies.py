@@ -31,7 +31,7 @@ from typing import Generic, TypeVar
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from hicached.core.locks import lock
+from hicache.locks import lock
 
 Row = list[float]
 K = TypeVar("K", bound=Hashable)

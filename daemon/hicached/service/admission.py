@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from hicache.errors import Overloaded
-from hicached.core.locks import condition, lock
+from hicache.locks import condition, lock
 
 RETRY_AFTER_MS = 10
 """The retry hint of an OVERLOADED refusal: about one batch's time on a busy node."""

@@ -54,10 +54,10 @@ from hicache.errors import (
 from hicache.indices import IndexArray, PageIds
 from hicache.keys import check_chain, check_keys, check_namespace
 from hicache.layer_groups import check_layer_events
+from hicache.locks import lock
 from hicached.cache.holds import Holder
 from hicached.cache.index_types import StoreTicket
 from hicached.copy.engine import Op, TransferEngine, TransferResult
-from hicached.core.locks import lock
 from hicached.cuda.runner import CudaRunner
 from hicached.service.identity import AccessRule, Grant, Redeemer, check_access
 from hicached.service.pool_table import PoolTable

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 
 from hicache import seams
 from hicache.errors import HostMemoryInsufficient
+from hicache.locks import condition, lock
 from hicache.specs import PoolSpec
 from hicached.cache.pool_cache import PoolCache
-from hicached.core.locks import condition, lock
 from hicached.service.budget_config import BudgetConfig, share_for
 
 log = logging.getLogger(__name__)

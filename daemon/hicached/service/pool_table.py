@@ -44,6 +44,7 @@ from hicache.errors import (
     PoolNotFound,
     PoolSpecConflict,
 )
+from hicache.locks import lock
 from hicache.specs import PoolSpec, same_storage
 from hicached.cache import key_slots
 from hicached.cache.chains import ChainTable
@@ -51,7 +52,6 @@ from hicached.cache.events import EventLog
 from hicached.cache.holds import HoldPolicy
 from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
-from hicached.core.locks import lock
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.state_file import Outcome, remove_state, saved_specs

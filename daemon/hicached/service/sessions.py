@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from hicache import seams
 from hicache.errors import BufferFault, SessionEnding, SessionNotFound
 from hicache.identity import is_public_id, public_session_id
-from hicached.core.locks import lock
+from hicache.locks import lock
 from hicached.core.pool import HostPool
 from hicached.service.identity import Peer
 from hicached.transport.base import Attachment

@@ -44,10 +44,10 @@ import numpy as np
 import xxhash
 
 from hicache import seams
+from hicache.locks import lock
 from hicache.specs import PoolSpec
 from hicached.cache.events import CLUSTER, EventKind, EventLog
 from hicached.cache.pool_cache import PoolCache
-from hicached.core.locks import lock
 from hicached.core.pool import HostPool
 from hicached.core.state_file import spec_to_dict
 from hicached.tiers.mooncake import MooncakeStore

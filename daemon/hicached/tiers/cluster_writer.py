@@ -24,9 +24,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from hicache.locks import lock
 from hicache.log_limit import LimitedLog
 from hicached.cache.pool_cache import PoolCache
-from hicached.core.locks import lock
 from hicached.tiers.cluster import ClusterTier, wanted
 from hicached.tiers.writer import IDLE, STOP, WROTE, Failed, Outcome, TierWriter
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache import seams
+from hicache.locks import lock
 from hicache.log_limit import LimitedLog
 from hicached.cache.events import DISK, EventKind, EventLog
-from hicached.core.locks import lock
 from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir, untrusted_file
 from hicached.tiers import disk_format as fmt
 from hicached.tiers.disk_io import DiskTierUnavailable, PageFile, reserve

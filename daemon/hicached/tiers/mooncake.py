@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hicached.core.locks import lock
+from hicache.locks import lock
 from hicached.tiers.mooncake_config import MooncakeTierConfig
 from hicached.tiers.mooncake_replicas import OBJECT_NOT_FOUND, ReplicaReader, Runs, master_failed
 

@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache import seams
+from hicache.locks import lock
 from hicache.log_limit import LimitedLog
-from hicached.core.locks import lock
 
 log = logging.getLogger(__name__)
 _limited = LimitedLog(log, 30.0)

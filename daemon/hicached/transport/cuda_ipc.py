@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from hicache.buffers import DeviceBufferSpec
 from hicache.cuda_driver import IPC_HANDLE_SIZE, CudaCallFailed, CudaDriver, normalize_uuid
 from hicache.errors import DeviceNotFound, IpcHandleInvalid, SpecInvalid
-from hicached.core.locks import lock
+from hicache.locks import lock
 from hicached.core.worker_buffers import Device, RawBuffer, WorkerBuffers
 from hicached.cuda.kernels import KernelBinaries, load_page_kernel
 from hicached.cuda.paths import CopyPaths, Path
