@@ -53,7 +53,19 @@ bash scripts/gpu_check.sh --dry-run "${TMPDIR:-/tmp}/hicache-gpu-check-dry"
 # Test files run side by side, HICACHE_TEST_WORKERS at once (default 2, 1 runs them in this
 # process): a file stays on one worker, so a module's shared daemon or engine server starts
 # once. The run's processes share the lock-order reports and the figures (tests/conftest.py).
+# Then the tests marked alone (an engine's wait bounded against its compute time measured a
+# moment earlier) run with nothing beside them; the run fails if either part does.
 workers=${HICACHE_TEST_WORKERS:-2}
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
-python3 -m pytest -q -p no:cacheprovider --durations=20 "${parallel[@]}" "$@"
+status=0 empty=0
+part() {  # a part that selects no test (pytest's 5) is not a failure unless both are
+    python3 -m pytest -q -p no:cacheprovider "$@" || {
+        local rc=$?
+        if [ "$rc" -eq 5 ]; then empty=$((empty + 1)); else status=$rc; fi
+    }
+}
+part --durations=20 "${parallel[@]}" -m "not alone" "$@"
+part --durations=5 -m alone "$@"
+[ "$empty" -lt 2 ] || status=5
+exit "$status"

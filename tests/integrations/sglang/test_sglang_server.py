@@ -56,7 +56,9 @@ if missing := missing_server_modules():
                            "(scripts/setup.sh --test installs them)")
     pytest.skip(f"SGLang's HTTP server needs {missing}", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+# its bounds compare a request's latency with compute timed earlier: a test beside it on
+# the machine's two cores would change the compute time in between
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 DAEMON_FLAGS = ("--lease-seconds", "5")  # the daemon's default (tests/daemon_proc.py sets 1)
 LOOKUP_TIMEOUT_S = LinkerConfig().lookup_timeout_s
