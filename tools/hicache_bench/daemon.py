@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from hicache.errors import Unavailable
+from hicache.errors import HiCacheError
 from hicache_client.client import HiCacheClient
 
 START_SECONDS = 60.0
@@ -23,32 +23,36 @@ class DaemonDidNotStart(RuntimeError):
 
 
 def start_daemon(workdir: str, shm_dir: str, budget: str, metrics_listen: str = "",
-                 *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+                 *extra: str, state_dir: str = "") -> tuple[subprocess.Popen[bytes], str]:
     """A daemon process on a socket in ``workdir``, serving once this returns; ``extra``:
-    more flags. Its stderr goes to ``workdir/daemon.log``."""
+    more flags; ``state_dir``: where its pools outlive it ('' = nowhere). Its stderr goes to
+    ``workdir/daemon.log``."""
     sock = os.path.join(workdir, "bench.sock")
-    with open(os.path.join(workdir, "daemon.log"), "wb") as log:
+    log_path = os.path.join(workdir, "daemon.log")
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--listen",
                                  f"unix:{sock}", "--shm-dir", shm_dir, "--metrics-listen",
                                  metrics_listen, "--memory-budget", budget, "--reserve", "0",
-                                 "--state-dir", "", "--log-level", "WARNING", *extra],
+                                 "--state-dir", state_dir, "--log-level", "WARNING", *extra],
                                 stdout=subprocess.DEVNULL, stderr=log)
+    target = f"unix:{sock}"
     deadline = time.monotonic() + START_SECONDS
     while True:
         if proc.poll() is not None:
-            with open(os.path.join(workdir, "daemon.log"), "rb") as f:
+            with open(log_path, "rb") as f:
                 said = f.read()[-2000:].decode(errors="replace").strip()
             raise DaemonDidNotStart(f"the daemon exited with {proc.returncode} before it "
                                     f"served: {said or '(it said nothing)'}")
-        c = HiCacheClient(f"unix:{sock}", reconnect_seconds=0.5)
-        try:
-            c.ping()
-            return proc, f"unix:{sock}"
-        except Unavailable:
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise DaemonDidNotStart(f"the daemon did not answer on {sock} within "
-                                        f"{START_SECONDS:.0f} s") from None
-        finally:
-            c.close()
+        if os.path.exists(sock):  # bound: it answers once its server runs
+            try:
+                with HiCacheClient(target, timeout=5, reconnect_seconds=0.5) as c:
+                    c.ping()
+                return proc, target
+            except HiCacheError:
+                pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise DaemonDidNotStart(f"the daemon did not answer on {sock} within "
+                                    f"{START_SECONDS:.0f} s")
+        time.sleep(0.05)

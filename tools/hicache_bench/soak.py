@@ -159,8 +159,8 @@ def run(duration: float, workers: int = 4, pool_every: float = 10.0,
     own = work is None
     work = work or tempfile.mkdtemp(prefix="hicache-soak-")
     shm = tempfile.mkdtemp(prefix="hicache-soak-", dir="/dev/shm")
-    proc, target = start_daemon(work, shm, "1GiB", "127.0.0.1:0", "--state-dir",
-                                os.path.join(shm, "state"), "--lease-seconds", "2")
+    proc, target = start_daemon(work, shm, "1GiB", "127.0.0.1:0", "--lease-seconds", "2",
+                                state_dir=os.path.join(shm, "state"))
     t0 = time.monotonic()
     until = t0 + duration
     warm = t0 + max(duration * WARMUP_SHARE, min(WARMUP_MIN_S, duration / 2))

@@ -185,9 +185,9 @@ def run(loops: int, workers: int = 4, min_run: float = 0.3, max_run: float = 1.5
     work = tempfile.mkdtemp(prefix="hicache-torture-")
     shm = tempfile.mkdtemp(prefix="hicache-torture-", dir="/dev/shm")
     state = os.path.join(shm, "state")
-    flags = ("--state-dir", state, "--disk-path", os.path.join(work, "disk"),
-             "--disk-capacity", "256MiB", "--lease-seconds", "2")
-    proc, target = start_daemon(work, shm, "1GiB", "", *flags)
+    flags = ("--disk-path", os.path.join(work, "disk"), "--disk-capacity", "256MiB",
+             "--lease-seconds", "2")
+    proc, target = start_daemon(work, shm, "1GiB", "", *flags, state_dir=state)
     pool = spec("torture", POOL_PAGES)
     ledger = Ledger()
     procs: list[subprocess.Popen[str]] = []
@@ -214,7 +214,7 @@ def run(loops: int, workers: int = 4, min_run: float = 0.3, max_run: float = 1.5
             for p in procs:
                 p.send_signal(signal.SIGSTOP)
             ledger.quiesce()  # the lines they wrote before they stopped are read
-            proc, _ = start_daemon(work, shm, "1GiB", "", *flags)
+            proc, _ = start_daemon(work, shm, "1GiB", "", *flags, state_dir=state)
             _wait_pool(target, pool.name)
             _check(target, pool.name, ledger, rng, out)
             out["loops"] += 1
