@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.daemon_proc import Daemons
+from tests.reliability.figures import RUN_DIR_ENV
 
 if TYPE_CHECKING:
     from tests.mooncake_env import Netns
@@ -27,14 +28,11 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-RUN_DIR = Path(os.environ.get("HICACHE_TEST_RUN_DIR")
-               or tempfile.mkdtemp(prefix="hicache-test-run-"))
+RUN_DIR = Path(os.environ.get(RUN_DIR_ENV) or tempfile.mkdtemp(prefix="hicache-test-run-"))
 """What every process of this run shares (pytest-xdist's workers inherit it from the process
-that starts them): the lock-order reports and the reliability figures."""
-os.environ["HICACHE_TEST_RUN_DIR"] = str(RUN_DIR)
-
-LOCK_ORDER_REPORT = RUN_DIR
-"""Where this run's processes and daemons write each lock taken against the written order."""
+that starts them): the lock-order reports of its processes and daemons, and the reliability
+figures."""
+os.environ[RUN_DIR_ENV] = str(RUN_DIR)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,8 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from hicache import locks
     from tests.installed import drift
 
-    locks.check_order(LOCK_ORDER_REPORT)
-    os.environ["HICACHED_CHECK_LOCK_ORDER"] = str(LOCK_ORDER_REPORT)
+    locks.check_order(RUN_DIR)
+    os.environ[locks.ENV_CHECK_LOCK_ORDER] = str(RUN_DIR)
 
     stale = drift()
     if stale:
@@ -79,7 +77,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def lock_order_inversions() -> list[str]:
     """Every inversion this run's processes wrote, one text each."""
     found = []
-    for report in sorted(LOCK_ORDER_REPORT.glob("lock-order-*.txt")):
+    for report in sorted(RUN_DIR.glob("lock-order-*.txt")):
         pid = report.stem.rsplit("-", 1)[-1]
         found += [f"process {pid}: {text.strip()}"
                   for text in report.read_text(errors="replace").split("\f") if text.strip()]

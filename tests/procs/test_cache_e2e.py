@@ -21,7 +21,7 @@ from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from tests.cache_worker_proc import content, key_of
 from tests.daemon_proc import REPO, DaemonProc, Daemons
-from tests.reliability.figures import FIGURES
+from tests.reliability.figures import record
 
 SPEC = PoolSpec("cache-e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
                 Layout.PAGE_FIRST, size_tokens=16 * 160)
@@ -82,9 +82,8 @@ def test_eight_workers_store_overlapping_keys_each_written_once(
     for r in results:  # every worker loaded every key, byte for byte
         assert r["mismatches"] == 0 and r["verified"] == universe
     assert sorted(seen) == sorted(names), "the event stream did not show each store once"
-    FIGURES["cache_overlap"] = {"workers": workers, "keys": universe,
-                                "stores": sum(len(r["stored"]) for r in results),
-                                "pages_verified": universe * workers}
+    record("cache_overlap", workers=workers, keys=universe,
+           stores=sum(len(r["stored"]) for r in results), pages_verified=universe * workers)
 
 
 def test_a_worker_killed_mid_store_leaves_only_whole_keys(daemon: DaemonProc,
@@ -119,8 +118,8 @@ def test_a_worker_killed_mid_store_leaves_only_whole_keys(daemon: DaemonProc,
     while client.get_pool(SPEC.name).raw_pages:
         assert time.monotonic() < deadline, "the dead worker's owned raw pages leaked"
         time.sleep(0.1)
-    FIGURES["cache_sigkill_mid_store"] = {"acknowledged": len(acknowledged),
-                                          "visible": len(visible), "faults_injected": 1}
+    record("cache_sigkill_mid_store", acknowledged=len(acknowledged), visible=len(visible),
+           faults_injected=1)
 
 
 def test_another_process_hits_what_one_instance_stored(daemon: DaemonProc,
@@ -230,4 +229,4 @@ def test_a_writer_and_a_reader_on_one_page_never_tear(daemon: DaemonProc,
         rs.close()
         ws.close()
     assert counts["keyed_0"] + counts["keyed_1"] > 0 and counts["raw_0"] + counts["raw_1"] > 0
-    FIGURES["cache_one_page_race"] = dict(counts)
+    record("cache_one_page_race", **counts)
