@@ -325,7 +325,7 @@ class PoolCache:
                 done = np.asarray(oks, dtype=bool)
                 self._alloc.release(ticket.pages[done], write=True, layers=self._all_layers)
                 self._alloc.release(ticket.pages[~done], write=True)
-            # read up for a load: used, the most recent
+            # a promotion was read up for a load: used already, the most recent
             self.index.landed(stored, now, used=ticket.reason == "promotion")
             self.slots.ready(stored_pages, stored)  # their bytes are complete: a restart keeps them
             self._drop_pages(np.asarray(drop, dtype=np.int64))

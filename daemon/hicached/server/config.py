@@ -257,13 +257,13 @@ class ServerConfig:
                                  *((t, ()) for t in self.health_listen)]:
             long = too_long(unix_path(target), suffixes) if target.startswith("unix:") else None
             if long is not None:
+                n = len(os.fsencode(long))
                 also = (f" (the daemon also listens on "
                         f"{' and '.join('<socket>' + s for s in suffixes)})" if suffixes else "")
                 raise SpecInvalid(
-                    f"Unix socket path {long[:200]!r} is {len(os.fsencode(long))} bytes, over "
-                    f"the {UNIX_PATH_MAX} a Unix socket's path may have{also}: choose a "
-                    f"shorter path",
-                    metadata={"listen": target[:200], "path_bytes": len(os.fsencode(long)),
+                    f"Unix socket path {long[:200]!r} is {n} bytes, over the {UNIX_PATH_MAX} a "
+                    f"Unix socket's path may have{also}: choose a shorter path",
+                    metadata={"listen": target[:200], "path_bytes": n,
                               "max_bytes": UNIX_PATH_MAX})
         if not 0 <= self.max_watchers < self.grpc_threads:
             raise SpecInvalid("max_watchers must be >= 0 and below grpc_threads (each stream "
