@@ -93,7 +93,7 @@ def run(steps: list[tuple[float, str, list[bytes]]], pages: int, elastic: bool,
                 elastic=True, interval_seconds=interval,
                 grow_step_bytes=max(pages // 100, 1) * page_bytes), clock=lambda: clock[0])
             for c in caches.values():
-                budget.join(c)
+                budget.join(c.sizing)
         return serve(caches, steps, budget, interval, clock)
     finally:
         for p in pools.values():

@@ -229,16 +229,17 @@ def test_removals_while_writers_overlap_are_forgotten_once_no_writer_predates_th
     and each writer still sees every removal made since it borrowed."""
     cache = PoolCache(pool)
     store(cache, K[:2])
-    _, pages, first = cache.borrow(K[:1])
+    _, pages, first = cache.lending.borrow(K[:1])
     for i in range(200):
-        _, pages2, second = cache.borrow(K[1:2])  # the next writer, before the first is done
+        # the next writer, before the first is done
+        _, pages2, second = cache.lending.borrow(K[1:2])
         cache.remove([b"gone-%d" % i])
-        assert cache.removed_since(b"gone-%d" % i, first)
-        assert cache.removed_since(b"gone-%d" % i, second)
-        cache.give_back(pages, first)
-        assert not cache.removed_since(b"gone-%d" % (i - 1), second) if i else True
+        assert cache.lending.removed_since(b"gone-%d" % i, first)
+        assert cache.lending.removed_since(b"gone-%d" % i, second)
+        cache.lending.give_back(pages, first)
+        assert not cache.lending.removed_since(b"gone-%d" % (i - 1), second) if i else True
         pages, first = pages2, second
         assert cache.removals.kept <= 1, cache.removals.kept
-    cache.give_back(pages, first)
+    cache.lending.give_back(pages, first)
     assert cache.removals.kept == 0 and cache.removals.lent == 0
     pool.allocator.memcheck()

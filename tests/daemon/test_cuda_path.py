@@ -609,13 +609,13 @@ def test_an_elastic_pinned_pool_copies_only_through_locked_memory(
         for k in [k for k, p in cache.index.ready.items() if p < 30][4:]:
             cache.remove([k])
             del stored[k]
-        r = cache.resize(16)
+        r = cache.sizing.resize(16)
         assert r.limit == top + 1 and pool.pinned_bytes == locked, \
             "the page being written keeps the pool's top, and its memory locked"
         backup(ticket.pages, [40])
         cache.finish_store(ticket, True)
         stored[b"late"] = 40
-        r = cache.resize(16)
+        r = cache.sizing.resize(16)
         assert r.limit == 16 and r.released_bytes > 0
         assert fake.stat("registered_bytes") == pool.pinned_bytes < locked
         fill = {b"f%02d" % i: 41 + i for i in range(16 - len(stored))}

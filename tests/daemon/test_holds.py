@@ -73,7 +73,7 @@ def test_a_held_key_survives_the_eviction_that_takes_an_unheld_one(pool: HostPoo
     assert bytes(store(cache, K[8:14])) == bytes([STORED] * 4 + [NO_SPACE] * 2)
     assert cache.lookup(K[:8])[1] == b"\x01" * 4 + b"\x00" * 4  # the unheld went
     load(cache, K[:4], owner=A)  # never KEY_NOT_FOUND
-    assert cache.holds.total == 0 and cache.stats.holds_loaded == 4
+    assert cache.holds.table.total == 0 and cache.stats.holds_loaded == 4
     with pytest.raises(KeyNotFound):
         cache.begin_load([K[4]])
     pool.allocator.memcheck()
@@ -104,10 +104,10 @@ def test_a_session_holds_at_most_its_share(pool: HostPool) -> None:
     cache = PoolCache(pool, policy=HoldPolicy(max_held_fraction=0.25))  # 2 of 8 pages
     store(cache, K[:6])
     assert cache.lookup_held(K[:6], Holder(A, 10))[:1] == (6,)
-    assert cache.holds.count(A) == 2
+    assert cache.holds.table.count(A) == 2
     assert cache.lookup_held(K[:6], Holder(A, 10))[2] == 2  # again: the same two
     assert cache.lookup_held(K[2:6], Holder(B, 10))[2] == 2  # another session: its own
-    assert cache.holds.total == 4
+    assert cache.holds.table.total == 4
 
 
 def test_holds_expire_and_the_pages_become_evictable(pool: HostPool) -> None:
@@ -120,10 +120,10 @@ def test_holds_expire_and_the_pages_become_evictable(pool: HostPool) -> None:
     cache.lookup_held(K[:1], Holder(A, 2.0))  # refreshed: lasts 2 s from now
     clock.now += 1.5
     assert store(cache, K[8:9]) == bytes([STORED])  # the 7 others expired: one evicted
-    assert cache.stats.holds_expired == 7 and cache.holds.total == 1
+    assert cache.stats.holds_expired == 7 and cache.holds.table.total == 1
     assert cache.lookup([K[0]])[0] == 1
     clock.now += 1.0
-    assert cache.expire_holds() == 1 and cache.holds.total == 0
+    assert cache.holds.expire() == 1 and cache.holds.table.total == 0
     pool.allocator.memcheck()
 
 
@@ -134,14 +134,14 @@ def test_release_and_the_end_of_a_session(pool: HostPool) -> None:
     b = Holder(B, 10, lambda: b_ended[0])  # as the service makes it: the session's flag
     cache.lookup_held(K[:4], Holder(A, 10))
     cache.lookup_held(K[:4], b)
-    assert cache.release_holds(A, [K[0], K[9]]) == 1
-    assert cache.release_holds(A) == 3
+    assert cache.holds.release(A, [K[0], K[9]]) == 1
+    assert cache.holds.release(A) == 3
     b_ended[0] = True  # the session marks itself ended, then ends its holds
-    assert cache.end_holds(B) == 4
+    assert cache.holds.end(B) == 4
     assert cache.lookup_held(K[:4], b)[2] == 0, "an ended session held again"
-    assert cache.hold_room(b) == 0 and cache.hold_promoted(b, K[:4]) == 0
+    assert cache.holds.room(b) == 0 and cache.holds.promoted(b, K[:4]) == 0
     assert cache.stats.holds_released == 4 and cache.stats.holds_ended == 4
-    assert B not in cache.holds.owners() and not cache.holds.last(B)
+    assert B not in cache.holds.table.owners() and not cache.holds.table.last(B)
     store(cache, K[4:12])  # all evictable again
     assert cache.lookup(K[:4])[0] == 0
     pool.allocator.memcheck()
@@ -149,7 +149,7 @@ def test_release_and_the_end_of_a_session(pool: HostPool) -> None:
 
 def test_a_lookup_stopped_while_its_session_ends_holds_nothing(pool: HostPool) -> None:
     """The Lookup found its session live, then stops before it takes the pool's lock; the
-    session ends meanwhile (flag, then end_holds). Resumed, it holds nothing, and nothing
+    session ends meanwhile (flag, then holds.end). Resumed, it holds nothing, and nothing
     of that session stays in the cache's books."""
     import threading
 
@@ -165,12 +165,12 @@ def test_a_lookup_stopped_while_its_session_ends_holds_nothing(pool: HostPool) -
         t.start()
         assert stop.wait_reached(5)
         ended[0] = True
-        cache.end_holds(B)
+        cache.holds.end(B)
         stop.release()
         t.join(5)
     assert got and got[0][0] == 4 and got[0][2] == 0, got
-    assert cache.holds.total == 0 and B not in cache.holds.owners()
-    assert cache.holds.last(B) is None
+    assert cache.holds.table.total == 0 and B not in cache.holds.table.owners()
+    assert cache.holds.table.last(B) is None
     pool.allocator.memcheck()
 
 
@@ -189,11 +189,11 @@ def test_sessions_that_come_and_go_leave_no_books_behind(pool: HostPool) -> None
         h = Holder(owner, 10, _reader(flag))
         cache.lookup_held(K[:4], h)
         if owner > 2:  # two stay open
-            cache.release_holds(owner, K[:1])
+            cache.holds.release(owner, K[:1])
             alive[owner][0] = True
-            cache.end_holds(owner)
-    assert cache.holds.owners() == {1, 2} and cache.holds.lookups == 2
-    assert cache.holds.total == 8
+            cache.holds.end(owner)
+    assert cache.holds.table.owners() == {1, 2} and cache.holds.table.lookups == 2
+    assert cache.holds.table.total == 8
     pool.allocator.memcheck()
 
 
@@ -228,13 +228,13 @@ def test_asking_the_same_keys_again_refreshes_all_holds(pool: HostPool) -> None:
     for _ in range(3):  # the fast way: nothing changed since
         clock.now += 1.5
         assert cache.lookup_held(K[:6], Holder(A, 2.0))[2] == 6
-    assert cache.expire_holds() == 0 and cache.holds.total == 6
+    assert cache.holds.expire() == 0 and cache.holds.table.total == 6
     cache.remove(K[:1])  # a change: the next Lookup takes the long way
     clock.now += 1.5
     assert cache.lookup_held(K[:6], Holder(A, 2.0))[:1] == (0,)
     assert cache.lookup_held(K[1:6], Holder(A, 2.0))[2] == 5
     clock.now += 2.5
-    assert cache.expire_holds() == 6 and cache.holds.total == 0  # k00's old hold too
+    assert cache.holds.expire() == 6 and cache.holds.table.total == 0  # k00's old hold too
 
 
 class HoldsMachine(RuleBasedStateMachine):
@@ -271,7 +271,7 @@ class HoldsMachine(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from([A, B]), keys=keys, seconds=st.sampled_from([0.5, 2.0]))
     def lookup(self, owner: int, keys: list[bytes], seconds: float) -> None:
-        self.cache.expire_holds()
+        self.cache.holds.expire()
         self._expire_model()
         hit, _, held = self.cache.lookup_held(
             keys, Holder(owner, seconds, lambda: owner in self.ended))
@@ -283,7 +283,7 @@ class HoldsMachine(RuleBasedStateMachine):
         for k in keys[:held]:  # the latest Lookup of a key sets its hold's deadline
             self.held[owner][k] = until
             self.removed[owner].discard(k)
-        assert len(self.held[owner]) == self.cache.holds.count(owner)
+        assert len(self.held[owner]) == self.cache.holds.table.count(owner)
 
     @rule(owner=st.sampled_from([A, B]), n=st.integers(1, 4),
           seconds=st.sampled_from([0.5, 2.0]))
@@ -294,7 +294,7 @@ class HoldsMachine(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from([A, B]), n=st.integers(1, 3))
     def load_held(self, owner: int, n: int) -> None:
-        self.cache.expire_holds()
+        self.cache.holds.expire()
         self._expire_model()
         mine = list(self.held[owner])[:n]
         if not mine:
@@ -328,13 +328,13 @@ class HoldsMachine(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from([A, B]))
     def release(self, owner: int) -> None:
-        self.cache.release_holds(owner)
+        self.cache.holds.release(owner)
         self.held[owner].clear()
 
     @rule(owner=st.sampled_from([A, B]))
     def end(self, owner: int) -> None:
         self.ended.add(owner)  # the session marks itself ended, then ends its holds
-        self.cache.end_holds(owner)
+        self.cache.holds.end(owner)
         self.held[owner].clear()
 
     @rule(dt=st.sampled_from([0.3, 1.0]))
@@ -343,7 +343,7 @@ class HoldsMachine(RuleBasedStateMachine):
 
     @invariant()
     def held_keys_stay_found_until_removed(self) -> None:
-        self.cache.expire_holds()
+        self.cache.holds.expire()
         self._expire_model()
         for owner, held in self.held.items():
             for k in held:
@@ -353,10 +353,10 @@ class HoldsMachine(RuleBasedStateMachine):
     @invariant()
     def books_balance(self) -> None:
         self.pool.allocator.memcheck()
-        assert not self.ended & self.cache.holds.owners(), \
+        assert not self.ended & self.cache.holds.table.owners(), \
             "an ended session's books stay"
         total = sum(len(h) for h in self.held.values())
-        assert self.cache.holds.total >= total  # expired in the model, not yet in the cache
+        assert self.cache.holds.table.total >= total  # expired in the model, not yet in the cache
         counts = self.pool.allocator.counts()
         assert counts["busy"] == len(self.cache.index._reading)  # every read-hold is accounted
         assert counts["free"] + counts["keyed"] + counts["raw"] + counts["releasing"] \

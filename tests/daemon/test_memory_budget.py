@@ -57,7 +57,7 @@ class Node:
                             resident_pages=self.budget.bounds(s)[0])
         cache = PoolCache(pool, clock=lambda: self.now)
         self.pools[name], self.caches[name] = pool, cache
-        self.budget.join(cache)
+        self.budget.join(cache.sizing)
         return cache
 
     def store(self, name: str, n: int) -> list[bytes]:

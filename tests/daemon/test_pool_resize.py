@@ -45,7 +45,7 @@ def test_a_shrink_evicts_the_oldest_and_moves_the_rest_below_with_their_bytes(
     cache = PoolCache(pool)
     store(cache, K[:12])  # pages 0..11, K0 the least recently used
     cache.lookup([K[0]], touch=True)  # now K1 is the oldest
-    r = cache.resize(6)
+    r = cache.sizing.resize(6)
     assert (r.limit, r.evicted) == (6, 6)
     assert set(cache.index.ready) == {K[0], *K[7:12]}  # K1..K6 went, oldest first
     assert r.moved == 5  # K7..K11 lived on pages 7..11
@@ -72,13 +72,13 @@ def test_pages_in_use_stay_and_hold_the_limit_above_them_until_they_are_free(
     store(cache, K[:10])
     loading = cache.begin_load([K[9]])  # page 9: a copy reads it
     raw = cache.alloc_raw(2 * pool.page_size)  # pages 10, 11: a worker owns them
-    r = cache.resize(4)
+    r = cache.sizing.resize(4)
     assert r.limit == 12  # page 11 is the highest in use
     assert page_of(cache, K[9]) == 9 and K[9] in cache.index.ready
     assert all(p < 4 for k, p in cache.index.ready.items() if k != K[9])
     cache.finish_load(loading)
     pool.allocator.free(raw)
-    r = cache.resize(4)
+    r = cache.sizing.resize(4)
     assert r.limit == 4 and r.moved == 1
     assert np.array_equal(read(pool, page_of(cache, K[9])), pattern(K[9], pool.spec.page_bytes))
     pool.allocator.memcheck()
@@ -86,10 +86,10 @@ def test_pages_in_use_stay_and_hold_the_limit_above_them_until_they_are_free(
 
 def test_a_growth_hands_the_pages_out_again(pool: HostPool) -> None:
     cache = PoolCache(pool)
-    cache.resize(4)
+    cache.sizing.resize(4)
     store(cache, K[:8])
     assert len(cache.index.ready) == 4
-    r = cache.resize(16)
+    r = cache.sizing.resize(16)
     assert r == (16, 0, 0, 0)
     store(cache, K[8:20])
     assert len(cache.index.ready) == 16 and pool.allocator.used_pages == 16
@@ -115,7 +115,7 @@ def test_the_memory_above_the_limit_goes_back_to_the_system() -> None:
         cache = PoolCache(p)
         store(cache, K[:64])  # every page written
         before = _rss_kib(p.address)
-        r = cache.resize(16)
+        r = cache.sizing.resize(16)
         assert r.limit == 16
         assert r.released_bytes == 48 * p.spec.page_bytes
         after = _rss_kib(p.address)
@@ -126,7 +126,7 @@ def test_the_memory_above_the_limit_goes_back_to_the_system() -> None:
         del raw
         for key in cache.index.ready:  # the 16 kept keys are whole
             assert np.array_equal(read(p, page_of(cache, key)), pattern(key, p.spec.page_bytes))
-        cache.resize(64)  # grown again: the pages fault back in as they are written
+        cache.sizing.resize(64)  # grown again: the pages fault back in as they are written
         store(cache, K[:64])
         assert all(np.array_equal(read(p, page_of(cache, k)), pattern(k, p.spec.page_bytes))
                    for k in K[:64] if k in cache.index.ready)
@@ -177,7 +177,7 @@ class ResizeMachine(RuleBasedStateMachine):
 
     @rule(pages=st.integers(0, 12), moves=st.integers(0, 3))
     def resize(self, pages: int, moves: int) -> None:
-        r = self.cache.resize(pages, max_moves=moves)
+        r = self.cache.sizing.resize(pages, max_moves=moves)
         assert r.limit >= pages
         assert r.limit == max(pages, self.pool.allocator.top()), "the limit hugs what is used"
 
@@ -227,7 +227,7 @@ def test_a_file_backed_pool_punches_its_released_pages_and_reserves_them_again()
         p.allocator.set_limit(64)  # as the budget grows it: reserved, then handed out
         store(cache, K[:64])
         assert blocks() == 64 * s.page_bytes
-        r = cache.resize(16)
+        r = cache.sizing.resize(16)
         assert r.released_bytes == 48 * s.page_bytes
         assert blocks() == 16 * s.page_bytes, "the released pages left the file"
         assert p.reserve_pages(16, 32) and blocks() == 32 * s.page_bytes

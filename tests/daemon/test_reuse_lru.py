@@ -363,7 +363,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule()
     def release(self) -> None:
-        self.cache.release_holds(1)
+        self.cache.holds.release(1)
         self.held.clear()
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))

@@ -67,7 +67,7 @@ class Tiers(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.open_spill is not None:
-            self.cache.finish_spill(*self.open_spill)
+            self.cache.lending.finish_spill(*self.open_spill)
         self.disk.close()
         self.pool.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -84,23 +84,23 @@ class Tiers(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def spill(self, n: int) -> None:
-        self._write_spill(*self.cache.spill_candidates(n, 8, self.disk.contains))
+        self._write_spill(*self.cache.lending.spill_candidates(n, 8, self.disk.contains))
 
     def _write_spill(self, keys: list[bytes], pages: np.ndarray, epoch: int) -> None:
         """The spiller's write of a batch it took, then its release."""
         try:
             done = self.disk.write_many([(k, self.pool.page_views(p))
                                          for k, p in zip(keys, pages.tolist(), strict=True)],
-                                        lambda k: not self.cache.removed_since(k, epoch))
+                                        lambda k: not self.cache.lending.removed_since(k, epoch))
             self.on_disk |= {k for k, ok in zip(keys, done, strict=True) if ok}
         finally:
-            self.cache.finish_spill(keys, pages, epoch)
+            self.cache.lending.finish_spill(keys, pages, epoch)
 
     @precondition(lambda self: self.open_spill is None)
     @rule(n=st.integers(1, 4))
     def spill_begins(self, n: int) -> None:
         """The spiller takes its batch; its write comes in a later step."""
-        self.open_spill = self.cache.spill_candidates(n, 8, self.disk.contains)
+        self.open_spill = self.cache.lending.spill_candidates(n, 8, self.disk.contains)
 
     @precondition(lambda self: self.open_spill is not None)
     @rule()
@@ -193,7 +193,7 @@ def test_a_store_during_a_spill_evicts_pages_it_can_have_now() -> None:
     try:
         m.store(KEYS[:4])
         m.store(KEYS[4:8])  # the pool's 8 pages, KEYS[0] the oldest
-        m.open_spill = m.cache.spill_candidates(4, 8, m.disk.contains)
+        m.open_spill = m.cache.lending.spill_candidates(4, 8, m.disk.contains)
         assert m.open_spill[0] == KEYS[:4]
         t = m.cache.begin_store(KEYS[8:10])
         assert t.pages.size == 2, "a Store refused pages while the pool had pages to give"
@@ -221,7 +221,7 @@ def test_a_load_during_a_spill_promotes_what_is_on_disk() -> None:
         m.store(KEYS[8:12])  # evicts KEYS[:4] from host: on disk only
         _, tiers = m.cache.lookup(KEYS[:12])
         assert list(tiers[:4]) == [2, 2, 2, 2]
-        m.open_spill = m.cache.spill_candidates(4, 8, m.disk.contains)  # KEYS[4:8] taken
+        m.open_spill = m.cache.lending.spill_candidates(4, 8, m.disk.contains)  # KEYS[4:8] taken
         pages = TierStack(m.pool, m.cache, m.disk).hold_for_load(KEYS[:3])
         assert pages.size == 3
         for k, page in zip(KEYS[:3], pages.tolist(), strict=True):
@@ -267,7 +267,7 @@ def test_a_held_hit_on_disk_stays_there_until_its_promotion_ran() -> None:
         stack.prefetcher = _Queued(accept=True)  # type: ignore[assignment]
         queued.jobs.clear()
         m.disk.release(KEYS[:2])
-        m.cache.policy = HoldPolicy(max_held_fraction=0.5)
+        m.cache.holds.policy = HoldPolicy(max_held_fraction=0.5)
         hit, tiers, held, promised = stack.lookup(KEYS[:4], Holder(owner=7, seconds=30.0))
         assert (hit, held, promised) == (4, 0, 4) and m.disk.held == 4
         queued = stack.prefetcher  # type: ignore[assignment]
@@ -276,7 +276,7 @@ def test_a_held_hit_on_disk_stays_there_until_its_promotion_ran() -> None:
         assert all(m.disk.contains(k) for k in KEYS[:4])
         keys, holder, release = queued.jobs.pop()
         stack.promote(keys)
-        m.cache.hold_promoted(holder, keys)
+        m.cache.holds.promoted(holder, keys)
         release()
         assert m.disk.held == 0
         pages = stack.hold_for_load(KEYS[:4], owner=7)

@@ -166,7 +166,7 @@ def test_a_long_lookup_lets_other_calls_in_between_its_chunks() -> None:
         assert hit_prefix == 8
         assert tiers[:8] == b"\x01" * 8  # what its first chunk saw
         assert held == 5  # s5 left before the holds were taken
-        assert cache.holds.count(7) == 5
+        assert cache.holds.table.count(7) == 5
     finally:
         pool.close()
 

@@ -6,8 +6,11 @@
 - ``events``: the STORED / REMOVED / EVICTED log routers follow.
 - ``key_index``: ``KeyIndex``: keys -> pages, writing / ready states, readers, spills and the
   eviction order of one pool (no lock: its pool cache's).
-- ``pool_cache``: ``PoolCache``: over a ``KeyIndex``: store / load / remove / clear, eviction,
-  holds, loans to the tiers below, resize, statistics.
+- ``pool_cache``: ``PoolCache``: over a ``KeyIndex``: lookup / store / load / remove / clear,
+  eviction, statistics; its roles, each a class over its lock and books:
+- ``held_pages``: ``HeldPages``: the holds Lookups take, as read-held pages;
+- ``lending``: ``Lending``: pages lent to the tiers below, with the epochs removals check;
+- ``sizing``: ``Sizing``: the pool's share of a memory budget (grow, resize).
 - ``holds``: ``Holder``, ``HoldPolicy``, ``HoldTable``: the books of the holds Lookups take.
 - ``removals``: ``RemovalLog``: removals numbered, and the epochs of the writers lent pages,
   so a key removed never comes back through a tier below.

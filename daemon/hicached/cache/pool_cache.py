@@ -16,12 +16,11 @@ Primitives:
 - ``lookup(keys, below, touch)``: (hit prefix, one tier byte per key: 1 host, 2 disk, 3
   cluster (``below``, asked outside the lock), 0 absent); with ``touch`` the keys host memory
   has become the most recently used (else a Lookup leaves recency alone); ``LOOKUP_CHUNK`` keys
-  per turn of the lock. The holds a Lookup takes for a session: ``lookup_held(keys, holder, below)``
-  -> (hit prefix, tiers, held), ``hold_room`` (what a session may still hold), ``hold_promoted``,
-  ``release_holds``, ``end_holds``,
-  ``expire_holds`` (the books are a ``holds.HoldTable``). A held page is read-held in the
-  allocator and out of the LRU while held: no Store evicts it, no removal frees it (its
-  holder still loads it; the page is freed when the hold ends).
+  per turn of the lock. ``lookup_held(keys, holder, below)`` -> (hit prefix, tiers, held):
+  the same, holding for a session what host memory has of the hit prefix in the same step.
+- ``holds`` (``held_pages.HeldPages``): the holds Lookups took, as pages kept read-held and
+  out of the eviction order for their sessions; ``room``, ``promoted``, ``release``,
+  ``end``, ``expire``.
 - ``begin_store(keys)`` -> ``StoreTicket``: present or in-flight keys are not written again
   (status 2, touched in the LRU); new keys get a page each, busy for writing, evicting least
   recently used ready keys no copy is using (not busy) when the pool is full; keys left
@@ -40,33 +39,25 @@ Primitives:
   first would free nothing for the Store or promotion that asked); counted by ``reason``
   (``EVICTION_REASONS``: what needed the room) and by each key's idle time.
 - ``alloc_raw(tokens, owner)``: raw pages, evicting cached pages when the pool is full.
-- ``share_with(share)``: a ``Share`` (the memory budget's, by that name) a full pool asks
-  for pages before it evicts;
-  ``coldest_age(now)``: the idle time of its least recently used key.
-- ``resize(pages, max_moves)`` -> ``Resized``: the pool's share of the memory budget. Growing
-  lets the allocator hand out pages up to the new size; shrinking evicts the least recently
-  used keys down to it (reason ``budget``), copies the pages of keys still above it into
-  free pages below it (a key keeps its bytes, its recency and every tier's view of it; a
-  page a copy, a hold or a spill is using, or a raw page, stays where it is and the limit
-  stays above it), then gives the memory above the limit back to the system.
+- ``sizing`` (``sizing.Sizing``): the pool's share of a memory budget: a full pool asks it
+  for pages before it evicts; the budget resizes the pool (eviction reason ``budget``, pages
+  moved below a shrinking pool's new size).
 - ``stats``: counters for metrics; ``key_count``; ``eviction_margin`` (what the ``reuse``
   policy learnt); ``snapshot()``: the ready keys (what a KV event resync announces).
 - A ``lower`` tier (``LowerTier``, e.g. the disk): ``lookup`` reports its tier byte for keys
   only it holds, ``remove`` / ``clear`` reach it, eviction counts whether each evicted key was
   below already; ``on_stored(keys)`` is the cue of its writers.
-- Lending, what the tiers below borrow: ``spill_candidates(n, window, written)`` -> (keys,
-  pages, epoch) / ``finish_spill``: the oldest ready keys' pages, read-held for a spiller;
-  ``borrow(keys)`` / ``give_back(pages, epoch)``: pages of given keys for a writer to another
-  tier; ``not_ready(keys)`` (keys to promote), ``wait_landed(keys, timeout)``. A writer's
-  *epoch* makes removals final below: it asks ``removed_since(key, epoch)`` before it
-  commits a key (the books are a ``removals.RemovalLog``).
+- ``lending`` (``lending.Lending``): what the tiers below borrow (a spiller's batch, a
+  writer's loan, each with the epoch that makes removals final below) and the keys they
+  promote; ``wait_landed(keys, timeout)``: a LoadKeys waits for a promotion to land.
 - ``recover()``: after the pool's state files were re-attached, the complete keys again.
 
 Raw pages share the allocator, are never evicted, may evict keyed pages. Thread-safe: one
 lock per pool cache, taken before the allocator's (and a lower tier's). Its state is three
 books it owns, each changed only under that lock: ``index`` (``key_index.KeyIndex``: keys,
-pages, readers, spills, the eviction order), ``holds`` (``holds.HoldTable``) and ``removals``
-(``removals.RemovalLog``).
+pages, readers, spills, the eviction order), ``removals`` (``removals.RemovalLog``) and the
+stats; ``holds``, ``lending`` and ``sizing`` are its roles, each a class of its own over that
+lock and those books, passed in.
 """
 
 from __future__ import annotations
@@ -75,15 +66,15 @@ import bisect
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 
 from hicache import seams
-from hicache.errors import CanaryMismatch, KeyNotFound, PageBusy
+from hicache.errors import KeyNotFound
 from hicache.locks import condition, lock
 from hicached.cache.events import EventKind, EventLog
-from hicached.cache.holds import Hold, Holder, Holding, HoldPolicy, HoldTable
+from hicached.cache.held_pages import HeldPages
+from hicached.cache.holds import Holder, HoldPolicy
 from hicached.cache.index_types import (
     EVICTED_AGE_BUCKETS,
     NO_SPACE,
@@ -91,33 +82,22 @@ from hicached.cache.index_types import (
     STORED,
     CacheStats,
     LowerTier,
-    Resized,
     StoreTicket,
 )
 from hicached.cache.key_index import KeyIndex
 from hicached.cache.key_slots import KeySlots
+from hicached.cache.lending import Lending
 from hicached.cache.lru import LRU
 from hicached.cache.removals import RemovalLog
 from hicached.cache.reuse_lru import ReuseLRU
+from hicached.cache.sizing import Sizing
 from hicached.core.pool import HostPool
 
-MOVE_BYTES = 64 << 20
-"""Page bytes one ``resize`` copies below a shrinking pool's new size under the pool's lock
-(a few milliseconds); the rest move on the next call."""
 EVICTION = ("lru", "reuse")
 """The eviction policies a pool may use: ``lru.LRU``, ``reuse_lru.ReuseLRU``."""
 LOOKUP_CHUNK = 2048
 """Keys a Lookup checks per turn of the pool's lock (about 0.2 ms): a long batch lets the
 other calls on the pool go in between."""
-
-
-class Share(Protocol):
-    """A pool's share of a memory budget, as its cache sees it."""
-
-    def grow(self, pages: int) -> int:
-        """Raise the pool allocator's limit by up to ``pages`` now (the cache's lock held);
-        how many it rose by (0: the pool evicts its own)."""
-        ...
 
 
 class PoolCache:
@@ -129,9 +109,6 @@ class PoolCache:
         if eviction not in EVICTION:
             raise ValueError(f"no eviction policy {eviction!r} (one of {sorted(EVICTION)})")
         self.pool = pool
-        self.policy = policy or HoldPolicy()
-        """Limits on holds (``max_held_fraction`` of this pool's pages per session)."""
-        self.holds = HoldTable()
         self._clock = clock
         self.events = events or EventLog()
         self.stats = CacheStats()
@@ -144,9 +121,6 @@ class PoolCache:
         """Called with the keys that became ready (the cue of spillers and writers)."""
         self.recovered_keys = 0
         """Keys found again when the pool was re-attached (``recover``)."""
-        self._share: Share | None = None
-        """Where a full pool asks for more pages before it evicts (``share_with``); None:
-        the pool's size is fixed."""
         self.slots = KeySlots(pool.state.table("key_slots") if pool.state is not None
                               else None)
         self._alloc = pool.allocator
@@ -157,14 +131,16 @@ class PoolCache:
                               else ReuseLRU(lambda: self._alloc.limit))
         """Keys -> pages, their states, readers and eviction order (under this lock)."""
         self.removals = RemovalLog()
-        """Removals and the epochs of the writers out (``removed_since``)."""
+        """Removals and the epochs of the writers out (``lending.removed_since``)."""
+        self.holds = HeldPages(self._lock, policy or HoldPolicy(), self.index, self._alloc,
+                               self.removals, self.stats, pool.page_num, clock)
+        """The holds Lookups take for sessions, as read-held pages."""
+        self.lending = Lending(self._lock, self.index, self._alloc, self.removals)
+        """What the tiers below borrow: spills, loans to writers, promotions' keys."""
+        self.sizing = Sizing(self._lock, pool, self.stats, self.index, self.slots,
+                             self._evict, self._drop_pages, clock)
+        """The pool's size as its share of a memory budget (grow, resize)."""
         self._all_layers = range(0, max(pool.spec.max_layers, 1))
-
-    def share_with(self, share: Share | None) -> None:
-        """Grow through ``share`` (a memory budget's) before evicting; None: the pool's size
-        is fixed again."""
-        with self._lock:
-            self._share = share
 
     def recover(self) -> dict[str, int]:
         """After the pool's state files were re-attached: every complete key is ready again
@@ -209,6 +185,21 @@ class PoolCache:
         with self._lock:
             return list(self.index.ready)  # in the order they became ready: chains stay together
 
+    def books(self) -> dict[str, int]:
+        """The sizes of what the cache keeps per session and per removal (the soak and
+        ``hicache_table_entries`` watch them stay flat): holds, the sessions holding,
+        hold deadlines, last-Lookup books, removals kept for writers out; and the event
+        log's keys kept for replay, a ring that fills to its size (``event_keys_max``)."""
+        with self._lock:
+            table = self.holds.table
+            books = {"holds": table.total, "hold_owners": len(table.owners()),
+                     "hold_deadlines": table.deadlines, "lookup_books": table.lookups,
+                     "removals": self.removals.kept}
+        # a ring, bounded by its size: kept for WatchEvents' replay (its own lock)
+        books["event_keys"] = self.events.kept_keys
+        books["event_keys_max"] = self.events.max_keys
+        return books
+
     def lookup(self, keys: Sequence[bytes],
                below: Callable[[list[bytes]], list[int]] | None = None,
                count: bool = True, touch: bool = False) -> tuple[int, bytes]:
@@ -218,6 +209,15 @@ class PoolCache:
         ``touch``: the keys host memory has become the most recently used."""
         hit_prefix, tiers, _ = self._lookup(keys, below, count, None, touch)
         return hit_prefix, tiers
+
+    def lookup_held(self, keys: Sequence[bytes], holder: Holder,
+                    below: Callable[[list[bytes]], list[int]] | None = None,
+                    touch: bool = False) -> tuple[int, bytes, int]:
+        """``lookup``, and in the same step the leading keys host memory has are held for
+        ``holder`` (up to its quota): (hit prefix, tier bytes, keys held). Keys it holds
+        already take this Lookup's deadline. Keys below host memory are held once promoted
+        (``HeldPages.promoted``)."""
+        return self._lookup(keys, below, True, holder, touch)
 
     def _lookup(self, keys: Sequence[bytes], below: Callable[[list[bytes]], list[int]] | None,
                 count: bool, holder: Holder | None, touch: bool = False
@@ -246,9 +246,9 @@ class PoolCache:
                 tiers += found
                 if holder is not None and at + LOOKUP_CHUNK >= len(keys):
                     # what an earlier chunk saw may have left since: holds stop at a key
-                    # host memory no longer has (``_hold_locked``)
-                    held = self._hold_locked(holder, keys, tiers,
-                                             self._clock() + holder.seconds)
+                    # host memory no longer has (``HeldPages.take``)
+                    held = self.holds.take(holder, keys, tiers,
+                                           self._clock() + holder.seconds)
         if below is not None and 0 in tiers:
             absent = [i for i, t in enumerate(tiers) if not t]
             for i, t in zip(absent, below([keys[i] for i in absent]), strict=True):
@@ -266,7 +266,7 @@ class PoolCache:
 
     def begin_store(self, keys: list[bytes], reason: str = "store") -> StoreTicket:
         status = bytearray(len(keys))
-        self.expire_holds()  # pages whose holds ran out are evictable again
+        self.holds.expire()  # pages whose holds ran out are evictable again
         now = self._clock()
         index = self.index
         with self._lock:
@@ -283,7 +283,7 @@ class PoolCache:
             if there:
                 index.touch(there, now)
             short = len(new) - self._alloc.free_pages
-            if short > 0 and self._share is not None and self._share.grow(short):
+            if self.sizing.grow(short):
                 short = len(new) - self._alloc.free_pages
             if short > 0:
                 self._evict(short, reason, now)
@@ -335,6 +335,13 @@ class PoolCache:
         if stored:
             self.on_stored(stored)
 
+    def wait_landed(self, keys: Sequence[bytes], timeout: float) -> bool:
+        """Wait until none of ``keys`` is being written (a promotion in flight); False at
+        ``timeout``."""
+        with self._landed:
+            writing = self.index.writing
+            return self._landed.wait_for(lambda: not any(k in writing for k in keys), timeout)
+
     # -- load ------------------------------------------------------------------------------
 
     def begin_load(self, keys: Sequence[bytes], count_miss: bool = True, owner: int = 0
@@ -345,9 +352,7 @@ class PoolCache:
         ``count_miss`` is False: a try before a retry). The owner's holds of these keys pass
         to the load: they end when ``finish_load`` does."""
         with self._lock:
-            holds = self.holds
-            held = {k: h for k in keys if (h := holds.get(owner, k)) is not None} \
-                if owner and holds.count(owner) else {}
+            held = self.holds.for_load(owner, keys)
             ready = self.index.ready
             pages = [held[k].page if k in held else ready.get(k, -1) for k in keys]
             if -1 in pages:
@@ -368,8 +373,7 @@ class PoolCache:
                 return out
             # each position gets one reader: a consumed hold's own for the first use of
             # its key, a shared one (the page may be released already: removed) for repeats
-            holds.take(owner, held)
-            self.stats.holds_loaded += len(held)
+            self.holds.loaded(owner, held)
             unused = set(held)
             fresh: list[tuple[bytes, int]] = []
             repeat: list[tuple[bytes, int]] = []
@@ -391,193 +395,6 @@ class PoolCache:
         with self._lock:
             self._alloc.release(pages, write=False, unique=False)
             self.index.read_less(pages.tolist(), self._clock())
-
-    # -- holds: what a Lookup promised a session ------------------------------------------
-
-    def lookup_held(self, keys: Sequence[bytes], holder: Holder,
-                    below: Callable[[list[bytes]], list[int]] | None = None,
-                    touch: bool = False) -> tuple[int, bytes, int]:
-        """``lookup``, and in the same step the leading keys host memory has are held for
-        ``holder`` (up to its quota): (hit prefix, tier bytes, keys held). Keys it holds
-        already take this Lookup's deadline. Keys below host memory are held once promoted
-        (``hold_promoted``)."""
-        return self._lookup(keys, below, True, holder, touch)
-
-    def hold_room(self, holder: Holder) -> int:
-        """How many more pages ``holder`` may hold (its share of the pool, less its holds)."""
-        with self._lock:
-            if holder.ended():
-                return 0
-            return max(self.policy.limit(self.pool.page_num)
-                       - self.holds.count(holder.owner), 0)
-
-    def hold_promoted(self, holder: Holder, keys: Sequence[bytes]) -> int:
-        """Hold for ``holder`` the leading ``keys`` host memory has now (the promotion its
-        Lookup started landed); returns how many."""
-        with self._lock:
-            tiers = bytearray(1 if k in self.index.ready else 0 for k in keys)
-            return self._hold_locked(holder, keys, tiers, self._clock() + holder.seconds)
-
-    def _hold_locked(self, holder: Holder, keys: Sequence[bytes], tiers: bytearray,
-                     until: float) -> int:
-        """Hold the leading keys whose tier byte is 1 (host memory), up to the owner's quota,
-        until ``until`` (the latest Lookup of a key sets its hold's deadline); returns how
-        many leading keys the owner holds now; none once its session has ended (it marks
-        itself ended before ``end_holds`` takes this lock). The owner's Lookup of the very
-        keys it held last, with nothing changed since, refreshes them in one step."""
-        holds = self.holds
-        if holder.ended():
-            return 0
-        owner = holder.owner
-        lead = len(tiers) - len(tiers.lstrip(b"\x01"))
-        last = holds.last(owner)
-        if (last is not None and last.lead == lead and last.version == holds.version(owner)
-                and last.removals == self.removals.seq and last.keys == keys[:lead]):
-            last.deadline.until = until  # every hold it took points at this deadline
-            return last.held
-        limit = self.policy.limit(self.pool.page_num)
-        deadline = holds.deadline(owner, until)
-        new: dict[bytes, int] = {}
-        held = 0
-        ready = self.index.ready
-        for k in keys[:lead]:
-            page = ready.get(k)
-            if page is None:  # gone since a long Lookup's earlier chunk saw it
-                break
-            h = holds.get(owner, k)
-            if h is not None and h.page != page:  # removed and stored again
-                self._unhold(holds.drop(owner, [k]))  # since: hold the page it names now
-                h = None
-            if h is not None:
-                h.deadline = deadline
-                deadline.keys.append(k)
-            elif k not in new:
-                if holds.count(owner) + len(new) >= limit:
-                    break
-                new[k] = page
-            held += 1
-        if new:
-            self._alloc.acquire(np.fromiter(new.values(), np.int64, len(new)), write=False,
-                                unique=False)
-            for k, page in new.items():
-                holds.add(owner, k, page, deadline)
-                self.index.read_more(page, k)
-            self.stats.holds_taken += len(new)
-        holds.remember(owner, Holding(lead, holds.version(owner), self.removals.seq,
-                                      list(keys[:lead]), held, deadline))
-        return held
-
-    def release_holds(self, owner: int, keys: Sequence[bytes] | None = None) -> int:
-        """``ReleaseHolds``: the owner's holds of ``keys`` (None: all) end; how many."""
-        with self._lock:
-            gone = self.holds.drop(owner, None if keys is None else list(keys))
-            self._unhold(gone)
-            self.stats.holds_released += len(gone)
-        return len(gone)
-
-    def books(self) -> dict[str, int]:
-        """The sizes of what the cache keeps per session and per removal (the soak and
-        ``hicache_table_entries`` watch them stay flat): holds, the sessions holding,
-        hold deadlines, last-Lookup books, removals kept for writers out; and the event
-        log's keys kept for replay, a ring that fills to its size (``event_keys_max``)."""
-        with self._lock:
-            books = {"holds": self.holds.total, "hold_owners": len(self.holds.owners()),
-                     "hold_deadlines": self.holds.deadlines,
-                     "lookup_books": self.holds.lookups,
-                     "removals": self.removals.kept}
-        # a ring, bounded by its size: kept for WatchEvents' replay (its own lock)
-        books["event_keys"] = self.events.kept_keys
-        books["event_keys_max"] = self.events.max_keys
-        return books
-
-    def end_holds(self, owner: int) -> int:
-        """The owner's session ended (and says so to its ``Holder``s, so it gets no new
-        holds): its holds end, and what the cache kept for it goes."""
-        with self._lock:
-            gone = self.holds.end(owner)
-            self._unhold(gone)
-            self.stats.holds_ended += len(gone)
-        return len(gone)
-
-    def expire_holds(self) -> int:
-        """End the holds whose deadline passed; returns how many."""
-        due = self.holds.next_due()
-        if due is None or due > self._clock():
-            return 0
-        with self._lock:
-            gone = self.holds.expire(self._clock())
-            self._unhold(gone)
-            self.stats.holds_expired += len(gone)
-        return len(gone)
-
-    def _unhold(self, gone: list[Hold]) -> None:
-        if not gone:
-            return
-        pages = np.asarray([h.page for h in gone], dtype=np.int64)
-        self._alloc.release(pages, write=False, unique=False)
-        self.index.read_less(pages.tolist(), self._clock())
-
-    # -- lending: what the tiers below borrow -------------------------------------------
-
-    def removed_since(self, key: bytes, epoch: int) -> bool:
-        """Whether ``key`` was removed (or the pool cleared) after ``epoch``. No lock: a
-        tier asks under its own, and a removal records its keys before it reaches a tier."""
-        return self.removals.removed_since(key, epoch)
-
-    def wait_landed(self, keys: Sequence[bytes], timeout: float) -> bool:
-        """Wait until none of ``keys`` is being written (a promotion in flight); False at
-        ``timeout``."""
-        with self._landed:
-            writing = self.index.writing
-            return self._landed.wait_for(lambda: not any(k in writing for k in keys), timeout)
-
-    def not_ready(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The keys host memory does not hold ready (to be promoted from a lower tier)."""
-        with self._lock:
-            return [k for k in dict.fromkeys(keys) if k not in self.index.ready]
-
-    # -- spill -----------------------------------------------------------------------------
-
-    def spill_candidates(self, n: int, window: int, written: Callable[[bytes], bool]
-                         ) -> tuple[list[bytes], np.ndarray, int]:
-        """Up to ``n`` of the ``window`` least recently used ready keys whose page the lower
-        tier has not ``written``, with their pages busy for reading (an eviction meanwhile
-        drops the key from host memory, but its page is not reused until ``finish_spill``),
-        and the epoch to check removals against."""
-        with self._lock:
-            keys = self.index.to_spill(n, window, written)
-            if not keys:
-                return [], np.zeros(0, np.int64), self.removals.seq
-            pages = np.asarray([self.index.ready[k] for k in keys], dtype=np.int64)
-            self._alloc.acquire(pages, write=False)
-            self.index.spill_begun(keys)
-            return keys, pages, self.removals.lend()
-
-    def finish_spill(self, keys: list[bytes], pages: np.ndarray, epoch: int) -> None:
-        """The lower tier has (or failed to take) these pages: release them."""
-        with self._lock:
-            self._alloc.release(pages, write=False)
-            self.index.spill_ended(keys)
-            self.removals.end_lend(epoch)
-
-    def borrow(self, keys: Sequence[bytes]) -> tuple[list[bytes], np.ndarray, int]:
-        """The keys of ``keys`` still ready, with their pages read-held for a writer to
-        another tier (an eviction meanwhile drops the key, its page waits for
-        ``give_back``), and the epoch to check removals against."""
-        with self._lock:
-            ready = self.index.ready
-            held = [k for k in dict.fromkeys(keys) if k in ready]
-            pages = np.asarray([ready[k] for k in held], dtype=np.int64)
-            if pages.size:
-                self._alloc.acquire(pages, write=False, unique=False)
-            return held, pages, self.removals.lend()
-
-    def give_back(self, pages: np.ndarray, epoch: int) -> None:
-        """The writer to another tier is done with the pages ``borrow`` lent it."""
-        with self._lock:
-            if pages.size:
-                self._alloc.release(pages, write=False, unique=False)
-            self.removals.end_lend(epoch)
 
     # -- removal ---------------------------------------------------------------------------
 
@@ -621,88 +438,13 @@ class PoolCache:
             lower.erase(slots)
         return len(gone)
 
-    # -- the pool's share of the memory budget ----------------------------------------------
-
-    def coldest_age(self, now: float) -> float:
-        """How long ago the least recently used evictable key was used (0 without one): what
-        the pool's next eviction would cost, the memory budget's value rule."""
-        with self._lock:
-            last = self.index.oldest_use()
-        return max(now - last, 0.0) if last is not None else 0.0
-
-    def resize(self, pages: int, max_moves: int | None = None) -> Resized:
-        """Let the pool use ``pages`` pages (see the module's docstring); at most
-        ``max_moves`` pages (default: ``MOVE_BYTES`` of them) are copied under the lock in
-        one call (call again for the rest: the limit stays above the keys not moved yet)."""
-        if max_moves is None:
-            max_moves = max(MOVE_BYTES // max(self.pool.spec.page_bytes, 1), 1)
-        now = self._clock()
-        with self._lock:
-            alloc = self._alloc
-            old = alloc.limit
-            target = min(max(int(pages), 0), alloc.page_num)
-            if target >= old:
-                alloc.set_limit(target)
-                return Resized(target, 0, 0, 0)
-            evicted = self.stats.evicted
-            short = alloc.used_pages - target
-            if short > 0:
-                self._evict(min(short, self.index.evictable), "budget", now)
-            evicted = self.stats.evicted - evicted
-            alloc.set_limit(target)
-            moved = 0
-            for page in alloc.in_use_from(target).tolist():
-                if moved >= max_moves:
-                    break
-                if self.index.owner(page) is not None:  # (a raw page stays)
-                    moved += self._move(page)
-            seams.reached("resize.moved")
-            limit = alloc.set_limit(max(target, alloc.top()))
-            released = self.pool.release_pages(limit, old)
-            return Resized(limit, evicted, moved, released)
-
-    def _move(self, page: int) -> int:
-        """Copy a ready key's page into a free page below the limit (1), or leave it where it
-        is (0): being written, read, held or spilled, or no free page below."""
-        key = self.index.movable(page)
-        if key is None:
-            return 0
-        src = np.asarray([page], dtype=np.int64)
-        alloc = self._alloc
-        if not alloc.free_pages:
-            return 0
-        try:
-            alloc.acquire(src, write=True)  # no copy reads it meanwhile
-        except PageBusy:
-            return 0
-        dst = alloc.alloc_pages(1)  # busy for writing
-        pool, layers = self.pool, self._all_layers
-        try:
-            if pool.canary is not None:  # a damaged page is not copied into a sound one
-                pool.canary.verify(src, layers, pool.fingerprints(src, layers))
-            pool.copy_page(page, int(dst[0]))
-            if pool.canary is not None:
-                pool.canary.record(dst, layers, pool.fingerprints(dst, layers))
-        except CanaryMismatch:
-            alloc.release(src, write=True)
-            alloc.release(dst, write=True)
-            alloc.release_pages(dst)
-            return 0
-        new = int(dst[0])
-        self.index.moved(key, page, new)
-        self.slots.ready([new], [key])  # the newer slot wins if a crash leaves both
-        alloc.release(dst, write=True, layers=layers)
-        alloc.release(src, write=True)
-        self._drop_pages(src)
-        return 1
-
     # -- internals (lock held) -------------------------------------------------------------
 
     def _forget(self, keys: list[bytes]) -> list[bytes]:
         self._drop_pages(np.asarray(self.index.forget(keys), dtype=np.int64))
         return keys
 
-    def _evict(self, n: int, reason: str, now: float) -> None:
+    def _evict(self, n: int, reason: str, now: float) -> int:
         used: list[float] = []
         keys, pages = self.index.evict(n, used)
         st = self.stats
@@ -719,6 +461,7 @@ class PoolCache:
         self._drop_pages(np.asarray(pages, dtype=np.int64))
         st.evicted += len(keys)
         self.events.append(EventKind.EVICTED, keys)
+        return len(keys)
 
     def _drop_pages(self, pages: np.ndarray) -> None:
         if pages.size:
@@ -735,8 +478,7 @@ class PoolCache:
         with self._lock:
             need = max(num_tokens, 0) // self.pool.page_size
             short = need - self._alloc.free_pages
-            if (short > 0 and self._share is not None
-                    and num_tokens % self.pool.page_size == 0 and self._share.grow(short)):
+            if num_tokens % self.pool.page_size == 0 and self.sizing.grow(short):
                 short = need - self._alloc.free_pages
             if 0 < short <= self.index.evictable and num_tokens % self.pool.page_size == 0:
                 self._evict(short, "alloc", self._clock())

@@ -341,7 +341,7 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
                               ("pool_metadata_bytes", pool.metadata_bytes),
                               ("cache_keys", ready),
                               ("cache_keyed_bytes", ready * pool.spec.page_bytes),
-                              ("held_pages", cache.holds.total),
+                              ("held_pages", cache.holds.table.total),
                               ("cache_eviction_margin", cache.eviction_margin)):
             g[metric].add_metric([name], value)
         for metric, value in (("cache_lookups", st.lookups), ("cache_evicted_pages", st.evicted),

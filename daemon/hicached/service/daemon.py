@@ -336,7 +336,7 @@ class Daemon:
         except HiCacheError:  # the pool went first
             return
         if cache.pool is s.pool:
-            cache.end_holds(s.owner)
+            cache.holds.end(s.owner)
 
     # -- holds ------------------------------------------------------------------------------
 
@@ -350,7 +350,7 @@ class Daemon:
         if not session_id or hold_ms <= 0:
             return stack.lookup(keys, touch=touch)
         s = self._session_of(session_id, pool)
-        policy = self.pools.cache(pool).policy
+        policy = self.pools.cache(pool).holds.policy
         return stack.lookup(keys, Holder(s.owner, policy.seconds(hold_ms), lambda: s.ended),
                             touch=touch)
 
@@ -358,7 +358,7 @@ class Daemon:
         """End the session's holds of ``keys`` (none: all of them); returns how many."""
         s = self.sessions.get(session_id)
         keys = check_keys(keys, limit=self.max_keys_per_call) if keys else None
-        return self.pools.cache(s.pool_name).release_holds(s.owner, keys)
+        return self.pools.cache(s.pool_name).holds.release(s.owner, keys)
 
     def remove_keys(self, pool: str, keys: list[bytes]) -> int:
         """RemoveKeys: ``keys`` leave every tier of ``pool``; returns how many were there."""
@@ -366,7 +366,7 @@ class Daemon:
 
     def expire_holds(self) -> None:
         for _, cache in self.pools.entries():
-            cache.expire_holds()
+            cache.holds.expire()
 
     def _session_of(self, session_id: str, pool: str) -> Session:
         s = self.sessions.get(session_id)

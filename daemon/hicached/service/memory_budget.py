@@ -14,7 +14,7 @@ The shares of all pools add up to the budget at most; what no pool holds is *sla
   what it uses, and to its floor once others need its keys' memory); then each pool with
   unmet demand, or that evicted since the last round, takes memory from the others by one
   value rule, the one eviction uses inside a pool: the pool whose least recently used page
-  is the oldest gives first (``PoolCache.resize``: its oldest keys evicted, the rest moved
+  is the oldest gives first (``Sizing.resize``: its oldest keys evicted, the rest moved
   below its new size), and only where that page is older than the taker's own oldest. A
   tenant below its guaranteed share takes from tenants above theirs whatever their ages;
   no pool goes below its floor, and no tenant is taken below its guaranteed share by
@@ -36,7 +36,7 @@ with no lock of the budget held, a pool being shrunk counting at its share befor
 shrink ended (its limit dips while its pages move, and may end above the size asked for where
 pages are in use: nothing grows into that dip).
 
-Primitives: ``MemoryBudget(budget_bytes, config, clock)``: ``admit(spec)``, ``join(cache)``,
+Primitives: ``MemoryBudget(budget_bytes, config, clock)``: ``admit(spec)``, ``join(sizing)``,
 ``leave(name)``, ``grow(name, pages)``, ``rebalance()``, ``start()`` / ``close()`` (the
 thread), ``shares()`` / ``share(name)`` (``PoolShareView`` per pool), ``tenants()``
 (``TenantView``), ``stats`` (``BudgetStats``).
@@ -54,7 +54,7 @@ from hicache import seams
 from hicache.errors import HostMemoryInsufficient
 from hicache.locks import condition, lock
 from hicache.specs import PoolSpec
-from hicached.cache.pool_cache import PoolCache
+from hicached.cache.sizing import Sizing
 from hicached.service.budget_config import BudgetConfig, share_for
 
 log = logging.getLogger(__name__)
@@ -103,18 +103,18 @@ class BudgetStats:
 
 
 class _Member:
-    __slots__ = ("cache", "ceiling", "evictions", "fixed", "floor", "growing", "holding",
-                 "moves", "name", "page_bytes", "reserved_top", "tenant", "wanted")
+    __slots__ = ("ceiling", "evictions", "fixed", "floor", "growing", "holding",
+                 "moves", "name", "page_bytes", "reserved_top", "sizing", "tenant", "wanted")
 
-    def __init__(self, cache: PoolCache, floor: int, ceiling: int, tenant: str,
+    def __init__(self, sizing: Sizing, floor: int, ceiling: int, tenant: str,
                  fixed: int) -> None:
-        self.cache = cache
+        self.sizing = sizing
         self.fixed = fixed
         """Bytes the pool is charged whatever its share (its tables and key index)."""
-        self.name = cache.pool.spec.name
-        self.page_bytes = cache.pool.spec.page_bytes
+        self.name = sizing.pool.spec.name
+        self.page_bytes = sizing.pool.spec.page_bytes
         self.floor, self.ceiling, self.tenant = floor, ceiling, tenant
-        self.evictions = _pressure(cache)
+        self.evictions = _pressure(sizing)
         self.wanted = 0
         """Pages asked for and not granted since the last round."""
         self.growing = 0
@@ -133,11 +133,11 @@ class _Member:
 
     @property
     def limit(self) -> int:
-        return self.cache.pool.allocator.limit
+        return self.sizing.pool.allocator.limit
 
 
 class _Share:
-    """A pool's share of the budget as its cache reaches it (``PoolCache.share_with``)."""
+    """A pool's share of the budget as its cache reaches it (``Sizing.share_with``)."""
 
     __slots__ = ("budget", "name")
 
@@ -150,12 +150,12 @@ class _Share:
 
 def _view(m: _Member) -> PoolShareView:
     return PoolShareView(m.name, m.tenant, m.limit * m.page_bytes,
-                         m.cache.pool.allocator.used_pages * m.page_bytes,
+                         m.sizing.pool.allocator.used_pages * m.page_bytes,
                          m.floor * m.page_bytes, m.ceiling * m.page_bytes)
 
 
-def _pressure(cache: PoolCache) -> int:
-    by = cache.stats.evicted_by
+def _pressure(sizing: Sizing) -> int:
+    by = sizing.stats.evicted_by
     return sum(by[r] for r in PRESSURE_REASONS)
 
 
@@ -201,24 +201,24 @@ class MemoryBudget:
                           "budget_bytes": self.budget_bytes})
         return need
 
-    def join(self, cache: PoolCache, fixed_bytes: int = 0) -> None:
-        """Share the budget with ``cache``'s pool (charged ``fixed_bytes`` besides its share):
+    def join(self, sizing: Sizing, fixed_bytes: int = 0) -> None:
+        """Share the budget with ``sizing``'s pool (charged ``fixed_bytes`` besides its share):
         it starts at its floor (or at what it holds already, re-attached, as far as the slack
         goes), taking its floor back from pools above theirs if the slack is short; its
         Stores then grow it on demand."""
-        floor, ceiling, tenant = self.bounds(cache.pool.spec)
-        m = _Member(cache, floor, ceiling, tenant, fixed_bytes)
-        held = cache.pool.allocator.top()
+        floor, ceiling, tenant = self.bounds(sizing.pool.spec)
+        m = _Member(sizing, floor, ceiling, tenant, fixed_bytes)
+        held = sizing.pool.allocator.top()
         with self._lock:
             slack = (self._slack_bytes() - fixed_bytes) // m.page_bytes
             start = max(floor, min(ceiling, held, slack))
-        cache.resize(start)  # (its memory above it is given back before it counts)
+        sizing.resize(start)  # (its memory above it is given back before it counts)
         with self._lock:
             self._members[m.name] = m
             short = -self._slack_bytes()
         if short > 0:  # its floor comes first: a floor is what the others cannot keep
             self._reclaim(short, m, force=True)
-        cache.share_with(_Share(self, m.name))
+        sizing.share_with(_Share(self, m.name))
         log.info("pool %s shares the budget: floor %d, ceiling %d pages of %d bytes, tenant "
                  "%r, starts at %d", m.name, floor, ceiling, m.page_bytes, tenant, start)
 
@@ -230,7 +230,7 @@ class MemoryBudget:
             if m is not None:
                 self._settled.wait_for(lambda: not m.growing, LEAVE_WAIT_S)
         if m is not None:
-            m.cache.share_with(None)
+            m.sizing.share_with(None)
 
     # -- growth on demand (a pool's lock held) ---------------------------------------------
 
@@ -269,7 +269,7 @@ class MemoryBudget:
         try:
             if seam:
                 seams.reached(seam)
-            reserved = m.cache.pool.reserve_pages(start, start + room)
+            reserved = m.sizing.pool.reserve_pages(start, start + room)
             seams.reached("budget.reserved")
         finally:
             with self._lock:
@@ -278,7 +278,7 @@ class MemoryBudget:
                 got = 0
                 if reserved and m.name in self._members:
                     if m.moves == moves:
-                        m.cache.pool.allocator.set_limit(start + room)
+                        m.sizing.pool.allocator.set_limit(start + room)
                         m.moves += 1
                         self.stats.grown_bytes += room * m.page_bytes
                         got = room
@@ -295,7 +295,7 @@ class MemoryBudget:
         if m.growing or m.holding:
             return
         if m.reserved_top > m.limit and m.name in self._members:
-            m.cache.pool.release_pages(m.limit, m.reserved_top)
+            m.sizing.pool.release_pages(m.limit, m.reserved_top)
         m.reserved_top = 0
 
     # -- rebalancing -----------------------------------------------------------------------
@@ -308,19 +308,19 @@ class MemoryBudget:
         demand: dict[str, int] = {}
         ages: dict[str, float] = {}
         for m in members:
-            seen = _pressure(m.cache)
+            seen = _pressure(m.sizing)
             with self._lock:
                 want, m.wanted = m.wanted, 0
             if seen > m.evictions or want:
                 demand[m.name] = max(want, seen - m.evictions)
             m.evictions = seen
-            ages[m.name] = m.cache.coldest_age(now)
+            ages[m.name] = m.sizing.coldest_age(now)
         # idle memory back to the slack: the free pages of a pool without demand, but for a
         # step of room, never below its floor
         for m in members:
             if m.name in demand:
                 continue
-            keep = max(m.floor, m.cache.pool.allocator.used_pages + self._step_pages(m))
+            keep = max(m.floor, m.sizing.pool.allocator.used_pages + self._step_pages(m))
             if m.limit > keep:
                 self._shrink(m, keep)
         # then each pool in need, those of tenants below their guarantee first, the
@@ -353,7 +353,7 @@ class MemoryBudget:
         module's docstring); ``force`` (a floor): from any pool above its floor."""
         now = self._clock()
         ages = ages if ages is not None else {}
-        taker_age = ages.get(taker.name, taker.cache.coldest_age(now))
+        taker_age = ages.get(taker.name, taker.sizing.coldest_age(now))
         guaranteed = self._below_guarantee(taker.tenant)
         own_only = self._quota_room(taker.tenant) <= 0  # at its quota: its own pools only
         with self._lock:
@@ -362,7 +362,7 @@ class MemoryBudget:
         for d in others:
             age = ages.get(d.name)
             if age is None:
-                age = ages[d.name] = d.cache.coldest_age(now)
+                age = ages[d.name] = d.sizing.coldest_age(now)
             if d.limit <= d.floor:
                 continue
             if force:
@@ -397,7 +397,7 @@ class MemoryBudget:
             before = m.holding = m.limit
             m.moves += 1
         try:
-            r = m.cache.resize(pages)
+            r = m.sizing.resize(pages)
         finally:
             with self._lock:
                 m.holding = 0

@@ -170,7 +170,7 @@ class PoolTable:
                          recovered["raw_pages"], recovered["damaged"])
             self._on_attach(pool, recovered)
             if self.budget is not None:
-                self.budget.join(cache, _tables(spec))
+                self.budget.join(cache.sizing, _tables(spec))
                 joined = True
         except BaseException:  # a build that fails here leaves nothing behind either
             if joined and self.budget is not None:

@@ -309,7 +309,7 @@ class ClusterTier:
 
 def wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
     """A key lent at ``epoch`` may still be put: not removed since."""
-    return not cache.removed_since(key, epoch)
+    return not cache.lending.removed_since(key, epoch)
 
 
 def promote_cluster(cache: PoolCache, tier: ClusterTier, keys: Sequence[bytes]) -> int:
@@ -318,7 +318,7 @@ def promote_cluster(cache: PoolCache, tier: ClusterTier, keys: Sequence[bytes]) 
     metadata call): a load that must fail anyway takes no host pages from other keys. A key
     that vanishes between the two calls is simply not promoted (the load that follows fails
     whole with ``KEY_NOT_FOUND``)."""
-    missing = cache.not_ready(keys)
+    missing = cache.lending.not_ready(keys)
     if not missing or not tier.store.up:
         return 0
     if not all(tier.exists(missing)):  # the load fails whole: evict nothing for it

@@ -84,7 +84,7 @@ class ClusterWriter(TierWriter):
         now = self._clock()
         first = {k: t or now for k, t in items}
         try:
-            held, pages, epoch = self.cache.borrow(list(first))
+            held, pages, epoch = self.cache.lending.borrow(list(first))
         except Exception:  # the pool closed under us
             log.debug("cluster writer of %s stopped", self.pool_name, exc_info=True)
             return STOP
@@ -93,7 +93,7 @@ class ClusterWriter(TierWriter):
             ok = self.tier.put_pages(held, pages, functools.partial(
                 wanted, self.cache, epoch)) if held else []
         finally:
-            self.cache.give_back(pages, epoch)
+            self.cache.lending.give_back(pages, epoch)
         self.put += sum(ok)
         failed = [k for k, done in zip(held, ok, strict=True) if not done]
         self.failed += len(failed)

@@ -3,7 +3,7 @@
 A Lookup that holds its hit (``session_id``, ``hold_ms``) holds at once what host memory has;
 the keys of its hit prefix that only the disk or the cluster has are handed to a
 ``Prefetcher``, whose thread promotes them (``TierStack.promote``) and then holds them for the
-session (``PoolCache.hold_promoted``). The Lookup never waits for it; a LoadKeys that needs a
+session (``HeldPages.promoted``). The Lookup never waits for it; a LoadKeys that needs a
 key still being promoted waits for that promotion (``PoolCache.wait_landed``). Until the
 promotion ends, the disk keeps the keys it had of the hit (``DiskTier.hold``; the job's
 ``release`` ends that): a spill meanwhile does not evict the promise from under it. When the

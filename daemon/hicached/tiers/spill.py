@@ -8,7 +8,7 @@ whose page is below already or on its way (it stays found, tier 2), or,
 when stores outrun the disk and the window was not written in time, drops it for good and
 counts it (``CacheStats.spill_dropped``): a bounded queue that overflows by dropping, never by
 blocking a store. A key removed while its page is being written below is not committed there
-(``PoolCache.removed_since``, asked at the commit): a removed key never comes back.
+(``Lending.removed_since``, asked at the commit): a removed key never comes back.
 
 Primitives:
 
@@ -66,7 +66,7 @@ class Spiller(TierWriter):
 
     def _batch(self) -> Outcome | Failed:
         try:
-            keys, pages, epoch = self.cache.spill_candidates(self.batch, self.window,
+            keys, pages, epoch = self.cache.lending.spill_candidates(self.batch, self.window,
                                                              self.tier.contains)
         except Exception:  # the pool closed under us
             log.debug("spill of pool %s stopped", self.pool.spec.name, exc_info=True)
@@ -80,7 +80,7 @@ class Spiller(TierWriter):
                                                              strict=True)],
                 functools.partial(_wanted, self.cache, epoch), pages.tolist())
         finally:
-            self.cache.finish_spill(keys, pages, epoch)
+            self.cache.lending.finish_spill(keys, pages, epoch)
         self.spilled += sum(done)
         self.failed += len(done) - sum(done)
         if any(done):
@@ -92,11 +92,11 @@ class Spiller(TierWriter):
 
 def _wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
     """A key lent at ``epoch`` may still be committed below: not removed since."""
-    return not cache.removed_since(key, epoch)
+    return not cache.lending.removed_since(key, epoch)
 
 
 def promote(pool: HostPool, cache: PoolCache, tier: DiskTier, keys: Sequence[bytes]) -> int:
-    below = [k for k in cache.not_ready(keys) if tier.contains(k)]
+    below = [k for k in cache.lending.not_ready(keys) if tier.contains(k)]
     if not below:
         return 0
     ticket = cache.begin_store(below, "promotion")  # present or in flight elsewhere: left alone

@@ -88,7 +88,7 @@ class TierStack:
             self.cluster_spiller = Spiller(pool, cache, cluster, queue_pages, batch, "cluster")
         self.prefetcher: Prefetcher | None = None
         if disk is not None or cluster is not None:
-            self.prefetcher = Prefetcher(self.promote, cache.hold_promoted, pool.spec.name)
+            self.prefetcher = Prefetcher(self.promote, cache.holds.promoted, pool.spec.name)
 
     def start(self) -> None:
         self.cache.lower = self.disk
@@ -163,7 +163,7 @@ class TierStack:
                                                          touch=touch)
         if held == hit_prefix or self.prefetcher is None or tiers[held] <= 1:
             return hit_prefix, tiers, held, held
-        room = self.cache.hold_room(holder)
+        room = self.cache.holds.room(holder)
         end = held
         while end < hit_prefix and tiers[end] > 1 and end - held < room:
             end += 1
