@@ -28,6 +28,7 @@ require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
 
 import torch  # noqa: E402
 
+from hicache.errors import Unavailable  # noqa: E402
 from hicache_client import HiCacheClient  # noqa: E402
 from tests.sglang_harness import LAYERS, SGLangCache, tokens_of  # noqa: E402
 
@@ -155,6 +156,19 @@ def test_daemon_killed_between_offload_and_load(daemons: Daemons) -> None:
         cache.close()
 
 
+def wait_reachable(client: HiCacheClient | None, timeout: float = 10.0) -> None:
+    """Until ``client``'s channel reaches a daemon (a restarted one: connected again)."""
+    assert client is not None
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            client.get_info()
+            return
+        except Unavailable:
+            assert time.monotonic() < end, "the restarted daemon is not reachable"
+            time.sleep(0.02)
+
+
 @pytest.mark.parametrize("reopen_after_s,deadline_s,hit", [(0.5, 5.0, 16), (3.0, 0.5, 0)],
                          ids=["within_the_deadline", "past_the_deadline"])
 def test_a_lookup_after_a_restart_waits_for_the_new_session_within_its_deadline(
@@ -180,8 +194,12 @@ def test_a_lookup_after_a_restart_waits_for_the_new_session_within_its_deadline(
         tokens = tokens_of(31000, 16)
         assert cache.offload_and_evict(tokens) == 16
         link._connect = held_back  # type: ignore[method-assign]
+        channel = link.client  # (None while the link is down)
         d.stop(signal.SIGKILL)
         d = daemons.start("--no-shm-paths", socket=d.socket)
+        # the link's channel may still be in its reconnect backoff (up to 250 ms): then the
+        # lookup finds the daemon unreachable, not the session gone, and skips it at once
+        wait_reachable(channel)
         threading.Timer(reopen_after_s, go.set).start()
         t0 = time.monotonic()
         assert cache.match(tokens, rid="first") == hit
