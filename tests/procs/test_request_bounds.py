@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -79,46 +80,73 @@ def oversized_lookup(n: int) -> bytes:
     return body
 
 
+NEIGHBOUR_WAIT_S = 0.25
+"""What a neighbour's Lookup may wait while oversized ones are refused: one decoded whole
+stalled it past half a second."""
+ROUNDS = 3
+"""Rounds of three oversized Lookups: a stall of the daemon's own shows in every round, a
+neighbour test's burst on a shared machine in one; one clean round passes."""
+
+
 def test_an_oversized_lookup_is_refused_unread_while_a_neighbour_goes_on(
         daemon: DaemonProc) -> None:
     request = oversized_lookup(1_500_000)  # 51 MB on the wire
     with HiCacheClient(daemon.target, fast_path=False) as neighbour:
         before = neighbour.get_pool(SPEC.name)
-        waits: list[float] = []
-        stop = threading.Event()
-
-        def lookups() -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                neighbour.lookup(SPEC.name, [b"k" * 32])
-                waits.append(time.perf_counter() - t0)
-
         ch, _stub = raw_stub(daemon)
         lookup = ch.unary_unary("/hicache.v1.HostCache/Lookup")  # bytes in, bytes out
-        t = threading.Thread(target=lookups)
-        t.start()
+        worst: list[float] = []
         try:
-            time.sleep(0.2)
-            for _ in range(3):
-                with pytest.raises(grpc.RpcError) as exc:
-                    lookup(request, timeout=60)
-                assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                err = refusal(exc.value)
-                assert isinstance(err, ResourceExhausted), err
-                assert err.metadata["field"] == "request" and err.metadata["method"] == "Lookup"
-                assert int(err.metadata["length"]) > int(err.metadata["limit"])
-                assert len(str(err)) < 500
-            time.sleep(0.2)
+            for _ in range(ROUNDS):
+                waits = _neighbour_waits(neighbour, lambda: _refused_thrice(lookup, request))
+                assert len(waits) > 10
+                worst.append(max(waits))
+                if worst[-1] < NEIGHBOUR_WAIT_S:
+                    break
         finally:
-            stop.set()
-            t.join(10)
             ch.close()
-        assert len(waits) > 10
-        assert max(waits) < 0.25, f"a neighbour's Lookup waited {max(waits):.3f} s"
+        assert min(worst) < NEIGHBOUR_WAIT_S, \
+            f"a neighbour's Lookup waited {', '.join(f'{w:.3f}' for w in worst)} s (by round)"
         after = neighbour.get_pool(SPEC.name)
         assert (after.keys, after.used_pages) == (before.keys, before.used_pages)
     assert prom.value(daemon.metrics(), "hicache_rejected_requests_total",
                       reason="RESOURCE_EXHAUSTED") >= 1
+
+
+def _refused_thrice(lookup: grpc.UnaryUnaryMultiCallable, request: bytes) -> None:
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as exc:
+            lookup(request, timeout=60)
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        err = refusal(exc.value)
+        assert isinstance(err, ResourceExhausted), err
+        assert err.metadata["field"] == "request" and err.metadata["method"] == "Lookup"
+        assert int(err.metadata["length"]) > int(err.metadata["limit"])
+        assert len(str(err)) < 500
+
+
+def _neighbour_waits(neighbour: HiCacheClient, meanwhile: Callable[[], None]) -> list[float]:
+    """How long each of a neighbour's Lookups took, called back to back from 0.2 s before
+    ``meanwhile`` until 0.2 s after it."""
+    waits: list[float] = []
+    stop = threading.Event()
+
+    def lookups() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            neighbour.lookup(SPEC.name, [b"k" * 32])
+            waits.append(time.perf_counter() - t0)
+
+    t = threading.Thread(target=lookups)
+    t.start()
+    try:
+        time.sleep(0.2)
+        meanwhile()
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        t.join(10)
+    return waits
 
 
 def test_an_oversized_store_is_refused_unread(daemon: DaemonProc) -> None:
