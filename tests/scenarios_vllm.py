@@ -693,3 +693,13 @@ def own_block_hashes(model: str, target: str, blocks: int = 6, cache_salt: str =
            "daemon_names": daemon_names}
     e.close()
     return out
+
+
+def whoami(fail: bool = False) -> dict[str, Any]:
+    """The engine process itself (``tests.vllm_zygote`` forks one per scenario): its pid and
+    parent's, and the threads it has; ``fail``: a scenario that raises."""
+    import threading
+
+    if fail:
+        raise RuntimeError("a scenario that fails")
+    return {"pid": os.getpid(), "parent": os.getppid(), "threads": threading.active_count()}

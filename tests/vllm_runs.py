@@ -5,16 +5,22 @@ fails under CI).
 
 Primitives: ``VLLM`` (vLLM's code), ``BS`` (the engines' block size), ``CLEAN`` (a check of
 loaded rows that found nothing wrong); ``vllm_env()``; ``engine(scenario, **args)`` (the
-process), ``result(proc)``, ``run(scenario, **args)``, ``results(procs)`` (every rank's);
-``wait_file(path, proc)``.
+process), ``result(proc)``, ``results(procs)`` (every rank's); ``run(scenario, **args)``: one
+scenario to its end, in a process forked from ``tests.vllm_zygote`` (vLLM imported once per
+test process, not once per scenario); ``wait_file(path, proc)``.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,22 +51,107 @@ def engine(scenario: str, **args: Any) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def result(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
+ENGINE_TIMEOUT_S = 240.0
+"""How long a test waits for an engine process before it kills it."""
+
+
+def result(proc: subprocess.Popen[str], timeout: float = ENGINE_TIMEOUT_S) -> dict[str, Any]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
         raise AssertionError(f"engine still running after {timeout} s:\n{err[-8000:]}") from None
+    return _parsed(proc.returncode, out, err)
+
+
+def run(scenario: str, **args: Any) -> dict[str, Any]:
+    """``tests.scenarios_vllm.<scenario>(**args)`` in an engine process of its own, forked
+    from this test process's zygote; what it returned (as ``result``)."""
+    global _zygote
+    if _zygote is None or _zygote.proc.poll() is not None:
+        _zygote = _Zygote()
+    code, out, err = _zygote.run(scenario, args, ENGINE_TIMEOUT_S)
+    return _parsed(code, out, err)
+
+
+def _parsed(code: int | None, out: str, err: str) -> dict[str, Any]:
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine failed ({proc.returncode}):\n{err[-6000:]}"
+    assert code == 0 and lines, f"engine failed ({code}):\n{err[-6000:]}"
     got: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
     got["stderr"] = err
     return got
 
 
-def run(scenario: str, **args: Any) -> dict[str, Any]:
-    return result(engine(scenario, **args))
+class _Zygote:
+    """This test process's ``tests.vllm_zygote``: started on first use, killed at exit."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="hicache-vllm-zygote-"))
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_zygote"], cwd=REPO,
+                                     env=vllm_env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE,
+                                     stderr=open(self.dir / "zygote.err", "wb"))  # noqa: SIM115
+        self._buf = b""
+        self._runs = 0
+        atexit.register(self.close)
+
+    def run(self, scenario: str, args: dict[str, Any], timeout: float
+            ) -> tuple[int | None, str, str]:
+        """(exit code, stdout, stderr) of ``scenario`` run in a forked child; killed after
+        ``timeout`` seconds (the code is then None)."""
+        self._runs += 1
+        out, err = self.dir / f"{self._runs}.out", self.dir / f"{self._runs}.err"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"scenario": scenario, "args": args,
+                                           "out": str(out), "err": str(err)}) + "\n").encode())
+        self.proc.stdin.flush()
+        pid = int(self._line("PID", 300).split()[1])  # (the first waits for the import)
+        code: int | None
+        try:
+            code = int(self._line("EXIT", timeout).split()[2])
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            self._line("EXIT", 30)
+            code = None
+        texts = [p.read_text(errors="replace") if p.exists() else "" for p in (out, err)]
+        for p in (out, err):
+            p.unlink(missing_ok=True)
+        if code is None:
+            raise AssertionError(f"engine still running after {timeout} s:\n{texts[1][-8000:]}")
+        return code, texts[0], texts[1]
+
+    def _line(self, word: str, timeout: float) -> str:
+        """The zygote's next line starting with ``word`` (others, a module's print at
+        import, are skipped)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        end = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                if line.startswith(word.encode() + b" "):
+                    return line.decode()
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(word)
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                why = (self.dir / "zygote.err").read_text(errors="replace")
+                raise AssertionError(f"the vLLM zygote ended:\n{why[-6000:]}")
+            self._buf += chunk
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_zygote: _Zygote | None = None
 
 
 def results(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:

@@ -316,6 +316,19 @@ def test_the_documented_vllm_serve_lines_parse_with_vllms_own_parser(tmp_path: P
         assert got["extra"]["target"] == "unix:/run/hicached/api/hicached.sock"
 
 
+def test_each_scenario_runs_in_an_engine_process_of_its_own() -> None:
+    """``run`` forks every scenario from one process that imported vLLM: each child is a new
+    process with no thread but its own, and a failing one says why."""
+    import os
+
+    first, second = run("whoami"), run("whoami")
+    assert first["pid"] != second["pid"] and os.getpid() not in (first["pid"], second["pid"])
+    assert first["parent"] == second["parent"] != os.getpid()  # the zygote, not the test
+    assert first["threads"] == 1 == second["threads"]  # (faulthandler's watchdog is C)
+    with pytest.raises(AssertionError, match="RuntimeError: a scenario that fails"):
+        run("whoami", fail=True)
+
+
 def test_one_lookup_deadline_covers_every_ranks_pool() -> None:
     got = run("lookup_deadline_across_pools", timeout=0.3, slow=0.2)
     assert got["failed"] == "DeadlinePassed"  # the second pool's Lookup had 0.1 s left

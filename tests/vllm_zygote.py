@@ -1,0 +1,69 @@
+"""A process that imports vLLM's code once and forks one engine process per scenario.
+
+Importing ``tests.scenarios_vllm`` (vLLM's offloading and connector modules, torch) takes
+about 9 s of CPU; a test that runs a scenario in a new interpreter pays it every time. This
+process pays it once: then, single-threaded, it reads one request per line on stdin (JSON:
+``scenario``, ``args``, ``out``, ``err``: files for the engine's stdout and stderr), forks,
+and the child runs the scenario exactly as ``python -m tests.vllm_harness`` would (its own
+process, memory, threads, sockets and exit code; nothing of one scenario reaches the next).
+The zygote answers ``PID <pid>`` when the child started and ``EXIT <pid> <code>`` when it
+ended (``-N``: killed by signal N). ``tests.vllm_runs.run`` talks to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _child(request: dict[str, object]) -> None:
+    import faulthandler
+    import traceback
+
+    from tests import scenarios_vllm
+
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, request["out"]), (2, request["err"])):
+        f = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    faulthandler.dump_traceback_later(float(os.environ.get("HICACHED_ENGINE_TIMEOUT_S", "200")),
+                                      exit=True)
+    try:
+        args = request["args"]
+        assert isinstance(args, dict)
+        result = getattr(scenarios_vllm, str(request["scenario"]))(**args)
+    except BaseException:  # the client's threads must not keep a failed engine alive
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main() -> None:
+    import threading
+
+    from tests import scenarios_vllm  # noqa: F401  (the import every child shares)
+
+    assert threading.active_count() == 1, "a thread at fork time would be lost in the child"
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _child(request)
+            finally:
+                os._exit(1)
+        print(f"PID {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"EXIT {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
