@@ -134,8 +134,10 @@ def test_pools_share_the_budget_by_demand_through_the_server(served, capsys, req
             until(grown)
         assert sample(server, "hicache_cache_evictions_total", pool="busy", reason="budget") > 0
         assert sample(server, "hicache_budget_rounds_total") > 0
-        assert (sample(server, "hicache_pool_share_bytes", pool="busy")
-                + sample(server, "hicache_pool_share_bytes", pool="idle")) <= 40 * PB
+        # one scrape: the budget's thread may still be moving pages between the two pools
+        shares = [s.value for family in server.registry.collect() for s in family.samples
+                  if s.name == "hicache_pool_share_bytes"]
+        assert len(shares) == 2 and sum(shares) <= 40 * PB, shares
         if gpu:  # the locked memory moved with the shares (read between rounds)
             def follows() -> bool:
                 share = sample(server, "hicache_pool_share_bytes", pool="busy")

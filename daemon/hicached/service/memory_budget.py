@@ -448,15 +448,16 @@ class MemoryBudget:
     # -- what it looks like ----------------------------------------------------------------
 
     def shares(self) -> list[PoolShareView]:
+        """Every pool's share, read in one step under the budget's lock: their sum never
+        passes the budget, even while it moves memory from one pool to another."""
         with self._lock:
-            members = list(self._members.values())
-        return [_view(m) for m in members]
+            return [_view(m) for m in self._members.values()]
 
     def share(self, name: str) -> PoolShareView | None:
         """``name``'s share (None: the pool does not share the budget)."""
         with self._lock:
             m = self._members.get(name)
-        return _view(m) if m is not None else None
+            return _view(m) if m is not None else None
 
     def tenants(self) -> list[TenantView]:
         out: dict[str, list[PoolShareView]] = {}
