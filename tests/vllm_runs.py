@@ -97,28 +97,44 @@ class _Zygote:
         atexit.register(self.close)
 
     def run(self, scenario: str, args: dict[str, Any], timeout: float
-            ) -> tuple[int | None, str, str]:
+            ) -> tuple[int, str, str]:
         """(exit code, stdout, stderr) of ``scenario`` run in a forked child; killed after
-        ``timeout`` seconds (the code is then None)."""
+        ``timeout`` seconds (an ``AssertionError`` with its stderr). Any failure here ends
+        the zygote: the next run starts another."""
         self._runs += 1
         out, err = self.dir / f"{self._runs}.out", self.dir / f"{self._runs}.err"
+        try:
+            return self._run(scenario, args, timeout, out, err)
+        except BaseException:  # a zygote out of step with its requests serves no other
+            self.close()
+            raise
+
+    def _run(self, scenario: str, args: dict[str, Any], timeout: float, out: Path,
+             err: Path) -> tuple[int, str, str]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"scenario": scenario, "args": args,
-                                           "out": str(out), "err": str(err)}) + "\n").encode())
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write((json.dumps({"scenario": scenario, "args": args,
+                                               "out": str(out), "err": str(err)})
+                                   + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            why = (self.dir / "zygote.err").read_text(errors="replace")
+            raise AssertionError(f"the vLLM zygote ended:\n{why[-6000:]}") from None
         pid = int(self._line("PID", 300).split()[1])  # (the first waits for the import)
         code: int | None
         try:
-            code = int(self._line("EXIT", timeout).split()[2])
+            code = int(self._line(f"EXIT {pid}", timeout).split()[2])
         except TimeoutError:
             os.kill(pid, signal.SIGKILL)
-            self._line("EXIT", 30)
+            self._line(f"EXIT {pid}", 30)
             code = None
         texts = [p.read_text(errors="replace") if p.exists() else "" for p in (out, err)]
         for p in (out, err):
             p.unlink(missing_ok=True)
         if code is None:
             raise AssertionError(f"engine still running after {timeout} s:\n{texts[1][-8000:]}")
+        if code and not texts[1]:  # it failed before it had a stderr of its own
+            texts[1] = (self.dir / "zygote.err").read_text(errors="replace")
         return code, texts[0], texts[1]
 
     def _line(self, word: str, timeout: float) -> str:

@@ -25,6 +25,7 @@ def _child(request: dict[str, object]) -> None:
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     for fd, path in ((1, request["out"]), (2, request["err"])):
         f = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
@@ -58,6 +59,11 @@ def main() -> None:
         if pid == 0:
             try:
                 _child(request)
+            except BaseException:  # before its own stderr: into the zygote's
+                import traceback
+
+                traceback.print_exc()
+                sys.stderr.flush()
             finally:
                 os._exit(1)
         print(f"PID {pid}", flush=True)

@@ -1,4 +1,4 @@
-"""A pool's share of the memory budget: ``PoolCache.resize`` and the allocator's limit.
+"""A pool's share of the memory budget: ``Sizing.resize`` and the allocator's limit.
 
 Shrinking evicts the least recently used keys, copies the pages of keys still above the new
 size below it (exact bytes, checked against what was written, not against another view of

@@ -64,7 +64,7 @@ class LowerTier(Protocol):
 EVICTION_REASONS = ("store", "promotion", "alloc", "budget")
 """What needed the room an eviction made: a Store's new pages, a page read up from the disk or
 the cluster (a LoadKeys' promotion or a prefetch), raw pages for an Alloc, the pool's share of
-the memory budget shrinking (``PoolCache.resize``)."""
+the memory budget shrinking (``Sizing.resize``)."""
 EVICTED_AGE_BUCKETS = (0.1, 1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 21600.0, 86400.0)
 """Upper bounds (seconds) of the histogram of evicted keys' idle time (the last is +Inf)."""
 
@@ -105,7 +105,7 @@ class CacheStats:
 
 
 class Resized(NamedTuple):
-    """What a ``PoolCache.resize`` did."""
+    """What a ``Sizing.resize`` did."""
 
     limit: int
     """Pages the pool may use now (its allocator's limit): the size asked for, or above it

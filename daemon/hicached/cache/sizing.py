@@ -9,8 +9,9 @@ or a raw page, stays where it is and the limit stays above it), and the memory a
 goes back to the system. The budget chooses whom to shrink by what the pool's next eviction
 would cost: the idle time of its coldest key.
 
-Primitives: ``Sizing(lock, pool, index, slots, evict, drop)``, over its pool cache's lock and
-books (``evict(n, reason, now)`` -> keys evicted and ``drop(pages)`` are its pool cache's):
+Primitives: ``Sizing(lock, pool, stats, index, slots, evict, drop, clock)``, over its pool
+cache's lock and books (``evict(n, reason, now)`` -> keys evicted and ``drop(pages)`` are its
+pool cache's):
 
 - ``pool``, ``stats``: the pool and its cache's counters, as the budget reads them;
 - ``share_with(share)``: the ``Share`` a full pool asks before it evicts (None: a fixed size);
