@@ -636,7 +636,7 @@ def reset_keeps_shared_pages(model: str, target: str, blocks: int = 4, **kw: Any
 
 
 def own_block_hashes(model: str, target: str, blocks: int = 6, cache_salt: str = "",
-                     **kw: Any) -> dict[str, Any]:
+                     expect: list[int] | None = None, **kw: Any) -> dict[str, Any]:
     """vLLM's scheduler with its own KV events on stores a prompt through the connector: the
     block hashes vLLM publishes for it (its GPU blocks, and the connector's offloaded ones)
     and those the daemon's pool stream publishes for the same pages, each read with vLLM's own
@@ -676,7 +676,10 @@ def own_block_hashes(model: str, target: str, blocks: int = 6, cache_salt: str =
         sub.connect(endpoint)  # joining, it is sent a snapshot of the pool
         deadline = time.monotonic() + 10
         # until this prompt's blocks came and the snapshot of what was there before has too
-        while time.monotonic() < deadline and (len(daemon) < blocks or sub.poll(300)):
+        # (``expect``: blocks an earlier run stored, which the snapshot must name)
+        while time.monotonic() < deadline and (
+                len(daemon) < blocks or sub.poll(300)
+                or any(str(h) not in daemon_names for h in expect or ())):
             if sub.poll(100):
                 payload = sub.recv_multipart()[2]
                 for ev in decoder.decode(payload).events:

@@ -81,7 +81,7 @@ def test_a_salted_request_s_blocks_are_named_as_vllm_names_them(daemon: DaemonPr
     assert any("tenant-7" in (extra or ()) for _, extras in got["vllm_names"]
                for extra in (extras or ())), got  # vLLM's own events carry the salt
     plain = run("own_block_hashes", model=str(model_dir(tmp_path)), target=daemon.target,
-                connector="hicached")
+                connector="hicached", expect=daemon_says)
     unsalted = plain["vllm"]["GPU"][:6]  # the same tokens unsalted: other blocks, also told
     assert not set(unsalted) & set(daemon_says) and set(unsalted) <= set(plain["daemon"]), plain
     named = plain["daemon_names"]  # this subscription's snapshot tells both prompts' blocks
