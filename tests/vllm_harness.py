@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -416,7 +416,9 @@ def expected_rows(prefix: list[int], salt: int, shape: tuple[int, ...]) -> torch
     return (base % 65521).to(torch.float32).view(shape)
 
 
-if __name__ == "__main__":
+def run_scenario(name: str, args: dict[str, Any]) -> NoReturn:
+    """This engine process runs ``tests.scenarios_vllm.<name>(**args)``, prints ``RESULT``
+    and its JSON, and exits (1 with the traceback on stderr where it raised)."""
     import faulthandler
     import traceback
 
@@ -426,7 +428,6 @@ if __name__ == "__main__":
     # every thread's stack and ends before the test's own timeout, instead of hanging it
     faulthandler.dump_traceback_later(float(os.environ.get("HICACHED_ENGINE_TIMEOUT_S", "200")),
                                       exit=True)
-    name, args = sys.argv[1], json.loads(sys.argv[2])
     try:
         result = getattr(scenarios_vllm, name)(**args)
     except BaseException:  # the client's threads must not keep a failed engine alive
@@ -436,3 +437,7 @@ if __name__ == "__main__":
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    run_scenario(sys.argv[1], json.loads(sys.argv[2]))

@@ -18,10 +18,7 @@ import sys
 
 
 def _child(request: dict[str, object]) -> None:
-    import faulthandler
-    import traceback
-
-    from tests import scenarios_vllm
+    from tests.vllm_harness import run_scenario
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -30,19 +27,9 @@ def _child(request: dict[str, object]) -> None:
         f = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
         os.close(f)
-    faulthandler.dump_traceback_later(float(os.environ.get("HICACHED_ENGINE_TIMEOUT_S", "200")),
-                                      exit=True)
-    try:
-        args = request["args"]
-        assert isinstance(args, dict)
-        result = getattr(scenarios_vllm, str(request["scenario"]))(**args)
-    except BaseException:  # the client's threads must not keep a failed engine alive
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    os._exit(0)
+    args = request["args"]
+    assert isinstance(args, dict)
+    run_scenario(str(request["scenario"]), args)
 
 
 def main() -> None:
