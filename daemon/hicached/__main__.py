@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import tomllib
+from dataclasses import fields
 from typing import Any
 
 from hicache.errors import HiCacheError
@@ -71,12 +72,19 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--cuda-copy-paths": ("cuda_copy_paths", "ways GPU copies may go, chosen per batch by "
                                              "measurement: dma[,batch][,kernel] (dma)"),
 }
-_FLOATS = {"lease_seconds", "max_lease_seconds", "grace_seconds", "max_held_fraction",
-           "fast_path_body_timeout_s"}
-_INTS = {"copy_threads", "copy_spin_us", "fast_path_spin_us", "grpc_threads", "max_watchers",
-         "max_data_rpcs", "max_pending_rpcs", "max_hold_ms", "max_keys_per_call"}
-_LISTS = {"listen", "health_listen", "cuda_copy_paths"}
-_BOOLS = {"hugepages", "insecure_tcp", "accept_shm_paths", "fast_path"}
+_KINDS = {f.name: str(f.type) for f in fields(ServerConfig)}
+"""Each setting's type as ``ServerConfig`` declares it: how a string from the environment or
+a flag is read (sizes and the octal ``socket_mode`` are read by ``config_from_mapping``)."""
+_LISTS = {name for name, kind in _KINDS.items() if kind == "tuple[str, ...]"}
+_BOOLS = {name for name, kind in _KINDS.items() if kind == "bool"}
+_SUB_TABLES = (  # flags over one setting of a table of the file: (table path, flag dest, key)
+    (("tier", "disk"), "disk_path", "path"), (("tier", "disk"), "disk_capacity", "capacity"),
+    (("tier", "mooncake"), "mooncake_master", "master"),
+    (("tier", "mooncake"), "mooncake_hostname", "local_hostname"),
+    (("kv_events",), "kv_events_endpoint", "endpoint"),
+    (("kv_events",), "kv_events_replay_endpoint", "replay_endpoint"),
+    (("kv_events",), "kv_events_pool_endpoint", "pool_endpoint"),
+    (("kv_events",), "kv_events_pool_replay_endpoint", "pool_replay_endpoint"))
 
 
 class JsonFormatter(logging.Formatter):
@@ -89,15 +97,14 @@ class JsonFormatter(logging.Formatter):
 
 
 def _coerce(setting: str, value: str) -> Any:
-    if setting in _FLOATS:
+    kind = _KINDS.get(setting)
+    if kind == "float":
         return float(value)
-    if setting in _INTS:
+    if kind == "int" and not setting.endswith("_bytes") and setting != "socket_mode":
         return int(value)
     if setting in _LISTS:
         return [v for v in value.split(",") if v]
-    if setting == "socket_mode":
-        return int(value, 8)
-    if setting in _BOOLS:
+    if kind == "bool":
         return value.lower() in ("1", "true", "yes", "on")
     return value
 
@@ -122,29 +129,15 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         merged["accept_shm_paths"] = False
     if getattr(args, "no_fast_path", False):
         merged["fast_path"] = False
-    disk = {k: v for k, v in (("path", getattr(args, "disk_path", None)),
-                              ("capacity", getattr(args, "disk_capacity", None))) if v}
-    if disk:  # over [tier.disk] of the file
-        tiers = dict(merged.get("tier", {}))
-        tiers["disk"] = {**tiers.get("disk", {}), **disk}
-        merged["tier"] = tiers
-    kv_events = {k: v for k, v in (("endpoint", getattr(args, "kv_events_endpoint", None)),
-                                   ("replay_endpoint",
-                                    getattr(args, "kv_events_replay_endpoint", None)),
-                                   ("pool_endpoint",
-                                    getattr(args, "kv_events_pool_endpoint", None)),
-                                   ("pool_replay_endpoint",
-                                    getattr(args, "kv_events_pool_replay_endpoint", None)))
-                 if v is not None}
-    if kv_events:  # over [kv_events] of the file
-        merged["kv_events"] = {**merged.get("kv_events", {}), **kv_events}
-    mooncake = {k: v for k, v in (("master", getattr(args, "mooncake_master", None)),
-                                  ("local_hostname", getattr(args, "mooncake_hostname", None)))
-                if v}
-    if mooncake:  # over [tier.mooncake] of the file
-        tiers = dict(merged.get("tier", {}))
-        tiers["mooncake"] = {**tiers.get("mooncake", {}), **mooncake}
-        merged["tier"] = tiers
+    for path, dest, key in _SUB_TABLES:
+        value = getattr(args, dest, None)
+        if value is None or (value == "" and path[0] == "tier"):
+            continue
+        table = merged  # copied on the way down: the file's tables stay as they were read
+        for name in path:
+            table[name] = dict(table.get(name, {}))
+            table = table[name]
+        table[key] = value
     return config_from_mapping(merged)
 
 

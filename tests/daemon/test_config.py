@@ -83,6 +83,28 @@ def test_invalid_settings(bad: dict[str, object]) -> None:
         config_from_mapping(bad)
 
 
+@pytest.mark.parametrize("name,low,high", [
+    ("lease_seconds", 0, None), ("grace_seconds", 0, None), ("memory_budget", 0, None),
+    ("reserve", 0, None), ("copy_threads", 0, None), ("grpc_threads", 1, None),
+    ("fast_path_spin_us", 0, 100_000), ("copy_spin_us", 0, 100_000),
+    ("fast_path_body_timeout_s", 0, 3600), ("fast_path_inflight_bytes", 1 << 20, None),
+    ("max_keys_per_call", 1, None), ("max_data_rpcs", 0, None), ("max_pending_rpcs", 0, None),
+])
+def test_a_number_out_of_its_range_is_refused_by_name(name: str, low: int,
+                                                       high: int | None) -> None:
+    """Each numeric setting takes its edges (but where the low end is open) and refuses a
+    value past either, its error naming the setting."""
+    open_low = name in ("lease_seconds", "fast_path_body_timeout_s")
+    outside = [low - 1, *([] if high is None else [high + 1]), *([low] if open_low else [])]
+    for value in outside:
+        with pytest.raises(SpecInvalid, match=name.removesuffix("_bytes")) as err:
+            config_from_mapping({name: value})
+        assert err.value.metadata, (name, value)
+    inside = [low + 1 if open_low else low, *([] if high is None else [high])]
+    for value in inside:
+        config_from_mapping({"max_watchers": 0, name: value})
+
+
 def test_disk_tier_table() -> None:
     from hicached.tiers.config import DiskTierConfig
 
@@ -127,6 +149,18 @@ def test_mooncake_flags_over_the_file(tmp_path: Path) -> None:
     c = build_config(args(config=str(f), mooncake_master="new:2"), {})
     assert c.mooncake is not None
     assert (c.mooncake.master, c.mooncake.replicas) == ("new:2", 2)
+
+
+def test_table_flags_replace_one_setting_and_keep_the_rest_of_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[tier.disk]\npath = "/old"\ncapacity = "1GiB"\nfsync = "never"\n'
+                 '[kv_events]\nendpoint = "ipc:///old"\nreplay_endpoint = "ipc:///r"\n')
+    c = build_config(args(config=str(f), disk_path="/new", disk_capacity="",
+                          kv_events_endpoint="ipc:///new"), {})
+    assert c.disk is not None
+    assert (c.disk.path, c.disk.capacity_bytes, c.disk.fsync) == ("/new", 1 << 30, "never")
+    assert (c.kv_events.endpoint, c.kv_events.replay_endpoint) == ("ipc:///new", "ipc:///r")
+    assert build_config(args(config=str(f)), {}).disk.path == "/old"  # type: ignore[union-attr]
 
 
 def test_cluster_namespace_names_the_page_geometry_not_the_size() -> None:

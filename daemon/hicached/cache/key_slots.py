@@ -46,10 +46,6 @@ class KeySlots:
         self.seq = 0
         """The last store sequence number handed out."""
 
-    @property
-    def persistent(self) -> bool:
-        return self._t is not None
-
     def ready(self, pages: Sequence[int], keys: Sequence[bytes]) -> None:
         """Record that ``pages`` now hold ``keys`` completely (their bytes are in place)."""
         t = self._t

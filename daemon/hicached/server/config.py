@@ -11,6 +11,7 @@ Primitives:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -216,36 +217,17 @@ class ServerConfig:
                 f"TCP listener {tcp[0]} without client authentication: give tls_cert + tls_key "
                 "and tls_client_ca (mutual TLS) or auth_token_file, or insecure_tcp to accept "
                 "anyone who can reach the port", metadata={"listen": tcp[0]})
-        if self.lease_seconds <= 0 or self.grace_seconds < 0:
-            raise SpecInvalid("lease_seconds must be > 0 and grace_seconds >= 0")
+        for name, low, high in _RANGES:
+            value = getattr(self, name)
+            if not low <= value <= high or (name in _ABOVE_LOW and value == low):
+                raise SpecInvalid(f"{name} is within {'(' if name in _ABOVE_LOW else '['}"
+                                  f"{low}, {high}], not {value}", metadata={name: value})
         if not self.max_lease_seconds:
             object.__setattr__(self, "max_lease_seconds", max(60.0, self.lease_seconds))
         if not self.lease_seconds <= self.max_lease_seconds:
             raise SpecInvalid("max_lease_seconds must be at least lease_seconds",
                               metadata={"lease_seconds": self.lease_seconds,
                                         "max_lease_seconds": self.max_lease_seconds})
-        if self.memory_budget_bytes < 0 or self.reserve_bytes < 0:
-            raise SpecInvalid("memory sizes must be >= 0")
-        if self.copy_threads < 0 or self.grpc_threads < 1:
-            raise SpecInvalid("copy_threads must be >= 0 and grpc_threads >= 1")
-        if not 0 <= self.fast_path_spin_us <= 100_000:
-            raise SpecInvalid("fast_path_spin_us is within 0 .. 100000",
-                              metadata={"fast_path_spin_us": self.fast_path_spin_us})
-        if not 0 < self.fast_path_body_timeout_s <= 3600:
-            raise SpecInvalid("fast_path_body_timeout_s is within (0, 3600]", metadata={
-                "fast_path_body_timeout_s": self.fast_path_body_timeout_s})
-        if self.fast_path_inflight_bytes < 1 << 20 or self.max_keys_per_call < 1:
-            raise SpecInvalid("fast_path_inflight_bytes is at least 1 MiB and "
-                              "max_keys_per_call at least 1", metadata={
-                                  "fast_path_inflight_bytes": self.fast_path_inflight_bytes,
-                                  "max_keys_per_call": self.max_keys_per_call})
-        if not 0 <= self.copy_spin_us <= 100_000:
-            raise SpecInvalid("copy_spin_us is within 0 .. 100000",
-                              metadata={"copy_spin_us": self.copy_spin_us})
-        if self.max_data_rpcs < 0 or self.max_pending_rpcs < 0:
-            raise SpecInvalid("max_data_rpcs and max_pending_rpcs must be >= 0",
-                              metadata={"max_data_rpcs": self.max_data_rpcs,
-                                        "grpc_threads": self.grpc_threads})
         if not self.max_data_rpcs:
             object.__setattr__(self, "max_data_rpcs", max(self.grpc_threads - 4, 1))
         for target in self.health_listen:
@@ -304,6 +286,17 @@ class ServerConfig:
 
 
 CUDA_COPY_PATHS = tuple(p.value for p in CopyPath)
+
+_RANGES: tuple[tuple[str, float, float], ...] = (
+    ("lease_seconds", 0, math.inf), ("grace_seconds", 0, math.inf),
+    ("memory_budget_bytes", 0, math.inf), ("reserve_bytes", 0, math.inf),
+    ("copy_threads", 0, math.inf), ("grpc_threads", 1, math.inf),
+    ("fast_path_spin_us", 0, 100_000), ("copy_spin_us", 0, 100_000),
+    ("fast_path_body_timeout_s", 0, 3600), ("fast_path_inflight_bytes", 1 << 20, math.inf),
+    ("max_keys_per_call", 1, math.inf), ("max_data_rpcs", 0, math.inf),
+    ("max_pending_rpcs", 0, math.inf))
+"""The numeric settings' bounds, both ends allowed but in ``_ABOVE_LOW``."""
+_ABOVE_LOW = {"lease_seconds", "fast_path_body_timeout_s"}
 
 _SIZE_FIELDS = {"memory_budget_bytes", "reserve_bytes", "max_message_bytes",
                 "fast_path_inflight_bytes"}

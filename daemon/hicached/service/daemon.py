@@ -79,10 +79,6 @@ class FlowMetrics(Protocol):
         """``n`` keys were read up into host memory from a tier below for a LoadKeys."""
 
 
-MAX_DEADLINE_AHEAD_NS = 24 * 3600 * 10**9
-"""A deadline further ahead than this is not a deadline (a clock set wrong): ignored."""
-
-
 def check_deadline(deadline_ns: int, op: str = "load",
                    outcome: str = "before its copy could begin; nothing was copied") -> None:
     """``DEADLINE_PASSED`` once ``deadline_ns`` (Unix ns; 0 = none) has passed."""

@@ -269,9 +269,6 @@ class SessionManager:
     def attached_bytes(self) -> int:
         return sum(s.attachment.nbytes for s in self.list())
 
-    def in_flight(self) -> int:
-        return sum(s.in_flight for s in self.list())
-
     @property
     def ending(self) -> int:
         """Sessions ended while a copy of theirs still runs."""
