@@ -8,7 +8,9 @@ Primitives:
 - ``DEFAULT_STATE_DIR``: where a daemon keeps pools that outlive it
   (``/dev/shm/hicached-<uid>``: one per user, so no other user's directory is ever taken);
   ``STATE_SUFFIXES``: the files of one saved pool there (``<pool>.meta``, ``.data``, and a
-  ``.meta.new`` a killed daemon may leave mid-creation).
+  ``.meta.new`` a killed daemon may leave mid-creation); ``remove_state(state_dir, name)``
+  deletes them (the daemon's DeletePool, ``hicachectl drop-state``).
+- ``remove_if_there(path)``: unlink a file; already gone is fine.
 - ``unix_path(target)``: the file of a ``unix:`` target (``unix:PATH`` or ``unix://PATH``).
 - The sockets a daemon listens on beside each Unix API socket: ``beside(path, suffix)``,
   ``IDENTITY_SUFFIX`` (``<socket>.id``, where a worker proves who it is) and
@@ -19,10 +21,23 @@ Primitives:
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 DEFAULT_STATE_DIR = f"/dev/shm/hicached-{os.getuid()}"
 STATE_SUFFIXES = (".meta", ".data", ".meta.new")
+
+
+def remove_if_there(path: str) -> None:
+    """Unlink ``path``; already gone is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def remove_state(state_dir: str, name: str) -> None:
+    """Delete a pool's saved state, whatever it holds."""
+    for suffix in STATE_SUFFIXES:
+        remove_if_there(os.path.join(state_dir, name + suffix))
 
 IDENTITY_SUFFIX = ".id"
 FAST_PATH_SUFFIX = ".fast"

@@ -14,7 +14,6 @@ errors.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import json
 import os
@@ -25,7 +24,7 @@ from google.protobuf.json_format import MessageToDict
 
 from hicache.codec import spec_from_proto
 from hicache.errors import HiCacheError
-from hicache.paths import DEFAULT_STATE_DIR, STATE_SUFFIXES
+from hicache.paths import DEFAULT_STATE_DIR, remove_state
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client.client import HiCacheClient
 
@@ -117,9 +116,7 @@ def drop_state(state_dir: str, names: Sequence[str], as_json: bool) -> int:
         return 1
     dropped = list(names) or saved
     for name in dropped:
-        for suffix in STATE_SUFFIXES:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(state_dir, name + suffix))
+        remove_state(state_dir, name)
     print(json.dumps({"dropped": dropped}) if as_json else
           f"dropped {', '.join(dropped) or 'nothing'}")
     return 0

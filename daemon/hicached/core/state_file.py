@@ -24,8 +24,7 @@ Primitives:
   reattached, or cold with a reason, the old files replaced); ``table(name)`` numpy views;
   ``data_path``; ``generation``; ``close()``; ``remove()``.
 - ``read_header(meta_path)``: the header's JSON of a meta file (or why it is unreadable), to
-  find the pools a state directory holds (``saved_specs(state_dir)``);
-  ``remove_state(state_dir, name)``.
+  find the pools a state directory holds (``saved_specs(state_dir)``).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from hicache.errors import SpecInvalid
-from hicache.paths import STATE_SUFFIXES
+from hicache.paths import remove_if_there, remove_state
 from hicache.specs import (
     CanarySpec,
     DType,
@@ -195,15 +194,6 @@ def saved_specs(state_dir: str) -> dict[str, tuple[PoolSpec | None, str]]:
     return out
 
 
-def remove_state(state_dir: str, name: str) -> None:
-    """Delete a pool's saved state, whatever it holds."""
-    for suffix in STATE_SUFFIXES:
-        try:
-            os.unlink(os.path.join(state_dir, name + suffix))
-        except FileNotFoundError:
-            pass
-
-
 class StateFiles:
     def __init__(self, state_dir: str, spec: PoolSpec, data_bytes: int,
                  tables: list[TableSpec]) -> None:
@@ -270,10 +260,7 @@ class StateFiles:
         _FIXED.pack_into(head, 0, MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), 0)
         head[_JSON_OFFSET:_JSON_OFFSET + len(body)] = body
         tmp = self.meta_path + ".new"
-        try:
-            os.unlink(tmp)  # a killed daemon's, or planted: never written through
-        except FileNotFoundError:
-            pass
+        remove_if_there(tmp)  # a killed daemon's, or planted: never written through
         fd = open_own(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.ftruncate(fd, self._offsets[""])  # tables start zeroed: everything free

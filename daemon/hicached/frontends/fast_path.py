@@ -55,10 +55,11 @@ from hicache.errors import (
 )
 from hicache.locks import lock
 from hicache.log_limit import LimitedLog
+from hicache.paths import remove_if_there
 from hicache.polling import PollCounts, sum_counts
 from hicached.frontends import fast_codec as fc
 from hicached.frontends.envelope import Call, Envelope, Refused
-from hicached.frontends.sockets import listen_beside, remove_if_there
+from hicached.frontends.sockets import listen_beside
 from hicached.service import calls
 from hicached.service.admission import RETRY_AFTER_MS, ByteBudget
 from hicached.service.daemon import Daemon

@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from hicache.locks import lock
-from hicached.frontends.sockets import listen_beside, remove_if_there
+from hicache.paths import remove_if_there
+from hicached.frontends.sockets import listen_beside
 from hicached.service.identity import Grant, Peer, close_all, peer_of
 
 log = logging.getLogger(__name__)

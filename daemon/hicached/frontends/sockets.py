@@ -5,7 +5,6 @@ Primitives:
 - ``listen_beside(path, mode, gid, backlog)``: a listening Unix socket beside an API socket
   (``<socket>.id``, ``<socket>.fast``), whose lock guards it: one a killed daemon left is
   replaced; the API socket's mode and group.
-- ``remove_if_there(path)``: what every one of them does with its file at the end.
 """
 
 from __future__ import annotations
@@ -24,11 +23,3 @@ def listen_beside(path: str, mode: int, gid: int, backlog: int) -> socket.socket
     os.chmod(path, mode)
     s.listen(backlog)
     return s
-
-
-def remove_if_there(path: str) -> None:
-    """Unlink ``path``; already gone is fine."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -387,8 +388,10 @@ class HiCacheServer:
     def tables(self) -> dict[str, int]:
         """The sizes ``hicache_table_entries`` shows (see ``ScrapeState.tables``)."""
         d = self.daemon
-        out = _sum_books([cache.books() for _, cache in d.pools.entries()])
-        out.update(self.metrics.tally_sizes())
+        books: Counter[str] = Counter()
+        for _, cache in d.pools.entries():
+            books.update(cache.books())  # summed over the pools
+        out = {**books, **self.metrics.tally_sizes()}
         out["sessions"] = d.sessions.count()
         out["sessions_ending"] = d.sessions.ending
         out["pools"] = len(d.pools.list())
@@ -398,14 +401,6 @@ class HiCacheServer:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
-
-
-def _sum_books(books: list[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for b in books:
-        for k, v in b.items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 def cuda_transport(driver: CudaDriver, config: ServerConfig) -> CudaIpcTransport:

@@ -16,8 +16,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from hicache.paths import remove_if_there
 from hicached.core.trusted_paths import open_own
-from hicached.frontends.sockets import remove_if_there
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from hicached.core.pool import HostPool
 from hicached.cuda.paths import Path as CopyPath
 from hicached.publish.kv_event_config import KvEventStats
 from hicached.server.metrics_tiers import CLUSTER_PREFIXES, tier_families
-from hicached.server.tallies import HistogramColumns, Row, Tally
+from hicached.server.tallies import HistogramColumns, Row, Tally, add_into
 from hicached.service.memory_budget import MemoryBudget
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack
@@ -506,12 +506,7 @@ class _CallCollector(Collector):
         per_fast = dict.fromkeys(self._fast_methods, 0.0)
         for (method, code, is_fast), row in self._calls.totals().items():
             per_code[(method, code)] = per_code.get((method, code), 0.0) + row[0]
-            got = per_method.get(method)
-            if got is None:
-                per_method[method] = row
-            else:
-                for i, v in enumerate(row):
-                    got[i] += v
+            add_into(per_method, {method: row})
             if is_fast:
                 per_fast[method] = per_fast.get(method, 0.0) + row[0]
         for (method, code), n in sorted(per_code.items()):

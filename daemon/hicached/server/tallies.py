@@ -19,6 +19,8 @@ Primitives:
 - ``HistogramColumns(bounds)``: the columns of a duration histogram in a row: ``observe(row, at,
   value)`` adds a sample into ``row[at:at + width]``, ``render(family, labels, values)``
   adds it, cumulative, to a ``HistogramMetricFamily``.
+- ``add_into(into, rows)``: ``rows`` summed into ``into``, column by column (a new key's row
+  copied).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class Tally(Generic[K]):
             if thread.is_alive():
                 live.append((thread, rows))
             else:  # it writes no more: fold it in once
-                _add_into(self._retired, rows)
+                add_into(self._retired, rows)
         self._tables = live
 
     def totals(self) -> dict[K, Row]:
@@ -92,7 +94,7 @@ class Tally(Generic[K]):
             self._fold_ended()
             out = {key: list(row) for key, row in self._retired.items()}
             for _, rows in self._tables:
-                _add_into(out, rows)
+                add_into(out, rows)
         return out
 
     def forget(self, which: Callable[[K], bool]) -> None:
@@ -104,7 +106,8 @@ class Tally(Generic[K]):
                     rows.pop(key, None)
 
 
-def _add_into(into: dict[K, Row], rows: dict[K, Row]) -> None:
+def add_into(into: dict[K, Row], rows: dict[K, Row]) -> None:
+    """``rows`` summed into ``into``, column by column (a new key's row copied)."""
     for key, row in list(rows.items()):  # a table's new rows are added under the lock
         got = into.get(key)
         if got is None:

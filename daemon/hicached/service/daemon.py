@@ -311,14 +311,7 @@ class Daemon:
                 deadline_ns=deadline_ns)
 
     def alloc(self, pool_name: str, num_tokens: int, session_id: str = "") -> IndexArray:
-        owner = 0
-        if session_id:
-            s = self.sessions.get(session_id)
-            if s.pool_name != pool_name:
-                raise SpecInvalid(f"session {session_id} belongs to pool {s.pool_name}, not "
-                                  f"{pool_name}", metadata={"field": "session_id",
-                                                            "pool": s.pool_name})
-            owner = s.owner
+        owner = self._session_of(session_id, pool_name).owner if session_id else 0
         return self.pools.cache(pool_name).alloc_raw(num_tokens, owner)
 
     def session_ended(self, s: Session) -> None:

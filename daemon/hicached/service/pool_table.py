@@ -45,6 +45,7 @@ from hicache.errors import (
     PoolSpecConflict,
 )
 from hicache.locks import lock
+from hicache.paths import remove_state
 from hicache.specs import PoolSpec, same_storage
 from hicached.cache import key_slots
 from hicached.cache.chains import ChainTable
@@ -54,7 +55,7 @@ from hicached.cache.index_types import KEY_INDEX_BYTES
 from hicached.cache.pool_cache import PoolCache
 from hicached.core.memory import Pinner
 from hicached.core.pool import HostPool, MemoryOptions
-from hicached.core.state_file import Outcome, remove_state, saved_specs
+from hicached.core.state_file import Outcome, saved_specs
 from hicached.service.memory_budget import MemoryBudget
 from hicached.service.pool_build import PoolBuild
 from hicached.tiers.config import DiskTierConfig

@@ -42,6 +42,7 @@ from typing import Any
 from hicache import seams
 from hicache.locks import lock
 from hicache.log_limit import LimitedLog
+from hicache.paths import remove_if_there
 from hicached.cache.events import DISK, EventKind, EventLog
 from hicached.core.trusted_paths import UntrustedPath, open_own, own_dir, untrusted_file
 from hicached.tiers import disk_format as fmt
@@ -201,10 +202,7 @@ class DiskTier:
     def remove_files(self) -> None:
         self._close_fds()
         for path in (self.pages_path, self.index_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove_if_there(path)
 
     # -- queries ---------------------------------------------------------------------------
 
