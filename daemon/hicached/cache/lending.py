@@ -15,6 +15,7 @@ books (every verb takes the lock but ``removed_since``):
 - ``borrow(keys)`` -> (keys still ready, pages, epoch) / ``give_back(pages, epoch)``: a
   writer's loan;
 - ``removed_since(key, epoch)``: whether a removal since forbids the commit;
+  ``still_wanted(epoch)``: the same as the test a tier's commit asks of each key;
 - ``not_ready(keys)``: the keys host memory does not hold ready (what a tier below promotes).
 """
 
@@ -83,6 +84,10 @@ class Lending:
         """Whether ``key`` was removed (or the pool cleared) after ``epoch``. No lock: a
         tier asks under its own, and a removal records its keys before it reaches a tier."""
         return self._removals.removed_since(key, epoch)
+
+    def still_wanted(self, epoch: int) -> Callable[[bytes], bool]:
+        """A key lent at ``epoch`` may still be committed below: not removed since."""
+        return lambda key: not self._removals.removed_since(key, epoch)
 
     def not_ready(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys host memory does not hold ready (to be promoted from a lower tier)."""

@@ -307,11 +307,6 @@ class ClusterTier:
         return n
 
 
-def wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
-    """A key lent at ``epoch`` may still be put: not removed since."""
-    return not cache.lending.removed_since(key, epoch)
-
-
 def promote_cluster(cache: PoolCache, tier: ClusterTier, keys: Sequence[bytes]) -> int:
     """Get the keys host memory lacks from the store into fresh pages (one batch call);
     those that land become ready. Only when the store has every one of them (asked first, one

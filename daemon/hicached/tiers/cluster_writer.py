@@ -18,7 +18,6 @@ Primitives: ``ClusterWriter(cache, tier, max_keys, batch, retry_seconds)``: ``of
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import deque
@@ -27,7 +26,7 @@ from collections.abc import Callable, Sequence
 from hicache.locks import lock
 from hicache.log_limit import LimitedLog
 from hicached.cache.pool_cache import PoolCache
-from hicached.tiers.cluster import ClusterTier, wanted
+from hicached.tiers.cluster import ClusterTier
 from hicached.tiers.writer import IDLE, STOP, WROTE, Failed, Outcome, TierWriter
 
 log = logging.getLogger(__name__)
@@ -90,8 +89,8 @@ class ClusterWriter(TierWriter):
             return STOP
         self.dropped += len(first) - len(held)  # evicted or removed before their turn
         try:
-            ok = self.tier.put_pages(held, pages, functools.partial(
-                wanted, self.cache, epoch)) if held else []
+            ok = (self.tier.put_pages(held, pages, self.cache.lending.still_wanted(epoch))
+                  if held else [])
         finally:
             self.cache.lending.give_back(pages, epoch)
         self.put += sum(ok)

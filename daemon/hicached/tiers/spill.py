@@ -22,7 +22,6 @@ Primitives:
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -78,7 +77,7 @@ class Spiller(TierWriter):
             done = self.tier.write_many(
                 [(k, self.pool.page_views(p)) for k, p in zip(keys, pages.tolist(),
                                                              strict=True)],
-                functools.partial(_wanted, self.cache, epoch), pages.tolist())
+                self.cache.lending.still_wanted(epoch), pages.tolist())
         finally:
             self.cache.lending.finish_spill(keys, pages, epoch)
         self.spilled += sum(done)
@@ -88,11 +87,6 @@ class Spiller(TierWriter):
         if self.tier.errors > errors:
             return Failed(self.tier.last_error or "every write of a batch failed")
         return IDLE  # no room below for now (every slot being read), or keys removed
-
-
-def _wanted(cache: PoolCache, epoch: int, key: bytes) -> bool:
-    """A key lent at ``epoch`` may still be committed below: not removed since."""
-    return not cache.lending.removed_since(key, epoch)
 
 
 def promote(pool: HostPool, cache: PoolCache, tier: DiskTier, keys: Sequence[bytes]) -> int:
