@@ -3,7 +3,9 @@
 One ``GrpcCodec`` per method of the table: how its protobuf request decodes (a bad field
 raises its domain error, as the fast path's decode does) and how its result encodes into the
 response message (a server stream's: each message). The read models of ``service.views``
-(pools, sessions, the daemon's info, events) are rendered here and nowhere else.
+(pools, sessions, the daemon's info, events) are rendered here and nowhere else, each field
+under its own name (``_named``; ``tests/daemon/test_method_table.py`` holds each read model's
+fields to its message's).
 
 Primitives: ``GrpcCodec`` (``decode(message)``, ``encode(result)``), ``CODECS`` (by method
 name), ``pool_message(pool)``, ``session_message(session)``, ``transfer_response(result)``.
@@ -12,6 +14,7 @@ name), ``pool_message(pool)``, ``session_message(session)``, ``transfer_response
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any, NamedTuple
 
 from hicache.codec import buffer_from_proto, fill_deprecated, pool_to_proto, spec_from_proto
@@ -20,7 +23,7 @@ from hicache.v1 import hicache_pb2 as pb
 from hicached.service import calls as c
 from hicached.service.calls import TransferResult
 from hicached.service.sessions import Session
-from hicached.service.views import EventView, InfoView, session_view
+from hicached.service.views import EventView, InfoView, SessionView, session_view
 
 
 class GrpcCodec(NamedTuple):
@@ -30,17 +33,21 @@ class GrpcCodec(NamedTuple):
     """The typed result -> the protobuf response."""
 
 
+def _named(view: Any, *but: str) -> dict[str, Any]:
+    """A read model's fields (a dataclass's or a ``NamedTuple``'s) that go onto the wire as
+    they are, each under its own name: all ``but`` those named."""
+    names = getattr(view, "_fields", None) or [f.name for f in fields(view)]
+    return {name: getattr(view, name) for name in names if name not in but}
+
+
 def session_message(s: Session, capability: bool = True) -> pb.Session:
     """``capability=False`` for anyone but the worker holding it: the id left empty."""
-    v = session_view(s, capability)
-    return pb.Session(session_id=v.session_id, public_id=v.public_id, pool=v.pool,
-                      worker_id=v.worker_id, lease_ms=v.lease_ms,
-                      expires_in_ms=v.expires_in_ms, attached_bytes=v.attached_bytes,
-                      device_tokens=v.device_tokens, transfers=v.transfers,
-                      device_uuid=v.device_uuid, layer_events=v.layer_events,
-                      lease_clamped=v.lease_clamped, peer_known=v.peer_uid is not None,
-                      peer_uid=v.peer_uid or 0, peer_gid=v.peer_gid, peer_pid=v.peer_pid,
-                      page_size=v.page_size, loads_in_flight=v.loads_in_flight)
+    return _session_of(session_view(s, capability))
+
+
+def _session_of(v: SessionView) -> pb.Session:
+    return pb.Session(**_named(v, "peer_uid"), peer_known=v.peer_uid is not None,
+                      peer_uid=v.peer_uid or 0)
 
 
 pool_message = pool_to_proto
@@ -48,25 +55,12 @@ pool_message = pool_to_proto
 
 def _info(v: InfoView) -> pb.GetInfoResponse:
     return fill_deprecated(pb.GetInfoResponse(  # type: ignore[no-any-return]
-        version=v.version, transports=v.transports, memory_budget_bytes=v.memory_budget_bytes,
-        memory_used_bytes=v.memory_used_bytes, memory_available_bytes=v.memory_available_bytes,
-        shm_dir=v.shm_dir, cuda_available=v.cuda_available, serving=v.serving, pools=v.pools,
-        sessions=v.sessions, metrics_port=v.metrics_port,
-        cuda_devices=[pb.CudaDevice(uuid=x.uuid, ordinal=x.ordinal, name=x.name,
-                                    total_bytes=x.total_bytes) for x in v.cuda_devices],
-        cluster_tier=v.cluster_tier,
-        fast_path=v.fast_path, fast_path_version=v.fast_path_version,
-        fast_path_flags=v.fast_path_flags, kv_events_endpoint=v.kv_events_endpoint,
-        kv_events_replay_endpoint=v.kv_events_replay_endpoint,
-        kv_events_topic=v.kv_events_topic, max_keys_per_call=v.max_keys_per_call))
+        **_named(v, "cuda_devices"),
+        cuda_devices=[pb.CudaDevice(**_named(x)) for x in v.cuda_devices]))
 
 
 def _event(v: EventView) -> pb.CacheEvent:
-    return pb.CacheEvent(seq=v.seq, kind=v.kind,  # type: ignore[arg-type]
-                         keys=v.keys, pool=v.pool, tier=v.tier, medium=v.medium,
-                         parent_key=v.parent_key, token_ids=v.token_ids,
-                         block_size=v.block_size, lora_name=v.lora_name,
-                         cache_salt=v.cache_salt)
+    return pb.CacheEvent(**_named(v))
 
 
 def _open_session(m: pb.OpenSessionRequest) -> c.OpenSessionRequest:
@@ -108,9 +102,7 @@ def _store(m: pb.StoreRequest) -> c.StoreRequest:
 
 
 def _store_response(r: c.StoreResult) -> pb.StoreResponse:
-    return pb.StoreResponse(stored=r.stored, already_present=r.already_present,
-                            no_space=r.no_space, status=r.status, bytes_moved=r.bytes_moved,
-                            duration_seconds=r.duration_seconds)
+    return pb.StoreResponse(**_named(r))
 
 
 def _load_keys(m: pb.LoadKeysRequest) -> c.LoadKeysRequest:
