@@ -75,6 +75,10 @@ def test_declared_pools() -> None:
     {"max_data_rpcs": -1},
     {"health_listen": ["nonsense"]}, {"auth_token_file": "/t"},
     {"tls_client_ca": "/ca.pem"},
+    {"budget": {"interval_seconds": "x"}}, {"budget": {"elastic": True, "bogus": 1}},
+    {"budget": {"grow_step_bytes": "lots"}}, {"budget": {"step_fraction": "a"}},
+    {"budget": {"pools": [{"pools": "a", "x": 1}]}}, {"budget": {"tenants": [{"name": 1,
+                                                                             "bogus": 2}]}},
     {"pool": [{"name": "x", "page_size": 16, "size_tokens": 64, "layer_num": 1,
                "head_num": 1, "head_dim": 8, "key_format": "md5"}]},
 ])

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 from hicache.errors import SpecInvalid
+from hicached.tiers.config import table_settings
 
 
 @dataclass(frozen=True)
@@ -114,12 +115,6 @@ class BudgetConfig:
     def from_mapping(cls, d: Mapping[str, object],
                      parse_size: Callable[[object], int]) -> BudgetConfig:
         """The ``[budget]`` table as TOML gives it (sizes as numbers or "2GiB")."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise SpecInvalid(f"unknown budget settings {unknown}",
-                              metadata={"setting": unknown[0]})
-
         def table(kind: type, entries: object, sizes: tuple[str, ...]) -> tuple[object, ...]:
             own = {f.name for f in fields(kind)}
             out = []
@@ -133,16 +128,12 @@ class BudgetConfig:
             return tuple(out)
 
         try:
-            return cls(
-                elastic=bool(d.get("elastic", False)),
-                interval_seconds=float(d.get("interval_seconds", 1.0)),  # type: ignore[arg-type]
-                grow_step_bytes=parse_size(d.get("grow_step_bytes", 64 << 20)),
-                step_fraction=float(d.get("step_fraction", 0.05)),  # type: ignore[arg-type]
-                pin_unit_bytes=parse_size(d.get("pin_unit_bytes", 2 << 20)),
-                pools=table(PoolShare, d.get("pools", []),
-                            ("floor_bytes", "ceiling_bytes")),  # type: ignore[arg-type]
-                tenants=table(TenantQuota, d.get("tenants", []),
-                              ("quota_bytes", "guaranteed_bytes")))  # type: ignore[arg-type]
+            kwargs = table_settings(cls, d, parse_size, "budget", {})
+            kwargs["pools"] = table(PoolShare, kwargs.get("pools", []),
+                                    ("floor_bytes", "ceiling_bytes"))
+            kwargs["tenants"] = table(TenantQuota, kwargs.get("tenants", []),
+                                      ("quota_bytes", "guaranteed_bytes"))
+            return cls(**kwargs)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
             raise SpecInvalid(f"budget settings have the wrong type: {exc}",
                               metadata={"field": "budget"}) from None

@@ -72,9 +72,9 @@ class DiskTierConfig:
 
 def table_settings(cls: type, d: Mapping[str, object], parse_size: Callable[[object], int],
                    table: str, aliases: Mapping[str, str]) -> dict[str, object]:
-    """A tier's TOML table as keyword arguments of its config class: names through
-    ``aliases``, ``*_bytes`` as sizes (``"4GiB"``), ``*_seconds`` as floats; an unknown name
-    is ``SPEC_INVALID``."""
+    """A TOML table (a tier's, ``[budget]``) as keyword arguments of its config class: names
+    through ``aliases``, ``*_bytes`` as sizes (``"4GiB"``), ``*_seconds`` as floats; an
+    unknown name is ``SPEC_INVALID``."""
     known = {f.name for f in fields(cls)}
     kwargs: dict[str, object] = {}
     for key, value in d.items():
