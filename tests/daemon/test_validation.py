@@ -151,3 +151,45 @@ def test_any_perturbed_run_is_caught(page_size: int, pages: list[int], data: st.
     # the reported position is inside the perturbed page (a moved start shifts the blame
     # within the run, never to another page)
     assert int(str(found[0].metadata["first_bad_position"])) // page_size == pos // page_size
+
+
+@pytest.mark.parametrize("written_layers", [None, (0, 2)])
+def test_host_pages_are_judged_alike_by_token_indices_and_by_page_ids(
+        written_layers: tuple[int, int] | None) -> None:
+    """A load naming pages the allocator does not have raw, or has not written at its
+    layers, is refused with the same reason, page and count whether the batch names token
+    indices or page ids; the position is the first bad one's token index or page position."""
+    from types import SimpleNamespace
+
+    from hicached.copy.page_batch import validate_page_transfer
+
+    ps, host = 4, np.array([3, 5, 9, 11], dtype=np.int64)
+    allocated = {3, 5, 9, 11} if written_layers else {3, 5}  # 9 and 11 are not raw pages
+    written = {3, 5}  # at layers 0-1 only
+
+    def raw_state(pages, layers):  # type: ignore[no-untyped-def]
+        return (np.isin(pages, list(allocated)),
+                None if layers is None else np.isin(pages, list(written))
+                & (layers.stop <= 2), np.ones(pages.shape, dtype=np.uint32))
+
+    layers = (0, 3)
+    with pytest.raises(HiCacheError) as by_tokens:
+        validate_transfer(host_indices=pages_to_indices(host.tolist(), ps),
+                          device_indices=pages_to_indices([0, 1, 2, 3], ps), page_size=ps,
+                          host_tokens=64, device_tokens=64, layer_num=4,
+                          layer_begin=layers[0], layer_end=layers[1], writes_host=False,
+                          raw_state=raw_state)
+    allocator = SimpleNamespace(page_num=16, raw_state=raw_state)
+    with pytest.raises(HiCacheError) as by_pages:
+        validate_page_transfer(host_pages=host, device_pages=np.arange(4, dtype=np.int64),
+                               allocator=allocator, device_page_num=16, layer_num=4,  # type: ignore[arg-type]
+                               layer_begin=layers[0], layer_end=layers[1], writes_host=False)
+    want = "PAGE_NOT_WRITTEN" if written_layers else "PAGE_NOT_ALLOCATED"
+    first = 0 if written_layers else 2  # every page unwritten at layer 2, or 9 not raw
+    for exc, field, position in ((by_tokens.value, "host_indices", first * ps),
+                                 (by_pages.value, "host_pages", first)):
+        (v,) = exc.violations
+        assert (v.reason, v.field) == (want, field)
+        assert v.metadata["page"] == int(host[first])
+        assert v.metadata["first_bad_position"] == position
+        assert v.metadata["count"] == (4 if written_layers else 2)

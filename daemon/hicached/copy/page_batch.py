@@ -22,15 +22,18 @@ from hicache.errors import (
     DuplicatePage,
     IndexCountMismatch,
     IndexOutOfRange,
-    PageNotAllocated,
-    PageNotWritten,
     Violation,
     raise_violations,
 )
 from hicache.indices import IndexArray
 from hicached.copy.native import KERNEL
 from hicached.core.allocator import PageAllocator
-from hicached.core.validation import TransferBatch, check_keyed_layers, check_layers
+from hicached.core.validation import (
+    TransferBatch,
+    check_host_pages,
+    check_keyed_layers,
+    check_layers,
+)
 
 Bounds = tuple[int, int]
 
@@ -99,29 +102,12 @@ def validate_page_transfer(*, host_pages: IndexArray, device_pages: IndexArray,
     in_range = not any(v.reason == IndexOutOfRange.reason for v in h_bad)
     generations = None
     if in_range and host_pages.size:
-        mask, written, generations = allocator.raw_state(
-            host_pages, None if writes_host or not len(layers) else layers)
-        if not mask.all():
-            violations.append(_host_violation(host_pages, mask, PageNotAllocated.reason,
-                                              "are not allocated raw pages"))
-        elif written is not None and not written.all():
-            violations.append(_host_violation(
-                host_pages, written, PageNotWritten.reason,
-                f"were never written at layers [{layers.start}, {layers.stop}) since they "
-                "were allocated"))
+        host, generations = check_host_pages(host_pages, layers, writes_host,
+                                             allocator.raw_state, "host_pages", 1)
+        violations += host
     raise_violations(violations)
     return TransferBatch(host_pages, device_pages, layers, host_unique,
                          bounds=(h_bounds, d_bounds), generations=generations)
-
-
-def _host_violation(pages: IndexArray, ok: np.ndarray, reason: str, what: str) -> Violation:
-    bad = np.flatnonzero(~ok)
-    pos = int(bad[0])
-    return Violation("host_pages", reason,
-                     f"{bad.size} host page(s) {what}; first page {int(pages[pos])} at "
-                     f"position {pos}",
-                     {"count": int(bad.size), "first_bad_position": pos,
-                      "page": int(pages[pos])})
 
 
 def validate_keyed_pages(*, keys: int, device_pages: IndexArray, device_page_num: int,

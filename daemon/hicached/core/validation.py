@@ -11,8 +11,10 @@ Primitives:
   SGLang checks only the length; a non-contiguous run would silently move the wrong bytes.
 - ``check_range``, ``check_duplicate_pages``, ``check_layers``: ``INDEX_OUT_OF_RANGE``,
   ``DUPLICATE_PAGE``, ``LAYER_OUT_OF_RANGE``.
+- ``check_host_pages``: a raw batch's host pages against the allocator,
+  ``PAGE_NOT_ALLOCATED`` and ``PAGE_NOT_WRITTEN`` (by token indices or by page ids).
 - ``validate_transfer``: all of the above for a raw backup or load, plus
-  ``INDEX_COUNT_MISMATCH``, ``PAGE_NOT_ALLOCATED`` and ``PAGE_NOT_WRITTEN``; returns a
+  ``INDEX_COUNT_MISMATCH``; returns a
   ``TransferBatch`` of page numbers or raises the first violation's error carrying all of them.
 - ``validate_keyed``: the device side of a Store or LoadKeys (one page per key);
   ``check_keyed_layers``: its layer range (a Store's covers every layer).
@@ -189,16 +191,29 @@ def _first_bad(mask: np.ndarray) -> np.ndarray:
     return np.zeros(0, np.int64) if mask.all() else np.flatnonzero(~mask)
 
 
-def _page_violation(field: str, reason: str, what: str, pages: IndexArray,
-                    bad: np.ndarray, page_size: int) -> Violation:
+def check_host_pages(pages: IndexArray, layers: range, writes_host: bool, raw_state: RawState,
+                     field: str, scale: int) -> tuple[list[Violation], np.ndarray]:
+    """A raw batch's host pages, in range, against the allocator (``raw_state``, one step):
+    every one allocated raw (``PAGE_NOT_ALLOCATED``), and for a load written at ``layers``
+    (``PAGE_NOT_WRITTEN``). (violations, the pages' generations); a violation's position is
+    the page's times ``scale`` (its token index where ``field`` holds token indices)."""
+    allocated, written, generations = raw_state(
+        pages, None if writes_host or not len(layers) else layers)
+    reason, what = PageNotAllocated.reason, "are not allocated raw pages"
+    bad = _first_bad(allocated)
+    if not bad.size and written is not None:
+        bad = _first_bad(written)
+        reason, what = PageNotWritten.reason, (f"were never written at layers [{layers.start}"
+                                               f", {layers.stop}) since they were allocated")
+    if not bad.size:
+        return [], generations
     pos = int(bad[0])
-    return Violation(
+    return [Violation(
         field, reason,
         f"{bad.size} host page(s) {what}; first page {int(pages[pos])} at position "
-        f"{pos * page_size}",
-        {"count": int(bad.size), "first_bad_position": pos * page_size,
-         "page": int(pages[pos])},
-    )
+        f"{pos * scale}",
+        {"count": int(bad.size), "first_bad_position": pos * scale, "page": int(pages[pos])},
+    )], generations
 
 
 def _device_side(d: IndexArray, page_size: int, device_tokens: int, loading: bool
@@ -248,20 +263,9 @@ def validate_transfer(
     host_unique = writes_host or not check_duplicate_pages(hp, page_size, "host_indices")
     generations = None
     if not h_range and hp.size:
-        allocated, written, generations = raw_state(
-            hp, None if writes_host or not len(layers) else layers)
-        missing = _first_bad(allocated)
-        if missing.size:
-            violations.append(_page_violation("host_indices", PageNotAllocated.reason,
-                                              "are not allocated raw pages", hp, missing,
-                                              page_size))
-        elif written is not None:
-            unwritten = _first_bad(written)
-            if unwritten.size:
-                violations.append(_page_violation(
-                    "host_indices", PageNotWritten.reason,
-                    f"were never written at layers [{layers.start}, {layers.stop}) since they "
-                    f"were allocated", hp, unwritten, page_size))
+        host, generations = check_host_pages(hp, layers, writes_host, raw_state,
+                                             "host_indices", page_size)
+        violations += host
     raise_violations(violations)
     return TransferBatch(hp, dp, layers, host_unique, generations=generations)
 
