@@ -45,7 +45,10 @@ step_fraction = 0.1
 pools = "*"
 floor_bytes = {FLOOR * PB}
 """)
+    # the daemon's default lease (the factory's 1 s, for tests of expiry, can run out for a
+    # worker whose heartbeat thread waits for a CPU while the suite's other half runs)
     d = daemons.start("--config", str(cfg), "--memory-budget", str(budget),
+                      "--lease-seconds", "5",
                       env={"HICACHE_SEAM_DELAYS": "store.taken=300,store.copied=300"})
     with HiCacheClient(d.target) as c:
         for s in SPECS:
