@@ -151,8 +151,10 @@ class _Zygote:
             left = end - time.monotonic()
             if left <= 0:
                 raise TimeoutError(word)
-            ready, _, _ = select.select([fd], [], [], left)
-            if not ready:
+            # poll, not select: a test process may hold more than FD_SETSIZE (1,024) files
+            waiting = select.poll()
+            waiting.register(fd, select.POLLIN)
+            if not waiting.poll(left * 1000):
                 continue
             chunk = os.read(fd, 65536)
             if not chunk:

@@ -329,6 +329,30 @@ def test_each_scenario_runs_in_an_engine_process_of_its_own() -> None:
         run("whoami", fail=True)
 
 
+def test_a_scenario_runs_in_a_test_process_holding_more_files_than_select_can_watch() -> None:
+    """A test process that has opened over FD_SETSIZE (1,024) files (a worker of the
+    parallel suite, after other files' tests) still reads its scenario's answer."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the file limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        from tests import vllm_runs
+
+        if vllm_runs._zygote is not None:  # the next zygote's pipe opens above them
+            vllm_runs._zygote.close()
+            vllm_runs._zygote = None
+        assert run("whoami")["threads"] == 1
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_one_lookup_deadline_covers_every_ranks_pool() -> None:
     got = run("lookup_deadline_across_pools", timeout=0.3, slow=0.2)
     assert got["failed"] == "DeadlinePassed"  # the second pool's Lookup had 0.1 s left
