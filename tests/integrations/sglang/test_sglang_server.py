@@ -339,7 +339,10 @@ def test_a_daemon_stopped_past_its_lease_while_serving(node: Node) -> None:
 
 def test_a_daemon_killed_while_serving(node: Node) -> None:
     """SIGKILL while a request computes: it completes exactly, as does the next one (with no
-    daemon); a daemon restarted on the same state directory serves the pages again."""
+    daemon); a daemon restarted on the same state directory serves the pages again. (The
+    request that dies under the daemon may hit the pages ``b`` wrote through: then it is held
+    to its first token and logprob within ``DECODE_LOGPROB_TOLERANCE``, as a hit computed by
+    other rows than the reference's prefill.)"""
     a, b = node.a, node.b
     kept, during, after = prompt(1024, seed=51), prompt(2048, seed=52), prompt(512, seed=53)
     refs = [b.generate(kept)]
@@ -350,7 +353,11 @@ def test_a_daemon_killed_while_serving(node: Node) -> None:
         running = pool.submit(a.generate, during)
         time.sleep(0.3)  # admitted: its lookup was answered; it computes
         node.daemon.stop(signal.SIGKILL)
-        same(running.result(), refs[1], a, "a request the daemon died under", node)
+        got = running.result()
+        if got.host_hits:  # b's write-through of it beat a's Lookup: a hit computes other
+            near(got, refs[1], a, "a request the daemon died under (a hit)")  # rows, last bits
+        else:
+            same(got, refs[1], a, "a request the daemon died under", node)
     same(a.generate(after), refs[2], a, "a request with no daemon", node)
     node.restart_daemon()
     back = time.monotonic()
