@@ -142,6 +142,9 @@ class _Zygote:
         import, are skipped)."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
+        # poll, not select: a test process may hold more than FD_SETSIZE (1,024) files
+        waiting = select.poll()
+        waiting.register(fd, select.POLLIN)
         end = time.monotonic() + timeout
         while True:
             while b"\n" in self._buf:
@@ -151,9 +154,6 @@ class _Zygote:
             left = end - time.monotonic()
             if left <= 0:
                 raise TimeoutError(word)
-            # poll, not select: a test process may hold more than FD_SETSIZE (1,024) files
-            waiting = select.poll()
-            waiting.register(fd, select.POLLIN)
             if not waiting.poll(left * 1000):
                 continue
             chunk = os.read(fd, 65536)
