@@ -27,18 +27,6 @@ import os
 DEFAULT_STATE_DIR = f"/dev/shm/hicached-{os.getuid()}"
 STATE_SUFFIXES = (".meta", ".data", ".meta.new")
 
-
-def remove_if_there(path: str) -> None:
-    """Unlink ``path``; already gone is fine."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def remove_state(state_dir: str, name: str) -> None:
-    """Delete a pool's saved state, whatever it holds."""
-    for suffix in STATE_SUFFIXES:
-        remove_if_there(os.path.join(state_dir, name + suffix))
-
 IDENTITY_SUFFIX = ".id"
 FAST_PATH_SUFFIX = ".fast"
 UNIX_PATH_MAX = 107
@@ -70,3 +58,15 @@ def default_socket_path() -> str:
 
 def default_target() -> str:
     return f"unix:{default_socket_path()}"
+
+
+def remove_if_there(path: str) -> None:
+    """Unlink ``path``; already gone is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def remove_state(state_dir: str, name: str) -> None:
+    """Delete a pool's saved state, whatever it holds."""
+    for suffix in STATE_SUFFIXES:
+        remove_if_there(os.path.join(state_dir, name + suffix))
