@@ -8,8 +8,10 @@ Roles:
   stored keys back into rows zeroed first, counting every page that does not hold its key's
   bytes (``mismatches``): the raw client's bytes in a keyed page would show there.
 
-Both start on a barrier (a file per worker in SYNC, then all go) and run SECONDS. Prints one
-JSON line. Usage: python -m tests.reliability.page_writer_worker TARGET POOL ROLE ID SECONDS
+Both start on a barrier (a file per worker in SYNC, then all go) and run at least SECONDS, then
+on until every worker has done ENOUGH of its own work (a raw backup, a checked keyed load), so
+that a loaded machine stretches the run instead of thinning it; CAP_SECONDS more at most. Prints
+one JSON line. Usage: python -m tests.reliability.page_writer_worker TARGET POOL ROLE ID SECONDS
 SHM_DIR SYNC NWORKERS
 """
 
@@ -31,6 +33,10 @@ from hicache_client import HiCacheClient, ShmDeviceBuffers
 RAW_PAGES = 8
 """Pages of each raw backup (a longer check before the copy: a wider window)."""
 KEYED_BATCH = 4
+ENOUGH = 30
+"""Raw backups, or checked keyed loads, each worker does before it may stop."""
+CAP_SECONDS = 60.0
+"""How far past SECONDS a worker goes on waiting for the others to have done enough."""
 
 
 def key_bytes(key: bytes, shape: torch.Size, member: int) -> torch.Tensor:
@@ -45,12 +51,35 @@ def barrier(sync: str, name: str, n: int) -> None:
         time.sleep(0.01)
 
 
+class Run:
+    """Whether a worker goes on: always before its deadline; after it, until every worker has
+    marked itself done (a ``.done`` file in SYNC, written once its own count reaches ENOUGH),
+    or CAP_SECONDS later."""
+
+    def __init__(self, sync: str, name: str, n: int, seconds: float) -> None:
+        self._sync, self._name, self._n = sync, name, n
+        self._deadline = time.monotonic() + seconds
+        self._cap = self._deadline + CAP_SECONDS
+        self._marked = False
+
+    def going(self, done: int) -> bool:
+        now = time.monotonic()
+        if now < self._deadline:
+            return True
+        if not self._marked and done >= ENOUGH:
+            open(os.path.join(self._sync, f"{self._name}.done"), "w").close()
+            self._marked = True
+        if now > self._cap:
+            return False
+        return len([f for f in os.listdir(self._sync) if f.endswith(".done")]) < self._n
+
+
 def raw(client: HiCacheClient, pool: str, s, tensors: list[torch.Tensor], ps: int,  # type: ignore[no-untyped-def]
-        deadline: float, stats: dict[str, int]) -> None:
+        run: Run, stats: dict[str, int]) -> None:
     for t in tensors:
         t.fill_(0xEE)  # the raw client's bytes: never a key's
     dev = torch.arange(RAW_PAGES * ps)
-    while time.monotonic() < deadline:
+    while run.going(stats["raw_backups"]):
         try:
             host = client.alloc(pool, RAW_PAGES * ps)
         except HiCacheError:
@@ -74,7 +103,7 @@ def _quiet(fn, *args) -> None:  # type: ignore[no-untyped-def]
         pass
 
 
-def keyed(s, tensors: list[torch.Tensor], ps: int, me: int, deadline: float,  # type: ignore[no-untyped-def]
+def keyed(s, tensors: list[torch.Tensor], ps: int, me: int, run: Run,  # type: ignore[no-untyped-def]
           stats: dict[str, int]) -> None:
     rng = np.random.default_rng(me)
     stored: list[bytes] = []
@@ -91,7 +120,7 @@ def keyed(s, tensors: list[torch.Tensor], ps: int, me: int, deadline: float,  # 
 
     batch = torch.arange(KEYED_BATCH * ps)
     back = torch.arange(KEYED_BATCH * ps, 2 * KEYED_BATCH * ps)
-    while time.monotonic() < deadline:
+    while run.going(stats["loaded"]):
         keys = [b"w%d-%d" % (me, n + j) for j in range(KEYED_BATCH)]
         n += KEYED_BATCH
         for j, key in enumerate(keys):
@@ -131,11 +160,11 @@ def main() -> int:
         tensors = [t.view(torch.uint8) for t in bufs.all_tensors()]
         with client.open_session(pool, f"{role}-{ident}", bufs.descriptors) as s:
             barrier(sync, ident, int(nworkers))
-            deadline = time.monotonic() + float(seconds)
+            run = Run(sync, ident, int(nworkers), float(seconds))
             if role == "raw":
-                raw(client, pool, s, tensors, ps, deadline, stats)
+                raw(client, pool, s, tensors, ps, run, stats)
             else:
-                keyed(s, tensors, ps, int(ident), deadline, stats)
+                keyed(s, tensors, ps, int(ident), run, stats)
     print(json.dumps(stats), flush=True)
     client.close()
     return 0
