@@ -80,8 +80,6 @@ class CacheStats:
     evicted: int = 0
     removed: int = 0
     load_misses: int = 0
-    evicted_to_lower: int = 0
-    """Evicted keys whose page the lower tier already held (still found there)."""
     spill_dropped: int = 0
     """Evicted keys the lower tier had not written yet: gone from every tier."""
     holds_taken: int = 0

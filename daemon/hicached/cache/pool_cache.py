@@ -455,9 +455,7 @@ class PoolCache:
             st.evicted_age[bisect.bisect_left(EVICTED_AGE_BUCKETS, age)] += 1
         kept = self.kept_below or (self.lower.contains if self.lower is not None else None)
         if kept is not None:  # being written below counts as below: it lands there
-            below = sum(self.index.spilling(k) or kept(k) for k in keys)
-            st.evicted_to_lower += below
-            st.spill_dropped += len(keys) - below
+            st.spill_dropped += sum(not (self.index.spilling(k) or kept(k)) for k in keys)
         self._drop_pages(np.asarray(pages, dtype=np.int64))
         st.evicted += len(keys)
         self.events.append(EventKind.EVICTED, keys)

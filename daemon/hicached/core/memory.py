@@ -14,7 +14,6 @@ Primitives:
   lock and unlock one OS-page-aligned range at a time (a pool whose locked part follows its
   share of the memory budget, ``core.pin_units``); ``release`` never gives back a byte that is
   locked (the device would keep reading and writing the old pages).
-- ``naive_first_touch(nbytes)``: the single-threaded first touch benchmarks compare against.
 
 Knows nothing of pools, RPC or drivers.
 """
@@ -379,23 +378,3 @@ def _outside(start: int, end: int, locked: list[tuple[int, int]], ends: list[int
     if at < end:
         out.append((at, end))
     return out
-
-
-def naive_first_touch(nbytes: int) -> float:
-    """Seconds for a single-threaded first touch of a fresh private mapping without huge pages.
-
-    The reference point for prefault benchmarks.
-    """
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        if hasattr(mmap, "MADV_NOHUGEPAGE"):
-            mm.madvise(mmap.MADV_NOHUGEPAGE)
-        arr = np.frombuffer(mm, dtype=np.uint8)
-        t0 = time.perf_counter()
-        ctypes.memset(int(arr.ctypes.data), 0, nbytes)
-        elapsed = time.perf_counter() - t0
-        del arr
-        return elapsed
-    finally:
-        mm.close()
-

@@ -16,7 +16,7 @@ Primitives:
   ``reset()``, ``delay``.
 - ``TierWriter(pool, tier, backoff)``: ``start()``, ``nudge()`` (work arrived), ``close()``;
   ``failing`` (the last batch failed), ``failures`` (batches failed in a row),
-  ``last_error``, ``failed_batches`` (in all). Subclasses give ``_batch()``.
+  ``last_error``. Subclasses give ``_batch()``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ class TierWriter:
         self.backoff = backoff or BackOff()
         self.failing = False
         self.failures = 0
-        self.failed_batches = 0
         self.last_error = ""
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -122,7 +121,6 @@ class TierWriter:
     def _failed(self, why: str) -> None:
         self.failing, self.last_error = True, why
         self.failures += 1
-        self.failed_batches += 1
         delay = self.backoff.next()
         _limited.warning("%s tier of pool %s failing (%d batch(es) in a row): %s; next try in "
                          "%.1f s", self.tier_name, self.pool_name, self.failures, why, delay,
