@@ -91,7 +91,6 @@ class TransferEngine:
         threads spin after a job before sleeping (0: they sleep at once; spinning saves a
         wake-up on the next copy and takes a CPU meanwhile). The spin is the process's."""
         self.threads = default_copy_threads(threads)
-        self.spin_us = spin_us
         if KERNEL is not None:
             KERNEL.set_copy_spin(spin_us * 1000)
 

@@ -7,10 +7,10 @@ runner on a GPU).
 Primitives:
 
 - ``Side``: one side's addressing (per-layer bases, page pitch, unit stride, bounds).
-- ``CopyPlan.build(...)``: one component over a set of layers, its extreme pages checked
-  against both buffers (an internal invariant: validation already guaranteed it).
-- ``PlanTemplate``: the same in two steps: ``make`` (what is fixed for a session's buffers,
-  a component and a layer range; engines cache it) and ``plan(pages)``.
+- ``CopyPlan``: one component over a set of layers.
+- ``PlanTemplate``: a plan in two steps: ``make`` (what is fixed for a session's buffers, a
+  component and a layer range; engines cache it) and ``plan(pages)``, its extreme pages
+  checked against both buffers (an internal invariant: validation already guaranteed it).
 """
 
 from __future__ import annotations
@@ -53,16 +53,6 @@ class CopyPlan:
     @property
     def nbytes(self) -> int:
         return self.dst_base.size * self.dst_pages.size * self.units * self.unit_bytes
-
-    @staticmethod
-    def build(*, dst: Side, src: Side, dst_pages: np.ndarray, src_pages: np.ndarray,
-              layers: range, unit_bytes: int, units: int,
-              page_bounds: tuple[tuple[int, int], tuple[int, int]] | None = None) -> CopyPlan:
-        """``page_bounds`` = ((dst min, dst max), (src min, src max)) when the caller knows
-        them; the extreme pages are checked against every layer's buffer (an internal
-        invariant: validation already guaranteed it)."""
-        return PlanTemplate.make(dst=dst, src=src, layers=layers, unit_bytes=unit_bytes,
-                                 units=units).plan(dst_pages, src_pages, page_bounds)
 
 
 @dataclass(frozen=True)

@@ -398,10 +398,6 @@ class HostPool:
     def pin_seconds(self) -> float:
         return self.memory.pin_seconds if self.memory else 0.0
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosed(f"pool {self.spec.name} is closed", metadata={"pool": self.spec.name})

@@ -118,12 +118,10 @@ class KernelBinaries:
         return cubin
 
 
-def load_page_kernel(driver: CudaDriver, ordinal: int, binaries: KernelBinaries | None
+def load_page_kernel(driver: CudaDriver, ordinal: int, binaries: KernelBinaries
                      ) -> tuple[PageKernel | None, str]:
     """The page kernel on ``ordinal`` (its module loaded in the device's primary context), or
     why not."""
-    if binaries is None:
-        return None, "no NVRTC to compile it"
     try:
         with driver.context(ordinal):
             if not driver.attribute(DEV_ATTR_UNIFIED_ADDRESSING, ordinal):

@@ -26,7 +26,7 @@ Primitives:
   ``DrainResult``, ``WatchEventsRequest``, ``NoRequest`` (Ping, GetInfo, ListPools); ``Count``,
   ``Done``.
 - ``Method`` and ``METHODS`` (every RPC of the service, by its gRPC name), ``method(name)``,
-  ``CREATES_WORK``, ``DATA_METHODS``; ``PoolOf``.
+  ``DATA_METHODS``; ``PoolOf``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from hicached.service.sessions import Session
 from hicached.service.views import EventView, InfoView
 
 __all__ = [
-    "CREATES_WORK", "DATA_METHODS", "METHODS", "AllocRequest", "Count", "CreatePoolRequest",
+    "DATA_METHODS", "METHODS", "AllocRequest", "Count", "CreatePoolRequest",
     "Done", "DrainRequest", "DrainResult", "FreeRequest", "KeysRequest", "LoadKeysRequest",
     "LookupRequest", "LookupResult", "Method", "NoRequest", "OpenSessionRequest", "PoolOf",
     "PoolRequest", "ReleaseHoldsRequest", "SessionRequest", "StoreRequest", "StoreResult",
@@ -311,7 +311,6 @@ _TABLE = (
 
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
 """Every RPC of the service by name (a test holds it to the proto's service)."""
-CREATES_WORK = frozenset(m.name for m in _TABLE if m.creates_work)
 DATA_METHODS = frozenset(m.name for m in _TABLE if m.data)
 _UNKNOWN = Method("", NoRequest, Done, ping)
 

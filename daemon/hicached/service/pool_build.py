@@ -40,7 +40,6 @@ class PoolBuild:
         self.started = time.monotonic()
         self._make = make
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @property
     def state(self) -> str:
@@ -73,9 +72,7 @@ class PoolBuild:
             finally:
                 self._done.set()
 
-        self._thread = threading.Thread(target=run, name=f"build-{self.spec.name}",
-                                        daemon=True)
-        self._thread.start()
+        threading.Thread(target=run, name=f"build-{self.spec.name}", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)

@@ -12,7 +12,7 @@ left host memory before its turn, when the queue was full (``max_keys``), or whe
 still failing ``retry_seconds`` after its first try.
 
 Primitives: ``ClusterWriter(cache, tier, max_keys, batch, retry_seconds)``: ``offer(keys)``
-(after a Store), ``waiting``, ``put`` / ``failed`` / ``dropped`` counts, and the writer's
+(after a Store), ``waiting``, ``put`` / ``dropped`` counts, and the writer's
 ``start`` / ``nudge`` / ``close`` / ``failing``.
 """
 
@@ -46,8 +46,6 @@ class ClusterWriter(TierWriter):
         self.max_keys, self.batch, self.retry_seconds = max_keys, batch, retry_seconds
         self._clock = clock
         self.put = 0
-        self.failed = 0
-        """Puts that failed (each failed key is tried again until ``retry_seconds``)."""
         self.dropped = 0
         self._queue: deque[tuple[bytes, float]] = deque()
         """(key, when it was first tried; 0: not yet)."""
@@ -95,7 +93,6 @@ class ClusterWriter(TierWriter):
             self.cache.lending.give_back(pages, epoch)
         self.put += sum(ok)
         failed = [k for k, done in zip(held, ok, strict=True) if not done]
-        self.failed += len(failed)
         again = [k for k in failed if now - first[k] < self.retry_seconds]
         if len(again) < len(failed):
             gone = len(failed) - len(again)

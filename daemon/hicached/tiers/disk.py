@@ -55,9 +55,7 @@ _limited = LimitedLog(log)
 @dataclass
 class DiskStats:
     writes: int = 0
-    write_bytes: int = 0
     reads: int = 0
-    read_bytes: int = 0
     checksum_failures: int = 0
     write_errors: int = 0
     evicted: int = 0
@@ -261,7 +259,6 @@ class DiskTier:
                 self._lru[key] = None
                 self.events.append(EventKind.STORED, [key], DISK, chain=False)
                 self.stats.writes += 1
-                self.stats.write_bytes += self.page_bytes
         except OSError as exc:
             with self._lock:
                 self._writing.discard(key)
@@ -342,7 +339,6 @@ class DiskTier:
                     self._free.append(slot)
             if ok:
                 self.stats.reads += 1
-                self.stats.read_bytes += self.page_bytes
             elif self._index.get(key) == slot:
                 self.stats.checksum_failures += why == "checksum mismatch"
                 self._forget(key)

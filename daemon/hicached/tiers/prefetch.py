@@ -12,12 +12,12 @@ before it could be held, or another load's promotion landed it and it left again
 keeps them until the promise's own deadline instead (``release`` runs then): the session's
 LoadKeys promotes them itself, from a disk that still has them.
 
-The queue is bounded (``MAX_QUEUED``): past it a prefetch is dropped and counted, and the
+The queue is bounded (``MAX_QUEUED``): past it a prefetch is dropped, and the
 LoadKeys promotes what it needs itself, as without holds.
 
 Primitives: ``Prefetcher(promote, hold, name, clock)``: ``submit(keys, holder, release)``
 (False when dropped: ``release`` is then the caller's to call), ``close()`` (every release
-still due runs); ``done`` / ``dropped`` / ``deferred`` counts.
+still due runs); ``done`` / ``deferred`` counts.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ class Prefetcher:
         """Releases kept until a promise's deadline (a heap; the prefetch thread's own)."""
         self._seq = itertools.count()
         self.done = 0
-        self.dropped = 0
         self.deferred = 0
         """Promotions whose keys were not all held after: their release waited for the
         promise's deadline."""
@@ -69,7 +68,6 @@ class Prefetcher:
             self._q.put_nowait((list(keys), holder, release))
             return True
         except queue.Full:
-            self.dropped += 1
             return False
 
     def _run(self) -> None:

@@ -14,7 +14,7 @@ Primitives:
 
 - ``Spiller(pool, cache, tier, window, batch)``: over any ``SpillTarget`` (the disk, or the
   cluster store), a ``writer.TierWriter`` (backed off while the tier fails); ``start()``,
-  ``nudge()`` (new keys were stored), ``close()``; ``spilled`` / ``failed`` counts.
+  ``nudge()`` (new keys were stored), ``close()``; ``spilled`` counts.
 - ``promote(pool, cache, tier, keys)``: the way back up: keys only the tier holds are read
   into fresh host pages (checksums checked) and become ready there; returns how many. A read
   that fails drops that key below and promotes none of the batch.
@@ -61,7 +61,6 @@ class Spiller(TierWriter):
         self.pool, self.cache, self.tier = pool, cache, tier
         self.window, self.batch = window, batch
         self.spilled = 0
-        self.failed = 0
 
     def _batch(self) -> Outcome | Failed:
         try:
@@ -81,7 +80,6 @@ class Spiller(TierWriter):
         finally:
             self.cache.lending.finish_spill(keys, pages, epoch)
         self.spilled += sum(done)
-        self.failed += len(done) - sum(done)
         if any(done):
             return WROTE
         if self.tier.errors > errors:
