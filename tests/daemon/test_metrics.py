@@ -10,6 +10,7 @@ from hicache.specs import CanarySpec, Role
 from hicached.cache.pool_cache import PoolCache
 from hicached.copy.engine import TransferEngine
 from hicached.server.metrics import REASONS, Metrics, ScrapeState
+from hicached.service.calls import METHODS
 from tests.helpers import make_pool, mha, random_device, spec
 
 
@@ -72,6 +73,11 @@ def test_request_metrics() -> None:
     assert all(reg.get_sample_value("hicache_rejected_requests_total", {"reason": r}) == 0
                for r in REASONS)
     assert "INDICES_NOT_PAGE_ALIGNED" in REASONS and "CANARY_MISMATCH" in REASONS
+    # every call the fast path carries has its series from the first scrape
+    fast = [n for n, meth in METHODS.items() if not meth.grpc_only]
+    assert "ReleaseHolds" in fast and all(
+        reg.get_sample_value("hicache_fast_path_requests_total", {"method": n}) == 0
+        for n in fast)
     m.transfer("p", "backup", 1000, 2, 0.5)
     m.transfer("p", "backup", 3000, 1, 0.002)
     assert reg.get_sample_value("hicache_transfer_bytes_total",

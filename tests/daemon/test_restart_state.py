@@ -97,7 +97,7 @@ def test_a_crash_keeps_complete_keys_and_drops_everything_unfinished(state: str)
         cache2.finish_load(got)
     counts = pool2.allocator.counts()
     assert counts == {"raw": 2, "keyed": 3, "busy": 0, "releasing": 0,
-                      "free": pool2.page_num - 5, "parked": 0}
+                      "free": pool2.page_num - 5, "parked": 0, "used": 5}
     assert pool2.allocator.is_allocated(np.unique(unowned // PS)).all()
     assert not pool2.allocator.is_allocated(owned[:1] // PS).any()  # its session died
     assert not pool2.allocator.is_keyed(np.array([inflight])).any()  # its page is free again

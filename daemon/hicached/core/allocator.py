@@ -168,7 +168,8 @@ class PageAllocator:
             return int(used[-1]) + 1 if used.size else 0
 
     def counts(self, locked: bool = True) -> dict[str, int]:
-        """Pages by kind and how many are busy (a copy reads or writes them) right now.
+        """Pages by kind, how many are busy (a copy reads or writes them) and how many are
+        used (``used_pages``) right now.
         ``locked=False`` (a metrics scrape) reads the tables without the lock: it never waits
         for, nor delays, a copy, and the figures may straddle an update made meanwhile."""
         if not locked:
@@ -181,7 +182,8 @@ class PageAllocator:
         return {"raw": int((live & (self._kind == RAW)).sum()),
                 "keyed": int((live & (self._kind == KEYED)).sum()),
                 "busy": int(((self._readers > 0) | self._writer).sum()),
-                "releasing": self._releasing, "free": self._nfree, "parked": self._parked}
+                "releasing": self._releasing, "free": self._nfree, "parked": self._parked,
+                "used": self.page_num - self._nfree - self._parked}
 
     @staticmethod
     def bytes_per_page(layer_num: int) -> int:
@@ -198,9 +200,7 @@ class PageAllocator:
 
     def is_allocated(self, pages: np.ndarray) -> np.ndarray:
         """Boolean mask: which of ``pages`` (in range) are raw pages allocated now."""
-        with self._lock:
-            return np.asarray((self._state[pages] == ALLOCATED) & (self._kind[pages] == RAW),
-                              dtype=bool)
+        return self.raw_state(pages, None)[0]
 
     def is_keyed(self, pages: np.ndarray) -> np.ndarray:
         with self._lock:

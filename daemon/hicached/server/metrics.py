@@ -49,6 +49,7 @@ from hicached.cuda.paths import Path as CopyPath
 from hicached.publish.kv_event_config import KvEventStats
 from hicached.server.metrics_tiers import CLUSTER_PREFIXES, tier_families
 from hicached.server.tallies import HistogramColumns, Row, Tally, add_into
+from hicached.service.calls import METHODS
 from hicached.service.memory_budget import MemoryBudget
 from hicached.tiers.mooncake import MooncakeStore
 from hicached.tiers.stack import TierStack
@@ -193,44 +194,10 @@ class _StateCollector(Collector):
         self._started = started
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["pool"]
-        cap_b = GaugeMetricFamily("hicache_pool_capacity_bytes", "Host bytes of the pool.",
-                                  labels=labels)
-        used_b = GaugeMetricFamily("hicache_pool_used_bytes", "Host bytes in allocated pages.",
-                                   labels=labels)
-        cap_p = GaugeMetricFamily("hicache_pool_capacity_pages", "Pages in the pool.",
-                                  labels=labels)
-        used_p = GaugeMetricFamily("hicache_pool_used_pages", "Allocated pages.", labels=labels)
-        pinned = GaugeMetricFamily("hicache_pool_pinned_bytes", "Page-locked host bytes.",
-                                   labels=labels)
-        pin_s = GaugeMetricFamily("hicache_pool_pin_seconds",
-                                  "Seconds registering the pool with CUDA (0 = not pinned).",
-                                  labels=labels)
-        fails = CounterMetricFamily("hicache_pool_alloc_failures",
-                                    "Allocations refused for lack of pages.", labels=labels)
-        verified = CounterMetricFamily("hicache_canary_verified_pages",
-                                       "Pages whose fingerprint matched on load.", labels=labels)
-        mismatched = CounterMetricFamily("hicache_canary_mismatched_pages",
-                                         "Pages whose fingerprint differed on load.",
-                                         labels=labels)
         entries = self._state.pools()
         # one pass over each allocator's tables per scrape, without its lock
-        counts = [pool.allocator.counts(locked=False) for pool, _cache in entries]
-        for (pool, _cache), count in zip(entries, counts, strict=True):
-            name = [pool.spec.name]
-            used = pool.page_num - count["free"] - count["parked"]
-            cap_b.add_metric(name, pool.nbytes)
-            used_b.add_metric(name, used * pool.spec.page_bytes)
-            cap_p.add_metric(name, pool.page_num)
-            used_p.add_metric(name, used)
-            pinned.add_metric(name, pool.pinned_bytes)
-            pin_s.add_metric(name, pool.pin_seconds)
-            fails.add_metric(name, pool.allocator.alloc_failures)
-            if pool.canary is not None:
-                verified.add_metric(name, pool.canary.verified_pages)
-                mismatched.add_metric(name, pool.canary.mismatched_pages)
-        yield from (cap_b, used_b, cap_p, used_p, pinned, pin_s, fails, verified, mismatched)
-        yield from _cache_families(entries, counts)
+        yield from _pool_families(entries, [pool.allocator.counts(locked=False)
+                                            for pool, _cache in entries])
         building = GaugeMetricFamily(
             "hicache_pool_build_progress", "Pools being created: faulted-in share (0..1), by "
             "state (CREATING, or FAILED until deleted or created again).",
@@ -287,11 +254,17 @@ class _StateCollector(Collector):
                                 value=time.monotonic() - self._started)
 
 
-def _cache_families(entries: list[tuple[HostPool, PoolCache]],
-                    counts: list[dict[str, int]]) -> Iterator[Metric]:
-    """Pages by kind and the cache's tallies, per pool."""
+def _pool_families(entries: list[tuple[HostPool, PoolCache]],
+                   counts: list[dict[str, int]]) -> Iterator[Metric]:
+    """Each pool's size, pages by kind, canary tallies and its cache's tallies."""
     pool_l = ["pool"]
     g = {n: GaugeMetricFamily(f"hicache_{n}", h, labels=pool_l) for n, h in (
+        ("pool_capacity_bytes", "Host bytes of the pool."),
+        ("pool_used_bytes", "Host bytes in allocated pages."),
+        ("pool_capacity_pages", "Pages in the pool."),
+        ("pool_used_pages", "Allocated pages."),
+        ("pool_pinned_bytes", "Page-locked host bytes."),
+        ("pool_pin_seconds", "Seconds registering the pool with CUDA (0 = not pinned)."),
         ("pool_raw_pages", "Pages handed out by Alloc."),
         ("pool_keyed_pages", "Pages named by a key (ready or being written)."),
         ("pool_busy_pages", "Pages a copy is reading or writing now (never evicted)."),
@@ -305,6 +278,9 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
                                   "once, in pool capacities, as the pool's reuse eviction "
                                   "learnt it from its traffic (0: least recently used)."))}
     c = {n: CounterMetricFamily(f"hicache_{n}", h, labels=pool_l) for n, h in (
+        ("pool_alloc_failures", "Allocations refused for lack of pages."),
+        ("canary_verified_pages", "Pages whose fingerprint matched on load."),
+        ("canary_mismatched_pages", "Pages whose fingerprint differed on load."),
         ("cache_lookups", "Lookup requests."),
         ("cache_evicted_pages", "Ready keyed pages evicted to make room."),
         ("cache_removed_keys", "Keys dropped by RemoveKeys or ClearPool."),
@@ -334,7 +310,14 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
     for (pool, cache), count in zip(entries, counts, strict=True):
         name, st = pool.spec.name, cache.stats
         ready = cache.key_count
-        for metric, value in (("pool_raw_pages", count["raw"]),
+        used = count["used"]
+        for metric, value in (("pool_capacity_bytes", pool.nbytes),
+                              ("pool_used_bytes", used * pool.spec.page_bytes),
+                              ("pool_capacity_pages", pool.page_num),
+                              ("pool_used_pages", used),
+                              ("pool_pinned_bytes", pool.pinned_bytes),
+                              ("pool_pin_seconds", pool.pin_seconds),
+                              ("pool_raw_pages", count["raw"]),
                               ("pool_keyed_pages", count["keyed"]),
                               ("pool_busy_pages", count["busy"]),
                               ("pool_pinned_pages", count["busy"]),
@@ -344,7 +327,11 @@ def _cache_families(entries: list[tuple[HostPool, PoolCache]],
                               ("held_pages", cache.holds.table.total),
                               ("cache_eviction_margin", cache.eviction_margin)):
             g[metric].add_metric([name], value)
-        for metric, value in (("cache_lookups", st.lookups), ("cache_evicted_pages", st.evicted),
+        if pool.canary is not None:
+            c["canary_verified_pages"].add_metric([name], pool.canary.verified_pages)
+            c["canary_mismatched_pages"].add_metric([name], pool.canary.mismatched_pages)
+        for metric, value in (("pool_alloc_failures", pool.allocator.alloc_failures),
+                              ("cache_lookups", st.lookups), ("cache_evicted_pages", st.evicted),
                               ("cache_removed_keys", st.removed),
                               ("cache_load_misses", st.load_misses),
                               ("holds_taken", st.holds_taken),
@@ -378,8 +365,9 @@ class Metrics:
         """(method, code, fast) -> a duration histogram's columns (its count: the calls)."""
         self._transfers: Tally[tuple[str, str]] = Tally(2 + _DURATION.width)
         """(pool, op) -> bytes, pages, then a duration histogram's columns."""
-        self._fast_methods = ("Store", "LoadKeys", "Lookup", "Backup", "Load", "Heartbeat")
-        registry.register(_CallCollector(self._calls, self._transfers, self._fast_methods))
+        # the fast path's calls start at 0, every one the method table says it carries
+        fast = tuple(m.name for m in METHODS.values() if not m.grpc_only)
+        registry.register(_CallCollector(self._calls, self._transfers, fast))
         self.rejected = Counter("hicache_rejected_requests",
                                 "Requests refused with a domain error, by reason.", ["reason"],
                                 registry=registry)

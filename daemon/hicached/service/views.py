@@ -47,7 +47,7 @@ WATCH_POLL_SECONDS = 0.5
 def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | None
            ) -> PoolInfo:
     counts = pool.allocator.counts()
-    used = pool.page_num - counts["free"] - counts["parked"]
+    used = counts["used"]
     disk = tiers.disk if tiers is not None else None
     cluster = tiers.cluster if tiers is not None else None
     writer = tiers.writer if tiers is not None else None
@@ -65,10 +65,10 @@ def _ready(pool: HostPool, cache: PoolCache, sessions: int, tiers: TierStack | N
         disk_keys=disk.keys if disk is not None else 0,
         disk_capacity_pages=disk.capacity if disk is not None else 0,
         cluster_namespace=cluster.prefix if cluster is not None else "",
+        # a writer or a cluster spiller exists only where the pool has a cluster tier
         cluster_puts=(writer.put if writer is not None
-                     else spiller.spilled if spiller is not None else 0)
-        if cluster is not None else 0,
-        cluster_pending=writer.waiting if cluster is not None and writer is not None else 0)
+                      else spiller.spilled if spiller is not None else 0),
+        cluster_pending=writer.waiting if writer is not None else 0)
 
 
 def _building(b: PoolBuild) -> PoolInfo:
