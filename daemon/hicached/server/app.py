@@ -118,10 +118,11 @@ class HiCacheServer:
 
             self.kv_events = KvEventPublisher(config.kv_events, seq_file(config.state_dir),
                                               config.socket_mode)
-        self.budget = MemoryBudget(config.effective_budget(), config.budget)
+        budget = config.effective_budget()  # read once: without a set size it follows MemAvailable
+        self.budget = MemoryBudget(budget, config.budget)
         """The memory budget; pools share it by demand where ``[budget] elastic`` is set."""
         # pools are page-locked for DMA exactly where the CUDA driver has a device
-        pools = PoolTable(config.effective_budget(), options, sessions.count,
+        pools = PoolTable(budget, options, sessions.count,
                           pinner=DriverPinner(driver) if driver is not None else None,
                           on_attach=lambda pool, rec: self.metrics.pool_attached(
                               pool, rec),
