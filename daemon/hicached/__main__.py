@@ -77,14 +77,25 @@ _KINDS = {f.name: str(f.type) for f in fields(ServerConfig)}
 a flag is read (sizes and the octal ``socket_mode`` are read by ``config_from_mapping``)."""
 _LISTS = {name for name, kind in _KINDS.items() if kind == "tuple[str, ...]"}
 _BOOLS = {name for name, kind in _KINDS.items() if kind == "bool"}
-_SUB_TABLES = (  # flags over one setting of a table of the file: (table path, flag dest, key)
-    (("tier", "disk"), "disk_path", "path"), (("tier", "disk"), "disk_capacity", "capacity"),
-    (("tier", "mooncake"), "mooncake_master", "master"),
-    (("tier", "mooncake"), "mooncake_hostname", "local_hostname"),
-    (("kv_events",), "kv_events_endpoint", "endpoint"),
-    (("kv_events",), "kv_events_replay_endpoint", "replay_endpoint"),
-    (("kv_events",), "kv_events_pool_endpoint", "pool_endpoint"),
-    (("kv_events",), "kv_events_pool_replay_endpoint", "pool_replay_endpoint"))
+_SUB_TABLES = (  # flags over one key of a table of the file: (flag, table path, key, help)
+    ("--disk-path", ("tier", "disk"), "path", "directory of the disk tier ([tier.disk] path)"),
+    ("--disk-capacity", ("tier", "disk"), "capacity",
+     "disk tier size, e.g. 500GiB ([tier.disk])"),
+    ("--mooncake-master", ("tier", "mooncake"), "master",
+     "the Mooncake master, host:port ([tier.mooncake] master)"),
+    ("--mooncake-hostname", ("tier", "mooncake"), "local_hostname",
+     "this node's address for Mooncake transfers ([tier.mooncake] local_hostname)"),
+    ("--kv-events-endpoint", ("kv_events",), "endpoint",
+     "publish KV events (SGLang's ZMQ format) on this PUB endpoint: ipc:///path or a "
+     "loopback tcp://127.0.0.1:PORT ([kv_events] endpoint; off by default)"),
+    ("--kv-events-replay-endpoint", ("kv_events",), "replay_endpoint",
+     "answer replay requests on this ROUTER endpoint ([kv_events] replay_endpoint)"),
+    ("--kv-events-pool-endpoint", ("kv_events",), "pool_endpoint",
+     "a KV event stream per pool, for routers that follow engine instances: "
+     "ipc:///dir/{pool} ([kv_events] pool_endpoint)"),
+    ("--kv-events-pool-replay-endpoint", ("kv_events",), "pool_replay_endpoint",
+     "each pool's stream's replay socket: ipc:///dir/{pool}.replay ([kv_events] "
+     "pool_replay_endpoint)"))
 
 
 class JsonFormatter(logging.Formatter):
@@ -129,8 +140,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         merged["accept_shm_paths"] = False
     if getattr(args, "no_fast_path", False):
         merged["fast_path"] = False
-    for path, dest, key in _SUB_TABLES:
-        value = getattr(args, dest, None)
+    for flag, path, key, _help in _SUB_TABLES:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is None or (value == "" and path[0] == "tier"):
             continue
         table = merged  # copied on the way down: the file's tables stay as they were read
@@ -202,25 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument(flag, **kw)
     sp.add_argument("--insecure-tcp", action="store_true",
                     help="allow TCP listeners without TLS client authentication")
-    sp.add_argument("--disk-path", help="directory of the disk tier ([tier.disk] path)")
-    sp.add_argument("--disk-capacity", help="disk tier size, e.g. 500GiB ([tier.disk])")
-    sp.add_argument("--mooncake-master",
-                    help="the Mooncake master, host:port ([tier.mooncake] master)")
-    sp.add_argument("--mooncake-hostname", help="this node's address for Mooncake transfers "
-                    "([tier.mooncake] local_hostname)")
-    sp.add_argument("--kv-events-endpoint",
-                    help="publish KV events (SGLang's ZMQ format) on this PUB endpoint: "
-                         "ipc:///path or a loopback tcp://127.0.0.1:PORT ([kv_events] "
-                         "endpoint; off by default)")
-    sp.add_argument("--kv-events-replay-endpoint",
-                    help="answer replay requests on this ROUTER endpoint ([kv_events] "
-                         "replay_endpoint)")
-    sp.add_argument("--kv-events-pool-endpoint",
-                    help="a KV event stream per pool, for routers that follow engine "
-                         "instances: ipc:///dir/{pool} ([kv_events] pool_endpoint)")
-    sp.add_argument("--kv-events-pool-replay-endpoint",
-                    help="each pool's stream's replay socket: ipc:///dir/{pool}.replay "
-                         "([kv_events] pool_replay_endpoint)")
+    for flag, _path, _key, text in _SUB_TABLES:
+        sp.add_argument(flag, help=text)
     sp.add_argument("--no-shm-paths", action="store_true",
                     help="refuse shm buffers named by path: CPU workers hand over sealed memfds")
     sp.add_argument("--no-fast-path", action="store_true",
