@@ -41,6 +41,7 @@ from hicached.publish.kv_event_format import (
     engine_events,
 )
 from hicached.publish.kv_events import KvEventPublisher
+from hicached.server.config import parse_size
 from hicached.tiers.disk import DiskTier
 from hicached.tiers.stack import TierStack
 from tests.helpers import make_pool, mha, spec
@@ -315,7 +316,7 @@ def test_endpoints_are_loopback_or_ipc_unless_allowed() -> None:
     for table in ({"endpoint": "tcp://127.0.0.1:1", "hwm": "many"}, {"nope": 1},
                   {"endpoint": "tcp://127.0.0.1:1", "allow_remote": "perhaps"}):
         with pytest.raises(HiCacheError) as exc:
-            KvEventsConfig.from_mapping(table)
+            KvEventsConfig.from_mapping(table, parse_size)
         assert exc.value.reason == "SPEC_INVALID", table
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 from hicache.errors import SpecInvalid
+from hicached.tiers.config import table_settings
 
 FORMATS = ("default", "dynamo")
 _LOOPBACK_NAMES = ("localhost",)
@@ -130,12 +131,11 @@ class KvEventsConfig:
                 if self.pool_replay_endpoint else "")
 
     @classmethod
-    def from_mapping(cls, d: Mapping[str, object]) -> KvEventsConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise SpecInvalid(f"unknown kv_events settings {unknown}",
-                              metadata={"setting": unknown[0]})
+    def from_mapping(cls, d: Mapping[str, object], parse_size: Callable[[object], int]
+                     ) -> KvEventsConfig:
+        """The ``[kv_events]`` table (names and sizes read as ``tiers.config`` reads a
+        table), each value then of its field's type; else ``SPEC_INVALID``."""
+        d = table_settings(cls, d, parse_size, "kv_events", {})
         kinds = {f.name: f.type for f in fields(cls)}
         try:
             kwargs = {k: (v if kinds[k] == "str" and isinstance(v, str)

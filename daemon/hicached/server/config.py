@@ -202,9 +202,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.listen:
             object.__setattr__(self, "listen", (f"unix:{default_socket_path()}",))
-        for target in self.listen:
-            if not target.startswith("unix:") and ":" not in target:
-                raise SpecInvalid(f"listen target {target!r} is neither unix:PATH nor HOST:PORT")
+        for setting in ("listen", "health_listen"):
+            for target in getattr(self, setting):
+                if not target.startswith("unix:") and ":" not in target:
+                    raise SpecInvalid(f"{setting} target {target!r} is neither unix:PATH nor "
+                                      "HOST:PORT", metadata={"setting": setting})
         if bool(self.tls_cert) != bool(self.tls_key):
             raise SpecInvalid("tls_cert and tls_key go together")
         if (self.tls_client_ca or self.auth_token_file) and not self.tls_cert:
@@ -230,10 +232,6 @@ class ServerConfig:
                                         "max_lease_seconds": self.max_lease_seconds})
         if not self.max_data_rpcs:
             object.__setattr__(self, "max_data_rpcs", max(self.grpc_threads - 4, 1))
-        for target in self.health_listen:
-            if not target.startswith("unix:") and ":" not in target:
-                raise SpecInvalid(f"health_listen target {target!r} is neither unix:PATH nor "
-                                  "HOST:PORT")
         beside_api = (IDENTITY_SUFFIX, *((FAST_PATH_SUFFIX,) if self.fast_path else ()))
         for target, suffixes in [*((t, beside_api) for t in self.listen),
                                  *((t, ()) for t in self.health_listen)]:
@@ -369,10 +367,7 @@ def config_from_mapping(d: Mapping[str, object]) -> ServerConfig:
             kwargs["budget"] = BudgetConfig.from_mapping(dict(value), parse_size)  # type: ignore[call-overload]
             continue
         if key == "kv_events":
-            table = dict(value)  # type: ignore[call-overload]
-            if "chain_bytes" in table:
-                table["chain_bytes"] = parse_size(table["chain_bytes"])
-            kwargs["kv_events"] = KvEventsConfig.from_mapping(table)
+            kwargs["kv_events"] = KvEventsConfig.from_mapping(dict(value), parse_size)  # type: ignore[call-overload]
             continue
         if key not in known:
             raise SpecInvalid(f"unknown setting {key!r}", metadata={"setting": key})
