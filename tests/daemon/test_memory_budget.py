@@ -200,7 +200,7 @@ def test_a_growth_that_ends_first_unlocks_no_page_another_growth_reserved(node) 
             go.wait(10)
 
     with seams.hooked("budget.reserved", stop_chosen):
-        grant = threading.Thread(target=n.budget._give, args=(member, 10))  # a round's
+        grant = threading.Thread(target=n.budget._reserve, args=(member, 10))  # a round's
         stopped[grant] = threading.Event()
         grant.start()
         assert arrived.acquire(timeout=5)
@@ -229,7 +229,7 @@ def _stopped_grant(n, member, pages: int):  # type: ignore[no-untyped-def]
     from hicache import seams
 
     go, there = threading.Event(), threading.Event()
-    grant = threading.Thread(target=n.budget._give, args=(member, pages))
+    grant = threading.Thread(target=n.budget._reserve, args=(member, pages))
 
     def stop() -> None:
         if threading.current_thread() is grant:

@@ -21,7 +21,6 @@ Knows nothing of pools, RPC or drivers.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import ctypes
 import enum
 import itertools
@@ -37,6 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from hicache.errors import PinFailed, SpecInvalid
+from hicache.paths import remove_if_there
 from hicached.core.system import default_threads, lock_refusal
 
 log = logging.getLogger(__name__)
@@ -359,8 +359,7 @@ class HostMemory:
             os.close(self._fd)
             self._fd = -1
         if self.backing is Backing.FILE and self.path and not self.keep:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            remove_if_there(self.path)
 
 
 def _outside(start: int, end: int, locked: list[tuple[int, int]], ends: list[int]

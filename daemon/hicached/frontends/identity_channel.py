@@ -218,11 +218,7 @@ class IdentityChannel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_all((self._wake_r, self._wake_w))
         remove_if_there(self.path)
 
 

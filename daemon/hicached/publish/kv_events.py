@@ -308,7 +308,7 @@ class KvEventPublisher:
             elif now >= due:
                 del self._owed[pool]
                 self._snapped[pool] = now
-                self._send_stream(stream, pool, self._pool_snapshot(pool))
+                self._publish(pool, self._pool_snapshot(pool), [stream])
 
     def _pool_of(self, ch: Channel) -> str:
         return next((n for n, c in self._streams.items() if c is ch), "")
@@ -357,25 +357,20 @@ class KvEventPublisher:
         """``events`` on the node's stream and, for a pool's, on its own stream too (the
         same payloads); ``restate``: ``events`` are the pool's whole contents, so its own
         stream (opening, or after drops) gets ``AllBlocksCleared`` before them."""
-        topic = self._topic(pool)
         stream = self._streams.get(pool) if pool else None
         if stream is not None and restate:
-            self._send_stream(stream, pool, [AllBlocksCleared()])
-        for chunk in messages(events):
-            payload = self._encoder.batch(chunk)
-            if self._node is not None:
-                self._node.send(topic, payload)
-            if stream is not None:
-                stream.send(topic, payload)
-            with self._lock:
-                self._counts["published"] += len(chunk)
+            self._publish(pool, [AllBlocksCleared()], [stream])
+        self._publish(pool, events, [c for c in (self._node, stream) if c is not None])
 
-    def _send_stream(self, stream: Channel, pool: str, events: Sequence[EngineEvent]) -> None:
-        """``events`` on one pool's stream only (its opening, a snapshot for a subscriber
-        that joined)."""
+    def _publish(self, pool: str, events: Sequence[EngineEvent], channels: list[Channel]
+                 ) -> None:
+        """``events`` on ``channels`` (each message encoded once for all), counted as
+        published even where no channel is open."""
         topic = self._topic(pool)
         for chunk in messages(events):
-            stream.send(topic, self._encoder.batch(chunk))
+            payload = self._encoder.batch(chunk)
+            for channel in channels:
+                channel.send(topic, payload)
             with self._lock:
                 self._counts["published"] += len(chunk)
 

@@ -329,18 +329,13 @@ class MemoryBudget:
                         key=lambda m: (not self._below_guarantee(m.tenant), ages[m.name]))
         for m in takers:
             want = max(demand[m.name], self._step_pages(m))
-            got = self._give(m, want)
+            # granted in a Store's growth's three steps: no Store waits behind a lock-up
+            got = self._reserve(m, want)
             short = (want - got) * m.page_bytes
             if short > 0:
                 self._reclaim(short, m, ages)
-                self._give(m, want - got)
+                self._reserve(m, want - got)
         self.stats.rounds += 1
-
-    def _give(self, m: _Member, pages: int) -> int:
-        """A rebalance's grant to ``m``: the same three steps as a Store's growth
-        (``_reserve``: gigabytes locked at a time on a GPU host, no Store waits behind
-        it)."""
-        return self._reserve(m, pages)
 
     def _room(self, m: _Member, pages: int) -> int:
         """Pages ``m`` may add now, of ``pages``: its ceiling, the slack, its tenant's quota."""

@@ -212,27 +212,27 @@ class SessionManager:
     def end_copy(self, s: Session) -> None:
         with s.lock:
             s.in_flight -= 1
-            drained = s.ended and s.in_flight == 0
-            release = drained and not s.released
-            if release:
-                s.released = True
-            if drained:  # its end may be told now (lock order: a session's, then ours)
-                with self._lock:
-                    self._ending.pop(s.session_id, None)
+            release = self._settle(s)
         s.expires_at = max(s.expires_at, self._clock() + s.lease_seconds)
         if release:
             s.attachment.release()
+
+    def _settle(self, s: Session) -> bool:
+        """The session's lock held: an ended session whose last copy is over is told ended
+        from now on (not SESSION_ENDING); whether its mappings are to be released now (once,
+        by the caller, after the lock)."""
+        if not s.ended or s.in_flight:
+            return False
+        with self._lock:  # lock order: a session's, then ours
+            self._ending.pop(s.session_id, None)
+        release, s.released = not s.released, True
+        return release
 
     def _end(self, s: Session, why: str) -> None:
         seams.reached("session.removed")
         with s.lock:
             s.ended = True
-            release = s.in_flight == 0 and not s.released
-            if release:
-                s.released = True
-            if not s.in_flight:  # else told SESSION_ENDING until its last copy ends
-                with self._lock:
-                    self._ending.pop(s.session_id, None)
+            release = self._settle(s)
         if release:
             s.attachment.release()
         try:
