@@ -15,15 +15,28 @@ import time
 import pytest
 import torch
 
-from hicache.errors import PoolClosed
+from hicache.errors import HiCacheError, PoolClosed
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicached.copy.engine import TransferEngine
 from hicached.core.pool import HostPool, MemoryOptions
 from hicached.core.worker_buffers import WorkerBuffers
+from hicached.service.pool_build import PoolBuild
 from hicached.service.pool_table import PoolTable
 
 SPEC = PoolSpec("life", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 16, 8, 128), 16,
                 Layout.LAYER_FIRST, size_tokens=64 * 16)
+
+
+def create(table: PoolTable, spec: PoolSpec) -> tuple[HostPool, bool]:
+    """``create_async``, its build waited for: the pool (or the build's error, raised) and
+    whether it was created now."""
+    got, created = table.create_async(spec)
+    if isinstance(got, PoolBuild):
+        assert got.wait(60)
+        if got.error is not None:
+            raise got.error
+        return table.get(spec.name), created
+    return got, created
 
 
 def test_close_waits_for_a_copy_and_refuses_new_ones() -> None:
@@ -41,7 +54,7 @@ def test_close_waits_for_a_copy_and_refuses_new_ones() -> None:
 
 def test_delete_during_a_running_copy_waits_then_frees() -> None:
     table = PoolTable(4 << 30, MemoryOptions(reserve_bytes=0))
-    pool, _ = table.create(SPEC)
+    pool, _ = create(table, SPEC)
     engine = TransferEngine(threads=1)
     src = WorkerBuffers.allocate(SPEC, 64 * 16)
     for layer in src.layers("kv", Role.K) + src.layers("kv", Role.V):
@@ -106,12 +119,12 @@ def test_a_pool_whose_build_fails_late_leaves_nothing_behind() -> None:
                       budget=budget)
     spec = PoolSpec("late", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 2, 2, 16), 4,
                     size_tokens=64)
-    with pytest.raises(RuntimeError, match="metrics refused it"):
-        table.create(spec)
+    with pytest.raises(HiCacheError, match="metrics refused it"):
+        create(table, spec)
     assert table.stacks() == [] and table._stacks == {}
     assert calls == ["attached late", "deleting late"]
     assert budget.shares() == []
     fail[0] = False
-    _, created = table.create(spec)
+    _, created = create(table, spec)
     assert created and [n for n, _ in table.stacks()] == ["late"]
     table.delete("late")

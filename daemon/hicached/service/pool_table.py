@@ -2,14 +2,12 @@
 
 Primitives:
 
-- ``PoolTable(budget_bytes, options, sessions_of, pinner)``: ``create(spec)`` (idempotent:
-  the same spec, or one of the same storage (``same_storage``), returns the existing pool,
-  another spec is ``POOL_SPEC_CONFLICT``),
-  ``create_async(spec)`` (the same, answering at once while the pool builds in the background:
-  ``pool_build``), ``builds()``, ``get`` (``POOL_NOT_READY`` while a pool builds or after its
-  build failed),
-  ``cache`` (the pool's ``PoolCache``), ``list``, ``delete`` (refused with ``POOL_IN_USE``
-  while sessions are open), ``close_all``.
+- ``PoolTable(budget_bytes, options, sessions_of, pinner)``: ``create_async(spec)``
+  (idempotent: the same spec, or one of the same storage (``same_storage``), returns the
+  existing pool or build, another spec is ``POOL_SPEC_CONFLICT``; a new pool builds in the
+  background: ``pool_build``), ``builds()``, ``get`` (``POOL_NOT_READY`` while a pool builds
+  or after its build failed), ``cache`` (the pool's ``PoolCache``), ``list``, ``delete``
+  (refused with ``POOL_IN_USE`` while sessions are open), ``close_all``.
 - ``charge(spec)``: what a pool costs the budget: its pages and, per page, its tables and key
   index. ``used_bytes``: the charges of all pools; a pool that would exceed the budget is
   ``HOST_MEMORY_INSUFFICIENT`` naming every number.
@@ -113,33 +111,18 @@ class PoolTable:
         """The shared budget pools join (None: every pool keeps its size). Page-locked
         pools are locked by units that follow their shares (``core.pin_units``)."""
         self._stacks: dict[str, TierStack] = {}
-        self._recovered: dict[str, PoolCache] = {}
+        """Every pool's tiers (its pool and cache with them), from when its build opened
+        them."""
+        self._ready: dict[str, TierStack] = {}
+        """The pools that serve: built, not deleted."""
         self._sessions_of = sessions_of
-        self._pools: dict[str, HostPool] = {}
-        self._caches: dict[str, PoolCache] = {}
         self._builds: dict[str, PoolBuild] = {}
         self._closed = False
         self._lock = lock("pool_table")
         self._creating = lock("pool_table.creating")
 
-    def create(self, spec: PoolSpec) -> tuple[HostPool, bool]:
-        """The pool for ``spec`` and whether it was created now (built in this thread)."""
-        with self._creating:  # one allocation at a time keeps the budget check honest
-            existing = self._existing(spec)
-            if isinstance(existing, HostPool):
-                return existing, False
-            if existing is not None:
-                raise existing.not_ready()
-            self._check_budget(spec)
-            pool, cache = self._open(spec, lambda n: None)
-            with self._lock:
-                self._pools[spec.name] = pool
-                self._caches[spec.name] = cache
-            return pool, True
-
-    def _open(self, spec: PoolSpec, on_progress: Callable[[int], None]
-              ) -> tuple[HostPool, PoolCache]:
-        """Build (or re-attach) the pool and its cache, recovering saved keys."""
+    def _open(self, spec: PoolSpec, on_progress: Callable[[int], None]) -> HostPool:
+        """Build (or re-attach) the pool, its cache (recovering saved keys) and tiers."""
         pages = spec.resolved_size_tokens() // spec.page_size
         resident = self.budget.bounds(spec)[0] if self.budget is not None else None
         pool = HostPool(spec, self.options, pinner=self.pinner, on_progress=on_progress,
@@ -181,7 +164,7 @@ class PoolTable:
             self._close_tiers(spec.name)
             pool.close(0)
             raise
-        return pool, cache
+        return pool
 
     def _new_cache(self, pool: HostPool) -> PoolCache:
         chains = ChainTable(self.chain_bytes, pool.page_size)
@@ -197,15 +180,14 @@ class PoolTable:
     def stack(self, name: str) -> TierStack:
         """The pool's tiers, for keyed calls (``POOL_NOT_FOUND`` / ``POOL_NOT_READY``)."""
         with self._lock:
-            got, build = self._stacks.get(name), self._builds.get(name)
-            ready = name in self._pools
-        if got is None or not ready:
+            got, build = self._ready.get(name), self._builds.get(name)
+        if got is None:
             raise self._missing(name, build)
         return got
 
     def stacks(self) -> list[tuple[str, TierStack]]:
         with self._lock:
-            return [(n, t) for n, t in self._stacks.items() if n in self._pools]
+            return list(self._ready.items())
 
     def recover_saved(self, declared: Collection[str] = ()) -> list[PoolBuild]:
         """Re-attach, in the background, every pool the state directory holds that is not in
@@ -237,10 +219,10 @@ class PoolTable:
         return builds
 
     def create_async(self, spec: PoolSpec) -> tuple[HostPool | PoolBuild, bool]:
-        """Like ``create``, but a new pool builds in the background: returns its
-        ``PoolBuild`` at once (the budget is reserved now). A failed build of the same spec
-        is started again."""
-        with self._creating:
+        """The pool for ``spec`` and whether it was created now: a new pool builds in the
+        background, its ``PoolBuild`` returned at once (the budget is reserved now). A failed
+        build of the same spec is started again."""
+        with self._creating:  # one at a time keeps the budget check honest
             existing = self._existing(spec)
             if existing is not None and not (isinstance(existing, PoolBuild)
                                              and existing.error is not None):
@@ -248,39 +230,30 @@ class PoolTable:
             with self._lock:
                 self._builds.pop(spec.name, None)
             self._check_budget(spec)
-
-            def make(on_progress: Callable[[int], None]) -> HostPool:
-                pool, cache = self._open(spec, on_progress)
-                with self._lock:
-                    self._recovered[spec.name] = cache
-                return pool
-
             build = PoolBuild(spec, spec.resolved_size_tokens() // spec.page_size
-                              * spec.page_bytes, make)
+                              * spec.page_bytes, lambda progress: self._open(spec, progress))
             with self._lock:
                 self._builds[spec.name] = build
             build.start(self._built)
             return build, True
 
     def _built(self, build: PoolBuild, pool: HostPool | None) -> None:
+        name = build.spec.name
         with self._lock:
-            cache = self._recovered.pop(build.spec.name, None)
-            if pool is None or self._closed or self._builds.get(build.spec.name) is not build:
-                keep = None
-            else:
-                self._pools[build.spec.name] = pool
-                self._caches[build.spec.name] = cache or self._new_cache(pool)
-                del self._builds[build.spec.name]
-                keep = pool
-        if pool is not None and keep is None:
-            self._close_tiers(build.spec.name)
+            current = pool is not None and not self._closed and self._builds.get(name) is build
+            stack = self._stacks.get(name) if current else None
+            if stack is not None:
+                self._ready[name] = stack
+                del self._builds[name]
+        if pool is not None and stack is None:
+            self._close_tiers(name)
             pool.close()  # the table closed (or the build was dropped) meanwhile
 
     def _existing(self, spec: PoolSpec) -> HostPool | PoolBuild | None:
         """The pool or build of that name, refusing another spec."""
         with self._lock:
-            existing: HostPool | PoolBuild | None = (self._pools.get(spec.name)
-                                                     or self._builds.get(spec.name))
+            ready = self._ready.get(spec.name)
+            existing = ready.pool if ready is not None else self._builds.get(spec.name)
         if existing is not None and not same_storage(existing.spec, spec):
             raise PoolSpecConflict(
                 f"pool {spec.name} exists with a different spec ({_summary(existing.spec)}; "
@@ -305,18 +278,10 @@ class PoolTable:
             )
 
     def get(self, name: str) -> HostPool:
-        with self._lock:
-            pool, build = self._pools.get(name), self._builds.get(name)
-        if pool is None:
-            raise self._missing(name, build)
-        return pool
+        return self.stack(name).pool
 
     def cache(self, name: str) -> PoolCache:
-        with self._lock:
-            cache, build = self._caches.get(name), self._builds.get(name)
-        if cache is None:
-            raise self._missing(name, build)
-        return cache
+        return self.stack(name).cache
 
     @staticmethod
     def _missing(name: str, build: PoolBuild | None) -> Exception:
@@ -336,16 +301,16 @@ class PoolTable:
     def entries(self) -> list[tuple[HostPool, PoolCache]]:
         """Every pool with its cache."""
         with self._lock:
-            return [(p, self._caches[n]) for n, p in self._pools.items()]
+            return [(s.pool, s.cache) for s in self._ready.values()]
 
     def list(self) -> list[HostPool]:
         with self._lock:
-            return list(self._pools.values())
+            return [s.pool for s in self._ready.values()]
 
     def max_page_tokens(self) -> int:
         """The largest ``page_size`` of the pools now (0 without pools)."""
         with self._lock:
-            return max((p.spec.page_size for p in self._pools.values()), default=0)
+            return max((s.pool.spec.page_size for s in self._ready.values()), default=0)
 
     def delete(self, name: str, wait_seconds: float = 10.0) -> None:
         """Remove the pool and free its memory once copies still running on it (of sessions
@@ -362,9 +327,7 @@ class PoolTable:
                 raise PoolInUse(f"pool {name} has {open_sessions} open session(s)",
                                 metadata={"pool": name, "sessions": open_sessions})
             with self._lock:
-                self._pools.pop(name, None)
-                self._caches.pop(name, None)
-                stack = self._stacks.get(name)
+                stack = self._ready.pop(name, None)
             if self.budget is not None:
                 self.budget.leave(name)
         if self.listener is not None and stack is not None:
@@ -380,7 +343,7 @@ class PoolTable:
         if self.budget is not None:
             return self.budget.used_bytes + self._building_floors()
         with self._lock:
-            return sum(charge(p.spec) for p in self._pools.values()) + sum(
+            return sum(charge(s.pool.spec) for s in self._ready.values()) + sum(
                 charge(b.spec) for b in self._builds.values() if b.error is None)
 
     def _building_floors(self) -> int:
@@ -388,14 +351,15 @@ class PoolTable:
         assert self.budget is not None
         with self._lock:
             specs = [b.spec for b in self._builds.values()
-                     if b.error is None and b.spec.name not in self._pools]
+                     if b.error is None and b.spec.name not in self._ready]
         return sum(self.budget.bounds(s)[0] * s.page_bytes + _tables(s) for s in specs)
 
     def close_all(self, wait_seconds: float = 10.0) -> None:
         """Close every pool, waiting at most ``wait_seconds`` in all for copies in flight."""
         with self._lock:
             self._closed = True  # builds that finish from now on are closed at once
-            pools, self._pools, self._caches = list(self._pools.values()), {}, {}
+            pools = [s.pool for s in self._ready.values()]
+            self._ready = {}
         for p in pools:
             self._close_tiers(p.spec.name)  # spillers hand their pages back first
         deadline = time.monotonic() + wait_seconds
