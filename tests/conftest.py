@@ -56,16 +56,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 LONGEST_FILES = (
-    "tests/repo/test_packaging.py",
     "tests/integrations/sglang/test_sglang_server.py",
     "tests/reliability/test_leaks.py",
-    "tests/repo/test_bench_compare.py",
+    "tests/procs/test_mooncake_e2e.py",
+    "tests/integrations/vllm/test_vllm_offloading.py",
+    "tests/repo/test_packaging.py",
     "tests/install/test_installed.py",
+    "tests/integrations/sglang/test_sglang_linker.py",
     "tests/reliability/test_restart.py",
     "tests/reliability/test_soak_torture.py",
-    "tests/integrations/vllm/test_router_vllm.py",
+    "tests/integrations/vllm/test_vllm_failures.py",
+    "tests/repo/test_gpu_check.py",
+    "tests/repo/test_bench_compare.py",
 )
-"""Test files that take a minute or more here, longest first: they start first, so a
+"""Test files that take most of a minute or more here, longest first: they start first, so a
 parallel run (scripts/test.sh) does not end on one of them alone. Only the order changes."""
 
 
