@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.daemon_proc import REPO, start_daemon
 
 PEAK = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__'); "
@@ -26,6 +28,7 @@ def worker_example() -> str:
     return section[start:section.index("```", start)]
 
 
+@pytest.mark.alone  # its time is bounded: beside three test processes it measures them
 def test_the_worker_example_runs_unchanged(tmp_path: Path) -> None:
     runtime = tmp_path / "run"
     (runtime / "hicached").mkdir(parents=True, mode=0o700)
@@ -47,8 +50,8 @@ def test_the_worker_example_runs_unchanged(tmp_path: Path) -> None:
         assert out.startswith("INDICES_NOT_PAGE_ALIGNED"), out
         print(f"README example: {took:.2f} s, max RSS {rss_mib:.0f} MiB")
         # 2.7-3.7 s measured on a quiet 2-vCPU machine (the target: < 5 s); 5.2 s once
-        # in the suite, right behind tests whose processes were still exiting: the bound here
-        # leaves that load room, the target's figure is in the closing note
+        # right behind tests whose processes were still exiting, 8.1 s once beside three test
+        # processes (it runs alone since): the bound leaves a slower machine room
         assert took < 8, f"the README example took {took:.1f} s"
         assert rss_mib < 1024, f"the README example used {rss_mib:.0f} MiB"
         # its pages went back: the pool holds no raw pages afterwards, and a second run works
