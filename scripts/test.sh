@@ -55,8 +55,8 @@ bash scripts/gpu_check.sh --dry-run "${TMPDIR:-/tmp}/hicache-gpu-check-dry"
 # stays on one worker, so a module's shared daemon or engine server starts once. The run's
 # processes share the lock-order reports and the figures (tests/conftest.py). Then the tests
 # marked alone (a wall-clock bound: an engine's wait against its compute time measured a
-# moment earlier, the README example's run, the copy threads' spin) run with nothing beside
-# them; the run fails if either part does.
+# moment earlier, a deadline's tenth of a second of margin, the README example's run, the copy
+# threads' spin) run with nothing beside them; the run fails if either part does.
 workers=${HICACHE_TEST_WORKERS:-3}
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)

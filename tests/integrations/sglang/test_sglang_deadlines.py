@@ -59,6 +59,7 @@ def exact(cache: SGLangCache, tokens, slots) -> bool:  # type: ignore[no-untyped
                for role in cache.roles for layer in range(LAYERS))
 
 
+@pytest.mark.alone  # 0.1 s of margin over the deadline: beside other tests it measures them
 def test_lookups_against_a_stopped_daemon_keep_their_deadline(daemon: DaemonProc) -> None:
     cache = cache_for(daemon)
     try:
@@ -188,6 +189,7 @@ def test_a_load_in_flight_when_the_daemon_stops_past_its_lease_gives_every_slot_
         cache.close()
 
 
+@pytest.mark.alone  # a 0.2 s bound on the scheduler's thread: beside other tests it measures them
 def test_offload_returns_at_once_while_the_store_is_slow(tmp_path: Path) -> None:
     """The Store takes 1 s in the daemon (half the linker's ``rpc_timeout_s``, so that it
     completes): the scheduler's thread does not wait for it, and it lands."""
