@@ -56,7 +56,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 LONGEST_FILES = (
-    "tests/integrations/sglang/test_sglang_server.py",
     "tests/reliability/test_leaks.py",
     "tests/procs/test_mooncake_e2e.py",
     "tests/integrations/vllm/test_vllm_offloading.py",

@@ -56,7 +56,10 @@ if missing := missing_server_modules():
                            "(scripts/setup.sh --test installs them)")
     pytest.skip(f"SGLang's HTTP server needs {missing}", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+# one test bounds a request's latency against compute timed a moment earlier, and the two
+# servers computing beside the rest of the suite load it enough to fail timing-bounded tests of
+# other files (a vLLM scenario's re-opened session, once): the whole file runs alone
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 DAEMON_FLAGS = ("--lease-seconds", "5")  # the daemon's default (tests/daemon_proc.py sets 1)
 LOOKUP_TIMEOUT_S = LinkerConfig().lookup_timeout_s
@@ -299,10 +302,6 @@ def test_a_router_matches_the_prompts_the_servers_stored(node: Node, netns: Netn
         router.kill()
 
 
-# its bound compares a request's latency with compute timed a moment earlier: a test beside it
-# on the machine's two cores would change the compute time in between (the others bound counts
-# and bytes, and run beside other tests)
-@pytest.mark.alone
 def test_a_daemon_stopped_past_its_lease_while_serving(node: Node) -> None:
     """SIGSTOP for longer than the session's lease: requests are computed (the hit one
     included), each waits on the daemon at most once for the lookup deadline, the outputs
