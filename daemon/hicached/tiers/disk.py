@@ -82,9 +82,9 @@ class DiskTier:
         self.stats = DiskStats()
         self._observe = observe
         self._lock = lock("tier.disk")
-        self._index: dict[bytes, int] = {}
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        """Key -> slot, least recently used first."""
         self._digest: dict[int, int] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._free: list[int] = []
         self._reading: dict[int, int] = {}
         self._held: dict[bytes, int] = {}
@@ -122,7 +122,6 @@ class DiskTier:
                 os.close(open_own(self.pages_path, os.O_RDWR | os.O_CREAT | os.O_EXCL))
                 os.truncate(self.pages_path, self.capacity * self.slot_bytes)
                 self._index.clear()
-                self._lru.clear()
                 self._free = list(range(self.capacity - 1, -1, -1))
             direct = getattr(os, "O_DIRECT", 0) if self.o_direct else 0
             self._data_fd = open_own(self.pages_path, os.O_RDWR | direct)
@@ -180,8 +179,7 @@ class DiskTier:
             if key in self._index:  # an older copy of a key stored again: the newer wins
                 used.discard(self._index[key])
             self._index[key], self._digest[slot] = slot, digest
-            self._lru[key] = None
-            self._lru.move_to_end(key)
+            self._index.move_to_end(key)
             used.add(slot)
             self._seq = max(self._seq, seq)
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
@@ -219,7 +217,7 @@ class DiskTier:
 
     def snapshot(self) -> list[bytes]:
         with self._lock:
-            return list(self._lru)
+            return list(self._index)
 
     # -- write -----------------------------------------------------------------------------
 
@@ -231,7 +229,7 @@ class DiskTier:
         written) said no: a key removed while its page was written is never committed."""
         with self._lock:
             if key in self._index:
-                self._lru.move_to_end(key)
+                self._index.move_to_end(key)
                 return True
             if key in self._writing:
                 return True
@@ -256,7 +254,6 @@ class DiskTier:
                 os.pwrite(self._index_fd, fmt.record_bytes(key, self._seq, digest),
                           fmt.HEADER_BYTES + slot * fmt.RECORD_BYTES)  # after the page
                 self._index[key], self._digest[slot] = slot, digest
-                self._lru[key] = None
                 self.events.append(EventKind.STORED, [key], DISK, chain=False)
                 self.stats.writes += 1
         except OSError as exc:
@@ -275,8 +272,7 @@ class DiskTier:
         """A free slot, or the least recently used page's (lock held)."""
         if self._free:
             return self._free.pop()
-        for key in self._lru:
-            slot = self._index[key]
+        for key, slot in self._index.items():
             if not self._reading.get(slot) and key not in self._held:
                 self._forget(key)
                 self.stats.evicted += 1
@@ -320,7 +316,7 @@ class DiskTier:
                 return False
             self._reading[slot] = self._reading.get(slot, 0) + 1
             digest = self._digest[slot]
-            self._lru.move_to_end(key)
+            self._index.move_to_end(key)
         t0 = time.perf_counter()
         ok, why, kind = False, "", ""
         try:
@@ -372,8 +368,6 @@ class DiskTier:
         with self._lock:
             gone = list(self._index) if keys is None else [k for k in keys if k in self._index]
             slots = [self._index.pop(k) for k in gone]
-            for k in gone:
-                self._lru.pop(k, None)
             for slot in slots:
                 self._digest.pop(slot, None)
             self._erasing.update(slots)
@@ -405,7 +399,6 @@ class DiskTier:
         """Drop one key now, its record erased at once (lock held: a key evicted for room, or
         whose page failed its read)."""
         slot = self._index.pop(key)
-        self._lru.pop(key, None)
         self._digest.pop(slot, None)
         self.events.append(EventKind.EVICTED, [key], DISK)
         try:
