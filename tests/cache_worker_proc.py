@@ -163,8 +163,8 @@ def main() -> int:
     with ShmDeviceBuffers.create(spec, BATCH * spec.page_size, shm_dir,
                                  prefix=f"cw{os.getpid()}") as bufs:
         w = Worker(client, pool, bufs)
-        with client.open_session(pool, f"{mode}-{os.getpid()}", bufs.descriptors,
-                                 lease_ms=1000) as session:
+        with client.open_session(pool, f"{mode}-{os.getpid()}", bufs.descriptors
+                                 ) as session:  # the daemon's lease
             result = {"overlap": overlap, "store-forever": store_forever,
                       "churn": churn, "instance": instance}[mode](w, session, args)
     result.update(verified=w.verified, mismatches=w.mismatches)

@@ -83,7 +83,7 @@ def main() -> int:
     granular = {(n, c.role): c.page_granular for n, _g, c, _s in layer_shapes(spec, int(tokens))}
     device_pages = int(tokens) // ps
     verified = mismatches = 0
-    session = client.open_session(pool, worker, bufs.descriptors, lease_ms=1000,
+    session = client.open_session(pool, worker, bufs.descriptors,  # the daemon's lease
                                   layer_events=handles, ready_event=ready_handle)
     print(json.dumps({"session": session.session_id, "device_uuid": session.device_uuid}),
           flush=True)

@@ -23,6 +23,14 @@ from hicached.core.system import filesystem_of
 
 REPO = Path(__file__).resolve().parent.parent
 
+LEASE_S = 3
+"""The test daemons' session lease (``--lease-seconds``): long enough that a worker the
+scheduler stalls beside other test processes keeps its session. A test that counts on a
+shorter one asks for it."""
+REAPED_WITHIN_S = 4 * LEASE_S
+"""How long a test waits for a dead or stopped worker's session to be reaped: its lease, the
+reaper's period and a loaded machine."""
+
 
 @dataclass
 class DaemonProc:
@@ -126,7 +134,7 @@ def start_daemon(workdir: Path, *extra: str, socket: str | None = None,
     state = state_dir_of(workdir)  # pools outlive a daemon here; the next one finds them
     cmd = [*prefix, python, "-m", "hicached", "serve", "--listen", f"unix:{sock}",
            "--shm-dir", str(shm), "--state-dir", str(state), "--metrics-listen", "127.0.0.1:0",
-           "--lease-seconds", "1",
+           "--lease-seconds", str(LEASE_S),
            "--memory-budget", "2GiB", "--reserve", "0", "--grace-seconds", "5", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)

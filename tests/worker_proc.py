@@ -26,7 +26,7 @@ def main() -> int:
     verified = mismatches = 0
     with ShmDeviceBuffers.create(spec, tokens, shm_dir, prefix=f"w{worker}") as bufs:
         tensors = bufs.all_tensors()
-        with client.open_session(pool, worker, bufs.descriptors, lease_ms=1000) as session:
+        with client.open_session(pool, worker, bufs.descriptors) as session:  # its lease
             print(json.dumps({"worker": worker, "session": session.session_id}), flush=True)
             i = 0
             while forever or i < int(rounds):

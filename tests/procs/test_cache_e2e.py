@@ -20,7 +20,7 @@ from hicache.errors import HiCacheError
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec
 from hicache_client import HiCacheClient, ShmDeviceBuffers
 from tests.cache_worker_proc import content, key_of
-from tests.daemon_proc import REPO, DaemonProc, Daemons
+from tests.daemon_proc import REAPED_WITHIN_S, REPO, DaemonProc, Daemons
 from tests.reliability.figures import record
 
 SPEC = PoolSpec("cache-e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
@@ -114,7 +114,7 @@ def test_a_worker_killed_mid_store_leaves_only_whole_keys(daemon: DaemonProc,
                     for j, t in enumerate(tensors):
                         rows = t[slot * ps:(slot + 1) * ps]
                         assert torch.equal(rows, content(k, j, tuple(rows.shape))), k
-    deadline = time.monotonic() + 6  # lease 1 s: its session is reaped, its raw pages freed
+    deadline = time.monotonic() + REAPED_WITHIN_S  # its session reaped, its raw pages freed
     while client.get_pool(SPEC.name).raw_pages:
         assert time.monotonic() < deadline, "the dead worker's owned raw pages leaked"
         time.sleep(0.1)

@@ -23,7 +23,7 @@ from hicache.identity import public_session_id
 from hicache.specs import DType, KVGeometry, Layout, PoolKind, PoolSpec, Role
 from hicache.v1 import hicache_pb2 as pb
 from hicache_client import HiCacheClient, ShmDeviceBuffers
-from tests.daemon_proc import REPO, DaemonProc, Daemons, start_daemon
+from tests.daemon_proc import REAPED_WITHIN_S, REPO, DaemonProc, Daemons, start_daemon
 
 SPEC = PoolSpec("e2e", KVGeometry(PoolKind.MHA, DType.BFLOAT16, 4, 2, 64), 16,
                 Layout.PAGE_FIRST, size_tokens=4096)
@@ -83,7 +83,7 @@ def test_sigkilled_worker_is_reaped_and_the_other_is_unaffected(daemon: DaemonPr
     out, err = survivor.communicate(timeout=120)
     assert survivor.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1])["mismatches"] == 0
-    deadline = time.monotonic() + 5  # lease is 1 s
+    deadline = time.monotonic() + REAPED_WITHIN_S
     while any(s.public_id == public_session_id(first["session"]) for s in client.list_sessions()):
         assert time.monotonic() < deadline, "the dead worker's session was not reaped"
         time.sleep(0.1)
@@ -91,7 +91,7 @@ def test_sigkilled_worker_is_reaped_and_the_other_is_unaffected(daemon: DaemonPr
 
 
 def test_a_huge_lease_is_clamped_and_the_reply_says_so(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path, "--max-lease-seconds", "3")
+    d = start_daemon(tmp_path, "--lease-seconds", "1", "--max-lease-seconds", "3")
     try:
         with HiCacheClient(d.target) as c, \
                 ShmDeviceBuffers.create(SPEC, 2 * SPEC.page_size, d.shm_dir) as bufs:
@@ -256,7 +256,7 @@ def test_hicachectl_admin_verbs(daemon: DaemonProc, client: HiCacheClient) -> No
     spec = PoolSpec("ctl-admin", SPEC.geometry, 16, size_tokens=256)
     client.create_pool(spec)
     with ShmDeviceBuffers.create(spec, 64, daemon.shm_dir) as bufs:
-        # a lease longer than the daemon's 1 s: several hicachectl processes start before
+        # a lease longer than the daemon's: several hicachectl processes start before
         # close-session names it, and nothing heartbeats
         s = client.open_session(spec.name, "ctl", bufs.descriptors, heartbeat=False,
                                 lease_ms=60_000)

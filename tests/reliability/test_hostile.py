@@ -256,7 +256,7 @@ def test_worker_stopped_past_its_lease(arena) -> None:  # type: ignore[no-untype
         public = [s.public_id for s in bystander.client.list_sessions()
                   if s.worker_id == "sleeper"]
         assert len(public) == 1
-        deadline = time.monotonic() + 15  # lease 1 s (the worker's), reaper runs often
+        deadline = time.monotonic() + 15  # the daemon's 2 s lease, reaper runs often
         while any(s.worker_id == "sleeper" for s in bystander.client.list_sessions()):
             assert time.monotonic() < deadline, "a stopped worker kept its session"
             time.sleep(0.1)

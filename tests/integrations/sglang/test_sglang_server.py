@@ -61,7 +61,7 @@ if missing := missing_server_modules():
 # other files (a vLLM scenario's re-opened session, once): the whole file runs alone
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
-DAEMON_FLAGS = ("--lease-seconds", "5")  # the daemon's default (tests/daemon_proc.py sets 1)
+DAEMON_FLAGS = ("--lease-seconds", "5")  # the daemon's default (tests/daemon_proc.py: LEASE_S)
 LOOKUP_TIMEOUT_S = LinkerConfig().lookup_timeout_s
 
 

@@ -27,16 +27,18 @@ from tests.daemon_proc import DaemonProc, Daemons
 from tests.vllm_harness import model_dir
 from tests.vllm_runs import BS, CLEAN, engine, result, run, wait_file
 
+LEASE_S = 1
+"""The daemon's session lease here: the hangs below outlast it."""
 HANG_S = 2.5
-"""How long the daemon stays stopped: past the test daemon's 1 s lease and the 1 s
-``load_retry_s`` the scenario sets."""
+"""How long the daemon stays stopped: past ``LEASE_S`` and the 1 s ``load_retry_s`` the
+scenario sets."""
 BACK_S = 1.2
 """New requests are stored and hit again within this long after the daemon is back."""
 
 
 @pytest.fixture
 def daemon(daemons: Daemons) -> DaemonProc:
-    return daemons.start()
+    return daemons.start("--lease-seconds", str(LEASE_S))
 
 
 @pytest.fixture
@@ -90,7 +92,8 @@ def test_a_daemon_hung_between_hit_and_load_never_leaves_wrong_kv(
     assert after["first_hit_s"] is not None and after["first_hit_s"] < BACK_S, after
     # the daemon stopped past the lease while the engine idled: the very first request after
     # it answers again is stored (the links re-open the sessions it ended) and then hits
-    assert len(got["after_hang"]["tries"]) == 1, got["after_hang"]
+    assert len(got["after_hang"]["tries"]) == 1, (got["after_hang"], got["manager"],
+                                                  got["worker_after"])
     assert "Traceback" not in got["stderr"]
 
 
