@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite on a fresh machine: dependencies, the native copy kernel,
 # lint, type checks, import rules, tests. Usage: bash scripts/test.sh [extra pytest args]
-# (HICACHE_TEST_WORKERS: test files run at once, default 2)
+# (HICACHE_TEST_WORKERS: test files run at once, default 3)
 #
 # bash scripts/test.sh --quick: the same set-up, lint and the import rules, then the unit and
 # model tests (tests/daemon, tests/client, without those marked slow) and one end-to-end test
@@ -50,15 +50,15 @@ lint-imports --no-cache  # the layer and import rules in pyproject.toml
 # the GPU check's steps without a GPU: its wheels fetched and installed for Python 3.12, the
 # native modules built with it, the GPU tests collected, its budget (docs/operations.md)
 bash scripts/gpu_check.sh --dry-run "${TMPDIR:-/tmp}/hicache-gpu-check-dry"
-# Test files run side by side, HICACHE_TEST_WORKERS at once (default 2, 1 runs them in this
-# process; 3 is faster, but on two cores a test process then stalls, now and then, long enough
-# for a test daemon's 1 s lease to run out under it): a file stays on one worker, so a module's
+# Test files run side by side, HICACHE_TEST_WORKERS at once (default 3, 1 runs them in this
+# process; on two cores a test process then stalls now and then: the test daemons' lease,
+# tests/daemon_proc.py LEASE_S, outlasts that): a file stays on one worker, so a module's
 # shared daemon or engine server starts once. The run's processes share the lock-order reports
 # and the figures (tests/conftest.py). Then the tests marked alone (a wall-clock bound: an
 # engine's wait against its compute time measured a moment earlier, a deadline's tenth of a
 # second of margin, the README example's run, the copy threads' spin) run with nothing beside
 # them; the run fails if either part does.
-workers=${HICACHE_TEST_WORKERS:-2}
+workers=${HICACHE_TEST_WORKERS:-3}
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 status=0 empty=0
