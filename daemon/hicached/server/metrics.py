@@ -195,9 +195,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         entries = self._state.pools()
-        # one pass over each allocator's tables per scrape, without its lock
-        yield from _pool_families(entries, [pool.allocator.counts(locked=False)
-                                            for pool, _cache in entries])
+        yield from _pool_families(entries)
         building = GaugeMetricFamily(
             "hicache_pool_build_progress", "Pools being created: faulted-in share (0..1), by "
             "state (CREATING, or FAILED until deleted or created again).",
@@ -254,8 +252,7 @@ class _StateCollector(Collector):
                                 value=time.monotonic() - self._started)
 
 
-def _pool_families(entries: list[tuple[HostPool, PoolCache]],
-                   counts: list[dict[str, int]]) -> Iterator[Metric]:
+def _pool_families(entries: list[tuple[HostPool, PoolCache]]) -> Iterator[Metric]:
     """Each pool's size, pages by kind, canary tallies and its cache's tallies."""
     pool_l = ["pool"]
     g = {n: GaugeMetricFamily(f"hicache_{n}", h, labels=pool_l) for n, h in (
@@ -307,8 +304,10 @@ def _pool_families(entries: list[tuple[HostPool, PoolCache]],
         "hicache_cache_hit_ratio", "Looked-up keys found, over keys looked up, since the "
         "daemon started (0 before the first Lookup); over a window: the rate of "
         "hicache_cache_lookup_keys_total by result.", labels=["pool"])
-    for (pool, cache), count in zip(entries, counts, strict=True):
+    for pool, cache in entries:
         name, st = pool.spec.name, cache.stats
+        # one pass over the allocator's tables per scrape, without its lock
+        count = pool.allocator.counts(locked=False)
         ready = cache.key_count
         used = count["used"]
         for metric, value in (("pool_capacity_bytes", pool.nbytes),
