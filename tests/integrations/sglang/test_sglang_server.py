@@ -56,9 +56,9 @@ if missing := missing_server_modules():
                            "(scripts/setup.sh --test installs them)")
     pytest.skip(f"SGLang's HTTP server needs {missing}", allow_module_level=True)
 
-# one test bounds a request's latency against compute timed a moment earlier, and the two
-# servers computing beside the rest of the suite load it enough to fail timing-bounded tests of
-# other files (a vLLM scenario's re-opened session, once): the whole file runs alone
+# one test bounds a request's latency against compute timed a moment earlier, and with the two
+# servers computing beside the rest of the suite a timing-bounded test of another file failed
+# once (a vLLM hang scenario's first request after the hang missed): the whole file runs alone
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 DAEMON_FLAGS = ("--lease-seconds", "5")  # the daemon's default (tests/daemon_proc.py: LEASE_S)
