@@ -44,6 +44,10 @@ flight (``hicache_sglang.quarantine``). Counters are in ``stats`` and logged at 
 
 from __future__ import annotations
 
+# isort: off
+import hicache_sglang.served  # noqa: F401  (first: an SGLang hicached does not serve stops here)
+
+# isort: on
 import logging
 import os
 import queue
