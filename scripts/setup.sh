@@ -4,9 +4,9 @@
 # Usage: setup_hicached [--test]
 #   (no flag)  the daemon: the package and its pure-Python dependencies (no torch)
 #   --test     also the test extras, torch (CPU build, only where none is present), SGLang's
-#              code (--no-deps), vLLM's code (--no-deps, into .vllm-0.33.0/: its scheduler,
-#              offloading connector and KV event decoder), Prometheus, Mooncake's wheel and
-#              the Debian packages they need
+#              code (--no-deps), vLLM's code (--no-deps, each release the suite runs into
+#              .vllm-<release>/: its scheduler, offloading connector and KV event decoder),
+#              Prometheus, Mooncake's wheel and the Debian packages they need
 #
 # Where it installs: a virtual environment of the project's own, .venv/ in the checkout
 # (created with python3 if missing, then activated for the rest of the calling script), unless
@@ -116,30 +116,38 @@ setup_hicached() {
     fi
 }
 
-HICACHED_VLLM_DIR="${HICACHED_VLLM_DIR:-$PWD/.vllm-0.33.0}"
-
 _hicached_vllm() {
     # vLLM's own scheduler, offloading connector and KV event decoder run in the tests (the
-    # vLLM spec, the daemon's event stream). Its code and what those modules import go into a
-    # directory of their own, never into the environment: SGLang probes for an installed vLLM
-    # and would change its paths. The tests put it on PYTHONPATH of a subprocess, with
-    # VLLM_TARGET_DEVICE=cpu. The list is pyproject.toml's [vllm] extra (vLLM itself) and its
-    # [vllm-cpu-test] extra (one place for the pins); the marker file keeps it, so a changed
-    # list installs again.
-    local pins
-    pins=$(python3 -c 'import tomllib; x = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print(" ".join(x["vllm"] + x["vllm-cpu-test"]))') || return 1
-    if [ "$(cat "$HICACHED_VLLM_DIR/.complete" 2>/dev/null)" = "$pins" ]; then
+    # vLLM spec, the daemon's event stream), on every release hicache.engines tests (its
+    # table: 0.33.0, 0.34.0). Each release's code and what those modules import go into a
+    # directory of its own, .vllm-<release>/, never into the environment: SGLang probes for
+    # an installed vLLM and would change its paths. The tests put it on PYTHONPATH of a
+    # subprocess, with VLLM_TARGET_DEVICE=cpu. What comes beside vLLM is pyproject.toml's
+    # [vllm-cpu-test] extra (one place for the pins); the marker file keeps a directory, so a
+    # changed list installs again.
+    local releases pins release
+    releases=$(python3 -c 'from hicache import engines; print(" ".join(x.tested for x in engines.lines("vllm")))') || return 1
+    pins=$(python3 -c 'import tomllib; x = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print(" ".join(x["vllm-cpu-test"]))') || return 1
+    for release in $releases; do
+        _hicached_vllm_release "$PWD/.vllm-$release" "vllm==$release $pins" || return 1
+    done
+}
+
+_hicached_vllm_release() {
+    local dir=$1 pins=$2
+    if [ "$(cat "$dir/.complete" 2>/dev/null)" = "$pins" ]; then
         return 0
     fi
-    _hicached_say "pip install --no-deps --target $HICACHED_VLLM_DIR $pins (vLLM's code and what" \
-        "its scheduler, offloading connector and kv_events modules import, apart from the" \
+    _hicached_say "pip install --no-deps --target $dir $pins (vLLM's code and what its" \
+        "scheduler, offloading connector and kv_events modules import, apart from the" \
         "environment)"
     # shellcheck disable=SC2086
     python3 -m pip install -q --disable-pip-version-check --no-deps --upgrade \
-        --target "$HICACHED_VLLM_DIR" $pins || return 1
+        --target "$dir" $pins || return 1
     # pip --target --upgrade replaces a package's files but leaves the metadata of what it
     # replaced: only the listed packages' own *.dist-info stay (nothing else is installed here)
-    python3 - "$HICACHED_VLLM_DIR" $pins <<'PY' || return 1
+    # shellcheck disable=SC2086
+    python3 - "$dir" $pins <<'PY' || return 1
 import pathlib, re, shutil, sys
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
 listed = {(norm(name), version) for name, _, version in (p.partition("==") for p in sys.argv[2:])}
@@ -148,5 +156,5 @@ for d in pathlib.Path(sys.argv[1]).glob("*.dist-info"):
     if (norm(name), version) not in listed:
         shutil.rmtree(d)
 PY
-    echo "$pins" > "$HICACHED_VLLM_DIR/.complete"
+    echo "$pins" > "$dir/.complete"
 }

@@ -1,4 +1,7 @@
-"""Scenarios run by ``tests/vllm_harness.py`` in a vLLM subprocess; each returns what it saw."""
+"""Scenarios run by ``tests/vllm_harness.py`` in a vLLM subprocess; each returns what it saw.
+
+Nothing of ``hicache_vllm`` is imported here at the top: vLLM loads it where an engine starts
+(``refused_at_start`` relies on that)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hicache_vllm.spec import HicachedOffloadingSpec
 from tests.vllm_harness import Engine
 
 
@@ -19,6 +21,8 @@ def _prompt(n: int, seed: int = 1) -> list[int]:
 def store_reset_reload(model: str, target: str, blocks: int = 5, extra_tokens: int = 9,
                        **kw: Any) -> dict[str, Any]:
     """A prompt stored; the prefix cache reset and the KV zeroed; the same prefix loaded back."""
+    from hicache_vllm.spec import HicachedOffloadingSpec
+
     e = Engine(model, target, **kw)
     bs = e.block_size
     prompt = _prompt(blocks * bs + 1)
@@ -474,11 +478,11 @@ def _on_first_load(e: Engine, hook: Any) -> None:
     original = worker._load_round
     done: list[bool] = []
 
-    def hooked(r: Any) -> Any:
+    def hooked(r: Any, *rest: Any) -> Any:
         if not done:
             done.append(True)
             hook(r)
-        return original(r)
+        return original(r, *rest)
 
     worker._load_round = hooked
 
@@ -508,7 +512,8 @@ def _stored_and_hit_after(e: Engine, seed: int, tries: int = 40) -> dict[str, An
 
 def hang_between_hit_and_load(model: str, target: str, sync_dir: str, connector: str,
                               daemon_pid: int, policy: str = "fail", blocks: int = 8,
-                              hang_s: float = 1.6, **kw: Any) -> dict[str, Any]:
+                              hang_s: float = 1.6, defaults: bool = False, **kw: Any
+                              ) -> dict[str, Any]:
     """A prompt stored; the prefix cache reset and the KV zeroed; a request ``b`` with that
     prefix is told HIT and its load scheduled, and just before the load's ``LoadKeys`` the
     daemon is SIGSTOPped (by the test, told through ``loading``) for longer than the
@@ -518,9 +523,11 @@ def hang_between_hit_and_load(model: str, target: str, sync_dir: str, connector:
     Then the engine idles and the daemon is stopped again (by the test, told through
     ``idle``) for ``hang_s``, past the lease: this process resumes it (SIGCONT to
     ``daemon_pid``) and at once sends a new request, the first call the daemon sees after it
-    answers again: it must be stored, and hit (``after_hang``)."""
+    answers again: it must be stored, and hit (``after_hang``). ``defaults``: the spec's
+    own deadlines (``load_retry_s`` 10 s, ``rpc_timeout_s`` 5 s, ...) instead of short ones."""
     sync = Path(sync_dir)
-    extra = {"load_retry_s": 1.0, "rpc_timeout_s": 1.0, "lookup_timeout_s": 0.3}
+    extra = {} if defaults else {"load_retry_s": 1.0, "rpc_timeout_s": 1.0,
+                                 "lookup_timeout_s": 0.3}
     e = Engine(model, target, connector=connector, failure_policy=policy, extra=extra, **kw)
     bs = e.block_size
     prompt = _prompt(blocks * bs + 1, 61)
@@ -706,3 +713,120 @@ def whoami(fail: bool = False) -> dict[str, Any]:
     if fail:
         raise RuntimeError("a scenario that fails")
     return {"pid": os.getpid(), "parent": os.getppid(), "threads": threading.active_count()}
+
+
+# -- the release adapters (hicache_vllm.vllm_api) -------------------------------------------
+
+def device_blocks() -> dict[str, Any]:
+    """A job's engine blocks as this release's own connector hands them to the worker (0.34:
+    ``DevicePointers`` from vLLM's ``resolve_device_pointers``; 0.33: the
+    ``GPULoadStoreSpec`` itself), over a KV cache of two groups (three data references over
+    tensors of 4 KiB pages, two over 1 KiB ones), read back by the release's adapter; then
+    device sides vLLM never hands over, each refused (the error's text)."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from hicache_vllm.blocks import Job
+    from hicache_vllm.vllm_api import Api034, current
+
+    api = current()
+    pages = [4096] * 3 + [1024] * 2
+    tensors = [torch.zeros(16, p, dtype=torch.int8) for p in pages]
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=p)
+                 for t, p in zip(tensors, pages, strict=True)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=pages[i])
+                          for i in (0, 1, 2)],
+                         [CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=pages[i])
+                          for i in (3, 4)]])
+
+    def side(ids: list[int], sizes: list[int], firsts: list[int]) -> Any:
+        spec = GPULoadStoreSpec(ids, sizes, firsts)
+        if isinstance(api, Api034):
+            from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+            return resolve_device_pointers(spec, kv)
+        return spec
+
+    def read(device: Any) -> list[list[Any]]:
+        return [[g.group, [int(b) for b in g.block_ids], g.first]
+                for g in api.device_blocks(device, kv)]
+
+    def refused(device: Any) -> str:
+        try:
+            api.device_blocks(device, kv)
+        except ValueError as exc:
+            return str(exc)
+        return ""
+
+    out: dict[str, Any] = {
+        "line": api.line.line,
+        "both": read(side([5, 6, 7, 9, 2], [3, 2], [4, 1])),
+        "second_only": read(side([3, 15], [0, 2], [0, 6])),
+        "one_group_job": len(Job.of([b"k"] * 2, api.device_blocks(
+            side([1, 2, 3, 4], [0, 4], [0, 0]), kv), 2).block_ids),
+    }
+    try:
+        Job.of([b"k"] * 3, api.device_blocks(side([5, 6, 7, 9, 2], [3, 2], [4, 1]), kv), 1)
+        out["two_groups_job"] = ""
+    except ValueError as exc:
+        out["two_groups_job"] = str(exc)
+    bad: dict[str, str] = {}
+    good = side([5, 6, 7, 9, 2], [3, 2], [4, 1])
+    if isinstance(api, Api034):
+        def changed(**kw: Any) -> Any:
+            return dataclasses.replace(good, **kw)
+
+        off = good.ptrs.copy()
+        off[1] += np.uint64(1)
+        bad["off_a_block"] = refused(changed(ptrs=off))
+        past = good.ptrs.copy()
+        past[0] = np.uint64(tensors[0].data_ptr() + 16 * 4096)
+        bad["past_the_tensor"] = refused(changed(ptrs=past))
+        below = good.ptrs.copy()
+        below[0] = np.uint64(tensors[0].data_ptr() - 4096)
+        bad["below_the_tensor"] = refused(changed(ptrs=below))
+        sizes = good.sizes.copy()
+        sizes[2] = np.uint64(2048)
+        bad["wrong_size"] = refused(changed(sizes=sizes))
+        swapped = good.ptrs.copy()
+        swapped[3], swapped[4] = swapped[4], swapped[3]  # the second reference's first two
+        bad["references_disagree"] = refused(changed(ptrs=swapped))
+        bad["groups_miscounted"] = refused(changed(group_block_counts=(3,),
+                                                   group_data_ref_counts=(3,),
+                                                   block_indices=(4,)))
+        bad["pointers_miscounted"] = refused(changed(ptrs=good.ptrs[:-1],
+                                                     sizes=good.sizes[:-1]))
+        bad["references_miscounted"] = refused(changed(group_data_ref_counts=(3, 3)))
+    else:
+        from types import SimpleNamespace
+
+        bad["groups_miscounted"] = refused(SimpleNamespace(block_ids=[1, 2, 3],
+                                                           group_sizes=[2, 2],
+                                                           block_indices=[0, 0]))
+    out["refused"] = bad
+    return out
+
+
+def refused_at_start(model: str, target: str, connector: str = "plain", **kw: Any
+                     ) -> dict[str, Any]:
+    """An engine whose vLLM is not one hicached serves (the test puts a distribution of
+    another version first on the path): where vLLM starts with hicached's spec it stops, and
+    how."""
+    from importlib import metadata
+
+    try:
+        Engine(model, target, connector=connector, **kw)
+    except Exception as exc:
+        return {"vllm": metadata.version("vllm"), "type": type(exc).__name__,
+                "reason": getattr(exc, "reason", ""), "metadata": getattr(exc, "metadata", {}),
+                "message": str(exc)}
+    return {"vllm": metadata.version("vllm"), "type": ""}

@@ -101,6 +101,9 @@ class Engine:
         )
         from vllm.v1.structured_output import StructuredOutputManager
 
+        from tests.vllm_cpu_platform import allow_without_triton
+
+        allow_without_triton()
         self.tp, self.rank, self.mla = tp, rank, mla
         if tp > 1:
             import torch.distributed as dist
@@ -307,9 +310,11 @@ class Engine:
         wmeta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         ids = [item[0] for item in plan["work"]]
+        # vLLM 0.33's output indexes its requests (req_id_to_index); 0.34's does not
+        index = ({"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+                 if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__ else {})
         return ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[sampled.get(r, []) for r in ids],
+            req_ids=ids, **index, sampled_token_ids=[sampled.get(r, []) for r in ids],
             kv_connector_output=KVConnectorOutput(
                 finished_sending=transfers.finished_sending or None,
                 finished_recving=transfers.finished_recving or None,

@@ -1,13 +1,18 @@
 """vLLM engine processes for the end-to-end tests: each runs one scenario of
-``tests/scenarios_vllm.py`` with vLLM's code from ``.vllm-0.33.0`` and prints what it saw.
-Importing this module skips the importing test module where vLLM's code is not there (and
-fails under CI).
+``tests/scenarios_vllm.py`` with one vLLM release's code (``.vllm-<release>/``, every release
+``hicache.engines`` tests) and prints what it saw. Importing this module skips the importing
+test module where vLLM's code is not there (and fails under CI).
 
-Primitives: ``VLLM`` (vLLM's code), ``BS`` (the engines' block size), ``CLEAN`` (a check of
-loaded rows that found nothing wrong); ``vllm_env()``; ``engine(scenario, **args)`` (the
-process), ``result(proc)``, ``results(procs)`` (every rank's); ``run(scenario, **args)``: one
-scenario to its end, in a process forked from ``tests.vllm_zygote`` (vLLM imported once per
-test process, not once per scenario); ``wait_file(path, proc)``.
+Primitives: ``RELEASES`` (the vLLM releases the suite runs, newest first), ``NEWEST``,
+``CORE`` (a parametrization over every release, for the core scenarios each one runs:
+store, hit, load exact, hang, restart), ``VLLM`` (the newest's code), ``vllm_dir(release)``,
+``BS`` (the engines' block size), ``CLEAN`` (a check of loaded rows that found nothing
+wrong); ``vllm_env(release)``; ``engine(scenario, vllm=, **args)`` (the process),
+``result(proc)``, ``results(procs)`` (every rank's); ``run(scenario, vllm=, **args)``: one
+scenario to its end, in a process forked from that release's ``tests.vllm_zygote`` (vLLM
+imported once per test process and release, not once per scenario); ``wait_file(path,
+proc)``; ``reports_failures(release)``: whether that release takes a failed transfer
+(``TransferResult.success = False``).
 """
 
 from __future__ import annotations
@@ -27,27 +32,51 @@ from typing import Any
 
 import pytest
 
+from hicache import engines
 from tests.daemon_proc import REPO
 
-VLLM = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / ".vllm-0.33.0"))
-if not (VLLM / ".complete").exists():
+RELEASES = [x.tested for x in reversed(engines.lines("vllm"))]
+"""The vLLM releases the suite runs, newest first."""
+NEWEST = RELEASES[0]
+
+
+def vllm_dir(release: str) -> Path:
+    """Where scripts/setup.sh --test puts that release's code."""
+    return REPO / f".vllm-{release}"
+
+
+VLLM = vllm_dir(NEWEST)
+_missing = [r for r in RELEASES if not (vllm_dir(r) / ".complete").exists()]
+if _missing:
+    where = ", ".join(str(vllm_dir(r)) for r in _missing)
     if os.environ.get("CI"):
-        raise RuntimeError(f"vLLM's code is not in {VLLM}: scripts/setup.sh --test puts it there")
-    pytest.skip(f"vLLM's code is not in {VLLM} (scripts/setup.sh --test)", allow_module_level=True)
+        raise RuntimeError(f"vLLM's code is not in {where}: scripts/setup.sh --test puts it there")
+    pytest.skip(f"vLLM's code is not in {where} (scripts/setup.sh --test)",
+                allow_module_level=True)
+
+CORE = pytest.mark.parametrize("vllm", RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
+"""The core scenarios run on every release: a test taking ``vllm`` runs once per release."""
 
 BS = 16
 CLEAN = {"bad": [], "n_bad": 0}
 
 
-def vllm_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=f"{VLLM}:{REPO}", VLLM_TARGET_DEVICE="cpu",
+def reports_failures(release: str) -> bool:
+    """vLLM 0.34 on takes ``TransferResult.success = False`` (an asynchronous load failed:
+    the request recomputed or failed; a store failed: dropped); 0.33 asserts success."""
+    return engines.release(release) >= (0, 34)
+
+
+def vllm_env(release: str = NEWEST) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=f"{vllm_dir(release)}:{REPO}", VLLM_TARGET_DEVICE="cpu",
                 HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 
 
-def engine(scenario: str, **args: Any) -> subprocess.Popen[str]:
-    """A vLLM engine process running ``tests.scenarios_vllm.<scenario>(**args)``."""
+def engine(scenario: str, vllm: str = NEWEST, **args: Any) -> subprocess.Popen[str]:
+    """A vLLM engine process (release ``vllm``) running
+    ``tests.scenarios_vllm.<scenario>(**args)``."""
     return subprocess.Popen([sys.executable, "-m", "tests.vllm_harness", scenario,
-                             json.dumps(args)], cwd=REPO, env=vllm_env(), text=True,
+                             json.dumps(args)], cwd=REPO, env=vllm_env(vllm), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -65,13 +94,14 @@ def result(proc: subprocess.Popen[str], timeout: float = ENGINE_TIMEOUT_S) -> di
     return _parsed(proc.returncode, out, err)
 
 
-def run(scenario: str, **args: Any) -> dict[str, Any]:
-    """``tests.scenarios_vllm.<scenario>(**args)`` in an engine process of its own, forked
-    from this test process's zygote; what it returned (as ``result``)."""
-    global _zygote
-    if _zygote is None or _zygote.proc.poll() is not None:
-        _zygote = _Zygote()
-    code, out, err = _zygote.run(scenario, args, ENGINE_TIMEOUT_S)
+def run(scenario: str, vllm: str = NEWEST, **args: Any) -> dict[str, Any]:
+    """``tests.scenarios_vllm.<scenario>(**args)`` in an engine process of its own (vLLM
+    release ``vllm``), forked from this test process's zygote of that release; what it
+    returned (as ``result``)."""
+    zygote = _zygotes.get(vllm)
+    if zygote is None or zygote.proc.poll() is not None:
+        zygote = _zygotes[vllm] = _Zygote(vllm)
+    code, out, err = zygote.run(scenario, args, ENGINE_TIMEOUT_S)
     return _parsed(code, out, err)
 
 
@@ -84,12 +114,13 @@ def _parsed(code: int | None, out: str, err: str) -> dict[str, Any]:
 
 
 class _Zygote:
-    """This test process's ``tests.vllm_zygote``: started on first use, killed at exit."""
+    """This test process's ``tests.vllm_zygote`` of one release: started on first use,
+    killed at exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, release: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="hicache-vllm-zygote-"))
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_zygote"], cwd=REPO,
-                                     env=vllm_env(), stdin=subprocess.PIPE,
+                                     env=vllm_env(release), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE,
                                      stderr=open(self.dir / "zygote.err", "wb"))  # noqa: SIM115
         self._buf = b""
@@ -169,7 +200,7 @@ class _Zygote:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_zygote: _Zygote | None = None
+_zygotes: dict[str, _Zygote] = {}
 
 
 def results(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:

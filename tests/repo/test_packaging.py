@@ -5,7 +5,8 @@
   build's own (setup.py), and the native modules still come with it.
 - Every extra of pyproject.toml resolves with pip's resolver in a fresh virtual environment
   (``pip install --dry-run --ignore-installed``): ``.[vllm]`` and ``.[sglang]`` bring the
-  engine at the version hicached is tested with, with everything that engine requires.
+  engine at a release hicached serves (``hicache.engines``: ``.[vllm]`` the newest, and an
+  older one where it is asked for beside it), with everything that engine requires.
 - The lists the tests install beside an engine's code (``--no-deps``, scripts/setup.sh) hold
   versions the engine's own requirements admit, so the tests run what a real install has.
 """
@@ -22,11 +23,15 @@ from pathlib import Path
 
 import pytest
 
+from hicache import engines
+from hicache.errors import SpecInvalid
 from tests.daemon_proc import REPO
 from tests.installed import clean_copy
 
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 EXTRAS: dict[str, list[str]] = PROJECT["optional-dependencies"]
+VLLM_TESTED = [x.tested for x in engines.lines("vllm")]
+"""The vLLM releases the suite runs, oldest first."""
 
 
 def _tree(root: Path) -> set[str]:
@@ -112,12 +117,12 @@ def _site_packages() -> list[str]:
     return [p for p in sys.path if p.endswith("site-packages")]
 
 
-def test_vllm_runs_in_the_tests_on_versions_it_admits() -> None:
-    """What the vLLM tests import beside vLLM's code (``.vllm-<version>/`` first, then the
-    environment) is what a real ``pip install vllm`` could have installed."""
-    (engine,) = EXTRAS["vllm"]
-    _, version = _requirement(engine)
-    root = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / f".vllm-{version}"))
+@pytest.mark.parametrize("version", VLLM_TESTED)
+def test_vllm_runs_in_the_tests_on_versions_it_admits(version: str) -> None:
+    """What the vLLM tests import beside each release's code (``.vllm-<release>/`` first,
+    then the environment) is what a real ``pip install vllm==<release>`` could have
+    installed."""
+    root = REPO / f".vllm-{version}"
     seen = _seen([str(root), *_site_packages()])
     assert _excluded(seen, _dist_info(root, "vllm", version)) == []
     for name, pinned in map(_requirement, EXTRAS["vllm-cpu-test"]):
@@ -140,8 +145,21 @@ def test_sglang_runs_in_the_tests_on_versions_it_admits() -> None:
 
 
 def test_the_engines_are_the_versions_the_tests_run() -> None:
+    """The extras admit exactly the releases ``hicache.engines`` serves: every tested one,
+    and no release of a line it does not list."""
+    from packaging.requirements import Requirement
+
     assert EXTRAS["sglang"] == ["sglang==0.5.23"]
-    assert EXTRAS["vllm"] == ["vllm==0.33.0"]
+    assert [x.tested for x in engines.lines("sglang")] == ["0.5.23"]
+    (line,) = EXTRAS["vllm"]
+    spec = Requirement(line).specifier
+    assert VLLM_TESTED == ["0.33.0", "0.34.0"]
+    for version in [*VLLM_TESTED, "0.33.4", "0.34.2"]:
+        assert spec.contains(version), version
+    for version in ("0.32.9", "0.35.0", "1.0.0"):
+        assert not spec.contains(version, prereleases=True), version
+        with pytest.raises(SpecInvalid):
+            engines.served("vllm", version)
     for engine in ("sglang", "vllm"):  # the engine itself never comes with a test list
         assert engine not in dict(map(_requirement, EXTRAS[f"{engine}-cpu-test"]))
 
@@ -171,23 +189,36 @@ def resolver(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return python, wheel
 
 
+RESOLVES = [(extra, "") for extra in sorted(EXTRAS)] + [
+    ("vllm", f"vllm=={v}") for v in VLLM_TESTED[:-1]]
+"""Every extra as it is, and ``.[vllm]`` beside each older vLLM release served (a user who
+stays on it)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", sorted(EXTRAS))
+@pytest.mark.parametrize("extra, beside", RESOLVES,
+                         ids=[f"{e}+{b}" if b else e for e, b in RESOLVES])
 def test_every_extra_resolves_in_a_fresh_environment(resolver: tuple[Path, Path],
-                                                     tmp_path: Path, extra: str) -> None:
+                                                     tmp_path: Path, extra: str,
+                                                     beside: str) -> None:
     """pip's own resolver, in a new virtual environment, over the configured index: what a
-    user's ``pip install ".[extra]"`` resolves (a dry run: nothing is installed)."""
+    user's ``pip install ".[extra]"`` resolves (a dry run: nothing is installed); ``.[vllm]``
+    to the newest vLLM served, and to an older one asked for beside it."""
     python, wheel = resolver
     report = tmp_path / "report.json"
     out = subprocess.run([str(python), "-m", "pip", "install", "-q", "--dry-run",
-                          "--ignore-installed", "--report", str(report), f"{wheel}[{extra}]"],
+                          "--ignore-installed", "--report", str(report), f"{wheel}[{extra}]",
+                          *([beside] if beside else [])],
                          capture_output=True, text=True, timeout=1500, cwd=tmp_path)
-    assert out.returncode == 0, f".[{extra}] does not resolve:\n{out.stderr[-4000:]}"
+    assert out.returncode == 0, f".[{extra}] {beside} does not resolve:\n{out.stderr[-4000:]}"
     from packaging.utils import canonicalize_name
 
     chosen: dict[str, str] = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
                               for i in json.loads(report.read_text())["install"]}
-    for line in EXTRAS[extra]:
+    for line in [*EXTRAS[extra], *([beside] if beside else [])]:
         name, version = _requirement(line) if "==" in line else (line, "")
         if version:
             assert chosen.get(name) == version, (line, chosen.get(name))
+    if extra == "vllm":
+        want = beside.partition("==")[2] or VLLM_TESTED[-1]
+        assert chosen.get("vllm") == want, chosen.get("vllm")

@@ -1,7 +1,8 @@
 """The blocks of one transfer, as the scheduler hands them to the workers and they move them.
 
-vLLM's scheduler sends each worker a pair of specs per job: its own ``GPULoadStoreSpec`` (the
-engine's KV block ids, in request order, with the logical index of the first) and ours,
+vLLM's scheduler sends each worker a pair of specs per job: its own device side (the
+engine's KV blocks, in request order, with the logical index of the first: block ids on vLLM
+0.33, pointers on 0.34, read by ``hicache_vllm.vllm_api`` into ``GroupBlocks``) and ours,
 ``HicachedLoadStoreSpec`` (the offloaded blocks' keys, one page each). An offloaded block may
 span ``blocks_per_chunk`` engine blocks, and a load may begin or end inside one: the first
 ``skip`` engine blocks of the first page are not loaded.
@@ -11,9 +12,10 @@ Primitives:
 - ``HicachedLoadStoreSpec(keys, chain)``: the pages of a job, by key (vLLM's ``OffloadKey``
   bytes); for a store, ``chain`` (``Chain``: their tokens and the key before the first) when
   the scheduler knows the request: what routers are told of the pages.
-- ``Job.of(keys, gpu_spec, blocks_per_chunk)``: keys, engine block ids, ``skip``; ``rounds(n)``
-  splits it into runs of at most ``n`` pages, each with the engine blocks its pages hold
-  (``JobRound``: keys, block ids, the rows of the staged pages those blocks are).
+- ``Job.of(keys, groups, blocks_per_chunk, chain, sync)``: keys, engine block ids, ``skip``
+  (one KV cache group's blocks); ``rounds(n)`` splits it into runs of at most ``n`` pages,
+  each with the engine blocks its pages hold (``JobRound``: keys, block ids, the rows of the
+  staged pages those blocks are).
 - ``Job.whole``: every page is whole (a store writes only whole pages).
 """
 
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import LoadStoreSpec
+
+from hicache_vllm.vllm_api import GroupBlocks
 
 
 @dataclass(frozen=True)
@@ -77,18 +80,23 @@ class Job:
     blocks_per_chunk: int
     chain: Chain | None = None
     """A store's tokens and parent, when the scheduler knew them."""
+    sync: bool = False
+    """A load vLLM waits for within the step that runs its request (``expedited``)."""
 
     @classmethod
-    def of(cls, keys: Sequence[bytes], gpu_spec: Any, blocks_per_chunk: int,
-           chain: Chain | None = None) -> Job:
-        block_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
-        indices = list(getattr(gpu_spec, "block_indices", ()) or (0,))
-        skip = int(indices[0]) % blocks_per_chunk
+    def of(cls, keys: Sequence[bytes], groups: Sequence[GroupBlocks], blocks_per_chunk: int,
+           chain: Chain | None = None, sync: bool = False) -> Job:
+        if len(groups) != 1:
+            raise ValueError(f"blocks of {len(groups)} KV cache groups in one job: the "
+                             "spec serves one group")
+        (group,) = groups
+        block_ids = group.block_ids
+        skip = group.first % blocks_per_chunk
         need = -(-(len(block_ids) + skip) // blocks_per_chunk)
-        if need != len(keys) or len(indices) != 1:
+        if need != len(keys):
             raise ValueError(f"{len(block_ids)} engine blocks (skipping {skip}) are not "
-                             f"{len(keys)} pages of {blocks_per_chunk} in one group")
-        return cls(list(keys), block_ids, skip, blocks_per_chunk, chain)
+                             f"{len(keys)} pages of {blocks_per_chunk}")
+        return cls(list(keys), block_ids, skip, blocks_per_chunk, chain, sync)
 
     @property
     def whole(self) -> bool:

@@ -23,6 +23,10 @@ Primitives: ``HicachedOffloadingConnector``.
 
 from __future__ import annotations
 
+# isort: off
+import hicache_vllm.served  # noqa: F401  (first: a vLLM hicached does not serve stops here)
+
+# isort: on
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -30,8 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 from hicache.errors import SpecInvalid
+from hicache_vllm.config import SpecConfig
 from hicache_vllm.manager import HicachedOffloadingManager
 from hicache_vllm.spec import HicachedOffloadingSpec
+from hicache_vllm.vllm_api import current
 from hicache_vllm.worker import HicachedOffloadingWorker
 
 SPEC = {"spec_name": "HicachedOffloadingSpec", "spec_module_path": "hicache_vllm.spec"}
@@ -56,6 +62,17 @@ class HicachedOffloadingConnector(OffloadingConnector):
                                   "spec_name"))[:64]})
         if isinstance(spec, HicachedOffloadingSpec):
             spec.report_load_errors = True  # before vLLM asks it for its worker
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34's question, asked before it allocates the KV cache: on GPUs the spec's
+        workers hand it to the daemon in another process, as file descriptors of its
+        physical allocations (``EXPORTS_FD``: vLLM keeps its extensible KV cache, one
+        exportable allocation per segment) or, with ``cuda_sharing`` ``legacy_ipc``, as CUDA
+        IPC handles (``LEGACY_IPC``: vLLM turns the extensible cache off). On the CPU the
+        workers copy through their own staging buffers (``IN_PROCESS``)."""
+        config = SpecConfig.from_extra(kv_transfer_config.kv_connector_extra_config)
+        return current().kv_cache_access(config.sharing)
 
     def on_new_request(self, request: Any) -> None:
         """vLLM's: the manager follows the request too (its stores then say their pages'

@@ -72,6 +72,7 @@ from hicache_vllm.config import SpecConfig
 from hicache_vllm.namespace import Plan
 from hicache_vllm.promises import Promises
 from hicache_vllm.stats import Reporter
+from hicache_vllm.vllm_api import Api
 
 log = logging.getLogger("hicache_vllm")
 
@@ -86,9 +87,11 @@ MAX_TOUCHES = 65536
 
 
 class HicachedOffloadingManager(OffloadingManager):
-    def __init__(self, config: SpecConfig, plan: Plan, enable_events: bool) -> None:
+    def __init__(self, config: SpecConfig, plan: Plan, enable_events: bool, api: Api) -> None:
         self.config = config
         self.plan = plan
+        self.api = api
+        """vLLM's release line (how its events are made)."""
         self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._events_lock = lock("vllm.manager.events")
@@ -295,7 +298,7 @@ class HicachedOffloadingManager(OffloadingManager):
         if success:
             self.promises.stored()
             self._count("store_blocks", len(keys))
-            self._event(list(keys), removed=False)
+            self._stored_event(list(keys), req_context)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.promises.finished(req_context.req_id)
@@ -328,11 +331,11 @@ class HicachedOffloadingManager(OffloadingManager):
             out, self._events = self._events, []
         return out
 
-    def _event(self, keys: list[OffloadKey], removed: bool) -> None:
+    def _stored_event(self, keys: list[OffloadKey], req_context: ReqContext) -> None:
         if self._events is not None and keys:
+            event = self.api.stored_event(keys, Medium.CPU, req_context)
             with self._events_lock:
-                self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU,
-                                                    removed=removed))
+                self._events.append(event)
 
     def reset_cache(self) -> None:
         """This engine's state dropped: answers, queued lookups, and the holds no load in

@@ -1,6 +1,7 @@
 """``HicachedOffloadingSpec``: hicached as vLLM's KV offloading backend.
 
-vLLM 0.33 loads it by module path, into ``hicache_vllm.connector``'s connector (vLLM's own
+vLLM (0.33 or 0.34: ``hicache.engines``; any other stops here with ``SPEC_INVALID``) loads it
+by module path, into ``hicache_vllm.connector``'s connector (vLLM's own
 ``OffloadingConnector`` with its load-error path: a load that fails is recomputed)::
 
     --kv-transfer-config '{"kv_connector": "HicachedOffloadingConnector",
@@ -21,6 +22,10 @@ stops vLLM's start with ``SPEC_INVALID`` naming it. The pools are named in
 
 from __future__ import annotations
 
+# isort: off
+import hicache_vllm.served  # noqa: F401  (first: a vLLM hicached does not serve stops here)
+
+# isort: on
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -34,6 +39,7 @@ from hicache_vllm.config import SpecConfig
 from hicache_vllm.manager import HicachedOffloadingManager
 from hicache_vllm.namespace import Plan
 from hicache_vllm.stats import definitions
+from hicache_vllm.vllm_api import current
 from hicache_vllm.worker import HicachedOffloadingWorker
 
 
@@ -45,6 +51,8 @@ class HicachedOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
+        self.api = current()
+        """vLLM's release line, as the manager and the workers use it."""
         self.spec_config = SpecConfig.from_extra(self.extra_config)
         self.plan = Plan.from_config(config, self.spec_config)
         self.replicated_layout = self.plan.replicated  # rank 0 alone stores MLA blocks
@@ -57,12 +65,13 @@ class HicachedOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = HicachedOffloadingManager(
-                self.spec_config, self.plan, self.kv_events_config.enable_kv_cache_events)
+                self.spec_config, self.plan, self.kv_events_config.enable_kv_cache_events,
+                self.api)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             self._worker = HicachedOffloadingWorker(self.spec_config, self.plan,
                                                     int(self.config.parallel.rank), kv_caches,
-                                                    self.report_load_errors)
+                                                    self.api, self.report_load_errors)
         return self._worker

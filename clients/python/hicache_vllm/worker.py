@@ -4,34 +4,45 @@ vLLM's ``OffloadingConnector`` hands each worker (one per rank) its KV cache as 
 tensors (per layer, ``(num_blocks, page_bytes)`` bytes) and then jobs: ``submit_store`` (engine
 blocks -> pages, by key) and ``submit_load`` (pages -> engine blocks), each answered later by
 ``get_finished``; ``wait`` blocks until given jobs are done (preemption flushes, loads the
-step needs now). Submitting never waits: jobs queue for two threads, one for stores and one
-for loads (expedited loads first).
+step needs now). A job's engine blocks come as vLLM's release line hands them (block ids on
+0.33, pointers on 0.34: ``hicache_vllm.vllm_api``). Submitting never waits: jobs queue for
+two threads, one for stores and one for loads (expedited loads first).
 
 Where the bytes go:
 
-- GPU (CUDA IPC): the daemon copies straight between its pool and the engine's blocks, on its
-  own stream; a store first waits for what the engine's stream enqueued before it was
-  submitted (the session's ready event, recorded at ``submit_store``), a load's call returns
-  once its copies are done. One engine block per page (``blocks_per_chunk`` 1).
+- GPU: the daemon copies straight between its pool and the engine's blocks, on its own
+  stream; a store first waits for what the engine's stream enqueued before it was submitted
+  (the session's ready event, recorded at ``submit_store``), a load's call returns once its
+  copies are done. One engine block per page (``blocks_per_chunk`` 1). The KV cache reaches
+  the daemon as CUDA IPC handles, or, where vLLM 0.34 allocated it as virtual memory (its
+  extensible KV cache, exportable because ``HicachedOffloadingConnector`` declares
+  ``EXPORTS_FD``), as file descriptors of its physical allocations passed over the Unix
+  socket (``hicache_client.cuda``); the worker keeps them for re-opened sessions and closes
+  them at ``shutdown``.
 - CPU: the engine's KV is private memory the daemon cannot map, so the worker keeps a staging
   area of sealed memfds (``staging_blocks`` pages for stores, as many for loads): a store
   gathers the blocks into it and the daemon copies them into its pool; a load is the reverse.
 
-Failure semantics: a job is always reported done (vLLM 0.33's offloading worker asserts that
-it succeeded). A store that fails (daemon down, no space) is dropped and counted: a later
-lookup misses. A load only follows a lookup the daemon holds, so it fails only if the daemon
-dies, hangs or restarts under it, or the keys are removed: it is tried again (the link
-re-opening a session the daemon dropped, reconnecting to a restarted daemon that re-attached
-its pool) until it is loaded, or given up: at once when the daemon answers that the keys are
-not there (or refuses the call for good), else once ``retry_window_s`` has passed since its
-first try. A load given up never passes for loaded (its blocks hold what they held before):
+Failure semantics: every job is reported done. A store that fails (daemon down, no space) is
+dropped and counted: a later lookup misses; where vLLM takes failures (0.34) the job is
+reported failed, so vLLM announces none of its blocks. A load only follows a lookup the
+daemon holds, so it fails only if the daemon dies, hangs or restarts under it, or the keys are
+removed: it is tried again (the link re-opening a session the daemon dropped, reconnecting to
+a restarted daemon that re-attached its pool) until it is loaded, or given up: at once when
+the daemon answers that the keys are not there (or refuses the call for good), else once its
+window has passed since its first try. A load given up never passes for loaded (its blocks
+hold what they held before):
 
-- with ``report_load_errors`` (``hicache_vllm.connector.HicachedOffloadingConnector``, which
-  has vLLM's load-error path) its engine blocks are reported (``take_load_errors``, in the
-  step whose ``get_finished`` reports the job): vLLM recomputes them or fails that request
-  (its ``kv_load_failure_policy``); the window is ``load_retry_s``;
-- without (vLLM's own ``OffloadingConnector``, which cannot be told) the window is the longer
-  of ``load_retry_s`` and the hold (``lookup_hold_ms``), and then ``get_finished`` raises
+- where vLLM takes a failed load (0.34, a load not waited for within the step) it is reported
+  failed (``TransferResult.success = False``): vLLM recomputes the request or fails it (its
+  ``kv_load_failure_policy``); the window is ``load_retry_s``;
+- else with ``report_load_errors`` (``hicache_vllm.connector.HicachedOffloadingConnector``,
+  which adds vLLM's block-level load-error path: every load on 0.33, the waited-for ones on
+  0.34) its engine blocks are reported (``take_load_errors``, in the step whose
+  ``get_finished`` reports the job): vLLM recomputes them or fails that request; the window
+  is ``load_retry_s``;
+- else (vLLM's own ``OffloadingConnector``, which cannot be told) the window is the longer of
+  ``load_retry_s`` and the hold (``lookup_hold_ms``), and then ``get_finished`` raises
   ``LoadFailed``: the engine's step fails and vLLM stops, rather than decode on those blocks.
 
 A load whose call timed out may still be copying on a paused daemon: the round (loaded on a
@@ -57,7 +68,6 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -71,6 +81,7 @@ from hicache_client.pool_setup import BudgetShare
 from hicache_vllm.blocks import HicachedLoadStoreSpec, Job, JobRound
 from hicache_vllm.config import SpecConfig
 from hicache_vllm.namespace import Plan
+from hicache_vllm.vllm_api import Api
 
 log = logging.getLogger("hicache_vllm")
 
@@ -118,16 +129,18 @@ def canonical_layers(kv_caches: CanonicalKVCaches, plan: Plan) -> list[torch.Ten
 
 class HicachedOffloadingWorker(OffloadingWorker):
     def __init__(self, config: SpecConfig, plan: Plan, rank: int,
-                 kv_caches: CanonicalKVCaches, report_load_errors: bool = False) -> None:
+                 kv_caches: CanonicalKVCaches, api: Api,
+                 report_load_errors: bool = False) -> None:
         self.config = config
         self.plan = plan
         self.rank = rank
+        self.api = api
+        """vLLM's release line: how jobs name their blocks, which failures it takes."""
         self.report_load_errors = report_load_errors
-        """The connector reports the blocks of loads given up to vLLM (``take_load_errors``);
-        else a load given up stops the engine (``LoadFailed``)."""
-        self.retry_window_s = (config.load_retry_s if report_load_errors else
-                               max(config.load_retry_s, config.lookup_hold_ms / 1000))
-        """How long after its first try a failed load is given up (the keys gone: at once)."""
+        """The connector reports the blocks of loads given up to vLLM (``take_load_errors``)
+        where vLLM does not take a failed load itself; else such a load given up stops the
+        engine (``LoadFailed``)."""
+        self.kv_caches = kv_caches
         self.layers = canonical_layers(kv_caches, plan)
         num_blocks = int(self.layers[0].shape[0])
         self.on_cuda = self.layers[0].device.type == "cuda"
@@ -138,6 +151,8 @@ class HicachedOffloadingWorker(OffloadingWorker):
         self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
         self._ready: Any = None
         self._staging: Any = None
+        self._device: Any = None
+        """GPU: the KV cache's descriptors (and the fds of virtual memory) handed over."""
         self._slots = config.staging_blocks
         if self.on_cuda:
             handover = self._cuda_handover()
@@ -189,25 +204,37 @@ class HicachedOffloadingWorker(OffloadingWorker):
                                   metadata={"stride": t.stride(0)})
             views.append(t.view(torch.uint8).reshape(-1, 1, self.plan.row_bytes))
         self._ready = ReadyEvent(self.layers[0].device)
-        buffers = CudaDeviceBuffers.from_tensors({"kv": {Role.KV: views}})
-        return Handover(buffers.descriptors, ready_event=self._ready.handle)
+        self._device = CudaDeviceBuffers.from_tensors({"kv": {Role.KV: views}})
+        return Handover(self._device.descriptors, fds=self._device.fds,
+                        ready_event=self._ready.handle)
 
     # -- vLLM's OffloadingWorker ------------------------------------------------------------
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-                     ) -> bool:
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
+        """``src_spec``: the engine's blocks as vLLM's line names them (0.33: a
+        ``GPULoadStoreSpec``, 0.34: ``DevicePointers``)."""
         assert isinstance(dst_spec, HicachedLoadStoreSpec)
-        job = Job.of(dst_spec.keys, src_spec, self.plan.blocks_per_chunk,
-                     getattr(dst_spec, "chain", None))
+        job = Job.of(dst_spec.keys, self.api.device_blocks(src_spec, self.kv_caches),
+                     self.plan.blocks_per_chunk, getattr(dst_spec, "chain", None))
         if self._ready is not None:
             self._ready.record()  # the daemon's copy waits for what the engine enqueued
         return self._submit(self._stores, job_id, job, False)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any,
                     expedited: bool = False) -> bool:
+        """``dst_spec``: the engine's blocks (as for ``submit_store``); ``expedited``: vLLM
+        waits for it within this step."""
         assert isinstance(src_spec, HicachedLoadStoreSpec)
-        job = Job.of(src_spec.keys, dst_spec, self.plan.blocks_per_chunk)
+        job = Job.of(src_spec.keys, self.api.device_blocks(dst_spec, self.kv_caches),
+                     self.plan.blocks_per_chunk, sync=expedited)
         return self._submit(self._loads, job_id, job, expedited)
+
+    def retry_window_s(self, job: Job) -> float:
+        """How long after its first try a failed load is given up (the keys gone: at once):
+        ``load_retry_s`` where vLLM is told of it, else at least the hold."""
+        if self.report_load_errors or self.api.takes_failure(store=False, sync=job.sync):
+            return self.config.load_retry_s
+        return max(self.config.load_retry_s, self.config.lookup_hold_ms / 1000)
 
     def _submit(self, q: collections.deque[tuple[int, Job]], job_id: int, job: Job,
                 first: bool) -> bool:
@@ -263,6 +290,8 @@ class HicachedOffloadingWorker(OffloadingWorker):
         self.link.close()
         if self._staging is not None:
             self._staging.close()
+        if self._device is not None:
+            self._device.close()
         log.info("hicached offloading worker stats (rank %d): %s", self.rank, self.stats)
 
     # -- the transfer threads ---------------------------------------------------------------
@@ -276,23 +305,30 @@ class HicachedOffloadingWorker(OffloadingWorker):
                 job_id, job = q.popleft()
             start = time.monotonic()
             moved = 0
+            stored = True
             failed: tuple[list[int], str] | None = None
             try:
                 if store:
-                    moved = self._store(job)
+                    moved, stored = self._store(job)
                 else:
                     moved, failed = self._load(job)
             except Exception as exc:  # never into vLLM's worker: counted, logged
                 self.stats["load_failures" if not store else "stores_dropped"] += 1
                 log.exception("hicached %s job %d failed", "store" if store else "load",
                               job_id)
+                stored = False
                 if not store:  # nothing of it is known to be loaded
                     failed = ([int(b) for b in job.block_ids], f"{type(exc).__name__}: {exc}")
+            # a failure goes to vLLM where its line takes it; else a load's blocks are told
+            # through the load-error path (or stop the engine: get_finished)
+            success = True
+            if (not stored or failed is not None) and self.api.takes_failure(store, job.sync):
+                success, failed = False, None
             with self._cv:
                 if failed is not None:
                     self._failed[job_id] = failed
                 self._open.discard(job_id)
-                self._finished.append(TransferResult(job_id, True, moved,
+                self._finished.append(TransferResult(job_id, success, moved,
                                                      time.monotonic() - start))
                 self._cv.notify_all()
 
@@ -305,10 +341,11 @@ class HicachedOffloadingWorker(OffloadingWorker):
         bt = self.plan.block_tokens
         return (r.block_ids[:, None] * bt + np.arange(bt, dtype=np.int64)).ravel()
 
-    def _store(self, job: Job) -> int:
+    def _store(self, job: Job) -> tuple[int, bool]:
+        """Bytes moved, and whether every round was stored (else it was dropped)."""
         if not job.whole or not self._link_for_store():
             self.stats["stores_dropped"] += 1
-            return 0
+            return 0, False
         moved = 0
         page_bytes = self.pool.page_bytes
         per = len(job.keys) if self.on_cuda else self._slots
@@ -327,7 +364,7 @@ class HicachedOffloadingWorker(OffloadingWorker):
                 session = self.link.session if self._link_for_store() else None
                 if session is None:
                     self.stats["stores_dropped"] += 1
-                    return moved
+                    return moved, False
                 try:
                     res = session.store(r.keys, tokens,
                                         token_ids=chain.token_ids if chain else None,
@@ -340,12 +377,12 @@ class HicachedOffloadingWorker(OffloadingWorker):
                     if attempt or not is_gone(exc):  # (gone: stored again in a new session)
                         self.stats["stores_dropped"] += 1
                         log.debug("store of %d pages dropped: %s", len(r.keys), exc)
-                        return moved
+                        return moved, False
             self.stats["stores"] += 1
             self.stats["store_pages"] += res.stored
             self.stats["store_no_space"] += res.no_space
             moved += res.stored * page_bytes
-        return moved
+        return moved, True
 
     def _link_for_store(self) -> bool:
         """The link is usable, or becomes so: a session the daemon dropped is being
@@ -358,15 +395,17 @@ class HicachedOffloadingWorker(OffloadingWorker):
         up: the round that failed and every one after it (vLLM recomputes from the first
         block that failed anyway)."""
         moved = 0
+        window = self.retry_window_s(job)
         rounds = list(job.rounds(len(job.keys) if self.on_cuda else self._slots))
         for i, r in enumerate(rounds):
-            why = self._load_round(r)
+            why = self._load_round(r, window)
             if why is not None:
                 blocks = [int(b) for later in rounds[i:] for b in later.block_ids]
                 self.stats["load_failures"] += 1
                 self.stats["load_error_blocks"] += len(blocks)
+                told = self.report_load_errors or self.api.takes_failure(False, job.sync)
                 log.error("hicached load of %d pages given up (%s): %s", len(job.keys), why,
-                          "its blocks are reported to vLLM" if self.report_load_errors
+                          "vLLM is told (it recomputes or fails the request)" if told
                           else "vLLM cannot be told; the engine is stopped")
                 return moved, (blocks, why)
             moved += len(r.block_ids) * self.plan.layer_block_bytes * self.plan.layers
@@ -374,7 +413,7 @@ class HicachedOffloadingWorker(OffloadingWorker):
         self.stats["load_pages"] += len(job.keys)
         return moved, None
 
-    def _load_round(self, r: JobRound) -> str | None:
+    def _load_round(self, r: JobRound, window: float) -> str | None:
         """Load one round, trying again while it may still succeed; None when loaded, else
         why it was given up."""
         tokens = (self._device_tokens(r) if self.on_cuda
@@ -383,7 +422,7 @@ class HicachedOffloadingWorker(OffloadingWorker):
         """Sessions an attempt timed out on: a copy of theirs may still land in these blocks
         (or staging slots), so neither goes back to use before their fence."""
         try:
-            why = self._attempts(r, tokens, suspects)
+            why = self._attempts(r, tokens, suspects, window)
         finally:
             self._await_fences(suspects)
         if why is not None or self.on_cuda:
@@ -395,9 +434,10 @@ class HicachedOffloadingWorker(OffloadingWorker):
             canon.index_copy_(0, ids, stage[lo:lo + len(r.block_ids)])
         return None
 
-    def _attempts(self, r: JobRound, tokens: np.ndarray, suspects: set[str]) -> str | None:
+    def _attempts(self, r: JobRound, tokens: np.ndarray, suspects: set[str],
+                  window: float) -> str | None:
         """Try the round until it loads (None) or is given up (why)."""
-        give_up = time.monotonic() + self.retry_window_s
+        give_up = time.monotonic() + window
         while True:
             session = self.link.session
             exc: HiCacheError
@@ -418,7 +458,7 @@ class HicachedOffloadingWorker(OffloadingWorker):
                 return f"{type(exc).__name__}: {exc}"
             left = give_up - time.monotonic()
             if left <= 0 or self._closed:
-                return (f"not loaded within {self.retry_window_s:.1f}s; last "
+                return (f"not loaded within {window:.1f}s; last "
                         f"{type(exc).__name__}: {exc}")
             self.stats["load_retries"] += 1
             if self.link.usable:  # a refusal of the moment: a pause before the next try

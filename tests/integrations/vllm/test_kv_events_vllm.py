@@ -1,7 +1,7 @@
-"""The daemon's KV event stream read with vLLM 0.33's own decoder: ``vllm.distributed.
+"""The daemon's KV event stream read with each vLLM release's own decoder: ``vllm.distributed.
 kv_events.KVEventBatch``, imported in a process of its own with ``VLLM_TARGET_DEVICE=cpu``
-from the directory the test set-up installs vLLM's code into (``.vllm-0.33.0``, never the
-environment: SGLang changes its paths when it finds vLLM installed). Every message a real
+from the directory the test set-up installs that release's code into (``.vllm-<release>``,
+never the environment: SGLang changes its paths when it finds vLLM installed). Every message a real
 daemon sent for stores with tokens, an eviction, a removal and a clear decodes there to the
 same events SGLang's decoder reads.
 """
@@ -16,19 +16,13 @@ import time
 from pathlib import Path
 
 import msgspec
-import pytest
 import zmq
 from sglang.srt.disaggregation.kv_events import KVEventBatch
 
-from tests.daemon_proc import REPO, start_daemon
+from tests.daemon_proc import start_daemon
 from tests.kv_event_follower import END
 from tests.kv_event_workers import PS, SPEC, Worker, chain, kv_args
-
-VLLM = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / ".vllm-0.33.0"))
-if not (VLLM / ".complete").exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"vLLM's code is not in {VLLM}: scripts/setup.sh --test puts it there")
-    pytest.skip(f"vLLM's code is not in {VLLM} (scripts/setup.sh --test)", allow_module_level=True)
+from tests.vllm_runs import CORE, vllm_dir
 
 DECODE = """
 import json, sys
@@ -61,7 +55,8 @@ def everything(replay_endpoint: str) -> list[bytes]:
         sock.close()
 
 
-def test_vllms_decoder_reads_what_sglangs_reads(tmp_path: Path) -> None:
+@CORE
+def test_vllms_decoder_reads_what_sglangs_reads(tmp_path: Path, vllm: str) -> None:
     d = start_daemon(tmp_path, *kv_args(tmp_path))
     w = Worker(d)
     try:
@@ -83,7 +78,7 @@ def test_vllms_decoder_reads_what_sglangs_reads(tmp_path: Path) -> None:
     got = subprocess.run(
         [sys.executable, "-c", DECODE], input="\n".join(p.hex() for p in payloads),
         capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "PYTHONPATH": str(VLLM), "VLLM_TARGET_DEVICE": "cpu"})
+        env={**os.environ, "PYTHONPATH": str(vllm_dir(vllm)), "VLLM_TARGET_DEVICE": "cpu"})
     assert got.returncode == 0, got.stderr[-3000:]
     theirs = json.loads(got.stdout)
     sglang = msgspec.msgpack.Decoder(type=KVEventBatch)

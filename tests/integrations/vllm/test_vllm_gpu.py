@@ -59,6 +59,7 @@ def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -
     from hicache_vllm.blocks import HicachedLoadStoreSpec
     from hicache_vllm.config import SpecConfig
     from hicache_vllm.namespace import Plan
+    from hicache_vllm.vllm_api import Api034, current
     from hicache_vllm.worker import HicachedOffloadingWorker
 
     config = SpecConfig(target=daemon.target)
@@ -68,7 +69,18 @@ def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -
         tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE) for t in layers],
         group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE)
                           for i in range(LAYERS)]])
-    worker = HicachedOffloadingWorker(config, plan, 0, kv)
+    api = current()
+    worker = HicachedOffloadingWorker(config, plan, 0, kv, api)
+
+    def device(ids: list[int]) -> object:
+        """The engine's blocks as this vLLM release's connector hands them to the worker."""
+        spec = GPULoadStoreSpec(ids, [len(ids)], [0])
+        if isinstance(api, Api034):
+            from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+            return resolve_device_pointers(spec, kv)
+        return spec
+
     try:
         end = time.monotonic() + 60
         while not worker.link.usable:
@@ -82,7 +94,7 @@ def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -
             torch.cuda._sleep(200_000_000)  # the engine's stream busy: the blocks written late
             for t in layers:
                 t[src] = torch.randint(-128, 128, (N, PAGE), dtype=torch.int8, device="cuda")
-            worker.submit_store(1, GPULoadStoreSpec(src, [N], [0]), HicachedLoadStoreSpec(keys))
+            worker.submit_store(1, device(src), HicachedLoadStoreSpec(keys))
         worker.wait({1})
         engine.synchronize()
         want = [t[src].clone() for t in layers]
@@ -91,7 +103,7 @@ def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -
         for t in layers:
             t.zero_()
         torch.cuda.synchronize()
-        worker.submit_load(2, HicachedLoadStoreSpec(keys), GPULoadStoreSpec(dst, [N], [0]))
+        worker.submit_load(2, HicachedLoadStoreSpec(keys), device(dst))
         worker.wait({2})
         done = {r.job_id: r.success for r in worker.get_finished()}
         assert done == {1: True, 2: True}

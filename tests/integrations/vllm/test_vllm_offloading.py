@@ -1,7 +1,9 @@
-"""hicached as vLLM 0.33's KV offloading backend, end to end on CPU: vLLM's own ``Scheduler``
-and ``OffloadingConnector`` (both roles) load ``hicache_vllm.spec`` by module path and drive it
-against a real ``hicached serve``; the engines run in processes of their own with vLLM's code
-from ``.vllm-0.33.0`` (``tests/vllm_harness.py``, ``tests/scenarios_vllm.py``).
+"""hicached as vLLM's KV offloading backend, end to end on CPU: vLLM's own ``Scheduler`` and
+``OffloadingConnector`` (both roles) load ``hicache_vllm.spec`` by module path and drive it
+against a real ``hicached serve``; the engines run in processes of their own with a vLLM
+release's code from ``.vllm-<release>`` (``tests/vllm_harness.py``,
+``tests/scenarios_vllm.py``). Every scenario runs on the newest release served (0.34); the
+core ones (``CORE``: store, hit, load exact, restart) on every release (0.33 too).
 
 Every load is checked into KV zeroed first, against rows derived from each token's whole
 prefix: a page in the wrong block, a stale page or a partial copy fails.
@@ -19,7 +21,7 @@ import pytest
 from hicache_client import HiCacheClient
 from tests.daemon_proc import REPO, DaemonProc, Daemons, start_daemon
 from tests.vllm_harness import model_dir
-from tests.vllm_runs import BS, CLEAN, engine, result, results, run, wait_file
+from tests.vllm_runs import BS, CLEAN, CORE, RELEASES, engine, result, results, run, wait_file
 
 
 @pytest.fixture
@@ -37,9 +39,11 @@ def vllm_pools(target: str) -> dict[str, int]:
         return {p.spec.name: p.keys for p in c.list_pools() if p.spec.name.startswith("vllm-")}
 
 
+@CORE
 def test_a_prompt_stored_comes_back_exact_after_a_prefix_cache_reset(daemon: DaemonProc,
-                                                                      model: str) -> None:
-    got = run("store_reset_reload", model=model, target=daemon.target, blocks=5)
+                                                                      model: str,
+                                                                      vllm: str) -> None:
+    got = run("store_reset_reload", vllm=vllm, model=model, target=daemon.target, blocks=5)
     assert got["first"] == CLEAN
     assert got["miss_scheduled_at_once"]  # a miss costs the request no step
     assert got["stored"]["store_pages"] == 5
@@ -124,12 +128,14 @@ def test_preemption_flushes_stores_and_every_request_ends_exact(daemon: DaemonPr
     assert got["worker"]["store_pages"] >= 8 and got["worker"]["load_failures"] == 0
 
 
+@CORE
 def test_a_killed_daemon_means_misses_then_hits_again_after_its_restart(
-        tmp_path: Path, model: str) -> None:
+        tmp_path: Path, model: str, vllm: str) -> None:
     sync = tmp_path / "sync"
     sync.mkdir()
     d = start_daemon(tmp_path)
-    proc = engine("daemon_restart", model=model, target=d.target, sync_dir=str(sync))
+    proc = engine("daemon_restart", vllm=vllm, model=model, target=d.target,
+                  sync_dir=str(sync))
     try:
         wait_file(sync / "stored", proc)
         d.stop(signal.SIGKILL)
@@ -200,11 +206,14 @@ def test_a_hit_is_held_through_another_writer_filling_the_pool(daemon: DaemonPro
 @pytest.mark.parametrize("touch", [False, True])
 def test_blocks_vllm_touches_are_the_last_the_daemon_evicts(daemon: DaemonProc, model: str,
                                                             touch: bool) -> None:
-    """vLLM 0.33's connector never calls ``touch`` (its tiering manager does): called as it
-    would be, the touched blocks outlive the ones stored after them; untouched, the oldest
-    go first, the tail of a chain before its head (the daemon's ``reuse`` eviction), so what
-    is left of it still hits. The scheduler's thread only queues the touch."""
-    got = run("touch_keeps_pages", model=model, target=daemon.target, touch=touch)
+    """vLLM 0.33's manager API has ``touch`` (0.34's has not: there the manager is never
+    told of the engine's own prefix hits), though its connector never calls it (its tiering
+    manager does): called as it would be, the touched blocks outlive the ones stored after
+    them; untouched, the oldest go first, the tail of a chain before its head (the daemon's
+    ``reuse`` eviction), so what is left of it still hits. The scheduler's thread only queues
+    the touch."""
+    got = run("touch_keeps_pages", vllm=RELEASES[-1], model=model, target=daemon.target,
+              touch=touch)
     assert got["filled"] == 10
     kept, gone = "01" * 4, "01" * 2 + "00" * 2
     assert (got["a"], got["b"]) == ((kept, gone) if touch else (gone, kept))
@@ -343,9 +352,9 @@ def test_a_scenario_runs_in_a_test_process_holding_more_files_than_select_can_wa
     try:
         from tests import vllm_runs
 
-        if vllm_runs._zygote is not None:  # the next zygote's pipe opens above them
-            vllm_runs._zygote.close()
-            vllm_runs._zygote = None
+        for zygote in vllm_runs._zygotes.values():  # the next zygote's pipe opens above them
+            zygote.close()
+        vllm_runs._zygotes.clear()
         assert run("whoami")["threads"] == 1
     finally:
         for fd in held:
