@@ -1,6 +1,7 @@
 """vLLM offloading benchmark: what hicached's spec adds over the raw client calls, side by side.
 
-vLLM 0.33's own ``Scheduler`` and ``OffloadingConnector`` (both roles, CPU) with
+vLLM's own ``Scheduler`` and ``OffloadingConnector`` (both roles, CPU; the newest release
+served, or ``--vllm RELEASE``) with
 ``hicache_vllm.spec`` against a daemon process on a Unix socket (``tests/vllm_harness.py``'s
 engine, its stand-in forward switched off: no compute is timed). For a 64-block prefix already
 in the daemon, alternating, medians of N:
@@ -30,8 +31,8 @@ Two geometries: ``large`` (32 layers, 8 KV heads x 128, bf16, block 16: 128 MiB 
 and ``small`` (4 layers, 2 heads x 64, fp32, block 16: per-call costs dominate). Bytes are
 checked once per geometry (KV zeroed first).
 
-Run: ``python benchmarks/bench_vllm.py [--quick] [--json FILE]`` (it runs itself with vLLM's
-code from ``.vllm-0.33.0``, as the tests do).
+Run: ``python benchmarks/bench_vllm.py [--quick] [--vllm RELEASE] [--json FILE]`` (it runs
+itself with that release's code from ``.vllm-<release>``, as the tests do).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM = Path(os.environ.get("HICACHED_VLLM_DIR", REPO / ".vllm-0.33.0"))
 BLOCKS = 64
 GEOMETRIES: dict[str, dict[str, Any]] = {
     "large": {"layers": 32, "heads": 8, "head_size": 128, "dtype": "bfloat16"},
@@ -57,12 +57,13 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _reexec() -> None:
-    """Run again with vLLM's code on the path, as the tests run their engines."""
-    if not (VLLM / ".complete").exists():
-        sys.exit(f"vLLM's code is not in {VLLM}: bash scripts/test.sh (or scripts/setup.sh "
+def _reexec(release: str) -> None:
+    """Run again with that vLLM release's code on the path, as the tests run their engines."""
+    vllm = REPO / f".vllm-{release}"
+    if not (vllm / ".complete").exists():
+        sys.exit(f"vLLM's code is not in {vllm}: bash scripts/test.sh (or scripts/setup.sh "
                  "--test) puts it there")
-    env = dict(os.environ, PYTHONPATH=f"{VLLM}:{REPO}", VLLM_TARGET_DEVICE="cpu",
+    env = dict(os.environ, PYTHONPATH=f"{vllm}:{REPO}", VLLM_TARGET_DEVICE="cpu",
                HF_HUB_OFFLINE="1", HICACHED_BENCH_VLLM="1")
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
@@ -130,6 +131,18 @@ class Bench:
         return list(self.e._blocks[rid])
 
 
+def device_side(spec: Any, kv_caches: Any) -> Any:
+    """The engine's blocks as this vLLM release's connector hands them to the worker: the
+    ``GPULoadStoreSpec`` (0.33), or the ``DevicePointers`` vLLM resolves from it (0.34)."""
+    from hicache_vllm.vllm_api import Api034, current
+
+    if isinstance(current(), Api034):
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+        return resolve_device_pointers(spec, kv_caches)
+    return spec
+
+
 def run_geometry(name: str, target: str, model: str, reps: int) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -193,8 +206,8 @@ def run_geometry(name: str, target: str, model: str, reps: int) -> dict[str, Any
         assert all(a.name == "HIT" for a in answers), answers
         spec = manager.prepare_load(keys, ctx)
         job = next(jobs)
-        worker.submit_load(job, spec, GPULoadStoreSpec(dst.tolist(), group_sizes=[BLOCKS],
-                                                       block_indices=[0]))
+        worker.submit_load(job, spec, device_side(GPULoadStoreSpec(
+            dst.tolist(), group_sizes=[BLOCKS], block_indices=[0]), worker.kv_caches))
         worker.wait({job})
         mine(job)
         manager.complete_load(keys, ctx)
@@ -245,8 +258,9 @@ def run_geometry(name: str, target: str, model: str, reps: int) -> dict[str, Any
         out = manager.prepare_store(new, ctx)
         assert out is not None
         job = next(jobs)
-        worker.submit_store(job, GPULoadStoreSpec(dst.tolist(), group_sizes=[BLOCKS],
-                                                  block_indices=[0]), out.store_spec)
+        worker.submit_store(job, device_side(GPULoadStoreSpec(
+            dst.tolist(), group_sizes=[BLOCKS], block_indices=[0]), worker.kv_caches),
+            out.store_spec)
         worker.wait({job})
         mine(job)
         manager.complete_store(new, ctx)
@@ -287,9 +301,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="5 repetitions, small geometry only")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default="")
+    ap.add_argument("--vllm", default="",
+                    help="the vLLM release (default: the newest hicache.engines tests)")
     args = ap.parse_args()
     if not os.environ.get("HICACHED_BENCH_VLLM"):
-        _reexec()
+        from hicache import engines
+
+        _reexec(args.vllm or engines.lines("vllm")[-1].tested)
     sys.path.insert(0, str(REPO))
     from hicache_bench.daemon import start_daemon
     from tests.vllm_harness import model_dir
@@ -307,7 +325,10 @@ def main() -> None:
         proc.wait(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    print(f"vLLM 0.33 offloading through hicached, {BLOCKS}-block prefix, medians")
+    from importlib import metadata
+
+    print(f"vLLM {metadata.version('vllm')} offloading through hicached, {BLOCKS}-block "
+          "prefix, medians")
     for r in results:
         ms = r["load_ms"]
         print(f"[{r['geometry']}] page {r['page_bytes'] / 1024:.0f} KiB: load connector "

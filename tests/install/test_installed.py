@@ -342,20 +342,24 @@ def test_the_sglang_linker_loads_by_the_readmes_dotted_path(engine_env: Env,
     assert got["sglang"] == "0.5.23"
 
 
+@pytest.mark.parametrize("vllm", ["0.33.0", "0.34.0"])
 def test_the_vllm_spec_and_connector_load_by_the_readmes_module_paths(
-        engine_env: Env, tmp_path: Path) -> None:
-    """vLLM's own parser reads the README's ``vllm serve`` line; its connector and
-    offloading-spec factories load hicached's classes from the engine environment."""
+        engine_env: Env, tmp_path: Path, vllm: str) -> None:
+    """vLLM's own parser (each release served) reads the README's ``vllm serve`` line; its
+    connector and offloading-spec factories load hicached's classes from the engine
+    environment."""
     import shlex
 
     from tests.vllm_harness import model_dir
-    from tests.vllm_runs import VLLM, vllm_env
+    from tests.vllm_runs import RELEASES, vllm_dir, vllm_env
+
+    assert vllm in RELEASES
 
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```bash\n(.*?)```", section, re.S)
     argv = shlex.split(block.replace("\\\n", " "))
-    env = engine_env.environ(**{k: v for k, v in vllm_env().items()
+    env = engine_env.environ(**{k: v for k, v in vllm_env(vllm).items()
                                 if k in ("PYTHONPATH", "VLLM_TARGET_DEVICE", "HF_HUB_OFFLINE")})
     done = engine_env.run([str(engine_env.python), "-m", "tests.vllm_harness", "parse_serve",
                            json.dumps({"argv": argv, "model": str(model_dir(tmp_path))})],
@@ -367,7 +371,7 @@ def test_the_vllm_spec_and_connector_load_by_the_readmes_module_paths(
     assert got["connector_class"] == "hicache_vllm.connector.HicachedOffloadingConnector"
     for key in ("spec_file", "connector_file"):
         assert got[key].startswith(str(engine_env.root)), got
-    assert got["vllm"] == "0.33.0" and got["vllm_file"].startswith(str(VLLM)), got
+    assert got["vllm"] == vllm and got["vllm_file"].startswith(str(vllm_dir(vllm))), got
 
 
 @pytest.fixture(scope="module")

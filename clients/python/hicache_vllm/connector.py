@@ -1,14 +1,19 @@
-"""``HicachedOffloadingConnector``: vLLM's ``OffloadingConnector`` with its load-error path.
+"""``HicachedOffloadingConnector``: vLLM's ``OffloadingConnector`` with its load-error path and,
+on vLLM 0.34, the GPU KV cache declared exportable.
 
 vLLM 0.33's ``OffloadingConnector`` cannot be told that a load failed (its worker asserts each
-job's success, and it does not implement ``get_block_ids_with_load_errors``). vLLM's scheduler
-can: a connector that reports the engine blocks a load did not fill has them recomputed, or
-fails only the requests that needed them (``kv_load_failure_policy``: "recompute" or, vLLM's
-default, "fail"), for asynchronous and synchronous loads alike, the rest of the batch
-untouched. This connector is vLLM's own with that one method added: the spec's worker
-(``hicache_vllm.worker``) reports the job done and names its blocks here, in the step that
-reports the job. It also hands the manager each new request (``follow``), so that the pages
-stored are told with their tokens and parent key (routers that match tokens find them).
+job's success, and it does not implement ``get_block_ids_with_load_errors``); 0.34's takes a
+failed asynchronous load (``TransferResult.success = False``) but not a synchronous one, whose
+request already ran on the blocks. vLLM's scheduler can be told in both: a connector that
+reports the engine blocks a load did not fill has them recomputed, or fails only the requests
+that needed them (``kv_load_failure_policy``: "recompute" or, vLLM's default, "fail"), the
+rest of the batch untouched. This connector is vLLM's own with that one method added: the
+spec's worker (``hicache_vllm.worker``) reports the job done and names its blocks here, in the
+step that reports the job, wherever vLLM does not take the failure itself. It also hands the
+manager each new request (``follow``), so that the pages stored are told with their tokens
+and parent key (routers that match tokens find them), and answers vLLM 0.34's
+``kv_cache_access``: on GPUs the KV cache is handed to the daemon, another process
+(``EXPORTS_FD``, or ``LEGACY_IPC`` with ``cuda_sharing`` ``legacy_ipc``).
 Loaded by module path::
 
     --kv-transfer-config '{"kv_connector": "HicachedOffloadingConnector",
