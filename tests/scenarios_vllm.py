@@ -830,3 +830,38 @@ def refused_at_start(model: str, target: str, connector: str = "plain", **kw: An
                 "reason": getattr(exc, "reason", ""), "metadata": getattr(exc, "metadata", {}),
                 "message": str(exc)}
     return {"vllm": metadata.version("vllm"), "type": ""}
+
+
+def kv_cache_access(target: str) -> dict[str, Any]:
+    """What ``HicachedOffloadingConnector`` declares to this vLLM about its KV cache, for each
+    ``cuda_sharing``: on this CPU host, and as on a CUDA host (vLLM's platform asked
+    ``is_cuda``, answered yes: the only stand-in, there is no GPU here)."""
+    from vllm.config import KVTransferConfig
+    from vllm.platforms import current_platform
+
+    from hicache_vllm.connector import HicachedOffloadingConnector
+
+    def declared(extra: dict[str, Any]) -> str:
+        kv = KVTransferConfig(kv_connector="HicachedOffloadingConnector",
+                              kv_connector_module_path="hicache_vllm.connector",
+                              kv_role="kv_both", kv_connector_extra_config=extra)
+        try:
+            got = HicachedOffloadingConnector.kv_cache_access(kv)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {getattr(exc, 'reason', '')}: {exc}"
+        return "" if got is None else str(getattr(got, "name", got))
+
+    cases = {"default": {"target": target}, "fd": {"target": target, "cuda_sharing": "fd"},
+             "legacy_ipc": {"target": target, "cuda_sharing": "legacy_ipc"},
+             "fd_over_tcp": {"target": "127.0.0.1:50051"},
+             "legacy_ipc_over_tcp": {"target": "127.0.0.1:50051", "cuda_sharing": "legacy_ipc"},
+             "bad": {"target": target, "cuda_sharing": "auto"}}
+    out: dict[str, Any] = {"cpu": {k: declared(v) for k, v in cases.items()}}
+    platform = type(current_platform)
+    real = platform.is_cuda
+    platform.is_cuda = classmethod(lambda cls: True)  # type: ignore[assignment,method-assign]
+    try:
+        out["cuda"] = {k: declared(v) for k, v in cases.items()}
+    finally:
+        platform.is_cuda = real  # type: ignore[method-assign]
+    return out

@@ -1,5 +1,6 @@
-"""vLLM integration: ``hicache_vllm.spec.HicachedOffloadingSpec``, an offloading spec for
-vLLM 0.33's ``OffloadingConnector`` backed by the hicached daemon.
+"""vLLM integration: ``hicache_vllm.spec.HicachedOffloadingSpec``, an offloading spec for the
+``OffloadingConnector`` of vLLM 0.33.x and 0.34.x (``hicache.engines``) backed by the hicached
+daemon.
 
 - ``hicache_vllm.spec``: the spec vLLM loads by module path.
 - ``hicache_vllm.connector``: ``HicachedOffloadingConnector``, vLLM's ``OffloadingConnector``
@@ -10,8 +11,12 @@ vLLM 0.33's ``OffloadingConnector`` backed by the hicached daemon.
 - ``hicache_vllm.manager``: the scheduler-side manager.
 - ``hicache_vllm.stats``: the manager's counts as vLLM's offloading metrics.
 - ``hicache_vllm.blocks``: the blocks of one transfer.
-- ``hicache_vllm.worker``: the worker-side transfers (CUDA IPC on GPUs, staging on CPU).
+- ``hicache_vllm.worker``: the worker-side transfers (CUDA IPC or VMM fds on GPUs, staging on
+  CPU).
+- ``hicache_vllm.vllm_api``: what differs between vLLM's release lines, one adapter each.
+- ``hicache_vllm.served``: the installed vLLM checked against the table (imported first).
 
-Importing this package does not import vLLM, torch or gRPC; the modules above do (config and
-namespace import neither vLLM nor torch).
+Importing this package does not import vLLM, torch or gRPC; the modules above do (config,
+namespace and served import neither vLLM nor torch; vllm_api imports vLLM only in its
+adapters' methods).
 """

@@ -59,18 +59,20 @@ class SpecConfig(EngineConfig):
     staging_blocks: int = 256
     """CPU workers: offloaded blocks one transfer moves at once through the worker's staging
     buffers (one area for stores, one for loads); larger jobs go in rounds."""
-    cuda_sharing: str = "auto"
+    cuda_sharing: str = "fd"
     """GPU workers on vLLM 0.34: how vLLM's KV cache reaches the daemon. ``"fd"``: vLLM keeps
     its default extensible KV cache (virtual memory), exportable because
     ``HicachedOffloadingConnector`` declares ``KVCacheAccess.EXPORTS_FD``; its physical
-    allocations travel as file descriptors over the daemon's Unix socket. ``"legacy_ipc"``:
-    the connector declares ``LEGACY_IPC``, vLLM turns its extensible KV cache off and the
-    worker shares CUDA IPC handles (for a daemon reached over TCP, where no fd travels, or
-    an engine that sets ``kv_cache_memory_bytes`` / ``num_gpu_blocks_override``, which the
-    extensible cache refuses). ``"auto"``: ``fd`` on a Unix socket, ``legacy_ipc`` over TCP.
-    vLLM 0.33 always shares CUDA IPC handles; CPU workers stage (no sharing to choose)."""
+    allocations travel as file descriptors over the daemon's Unix socket (a ``target`` over
+    TCP, where no fd travels, is refused at start). ``"legacy_ipc"``, the fallback: the
+    connector declares ``LEGACY_IPC``, vLLM turns its extensible KV cache off (and sizes the
+    cache from profiling estimates) and the worker shares CUDA IPC handles: for a daemon
+    reached over TCP, or an engine that sets what the extensible cache refuses
+    (``--no-enable-extensible-kv-cache``, ``kv_cache_memory_bytes``,
+    ``num_gpu_blocks_override``). vLLM 0.33 always shares CUDA IPC handles; CPU workers stage
+    (nothing to choose)."""
 
-    SHARINGS: ClassVar[tuple[str, ...]] = ("auto", "fd", "legacy_ipc")
+    SHARINGS: ClassVar[tuple[str, ...]] = ("fd", "legacy_ipc")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,13 +83,6 @@ class SpecConfig(EngineConfig):
         self.check(self.lookup_hold_ms >= 100, "lookup_hold_ms", self.lookup_hold_ms,
                    ">= 100 (a hit vLLM loads must be held)")
         self.check(self.staging_blocks >= 1, "staging_blocks", self.staging_blocks, ">= 1")
-
-    @property
-    def sharing(self) -> str:
-        """``cuda_sharing`` resolved: ``fd`` or ``legacy_ipc``."""
-        if self.cuda_sharing != "auto":
-            return self.cuda_sharing
-        return "fd" if self.target.startswith("unix:") else "legacy_ipc"
 
     @classmethod
     def from_extra(cls, extra: Any) -> SpecConfig:

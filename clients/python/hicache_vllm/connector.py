@@ -77,7 +77,7 @@ class HicachedOffloadingConnector(OffloadingConnector):
         IPC handles (``LEGACY_IPC``: vLLM turns the extensible cache off). On the CPU the
         workers copy through their own staging buffers (``IN_PROCESS``)."""
         config = SpecConfig.from_extra(kv_transfer_config.kv_connector_extra_config)
-        return current().kv_cache_access(config.sharing)
+        return current().kv_cache_access(config)
 
     def on_new_request(self, request: Any) -> None:
         """vLLM's: the manager follows the request too (its stores then say their pages'

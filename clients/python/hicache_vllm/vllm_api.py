@@ -28,7 +28,7 @@ Primitives:
 - ``GroupBlocks(group, block_ids, first)``: one KV cache group's blocks of a job.
 - ``Api``: what every line provides: ``line`` (the ``hicache.engines.Line``),
   ``device_blocks(device, kv_caches)``, ``takes_failure(store, sync)``,
-  ``kv_cache_access(sharing)``, ``stored_event(keys, medium, req_context)``; ``Api033``,
+  ``kv_cache_access(config)``, ``stored_event(keys, medium, req_context)``; ``Api033``,
   ``Api034``.
 - ``current()``: the adapter of the installed vLLM, checked against ``hicache.engines``
   (``SPEC_INVALID`` naming its version when it is not served). This module imports vLLM only
@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 
 from hicache import engines
+from hicache.errors import SpecInvalid
+from hicache_vllm.config import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Api:
         (else it asserts success, or stops the engine)."""
         raise NotImplementedError
 
-    def kv_cache_access(self, sharing: str) -> Any:
+    def kv_cache_access(self, config: SpecConfig) -> Any:
         """What the connector declares to vLLM (``KVConnectorBase_V1.kv_cache_access``) for
         the spec's ``cuda_sharing``; None where the line has no such declaration."""
         return None
@@ -149,13 +151,22 @@ class Api034(Api):
     def takes_failure(self, store: bool, sync: bool) -> bool:
         return store or not sync
 
-    def kv_cache_access(self, sharing: str) -> Any:
+    def kv_cache_access(self, config: SpecConfig) -> Any:
         from vllm.config.kv_transfer import KVCacheAccess
         from vllm.platforms import current_platform
 
         if not current_platform.is_cuda():  # CPU: the KV cache is the engine's own memory
             return KVCacheAccess.IN_PROCESS
-        return KVCacheAccess.LEGACY_IPC if sharing == "legacy_ipc" else KVCacheAccess.EXPORTS_FD
+        if config.cuda_sharing == "legacy_ipc":
+            return KVCacheAccess.LEGACY_IPC
+        if not config.target.startswith("unix:"):
+            raise SpecInvalid(
+                f"{config.SECTION}.cuda_sharing \"fd\" hands vLLM's KV cache to the daemon "
+                "as file descriptors, which travel only over its Unix socket; target "
+                f"{config.target[:200]!r} is not one: set \"cuda_sharing\": \"legacy_ipc\" "
+                "(vLLM then turns its extensible KV cache off), or reach the daemon on its "
+                "Unix socket", metadata={"field": "cuda_sharing", "target": config.target[:200]})
+        return KVCacheAccess.EXPORTS_FD
 
     def stored_event(self, keys: list[Any], medium: Any, req_context: Any) -> Any:
         from vllm.v1.kv_offload.base import OffloadingEvent

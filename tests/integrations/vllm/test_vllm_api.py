@@ -66,3 +66,26 @@ def test_a_vllm_outside_the_table_stops_at_start_naming_its_version(
     assert got["metadata"] == {"engine": "vllm", "installed": "0.35.0",
                                "supported": "0.33.x, 0.34.x"}
     assert "vLLM 0.35.0 is not served" in got["message"]
+
+
+@CORE
+def test_the_connector_declares_the_kv_cache_access_the_spec_needs(vllm: str) -> None:
+    """vLLM 0.34 asks the connector how its workers reach the device KV cache before it
+    allocates it: on GPUs the daemon, another process, imports it by fd (EXPORTS_FD: vLLM keeps
+    its extensible KV cache, exportable), or by legacy CUDA IPC when the user asks
+    (LEGACY_IPC: vLLM turns the extensible cache off); fds travel only over the Unix socket,
+    so fd with a TCP target stops the start, saying what to set. On the CPU the workers copy
+    through their own staging (IN_PROCESS). vLLM 0.33 never asks (no such declaration)."""
+    got = run("kv_cache_access", vllm=vllm, target="unix:/run/hicached/hicached.sock")
+    bad = got["cpu"]["bad"]
+    assert bad.startswith("SpecInvalid: SPEC_INVALID") and "cuda_sharing" in bad
+    if not reports_failures(vllm):  # 0.33
+        assert {k for k, v in got["cuda"].items() if v} == {"bad"}
+        return
+    assert got["cpu"] == {**dict.fromkeys(["default", "fd", "legacy_ipc", "fd_over_tcp",
+                                           "legacy_ipc_over_tcp"], "IN_PROCESS"), "bad": bad}
+    cuda = got["cuda"]
+    assert cuda["default"] == cuda["fd"] == "EXPORTS_FD"
+    assert cuda["legacy_ipc"] == cuda["legacy_ipc_over_tcp"] == "LEGACY_IPC"
+    assert cuda["fd_over_tcp"].startswith("SpecInvalid: SPEC_INVALID"), cuda["fd_over_tcp"]
+    assert "legacy_ipc" in cuda["fd_over_tcp"] and "Unix socket" in cuda["fd_over_tcp"]

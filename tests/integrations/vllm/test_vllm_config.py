@@ -60,6 +60,9 @@ def test_defaults_and_vllms_own_keys_pass_over() -> None:
     ({"namespace": 7}, "namespace"),
     ({"target": ""}, "target"),
     ({"canonical_layout": True}, "canonical_layout"),
+    ({"cuda_sharing": "auto"}, "cuda_sharing"),
+    ({"cuda_sharing": "ipc"}, "cuda_sharing"),
+    ({"cuda_sharing": 1}, "cuda_sharing"),
 ])
 def test_bad_or_unknown_settings_are_refused_naming_the_field(extra: dict[str, Any],
                                                               field: str) -> None:
