@@ -169,3 +169,41 @@ def test_device_pools_hicached_cannot_hold_are_refused_at_start() -> None:
         with pytest.raises(SpecInvalid) as exc:
             DevicePool.from_kvcache(bad)
         assert why in str(exc.value)
+
+
+REFUSED = """
+import json, sys
+from sglang.srt.mem_cache.unified_cache import linker_factory
+try:
+    linker_factory.create_unified_cache_linker(
+        None, None, backend="dynamic", components=set(),
+        config={"linker": "HicachedLinker", "linker_module_path": "hicache_sglang.linker",
+                "linker_extra_config": {}})
+except Exception as exc:
+    print(json.dumps({"type": type(exc).__name__, "reason": getattr(exc, "reason", ""),
+                      "metadata": getattr(exc, "metadata", {}), "message": str(exc)}))
+"""
+
+
+def test_an_sglang_outside_the_table_stops_where_it_loads_the_linker(tmp_path: Path) -> None:
+    """SGLang 0.5.24 as a user would have it installed (its distribution's metadata first on
+    the path, the code the one served): SGLang's own linker factory, loading the linker by
+    the README's dotted path, stops with SPEC_INVALID naming the version and what is served,
+    before the linker touches anything."""
+    require_module("sglang", "sglang==0.5.23 (scripts/setup.sh --test)")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    dist = tmp_path / "site" / "sglang-0.5.24.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.24\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    out = subprocess.run([sys.executable, "-c", REFUSED], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert (got["type"], got["reason"]) == ("SpecInvalid", "SPEC_INVALID"), got
+    assert got["metadata"] == {"engine": "sglang", "installed": "0.5.24", "supported": "0.5.23"}
+    assert "SGLang 0.5.24 is not served" in got["message"]
