@@ -131,23 +131,13 @@ class Bench:
         return list(self.e._blocks[rid])
 
 
-def device_side(spec: Any, kv_caches: Any) -> Any:
-    """The engine's blocks as this vLLM release's connector hands them to the worker: the
-    ``GPULoadStoreSpec`` (0.33), or the ``DevicePointers`` vLLM resolves from it (0.34)."""
-    from hicache_vllm.vllm_api import Api034, current
-
-    if isinstance(current(), Api034):
-        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
-
-        return resolve_device_pointers(spec, kv_caches)
-    return spec
-
-
 def run_geometry(name: str, target: str, model: str, reps: int) -> dict[str, Any]:
     import numpy as np
     import torch
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from hicache_vllm.vllm_api import current
 
     b = Bench(name, target, model)
     e, manager, worker = b.e, b.manager, b.worker
@@ -206,7 +196,7 @@ def run_geometry(name: str, target: str, model: str, reps: int) -> dict[str, Any
         assert all(a.name == "HIT" for a in answers), answers
         spec = manager.prepare_load(keys, ctx)
         job = next(jobs)
-        worker.submit_load(job, spec, device_side(GPULoadStoreSpec(
+        worker.submit_load(job, spec, current().device_side(GPULoadStoreSpec(
             dst.tolist(), group_sizes=[BLOCKS], block_indices=[0]), worker.kv_caches))
         worker.wait({job})
         mine(job)
@@ -258,7 +248,7 @@ def run_geometry(name: str, target: str, model: str, reps: int) -> dict[str, Any
         out = manager.prepare_store(new, ctx)
         assert out is not None
         job = next(jobs)
-        worker.submit_store(job, device_side(GPULoadStoreSpec(
+        worker.submit_store(job, current().device_side(GPULoadStoreSpec(
             dst.tolist(), group_sizes=[BLOCKS], block_indices=[0]), worker.kv_caches),
             out.store_spec)
         worker.wait({job})

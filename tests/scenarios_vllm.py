@@ -749,12 +749,7 @@ def device_blocks() -> dict[str, Any]:
                           for i in (3, 4)]])
 
     def side(ids: list[int], sizes: list[int], firsts: list[int]) -> Any:
-        spec = GPULoadStoreSpec(ids, sizes, firsts)
-        if isinstance(api, Api034):
-            from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
-
-            return resolve_device_pointers(spec, kv)
-        return spec
+        return api.device_side(GPULoadStoreSpec(ids, sizes, firsts), kv)
 
     def read(device: Any) -> list[list[Any]]:
         return [[g.group, [int(b) for b in g.block_ids], g.first]

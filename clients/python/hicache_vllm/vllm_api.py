@@ -27,7 +27,8 @@ Primitives:
 
 - ``GroupBlocks(group, block_ids, first)``: one KV cache group's blocks of a job.
 - ``Api``: what every line provides: ``line`` (the ``hicache.engines.Line``),
-  ``device_blocks(device, kv_caches)``, ``takes_failure(store, sync)``,
+  ``device_blocks(device, kv_caches)`` (and ``device_side(spec, kv_caches)``, the other way,
+  as vLLM's connector does it), ``takes_failure(store, sync)``,
   ``kv_cache_access(config)``, ``stored_event(keys, medium, req_context)``; ``Api033``,
   ``Api034``.
 - ``current()``: the adapter of the installed vLLM, checked against ``hicache.engines``
@@ -70,6 +71,12 @@ class Api:
         """The groups with blocks in a job's device side (what vLLM's worker connector hands
         ``submit_store`` / ``submit_load``), over the worker's ``CanonicalKVCaches``."""
         raise NotImplementedError
+
+    def device_side(self, spec: Any, kv_caches: Any) -> Any:
+        """What this line's worker connector hands the worker for the blocks of ``spec`` (a
+        ``GPULoadStoreSpec``): for benchmarks and tests that drive the worker without vLLM's
+        connector."""
+        return spec
 
     def takes_failure(self, store: bool, sync: bool) -> bool:
         """Whether vLLM's connector handles ``TransferResult.success = False`` for such a job
@@ -147,6 +154,11 @@ class Api034(Api):
             assert ids is not None
             out.append(GroupBlocks(group, ids, first))
         return out
+
+    def device_side(self, spec: Any, kv_caches: Any) -> Any:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+        return resolve_device_pointers(spec, kv_caches)
 
     def takes_failure(self, store: bool, sync: bool) -> bool:
         return store or not sync

@@ -59,7 +59,7 @@ def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -
     from hicache_vllm.blocks import HicachedLoadStoreSpec
     from hicache_vllm.config import SpecConfig
     from hicache_vllm.namespace import Plan
-    from hicache_vllm.vllm_api import Api034, current
+    from hicache_vllm.vllm_api import current
     from hicache_vllm.worker import HicachedOffloadingWorker
 
     config = SpecConfig(target=daemon.target)
@@ -74,12 +74,7 @@ def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -
 
     def device(ids: list[int]) -> object:
         """The engine's blocks as this vLLM release's connector hands them to the worker."""
-        spec = GPULoadStoreSpec(ids, [len(ids)], [0])
-        if isinstance(api, Api034):
-            from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
-
-            return resolve_device_pointers(spec, kv)
-        return spec
+        return api.device_side(GPULoadStoreSpec(ids, [len(ids)], [0]), kv)
 
     try:
         end = time.monotonic() + 60
