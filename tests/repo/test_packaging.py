@@ -239,9 +239,9 @@ def _dry_run(python: Path, reqs: list[str], cwd: Path, links: Path
                           "--ignore-installed", "--find-links", str(links), "--report",
                           str(report), *reqs], capture_output=True, text=True, timeout=1500,
                          cwd=cwd)
-    chosen = ({canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
-               for i in json.loads(report.read_text())["install"]}
-              if out.returncode == 0 else {})
+    chosen: dict[str, str] = (
+        {str(canonicalize_name(i["metadata"]["name"])): str(i["metadata"]["version"])
+         for i in json.loads(report.read_text())["install"]} if out.returncode == 0 else {})
     return out.returncode, out.stderr, chosen
 
 
