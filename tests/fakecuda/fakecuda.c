@@ -24,7 +24,8 @@
  * allocation created exportable as a POSIX fd exports a dup of its memfd, and an import
  * accepts only such an fd (it reads /proc/self/fd/N: a plain memfd or a file is refused) and
  * finds the device by the UUID in its name, in this process's numbering; a reservation is a
- * PROT_NONE mapping, cuMemMap maps the memfd there (MAP_FIXED | MAP_SHARED), and only
+ * PROT_NONE mapping (of an empty memfd named "fakecuda-reserved", so that /proc/PID/maps shows
+ * it), cuMemMap maps the memfd there (MAP_FIXED | MAP_SHARED), and only
  * cuMemSetAccess makes it memory copies may touch (a copy may run across chunks mapped back
  * to back in one reservation, as the GPU's does). cuMemGetAddressRange on VMM memory gives the
  * one mapping holding the address. fakecuda_stat counts what the tests check was released:
@@ -388,6 +389,7 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 #define VMM_GRANULARITY ((uint64_t)2 << 20)
 #define VMM_HANDLE_TAG 0xfa4e000000000000ull
 #define VMM_NAME "fakecuda-vmm-"
+#define GUARD 4096
 
 typedef struct { int type, id; } mem_location_t;
 typedef struct {
@@ -424,6 +426,16 @@ static phys_t *new_phys(void) {
     for (int i = 0; i < MAX_PHYS; i++)
         if (!physs[i].used) { memset(&physs[i], 0, sizeof physs[i]); physs[i].used = 1; return &physs[i]; }
     return NULL;
+}
+
+/* Reserved ranges map an empty memfd named "fakecuda-reserved" (never touched: PROT_NONE), so
+ * another process can see in /proc/PID/maps what a process still has reserved. */
+static int reserved_fd = -1;
+
+static void *placeholder(void *at, size_t n) {
+    if (reserved_fd < 0) reserved_fd = memfd_create("fakecuda-reserved", MFD_CLOEXEC);
+    if (reserved_fd < 0) return MAP_FAILED;
+    return mmap(at, n, PROT_NONE, MAP_SHARED | MAP_NORESERVE | (at ? MAP_FIXED : 0), reserved_fd, 0);
 }
 
 static int valid_location(const mem_location_t *l) { return l->type == 1 && l->id >= 0 && l->id < ndev; }
@@ -554,18 +566,21 @@ CUresult cuMemImportFromShareableHandle(unsigned long long *h, void *os_handle, 
 static CUresult vmm_reserve(uint64_t *out, size_t n) {
     if (n == 0 || (n % VMM_GRANULARITY)) return INVALID_VALUE;
     size_t span = n + VMM_GRANULARITY;  /* aligned to the granularity, as the GPU's are */
-    void *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *p = placeholder(NULL, span);
     if (p == MAP_FAILED) return OUT_OF_MEMORY;
     uint64_t lo = (uint64_t)(uintptr_t)p, base = (lo + VMM_GRANULARITY - 1) & ~(VMM_GRANULARITY - 1);
     if (base > lo) munmap(p, base - lo);
-    if (base + n < lo + span) munmap((void *)(uintptr_t)(base + n), lo + span - base - n);
+    /* one page past the range stays reserved: /proc/PID/maps shows the range even once its
+     * every byte is mapped, and two ranges never touch */
+    if (base + n + GUARD < lo + span)
+        munmap((void *)(uintptr_t)(base + n + GUARD), lo + span - base - n - GUARD);
     for (int i = 0; i < MAX_RESV; i++)
         if (!resvs[i].used) {
             resvs[i].used = 1; resvs[i].base = base; resvs[i].size = n;
             *out = base;
             return OK;
         }
-    munmap((void *)(uintptr_t)base, n);
+    munmap((void *)(uintptr_t)base, n + GUARD);
     return OUT_OF_MEMORY;
 }
 
@@ -593,7 +608,7 @@ static CUresult vmm_address_free(uint64_t p, uint64_t n) {
     if (r < 0 || resvs[r].base != p || resvs[r].size != n) return INVALID_VALUE;
     for (int i = 0; i < MAX_ALLOC; i++)
         if (allocs[i].used && allocs[i].resv == r) return INVALID_VALUE;
-    munmap((void *)(uintptr_t)p, n);
+    munmap((void *)(uintptr_t)p, n + GUARD);
     resvs[r].used = 0;
     return OK;
 }
@@ -681,8 +696,7 @@ static CUresult vmm_unmap(uint64_t p, uint64_t n) {
         alloc_t *a = vmm_mapping_at(q);
         q = a->base + a->size;
         /* the reservation's placeholder back in its place */
-        mmap((void *)(uintptr_t)a->base, a->size, PROT_NONE,
-             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+        placeholder((void *)(uintptr_t)a->base, a->size);
         phys_t *ph = &physs[a->phys];
         a->used = 0;
         ph->maps--;
