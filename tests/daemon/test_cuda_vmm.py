@@ -298,7 +298,7 @@ DAMAGES = {  # how each is broken -> what its refusal says
     "not_granular": "granularity", "chunk_too_big": "cannot be mapped",
     "leaves_region": "leave the", "sizes_disagree": "sizes differ", "fd_twice": "again",
     "two_regions": "belongs to one region", "too_many_chunks": f"names {MAX_FDS + 1} chunks",
-    "too_many_fds": f"at most {MAX_FDS}",
+    "too_many_fds": f"at most {MAX_FDS}", "more_than_the_gpu": "more than the GPU's",
     "other_gpu": "not of the session's GPU", "bad_event": "event handle cannot be opened"}
 
 
@@ -333,6 +333,8 @@ def _damaged(kv: VmmKV, damage: str, tmp_path: Path) -> tuple[list[DeviceBufferS
         fds[region[-1]] = fd
     elif damage == "not_granular":
         each(chunk_bytes=(*last.chunk_bytes[:-1], last.chunk_bytes[-1] - 4096))
+    elif damage == "more_than_the_gpu":  # each chunk fits the GPU; all of them do not
+        each(chunk_bytes=(*last.chunk_bytes[:-1], 80 << 30))
     elif damage == "chunk_too_big":  # the allocation is smaller than the worker says
         each(chunk_bytes=(*last.chunk_bytes[:-1], last.chunk_bytes[-1] + GRANULE))
     elif damage == "leaves_region":

@@ -17,8 +17,8 @@ Primitives:
   chunk sizes positive and the same wherever a region is named again, every buffer inside its
   region (``IPC_HANDLE_INVALID``); the ``VmmPlan`` (regions, each buffer's region).
 - ``VmmMapping.map(driver, ordinal, plan, fds, stats)`` (the caller holds the device's
-  context): each chunk's size a multiple of the device's granularity and no larger than its
-  memory (checked before anything is imported); each fd imported once
+  context): each chunk's size a multiple of the device's granularity, and all of them together
+  no larger than its memory (checked before anything is imported); each fd imported once
   (``cuMemImportFromShareableHandle``) and its allocation found on ``ordinal``
   (``cuMemGetAllocationPropertiesFromHandle``); one address range reserved per region, its
   chunks mapped there back to back, read / write access for the device; the imported handles
@@ -174,6 +174,11 @@ class VmmMapping:
                                                    f"multiple of the device's {granularity}-byte "
                                                    f"granularity within its {memory} bytes",
                                    chunk=c, fd_index=k, chunk_bytes=n)
+        total = sum(r.nbytes for r in plan.regions)
+        if total > memory:  # every chunk is memory of this one GPU
+            raise _invalid(plan.regions[-1].first_buffer, f"its session's chunks add up to "
+                                                          f"{total} bytes, more than the GPU's "
+                                                          f"{memory}", region_bytes=total)
         handles: dict[int, int] = {}  # fd index -> imported handle
         try:
             for r in plan.regions:
