@@ -265,10 +265,12 @@ class VmmExport:
                 raise _refuse_vmm(base, "its physical allocation was not created exportable "
                                         f"as a POSIX fd (handle types {props.handle_types})")
             try:
-                return drv.mem_export_fd(handle)
+                fd = drv.mem_export_fd(handle)
             except CudaCallFailed as exc:
                 raise _refuse_vmm(base, f"cuMemExportToShareableHandle refused it "
                                         f"({exc.name})") from None
+            os.set_inheritable(fd, False)  # the engine's child processes get no reference
+            return fd
         finally:
             drv.mem_release(handle)
 
