@@ -13,7 +13,9 @@
 #                  exact for every layout at page sizes 1/16/64 beside a neighbour's kernels,
 #                  a dead worker's device memory released, an elastic budget's locked memory
 #                  moving between two pools (keys exact), a copy over two registrations
-#                  refused and cut, a pool over 1 GiB exact
+#                  refused and cut, a pool over 1 GiB exact; VMM memory (cuMemCreate chunks)
+#                  as cuda_vmm fds: the driver's address ranges and handle properties as the
+#                  export counts on, MHA and MLA workers exact, nothing left mapped
 #   4 bench-short  bench_cuda.py --short: per copy way, D2H/H2D GB/s beside a pinned copy_ of
 #                  the same bytes, page sizes 1/16/64, the daemon's CPU and the kernel's SM
 #                  time per batch, both directions at once, the enqueue rate of a 64-page batch

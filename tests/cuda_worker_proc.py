@@ -1,10 +1,13 @@
 """A GPU worker process: CUDA IPC device buffers, a session, backup / load / verify rounds.
 
 Usage: python -m tests.cuda_worker_proc TARGET POOL WORKER_ID SEED ROUNDS TOKENS [--forever]
-       [--layer-events] [--fake] [--keyed] [--keep]
+       [--layer-events] [--fake] [--keyed] [--keep] [--vmm]
 
 ``--keyed`` moves the pages as cache keys (Store / LoadKeys) instead of raw host pages;
-``--keep`` leaves each round's keys in the pool (it fills, and evicts or grows).
+``--keep`` leaves each round's keys in the pool (it fills, and evicts or grows). ``--vmm`` puts
+the buffers in VMM memory (``cuMemCreate`` chunks mapped back to back, a layer across two: as
+vLLM 0.34 allocates) handed over as ``cuda_vmm``: the chunks' fds go with the session's
+identity request and are closed once it is open (the daemon's imports hold the memory).
 
 With ``--fake`` the buffers live in the fake driver's memory (``$HICACHED_CUDA_DRIVER``) and are
 checked through host views; otherwise they are torch CUDA tensors and loads with layer events
@@ -54,16 +57,34 @@ def fake_buffers(spec: PoolSpec, tokens: int
     return kv.descriptors, views
 
 
+def vmm_buffers(spec: PoolSpec, tokens: int, fake: bool
+                ) -> tuple[CudaDeviceBuffers, dict[tuple[str, Role, int], torch.Tensor]]:
+    from tests.cuda_fixtures import make_vmm_kv
+
+    driver = load_driver()
+    assert driver is not None, "no CUDA driver"
+    if not fake:
+        torch.cuda.init()  # the primary context torch uses, which the driver's calls share
+    kv = make_vmm_kv(driver, spec, tokens, real=not fake)
+    assert kv.descriptors.transport == "cuda_vmm"
+    units = {(n, c.role): c.unit_bytes for n, _g, c, _s in layer_shapes(spec, tokens)}
+    views = {k: v.view(-1, units[(k[0], k[1])]) for k, v in kv.views.items()}
+    return kv.descriptors, views
+
+
 def main() -> int:
     target, pool, worker, seed, rounds, tokens = sys.argv[1:7]
     forever, fake = "--forever" in sys.argv, "--fake" in sys.argv
     use_events, keyed = "--layer-events" in sys.argv, "--keyed" in sys.argv
-    keep = "--keep" in sys.argv
+    keep, vmm = "--keep" in sys.argv, "--vmm" in sys.argv
     client = HiCacheClient(target)
     spec = client.get_pool(pool).spec
     ps = spec.page_size
     gen = torch.Generator().manual_seed(int(seed))
-    bufs, views = (fake_buffers if fake else real_buffers)(spec, int(tokens))
+    if vmm:
+        bufs, views = vmm_buffers(spec, int(tokens), fake)
+    else:
+        bufs, views = (fake_buffers if fake else real_buffers)(spec, int(tokens))
     layer_num = spec.max_layers
     events = LayerEvents(layer_num) if use_events and not fake else None
     ready = ReadyEvent() if not fake else None
@@ -84,7 +105,8 @@ def main() -> int:
     device_pages = int(tokens) // ps
     verified = mismatches = 0
     session = client.open_session(pool, worker, bufs.descriptors,  # the daemon's lease
-                                  layer_events=handles, ready_event=ready_handle)
+                                  layer_events=handles, ready_event=ready_handle, fds=bufs.fds)
+    bufs.close()  # the session has them (VMM chunks: the daemon's imports hold the memory)
     print(json.dumps({"session": session.session_id, "device_uuid": session.device_uuid}),
           flush=True)
 

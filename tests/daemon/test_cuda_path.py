@@ -114,7 +114,9 @@ def test_unshareable_memory_is_refused_with_its_cause(driver: CudaDriver, fake: 
         export_region(driver, address, 64)
     assert info.value.reason == "BUFFER_NOT_SHAREABLE"
     assert "PYTORCH_CUDA_ALLOC_CONF" in str(info.value)
-    if kind != "host":
+    if kind == "vmm":
+        fake.free_vmm(address)
+    elif kind != "host":
         with driver.context(0):
             driver.mem_free(address)
 

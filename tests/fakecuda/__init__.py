@@ -5,7 +5,8 @@ returns its path (pass it as ``HICACHED_CUDA_DRIVER`` or to ``load_driver``), wi
 daemon's page kernel (``pages.cu``, as the installed hicached has it) compiled in as C++ on
 ``kernel_emulation.h``, and the ``cuMemcpyBatchAsync`` of CUDA 13 (``batch_abi`` 12: CUDA
 12.8's; 0: none); ``FakeCuda(path)`` reads its counters and logs, sets device attributes and
-makes the allocations CUDA IPC cannot share.
+makes the allocations CUDA IPC cannot share; ``VMM_STATS`` are the counters that say what
+the virtual memory management API still holds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("fakecuda.c")
 UUID_A = "fa4ec0da000000000000000000000001"
 UUID_B = "fa4ec0da0000000000000000000000b2"
+VMM_STATS = ("vmm_handles", "vmm_imported", "vmm_allocations", "vmm_mappings",
+             "vmm_reservations")
 
 
 EMULATION = Path(__file__).with_name("kernel_emulation.h")
@@ -109,8 +112,13 @@ class FakeCuda:
             i += 1
 
     def alloc_vmm(self, nbytes: int) -> int:
-        """Memory as cuMemCreate / expandable segments would give (needs a current context)."""
+        """Memory as PyTorch's expandable segments give: cuMemCreate'd without an exportable
+        handle type, mapped, accessible (needs a current context); ``free_vmm`` frees it."""
         return self._alloc(self.lib.fakecuda_alloc_vmm, nbytes)
+
+    def free_vmm(self, address: int) -> None:
+        rc = self.lib.fakecuda_free_vmm(ctypes.c_uint64(address))
+        assert rc == 0, rc
 
     def alloc_managed(self, nbytes: int) -> int:
         return self._alloc(self.lib.fakecuda_alloc_managed, nbytes)

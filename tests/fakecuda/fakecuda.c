@@ -19,6 +19,20 @@
  * a filesystem with writeback (ext4, xfs, overlay...); only tmpfs, hugetlbfs and ramfs files
  * (memfds among them) and anonymous memory pin, as cuMemHostRegister finds on a real host.
  *
+ * The virtual memory management API (cuMemCreate, cuMemMap...) is real too: a physical
+ * allocation is a memfd named "fakecuda-vmm-<device uuid>", 2 MiB granular as on GPUs; an
+ * allocation created exportable as a POSIX fd exports a dup of its memfd, and an import
+ * accepts only such an fd (it reads /proc/self/fd/N: a plain memfd or a file is refused) and
+ * finds the device by the UUID in its name, in this process's numbering; a reservation is a
+ * PROT_NONE mapping (of an empty memfd named "fakecuda-reserved", so that /proc/PID/maps shows
+ * it), cuMemMap maps the memfd there (MAP_FIXED | MAP_SHARED), and only
+ * cuMemSetAccess makes it memory copies may touch (a copy may run across chunks mapped back
+ * to back in one reservation, as the GPU's does). cuMemGetAddressRange on VMM memory gives the
+ * one mapping holding the address. fakecuda_stat counts what the tests check was released:
+ * vmm_handles (handles not released), vmm_imported (imported allocations alive: held by a
+ * handle or a mapping), vmm_allocations (every physical allocation alive), vmm_mappings,
+ * vmm_reservations.
+ *
  * Devices: FAKECUDA_DEVICES="uuid,uuid" (32 hex digits each) in this process's numbering, as
  * CUDA_VISIBLE_DEVICES would reorder them; default one device.
  *
@@ -42,6 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
@@ -52,7 +67,7 @@ typedef unsigned long long CUdeviceptr;
 enum {
     OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100, INVALID_DEVICE = 101,
     INVALID_CONTEXT = 201, ALREADY_MAPPED = 208, INVALID_HANDLE = 400, NOT_FOUND = 500,
-    HOST_ALREADY_REGISTERED = 712, HOST_NOT_REGISTERED = 713
+    HOST_ALREADY_REGISTERED = 712, HOST_NOT_REGISTERED = 713, NOT_SUPPORTED = 801
 };
 
 typedef struct { unsigned char reserved[64]; } ipc_handle_t;
@@ -86,6 +101,10 @@ typedef struct {
     uint64_t base, size, id;
     int origin_pid;  /* imported: exporter pid and allocation id */
     uint64_t origin_id;
+    int phys, resv;  /* a VMM mapping (kind K_VMM, fd -1): its physical allocation and
+                      * reservation; -1 for every other allocation */
+    int access;      /* copies may touch it: always, but a VMM mapping only once
+                      * cuMemSetAccess granted it */
 } alloc_t;
 
 /* state[0] = records enqueued but not run, state[1] = sequence number of the last run; shared
@@ -194,7 +213,7 @@ static const char *names[][2] = {
     {"101", "CUDA_ERROR_INVALID_DEVICE"}, {"201", "CUDA_ERROR_INVALID_CONTEXT"},
     {"208", "CUDA_ERROR_ALREADY_MAPPED"}, {"400", "CUDA_ERROR_INVALID_HANDLE"},
     {"500", "CUDA_ERROR_NOT_FOUND"}, {"712", "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"},
-    {"713", "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"},
+    {"713", "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"}, {"801", "CUDA_ERROR_NOT_SUPPORTED"},
 };
 CUresult cuGetErrorName(CUresult rc, const char **out) {
     char buf[16];
@@ -215,7 +234,11 @@ static alloc_t *find_alloc(uint64_t p) {
 
 static alloc_t *new_alloc(void) {
     for (int i = 0; i < MAX_ALLOC; i++)
-        if (!allocs[i].used) { memset(&allocs[i], 0, sizeof allocs[i]); allocs[i].used = 1; return &allocs[i]; }
+        if (!allocs[i].used) {
+            memset(&allocs[i], 0, sizeof allocs[i]);
+            allocs[i].used = 1; allocs[i].phys = allocs[i].resv = -1; allocs[i].access = 1;
+            return &allocs[i];
+        }
     return NULL;
 }
 
@@ -239,14 +262,13 @@ static CUresult alloc_kind(CUdeviceptr *out, size_t n, int kind) {
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t n) { return alloc_kind(out, n, K_DEVICE); }
-/* Allocations CUDA IPC cannot share: the VMM API (PyTorch expandable segments) and managed. */
-CUresult fakecuda_alloc_vmm(CUdeviceptr *out, size_t n) { return alloc_kind(out, n, K_VMM); }
+/* Allocations CUDA IPC cannot share: managed (the VMM API's: fakecuda_alloc_vmm, below). */
 CUresult fakecuda_alloc_managed(CUdeviceptr *out, size_t n) { return alloc_kind(out, n, K_MANAGED); }
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
     pthread_mutex_lock(&mu);
     alloc_t *a = find_alloc(p);
-    if (!a || a->base != p || a->kind == K_IMPORTED) { pthread_mutex_unlock(&mu); return INVALID_VALUE; }
+    if (!a || a->base != p || a->kind == K_IMPORTED || a->phys >= 0) { pthread_mutex_unlock(&mu); return INVALID_VALUE; }
     munmap((void *)(uintptr_t)a->base, a->size);
     close(a->fd);
     a->used = 0;
@@ -258,7 +280,7 @@ CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total) {
     size_t used = 0;
     pthread_mutex_lock(&mu);
     for (int i = 0; i < MAX_ALLOC; i++)
-        if (allocs[i].used && allocs[i].kind != K_IMPORTED) used += allocs[i].size;
+        if (allocs[i].used && allocs[i].kind != K_IMPORTED && allocs[i].phys < 0) used += allocs[i].size;
     pthread_mutex_unlock(&mu);
     *total = (size_t)80 << 30;
     *free_b = *total - used;
@@ -353,6 +375,379 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
     n_open_handles--;
     pthread_mutex_unlock(&mu);
     return OK;
+}
+
+/* -- virtual memory management ----------------------------------------------------------------
+ * Physical allocations (cuMemCreate, or imported from an exported fd) are memfds; a handle
+ * names one (handles counts cuMemCreate / import / retain less cuMemRelease), and it lives
+ * while a handle or a mapping holds it, as on a GPU. Layouts as cuda.h (12.x, 13.0) declares
+ * them: CUmemAllocationProp is {int type; int requestedHandleTypes; {int type; int id}
+ * location; void *win32HandleMetaData; {uchar, uchar, ushort, uchar[4]} allocFlags}. */
+
+#define MAX_PHYS 1024
+#define MAX_RESV 1024
+#define VMM_GRANULARITY ((uint64_t)2 << 20)
+#define VMM_HANDLE_TAG 0xfa4e000000000000ull
+#define VMM_NAME "fakecuda-vmm-"
+#define GUARD 4096
+
+typedef struct { int type, id; } mem_location_t;
+typedef struct {
+    int type, requested_handle_types;
+    mem_location_t location;
+    void *win32;
+    unsigned char compression, rdma;
+    unsigned short usage;
+    unsigned char reserved[4];
+} mem_prop_t;
+typedef struct { mem_location_t location; int flags; } mem_access_t;
+
+typedef struct { int used, dev, fd, types, imported; uint64_t size; long handles, maps; } phys_t;
+typedef struct { int used; uint64_t base, size; } resv_t;
+static phys_t physs[MAX_PHYS];
+static resv_t resvs[MAX_RESV];
+
+static phys_t *phys_of(unsigned long long h) {  /* a handle not yet released (mu held) */
+    if ((h & 0xffff000000000000ull) != VMM_HANDLE_TAG) return NULL;
+    unsigned long long i = (h & 0xffffffffull) - 1;
+    if (i >= MAX_PHYS || !physs[i].used || physs[i].handles <= 0) return NULL;
+    return &physs[i];
+}
+
+static unsigned long long handle_of(phys_t *ph) { return VMM_HANDLE_TAG | (unsigned long long)(ph - physs + 1); }
+
+static void phys_drop(phys_t *ph) {  /* free it once neither a handle nor a mapping holds it */
+    if (ph->handles > 0 || ph->maps > 0) return;
+    close(ph->fd);
+    ph->used = 0;
+}
+
+static phys_t *new_phys(void) {
+    for (int i = 0; i < MAX_PHYS; i++)
+        if (!physs[i].used) { memset(&physs[i], 0, sizeof physs[i]); physs[i].used = 1; return &physs[i]; }
+    return NULL;
+}
+
+/* Reserved ranges map an empty memfd named "fakecuda-reserved" (never touched: PROT_NONE), so
+ * another process can see in /proc/PID/maps what a process still has reserved. */
+static int reserved_fd = -1;
+
+static void *placeholder(void *at, size_t n) {
+    if (reserved_fd < 0) reserved_fd = memfd_create("fakecuda-reserved", MFD_CLOEXEC);
+    if (reserved_fd < 0) return MAP_FAILED;
+    return mmap(at, n, PROT_NONE, MAP_SHARED | MAP_NORESERVE | (at ? MAP_FIXED : 0), reserved_fd, 0);
+}
+
+static int valid_location(const mem_location_t *l) { return l->type == 1 && l->id >= 0 && l->id < ndev; }
+
+CUresult cuMemGetAllocationGranularity(size_t *g, const mem_prop_t *prop, int option) {
+    init_devices();
+    if (!g || !prop || (option != 0 && option != 1)) return INVALID_VALUE;
+    if (prop->type != 1 || !valid_location(&prop->location)) return INVALID_VALUE;
+    *g = VMM_GRANULARITY;
+    return OK;
+}
+
+static CUresult vmm_create(unsigned long long *h, size_t n, int dev, int types) {
+    if ((n % VMM_GRANULARITY) || n == 0 || (types & ~1)) return INVALID_VALUE;
+    char name[64];
+    snprintf(name, sizeof name, VMM_NAME);
+    for (int k = 0; k < 16; k++) snprintf(name + strlen(VMM_NAME) + 2 * k, 3, "%02x", uuids[dev].bytes[k]);
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)n) != 0) { close(fd); return OUT_OF_MEMORY; }
+    phys_t *ph = new_phys();
+    if (!ph) { close(fd); return OUT_OF_MEMORY; }
+    ph->dev = dev; ph->fd = fd; ph->types = types; ph->size = n; ph->handles = 1;
+    *h = handle_of(ph);
+    return OK;
+}
+
+CUresult cuMemCreate(unsigned long long *h, size_t n, const mem_prop_t *prop, unsigned long long flags) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (!h || !prop || flags || prop->type != 1 || !valid_location(&prop->location)) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult rc = vmm_create(h, n, prop->location.id, prop->requested_handle_types);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+CUresult cuMemRelease(unsigned long long h) {
+    pthread_mutex_lock(&mu);
+    phys_t *ph = phys_of(h);
+    if (ph) { ph->handles--; phys_drop(ph); }
+    pthread_mutex_unlock(&mu);
+    return ph ? OK : INVALID_VALUE;
+}
+
+static alloc_t *vmm_mapping_at(uint64_t p) {  /* the VMM mapping holding p, accessible or not */
+    for (int i = 0; i < MAX_ALLOC; i++)
+        if (allocs[i].used && allocs[i].phys >= 0 && p >= allocs[i].base
+                && p < allocs[i].base + allocs[i].size)
+            return &allocs[i];
+    return NULL;
+}
+
+CUresult cuMemRetainAllocationHandle(unsigned long long *h, void *addr) {
+    if (!h) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    alloc_t *a = vmm_mapping_at((uint64_t)(uintptr_t)addr);
+    if (a) { physs[a->phys].handles++; *h = handle_of(&physs[a->phys]); }
+    pthread_mutex_unlock(&mu);
+    return a ? OK : INVALID_VALUE;
+}
+
+CUresult cuMemGetAllocationPropertiesFromHandle(mem_prop_t *prop, unsigned long long h) {
+    if (!prop) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    phys_t *ph = phys_of(h);
+    if (ph) {
+        memset(prop, 0, sizeof *prop);
+        prop->type = 1; prop->requested_handle_types = ph->types;
+        prop->location.type = 1; prop->location.id = ph->dev;
+    }
+    pthread_mutex_unlock(&mu);
+    return ph ? OK : INVALID_VALUE;
+}
+
+CUresult cuMemExportToShareableHandle(void *out, unsigned long long h, int type, unsigned long long flags) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (!out || flags) return INVALID_VALUE;
+    if (type != 1) return NOT_SUPPORTED;
+    pthread_mutex_lock(&mu);
+    phys_t *ph = phys_of(h);
+    CUresult rc = !ph ? INVALID_VALUE : !(ph->types & 1) ? INVALID_VALUE : OK;
+    if (rc == OK) {
+        int fd = fcntl(ph->fd, F_DUPFD_CLOEXEC, 0);
+        if (fd < 0) rc = OUT_OF_MEMORY; else *(int *)out = fd;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* An fd is an exported handle when it is a memfd this library named for the VMM API. */
+CUresult cuMemImportFromShareableHandle(unsigned long long *h, void *os_handle, int type) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (!h || type != 1) return INVALID_VALUE;
+    int fd = (int)(intptr_t)os_handle;
+    char path[64], target[256];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    ssize_t len = readlink(path, target, sizeof target - 1);
+    if (len < 0) return INVALID_VALUE;
+    target[len] = 0;
+    const char *prefix = "/memfd:" VMM_NAME;
+    if (strncmp(target, prefix, strlen(prefix)) != 0) return INVALID_VALUE;
+    unsigned char b[16];
+    const char *hex = target + strlen(prefix);
+    for (int k = 0; k < 32; k++) {
+        int v = hexval(hex[k]);
+        if (v < 0) return INVALID_VALUE;
+        if (k % 2 == 0) b[k / 2] = (unsigned char)(v << 4); else b[k / 2] |= (unsigned char)v;
+    }
+    int dev = -1;
+    for (int d = 0; d < ndev; d++) if (!memcmp(uuids[d].bytes, b, 16)) dev = d;
+    if (dev < 0) return INVALID_DEVICE;  /* memory of a GPU this process does not see */
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0) return INVALID_VALUE;
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    phys_t *ph = new_phys();
+    if (ph) {
+        ph->dev = dev; ph->fd = own; ph->types = 1; ph->imported = 1;
+        ph->size = (uint64_t)st.st_size; ph->handles = 1;
+        *h = handle_of(ph);
+    }
+    pthread_mutex_unlock(&mu);
+    if (!ph) { close(own); return OUT_OF_MEMORY; }
+    return OK;
+}
+
+static CUresult vmm_reserve(uint64_t *out, size_t n) {
+    if (n == 0 || (n % VMM_GRANULARITY)) return INVALID_VALUE;
+    size_t span = n + VMM_GRANULARITY;  /* aligned to the granularity, as the GPU's are */
+    void *p = placeholder(NULL, span);
+    if (p == MAP_FAILED) return OUT_OF_MEMORY;
+    uint64_t lo = (uint64_t)(uintptr_t)p, base = (lo + VMM_GRANULARITY - 1) & ~(VMM_GRANULARITY - 1);
+    if (base > lo) munmap(p, base - lo);
+    /* one page past the range stays reserved: /proc/PID/maps shows the range even once its
+     * every byte is mapped, and two ranges never touch */
+    if (base + n + GUARD < lo + span)
+        munmap((void *)(uintptr_t)(base + n + GUARD), lo + span - base - n - GUARD);
+    for (int i = 0; i < MAX_RESV; i++)
+        if (!resvs[i].used) {
+            resvs[i].used = 1; resvs[i].base = base; resvs[i].size = n;
+            *out = base;
+            return OK;
+        }
+    munmap((void *)(uintptr_t)base, n + GUARD);
+    return OUT_OF_MEMORY;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *out, size_t n, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    (void)addr;  /* a hint */
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (!out || flags || (align && (align & (align - 1)))) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    uint64_t base = 0;
+    CUresult rc = vmm_reserve(&base, n);
+    pthread_mutex_unlock(&mu);
+    if (rc == OK) *out = base;
+    return rc;
+}
+
+static int resv_of(uint64_t p, uint64_t n) {
+    for (int i = 0; i < MAX_RESV; i++)
+        if (resvs[i].used && p >= resvs[i].base && p + n <= resvs[i].base + resvs[i].size) return i;
+    return -1;
+}
+
+/* Refused while anything is still mapped in it: the release order is unmap, then free. */
+static CUresult vmm_address_free(uint64_t p, uint64_t n) {
+    int r = resv_of(p, n);
+    if (r < 0 || resvs[r].base != p || resvs[r].size != n) return INVALID_VALUE;
+    for (int i = 0; i < MAX_ALLOC; i++)
+        if (allocs[i].used && allocs[i].resv == r) return INVALID_VALUE;
+    munmap((void *)(uintptr_t)p, n + GUARD);
+    resvs[r].used = 0;
+    return OK;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr p, size_t n) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    CUresult rc = vmm_address_free(p, n);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+static CUresult vmm_map(uint64_t p, uint64_t n, uint64_t offset, unsigned long long h) {
+    phys_t *ph = phys_of(h);
+    if (!ph) return INVALID_HANDLE;
+    if (offset || n == 0 || (n % VMM_GRANULARITY) || (p % VMM_GRANULARITY) || n > ph->size)
+        return INVALID_VALUE;
+    int r = resv_of(p, n);
+    if (r < 0) return INVALID_VALUE;
+    for (int i = 0; i < MAX_ALLOC; i++)
+        if (allocs[i].used && p < allocs[i].base + allocs[i].size && allocs[i].base < p + n)
+            return ALREADY_MAPPED;
+    alloc_t *a = new_alloc();
+    if (!a) return OUT_OF_MEMORY;
+    if (mmap((void *)(uintptr_t)p, n, PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd, 0) == MAP_FAILED) {
+        a->used = 0;
+        return OUT_OF_MEMORY;
+    }
+    a->kind = K_VMM; a->dev = ph->dev; a->fd = -1; a->base = p; a->size = n;
+    a->id = (uint64_t)next_id++; a->phys = (int)(ph - physs); a->resv = r; a->access = 0;
+    ph->maps++;
+    return OK;
+}
+
+CUresult cuMemMap(CUdeviceptr p, size_t n, size_t offset, unsigned long long h, unsigned long long flags) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (flags) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult rc = vmm_map(p, n, offset, h);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* [p, p+n) exactly covered by whole VMM mappings */
+static int covered(uint64_t p, uint64_t n) {
+    if (n == 0) return 0;
+    for (uint64_t q = p; q < p + n;) {
+        alloc_t *a = vmm_mapping_at(q);
+        if (!a || a->base != q || a->base + a->size > p + n) return 0;
+        q = a->base + a->size;
+    }
+    return 1;
+}
+
+static CUresult vmm_set_access(uint64_t p, uint64_t n, int prot) {
+    if (!covered(p, n)) return INVALID_VALUE;
+    if (mprotect((void *)(uintptr_t)p, n, prot) != 0) return INVALID_VALUE;
+    for (uint64_t q = p; q < p + n;) {
+        alloc_t *a = vmm_mapping_at(q);
+        a->access = prot != PROT_NONE;
+        q = a->base + a->size;
+    }
+    return OK;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr p, size_t n, const mem_access_t *desc, size_t count) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    if (!desc || count == 0) return INVALID_VALUE;
+    int prot = PROT_NONE;
+    for (size_t i = 0; i < count; i++) {
+        if (!valid_location(&desc[i].location)) return INVALID_DEVICE;
+        if (desc[i].flags == 3) prot = PROT_READ | PROT_WRITE;
+        else if (desc[i].flags == 1) { if (prot == PROT_NONE) prot = PROT_READ; }
+        else if (desc[i].flags != 0) return INVALID_VALUE;
+    }
+    pthread_mutex_lock(&mu);
+    CUresult rc = vmm_set_access(p, n, prot);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+static CUresult vmm_unmap(uint64_t p, uint64_t n) {
+    if (!covered(p, n)) return INVALID_VALUE;
+    for (uint64_t q = p; q < p + n;) {
+        alloc_t *a = vmm_mapping_at(q);
+        q = a->base + a->size;
+        /* the reservation's placeholder back in its place */
+        placeholder((void *)(uintptr_t)a->base, a->size);
+        phys_t *ph = &physs[a->phys];
+        a->used = 0;
+        ph->maps--;
+        phys_drop(ph);
+    }
+    return OK;
+}
+
+CUresult cuMemUnmap(CUdeviceptr p, size_t n) {
+    if (current_dev() < 0) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    CUresult rc = vmm_unmap(p, n);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* VMM memory as PyTorch's expandable segments make it: created without an exportable handle
+ * type, mapped in a reservation of its own, the handle released (the mapping holds it); n is
+ * rounded up to the granularity. fakecuda_free_vmm undoes it. Needs a current context. */
+CUresult fakecuda_alloc_vmm(CUdeviceptr *out, size_t n) {
+    int dev = current_dev();
+    if (dev < 0) return INVALID_CONTEXT;
+    n = (n + VMM_GRANULARITY - 1) & ~(VMM_GRANULARITY - 1);
+    pthread_mutex_lock(&mu);
+    unsigned long long h;
+    uint64_t base = 0;
+    CUresult rc = vmm_create(&h, n, dev, 0);
+    if (rc == OK) {
+        rc = vmm_reserve(&base, n);
+        if (rc == OK && (rc = vmm_map(base, n, 0, h)) != OK) vmm_address_free(base, n);
+        if (rc == OK) rc = vmm_set_access(base, n, PROT_READ | PROT_WRITE);
+        phys_t *ph = phys_of(h);
+        ph->handles--;  /* the mapping holds it now */
+        phys_drop(ph);
+    }
+    pthread_mutex_unlock(&mu);
+    if (rc == OK) *out = base;
+    return rc;
+}
+
+CUresult fakecuda_free_vmm(CUdeviceptr p) {
+    pthread_mutex_lock(&mu);
+    alloc_t *a = vmm_mapping_at(p);
+    CUresult rc = INVALID_VALUE;
+    if (a && a->base == p) {
+        uint64_t rb = resvs[a->resv].base, rs = resvs[a->resv].size;
+        rc = vmm_unmap(p, a->size);
+        if (rc == OK) rc = vmm_address_free(rb, rs);
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
 }
 
 static long pin_limit = -1; /* bytes that may be registered, as RLIMIT_MEMLOCK would cap */
@@ -475,10 +870,17 @@ static event_t *ev_of(void *e) {
 }
 
 /* The device side of a copy must lie inside one live allocation (as the DMA engine would fault
- * otherwise); the host side is plain memory. At least one side must be device memory. */
+ * otherwise), or run across VMM mappings that follow each other in one reservation, each
+ * accessible; the host side is plain memory. At least one side must be device memory. */
 static int inside(uint64_t p, uint64_t n) {
     alloc_t *a = find_alloc(p);
-    return a && p + n <= a->base + a->size;
+    if (!a || !a->access) return 0;
+    while (p + n > a->base + a->size) {
+        alloc_t *b = a->phys >= 0 ? find_alloc(a->base + a->size) : NULL;
+        if (!b || !b->access || b->phys < 0 || b->resv != a->resv) return 0;
+        a = b;
+    }
+    return 1;
 }
 
 /* The host side [p, p+n) of a copy, as the driver sees it: 1 when it lies in one registration,
@@ -994,7 +1396,22 @@ long fakecuda_stat(const char *what) {
         for (int i = 0; i < MAX_EVENT; i++) out += events[i].used;
     } else if (!strcmp(what, "device_allocs")) {
         out = 0;
-        for (int i = 0; i < MAX_ALLOC; i++) out += allocs[i].used && allocs[i].kind != K_IMPORTED;
+        for (int i = 0; i < MAX_ALLOC; i++) out += allocs[i].used && allocs[i].kind != K_IMPORTED && allocs[i].phys < 0;
+    } else if (!strcmp(what, "vmm_handles")) {
+        out = 0;
+        for (int i = 0; i < MAX_PHYS; i++) out += physs[i].used ? physs[i].handles : 0;
+    } else if (!strcmp(what, "vmm_imported")) {
+        out = 0;
+        for (int i = 0; i < MAX_PHYS; i++) out += physs[i].used && physs[i].imported;
+    } else if (!strcmp(what, "vmm_allocations")) {
+        out = 0;
+        for (int i = 0; i < MAX_PHYS; i++) out += physs[i].used;
+    } else if (!strcmp(what, "vmm_mappings")) {
+        out = 0;
+        for (int i = 0; i < MAX_ALLOC; i++) out += allocs[i].used && allocs[i].phys >= 0;
+    } else if (!strcmp(what, "vmm_reservations")) {
+        out = 0;
+        for (int i = 0; i < MAX_RESV; i++) out += resvs[i].used;
     }
     pthread_mutex_unlock(&mu);
     return out;

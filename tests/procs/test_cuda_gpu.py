@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,7 +86,6 @@ def test_every_copy_way_is_exact_beside_a_neighbours_kernels(module_daemons: Dae
     directions at the same time), one loading with per-layer events checked group by group,
     while another process keeps the GPU's SMs busy with matmuls; every buffer exact, and the
     daemon's metrics say the batches went that way."""
-    import re
 
     d = module_daemons.start("--memory-budget", "8GiB", "--cuda-copy-paths", way)
     neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE,
@@ -145,7 +145,9 @@ def test_killed_worker_gives_its_device_memory_back(daemon: DaemonProc) -> None:
         c.delete_pool(spec.name)
 
 
-def test_expandable_segments_are_refused_with_the_cause() -> None:
+def test_expandable_segments_go_as_vmm_chunks_or_are_refused_with_the_cause() -> None:
+    """PyTorch's expandable segments are VMM memory: handed over as cuda_vmm where torch
+    creates them exportable as POSIX fds, else refused saying so and how to fix it."""
     code = (
         "import torch\n"
         "from hicache_client.cuda import CudaDeviceBuffers\n"
@@ -153,7 +155,8 @@ def test_expandable_segments_are_refused_with_the_cause() -> None:
         "from hicache.specs import Role\n"
         "t = torch.empty(1 << 20, dtype=torch.bfloat16, device='cuda')\n"
         "try:\n"
-        "    CudaDeviceBuffers.from_tensors({'kv': {Role.K: [t]}})\n"
+        "    with CudaDeviceBuffers.from_tensors({'kv': {Role.K: [t]}}) as b:\n"
+        "        print(b.transport, len(b.fds))\n"
         "except BufferNotShareable as e:\n"
         "    print(e.reason, e)\n"
     )
@@ -161,8 +164,74 @@ def test_expandable_segments_are_refused_with_the_cause() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, text=True,
                          capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("BUFFER_NOT_SHAREABLE"), out.stdout
-    assert "expandable_segments" in out.stdout
+    if out.stdout.startswith("cuda_vmm"):
+        assert int(out.stdout.split()[1]) >= 1, out.stdout
+    else:
+        assert out.stdout.startswith("BUFFER_NOT_SHAREABLE"), out.stdout
+        assert "not created exportable" in out.stdout and "expandable_segments" in out.stdout
+
+
+def test_vmm_address_range_is_the_mapping_and_its_chunk_exports_as_an_fd() -> None:
+    """What the worker's VMM export counts on, on the real driver: cuMemGetAddressRange of an
+    address in cuMemMap'ed memory is the one mapping holding it (not the reserved range),
+    cuMemRetainAllocationHandle finds its allocation, whose properties (CUmemAllocationProp's
+    layout) name the device and the POSIX fd handle type, and it exports as an fd."""
+    from hicache.cuda_driver import load_driver
+    from tests.cuda_fixtures import alloc_vmm, free_vmm
+
+    torch.cuda.init()
+    drv = load_driver()
+    assert drv is not None
+    granule = drv.mem_granularity(0)
+    assert granule > 0 and granule % 4096 == 0
+    seg = alloc_vmm(drv, [granule, 2 * granule])
+    try:
+        with drv.context(0):
+            assert drv.address_range(seg.base + granule + 100) == (seg.base + granule,
+                                                                    2 * granule)
+            assert drv.address_range(seg.base + 5) == (seg.base, granule)
+            assert drv.pointer_attribute(10, seg.base) == 0  # not legacy-IPC capable
+            handle = drv.mem_retain_handle(seg.base + granule + 100)
+            try:
+                props = drv.mem_properties(handle)
+                assert (props.location_type, props.device, props.exports_fd) == (1, 0, True)
+                fd = drv.mem_export_fd(handle)
+                assert fd >= 0
+                os.close(fd)
+            finally:
+                drv.mem_release(handle)
+            plain = drv.mem_create(granule, 0, exportable=False)
+            try:
+                assert not drv.mem_properties(plain).exports_fd
+            finally:
+                drv.mem_release(plain)
+    finally:
+        free_vmm(drv, seg)
+
+
+def test_vmm_workers_round_trip_exactly_and_are_released(daemon: DaemonProc) -> None:
+    """KV in cuMemCreate chunks exportable as POSIX fds (vLLM 0.34's with a connector that
+    declares KVCacheAccess.EXPORTS_FD), a layer across two chunks, handed over as cuda_vmm:
+    the daemon imports, maps and copies them; raw pages with layer events (MHA) and keyed pages
+    (MLA) land exact in rows zeroed first; once the workers are gone nothing stays mapped."""
+    specs = [PoolSpec(f"gpu-vmm-{kind}", GEOMETRIES[kind], 16, Layout.PAGE_FIRST,
+                      size_tokens=16 * 256) for kind in ("mha", "mla")]
+    with HiCacheClient(daemon.target) as c:
+        assert "cuda_vmm" in c.get_info().transports
+        for spec in specs:
+            c.create_pool(spec)
+        workers = [spawn(daemon, specs[0].name, "v0", 1, 3, 16 * 64, "--vmm", "--layer-events"),
+                   spawn(daemon, specs[1].name, "v1", 2, 3, 16 * 64, "--vmm", "--keyed")]
+        for w in workers:
+            out, err = w.communicate(timeout=300)
+            assert w.returncode == 0, err[-3000:]
+            r = json.loads(out.strip().splitlines()[-1])
+            assert r["mismatches"] == 0 and r["verified_buffers"] == 3 * r["buffers"] > 0
+        for spec in specs:
+            assert c.list_sessions(spec.name) == []
+            c.delete_pool(spec.name)
+    mapped = re.search(r"^hicache_cuda_vmm_chunks_mapped (\S+)", daemon.metrics(), re.M)
+    assert mapped is not None and float(mapped.group(1)) == 0, daemon.log()[-2000:]
 
 
 def test_pool_files_on_a_disk_filesystem_are_refused_with_the_cause(tmp_path) -> None:

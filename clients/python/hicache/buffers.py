@@ -13,7 +13,9 @@ Primitives:
 - ``contiguous_strides(shape)`` / ``strided_span(shape, strides)``: element strides of a dense
   buffer, and how many elements a strided one spans (its extent).
 - ``DeviceBufferSpec``: one buffer as handed over on the wire (``codec`` encodes it), by a
-  shared-memory file, a sealed memfd or a CUDA IPC handle.
+  shared-memory file, a sealed memfd, a CUDA IPC handle or CUDA VMM chunks passed as fds.
+- ``MAX_FDS``: the fds one session may hand over (memfds, VMM chunks): the identity socket's
+  bound on one request.
 - ``unmap_all(maps)``: close the mappings of buffer files, tolerating views still alive.
 """
 
@@ -25,6 +27,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hicache.specs import Component, DType, KVGeometry, PoolSpec, Role
+
+MAX_FDS = 128
+"""Fds one OpenSession may hand over with its identity request (sealed memfds, exported VMM
+chunks): what the identity socket reads from one request (the kernel passes at most 253 with one
+message), so also the most chunks a ``cuda_vmm`` region may have."""
 
 
 def device_rows(comp: Component, device_tokens: int, page_size: int) -> int:
@@ -89,16 +96,24 @@ class DeviceBufferSpec:
     strides: tuple[int, ...]
     """Element strides; empty = contiguous."""
     transport: str
-    """"shm" (a file by path), "memfd" (a sealed memfd passed by fd) or "cuda_ipc"."""
+    """"shm" (a file by path), "memfd" (a sealed memfd passed by fd), "cuda_ipc" (a CUDA IPC
+    handle) or "cuda_vmm" (CUDA VMM chunks passed by fd)."""
     path: str = ""
     """shm: the file under the daemon's shared-memory directory."""
     offset: int = 0
-    """Bytes from the start of the file (shm, memfd) or of the CUDA allocation (cuda_ipc)."""
+    """Bytes from the start of the file (shm, memfd), of the CUDA allocation (cuda_ipc) or of
+    the region its chunks make (cuda_vmm)."""
     nbytes: int = 0
     """Bytes of the buffer."""
     ipc_handle: bytes = b""
     """cuda_ipc: the 64-byte ``cuIpcGetMemHandle`` handle of the allocation holding it."""
     device_uuid: str = ""
-    """cuda_ipc: the GPU's UUID (ordinals differ between processes)."""
+    """cuda_ipc, cuda_vmm: the GPU's UUID (ordinals differ between processes)."""
     fd_index: int = -1
     """memfd: position of its fd among those passed with the session's identity request."""
+    fd_indices: tuple[int, ...] = ()
+    """cuda_vmm: each chunk's fd among those passed with the session's identity request, in
+    the order the chunks are mapped back to back (the region); buffers naming the same chunks
+    share the region."""
+    chunk_bytes: tuple[int, ...] = ()
+    """cuda_vmm: each chunk's mapped size in bytes (a multiple of the device's granularity)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from hicache.buffers import DeviceBufferSpec
+from hicache.buffers import MAX_FDS, DeviceBufferSpec
 from hicache.errors import SpecInvalid
 from hicache.pools import CREATING, DEPRECATED_FIELDS, FAILED, READY, PoolInfo
 from hicache.specs import (
@@ -148,8 +148,8 @@ def spec_to_proto(spec: PoolSpec) -> pb.PoolSpec:
 def buffer_from_proto(msg: pb.DeviceBuffer, position: int) -> DeviceBufferSpec:
     which = msg.WhichOneof("handle")
     if which is None:
-        raise SpecInvalid(f"buffers[{position}] has no handle (shm, memfd or cuda_ipc)",
-                          metadata={"position": position})
+        raise SpecInvalid(f"buffers[{position}] has no handle (shm, memfd, cuda_ipc or "
+                          "cuda_vmm)", metadata={"position": position})
     common = dict(member=msg.member or ANCHOR, role=role_from_proto(msg.role),
                   layer=int(msg.layer), shape=tuple(int(x) for x in msg.shape),
                   dtype=dtype_from_proto(msg.dtype, f"buffers[{position}].dtype"),
@@ -161,6 +161,18 @@ def buffer_from_proto(msg: pb.DeviceBuffer, position: int) -> DeviceBufferSpec:
         return DeviceBufferSpec(transport="memfd", fd_index=int(msg.memfd.fd_index),
                                 offset=int(msg.memfd.offset), nbytes=int(msg.memfd.nbytes),
                                 **common)  # type: ignore[arg-type]
+    if which == "cuda_vmm":
+        v = msg.cuda_vmm
+        if len(v.fd_indices) != len(v.chunk_bytes) or len(v.fd_indices) > MAX_FDS:
+            raise SpecInvalid(f"buffers[{position}]: a cuda_vmm region names {len(v.fd_indices)} "
+                              f"fds and {len(v.chunk_bytes)} chunk sizes; one of each per chunk, "
+                              f"at most {MAX_FDS}",
+                              metadata={"position": position, "fd_indices": len(v.fd_indices),
+                                        "chunk_bytes": len(v.chunk_bytes)})
+        return DeviceBufferSpec(transport="cuda_vmm", fd_indices=tuple(map(int, v.fd_indices)),
+                                chunk_bytes=tuple(map(int, v.chunk_bytes)),
+                                device_uuid=v.device_uuid, offset=int(v.offset),
+                                nbytes=int(v.nbytes), **common)  # type: ignore[arg-type]
     return DeviceBufferSpec(transport="cuda_ipc", ipc_handle=msg.cuda_ipc.handle,
                             device_uuid=msg.cuda_ipc.device_uuid,
                             offset=int(msg.cuda_ipc.offset), nbytes=int(msg.cuda_ipc.nbytes),
@@ -176,6 +188,11 @@ def buffer_to_proto(b: DeviceBufferSpec) -> pb.DeviceBuffer:
         msg.shm.path, msg.shm.offset, msg.shm.nbytes = b.path, b.offset, b.nbytes
     elif b.transport == "memfd":
         msg.memfd.fd_index, msg.memfd.offset, msg.memfd.nbytes = b.fd_index, b.offset, b.nbytes
+    elif b.transport == "cuda_vmm":
+        msg.cuda_vmm.fd_indices.extend(b.fd_indices)
+        msg.cuda_vmm.chunk_bytes.extend(b.chunk_bytes)
+        msg.cuda_vmm.device_uuid, msg.cuda_vmm.offset = b.device_uuid, b.offset
+        msg.cuda_vmm.nbytes = b.nbytes
     else:
         msg.cuda_ipc.handle, msg.cuda_ipc.device_uuid = b.ipc_handle, b.device_uuid
         msg.cuda_ipc.offset, msg.cuda_ipc.nbytes = b.offset, b.nbytes

@@ -18,7 +18,13 @@ Primitives:
   asynchronous 1-D and 2-D copies and batches of 1-D copies (``memcpy_batch_async``, where the
   driver has ``cuMemcpyBatchAsync``), host memory registration (mapped into the device's
   address space) and page-locked allocations, device allocation, modules and kernel
-  launches.
+  launches; the virtual memory management (VMM) API: physical allocations (``mem_create``,
+  ``mem_retain_handle``, ``mem_release``, ``mem_properties``, ``mem_granularity``) exported and
+  imported as POSIX fds (``mem_export_fd`` / ``mem_import_fd``), address ranges reserved and
+  freed, allocations mapped and unmapped in them and made accessible to a device
+  (``mem_set_access``).
+- ``VmmAllocation``: what ``mem_properties`` reads of a physical allocation: its device and
+  the handle types it may be exported as.
 - ``CudaCallFailed``: a driver call returned an error: the call, the ``CUresult`` and its name.
 - ``format_uuid`` / ``normalize_uuid``: ``GPU-xxxxxxxx-xxxx-...`` as ``nvidia-smi`` prints it.
 """
@@ -67,6 +73,13 @@ MEMORYTYPE_UNIFIED = 4
 MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
 MEM_LOCATION_TYPE_DEVICE = 0x1
 MEM_LOCATION_TYPE_HOST = 0x2
+# the VMM API: CUmemAllocationType, CUmemAllocationHandleType, CUmemAccess_flags,
+# CUmemAllocationGranularity_flags
+MEM_ALLOCATION_TYPE_PINNED = 0x1
+MEM_HANDLE_TYPE_NONE = 0x0
+MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
+MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
+MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
 
 
 class CudaCallFailed(RuntimeError):
@@ -120,6 +133,49 @@ class MemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class MemAllocationProp(ctypes.Structure):
+    """CUmemAllocationProp (v1), as cuda.h of CUDA 12.x and 13.0 declare it (the 13.0.0
+    cuda-python bindings, generated from that header, have the same fields): enum type, enum
+    requestedHandleTypes, CUmemLocation location (enum type, int id), void*
+    win32HandleMetaData, then allocFlags {uchar compressionType, uchar gpuDirectRDMACapable,
+    ushort usage, uchar reserved[4]}: 32 bytes on x86-64 and aarch64 (4 + 4 + 8 + 8 + 8)."""
+
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
+                ("location", MemLocation), ("win32HandleMetaData", ctypes.c_void_p),
+                ("allocFlags", _AllocFlags)]
+
+
+class MemAccessDesc(ctypes.Structure):
+    """CUmemAccessDesc (v1), same headers: CUmemLocation location, enum flags (12 bytes)."""
+
+    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
+
+
+assert ctypes.sizeof(MemAllocationProp) == 32 and ctypes.sizeof(MemAccessDesc) == 12
+
+
+@dataclass(frozen=True)
+class VmmAllocation:
+    """A physical allocation of the VMM API, as ``cuMemGetAllocationPropertiesFromHandle``
+    reads it."""
+
+    location_type: int
+    """``CU_MEM_LOCATION_TYPE_*``: 1 for device memory."""
+    device: int
+    """The device ordinal (this process's) when ``location_type`` is a device."""
+    handle_types: int
+    """The ``CU_MEM_HANDLE_TYPE_*`` bits it was created exportable as."""
+
+    @property
+    def exports_fd(self) -> bool:
+        return bool(self.handle_types & MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+
+
 class MemcpyAttributes(ctypes.Structure):
     """CUmemcpyAttributes (CUDA 12.8)."""
 
@@ -163,12 +219,13 @@ class CudaDriver:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def fn(self, name: str) -> Any:
+    def fn(self, name: str, exact: bool = False) -> Any:
         """The driver entry point for ``name``: its ``_v2`` export when there is one, as
-        ``cuda.h`` maps the name."""
+        ``cuda.h`` maps the name (``exact``: that symbol only, for the calls ``cuda.h`` maps to
+        themselves, as it does the VMM API's)."""
         got = self._fns.get(name)
         if got is None:
-            for symbol in (name + "_v2", name):
+            for symbol in (name,) if exact else (name + "_v2", name):
                 try:
                     got = getattr(self._lib, symbol)
                     break
@@ -195,6 +252,11 @@ class CudaDriver:
 
     def _call(self, name: str, *args: object) -> None:
         rc = int(self.fn(name)(*args))
+        if rc != 0:
+            raise CudaCallFailed(name, rc, self.error_name(rc))
+
+    def _call_exact(self, name: str, *args: object) -> None:
+        rc = int(self.fn(name, exact=True)(*args))
         if rc != 0:
             raise CudaCallFailed(name, rc, self.error_name(rc))
 
@@ -326,6 +388,96 @@ class CudaDriver:
         self._call("cuMemHostGetDevicePointer", ctypes.byref(out), ctypes.c_void_p(address),
                    ctypes.c_uint(0))
         return out.value
+
+    # -- virtual memory management (cuMemCreate / cuMemMap) ----------------------------------
+    # Every call but mem_properties and mem_granularity runs in the caller's current context.
+
+    @staticmethod
+    def _prop(ordinal: int, exportable: bool) -> MemAllocationProp:
+        return MemAllocationProp(
+            type=MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes=(MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if exportable
+                                  else MEM_HANDLE_TYPE_NONE),
+            location=MemLocation(MEM_LOCATION_TYPE_DEVICE, ordinal))
+
+    def mem_granularity(self, ordinal: int, exportable: bool = True) -> int:
+        """The minimum granularity of physical allocations on ``ordinal`` (2 MiB on current
+        GPUs): their sizes, mapping sizes and reserved ranges are multiples of it."""
+        out = ctypes.c_size_t()
+        self._call_exact("cuMemGetAllocationGranularity", ctypes.byref(out),
+                         ctypes.byref(self._prop(ordinal, exportable)),
+                         ctypes.c_int(MEM_ALLOC_GRANULARITY_MINIMUM))
+        return out.value
+
+    def mem_create(self, nbytes: int, ordinal: int, exportable: bool = True) -> int:
+        """A physical allocation of ``nbytes`` on ``ordinal`` (``exportable``: as a POSIX
+        fd); its handle, for ``mem_map`` and ``mem_release``."""
+        h = ctypes.c_uint64()
+        self._call_exact("cuMemCreate", ctypes.byref(h), ctypes.c_size_t(nbytes),
+                         ctypes.byref(self._prop(ordinal, exportable)), ctypes.c_uint64(0))
+        return h.value
+
+    def mem_release(self, handle: int) -> None:
+        """Drop one reference to a physical allocation (freed once no handle nor mapping
+        holds it)."""
+        self._call_exact("cuMemRelease", ctypes.c_uint64(handle))
+
+    def mem_retain_handle(self, address: int) -> int:
+        """The handle of the physical allocation mapped at ``address`` (VMM memory only), one
+        more reference to it: ``mem_release`` it."""
+        h = ctypes.c_uint64()
+        self._call_exact("cuMemRetainAllocationHandle", ctypes.byref(h),
+                         ctypes.c_void_p(address))
+        return h.value
+
+    def mem_properties(self, handle: int) -> VmmAllocation:
+        prop = MemAllocationProp()
+        self._call_exact("cuMemGetAllocationPropertiesFromHandle", ctypes.byref(prop),
+                         ctypes.c_uint64(handle))
+        return VmmAllocation(prop.location.type, prop.location.id, prop.requestedHandleTypes)
+
+    def mem_export_fd(self, handle: int) -> int:
+        """A new POSIX fd naming the allocation (the caller closes it); refused unless it was
+        created exportable as one."""
+        fd = ctypes.c_int(-1)
+        self._call_exact("cuMemExportToShareableHandle", ctypes.byref(fd),
+                         ctypes.c_uint64(handle),
+                         ctypes.c_int(MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), ctypes.c_uint64(0))
+        return fd.value
+
+    def mem_import_fd(self, fd: int) -> int:
+        """A handle of the allocation an exported fd names (the fd stays the caller's)."""
+        h = ctypes.c_uint64()
+        self._call_exact("cuMemImportFromShareableHandle", ctypes.byref(h),
+                         ctypes.c_void_p(fd),  # the fd itself, cast to void*
+                         ctypes.c_int(MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        return h.value
+
+    def mem_address_reserve(self, nbytes: int) -> int:
+        """A range of ``nbytes`` of virtual addresses (nothing mapped), anywhere."""
+        ptr = ctypes.c_uint64()
+        self._call_exact("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(nbytes),
+                         ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0))
+        return ptr.value
+
+    def mem_address_free(self, address: int, nbytes: int) -> None:
+        self._call_exact("cuMemAddressFree", ctypes.c_uint64(address), ctypes.c_size_t(nbytes))
+
+    def mem_map(self, address: int, nbytes: int, handle: int) -> None:
+        """Map the first ``nbytes`` of an allocation at ``address`` (inside a reserved range);
+        nothing may access it before ``mem_set_access``."""
+        self._call_exact("cuMemMap", ctypes.c_uint64(address), ctypes.c_size_t(nbytes),
+                         ctypes.c_size_t(0), ctypes.c_uint64(handle), ctypes.c_uint64(0))
+
+    def mem_unmap(self, address: int, nbytes: int) -> None:
+        self._call_exact("cuMemUnmap", ctypes.c_uint64(address), ctypes.c_size_t(nbytes))
+
+    def mem_set_access(self, address: int, nbytes: int, ordinal: int) -> None:
+        """Let device ``ordinal`` read and write the mapped ``[address, address + nbytes)``."""
+        desc = MemAccessDesc(MemLocation(MEM_LOCATION_TYPE_DEVICE, ordinal),
+                             MEM_ACCESS_FLAGS_PROT_READWRITE)
+        self._call_exact("cuMemSetAccess", ctypes.c_uint64(address), ctypes.c_size_t(nbytes),
+                         ctypes.byref(desc), ctypes.c_size_t(1))
 
     # -- modules and launches ----------------------------------------------------------------
 

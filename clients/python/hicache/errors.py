@@ -176,13 +176,16 @@ class CanarySourceInvalid(InvalidRequest):
 
 
 class IpcHandleInvalid(InvalidRequest):
-    """A CUDA IPC handle could not be opened, or a buffer leaves the allocation it names."""
+    """A CUDA IPC handle could not be opened, a VMM chunk passed by fd could not be imported,
+    mapped or given access (not an exported allocation, another GPU's, sizes that do not fit),
+    or a buffer leaves the allocation or region it names."""
 
     reason = "IPC_HANDLE_INVALID"
 
 
 class BufferNotShareable(InvalidRequest):
-    """Device memory CUDA IPC cannot share (VMM, managed); raised before anything is sent."""
+    """Device memory neither CUDA IPC nor VMM chunk fds can share (VMM memory not created
+    exportable, managed, host); raised before anything is sent."""
 
     reason = "BUFFER_NOT_SHAREABLE"
 
@@ -328,7 +331,8 @@ class ShmPathRejected(PermissionDenied):
 
 
 class FdRejected(PermissionDenied):
-    """A memfd buffer the daemon will not map (missing, unsealed, not memory, too small)."""
+    """A memfd buffer the daemon will not map (missing, unsealed, not memory, too small), or a
+    VMM chunk's fd it will not take (not passed, named twice, in two regions)."""
 
     reason = "FD_REJECTED"
 

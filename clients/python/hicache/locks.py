@@ -62,6 +62,7 @@ ORDER: tuple[str, ...] = (
     "cuda_ipc.attachment",
     "cuda_ipc.copies",
     "cuda_ipc.mappings",
+    "cuda_vmm.mappings",
     "cuda.paths",
     "cuda.runner.tables",
     "cuda.launch",

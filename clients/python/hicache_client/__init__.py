@@ -19,7 +19,8 @@ no native extension of ours, and not torch (imported when tensors are made).
   ``engine_config`` (their shared settings), ``pool_names`` (one naming rule), ``link`` (the
   pool and session kept up, late or down), ``pool_setup`` (a pool's size), ``hold_book`` (the
   holds: freshness, claims, releases).
-- ``hicache_client.cuda``: GPU workers' buffers and events as CUDA IPC handles.
+- ``hicache_client.cuda``: GPU workers' buffers as CUDA IPC handles or VMM chunk fds, and
+  their events.
 - ``hicache_client.cli``: ``hicachectl``.
 """
 

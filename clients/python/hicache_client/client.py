@@ -308,15 +308,17 @@ class HiCacheClient:
                      lease_ms: int = 0, heartbeat: bool = True,
                      layer_events: Sequence[bytes] = (), ready_event: bytes = b"",
                      fds: Sequence[int] = ()) -> WorkerSession:
-        """Attach ``buffers`` (shm, memfd or cuda_ipc). memfd buffers need their ``fds``
-        (``ShmDeviceBuffers.fds``), passed to the daemon over its identity socket. CUDA
-        sessions may pass the IPC handles of interprocess events the worker owns:
+        """Attach ``buffers`` (shm, memfd, cuda_ipc or cuda_vmm). memfd and cuda_vmm buffers
+        need their ``fds`` (``ShmDeviceBuffers.fds``, ``CudaDeviceBuffers.fds``), passed to the
+        daemon over its identity socket (they stay the caller's). CUDA sessions may pass the
+        IPC handles of interprocess events the worker owns:
         ``layer_events`` are recorded by the daemon as layer groups of a load land,
         ``ready_event`` is waited on before each copy."""
         token = self.peer_token(fds)
         if fds and not token:
             raise TransportUnavailable(
-                "memfd buffers travel over the daemon's identity socket (<socket>.id), which "
+                "memfd and cuda_vmm buffers' fds travel over the daemon's identity socket "
+                "(<socket>.id), which "
                 f"{self.target} does not offer", metadata={"target": self.target})
         s: pb.Session = self.call("OpenSession", OpenSessionRequest(  # wire buffers as they are
             pool, worker_id, buffers, list(layer_events),  # type: ignore[arg-type]

@@ -149,7 +149,9 @@ class Handover:
     layer_events: Sequence[bytes] = ()
     ready_event: bytes = b""
     fds: Sequence[int] = ()
-    """Sealed memfds of ``memfd`` buffers (passed over the identity socket on every open)."""
+    """Sealed memfds of ``memfd`` buffers, or the exported chunks of ``cuda_vmm`` ones
+    (``CudaDeviceBuffers.fds``): passed over the identity socket on every open, so they stay
+    open while the link does."""
 
 
 @dataclass

@@ -22,7 +22,8 @@ Primitives:
   shared memory (sealed memfds, or files under ``shm_dir``; contents copied, SGLang's lists
   rebound in place) so the daemon can map them; returns the ``ShmDeviceBuffers`` whose
   descriptors and fds ``OpenSession`` takes.
-- ``DevicePool.cuda_descriptors()``: GPU workers: CUDA IPC descriptors of the tensors as they are.
+- ``DevicePool.cuda_buffers()``: GPU workers: the tensors as they are, as CUDA IPC descriptors or
+  VMM chunks' (``CudaDeviceBuffers``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from hicache.specs import ANCHOR, DType, KVGeometry, Layout, PoolKind, PoolSpec,
 if TYPE_CHECKING:
     import torch
 
-    from hicache.buffers import DeviceBufferSpec
+    from hicache_client.cuda import CudaDeviceBuffers
     from hicache_client.shm import ShmDeviceBuffers
 
 
@@ -156,7 +157,9 @@ class DevicePool:
                     [t.data_ptr() for t in self.layers(role)], dtype=torch.uint64))
         return shm
 
-    def cuda_descriptors(self) -> list[DeviceBufferSpec]:
+    def cuda_buffers(self) -> CudaDeviceBuffers:
+        """The tensors as they are, for the daemon: CUDA IPC descriptors, or VMM chunks'
+        descriptors and fds (which the caller closes once no session will be opened again)."""
         from hicache_client.cuda import CudaDeviceBuffers
 
-        return CudaDeviceBuffers.from_tensors(self.tensors()).descriptors
+        return CudaDeviceBuffers.from_tensors(self.tensors())

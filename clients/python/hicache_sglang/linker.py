@@ -143,6 +143,7 @@ class HicachedLinker(UnifiedCacheLinker):
         self._shm = None
         self._events: Any = None
         self._ready: Any = None
+        self._cuda: Any = None
         if self.on_cuda:
             from hicache import layer_groups
             from hicache_client.cuda import LayerEvents, ReadyEvent
@@ -152,8 +153,9 @@ class HicachedLinker(UnifiedCacheLinker):
                                                                           groups))
             self._events = LayerEvents(groups, dp.device)
             self._ready = ReadyEvent(dp.device)
-            handover = Handover(dp.cuda_descriptors(), self._events.handles,
-                                self._ready.handle)
+            self._cuda = dp.cuda_buffers()  # VMM chunks' fds, kept for every re-open
+            handover = Handover(self._cuda.descriptors, self._events.handles,
+                                self._ready.handle, fds=self._cuda.fds)
         else:
             # on the Unix socket: sealed memfds by fd; over TCP (tests, odd setups): files
             self._shm = dp.rehome_to_shm(self.spec, cfg.shm_dir,
@@ -429,4 +431,6 @@ class HicachedLinker(UnifiedCacheLinker):
         self.quarantine.close()
         if self._shm is not None:
             self._shm.close()  # unlinks the files; SGLang's tensors keep their mapping
+        if self._cuda is not None:
+            self._cuda.close()  # the exported VMM chunks' fds (none for CUDA IPC)
         log.info("hicached linker stats: %s", self.stats)

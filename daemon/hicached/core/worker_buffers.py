@@ -7,10 +7,10 @@ Primitives:
 
 - ``WorkerBuffers(buffers, location)``: ``buffers[member][role]`` is the list of per-layer
   tensors (or ``RawBuffer``s), all on ``location`` (``cpu`` for shared-memory files and
-  in-process tensors, ``cuda`` for IPC-mapped GPU memory).
+  in-process tensors, ``cuda`` for GPU memory mapped over IPC or from VMM chunks).
 - ``RawBuffer``: memory mapped from another process (a shared-memory file or memfd, a CUDA IPC
-  allocation), described like a tensor (address, shape, dtype, strides, device) for the
-  geometry checks and copy plans: what the daemon attaches, with no torch.
+  allocation, VMM chunks), described like a tensor (address, shape, dtype, strides, device)
+  for the geometry checks and copy plans: what the daemon attaches, with no torch.
 - ``Buffer``: what a buffer must answer (a ``RawBuffer`` or a torch tensor).
 - ``WorkerBuffers.allocate(spec, device_tokens)``: zeroed CPU torch tensors of the right
   geometry (tests, benchmarks, in-process use; imports torch, which the daemon never calls).

@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from hicache.buffers import MAX_FDS
 from hicache.locks import lock
 from hicache.paths import remove_if_there
 from hicached.frontends.sockets import listen_beside
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 TOKEN_TTL_SECONDS = 30.0
 REQUEST_TIMEOUT_SECONDS = 2.0
 MAX_REQUEST_BYTES = 4096
-MAX_FDS_PER_REQUEST = 128  # the kernel passes at most 253 per message
+MAX_FDS_PER_REQUEST = MAX_FDS  # what one session may hand over (hicache.buffers)
 MAX_HELD_FDS = 4096
 MAX_CONNECTIONS = 256
 

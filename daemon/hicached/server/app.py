@@ -141,6 +141,7 @@ class HiCacheServer:
             sessions_reaped=lambda: sessions.reaped_total,
             attached_bytes=lambda: sessions.attached_bytes,
             ipc_handles=cuda.cache.stats if cuda is not None else lambda: (0, 0),
+            vmm_chunks=cuda.vmm if cuda is not None else lambda: (0, 0),
             watchers=lambda: self.daemon.watchers,
             builds=lambda: [(b.spec.name, b.state, b.progress) for b in pools.builds()],
             tiers=pools.stacks, cluster_store=cluster_store,

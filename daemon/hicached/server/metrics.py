@@ -77,6 +77,8 @@ class ScrapeState:
     attached_bytes: Callable[[], int]
     ipc_handles: Callable[[], tuple[int, int]] = lambda: (0, 0)
     """(CUDA IPC allocations mapped, their bytes)."""
+    vmm_chunks: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    """(VMM chunks of workers' GPU memory mapped, their bytes)."""
     watchers: Callable[[], int] = lambda: 0
     """WatchEvents streams open."""
     builds: Callable[[], list[tuple[str, str, float]]] = lambda: []
@@ -239,6 +241,12 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("hicache_cuda_ipc_mapped_bytes",
                                 "Bytes of worker GPU allocations mapped over CUDA IPC.",
                                 value=handle_bytes)
+        chunks, chunk_bytes = self._state.vmm_chunks()
+        yield GaugeMetricFamily("hicache_cuda_vmm_chunks_mapped",
+                                "Physical allocations of worker GPU virtual memory (VMM chunks "
+                                "passed as fds) mapped.", value=chunks)
+        yield GaugeMetricFamily("hicache_cuda_vmm_mapped_bytes",
+                                "Bytes of worker GPU VMM chunks mapped.", value=chunk_bytes)
         if self._state.cuda_copies is not None:
             yield from _cuda_copy_families(*self._state.cuda_copies())
         tables = GaugeMetricFamily(

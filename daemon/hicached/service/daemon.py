@@ -9,9 +9,10 @@ Primitives:
 - ``watch_slot()``: one of ``max_watchers`` event streams, or ``TOO_MANY_WATCHERS``.
 - ``open_session(pool, worker_id, buffers, layer_events, ready_event, lease, peer_token)``: the
   OpenSession flow (access checked before anything is mapped; rolled back on failure).
-- ``attach(buffers, layer_events, ready_event)``: the transport a session's buffers need (all
-  ``shm`` or all ``cuda_ipc``), refusing mixtures, CUDA events on shm sessions, and
-  ``cuda_ipc`` where the CUDA driver has no device (``TRANSPORT_UNAVAILABLE``).
+- ``attach(buffers, layer_events, ready_event, fds)``: the transport a session's buffers need
+  (all ``shm`` / ``memfd``, all ``cuda_ipc``, or all ``cuda_vmm`` with the fds of their
+  chunks), refusing mixtures, CUDA events on shm sessions, and CUDA buffers where the CUDA
+  driver has no device (``TRANSPORT_UNAVAILABLE``).
 - ``transfer(op, session_id, host, device, layers, layer_events)``: one backup or load on a
   session's buffers; a load with layer events keeps the session's mappings until its GPU
   copies land.
@@ -217,15 +218,17 @@ class Daemon:
     def attach(self, buffers: list[DeviceBufferSpec], layer_events: list[bytes],
                ready_event: bytes, fds: Sequence[int] = ()) -> Attachment:
         kinds = {b.transport for b in buffers}
-        if kinds == {"cuda_ipc"}:
+        if kinds in ({"cuda_ipc"}, {"cuda_vmm"}):
+            (kind,) = kinds
             if self.cuda is None:
                 raise TransportUnavailable(
-                    f"cuda_ipc buffers cannot be attached: {driver_problem(self.cuda_driver)}",
-                    metadata={"transport": "cuda_ipc", "buffers": len(buffers)})
-            return self.cuda.attach(buffers, layer_events, ready_event)
+                    f"{kind} buffers cannot be attached: {driver_problem(self.cuda_driver)}",
+                    metadata={"transport": kind, "buffers": len(buffers)})
+            return self.cuda.attach(buffers, layer_events, ready_event,
+                                    fds if kind == "cuda_vmm" else ())
         if len(kinds) > 1:
-            raise SpecInvalid("a session's buffers use one transport: shm, memfd or cuda_ipc",
-                              metadata={"transports": ",".join(sorted(kinds))})
+            raise SpecInvalid("a session's buffers use one transport: shm, memfd, cuda_ipc or "
+                              "cuda_vmm", metadata={"transports": ",".join(sorted(kinds))})
         if layer_events or ready_event:
             raise SpecInvalid("layer_events and ready_event are CUDA events; shm sessions "
                               "complete every transfer before replying",

@@ -206,7 +206,8 @@ class CudaDeviceView:
 class InfoView:
     version: str
     transports: list[str]
-    """Of ``shm``, ``memfd`` and ``cuda_ipc``: what sessions' buffers may use here."""
+    """Of ``shm``, ``memfd``, ``cuda_ipc`` and ``cuda_vmm``: what sessions' buffers may use
+    here."""
     memory_budget_bytes: int
     memory_used_bytes: int
     memory_available_bytes: int
@@ -238,7 +239,9 @@ def info_view(d: Daemon) -> InfoView:
         version=hicache.__version__,
         transports=[*(["shm"] if d.shm.accept_paths else []),
                     *(["memfd"] if d.identities else []),
-                    *(["cuda_ipc"] if d.cuda is not None else [])],
+                    *(["cuda_ipc"] if d.cuda is not None else []),
+                    # VMM chunks travel as fds, over the identity socket
+                    *(["cuda_vmm"] if d.cuda is not None and d.identities else [])],
         memory_budget_bytes=d.pools.budget_bytes, memory_used_bytes=d.pools.used_bytes,
         memory_available_bytes=available_bytes(), shm_dir=d.shm.shm_dir,
         cuda_available=d.cuda is not None, serving=not d.draining.is_set(),

@@ -2,7 +2,7 @@
 
 A transport turns the ``DeviceBufferSpec``s a worker handed over (``hicache.buffers``) into
 ``WorkerBuffers`` the copy engine can use: ``shm`` maps shared-memory files (CPU hosts, tests),
-``cuda_ipc`` opens CUDA IPC handles.
+``cuda_ipc`` opens CUDA IPC handles or maps VMM chunks (``cuda_vmm``).
 
 Primitives:
 

@@ -1,26 +1,31 @@
-"""Attaching worker GPU buffers handed over as CUDA IPC handles.
+"""Attaching worker GPU buffers: the CUDA transport, over CUDA IPC handles or VMM chunk fds.
 
 A worker sends, per layer buffer, the 64-byte ``cuIpcGetMemHandle`` handle of the allocation
 holding it, the byte offset inside that allocation, its size, shape, dtype, strides and the GPU's
 UUID (ordinals differ between processes with different ``CUDA_VISIBLE_DEVICES``). Many buffers
 usually share one allocation (the caching allocator carves tensors out of large segments).
+Memory of the virtual memory management API comes as ``cuda_vmm`` buffers instead, their
+chunks as fds (``transport.cuda_vmm`` maps them); the session is the same either way.
 
 Primitives:
 
 - ``IpcMemoryCache``: each allocation is opened once per daemon process and closed when the last
   session using it lets go (CUDA refuses to open one handle twice in a process).
 - ``CudaIpcTransport(driver, copy_paths, kernels)``: ``attach(buffers, layer_events,
-  ready_event)`` resolves the UUID to this process's device, checks every buffer, opens the
-  handles, imports the worker's interprocess events and creates the session's two streams
-  (backup D2H, load H2D). Any failure closes whatever was opened and raises
-  ``DEVICE_NOT_FOUND`` / ``IPC_HANDLE_INVALID`` / ``GEOMETRY_MISMATCH`` naming the buffer and
-  the CUDA error. ``copies(ordinal)``: the device's ``DeviceCopies`` (the ways allowed by
-  ``copy_paths`` that it has: the page kernel loaded on its first session, from ``kernels``,
-  the reason it is off logged once), shared by its sessions.
+  ready_event, fds)`` resolves the UUID to this process's device, checks every buffer, opens the
+  handles (``cuda_ipc``) or maps the chunks of ``fds`` (``cuda_vmm``: ``cuda_vmm.VmmMapping``),
+  imports the worker's interprocess events and creates the session's two streams (backup
+  D2H, load H2D). Any failure closes whatever was opened and raises ``DEVICE_NOT_FOUND`` /
+  ``IPC_HANDLE_INVALID`` / ``FD_REJECTED`` / ``GEOMETRY_MISMATCH`` naming the buffer and the
+  CUDA error. ``vmm``: the chunks every session maps (``VmmStats``). ``copies(ordinal)``: the
+  device's ``DeviceCopies`` (the ways allowed by ``copy_paths`` that it has: the page kernel
+  loaded on its first session, from ``kernels``, the reason it is off logged once), shared by
+  its sessions.
 - ``CudaAttachment``: the session's ``WorkerBuffers`` (``RawBuffer``s on ``cuda``), its
   ``CudaRunner``, and ``release()``: drain both streams, destroy them, destroy the imported
-  events, close the handles. Sessions call it when the worker closes the session or its lease
-  runs out, after the last in-flight transfer, so a dead worker keeps no GPU memory mapped.
+  events, close the handles (unmap the chunks, free their ranges). Sessions call it when the
+  worker closes the session or its lease runs out, after the last in-flight transfer, so a
+  dead worker keeps no GPU memory mapped.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from hicached.cuda.kernels import KernelBinaries, load_page_kernel
 from hicached.cuda.paths import CopyPaths, Path
 from hicached.cuda.runner import Completer, CudaRunner, DeviceCopies
 from hicached.transport.base import Attachment, assemble, check_extent, check_strides
+from hicached.transport.cuda_vmm import VmmMapping, VmmStats, plan_regions
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +123,7 @@ class CudaIpcTransport:
         says why)."""
         self.driver = driver
         self.cache = IpcMemoryCache(driver)
+        self.vmm = VmmStats()
         self.completer = Completer(driver)
         self.copy_paths = tuple(copy_paths)
         self._kernels = kernels
@@ -184,12 +191,19 @@ class CudaIpcTransport:
         return ordinal
 
     def attach(self, buffers: Sequence[DeviceBufferSpec], layer_events: Sequence[bytes] = (),
-               ready_event: bytes = b"") -> CudaAttachment:
+               ready_event: bytes = b"", fds: Sequence[int] = ()) -> CudaAttachment:
+        """``buffers``: all ``cuda_ipc``, or all ``cuda_vmm`` with their chunks' ``fds`` (which
+        stay the caller's: the mappings hold the memory)."""
         if not buffers:
             raise SpecInvalid("a CUDA session needs its device buffers")
+        kinds = {b.transport for b in buffers}
+        if len(kinds) != 1 or not kinds <= {"cuda_ipc", "cuda_vmm"}:
+            raise SpecInvalid("a CUDA session's buffers are all cuda_ipc or all cuda_vmm",
+                              metadata={"transports": ",".join(sorted(kinds))})
+        vmm = kinds == {"cuda_vmm"}
         ordinal = self.resolve({normalize_uuid(b.device_uuid) for b in buffers})
         for i, b in enumerate(buffers):
-            if len(b.ipc_handle) != IPC_HANDLE_SIZE:
+            if not vmm and len(b.ipc_handle) != IPC_HANDLE_SIZE:
                 raise _invalid(i, f"a CUDA IPC handle is {IPC_HANDLE_SIZE} bytes, "
                                   f"got {len(b.ipc_handle)}", handle_bytes=len(b.ipc_handle))
             why = check_extent(b, i)
@@ -200,16 +214,20 @@ class CudaIpcTransport:
             if len(h) != IPC_HANDLE_SIZE:
                 raise SpecInvalid(f"event handle {j} is {len(h)} bytes, not {IPC_HANDLE_SIZE}",
                                   metadata={"event": j})
+        plan = plan_regions(buffers, len(fds)) if vmm else None  # before the driver is touched
         first_use: dict[bytes, int] = {}  # each allocation's handle -> first buffer naming it
         for i, b in enumerate(buffers):
-            first_use.setdefault(b.ipc_handle, i)
+            if not vmm:
+                first_use.setdefault(b.ipc_handle, i)
         opened: dict[bytes, tuple[int, int]] = {}
+        mapped: list[VmmMapping] = []
         streams: list[int] = []
         events: list[int] = []
         runners: list[CudaRunner] = []
         drv = self.driver
 
         def close() -> None:
+            chunks = sum(m.chunks for m in mapped)
             with drv.context(ordinal):
                 for s in streams:
                     _quietly(drv.stream_synchronize, s)
@@ -221,10 +239,18 @@ class CudaIpcTransport:
                     _quietly(drv.event_destroy, e)
                 for h in opened:
                     _quietly(self.cache.release, ordinal, h)
-            log.info("released %d CUDA IPC allocation(s) on device %d", len(opened), ordinal)
+                for m in mapped:
+                    _quietly(m.release)
+            if vmm:
+                log.info("released %d VMM chunk(s) on device %d", chunks, ordinal)
+            else:
+                log.info("released %d CUDA IPC allocation(s) on device %d", len(opened),
+                         ordinal)
 
         try:
             with drv.context(ordinal):
+                if plan is not None:
+                    mapped.append(VmmMapping.map(drv, ordinal, plan, fds, self.vmm))
                 for h, first in first_use.items():
                     try:
                         opened[h] = self.cache.acquire(ordinal, h)
@@ -234,7 +260,7 @@ class CudaIpcTransport:
                                               f"worker exited, or the handle is not from "
                                               f"cuIpcGetMemHandle)", cuda_error=exc.name
                                        ) from None
-                for i, b in enumerate(buffers):
+                for i, b in enumerate(buffers if not vmm else ()):  # VMM: planned
                     size = opened[b.ipc_handle][1]
                     if b.offset + b.nbytes > size:
                         raise _invalid(i, f"bytes [{b.offset}, {b.offset + b.nbytes}) leave "
@@ -248,8 +274,8 @@ class CudaIpcTransport:
                 streams.extend([drv.stream_create(), drv.stream_create()])
             where = Device("cuda", ordinal)
             attached = assemble(buffers, lambda i, b: RawBuffer(
-                opened[b.ipc_handle][0] + b.offset, b.shape, b.dtype, b.strides,
-                where), location="cuda")
+                mapped[0].address(i) if vmm else opened[b.ipc_handle][0] + b.offset, b.shape,
+                b.dtype, b.strides, where), location="cuda")
         except BaseException:
             close()
             raise
@@ -257,8 +283,13 @@ class CudaIpcTransport:
                             layer_events=events[: len(layer_events)], ready_event=ready,
                             device=self.copies(ordinal))
         runners.append(runner)
-        log.info("attached %d buffer(s) in %d CUDA IPC allocation(s) on device %d (%s)",
-                 len(buffers), len(opened), ordinal, drv.devices[ordinal].uuid)
+        if plan is not None:
+            log.info("attached %d buffer(s) in %d VMM chunk(s) (%d region(s)) on device %d "
+                     "(%s)", len(buffers), mapped[0].chunks, len(plan.regions), ordinal,
+                     drv.devices[ordinal].uuid)
+        else:
+            log.info("attached %d buffer(s) in %d CUDA IPC allocation(s) on device %d (%s)",
+                     len(buffers), len(opened), ordinal, drv.devices[ordinal].uuid)
         return CudaAttachment(attached, sum(b.nbytes for b in buffers), runner, close)
 
     def _open_event(self, handle: bytes, field: str) -> int:

@@ -388,8 +388,22 @@ class CudaIpcHandle(_message.Message):
     nbytes: int
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
+class CudaVmmHandle(_message.Message):
+    __slots__ = ("fd_indices", "chunk_bytes", "offset", "nbytes", "device_uuid")
+    FD_INDICES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    fd_indices: _containers.RepeatedScalarFieldContainer[int]
+    chunk_bytes: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    device_uuid: str
+    def __init__(self, fd_indices: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
 class DeviceBuffer(_message.Message):
-    __slots__ = ("member", "role", "layer", "shape", "dtype", "strides", "shm", "cuda_ipc", "memfd")
+    __slots__ = ("member", "role", "layer", "shape", "dtype", "strides", "shm", "cuda_ipc", "memfd", "cuda_vmm")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +413,7 @@ class DeviceBuffer(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     MEMFD_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VMM_FIELD_NUMBER: _ClassVar[int]
     member: str
     role: BufferRole
     layer: int
@@ -408,7 +423,8 @@ class DeviceBuffer(_message.Message):
     shm: ShmHandle
     cuda_ipc: CudaIpcHandle
     memfd: MemfdHandle
-    def __init__(self, member: _Optional[str] = ..., role: _Optional[_Union[BufferRole, str]] = ..., layer: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., strides: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., memfd: _Optional[_Union[MemfdHandle, _Mapping]] = ...) -> None: ...
+    cuda_vmm: CudaVmmHandle
+    def __init__(self, member: _Optional[str] = ..., role: _Optional[_Union[BufferRole, str]] = ..., layer: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., strides: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., memfd: _Optional[_Union[MemfdHandle, _Mapping]] = ..., cuda_vmm: _Optional[_Union[CudaVmmHandle, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("pool", "worker_id", "buffers", "lease_ms", "layer_events", "ready_event", "peer_token")
