@@ -1,5 +1,6 @@
 """The vLLM spec's worker on a real GPU: vLLM's canonical KV tensors (CUDA) exported to the
-daemon over CUDA IPC, ``submit_store`` right behind a kernel still writing the blocks on the
+daemon over CUDA IPC (torch's caching allocator) or by fd (vLLM 0.34's extensible KV cache, its
+own allocator), ``submit_store`` right behind a kernel still writing the blocks on the
 engine's stream (the ready event must hold the daemon's copy back), ``submit_load`` into other
 blocks zeroed first, exact bytes.
 
@@ -47,7 +48,10 @@ def offloading_config() -> SimpleNamespace:
                                  data_parallel_index=0))
 
 
-def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -> None:
+def round_trip(daemon: DaemonProc, layers: list[torch.Tensor]) -> str:
+    """The worker on these canonical layer tensors: a store submitted behind a kernel still
+    writing the blocks on the engine's stream, a load into other blocks zeroed first, exact;
+    the transport its session used."""
     require_module("vllm", "vLLM's offloading interfaces (scripts/gpu/vllm_subset.py)")
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
@@ -64,7 +68,6 @@ def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -
 
     config = SpecConfig(target=daemon.target)
     plan = Plan.from_config(offloading_config(), config)
-    layers = [torch.zeros(BLOCKS, PAGE, dtype=torch.int8, device="cuda") for _ in range(LAYERS)]
     kv = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE) for t in layers],
         group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE)
@@ -107,5 +110,65 @@ def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -
         for t, w in zip(layers, want, strict=True):
             assert torch.equal(t[dst], w)  # the stored bytes, not the zeros the kernel preceded
             assert t[src].count_nonzero() == 0  # nothing landed anywhere else
+        return str(worker._device.transport)
     finally:
         worker.shutdown()
+
+
+def test_store_behind_a_running_kernel_and_load_back_exact(daemon: DaemonProc) -> None:
+    """vLLM's KV cache from torch's caching allocator (vLLM 0.33, or 0.34 with its extensible
+    cache off): shared over CUDA IPC."""
+    layers = [torch.zeros(BLOCKS, PAGE, dtype=torch.int8, device="cuda") for _ in range(LAYERS)]
+    assert round_trip(daemon, layers) == "cuda_ipc"
+
+
+def extensible_kv_cache(export: bool) -> object:
+    """vLLM 0.34's own extensible KV cache allocator (``vllm.utils.extensible_tensor``): one
+    segment per layer, committed (each segment mapped by its own physical allocation), created
+    exportable as POSIX file descriptors as vLLM does when a connector declares
+    ``EXPORTS_FD`` (``kv_cache_export_handle_types``), or not."""
+    require_module("vllm", "vLLM's extensible KV cache allocator (scripts/gpu/vllm_subset.py)")
+    from vllm.utils.extensible_tensor import ExtensibleTensor
+    from vllm.utils.vmm_driver import MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+    segment = BLOCKS * PAGE
+    buf = ExtensibleTensor(LAYERS * segment, device="cuda",
+                           segment_capacities=[segment] * LAYERS,
+                           export_handle_types=MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                           if export else 0)
+    buf.resize_segments_([segment] * LAYERS, zero_new=True)
+    assert all(buf.segments_backed_by_one_chunk([segment] * LAYERS))
+    return buf
+
+
+def test_vllms_extensible_kv_cache_goes_to_the_daemon_by_fd_and_round_trips(
+        daemon: DaemonProc) -> None:
+    """vLLM 0.34's default GPU KV cache (virtual memory from cuMemCreate, which CUDA IPC cannot
+    share), exportable as HicachedOffloadingConnector's EXPORTS_FD has vLLM make it: the
+    worker hands its segments' fds to the daemon, which imports and maps them; exact."""
+    buf = extensible_kv_cache(export=True)
+    try:
+        layers = [buf.segment_view(i).view(torch.int8).view(BLOCKS, PAGE)  # type: ignore[attr-defined]
+                  for i in range(LAYERS)]
+        assert round_trip(daemon, layers) == "cuda_vmm"
+    finally:
+        torch.cuda.synchronize()
+        buf.free()  # type: ignore[attr-defined]
+
+
+def test_an_extensible_kv_cache_not_made_exportable_is_refused_saying_how(
+        daemon: DaemonProc) -> None:
+    """The same cache under vLLM's plain OffloadingConnector (it declares nothing, so vLLM
+    does not make it exportable): the worker refuses at start, naming the fixes."""
+    from hicache.errors import BufferNotShareable
+
+    buf = extensible_kv_cache(export=False)
+    try:
+        layers = [buf.segment_view(i).view(torch.int8).view(BLOCKS, PAGE)  # type: ignore[attr-defined]
+                  for i in range(LAYERS)]
+        with pytest.raises(BufferNotShareable) as got:
+            round_trip(daemon, layers)
+        assert "EXPORTS_FD" in str(got.value)
+        assert "--no-enable-extensible-kv-cache" in str(got.value)
+    finally:
+        buf.free()  # type: ignore[attr-defined]
