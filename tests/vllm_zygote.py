@@ -1,13 +1,14 @@
 """A process that imports vLLM's code once and forks one engine process per scenario.
 
-Importing hicache_vllm's spec and connector and ``tests.scenarios_vllm`` (vLLM's offloading
-and connector modules, torch) takes about 9 s of CPU; a test that runs a scenario in a new interpreter pays it every time. This
-process pays it once: then, single-threaded, it reads one request per line on stdin (JSON:
-``scenario``, ``args``, ``out``, ``err``: files for the engine's stdout and stderr), forks,
-and the child runs the scenario exactly as ``python -m tests.vllm_harness`` would (its own
-process, memory, threads, sockets and exit code; nothing of one scenario reaches the next).
-The zygote answers ``PID <pid>`` when the child started and ``EXIT <pid> <code>`` when it
-ended (``-N``: killed by signal N). ``tests.vllm_runs.run`` talks to it.
+Importing hicache_vllm's spec and connector and ``tests.scenarios_vllm`` (vLLM's offloading and
+connector modules, torch) takes about 9 s of CPU; a test that runs a scenario in a new
+interpreter pays it every time. This process pays it once: then, single-threaded, it reads one
+request per line on stdin (JSON: ``scenario``, ``args``, ``out``, ``err``: files for the
+engine's stdout and stderr), forks, and the child runs the scenario exactly as ``python -m
+tests.vllm_harness`` would (its own process, memory, threads, sockets and exit code; nothing of
+one scenario reaches the next). The zygote answers ``PID <pid>`` when the child started and
+``EXIT <pid> <code>`` when it ended (``-N``: killed by signal N). ``tests.vllm_runs.run`` talks
+to it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def _child(request: dict[str, object]) -> None:
 def main() -> None:
     import threading
 
-    import hicache_vllm.connector  # noqa: F401  (vLLM's connector and offloading modules,
-    import hicache_vllm.spec  # noqa: F401  what every child's engine loads)
+    # vLLM's connector and offloading modules, what every child's engine loads
+    import hicache_vllm.connector
+    import hicache_vllm.spec  # noqa: F401
     from tests import scenarios_vllm  # noqa: F401  (the import every child shares)
 
     assert threading.active_count() == 1, "a thread at fork time would be lost in the child"
