@@ -11,6 +11,9 @@ vLLM 0.33's ``OffloadingConnector`` backed by the hicached daemon.
 - ``hicache_vllm.stats``: the manager's counts as vLLM's offloading metrics.
 - ``hicache_vllm.blocks``: the blocks of one transfer.
 - ``hicache_vllm.worker``: the worker-side transfers (CUDA IPC on GPUs, staging on CPU).
+- ``hicache_vllm.vllm_api``: one adapter per vLLM release line (what 0.33 and 0.34 differ in).
+- ``hicache_vllm.served``: imported first: a vLLM release hicached does not serve stops at
+  start-up.
 
 Importing this package does not import vLLM, torch or gRPC; the modules above do (config and
 namespace import neither vLLM nor torch).
