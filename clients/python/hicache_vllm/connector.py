@@ -8,7 +8,10 @@ default, "fail"), for asynchronous and synchronous loads alike, the rest of the 
 untouched. This connector is vLLM's own with that one method added: the spec's worker
 (``hicache_vllm.worker``) reports the job done and names its blocks here, in the step that
 reports the job. It also hands the manager each new request (``follow``), so that the pages
-stored are told with their tokens and parent key (routers that match tokens find them).
+stored are told with their tokens and parent key (routers that match tokens find them), and,
+on vLLM 0.34 with lookahead block hashes (``num_hash_lookahead_tokens`` > 0: EAGLE / MTP with
+prefix caching; vLLM asks ``supports_lookahead_block_hashes``, True as for vLLM's own), how
+many tokens after each block its hash covers (``hash_lookahead``): the stores say them too.
 Loaded by module path::
 
     --kv-transfer-config '{"kv_connector": "HicachedOffloadingConnector",
@@ -62,6 +65,9 @@ class HicachedOffloadingConnector(OffloadingConnector):
                                   "spec_name"))[:64]})
         if isinstance(spec, HicachedOffloadingSpec):
             spec.report_load_errors = True  # before vLLM asks it for its worker
+        if isinstance(manager, HicachedOffloadingManager):  # (0 on 0.33: a KV connector
+            # keeps its legacy hashes there)
+            manager.hash_lookahead(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
 
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
