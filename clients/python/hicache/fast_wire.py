@@ -104,6 +104,9 @@ reads no such bits and refuses the frame's extra bytes: its client sends it none
 KNOWN_FLAGS = (FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN | STORE_DEADLINE
                | FLAG_TOUCH | FLAG_NAMESPACE | FLAG_PROMISE | FLAG_LOOKAHEAD)
 """What this framing's daemon understands (``GetInfo.fast_path_flags``)."""
+UNSAID_FLAGS = FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE
+"""What a daemon understands that does not say (one from before ``FLAG_CHAIN`` and
+``GetInfo.fast_path_flags``): the flags the framing had then."""
 
 LAYERS = struct.Struct("<ii")
 STORE_REPLY = struct.Struct("<IIIQd")

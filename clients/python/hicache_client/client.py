@@ -422,8 +422,9 @@ class HiCacheClient:
         if not info.fast_path or info.fast_path_version != w.VERSION:
             return None
         # a daemon that does not say understands the flags the framing had before FLAG_CHAIN
-        self._fast_flags = (info.fast_path_flags
-                            or w.KNOWN_FLAGS & ~(w.FLAG_CHAIN | w.STORE_DEADLINE))
+        # (not those that came later: its frames would have bytes left over, or its replies
+        # fewer than asked for)
+        self._fast_flags = info.fast_path_flags or w.UNSAID_FLAGS
         # the socket beside ours (the daemon may see its sockets at another path), else its
         mine = paths.beside(paths.unix_path(self.target), paths.FAST_PATH_SUFFIX)
         path = mine if os.path.exists(mine) else info.fast_path
