@@ -151,8 +151,8 @@ def test_lookahead_tokens_of_the_wrong_count_sign_or_place_are_refused() -> None
         "field": "lookahead_token_ids", "position": "3"}
     assert _lookahead_refusal(1, 1, bytes(7)) == {"field": "lookahead_token_ids",
                                                   "bytes": "7"}
-    assert _lookahead_refusal(1, MAX_LOOKAHEAD_TOKENS + 1, list(range(65))) == {
-        "field": "lookahead_tokens", "value": "65", "max": str(MAX_LOOKAHEAD_TOKENS)}
+    assert _lookahead_refusal(1, MAX_LOOKAHEAD_TOKENS + 1, list(range(17))) == {
+        "field": "lookahead_tokens", "value": "17", "max": str(MAX_LOOKAHEAD_TOKENS)}
     assert _lookahead_refusal(1, -1, None) == {"field": "lookahead_tokens", "value": "-1",
                                                "max": str(MAX_LOOKAHEAD_TOKENS)}
     assert _lookahead_refusal(2, 1, [5, 6], with_tokens=False) == {

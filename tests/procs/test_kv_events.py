@@ -390,7 +390,7 @@ def test_a_store_s_lookahead_tokens_reach_routers_on_both_wires(daemon: DaemonPr
                 (rows[:3], True, {"count": "6", "expected": "4"}),
                 ([[1, -2], [3, 4]], True, {"position": "1"}),
                 (rows[2:4], False, {"token_ids": "0"}),
-                ([list(range(65))] * 2, True, {"value": "65", "max": "64"})):
+                ([list(range(17))] * 2, True, {"value": "17", "max": "16"})):
             with pytest.raises(HiCacheError) as exc:  # the daemon's check, on the fast path
                 w.session.store(keys[2:4], torch.arange(2 * PS),
                                 token_ids=tokens[2 * PS:4 * PS] if tokens_given else None,

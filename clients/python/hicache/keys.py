@@ -169,10 +169,11 @@ def check_chain(count: int, page_size: int,
                         f"{count} key(s) of {page_size} tokens"), bytes(parent_key)
 
 
-MAX_LOOKAHEAD_TOKENS = 64
+MAX_LOOKAHEAD_TOKENS = 16
 """The most lookahead tokens a Store may give per key. vLLM 0.34 hashes
 ``num_hash_lookahead_tokens`` tokens after each block into its hash: 1 with EAGLE's drafters,
-``num_speculative_tokens`` with a multi-module MTP chain."""
+``num_speculative_tokens`` with a multi-module MTP chain (a few); the bound keeps what the
+largest legal Store may be (``RequestBounds``) within 11 bytes x 16 per key more."""
 
 
 def check_lookahead(count: int, per_key: int,
