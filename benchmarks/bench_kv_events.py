@@ -27,10 +27,12 @@ of what a router following instances gets. It also measures what the tokens alon
 "on" alone (both streams followed): alternating blocks of 1-page Stores with tokens and
 parent and without, on one daemon, one session, one full pool (two daemons differ by more
 than that on this VM): the medians, and the median of the blocks' ratios (target: under
-5 % of a 1-page Store).
+5 % of a 1-page Store). With ``--lookahead L`` too, the same for vLLM's lookahead block
+hashes: 1-page Stores with tokens and parent, with and without ``L`` lookahead tokens per page
+(what a vLLM 0.34 engine with EAGLE, L = 1, or an MTP chain stores).
 
-Run: ``python benchmarks/bench_kv_events.py [--quick] [--pool-streams] [--seconds S]
-[--json FILE]``.
+Run: ``python benchmarks/bench_kv_events.py [--quick] [--pool-streams [--lookahead L]]
+[--seconds S] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -104,14 +106,21 @@ class Side:
         assert self.client.data_path == "fast"
         self.n = 0
         self.tokens = tokens
+        self.lookahead = 0
+        """Lookahead tokens per page the Stores give (with their tokens)."""
         self.last = b""
 
     def store(self, pages: int) -> float:
         keys = [b"%s-%09d" % (self.session.session_id.encode()[-8:], self.n + i)
                 for i in range(pages)]
         self.n += pages
-        chain = ({"token_ids": torch.arange(self.n * PS, (self.n + pages) * PS).numpy(),
-                  "parent_key": self.last} if self.tokens else {})
+        chain: dict[str, Any] = (
+            {"token_ids": torch.arange(self.n * PS, (self.n + pages) * PS).numpy(),
+             "parent_key": self.last} if self.tokens else {})
+        if self.tokens and self.lookahead:  # the tokens after each page
+            chain["lookahead_token_ids"] = (torch.arange(pages)[:, None] * PS
+                                            + torch.arange(self.lookahead)
+                                            + (self.n + 1) * PS).numpy()
         t0 = time.perf_counter()
         self.session.store(keys, torch.arange(pages * PS), **chain)  # type: ignore[arg-type]
         took = time.perf_counter() - t0
@@ -143,6 +152,21 @@ def token_cost(side: Side, reps: int) -> dict[str, float]:
     side.tokens = True
     return {"without_us": 1e6 * statistics.median(blocks[False]),
             "with_us": 1e6 * statistics.median(blocks[True]),
+            "ratio": statistics.median(b / a for a, b in zip(blocks[False], blocks[True],
+                                                             strict=True))}
+
+
+def lookahead_cost(side: Side, reps: int, lookahead: int) -> dict[str, float]:
+    """1-page Stores with tokens and parent, with and without ``lookahead`` lookahead tokens,
+    in alternating blocks as ``token_cost``."""
+    blocks: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(reps):
+        for ahead in ((False, True) if r % 2 else (True, False)):
+            side.lookahead = lookahead if ahead else 0
+            blocks[ahead].append(statistics.median(side.store(1) for _ in range(BLOCK)))
+    side.lookahead = 0
+    return {"without_us": 1e6 * statistics.median(blocks[False]),
+            "with_us": 1e6 * statistics.median(blocks[True]), "lookahead": lookahead,
             "ratio": statistics.median(b / a for a, b in zip(blocks[False], blocks[True],
                                                              strict=True))}
 
@@ -182,6 +206,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["store_1_page_us"] = {k: 1e6 * statistics.median(v) for k, v in one.items()}
         if args.pool_streams:
             res["tokens_1_page"] = token_cost(sides["on"], 2 * reps)
+            if args.lookahead:
+                res["lookahead_1_page"] = lookahead_cost(sides["on"], 2 * reps,
+                                                         args.lookahead)
         many = alternate(sides, 64, max(reps // 2, 2))
         res["store_64_pages_per_s"] = {k: 64 / statistics.median(v) for k, v in many.items()}
         fast.terminate()
@@ -232,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--pool-streams", action="store_true",
                    help="the pool's own stream too, and Stores with tokens and parent")
+    p.add_argument("--lookahead", type=int, default=0,
+                   help="with --pool-streams: what L lookahead tokens per page cost a Store")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
@@ -250,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"What the tokens and parent cost a 1-page Store ('on' alone, both streams "
               f"followed): without {t['without_us']:.1f} us  with {t['with_us']:.1f} us  "
               f"(median block ratio x{t['ratio']:.3f}; target under x1.05)")
+    if "lookahead_1_page" in r:
+        t = r["lookahead_1_page"]
+        print(f"What {t['lookahead']} lookahead token(s) per page cost a 1-page Store with "
+              f"tokens and parent: without {t['without_us']:.1f} us  with "
+              f"{t['with_us']:.1f} us  (median block ratio x{t['ratio']:.3f})")
     for pages in (1, 64):
         slow = r[f"slow_subscriber_{pages}"]
         ss = slow["store_us"]

@@ -3,8 +3,9 @@ engine's: a SUB socket, the sequence checked for gaps, the replay socket asked f
 missed; every payload decoded with SGLang 0.5.23's own ``KVEventBatch`` decoder, never ours.
 
 ``Follower(endpoint, replay_endpoint, subscribe, topic)`` keeps what the stream says each pool
-holds, per medium (``blocks[(pool, medium)]``: block hashes), the events in the order applied,
-and counts the gaps it saw and the replays it asked for.
+holds, per medium (``blocks[(pool, medium)]``: block hashes), the events in the order applied
+(and each as its undecoded map: ``stored_maps``), and counts the gaps it saw and the replays it
+asked for.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Follower:
         self.last = -1
         self.blocks: defaultdict[tuple[str, str], set[int]] = defaultdict(set)
         self.events: list[tuple[str, int, Any]] = []
+        self.maps: list[dict[str, Any]] = []
+        """Each of ``events`` as the message's map, undecoded by SGLang's types (the fields
+        SGLang's events have no place for: vLLM 0.34's ``lookahead_token_ids``)."""
         self.gaps = 0
         self.replays = 0
         self.seqs: list[int] = []
@@ -61,8 +65,9 @@ class Follower:
     def _apply(self, topic: bytes, payload: bytes, seq: int) -> None:
         pool = topic[len(self.prefix):].decode()
         batch = self.decoder.decode(payload)
-        for ev in batch.events:
+        for ev, raw in zip(batch.events, msgspec.msgpack.decode(payload)[1], strict=True):
             self.events.append((pool, seq, ev))
+            self.maps.append(raw)
             if isinstance(ev, AllBlocksCleared):
                 for key in [k for k in self.blocks if not pool or k[0] == pool]:
                     del self.blocks[key]
@@ -77,6 +82,10 @@ class Follower:
     def stored(self, pool: str | None = None, medium: str | None = None) -> list[Any]:
         return [e for p, _, e in self.events if isinstance(e, BlockStored)
                 and (pool is None or p == pool) and (medium is None or e.medium == medium)]
+
+    def stored_maps(self) -> list[dict[str, Any]]:
+        """Every ``BlockStored`` as its undecoded map, in order."""
+        return [m for m in self.maps if m.get("type") == "BlockStored"]
 
     def removed(self, pool: str | None = None, medium: str | None = None) -> list[Any]:
         return [e for p, _, e in self.events if isinstance(e, BlockRemoved)

@@ -466,6 +466,50 @@ def manager_books_stay_bounded(followed: int = 70_000, threads: int = 4,
             "monotonic": all(a <= b for a, b in itertools.pairwise(reads))}
 
 
+def lookahead_chains() -> dict[str, Any]:
+    """The manager's chain of a store with lookahead hashes, without an engine: a request of
+    10 pages of 4 tokens (offloaded blocks of 2 vLLM blocks), its keys ending where vLLM
+    recorded them; stores of pages 2-4 with 0, 3 and more lookahead tokens than the daemon
+    takes, and of its last pages, whose lookahead tokens are not all there yet."""
+    import threading
+    from types import SimpleNamespace
+
+    from hicache_vllm.manager import _STATS, HicachedOffloadingManager
+
+    m = HicachedOffloadingManager.__new__(HicachedOffloadingManager)
+    m._requests, m._stats_lock, m.stats = {}, threading.Lock(), dict.fromkeys(_STATS, 0)
+    m.plan = SimpleNamespace(page_tokens=4, blocks_per_chunk=2)  # type: ignore[assignment]
+    m.hash_lookahead(0)
+    tokens = list(range(100, 141))  # 10 pages and one token
+    keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(10)]
+    hashes = [bytes([i, j]) * 16 for i in range(10) for j in range(2)]  # 2 per page
+    m.follow(SimpleNamespace(request_id="r", all_token_ids=tokens, block_hashes=hashes,
+                             lora_request=None, cache_salt=None))
+    ctx = SimpleNamespace(req_id="r", get_offload_key_position=lambda k: 4 * (k[0] + 1))
+
+    def chain(pages: list[int]) -> Any:
+        c = m._chain([keys[i] for i in pages], ctx)  # type: ignore[arg-type]
+        return None if c is None else {
+            "tokens": c.token_ids.tolist(), "parent": c.parent_key.hex(),
+            "lookahead": None if c.lookahead is None else c.lookahead.tolist()}
+
+    out: dict[str, Any] = {"plain": chain([2, 3, 4])}
+    m.hash_lookahead(3)
+    out["three"] = chain([2, 3, 4])
+    out["tail"] = chain([8, 9])  # page 9 ends at 40: of the 3 tokens after it, 1 is there
+    out["round"] = None
+    if out["three"] is not None:
+        c = m._chain([keys[i] for i in (2, 3, 4)], ctx)  # type: ignore[arg-type]
+        assert c is not None
+        r = c.of_round([keys[i] for i in (2, 3, 4)], 1, 3)
+        out["round"] = {"tokens": r.token_ids.tolist(), "parent": r.parent_key.hex(),
+                        "lookahead": None if r.lookahead is None else r.lookahead.tolist()}
+    m.hash_lookahead(65)
+    out["too_many"] = chain([2, 3, 4])
+    out["parent_of_2"] = (hashes[3] + b"\0\0\0\0").hex()  # page 1's last vLLM block
+    return out
+
+
 # -- a daemon that hangs or loses the keys between a hit and its load ----------------------
 
 CLEAN = {"bad": [], "n_bad": 0}
@@ -701,6 +745,98 @@ def own_block_hashes(model: str, target: str, blocks: int = 6, cache_salt: str =
         ctx.destroy(linger=0)
     out = {"vllm": ours, "daemon": daemon, "block": bs, "vllm_names": vllm_names,
            "daemon_names": daemon_names}
+    e.close()
+    return out
+
+
+def lookahead_block_hashes(model: str, target: str, lookahead: int, blocks: int = 6,
+                           chunk: int = 1, connector: str = "hicached", **kw: Any
+                           ) -> dict[str, Any]:
+    """vLLM 0.34's lookahead block hashes (``num_hash_lookahead_tokens`` = ``lookahead``:
+    ``tests.vllm_harness.hash_lookahead``) with its own KV events on, the offloading
+    connector's self-describing too, and an offloaded block of ``chunk`` vLLM blocks: a
+    prompt of ``blocks`` blocks (and the ``lookahead`` tokens the last one's hash needs) is
+    stored. What vLLM's events say of each block (its GPU blocks and the connector's
+    offloaded ones: hash, lookahead tokens), what the daemon's pool stream says (read with
+    vLLM's own ``KVEventBatch`` decoder), and the daemon's blocks hashed again from what it
+    told, as a router that matches tokens with vLLM's hash does: each page's tokens and
+    lookahead tokens, from the chain's first page on (vLLM's ``hash_block_tokens``, sha256,
+    its extra keys ``(None, *lookahead)`` for a request without adapter, salt or media; None
+    without lookahead hashes)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+
+    from hicache_client import HiCacheClient
+
+    extra: dict[str, Any] = {"self_describing_kv_events": True}
+    if chunk > 1:
+        extra["block_size"] = 16 * chunk  # vLLM's offloaded block: chunk engine blocks
+    e = Engine(model, target, events=True, connector=connector, lookahead=lookahead,
+               extra=extra, **kw)
+    published: list[Any] = []
+    e.scheduler.kv_event_publisher.publish = published.append  # the null publisher's input
+    bs = e.block_size
+    prompt = _prompt(blocks * bs + lookahead, 67)
+    e.add("a", prompt)
+    e.run()
+    pool = e.worker.connector_worker.worker.pool.name
+    vllm_says: dict[str, list[Any]] = {}
+    """Per medium, each block vLLM's events name: [hash, its lookahead tokens]."""
+    for batch in published:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                ahead = ev.lookahead_token_ids or [None] * len(ev.block_hashes)
+                assert len(ahead) == len(ev.block_hashes), ev
+                vllm_says.setdefault(str(ev.medium), []).extend(
+                    [int(h), a] for h, a in zip(ev.block_hashes, ahead, strict=True))
+    with HiCacheClient(target) as c:
+        endpoint = c.get_pool(pool).kv_events_endpoint
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    told: list[Any] = []
+    """The daemon's ``BlockStored`` events, as vLLM's decoder reads them."""
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)  # joining, it is sent a snapshot of the pool
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+                len({h for ev in told for h in ev.block_hashes}) < blocks // chunk
+                or sub.poll(300)):
+            if sub.poll(100):
+                told += [ev for ev in decoder.decode(sub.recv_multipart()[2]).events
+                         if isinstance(ev, BlockStored)]
+    finally:
+        ctx.destroy(linger=0)
+    daemon: list[Any] = []
+    """Each block the daemon told of: [hash, its lookahead tokens, its tokens]."""
+    recomputed: list[int] = []
+    """The daemon's blocks hashed again from its tokens and lookahead tokens."""
+    parent: Any = None
+    per = bs * chunk
+    for ev in told:
+        ahead = ev.lookahead_token_ids or [None] * len(ev.block_hashes)
+        assert ev.block_size == per and len(ahead) == len(ev.block_hashes), ev
+        for i, h in enumerate(ev.block_hashes):
+            tokens = list(ev.token_ids[i * per:(i + 1) * per])
+            if any(h == d[0] for d in daemon):
+                assert [int(h), ahead[i], tokens] in daemon, ev  # told again: told alike
+                continue
+            daemon.append([int(h), ahead[i], tokens])
+            if len(tokens) != per or (lookahead and ahead[i] is None):
+                continue  # (told without what its hash covers: no router can hash it)
+            span = tokens + list(ahead[i] or ())  # the page's blocks, each with its lookahead
+            for j in range(chunk):
+                after = span[(j + 1) * bs:(j + 1) * bs + lookahead]
+                parent = hash_block_tokens(sha256, parent, span[j * bs:(j + 1) * bs],
+                                           (None, *after) if lookahead else None)
+            recomputed.append(int(maybe_convert_block_hash(parent)))
+    out = {"vllm": vllm_says, "daemon": daemon, "recomputed": recomputed, "block": bs,
+           "prompt": prompt, "parents": [ev.parent_block_hash for ev in told],
+           "manager": e.manager_stats()}
     e.close()
     return out
 

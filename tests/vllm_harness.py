@@ -75,7 +75,10 @@ class Engine:
                  extra: dict[str, Any] | None = None, events: bool = False, tp: int = 1,
                  rank: int = 0, port: int = 0, mla: bool = False, layers: int = 2,
                  heads: int = 2, head_size: int = 16, dtype: torch.dtype = torch.float32,
-                 connector: str = "plain", failure_policy: str = "fail") -> None:
+                 connector: str = "plain", failure_policy: str = "fail",
+                 lookahead: int = 0) -> None:
+        """``lookahead``: vLLM 0.34's lookahead block hashes, ``num_hash_lookahead_tokens``
+        resolved to that many tokens (``hash_lookahead``: why that is vLLM's own path)."""
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -154,8 +157,13 @@ class Engine:
             kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
             kv_tp_replicas=tp if mla else 1)
         self.config.cache_config.num_gpu_blocks = num_blocks
+        if lookahead:
+            hash_lookahead(self.config, lookahead)
+        self.lookahead = lookahead
         init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(block_size, sha256)
+        # as vLLM's EngineCore builds it, with the config's lookahead
+        self.hasher = get_request_block_hasher(block_size, sha256,
+                                               self.config.num_hash_lookahead_tokens)
         # as vLLM starts: the workers register their KV caches, then the scheduler is built
         backing = torch.zeros(len(self.layers), *shape, dtype=dtype)
         self.kv = {n: backing[i] for i, n in enumerate(self.layers)}  # layer-outermost
@@ -239,7 +247,8 @@ class Engine:
         self.scheduler.add_request(req)
 
     def offload_keys(self, tokens: list[int]) -> list[bytes]:
-        """vLLM's ``OffloadKey`` of each whole block of ``tokens`` (group 0)."""
+        """vLLM's ``OffloadKey`` of each whole block of ``tokens`` (group 0; with lookahead
+        hashes, of each block the tokens after it are known of)."""
         from vllm import SamplingParams
         from vllm.v1.kv_offload.base import make_offload_key
         from vllm.v1.request import Request
@@ -403,6 +412,32 @@ class Engine:
         self.worker.shutdown()
         if self.scheduler is not None and self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
+
+
+def hash_lookahead(config: Any, tokens: int) -> None:
+    """vLLM 0.34's lookahead block hashes, on vLLM's own path but for the drafter.
+
+    vLLM resolves ``num_hash_lookahead_tokens`` once, in ``VllmConfig.__post_init__``
+    (``_resolve_num_hash_lookahead_tokens``): with a speculative config that drops EAGLE's
+    trailing block (EAGLE, EAGLE-3, MTP) and prefix caching, and a KV connector whose
+    ``supports_lookahead_block_hashes`` says True (vLLM's ``OffloadingConnector``, hence
+    ``HicachedOffloadingConnector``), it is the drafter's prefill lookahead,
+    ``num_prefill_lookahead_tokens``: 1 for EAGLE's drafters, ``num_speculative_tokens`` for a
+    multi-module MTP chain. A speculative config needs a draft model, which a CPU test has
+    not: the value is set here as vLLM would have resolved it, after the connector's own
+    answer is asked. Everything that hashes or offloads reads it from this config, as in an
+    engine with a drafter: the request block hasher (built with it, as ``EngineCore``
+    builds it), the ``Scheduler`` and its ``KVCacheManager`` and block pool (GPU events with
+    ``lookahead_token_ids``), the offloading connector's scheduler (which offloads only
+    hashed blocks) and its events tracker, and ``HicachedOffloadingConnector``, which hands
+    it to the manager. Only the drafter's own forward, which no offloading path sees, does
+    not run."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    kv = config.kv_transfer_config
+    assert config.cache_config.enable_prefix_caching
+    assert KVConnectorFactory.get_connector_class(kv).supports_lookahead_block_hashes(kv)
+    config.num_hash_lookahead_tokens = tokens
 
 
 def _has_jobs(conn: Any) -> bool:

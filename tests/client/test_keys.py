@@ -13,11 +13,13 @@ from hypothesis import strategies as st
 from hicache.errors import HiCacheError
 from hicache.keys import (
     MAX_KEY_BYTES,
+    MAX_LOOKAHEAD_TOKENS,
     MAX_NAME_BYTES,
     NO_NAMESPACE,
     Namespace,
     check_chain,
     check_keys,
+    check_lookahead,
     check_namespace,
     sglang_page_hashes,
     sglang_page_keys,
@@ -113,6 +115,63 @@ def test_token_ids_of_the_wrong_size_or_kind_are_refused() -> None:
     big = np.arange(8, dtype=np.uint64)
     big[3] = 2**63
     assert _chain_refusal(big) == {"field": "token_ids", "position": "3"}
+
+
+def _lookahead_refusal(count: int, per_key: int, ids: object, with_tokens: bool = True
+                       ) -> dict[str, str]:
+    with pytest.raises(HiCacheError) as exc:
+        check_lookahead(count, per_key, ids, with_tokens)  # type: ignore[arg-type]
+    assert exc.value.reason == "TOKEN_IDS_INVALID"
+    return exc.value.metadata
+
+
+@pytest.mark.parametrize("form", ["list", "int64", "frame"])
+def test_lookahead_tokens_are_per_key_int64_bytes_beside_the_pages_own(form: str) -> None:
+    """vLLM's lookahead block hashes: ``per_key`` tokens after each of ``count`` pages, as the
+    same little-endian int64 bytes whatever form they came in; none is None."""
+    ids = [3, 4, 2**40, 2**63 - 1, 0, 1]  # 3 keys, 2 tokens after each
+    given_ = {"list": ids, "int64": np.array(ids, dtype=np.int64),
+              "frame": np.array(ids, dtype="<i8").tobytes()}[form]
+    assert check_lookahead(3, 2, given_, True) == np.array(  # type: ignore[arg-type]
+        ids, dtype="<i8").tobytes()
+    assert check_lookahead(3, 0, None, True) is None
+    assert check_lookahead(3, 0, b"", False) is None  # no tokens, no lookahead: as before
+    assert check_lookahead(1, MAX_LOOKAHEAD_TOKENS, list(range(MAX_LOOKAHEAD_TOKENS)),
+                           True) is not None
+
+
+def test_lookahead_tokens_of_the_wrong_count_sign_or_place_are_refused() -> None:
+    assert _lookahead_refusal(3, 2, list(range(5))) == {
+        "field": "lookahead_token_ids", "count": "5", "expected": "6"}
+    assert _lookahead_refusal(3, 2, None) == {  # a count with no ids
+        "field": "lookahead_token_ids", "count": "0", "expected": "6"}
+    assert _lookahead_refusal(3, 0, [1, 2, 3]) == {  # ids with no count
+        "field": "lookahead_token_ids", "count": "3", "expected": "0"}
+    assert _lookahead_refusal(3, 2, [0, 1, 2, -3, 4, 5]) == {
+        "field": "lookahead_token_ids", "position": "3"}
+    assert _lookahead_refusal(1, 1, bytes(7)) == {"field": "lookahead_token_ids",
+                                                  "bytes": "7"}
+    assert _lookahead_refusal(1, MAX_LOOKAHEAD_TOKENS + 1, list(range(17))) == {
+        "field": "lookahead_tokens", "value": "17", "max": str(MAX_LOOKAHEAD_TOKENS)}
+    assert _lookahead_refusal(1, -1, None) == {"field": "lookahead_tokens", "value": "-1",
+                                               "max": str(MAX_LOOKAHEAD_TOKENS)}
+    assert _lookahead_refusal(2, 1, [5, 6], with_tokens=False) == {
+        "field": "lookahead_token_ids", "token_ids": "0"}  # only beside the pages' tokens
+
+
+def test_the_client_sends_lookahead_rows_as_one_count_and_their_ids() -> None:
+    from hicache_client.client import _lookahead_bytes
+
+    assert _lookahead_bytes([[1, 2], [3, 4], [5, 6]]) == (
+        2, np.arange(1, 7, dtype="<i8").tobytes())
+    assert _lookahead_bytes(np.array([[9]], dtype=np.int32)) == (1, np.int64(9).tobytes())
+    assert _lookahead_bytes(None) == _lookahead_bytes([]) == _lookahead_bytes([[], []]) == (
+        0, None)
+    for bad in ([[1, 2], [3]], [1, 2, 3], [[1.5]]):  # ragged, flat, not ids
+        with pytest.raises(HiCacheError) as exc:
+            _lookahead_bytes(bad)  # type: ignore[arg-type]
+        assert exc.value.reason == "TOKEN_IDS_INVALID"
+        assert exc.value.metadata["field"] == "lookahead_token_ids"
 
 
 def test_a_namespace_is_two_short_strings() -> None:

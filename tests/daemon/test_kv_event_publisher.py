@@ -150,6 +150,47 @@ def test_a_store_s_namespace_names_its_pages_in_events_and_snapshots() -> None:
         ("adapter-\u00e9", "salt-1", tokens[4 * PS:].tolist())]
 
 
+def test_lookahead_tokens_are_told_per_block_in_events_spills_and_snapshots() -> None:
+    """vLLM's lookahead block hashes: Stores that give the tokens after each page have them
+    told, one list per block hash, in the live events (two Stores of one chain still one
+    event, their lists joined), in a spill's event and in a snapshot, also for keys asked
+    about one by one; a Store without them is never merged with one that has them, and its
+    events leave the field out: SGLang's decoder (which has no such field) reads them all."""
+    keys = [bytes([i]) * 32 for i in range(6)]
+    tokens = np.arange(6 * PS)
+    rows = [[100 + 2 * i, 101 + 2 * i] for i in range(6)]  # 2 tokens after each page
+    ahead = np.asarray(rows, dtype="<i8")
+    table = ChainTable(1 << 20, PS)
+    log = EventLog(chains=table)
+    table.note(keys[:2], b"", tokens[:2 * PS], NO_NAMESPACE, (2, ahead[:2].tobytes()))
+    assert table.bytes_used == 2 * (ENTRY_OVERHEAD_BYTES + 32) + 2 * PS * 8 + 2 * 2 * 8
+    log.append(EventKind.STORED, keys[:2])
+    table.note(keys[2:4], keys[1], tokens[2 * PS:4 * PS], NO_NAMESPACE,
+               (2, ahead[2:4].tobytes()))
+    log.append(EventKind.STORED, keys[2:4])
+    table.note(keys[4:], keys[3], tokens[4 * PS:])  # the same chain, no lookahead told
+    log.append(EventKind.STORED, keys[4:])
+    assert [e.lookahead_rows for e in log.after(0)] == [rows[:2], rows[2:4], None]
+    payload = Encoder().batch(engine_events(log.after(0), PS))
+    raw = msgspec.msgpack.decode(payload)[1]
+    assert [e.get("lookahead_token_ids") for e in raw] == [rows[:4], None]
+    assert "lookahead_token_ids" not in raw[1]  # left out, not nil
+    assert [e["block_hashes"] for e in raw] == [block_hashes(keys[:4]), block_hashes(keys[4:])]
+    sglang = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload).events
+    assert [(e.block_hashes, e.token_ids) for e in sglang] == [
+        (block_hashes(keys[:4]), tokens[:4 * PS].tolist()),
+        (block_hashes(keys[4:]), tokens[4 * PS:].tolist())]
+    # a spill's (keys one by one, not one Store's batch) and a snapshot's
+    log.append(EventKind.STORED, keys[1:5], DISK, chain=False)
+    assert [(e.keys, e.lookahead_rows) for e in log.after(3)] == [
+        (tuple(keys[1:4]), rows[1:4]), ((keys[4],), None)]
+    snap = contents_events({HOST: keys}, PS, table)
+    assert [(e.block_hashes, e.lookahead_token_ids) for e in snap] == [
+        (block_hashes(keys[:4]), rows[:4]), (block_hashes(keys[4:]), None)]
+    assert [msgspec.msgpack.decode(Encoder().batch([e]))[1][0].get("lookahead_token_ids")
+            for e in snap] == [rows[:4], None]
+
+
 def test_the_chain_table_keeps_its_budget_and_the_batch_just_noted() -> None:
     batch = 4 * (ENTRY_OVERHEAD_BYTES + 32) + 32  # four keys and a parent
     table = ChainTable(2 * batch, PS)

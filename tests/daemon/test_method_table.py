@@ -209,9 +209,12 @@ def _sample(name: str) -> tuple[object, object]:
     if name == "Lookup":
         q: object = rq.LookupRequest("p", KEYS, "sid", 250, True)
         return q, q
-    if name == "Store":
+    if name in ("Store", "Store-lookahead"):
         tokens = np.arange(3 * 16, dtype=np.int64)
         g = rq.StoreRequest("sid", KEYS, ROWS, (0, 0), tokens, b"\x05" * 32, 123)
+        if name == "Store-lookahead":  # vLLM's lookahead hashes: 2 tokens after each page
+            g = g._replace(lora_name="adapter", lookahead_tokens=2,
+                           lookahead_token_ids=np.arange(48, 54, dtype=np.int64))
         return g, g._replace(device=PageIds(PAGES))
     if name == "LoadKeys":
         lk = rq.LoadKeysRequest("sid", KEYS, ROWS, (1, 3), True, 77)
@@ -230,24 +233,48 @@ def _sample(name: str) -> tuple[object, object]:
 FAST_NAMES = sorted(n for n, c in client_codecs.CODECS.items() if c.fast is not None)
 
 
-@pytest.mark.parametrize("name", FAST_NAMES)
+def _ids(raw: object) -> object:
+    """A Store's ids as an array: the frame's int64 bytes, the message's sequence (empty: the
+    request's None)."""
+    if raw is None or len(raw) == 0:  # type: ignore[arg-type]
+        return None
+    return np.frombuffer(raw, "<i8") if isinstance(raw, bytes) else np.asarray(raw)
+
+
+@pytest.mark.parametrize("name", [*FAST_NAMES, "Store-lookahead"])
 def test_what_the_client_sends_the_daemon_reads_as_the_same_request(name: str) -> None:
     """Encoded by the client's codec, decoded by the daemon's front end: the same typed
-    request (``hicache.calls``) on both wires."""
-    codec = client_codecs.CODECS[name]
+    request (``hicache.calls``) on both wires (a Store with lookahead tokens and a namespace
+    too: every field of it arrives)."""
+    method = name.split("-")[0]
+    codec = client_codecs.CODECS[method]
     assert codec.fast is not None
     g, f = _sample(name)
     body = b"".join(codec.body(f))
-    got_fast = fast_codec.CODECS[codec.fast].decode(w.Reader(body), codec.flags(f), 1000)
-    if name == "Store":  # the frame's token ids come back as their int64 bytes
-        got_fast = got_fast._replace(token_ids=np.frombuffer(got_fast.token_ids, "<i8"))
+    flags = codec.flags(f)
+    assert bool(flags & w.FLAG_LOOKAHEAD) == (name == "Store-lookahead")
+    got_fast = fast_codec.CODECS[codec.fast].decode(w.Reader(body), flags, 1000)
+    if method == "Store":  # the frame's token ids come back as their int64 bytes
+        got_fast = got_fast._replace(token_ids=_ids(got_fast.token_ids),
+                                     lookahead_token_ids=_ids(got_fast.lookahead_token_ids))
     assert _same(got_fast, f), (got_fast, f)
     message = codec.message(g)
     wire = type(message).FromString(message.SerializeToString())
-    got_grpc = grpc_codec.CODECS[name].decode(wire)
-    if name == "Store":  # the wire's token ids come back as a sequence
-        got_grpc = got_grpc._replace(token_ids=np.asarray(got_grpc.token_ids))
+    got_grpc = grpc_codec.CODECS[method].decode(wire)
+    if method == "Store":  # the wire's token ids come back as a sequence
+        got_grpc = got_grpc._replace(token_ids=_ids(got_grpc.token_ids),
+                                     lookahead_token_ids=_ids(got_grpc.lookahead_token_ids))
     assert _same(got_grpc, g), (got_grpc, g)
+
+
+def test_a_store_s_high_flags_travel_in_the_header_s_second_flag_field() -> None:
+    """``FLAG_LOOKAHEAD`` does not fit the header's flag byte: its bits go in the field that
+    was always 0 (a daemon before it ignores that field), and come back whole."""
+    assert w.split_flags(w.FLAG_CHAIN | w.FLAG_LOOKAHEAD) == (w.FLAG_CHAIN, 1)
+    assert w.split_flags(w.FLAG_CHAIN) == (w.FLAG_CHAIN, 0)  # what an earlier client sent
+    header = w.REQUEST.pack(7, 1, w.Method.STORE, *w.split_flags(w.KNOWN_FLAGS))
+    *_, low, high = w.REQUEST.unpack(header)
+    assert w.join_flags(low, high) == w.KNOWN_FLAGS
 
 
 def test_every_method_has_a_client_codec_and_the_fast_ones_a_fast_codec() -> None:

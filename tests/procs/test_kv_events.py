@@ -369,3 +369,75 @@ def test_a_store_s_lora_name_and_cache_salt_reach_routers_on_both_wires(
     assert [(e.keys, e.lora_name, e.cache_salt) for e in watched] == [
         (tuple(keys[:2]), lora, "salt-1"), (tuple(keys[2:4]), "", "salt-2"),
         (tuple(keys[4:]), "", "")]
+
+
+def test_a_store_s_lookahead_tokens_reach_routers_on_both_wires(daemon: DaemonProc,
+                                                                tmp_path: Path) -> None:
+    """vLLM's lookahead block hashes: the tokens after each page that its hash covers, given
+    with a Store over the fast path and over gRPC, are told per block hash on the KV event
+    stream (the field SGLang's decoder has no place for: read from the message's maps, while
+    SGLang's decoder reads the rest) and over WatchEvents; a Store without them is told
+    without the field. Bad ones are refused whole (TOKEN_IDS_INVALID naming the field), on
+    either wire, and nothing of such a Store is stored or told."""
+    f = follow(tmp_path)
+    keys, tokens = chain(16, 6)
+    rows = [[7000 + i, 7100 + i] for i in range(6)]  # 2 tokens after each page
+    w = Worker(daemon)
+    try:
+        w.session.store(keys[:2], torch.arange(2 * PS), token_ids=tokens[:2 * PS],
+                        lookahead_token_ids=rows[:2])
+        for bad, tokens_given, meta in (
+                (rows[:3], True, {"count": "6", "expected": "4"}),
+                ([[1, -2], [3, 4]], True, {"position": "1"}),
+                (rows[2:4], False, {"token_ids": "0"}),
+                ([list(range(17))] * 2, True, {"value": "17", "max": "16"})):
+            with pytest.raises(HiCacheError) as exc:  # the daemon's check, on the fast path
+                w.session.store(keys[2:4], torch.arange(2 * PS),
+                                token_ids=tokens[2 * PS:4 * PS] if tokens_given else None,
+                                lookahead_token_ids=bad)
+            assert exc.value.reason == "TOKEN_IDS_INVALID"
+            field = "lookahead_tokens" if "max" in meta else "lookahead_token_ids"
+            assert exc.value.metadata == {"field": field, **meta}
+        assert w.client.lookup(SPEC.name, keys[2:]).hits == 0
+        with HiCacheClient(daemon.target, fast_path=False) as c:
+            with c.open_session(SPEC.name, "g", w.bufs.descriptors, fds=w.bufs.fds) as s:
+                with pytest.raises(grpc.RpcError) as rpc:  # the same check over gRPC
+                    c._stub.Store(pb.StoreRequest(
+                        session_id=s.session_id, keys=keys[2:4],
+                        device_indices=np.arange(2 * PS, dtype="<i8").tobytes(),
+                        token_ids=tokens[2 * PS:4 * PS].tolist(), lookahead_tokens=2,
+                        lookahead_token_ids=[1, 2, 3]))
+                refused = from_rpc_error(rpc.value)
+                assert refused.reason == "TOKEN_IDS_INVALID"
+                assert refused.metadata == {"field": "lookahead_token_ids", "count": "3",
+                                            "expected": "4"}
+                assert c.lookup(SPEC.name, keys[2:]).hits == 0
+                s.store(keys[2:4], torch.arange(2 * PS), token_ids=tokens[2 * PS:4 * PS],
+                        parent_key=keys[1], lookahead_token_ids=np.asarray(rows[2:4]))
+                assert c.data_path == "grpc"
+        w.session.store(keys[4:], torch.arange(2 * PS), token_ids=tokens[4 * PS:],
+                        parent_key=keys[3])  # the same chain, without lookahead tokens
+        f.until(lambda: len(f.held(SPEC.name, "CPU_PINNED")) == 6)
+        text = daemon.metrics()  # lookahead tokens keep a Store on the fast path: the two
+        # stored there and the four refused went over it (FLAG_LOOKAHEAD), none over gRPC
+        assert prom.value(text, "hicache_fast_path_requests_total", method="Store") == 6, \
+            text[-2000:]
+        stream = w.client.watch_events(SPEC.name)
+        events = iter(stream)
+        watched = [next(events) for _ in range(3)]
+        stream.cancel()
+    finally:
+        w.close()
+    told: dict[int, list[int] | None] = {}
+    for m in f.stored_maps():
+        ahead = m.get("lookahead_token_ids")
+        assert ahead is None or len(ahead) == len(m["block_hashes"]), m
+        for i, h in enumerate(m["block_hashes"]):
+            told[h] = ahead[i] if ahead is not None else None
+    assert told == {**{sglang_hash(k): r for k, r in zip(keys[:4], rows, strict=False)},
+                    **{sglang_hash(k): None for k in keys[4:]}}
+    assert [h for e in f.stored() for h in e.block_hashes] == [sglang_hash(k) for k in keys]
+    assert [e.token_ids for e in f.stored()][-1] == tokens[4 * PS:].tolist()
+    assert [(e.keys, e.lookahead_token_ids) for e in watched] == [
+        (tuple(keys[:2]), tuple(map(tuple, rows[:2]))),
+        (tuple(keys[2:4]), tuple(map(tuple, rows[2:4]))), (tuple(keys[4:]), ())]

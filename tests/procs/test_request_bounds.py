@@ -62,7 +62,8 @@ def test_bounds_follow_the_keys_and_the_pools_pages() -> None:
     assert b.bound("Store") == b.keys_only  # no pool: no page to index
     pages[0] = 16
     assert b.bound("LoadKeys") == b.keys_only + 1000 * 16 * 8
-    assert b.bound("Store") == b.keys_only + 1000 * 16 * 19
+    # a Store's tokens and its lookahead tokens (at most 16 a key) too
+    assert b.bound("Store") == b.keys_only + 1000 * (16 * 19 + 16 * 11)
     assert b.bound("Ping") is None
     b.check("Lookup", b.keys_only)
     with pytest.raises(ResourceExhausted) as exc:

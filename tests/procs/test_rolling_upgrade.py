@@ -85,3 +85,24 @@ def test_this_client_stores_and_loads_through_an_earlier_daemons_fast_path(
         for t, b in zip(bufs.all_tensors(), before, strict=True):
             assert torch.equal(t.view(torch.uint8)[32:64], b[:32])
         s.close()
+
+
+def test_what_an_earlier_daemon_does_not_say_it_reads_is_never_sent_it(
+        earlier_daemon: str) -> None:
+    """A daemon from before ``GetInfo.fast_path_flags`` reads only the flags the framing had
+    then (layer events, holds, deadlines): a held Lookup (``FLAG_PROMISE`` would ask its reply
+    for more than it sends), a Store with a namespace or lookahead tokens (their trailers
+    would be bytes left over) reach it in frames it reads, or over gRPC, and succeed."""
+    with HiCacheClient(earlier_daemon) as c, \
+            ShmDeviceBuffers.create(SPEC, 4 * 16, sealed=True) as bufs:
+        c.create_pool(SPEC)
+        s = c.open_session(SPEC.name, "w", bufs.descriptors, fds=bufs.fds, heartbeat=False)
+        keys = [b"unsaid-%d" % i for i in range(3)]
+        assert s.store(keys[:1], torch.arange(16), lora_name="adapter").stored == 1
+        assert s.store(keys[1:], torch.arange(32), token_ids=list(range(32)),
+                       lookahead_token_ids=[[1], [2]]).stored == 2
+        held = s.lookup(keys, hold_ms=5000)
+        assert (held.hit_prefix, held.held) == (3, 3)
+        assert c.data_path == "fast"
+        s.close()
+

@@ -16,6 +16,8 @@ part of the daemon:
 - ``paths``: the default socket of a local daemon.
 - ``cuda_driver``: the CUDA driver API through ctypes, loaded on first use only (workers export
   IPC handles with it, the daemon opens them).
+- ``engines``: the engine releases hicached serves, one table, and the start-up check of each
+  integration.
 - ``pools``: ``PoolInfo``, a pool as the service reports it (one definition for the daemon
   and its clients; deprecated names derived; ``codec`` maps it to the wire).
 - ``calls``: the calls' typed requests, shared by the client's codecs and the daemon's method

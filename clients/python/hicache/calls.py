@@ -56,6 +56,12 @@ class StoreRequest(NamedTuple):
     """The LoRA adapter whose KV the pages are ("" = the base model): what events say."""
     cache_salt: str = ""
     """The cache salt of the request that wrote the pages ("" = none): what events say."""
+    lookahead_tokens: int = 0
+    """Tokens after each page that its key's hash covers (vLLM's lookahead block hashes; 0:
+    none): what events say."""
+    lookahead_token_ids: Sequence[int] | IndexArray | bytes | None = None
+    """``lookahead_tokens`` per key (with ``token_ids`` only), or None (``bytes``: as for
+    ``token_ids``)."""
 
 
 class LoadKeysRequest(NamedTuple):

@@ -11,7 +11,8 @@ Little-endian throughout. A connection opens with ``HELLO`` both ways (magic, ve
 daemon's adds the largest frame it takes), then carries requests one after another, each
 answered before the next is read:
 
-- request: ``REQUEST`` header (body length, request id, method, flags) and the body;
+- request: ``REQUEST`` header (body length, request id, method, flags: the low 8 bits, then
+  the high 16, ``split_flags`` / ``join_flags``) and the body;
 - reply: ``REPLY`` header (body length, request id, ``OK`` or ``ERROR``) and the body, for
   ``ERROR`` a serialized ``google.rpc.Status``.
 
@@ -34,7 +35,9 @@ and that many int64.
 - Store with ``FLAG_CHAIN``: the keys' chain follows the body: the parent key (u8 length and
   its bytes) and the token ids (a u32 count and that many int64). With ``FLAG_NAMESPACE``
   the pages' namespace follows that (or the body): the LoRA name and the cache salt, each a
-  u8 length and that much UTF-8.
+  u8 length and that much UTF-8. With ``FLAG_LOOKAHEAD`` the pages' lookahead tokens follow
+  that (vLLM's lookahead block hashes): a u16 count per key and the ids (a u32 count and that
+  many int64).
 - Heartbeat: session; reply: ``HEARTBEAT_REPLY`` (lease, time left, ms). A control call: the
   data path's bound does not apply, as over gRPC.
 
@@ -68,7 +71,8 @@ VERSION = 1
 HELLO = struct.Struct("<4sHHI")
 """magic, version, 0, the largest frame body the daemon accepts (0 from the client)."""
 REQUEST = struct.Struct("<IIBBH")
-"""body length, request id, method, flags, 0."""
+"""body length, request id, method, flags (bits 0-7), flags (bits 8-23: 0 from a client
+before ``FLAG_LOOKAHEAD``, and ignored by a daemon before it)."""
 REPLY = struct.Struct("<IIBxxx")
 """body length, request id, ``OK`` / ``ERROR``."""
 OK, ERROR = 0, 1
@@ -93,9 +97,16 @@ it in ``GetInfo.fast_path_flags`` refuses such a frame: its client sends none)."
 FLAG_PROMISE = 128
 """Lookup with ``FLAG_HOLD``: the reply carries a u32 ``promised`` after ``held`` (a daemon that
 does not list it in ``GetInfo.fast_path_flags`` refuses such a frame: its client sends none)."""
+FLAG_LOOKAHEAD = 256
+"""Store: the pages' lookahead tokens follow the namespace (or the chain, or the body), sent in
+the header's high flag bits (a daemon that does not list it in ``GetInfo.fast_path_flags``
+reads no such bits and refuses the frame's extra bytes: its client sends it none)."""
 KNOWN_FLAGS = (FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE | FLAG_CHAIN | STORE_DEADLINE
-               | FLAG_TOUCH | FLAG_NAMESPACE | FLAG_PROMISE)
+               | FLAG_TOUCH | FLAG_NAMESPACE | FLAG_PROMISE | FLAG_LOOKAHEAD)
 """What this framing's daemon understands (``GetInfo.fast_path_flags``)."""
+UNSAID_FLAGS = FLAG_LAYER_EVENTS | FLAG_HOLD | FLAG_DEADLINE
+"""What a daemon understands that does not say (one from before ``FLAG_CHAIN`` and
+``GetInfo.fast_path_flags``): the flags the framing had then."""
 
 LAYERS = struct.Struct("<ii")
 STORE_REPLY = struct.Struct("<IIIQd")
@@ -107,6 +118,15 @@ LOOKUP_REPLY = struct.Struct("<III")
 HEARTBEAT_REPLY = struct.Struct("<qq")
 """lease and time left on it, in ms."""
 _U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
+
+
+def split_flags(flags: int) -> tuple[int, int]:
+    """A request's flags as the header carries them: (bits 0-7, bits 8-23)."""
+    return flags & 0xFF, flags >> 8
+
+
+def join_flags(low: int, high: int) -> int:
+    return low | high << 8
 _I64 = struct.Struct("<q")
 _KEYS = struct.Struct("<IB")
 
@@ -192,6 +212,10 @@ class Reader:
         """A u8 length and that many bytes (a parent key)."""
         (n,) = _U8.unpack(self._take(1))
         return bytes(self._take(n))
+
+    def u16(self) -> int:
+        (v,) = _U16.unpack(self._take(2))
+        return int(v)
 
     def short_str(self, field: str) -> str:
         """A u8 length and that much UTF-8 (``KEY_INVALID`` naming ``field`` when it is not)."""
@@ -412,6 +436,18 @@ def put_namespace(out: list[bytes], lora_name: str, cache_salt: str) -> None:
         if len(raw) > 255:
             raise ValueError("a name of 256 bytes or more does not fit the fast path")
         out += (_U8.pack(len(raw)), raw)
+
+
+def put_lookahead(out: list[bytes], per_key: int, token_ids: IndexArray | bytes) -> None:
+    """The trailer of a Store sent with ``FLAG_LOOKAHEAD`` (``ValueError`` for a count that
+    does not fit a u16: such a Store goes over gRPC, which names it)."""
+    if not 0 <= per_key <= 0xFFFF:
+        raise ValueError("a lookahead count that does not fit the fast path")
+    out.append(_U16.pack(per_key))
+    if isinstance(token_ids, bytes):
+        out += (_U32.pack(len(token_ids) // 8), token_ids)
+    else:
+        put_pages(out, token_ids)
 
 
 def put_layers(out: list[bytes], begin: int, end: int) -> None:

@@ -19,6 +19,11 @@ Primitives:
   bytes, or None; the parent). ``token_ids`` may already be such bytes (the fast path's
   frame carries them so): checked as they are, with no array made (a 1-page Store's
   tokens cost ~1 us here, where numpy's small-array calls cost several).
+- ``check_lookahead(count, per_key, token_ids, with_tokens)``: a Store's lookahead tokens
+  (vLLM's lookahead block hashes: the tokens after each page its key's hash covers;
+  ``per_key`` at most ``MAX_LOOKAHEAD_TOKENS``, that many per key, non-negative, only with
+  the pages' own tokens, else ``TOKEN_IDS_INVALID`` naming the field), as little-endian int64
+  bytes, or None.
 - ``Namespace(lora_name, cache_salt)``: what besides its tokens names a page to a router (the
   LoRA adapter, "" = the base model; the request's cache salt, "" = none), as the engines'
   own events say it; ``NO_NAMESPACE``; ``check_namespace(lora_name, cache_salt)``: at most
@@ -160,33 +165,69 @@ def check_chain(count: int, page_size: int,
                                                        "length": len(parent_key)})
     if token_ids is None or len(token_ids) == 0:
         return None, bytes(parent_key)
-    expected = count * page_size
+    return _token_bytes("token_ids", token_ids, count * page_size,
+                        f"{count} key(s) of {page_size} tokens"), bytes(parent_key)
+
+
+MAX_LOOKAHEAD_TOKENS = 16
+"""The most lookahead tokens a Store may give per key. vLLM 0.34 hashes
+``num_hash_lookahead_tokens`` tokens after each block into its hash: 1 with EAGLE's drafters,
+``num_speculative_tokens`` with a multi-module MTP chain (a few); the bound keeps what the
+largest legal Store may be (``RequestBounds``) within 11 bytes x 16 per key more."""
+
+
+def check_lookahead(count: int, per_key: int,
+                    token_ids: Sequence[int] | np.ndarray | bytes | None,
+                    with_tokens: bool) -> bytes | None:
+    """A Store's lookahead tokens, checked (``TOKEN_IDS_INVALID`` naming the field): ``per_key``
+    (``lookahead_tokens``) at most ``MAX_LOOKAHEAD_TOKENS``, ``token_ids`` that many per key,
+    non-negative, and only beside the pages' own tokens (``with_tokens``); the ids as
+    little-endian int64 bytes, or None when none were given."""
+    if not 0 <= per_key <= MAX_LOOKAHEAD_TOKENS:
+        raise TokenIdsInvalid(
+            f"lookahead_tokens is {per_key}; it is 0 to {MAX_LOOKAHEAD_TOKENS}",
+            metadata={"field": "lookahead_tokens", "value": per_key,
+                      "max": MAX_LOOKAHEAD_TOKENS})
+    given = token_ids is not None and len(token_ids) > 0
+    if not given and not per_key:
+        return None
+    if not with_tokens:
+        raise TokenIdsInvalid(
+            "lookahead_token_ids without token_ids: a page's lookahead tokens are told "
+            "only with its own", metadata={"field": "lookahead_token_ids", "token_ids": 0})
+    return _token_bytes("lookahead_token_ids", token_ids if given else b"", count * per_key,
+                        f"{count} key(s) of {per_key} lookahead tokens")
+
+
+def _token_bytes(field: str, token_ids: Sequence[int] | np.ndarray | bytes | None,
+                 expected: int, what: str) -> bytes:
+    """``token_ids`` as little-endian int64 bytes, ``expected`` ids, none negative
+    (``TOKEN_IDS_INVALID`` naming ``field``); ``bytes`` are checked as they are."""
     if isinstance(token_ids, bytes):
         raw = token_ids
         if len(raw) % 8:
-            raise TokenIdsInvalid(f"token_ids is {len(raw)} bytes, not whole int64 ids",
-                                  metadata={"field": "token_ids", "bytes": len(raw)})
+            raise TokenIdsInvalid(f"{field} is {len(raw)} bytes, not whole int64 ids",
+                                  metadata={"field": field, "bytes": len(raw)})
     else:
         tokens = np.asarray(token_ids)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise TokenIdsInvalid("token_ids must be a flat sequence of integers",
-                                  metadata={"field": "token_ids", "dtype": str(tokens.dtype)})
+            raise TokenIdsInvalid(f"{field} must be a flat sequence of integers",
+                                  metadata={"field": field, "dtype": str(tokens.dtype)})
         if tokens.dtype.kind == "u" and tokens.size and int(tokens.max()) >= 1 << 63:
-            raise TokenIdsInvalid("token_ids has an id of 2**63 or more",
-                                  metadata={"field": "token_ids",
+            raise TokenIdsInvalid(f"{field} has an id of 2**63 or more",
+                                  metadata={"field": field,
                                             "position": int(np.argmax(tokens >= 1 << 63))})
         raw = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     if len(raw) != 8 * expected:
         raise TokenIdsInvalid(
-            f"token_ids has {len(raw) // 8} ids for {count} key(s) of {page_size} tokens: "
-            f"{expected} expected (or none)",
-            metadata={"field": "token_ids", "count": len(raw) // 8, "expected": expected})
+            f"{field} has {len(raw) // 8} ids for {what}: {expected} expected (or none)",
+            metadata={"field": field, "count": len(raw) // 8, "expected": expected})
     signs = raw[7::8]  # each id's top byte: a negative id's has its high bit set
     if signs.translate(None, _NON_NEGATIVE_TOP):
         first = next(i for i, b in enumerate(signs) if b & 0x80)
-        raise TokenIdsInvalid(f"token_ids[{first}] is negative: token ids are >= 0",
-                              metadata={"field": "token_ids", "position": first})
-    return raw, bytes(parent_key)
+        raise TokenIdsInvalid(f"{field}[{first}] is negative: token ids are >= 0",
+                              metadata={"field": field, "position": first})
+    return raw
 
 
 class Namespace(NamedTuple):

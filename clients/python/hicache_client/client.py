@@ -66,6 +66,7 @@ from hicache.errors import (
     Overloaded,
     PeerNotAllowed,
     PoolNotReady,
+    TokenIdsInvalid,
     TransportUnavailable,
     Unavailable,
     error_class_for,
@@ -119,6 +120,25 @@ def _token_bytes(token_ids: Sequence[int] | np.ndarray | bytes | None) -> bytes 
     if isinstance(token_ids, np.ndarray) and token_ids.dtype == _INT64 and token_ids.ndim == 1:
         return token_ids.tobytes()
     return np.ascontiguousarray(np.asarray(token_ids).ravel(), _INT64).tobytes()
+
+
+def _lookahead_bytes(lookahead: Sequence[Sequence[int]] | np.ndarray | None
+                    ) -> tuple[int, bytes | None]:
+    """A Store's lookahead tokens, one row per key (all rows alike long), as (tokens per key,
+    little-endian int64 bytes); (0, None) for none. The daemon checks the counts and ids."""
+    if lookahead is None or len(lookahead) == 0:
+        return 0, None
+    try:
+        rows = np.asarray(lookahead)
+    except ValueError:  # rows of different lengths
+        rows = np.asarray([], dtype=object)
+    if rows.ndim == 2 and rows.shape[1] == 0:  # no token after any page
+        return 0, None
+    if rows.ndim != 2 or rows.dtype.kind not in "iu":
+        raise TokenIdsInvalid("lookahead_token_ids must be one row of integer ids per key, "
+                              "every row as long", metadata={"field": "lookahead_token_ids",
+                                                             "dtype": str(rows.dtype)})
+    return int(rows.shape[1]), np.ascontiguousarray(rows, _INT64).tobytes()
 
 
 class HiCacheClient:
@@ -404,8 +424,9 @@ class HiCacheClient:
         if not info.fast_path or info.fast_path_version != w.VERSION:
             return None
         # a daemon that does not say understands the flags the framing had before FLAG_CHAIN
-        self._fast_flags = (info.fast_path_flags
-                            or w.KNOWN_FLAGS & ~(w.FLAG_CHAIN | w.STORE_DEADLINE))
+        # (not those that came later: its frames would have bytes left over, or its replies
+        # fewer than asked for)
+        self._fast_flags = info.fast_path_flags or w.UNSAID_FLAGS
         # the socket beside ours (the daemon may see its sockets at another path), else its
         mine = paths.beside(paths.unix_path(self.target), paths.FAST_PATH_SUFFIX)
         path = mine if os.path.exists(mine) else info.fast_path
@@ -545,42 +566,52 @@ class HiCacheClient:
     def store(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
               *, token_ids: Sequence[int] | np.ndarray | None = None,
               parent_key: bytes | str = b"", lora_name: str = "", cache_salt: str = "",
+              lookahead_token_ids: Sequence[Sequence[int]] | np.ndarray | None = None,
               timeout: float | None = None) -> StoreResult:
         """The device pages of ``device_indices`` cached under ``keys``. Once ``timeout``
         (the client's when None) has passed the caller may reuse those pages: the daemon
         then begins no copy, and keeps nothing of a copy that ends later
-        (``DEADLINE_PASSED``)."""
+        (``DEADLINE_PASSED``). ``lookahead_token_ids``: one row per key, every row as long
+        (``WorkerSession.store``)."""
         q = self._store_request(session_id, keys, device_indices, token_ids, parent_key,
-                                self._deadline_ns(timeout), lora_name, cache_salt)
+                                self._deadline_ns(timeout), lora_name, cache_salt,
+                                lookahead_token_ids)
         fast = None
         dp = self._pages(session_id, device_indices)
         if dp is not None and self._fast_path(timeout) is not None:
-            # a daemon from before Store deadlines (or namespaces) refuses a Store frame that
-            # carries one: it gets none (and could not honour it over gRPC either)
-            named = self._fast_flags & w.FLAG_NAMESPACE
+            # a daemon from before Store deadlines (or namespaces, or lookahead tokens)
+            # refuses a Store frame that carries one: it gets none (and could not honour it
+            # over gRPC either)
+            flags = self._fast_flags
+            named, ahead = flags & w.FLAG_NAMESPACE, flags & w.FLAG_LOOKAHEAD
             fast = StoreRequest(q.session_id, q.keys, PageIds(dp), q.layers, q.token_ids,
-                                q.parent_key, q.deadline_ns
-                                if self._fast_flags & w.STORE_DEADLINE else 0,
-                                q.lora_name if named else "", q.cache_salt if named else "")
+                                q.parent_key, q.deadline_ns if flags & w.STORE_DEADLINE else 0,
+                                q.lora_name if named else "", q.cache_salt if named else "",
+                                q.lookahead_tokens if ahead else 0,
+                                q.lookahead_token_ids if ahead else None)
         result: StoreResult = self.call("Store", q, fast, timeout=timeout)
         return result
 
     @staticmethod
     def _store_request(session_id: str, keys: Sequence[bytes | str], device_indices: object,
                        token_ids: Sequence[int] | np.ndarray | None, parent_key: bytes | str,
-                       deadline_ns: int, lora_name: str = "", cache_salt: str = ""
+                       deadline_ns: int, lora_name: str = "", cache_salt: str = "",
+                       lookahead: Sequence[Sequence[int]] | np.ndarray | None = None
                        ) -> StoreRequest:
         parent = encode_keys([parent_key], "parent_key")[0] if parent_key else b""
         tokens = _token_bytes(token_ids)
         ns = check_namespace(lora_name, cache_salt)
+        ahead, ahead_ids = _lookahead_bytes(lookahead)
         return StoreRequest(session_id, encode_keys(keys), device_indices,  # type: ignore[arg-type]
-                            (0, 0), tokens, parent, deadline_ns, *ns)
+                            (0, 0), tokens, parent, deadline_ns, *ns, ahead, ahead_ids)
 
     def store_async(self, session_id: str, keys: Sequence[bytes | str],
                     device_indices: object, *,
                     token_ids: Sequence[int] | np.ndarray | None = None,
                     parent_key: bytes | str = b"", lora_name: str = "",
-                    cache_salt: str = "") -> Future[StoreResult]:
+                    cache_salt: str = "",
+                    lookahead_token_ids: Sequence[Sequence[int]] | np.ndarray | None = None
+                    ) -> Future[StoreResult]:
         """``store`` without blocking the caller: a future of its result (or domain error).
         It runs on one of ``STORE_THREADS`` threads through the one call path (fast path or
         gRPC, the same deadline, credentials and errors as ``store``)."""
@@ -590,7 +621,8 @@ class HiCacheClient:
                                                  thread_name_prefix="hicache-store")
             pool = self._async
         return pool.submit(self.store, session_id, keys, device_indices, token_ids=token_ids,
-                           parent_key=parent_key, lora_name=lora_name, cache_salt=cache_salt)
+                           parent_key=parent_key, lora_name=lora_name, cache_salt=cache_salt,
+                           lookahead_token_ids=lookahead_token_ids)
 
     def load_keys(self, session_id: str, keys: Sequence[bytes | str], device_indices: object,
                   layer_begin: int = 0, layer_end: int = 0, *, layer_events: bool = False,

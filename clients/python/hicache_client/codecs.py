@@ -85,6 +85,14 @@ def _namespace(q: c.StoreRequest) -> tuple[str, str] | None:
     return (q.lora_name, q.cache_salt) if q.lora_name or q.cache_salt else None
 
 
+def _lookahead(q: c.StoreRequest) -> tuple[int, Any] | None:
+    """The Store's lookahead tokens (per key, the ids), None when it gives none."""
+    ids = q.lookahead_token_ids
+    if not q.lookahead_tokens and (ids is None or len(ids) == 0):
+        return None
+    return q.lookahead_tokens, ids if ids is not None else b""
+
+
 def _token_list(tokens: Any) -> list[int]:
     """A Store's tokens as the message's ints (the client keeps them as int64 bytes)."""
     if isinstance(tokens, bytes):
@@ -93,13 +101,15 @@ def _token_list(tokens: Any) -> list[int]:
 
 
 def _store_message(q: c.StoreRequest) -> pb.StoreRequest:
-    chain = _chain(q)
+    chain, ahead = _chain(q), _lookahead(q)
     return pb.StoreRequest(session_id=q.session_id, keys=q.keys,
                            device_indices=indices_to_bytes(q.device),
                            token_ids=_token_list(chain[1]) if chain is not None else (),
                            parent_key=q.parent_key, deadline_unix_ns=q.deadline_ns,
                            lora_name=q.lora_name, cache_salt=q.cache_salt,
-                           layer_begin=q.layers[0], layer_end=q.layers[1])
+                           lookahead_tokens=ahead[0] if ahead is not None else 0,
+                           lookahead_token_ids=_token_list(ahead[1]) if ahead is not None
+                           else (), layer_begin=q.layers[0], layer_end=q.layers[1])
 
 
 def _transfer_message(q: c.TransferRequest) -> pb.TransferRequest:
@@ -149,9 +159,10 @@ CODECS: dict[str, ClientCodec] = {
     "Store": ClientCodec(
         "Store", _store_message, _store_result, True, w.Method.STORE,
         lambda q: fp.keyed_body(q.session_id, q.keys, _ids(q.device), q.layers,
-                                q.deadline_ns, _chain(q), _namespace(q)),
+                                q.deadline_ns, _chain(q), _namespace(q), _lookahead(q)),
         lambda q: ((w.FLAG_CHAIN if _chain(q) is not None else 0)
                    | (w.FLAG_NAMESPACE if _namespace(q) is not None else 0)
+                   | (w.FLAG_LOOKAHEAD if _lookahead(q) is not None else 0)
                    | (w.FLAG_DEADLINE if q.deadline_ns else 0)),
         lambda data, q: fp.decode_store(data)),
     "LoadKeys": ClientCodec(

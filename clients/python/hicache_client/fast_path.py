@@ -140,7 +140,8 @@ class FastPath:
         rid = next(self._ids) & 0xFFFFFFFF
         try:
             conn.set_timeout(seconds)
-            conn.sock.sendall(w.REQUEST.pack(len(body), rid, method, flags, 0) + body)
+            conn.sock.sendall(w.REQUEST.pack(len(body), rid, method, *w.split_flags(flags))
+                              + body)
             (_, got, status), data = conn.frames.read(w.REPLY)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
             self._drop(conn)  # its reply may still come: the stream is out of step
@@ -235,10 +236,11 @@ def decode_transfer(data: bytes) -> TransferStats:
 def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
                layers: tuple[int, int] = (0, 0), deadline_ns: int = 0,
                chain: tuple[bytes, IndexArray | bytes] | None = None,
-               namespace: tuple[str, str] | None = None) -> list[bytes]:
+               namespace: tuple[str, str] | None = None,
+               lookahead: tuple[int, IndexArray | bytes] | None = None) -> list[bytes]:
     """The body of a Store or LoadKeys (``ValueError`` for a key the framing cannot carry);
-    a Store's chain (send ``FLAG_CHAIN``), its namespace (``FLAG_NAMESPACE``), then the call's
-    deadline (``FLAG_DEADLINE``)."""
+    a Store's chain (send ``FLAG_CHAIN``), its namespace (``FLAG_NAMESPACE``), its lookahead
+    tokens (``FLAG_LOOKAHEAD``), then the call's deadline (``FLAG_DEADLINE``)."""
     parts: list[bytes] = []
     w.put_string(parts, session_id)
     w.put_layers(parts, *layers)
@@ -248,6 +250,8 @@ def keyed_body(session_id: str, keys: Sequence[bytes], device: IndexArray,
         w.put_chain(parts, *chain)
     if namespace is not None:
         w.put_namespace(parts, *namespace)
+    if lookahead is not None:
+        w.put_lookahead(parts, *lookahead)
     if deadline_ns:
         w.put_i64(parts, deadline_ns)
     return parts

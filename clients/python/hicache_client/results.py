@@ -50,10 +50,15 @@ class CacheEvent:
     """STORED: the LoRA adapter the writer named ("" = the base model)."""
     cache_salt: str = ""
     """STORED: the cache salt the writer named ("" = none)."""
+    lookahead_token_ids: tuple[tuple[int, ...], ...] = ()
+    """STORED: per key, the tokens after its page that its hash covers (vLLM's lookahead
+    block hashes), when the writer gave them."""
 
     @classmethod
     def from_proto(cls, e: pb.CacheEvent) -> CacheEvent:
         kind = pb.CacheEventKind.Name(e.kind).removeprefix("CACHE_EVENT_KIND_")
+        per, ids = int(e.lookahead_tokens), tuple(e.lookahead_token_ids)
+        ahead = tuple(ids[i:i + per] for i in range(0, len(ids), per)) if per > 0 else ()
         return cls(e.seq, kind, tuple(e.keys), e.pool, e.tier or 1, e.medium or "CPU_PINNED",
                    bytes(e.parent_key), tuple(e.token_ids), e.block_size, e.lora_name,
-                   e.cache_salt)
+                   e.cache_salt, ahead)

@@ -105,27 +105,34 @@ class WorkerSession:
     def store(self, keys: Sequence[bytes | str], device_indices: object, *,
               token_ids: Sequence[int] | np.ndarray | None = None,
               parent_key: bytes | str = b"", lora_name: str = "", cache_salt: str = "",
+              lookahead_token_ids: Sequence[Sequence[int]] | np.ndarray | None = None,
               timeout: float | None = None) -> StoreResult:
         """Copy one device page per key into the cache (all layers). Keys already there, or
         being written by another request, are not written again. The keys are one chain in
         order; ``token_ids`` (``page_size`` per key), ``parent_key`` (the key before the
-        first), ``lora_name`` (the LoRA adapter whose KV they are) and ``cache_salt`` (the
-        request's) are what routers are told of them (KV events, ``watch_events``). Once
-        ``timeout`` (the client's when None) has passed the pages may be reused: the daemon
-        keeps nothing of a copy it had not finished by then."""
+        first), ``lora_name`` (the LoRA adapter whose KV they are), ``cache_salt`` (the
+        request's) and ``lookahead_token_ids`` (with ``token_ids``: one row per key of the
+        tokens after its page that its key's hash covers, every row as long: vLLM's
+        lookahead block hashes) are what routers are told of them (KV events,
+        ``watch_events``). Once ``timeout`` (the client's when None) has passed the pages may
+        be reused: the daemon keeps nothing of a copy it had not finished by then."""
         return self.client.store(self.session_id, keys, device_indices, token_ids=token_ids,
                                  parent_key=parent_key, lora_name=lora_name,
-                                 cache_salt=cache_salt, timeout=timeout)
+                                 cache_salt=cache_salt,
+                                 lookahead_token_ids=lookahead_token_ids, timeout=timeout)
 
     def store_async(self, keys: Sequence[bytes | str], device_indices: object, *,
                     token_ids: Sequence[int] | np.ndarray | None = None,
                     parent_key: bytes | str = b"", lora_name: str = "",
-                    cache_salt: str = "") -> Future[StoreResult]:
+                    cache_salt: str = "",
+                    lookahead_token_ids: Sequence[Sequence[int]] | np.ndarray | None = None
+                    ) -> Future[StoreResult]:
         """``store`` without waiting (an inference scheduler must not block on it); the
         future raises the call's domain error. Not retried when the daemon is away."""
         return self.client.store_async(self.session_id, keys, device_indices,
                                        token_ids=token_ids, parent_key=parent_key,
-                                       lora_name=lora_name, cache_salt=cache_salt)
+                                       lora_name=lora_name, cache_salt=cache_salt,
+                                       lookahead_token_ids=lookahead_token_ids)
 
     def lookup(self, keys: Sequence[bytes | str], hold_ms: int = 0, *,
                timeout: float | None = None, touch: bool = False) -> LookupResult:

@@ -7,7 +7,8 @@ session, re-established in the background), ``linker`` (the linker; imports SGLa
 ``answers`` (each request's lookup answer and what SGLang's next match is told), ``offloads``
 (write-through Stores that never wait for the GPU), ``origins`` (an offloaded node's tokens,
 parent key, cache salt and LoRA name, for routers), ``quarantine`` (device slots of a load that
-timed out, kept from SGLang's allocator until no copy into them can run).
+timed out, kept from SGLang's allocator until no copy into them can run), ``served`` (imported
+first: an SGLang release hicached does not serve stops at start-up).
 
 Importing this package does not import SGLang, torch or gRPC; ``hicache_sglang.linker`` does.
 """

@@ -10,8 +10,9 @@ span ``blocks_per_chunk`` engine blocks, and a load may begin or end inside one:
 Primitives:
 
 - ``HicachedLoadStoreSpec(keys, chain)``: the pages of a job, by key (vLLM's ``OffloadKey``
-  bytes); for a store, ``chain`` (``Chain``: their tokens and the key before the first) when
-  the scheduler knows the request: what routers are told of the pages.
+  bytes); for a store, ``chain`` (``Chain``: their tokens, the key before the first and, with
+  vLLM's lookahead block hashes, the tokens after each page its hash covers) when the
+  scheduler knows the request: what routers are told of the pages.
 - ``Job.of(keys, groups, blocks_per_chunk, chain, sync)``: keys, engine block ids, ``skip``
   (one KV cache group's blocks); ``rounds(n)`` splits it into runs of at most ``n`` pages,
   each with the engine blocks its pages hold (``JobRound``: keys, block ids, the rows of the
@@ -41,13 +42,18 @@ class Chain:
     """The request's LoRA adapter ("" = the base model), as vLLM's own events name it."""
     cache_salt: str = ""
     """The request's cache salt ("" = none)."""
+    lookahead: np.ndarray | None = None
+    """With vLLM's lookahead block hashes (``num_hash_lookahead_tokens`` L > 0): per key, the
+    L tokens after its page, which its hash covers too (int64, one row per key); None
+    without."""
 
     def of_round(self, keys: Sequence[bytes], start: int, end: int) -> Chain:
         """The chain of pages ``start:end`` of the job whose keys are ``keys``."""
         per = len(self.token_ids) // len(keys)
         parent = self.parent_key if start == 0 else keys[start - 1]
         return Chain(self.token_ids[start * per:end * per], parent, self.lora_name,
-                     self.cache_salt)
+                     self.cache_salt,
+                     self.lookahead[start:end] if self.lookahead is not None else None)
 
 
 class HicachedLoadStoreSpec(LoadStoreSpec):

@@ -11,9 +11,12 @@ rest of the batch untouched. This connector is vLLM's own with that one method a
 spec's worker (``hicache_vllm.worker``) reports the job done and names its blocks here, in the
 step that reports the job, wherever vLLM does not take the failure itself. It also hands the
 manager each new request (``follow``), so that the pages stored are told with their tokens
-and parent key (routers that match tokens find them), and answers vLLM 0.34's
-``kv_cache_access``: on GPUs the KV cache is handed to the daemon, another process
-(``EXPORTS_FD``, or ``LEGACY_IPC`` with ``cuda_sharing`` ``legacy_ipc``).
+and parent key (routers that match tokens find them), answers vLLM 0.34's
+``kv_cache_access`` (on GPUs the KV cache is handed to the daemon, another process:
+``EXPORTS_FD``, or ``LEGACY_IPC`` with ``cuda_sharing`` ``legacy_ipc``) and, with lookahead
+block hashes (``num_hash_lookahead_tokens`` > 0: EAGLE / MTP with prefix caching; vLLM asks
+``supports_lookahead_block_hashes``, True as for vLLM's own), tells the manager how many
+tokens after each block its hash covers (``hash_lookahead``): the stores say them too.
 Loaded by module path::
 
     --kv-transfer-config '{"kv_connector": "HicachedOffloadingConnector",
@@ -67,6 +70,9 @@ class HicachedOffloadingConnector(OffloadingConnector):
                                   "spec_name"))[:64]})
         if isinstance(spec, HicachedOffloadingSpec):
             spec.report_load_errors = True  # before vLLM asks it for its worker
+        if isinstance(manager, HicachedOffloadingManager):  # (0 on 0.33: a KV connector
+            # keeps its legacy hashes there)
+            manager.hash_lookahead(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
 
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:

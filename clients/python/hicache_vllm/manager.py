@@ -15,7 +15,12 @@ vLLM's ``OffloadingConnector`` calls it on the scheduler's thread (under ``lock`
 - ``follow(request)``: vLLM's ``Request`` (``HicachedOffloadingConnector`` hands it over):
   its stores carry their pages' tokens and parent key (``blocks.Chain``), what routers that
   match tokens need (Dynamo's indexer); under vLLM's plain ``OffloadingConnector`` no request
-  is followed and the pages are told without.
+  is followed and the pages are told without. With vLLM 0.34's lookahead block hashes
+  (``hash_lookahead``: vLLM's ``num_hash_lookahead_tokens`` L > 0, EAGLE / MTP with prefix
+  caching; the connector says it) a block's hash covers the L tokens after it too, and each
+  page's store carries them (one row per page: the L tokens after the page's end, what vLLM's
+  own events say for the page's key, its last block): a router that hashes tokens as vLLM
+  does needs them.
 - ``prepare_store(keys)``: every block is offered (the daemon stores what it lacks and has room
   for, and evicts by its own LRU: ``evicted_keys`` is empty); with the daemon down the store is
   dropped (None, counted).
@@ -63,6 +68,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hicache.errors import HiCacheError
+from hicache.keys import MAX_LOOKAHEAD_TOKENS
 from hicache.locks import lock
 from hicache_client.hold_book import HoldBook
 from hicache_client.link import DaemonLink, Handover
@@ -119,6 +125,10 @@ class HicachedOffloadingManager(OffloadingManager):
         """vLLM's ``Request`` of each request followed (``follow``), by id: its tokens and
         block hashes name what its stores are."""
         self._reporter = Reporter()
+        self.lookahead_tokens = 0
+        """vLLM's ``num_hash_lookahead_tokens`` (``hash_lookahead``; 0: plain block hashes)."""
+        self._chains = True
+        """Whether stores carry their chain (not with more lookahead than the daemon takes)."""
         for link in self.links:
             link.start()
         log.info("hicached offloading manager: pools %s (%d layers, %d tokens per page)",
@@ -266,20 +276,42 @@ class HicachedOffloadingManager(OffloadingManager):
             for req_id in list(self._requests)[:len(self._requests) - MAX_FOLLOWED]:
                 self._requests.pop(req_id, None)
 
+    def hash_lookahead(self, tokens: int) -> None:
+        """vLLM's ``num_hash_lookahead_tokens`` (``HicachedOffloadingConnector`` says it from
+        vLLM's config: 0 without EAGLE / MTP, and on 0.33, which keeps the legacy hashes under
+        any KV connector): each block's hash covers that many
+        tokens after it, so the stores say them. More than the daemon takes a page
+        (``MAX_LOOKAHEAD_TOKENS``): the stores carry no chain (their tokens alone would hash
+        to other blocks), said once here."""
+        self.lookahead_tokens = int(tokens)
+        self._chains = self.lookahead_tokens <= MAX_LOOKAHEAD_TOKENS
+        if not self._chains:
+            log.warning("vLLM hashes %d lookahead tokens into each block, more than the "
+                        "daemon takes (%d): stores are told to routers without their tokens",
+                        self.lookahead_tokens, MAX_LOOKAHEAD_TOKENS)
+
     def _chain(self, keys: list[bytes], req_context: ReqContext) -> Chain | None:
         """The tokens of ``keys`` (consecutive pages of the request, each ending where vLLM
-        recorded it) and the key of the page before them; None where they are not that."""
+        recorded it), the key of the page before them and, with lookahead hashes, the
+        ``lookahead_tokens`` after each page; None where they are not that, or not all
+        known yet."""
         req = self._requests.get(req_context.req_id)
-        if req is None or not keys:
+        if req is None or not keys or not self._chains:
             return None
         per = self.plan.page_tokens
         ends = [req_context.get_offload_key_position(k) for k in keys]  # type: ignore[arg-type]
         first = ends[0]
         if first is None or any(e != first + i * per for i, e in enumerate(ends)):
             return None
-        tokens = req.all_token_ids[first - per:first + (len(keys) - 1) * per]
-        if len(tokens) != len(keys) * per:
+        ahead, count = self.lookahead_tokens, len(keys)
+        tokens = req.all_token_ids[first - per:first + (count - 1) * per + ahead]
+        if len(tokens) != count * per + ahead:
             return None
+        lookahead = None
+        if ahead:  # page i's row: the tokens after its end (vLLM's for its last block)
+            span = np.asarray(tokens, dtype=np.int64)
+            tokens = span[:count * per]
+            lookahead = span[per * np.arange(1, count + 1)[:, None] + np.arange(ahead)]
         parent = b""
         n = first // per  # the first page is the request's n-th
         if n > 1:
@@ -291,7 +323,7 @@ class HicachedOffloadingManager(OffloadingManager):
         lora = getattr(req, "lora_request", None)
         return Chain(np.asarray(tokens, dtype=np.int64), parent,
                      str(getattr(lora, "lora_name", "") or "") if lora is not None else "",
-                     str(getattr(req, "cache_salt", None) or ""))
+                     str(getattr(req, "cache_salt", None) or ""), lookahead)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:

@@ -69,8 +69,7 @@ class Plan:
         (group,) = groups
         layers = len(group.layer_names)
         bpc = int(config.cache.blocks_per_chunk)
-        chunk_tokens = int(group.tokens_per_block)
-        block_tokens = chunk_tokens // bpc
+        block_tokens = int(group.tokens_per_block)  # vLLM's KV block (a page has bpc of them)
         per_block = int(config.worker_kv_bytes_per_block)
         if layers < 1 or per_block % layers or (per_block // layers) % block_tokens:
             raise SpecInvalid(f"{per_block} KV bytes per block over {layers} layers and "

@@ -370,7 +370,9 @@ class HicachedOffloadingWorker(OffloadingWorker):
                                         token_ids=chain.token_ids if chain else None,
                                         parent_key=chain.parent_key if chain else b"",
                                         lora_name=chain.lora_name if chain else "",
-                                        cache_salt=chain.cache_salt if chain else "")
+                                        cache_salt=chain.cache_salt if chain else "",
+                                        lookahead_token_ids=chain.lookahead if chain
+                                        else None)
                     break
                 except HiCacheError as exc:
                     self.link.report(exc, session=session)

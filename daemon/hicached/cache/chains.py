@@ -11,6 +11,10 @@ spill to disk, a put to the cluster, a promotion back into host memory) carry it
 the table no longer has is published alone, with no parent and no tokens (or, in one Store's
 batch, after the key before it).
 
+vLLM's lookahead block hashes (vLLM 0.34 with EAGLE / MTP) cover the tokens after a block too:
+a Store may say them (``lookahead``: as many per key, beside its tokens), and the table keeps
+them with the tokens, so every later event of the key says them again.
+
 A key's entry lives while the pool may still publish the key: it is forgotten when the key
 leaves the pool's last local tier (``forget``: evicted or removed from host memory in a pool
 with no tier below it, from the disk in one with a disk tier), or, oldest Store first, when
@@ -24,8 +28,10 @@ Primitives:
 
 - ``Run``: keys that follow one another in one chain, the parent of the first, their tokens
   (``page_size`` per key, or None when not all of them are known), their namespace (the
-  Store's LoRA name and cache salt: ``hicache.keys.Namespace``).
-- ``ChainTable(max_bytes, page_size, last_tier)``: ``note(keys, parent, token_ids, namespace)`` (one
+  Store's LoRA name and cache salt: ``hicache.keys.Namespace``), their lookahead tokens
+  (``ahead`` per key, or None).
+- ``ChainTable(max_bytes, page_size, last_tier)``: ``note(keys, parent, token_ids, namespace,
+  lookahead)`` (one
   Store's batch, kept whole while any of its keys is; the oldest batches go first over the
   budget), ``forget(keys, tier)`` (the keys left ``tier``: dropped when it is the last),
   ``runs(keys, chain)`` (the keys, in order, cut into runs), ``parent_of(key)``,
@@ -64,9 +70,21 @@ class Run:
 
     namespace: Namespace = NO_NAMESPACE
     """The LoRA adapter and cache salt the Store named the keys under."""
+    ahead: int = 0
+    """Lookahead tokens per key (0: none told)."""
+    lookahead: list[bytes] | None = field(default=None)
+    """The keys' lookahead tokens as little-endian int64 bytes, in pieces that concatenate to
+    ``ahead`` per key; None when not told (then ``ahead`` is 0)."""
 
     def token_bytes(self) -> bytes | None:
         return None if self.tokens is None else b"".join(self.tokens)
+
+    def lookahead_bytes(self) -> bytes | None:
+        return None if self.lookahead is None else b"".join(self.lookahead)
+
+    def lookahead_rows(self) -> list[list[int]] | None:
+        """The lookahead tokens, one list per key."""
+        return lookahead_rows(self.lookahead_bytes(), self.ahead)
 
     def token_ids(self) -> np.ndarray | None:
         raw = self.token_bytes()
@@ -84,6 +102,8 @@ class _Batch:
     cost: int
     live: int
     namespace: Namespace
+    ahead: int = 0
+    lookahead: bytes | None = None
     pos: dict[bytes, int] | None = None
     """Each key's place in ``keys``, made when a key is first asked about alone."""
 
@@ -91,6 +111,14 @@ class _Batch:
         if self.pos is None:
             self.pos = dict(zip(self.keys, range(len(self.keys)), strict=True))
         return self.pos[key]
+
+
+def lookahead_rows(raw: bytes | None, ahead: int) -> list[list[int]] | None:
+    """``ahead`` little-endian int64 ids per key as one list per key (None: none)."""
+    if raw is None or not ahead:
+        return None
+    rows: list[list[int]] = np.frombuffer(raw, dtype="<i8").reshape(-1, ahead).tolist()
+    return rows
 
 
 HOST_TIER = 1
@@ -116,10 +144,12 @@ class ChainTable:
 
     def note(self, keys: Sequence[bytes], parent: bytes = b"",
              token_ids: np.ndarray | bytes | None = None,
-             namespace: Namespace = NO_NAMESPACE) -> None:
+             namespace: Namespace = NO_NAMESPACE,
+             lookahead: tuple[int, bytes] | None = None) -> None:
         """``keys`` (distinct: the caller's check) are one chain after ``parent``;
         ``token_ids`` (validated by the caller: ``page_size`` per key; ``bytes``: as
-        little-endian int64) their tokens. The
+        little-endian int64) their tokens, ``lookahead`` (per key, the ids as little-endian
+        int64; validated by the caller, and only with tokens) the tokens after each. The
         oldest batches go first when the table is over its budget; the batch just noted
         always stays (its own events need it). C-level passes only, for keys the table does
         not know yet: a Store pays no Python loop over its keys here."""
@@ -130,8 +160,9 @@ class ChainTable:
         batch = _Batch(tuple(keys), parent, raw, len(keys) * (ENTRY_OVERHEAD_BYTES
                                                               + len(keys[0]))
                        + len(parent) + (len(raw) if raw else 0)
-                       + len(namespace.lora_name) + len(namespace.cache_salt), len(keys),
-                       namespace)
+                       + len(namespace.lora_name) + len(namespace.cache_salt)
+                       + (len(lookahead[1]) if lookahead else 0), len(keys), namespace,
+                       *(lookahead if lookahead and raw is not None else (0, None)))
         with self._lock:
             entries = self._entries
             if not entries.keys().isdisjoint(batch.keys):  # noted before: moved here
@@ -175,7 +206,7 @@ class ChainTable:
             if not batch.live:
                 self.bytes_used -= batch.cost
                 self._dead += 1
-                batch.keys, batch.tokens, batch.pos = (), None, None
+                batch.keys, batch.tokens, batch.pos, batch.lookahead = (), None, None, None
 
     def _compact(self) -> None:
         """Batches with no live key leave the queue (lock held; called once they are half of
@@ -183,15 +214,20 @@ class ChainTable:
         self._batches = deque(b for b in self._batches if b.live)
         self._dead = 0
 
-    def _info(self, key: bytes) -> tuple[bytes, bytes | None, Namespace] | None:
-        """(parent, tokens, namespace) of a noted key (lock held)."""
+    def _info(self, key: bytes
+              ) -> tuple[bytes, bytes | None, Namespace, int, bytes | None] | None:
+        """(parent, tokens, namespace, lookahead per key, lookahead tokens) of a noted key
+        (lock held)."""
         batch = self._entries.get(key)
         if batch is None:
             return None
         i = batch.place(key)
         step = self.page_size * 8
         tokens = batch.tokens[i * step:(i + 1) * step] if batch.tokens is not None else None
-        return (batch.keys[i - 1] if i else batch.parent), tokens, batch.namespace
+        ahead = batch.ahead * 8
+        return ((batch.keys[i - 1] if i else batch.parent), tokens, batch.namespace,
+                batch.ahead, batch.lookahead[i * ahead:(i + 1) * ahead]
+                if batch.lookahead is not None else None)
 
     def parent_of(self, key: bytes) -> bytes:
         with self._lock:
@@ -200,27 +236,33 @@ class ChainTable:
 
     def runs(self, keys: Sequence[bytes], chain: bool = True) -> list[Run]:
         """``keys`` in order, cut where one is not the parent of the next (or where the
-        tokens stop or start being known). A key the table does not know follows the key
+        tokens, or their lookahead tokens, stop or start being known, or the namespace
+        changes). A key the table does not know follows the key
         before it when ``chain`` (the keys of one Store), else stands alone."""
         with self._lock:
             batch = self._entries.get(keys[0]) if keys else None
             if batch is not None and batch.keys == tuple(keys):
                 # one Store's keys as it gave them: its chain, whole
                 return [Run(list(keys), batch.parent,
-                            None if batch.tokens is None else [batch.tokens], batch.namespace)]
+                            None if batch.tokens is None else [batch.tokens], batch.namespace,
+                            batch.ahead,
+                            None if batch.lookahead is None else [batch.lookahead])]
             out: list[Run] = []
             for i, k in enumerate(keys):
-                parent, tokens, namespace = self._info(k) or (
+                parent, tokens, namespace, ahead, lookahead = self._info(k) or (
                     keys[i - 1] if chain and i else b"", None,
-                    out[-1].namespace if chain and out else NO_NAMESPACE)
+                    out[-1].namespace if chain and out else NO_NAMESPACE, 0, None)
                 last = out[-1] if out else None
                 if (last is not None and parent and parent == last.keys[-1]
                         and (tokens is None) == (last.tokens is None)
-                        and namespace == last.namespace):
+                        and namespace == last.namespace and ahead == last.ahead):
                     last.keys.append(k)
                     if tokens is not None and last.tokens is not None:
                         last.tokens.append(tokens)
+                    if lookahead is not None and last.lookahead is not None:
+                        last.lookahead.append(lookahead)
                     continue
                 out.append(Run([k], parent, [tokens] if tokens is not None else None,
-                               namespace))
+                               namespace, ahead,
+                               [lookahead] if lookahead is not None else None))
         return out

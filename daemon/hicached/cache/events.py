@@ -13,7 +13,9 @@ Primitives:
 - ``CacheEvent``: ``seq`` (1, 2, ... per pool), ``kind``, ``keys``, ``tier``; a STORED event's
   keys are one chain (``chains``): ``parent`` (the key before the first, "" when unknown) and
   ``tokens`` (``page_size`` per key as little-endian int64 bytes, when known; ``token_ids``:
-  the same as an array), ``namespace`` (the Store's LoRA name and cache salt).
+  the same as an array), ``namespace`` (the Store's LoRA name and cache salt), ``ahead`` and
+  ``lookahead`` (the tokens after each page its key's hash covers, ``ahead`` per key, when the
+  writer gave them: vLLM's lookahead block hashes; ``lookahead_rows``: one list per key).
 - ``EventLog(max_keys, chains, listener)``: ``append(kind, keys, tier, chain)`` (STORED keys
   cut into chain runs, every event at most ``MAX_EVENT_KEYS`` keys; ``listener(event)`` is called
   for each, in order, under the log's lock: it must not block), ``after(seq)`` (the retained
@@ -35,7 +37,7 @@ import numpy as np
 
 from hicache.keys import NO_NAMESPACE, Namespace
 from hicache.locks import condition
-from hicached.cache.chains import ChainTable, Run
+from hicached.cache.chains import ChainTable, Run, lookahead_rows
 
 MAX_EVENT_KEYS = 4096
 """Keys per event: a ClearPool of millions of keys becomes many events, each a small message."""
@@ -67,11 +69,21 @@ class CacheEvent(NamedTuple):
 
     namespace: Namespace = NO_NAMESPACE
     """STORED: the LoRA adapter and cache salt the Store named the pages under."""
+    ahead: int = 0
+    """STORED: lookahead tokens per key (0: none told)."""
+    lookahead: bytes | None = None
+    """STORED: the tokens after each page that its key's hash covers (``ahead`` per key,
+    little-endian int64), when the writer gave them."""
 
     @property
     def token_ids(self) -> np.ndarray | None:
         """``tokens`` as an int64 array (a view of them)."""
         return None if self.tokens is None else np.frombuffer(self.tokens, dtype="<i8")
+
+    @property
+    def lookahead_rows(self) -> list[list[int]] | None:
+        """``lookahead`` as one list per key (None: none told)."""
+        return lookahead_rows(self.lookahead, self.ahead)
 
 
 class EventLog:
@@ -120,13 +132,16 @@ class EventLog:
         with self._cond:
             for run in runs:
                 run_keys, parent, tokens = run.keys, run.parent, run.token_bytes()
+                ahead, lookahead = run.ahead, run.lookahead_bytes()
                 for i in range(0, len(run_keys), MAX_EVENT_KEYS):
                     self._seq += 1
                     chunk = tuple(run_keys[i:i + MAX_EVENT_KEYS])
                     self._add(CacheEvent(
                         self._seq, kind, chunk, tier, run_keys[i - 1] if i else parent,
                         tokens[i * step:(i + len(chunk)) * step] if tokens is not None
-                        else None, run.namespace))
+                        else None, run.namespace, ahead,
+                        lookahead[i * ahead * 8:(i + len(chunk)) * ahead * 8]
+                        if lookahead is not None else None))
 
     def _add(self, event: CacheEvent) -> None:
         """Keep ``event`` (lock held): tell the listener, drop the oldest past ``max_keys``,

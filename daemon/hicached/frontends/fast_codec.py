@@ -58,9 +58,11 @@ def _store(r: w.Reader, flags: int, max_keys: int) -> c.StoreRequest:
                       else (b"", None))
     lora, salt = ((r.short_str("lora_name"), r.short_str("cache_salt"))
                   if flags & w.FLAG_NAMESPACE else ("", ""))
+    ahead, ahead_ids = (r.u16(), r.page_bytes()) if flags & w.FLAG_LOOKAHEAD else (0, None)
     deadline = r.i64() if flags & w.FLAG_DEADLINE else 0
     r.end()
-    return c.StoreRequest(session, keys, device, layers, tokens, parent, deadline, lora, salt)
+    return c.StoreRequest(session, keys, device, layers, tokens, parent, deadline, lora, salt,
+                          ahead, ahead_ids)
 
 
 def _store_reply(res: c.StoreResult, flags: int) -> bytes:

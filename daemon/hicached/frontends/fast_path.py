@@ -188,12 +188,12 @@ class FastPathServer:
                 self._conns[conn] = frames
             while not self._closing:
                 try:
-                    (_, rid, method, flags, _), body = frames.read(w.REQUEST,
-                                                                   self.max_frame_bytes)
+                    (_, rid, method, low, high), body = frames.read(w.REQUEST,
+                                                                    self.max_frame_bytes)
                 except (w.FrameTooLarge, w.FrameTooSlow) as bad:
                     self._refuse(conn, bad, peer)
                     return  # the body is not read: the stream cannot go on
-                conn.sendall(self._call(rid, method, flags, body, peer))
+                conn.sendall(self._call(rid, method, w.join_flags(low, high), body, peer))
         except (EOFError, OSError, struct.error):
             pass  # the worker went away (or closed its end): nothing to answer
         finally:

@@ -98,7 +98,7 @@ def _store(m: pb.StoreRequest) -> c.StoreRequest:
     return c.StoreRequest(m.session_id, list(m.keys),
                           to_index_array(m.device_indices, "device_indices"), _layers(m),
                           m.token_ids, m.parent_key, int(m.deadline_unix_ns), m.lora_name,
-                          m.cache_salt)
+                          m.cache_salt, int(m.lookahead_tokens), m.lookahead_token_ids)
 
 
 def _store_response(r: c.StoreResult) -> pb.StoreResponse:

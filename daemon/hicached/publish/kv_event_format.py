@@ -16,6 +16,13 @@ block hash + 4-byte group) vLLM's int block hash (the block hash's last 8 bytes,
 unsigned): the engine and the daemon report one block for one page. The blocks of one
 ``BlockStored`` are a chain, the first one's parent in ``parent_block_hash``.
 
+vLLM's lookahead block hashes (0.34 with EAGLE / MTP and prefix caching, under its offloading
+connector; 0.33 keeps the legacy hashes under any KV connector) cover the tokens after a block
+too; vLLM's own ``BlockStored`` then says them (``lookahead_token_ids``: one list per block
+hash; 0.33's and 0.34's decoders both have the field), and so does the daemon's where the
+Store gave them. The field is left out of every event without them, and SGLang's decoder,
+which has no such field, skips it where it is: it reads every message.
+
 Primitives:
 
 - ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, ``KVEventBatch``: the structs.
@@ -64,6 +71,9 @@ class BlockStored(_KVCacheEvent):
     lora_name: str | None  # always sent, nil: vLLM 0.33's BlockStored requires the key
     cache_salt: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+    """vLLM's: the tokens after each block its hash covers, one list per block hash; left out
+    (None) without them (SGLang's struct has no such field)."""
 
 
 class BlockRemoved(_KVCacheEvent):
@@ -117,12 +127,14 @@ def block_hashes(keys: Sequence[bytes], key_format: KeyFormat = KeyFormat.DIGEST
 
 def _stored(keys: Sequence[bytes], parent: bytes, tokens: list[int], block_size: int,
             medium: str, key_format: KeyFormat,
-            namespace: Namespace = NO_NAMESPACE) -> BlockStored:
+            namespace: Namespace = NO_NAMESPACE,
+            lookahead: list[list[int]] | None = None) -> BlockStored:
     return BlockStored(block_hashes=block_hashes(keys, key_format),
                        parent_block_hash=block_hash(parent, key_format) if parent else None,
                        token_ids=tokens, block_size=block_size, lora_id=None, medium=medium,
                        lora_name=namespace.lora_name or None,
-                       cache_salt=namespace.cache_salt or None)
+                       cache_salt=namespace.cache_salt or None,
+                       lookahead_token_ids=lookahead)
 
 
 def engine_events(events: Iterable[CacheEvent], block_size: int,
@@ -133,17 +145,21 @@ def engine_events(events: Iterable[CacheEvent], block_size: int,
         last = out[-1] if out else None
         if e.kind is EventKind.STORED:
             tokens = e.token_ids.tolist() if e.token_ids is not None else []
+            ahead = e.lookahead_rows
             if (isinstance(last, BlockStored) and last.medium == medium and e.parent
                     and len(last.block_hashes) + len(e.keys) <= MAX_BLOCKS
                     and last.block_hashes[-1] == block_hash(e.parent, key_format)
                     and bool(last.token_ids) == bool(tokens)
                     and last.lora_name == (e.namespace.lora_name or None)
-                    and last.cache_salt == (e.namespace.cache_salt or None)):
+                    and last.cache_salt == (e.namespace.cache_salt or None)
+                    and (last.lookahead_token_ids is None) == (ahead is None)):
                 last.block_hashes.extend(block_hashes(e.keys, key_format))
                 last.token_ids.extend(tokens)
+                if ahead is not None and last.lookahead_token_ids is not None:
+                    last.lookahead_token_ids.extend(ahead)
             else:
                 out.append(_stored(e.keys, e.parent, tokens, block_size, medium, key_format,
-                                   e.namespace))
+                                   e.namespace, ahead))
         elif (isinstance(last, BlockRemoved) and last.medium == medium
               and len(last.block_hashes) + len(e.keys) <= MAX_BLOCKS):
             last.block_hashes.extend(block_hashes(e.keys, key_format))
@@ -164,7 +180,7 @@ def contents_events(contents: Mapping[int, Sequence[bytes]], block_size: int,
             tokens = run.token_ids()
             out.append(_stored(run.keys, run.parent,
                                tokens.tolist() if tokens is not None else [], block_size,
-                               MEDIUM[tier], key_format, run.namespace))
+                               MEDIUM[tier], key_format, run.namespace, run.lookahead_rows()))
     return out
 
 

@@ -112,7 +112,8 @@ def lookup(d: Daemon, q: LookupRequest) -> LookupResult:
 
 def store(d: Daemon, q: StoreRequest) -> StoreResult:
     ticket, r = d.store(q.session_id, q.keys, q.device, q.layers, q.token_ids, q.parent_key,
-                        q.deadline_ns, q.lora_name, q.cache_salt)
+                        q.deadline_ns, q.lora_name, q.cache_salt, q.lookahead_tokens,
+                        q.lookahead_token_ids)
     st = ticket.status
     return StoreResult(st.count(STORED), st.count(PRESENT), st.count(NO_SPACE), bytes(st),
                        r.bytes if r is not None else 0, r.seconds if r is not None else 0.0)

@@ -53,7 +53,7 @@ from hicache.errors import (
     TransportUnavailable,
 )
 from hicache.indices import IndexArray, PageIds
-from hicache.keys import check_chain, check_keys, check_namespace
+from hicache.keys import check_chain, check_keys, check_lookahead, check_namespace
 from hicache.layer_groups import check_layer_events
 from hicache.locks import lock
 from hicached.cache.holds import Holder
@@ -371,10 +371,14 @@ class Daemon:
               layers: tuple[int, int],
               token_ids: Sequence[int] | np.ndarray | bytes | None = None,
               parent_key: bytes = b"", deadline_ns: int = 0, lora_name: str = "",
-              cache_salt: str = "") -> tuple[StoreTicket, TransferResult | None]:
+              cache_salt: str = "", lookahead_tokens: int = 0,
+              lookahead_token_ids: Sequence[int] | np.ndarray | bytes | None = None
+              ) -> tuple[StoreTicket, TransferResult | None]:
         """``token_ids`` (``page_size`` per key) and ``parent_key`` say what chain the keys
-        are (``hicache.keys.check_chain``), ``lora_name`` and ``cache_salt`` their namespace
-        (``check_namespace``): what the pool's events publish of them. Past
+        are (``hicache.keys.check_chain``), ``lookahead_token_ids`` (``lookahead_tokens`` per
+        key: ``check_lookahead``) the tokens after each page its key's hash covers, and
+        ``lora_name`` and ``cache_salt`` their namespace (``check_namespace``): what the
+        pool's events publish of them. Past
         ``deadline_ns`` (Unix ns, 0 = none) its caller has given up and may be reusing the
         device pages it named: no copy begins then, and a copy that ends then keeps none of
         its pages (``DEADLINE_PASSED`` either way)."""
@@ -385,10 +389,13 @@ class Daemon:
             device_pages, all_layers = self.engine.check_keyed(
                 Op.BACKUP, s.pool, buffers, len(keys), device, *layers)
             tokens, parent = check_chain(len(keys), s.pool.page_size, token_ids, parent_key)
+            ahead = check_lookahead(len(keys), lookahead_tokens, lookahead_token_ids,
+                                    tokens is not None)
             namespace = check_namespace(lora_name, cache_salt)
             cache = self.pools.cache(s.pool_name)
             check_deadline(deadline_ns, "store")
-            cache.events.chains.note(keys, parent, tokens, namespace)
+            cache.events.chains.note(keys, parent, tokens, namespace,
+                                     (lookahead_tokens, ahead) if ahead is not None else None)
             ticket = cache.begin_store(keys)
             result, ok = None, False
             try:

@@ -9,7 +9,7 @@ Primitives:
 
 - ``KEYED_METHODS``: the calls whose size follows from their keys: Lookup, RemoveKeys,
   ReleaseHolds (keys only) and Store, LoadKeys (keys and a page of device indices per key,
-  and for a Store its tokens).
+  and for a Store its tokens and up to ``MAX_LOOKAHEAD_TOKENS`` lookahead tokens per key).
 - ``RequestBounds(max_keys, page_tokens)``: ``bound(method)``, the bytes of the largest legal
   request in protobuf encoding (None: the method is not bounded here, only by the transport's
   ``max_message_bytes``); ``check(method, nbytes)`` raises the refusal. ``page_tokens`` tells
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hicache.errors import ResourceExhausted
-from hicache.keys import MAX_KEY_BYTES
+from hicache.keys import MAX_KEY_BYTES, MAX_LOOKAHEAD_TOKENS
 
 KEYS_ONLY = frozenset({"Lookup", "RemoveKeys", "ReleaseHolds"})
 WITH_INDICES = frozenset({"Store", "LoadKeys"})
@@ -54,8 +54,11 @@ class RequestBounds:
         if method in KEYS_ONLY:
             return self.keys_only
         if method in WITH_INDICES:
-            per_token = INDEX_BYTES + (TOKEN_BYTES if method == "Store" else 0)
-            return self.keys_only + self.max_keys * self._page_tokens() * per_token
+            store, pages = method == "Store", self._page_tokens()
+            per_token = INDEX_BYTES + (TOKEN_BYTES if store else 0)
+            # (lookahead tokens come only with a page's own tokens)
+            ahead = MAX_LOOKAHEAD_TOKENS * TOKEN_BYTES if store and pages else 0
+            return self.keys_only + self.max_keys * (pages * per_token + ahead)
         return None
 
     def check(self, method: str, nbytes: int) -> None:

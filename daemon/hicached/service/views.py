@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 import hicache
 from hicache import fast_wire
@@ -169,6 +171,10 @@ class EventView:
     """STORED: the LoRA adapter the Store named ("" = the base model)."""
     cache_salt: str = ""
     """STORED: the cache salt the Store named ("" = none)."""
+    lookahead_tokens: int = 0
+    """STORED: lookahead tokens per key the Store gave (0: none)."""
+    lookahead_token_ids: list[int] = field(default_factory=list)
+    """STORED: those tokens, ``lookahead_tokens`` per key."""
 
 
 def watch_events(d: Daemon, pool: str, after_seq: int, all_tiers: bool,
@@ -189,7 +195,9 @@ def watch_events(d: Daemon, pool: str, after_seq: int, all_tiers: bool,
                     tier=ev.tier, medium=MEDIUM[ev.tier], parent_key=ev.parent,
                     token_ids=ev.token_ids.tolist() if ev.token_ids is not None else [],
                     block_size=cache.pool.page_size, lora_name=ev.namespace.lora_name,
-                    cache_salt=ev.namespace.cache_salt)
+                    cache_salt=ev.namespace.cache_salt, lookahead_tokens=ev.ahead,
+                    lookahead_token_ids=np.frombuffer(ev.lookahead, "<i8").tolist()
+                    if ev.lookahead is not None else [])
             if d.pools.cache(pool) is not cache:
                 raise PoolNotFound(f"pool {pool} was deleted", metadata={"pool": pool})
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import torch
 import zmq
 from sglang.srt.disaggregation.kv_events import KVEventBatch
 
@@ -93,3 +94,44 @@ def test_vllms_decoder_reads_what_sglangs_reads(tmp_path: Path, vllm: str) -> No
             for field in ("block_hashes", "parent_block_hash", "token_ids", "block_size",
                           "medium"):
                 assert vev.get(field) == sev.get(field), (vname, field)
+
+
+@CORE
+def test_lookahead_tokens_reach_vllm_034s_decoder_and_every_decoder_reads_the_messages(
+        tmp_path: Path, vllm: str) -> None:
+    """Stores that give the tokens after each page (vLLM 0.34's lookahead block hashes) and
+    one that does not: each release's own decoder reads ``lookahead_token_ids``, one list per
+    block hash, where they were given and None where not (0.33's ``BlockStored`` has the
+    field too, for its own GPU blocks: it keeps the legacy hashes under any KV connector);
+    SGLang's, which has no such field, reads every message all the same (the field is left
+    out where there are none, and a decoder skips the fields it does not know)."""
+    d = start_daemon(tmp_path, *kv_args(tmp_path))
+    w = Worker(d)
+    rows = [[900 + i] for i in range(5)]  # 1 token after each page (EAGLE's)
+    try:
+        a, tokens = chain(23, 5)
+        w.session.store(a[:3], torch.arange(3 * PS), token_ids=tokens[:3 * PS],
+                        lookahead_token_ids=rows[:3])
+        time.sleep(0.1)
+        w.session.store(a[3:], torch.arange(2 * PS), token_ids=tokens[3 * PS:],
+                        parent_key=a[2])  # without
+        time.sleep(0.5)
+        payloads = everything(f"ipc://{tmp_path}/kv-replay.sock")
+    finally:
+        w.close()
+        d.stop()
+    got = subprocess.run(
+        [sys.executable, "-c", DECODE], input="\n".join(p.hex() for p in payloads),
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(vllm_dir(vllm)), "VLLM_TARGET_DEVICE": "cpu"})
+    assert got.returncode == 0, got.stderr[-3000:]
+    stored = [ev for batch in json.loads(got.stdout) for name, ev in batch
+              if name == "BlockStored"]
+    sglang = msgspec.msgpack.Decoder(type=KVEventBatch)
+    theirs = [e for p in payloads for e in sglang.decode(p).events
+              if type(e).__name__ == "BlockStored"]
+    assert [e["block_hashes"] for e in stored] == [e.block_hashes for e in theirs]
+    assert len(stored) == 2 and [e["token_ids"] for e in stored] == [
+        tokens[:3 * PS].tolist(), tokens[3 * PS:].tolist()]
+    # (to_builtins leaves out a field at its default, as the daemon does)
+    assert [e.get("lookahead_token_ids") for e in stored] == [rows[:3], None]

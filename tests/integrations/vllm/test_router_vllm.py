@@ -87,3 +87,46 @@ def test_a_salted_request_s_blocks_are_named_as_vllm_names_them(daemon: DaemonPr
     named = plain["daemon_names"]  # this subscription's snapshot tells both prompts' blocks
     assert all(named[str(h)] == [None, None] for h in unsalted), plain
     assert all(named[str(h)] == [None, "tenant-7"] for h in daemon_says), plain
+
+
+@pytest.mark.parametrize(("lookahead", "chunk", "connector"),
+                         [(1, 1, "hicached"), (2, 2, "hicached"), (0, 2, "hicached"),
+                          (1, 1, "plain")],
+                         ids=["eagle", "mtp2-chunks-of-2", "no-lookahead", "plain-connector"])
+def test_a_router_hashes_vllms_lookahead_blocks_again_from_what_the_daemon_told(
+        daemon: DaemonProc, tmp_path: Path, lookahead: int, chunk: int, connector: str
+        ) -> None:
+    """vLLM 0.34's lookahead block hashes (EAGLE: 1 token after each block; an MTP chain of 2,
+    with offloaded blocks of 2 vLLM blocks): the daemon's events, read with vLLM's decoder,
+    name each page as vLLM names the page's last block, on its GPU and in its offloading
+    connector's own events, with the lookahead tokens vLLM's events give that block (the
+    tokens after the page); and vLLM's hash of each page's tokens and lookahead tokens, from
+    the chain's first page on, is the block hash the daemon published: what a router that
+    matches tokens as vLLM hashes them does. Without lookahead hashes no event says any; under
+    vLLM's plain ``OffloadingConnector`` the daemon tells the blocks by the same hashes, with
+    neither tokens nor lookahead tokens (the manager never sees the request)."""
+    got = run("lookahead_block_hashes", model=str(model_dir(tmp_path)), target=daemon.target,
+              lookahead=lookahead, chunk=chunk, connector=connector)
+    prompt, page = got["prompt"], got["block"] * chunk
+    told = got["daemon"]
+    hashes = [h for h, _, _ in told]
+    assert len(hashes) == 6 // chunk and len(set(hashes)) == len(hashes), got
+    gpu = [h for h, _ in got["vllm"]["GPU"]][:6]
+    assert hashes == gpu[chunk - 1::chunk], got  # each page is its last vLLM block
+    vllm_ahead = {medium: {h: a for h, a in blocks} for medium, blocks in got["vllm"].items()}
+    assert set(vllm_ahead) == {"GPU", "CPU"}, got
+    assert set(hashes) <= set(vllm_ahead["CPU"]), got  # the connector's offloaded blocks
+    assert got["parents"][0] is None, got
+    for i, (h, ahead, tokens) in enumerate(told):
+        end = (i + 1) * page
+        want = prompt[end:end + lookahead] if lookahead else None
+        assert vllm_ahead["GPU"][h] == vllm_ahead["CPU"][h] == want, (i, got)
+        if connector == "plain":
+            assert (ahead, tokens) == (None, []), (i, got)
+            continue
+        assert ahead == want and tokens == prompt[end - page:end], (i, got)
+    if connector == "plain":
+        assert got["recomputed"] == []
+    else:
+        assert got["recomputed"] == hashes, got  # a router's hashes are vLLM's
+        assert got["manager"]["store_blocks"] == 6 // chunk

@@ -85,9 +85,11 @@ def offloading_config(model: str = "/models/Llama-3.1-8B", *, tp: int = 1, repli
                       groups: int = 1, layers: int = 32, layer_bytes: int = 2 * 8 * 128 * 2 * 16,
                       block: int = 16, bpc: int = 1, pp: int = 1, dp_index: int = 0,
                       dtype: str = "bfloat16") -> SimpleNamespace:
-    """What ``Plan.from_config`` reads of vLLM's ``OffloadingConfig`` (names as in 0.33)."""
+    """What ``Plan.from_config`` reads of vLLM's ``OffloadingConfig`` (names as in 0.33 and
+    0.34: a group's ``tokens_per_block`` is one KV block's, ``blocks_per_chunk`` of them make
+    an offloaded block; ``worker_kv_bytes_per_block`` one KV block's bytes)."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    group = SimpleNamespace(layer_names=names, tokens_per_block=block * bpc)
+    group = SimpleNamespace(layer_names=names, tokens_per_block=block)
     return SimpleNamespace(
         groups=[group] * groups, cache=SimpleNamespace(blocks_per_chunk=bpc),
         worker_kv_bytes_per_block=layer_bytes * layers, replicated_layout=replicated,
@@ -124,7 +126,7 @@ def test_pool_names_are_what_they_were() -> None:
 
 def test_a_page_is_one_offloaded_block_of_every_layer() -> None:
     p = plan(offloading_config(layers=4, layer_bytes=4096, block=16, bpc=4))
-    assert (p.page_tokens, p.row_bytes, p.layers) == (64, 256, 4)
+    assert (p.page_tokens, p.block_tokens, p.row_bytes, p.layers) == (64, 16, 256, 4)
     spec = p.pool_spec(0, size_tokens=1000)
     assert spec.page_size == 64 and spec.size_tokens == 960  # whole pages
     assert spec.page_bytes == 4 * 4096 * 4  # a page: 4 blocks of 4 layers

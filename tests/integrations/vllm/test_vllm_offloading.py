@@ -378,3 +378,21 @@ def test_the_managers_books_stay_bounded_and_its_counters_exact() -> None:
     assert got["kept"] == got["max"] and got["newest"] == "r69999"
     assert got["oldest"] == f"r{70_000 - got['max']}"
     assert got["count"] == 4 * 20_000 and got["monotonic"]
+
+
+def test_a_stores_chain_carries_the_lookahead_tokens_after_each_page() -> None:
+    """vLLM's lookahead block hashes: a page's row is the L tokens after the page's end (what
+    vLLM's events say for the page's key, its last block), one row per page, sliced with the
+    pages of a staged round; a store whose last page's tokens after it are not all known yet
+    carries no chain, nor one under more lookahead than the daemon takes; without lookahead
+    the chain is what it was."""
+    got = run("lookahead_chains")
+    tokens = list(range(100, 141))
+    pages = tokens[8:20]  # pages 2-4 of 4 tokens
+    assert got["plain"] == {"tokens": pages, "parent": got["parent_of_2"], "lookahead": None}
+    assert got["three"] == {"tokens": pages, "parent": got["parent_of_2"],
+                            "lookahead": [tokens[12:15], tokens[16:19], tokens[20:23]]}
+    assert got["round"] is not None and got["round"]["tokens"] == tokens[12:20]
+    assert got["round"]["lookahead"] == [tokens[16:19], tokens[20:23]]
+    assert got["round"]["parent"] == (bytes([2]) * 32 + bytes(4)).hex()  # the round before
+    assert got["tail"] is None and got["too_many"] is None

@@ -615,7 +615,7 @@ class ReleaseHoldsResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end", "token_ids", "parent_key", "deadline_unix_ns", "lora_name", "cache_salt")
+    __slots__ = ("session_id", "keys", "device_indices", "layer_begin", "layer_end", "token_ids", "parent_key", "deadline_unix_ns", "lora_name", "cache_salt", "lookahead_tokens", "lookahead_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -626,6 +626,8 @@ class StoreRequest(_message.Message):
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     device_indices: bytes
@@ -636,7 +638,9 @@ class StoreRequest(_message.Message):
     deadline_unix_ns: int
     lora_name: str
     cache_salt: str
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., deadline_unix_ns: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lookahead_tokens: int
+    lookahead_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., device_indices: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., deadline_unix_ns: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lookahead_tokens: _Optional[int] = ..., lookahead_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "already_present", "status", "no_space", "bytes_moved", "duration_seconds")
@@ -711,7 +715,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., after_seq: _Optional[int] = ..., all_tiers: _Optional[bool] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
-    __slots__ = ("seq", "kind", "keys", "pool", "tier", "medium", "parent_key", "token_ids", "block_size", "lora_name", "cache_salt")
+    __slots__ = ("seq", "kind", "keys", "pool", "tier", "medium", "parent_key", "token_ids", "block_size", "lora_name", "cache_salt", "lookahead_tokens", "lookahead_token_ids")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -723,6 +727,8 @@ class CacheEvent(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     kind: CacheEventKind
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -734,7 +740,9 @@ class CacheEvent(_message.Message):
     block_size: int
     lora_name: str
     cache_salt: str
-    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[CacheEventKind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool: _Optional[str] = ..., tier: _Optional[int] = ..., medium: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lookahead_tokens: int
+    lookahead_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[CacheEventKind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., pool: _Optional[str] = ..., tier: _Optional[int] = ..., medium: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lookahead_tokens: _Optional[int] = ..., lookahead_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
