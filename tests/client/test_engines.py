@@ -68,7 +68,9 @@ def test_the_installed_engines_of_the_test_environment_are_served() -> None:
     """The SGLang the suite installs into its environment is served (vLLM's code lives apart,
     in .vllm-<release>/, and is checked in its own engine processes)."""
     assert engines.check("sglang").tested == engines.installed("sglang")
-    assert engines.installed("no-such-engine-installed") == ""
+    assert engines.installed("no_such_engine_installed") == ""
+    with pytest.raises(ModuleNotFoundError):  # as importing it would
+        engines.check("no_such_engine_installed")
 
 
 def test_the_readme_names_the_lines_the_table_serves() -> None:

@@ -19,7 +19,8 @@ Primitives:
   (metadata: ``engine``, ``installed``, ``supported``).
 - ``installed(engine)``: the engine's version as its distribution's metadata says (""
   when it has none).
-- ``check(engine)``: ``served(engine, installed(engine))``.
+- ``check(engine)``: ``served(engine, installed(engine))`` (``ModuleNotFoundError`` where the
+  engine is not installed at all).
 """
 
 from __future__ import annotations
@@ -98,5 +99,12 @@ def installed(engine: str) -> str:
 
 
 def check(engine: str) -> Line:
-    """The line of the installed ``engine``, or ``SpecInvalid`` naming its version."""
-    return served(engine, installed(engine))
+    """The line of the installed ``engine``, or ``SpecInvalid`` naming its version; an engine
+    that is not there at all is ``ModuleNotFoundError``, as importing it would be."""
+    version = installed(engine)
+    if not version:
+        import importlib.util
+
+        if importlib.util.find_spec(engine) is None:
+            raise ModuleNotFoundError(f"No module named {engine!r}", name=engine)
+    return served(engine, version)
